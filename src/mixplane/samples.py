@@ -1,0 +1,113 @@
+"""Columnar sample metadata and ragged payloads shared by loaders, planner and constructors.
+
+The planner only ever sees :class:`SampleTable` (ids and sizes); payloads travel as
+:class:`Ragged` arrays straight from loaders to constructors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+EPOCH_SHIFT = 40
+ROW_MASK = (1 << EPOCH_SHIFT) - 1
+
+
+def make_key(epoch: int | np.ndarray, row: int | np.ndarray) -> int | np.ndarray:
+    """Sample keys are unique per (epoch, row) within one source, so a repeat is detectable."""
+    return (np.asarray(epoch, dtype=np.int64) << EPOCH_SHIFT) | np.asarray(row, dtype=np.int64)
+
+
+def key_epoch(key: int | np.ndarray) -> int | np.ndarray:
+    return np.asarray(key, dtype=np.int64) >> EPOCH_SHIFT
+
+
+def key_row(key: int | np.ndarray) -> int | np.ndarray:
+    return np.asarray(key, dtype=np.int64) & ROW_MASK
+
+
+@dataclass
+class SampleTable:
+    """Metadata of candidate samples: what the planner balances and mixes on."""
+
+    source: np.ndarray  # int16, index of the source in spec order
+    key: np.ndarray  # int64, unique within the source (see make_key)
+    tokens: np.ndarray  # int32, backbone tokens (text tokens + image placeholder tokens)
+    patches: np.ndarray  # int32, encoder patches (0 for text-only samples)
+
+    def __post_init__(self) -> None:
+        self.source = np.ascontiguousarray(self.source, dtype=np.int16)
+        self.key = np.ascontiguousarray(self.key, dtype=np.int64)
+        self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
+        self.patches = np.ascontiguousarray(self.patches, dtype=np.int32)
+        n = len(self.key)
+        if not (len(self.source) == len(self.tokens) == len(self.patches) == n):
+            raise ValueError("SampleTable columns differ in length")
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    @classmethod
+    def empty(cls) -> "SampleTable":
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z, z)
+
+    @classmethod
+    def concat(cls, tables: list["SampleTable"]) -> "SampleTable":
+        if not tables:
+            return cls.empty()
+        return cls(
+            np.concatenate([t.source for t in tables]),
+            np.concatenate([t.key for t in tables]),
+            np.concatenate([t.tokens for t in tables]),
+            np.concatenate([t.patches for t in tables]),
+        )
+
+    def take(self, idx: np.ndarray) -> "SampleTable":
+        return SampleTable(self.source[idx], self.key[idx], self.tokens[idx], self.patches[idx])
+
+
+@dataclass
+class Ragged:
+    """A batch of variable-length 1-D arrays stored as one flat buffer plus offsets (no per-item objects)."""
+
+    values: np.ndarray
+    offsets: np.ndarray  # int64, len = n + 1, offsets[0] == 0
+
+    def __post_init__(self) -> None:
+        self.offsets = np.ascontiguousarray(self.offsets, dtype=np.int64)
+        if len(self.offsets) == 0 or self.offsets[0] != 0 or self.offsets[-1] != len(self.values):
+            raise ValueError("Ragged offsets do not cover the values buffer")
+        if np.any(np.diff(self.offsets) < 0):
+            raise ValueError("Ragged offsets are not monotonic")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray], dtype=np.int32) -> "Ragged":
+        lens = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+        return cls(values, offsets)
+
+    def take(self, idx: np.ndarray) -> "Ragged":
+        idx = np.asarray(idx, dtype=np.int64)
+        starts = self.offsets[idx]
+        lens = self.offsets[idx + 1] - starts
+        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        if len(idx) == 0:
+            return Ragged(self.values[:0].copy(), offsets)
+        # gather without a Python loop: repeat starts and add a running index
+        gather = np.repeat(starts - offsets[:-1], lens) + np.arange(offsets[-1], dtype=np.int64)
+        return Ragged(self.values[gather], offsets)

@@ -1,0 +1,472 @@
+"""The DataMixture: one declarative description of sources, mixing, batch, parallelism and runtime.
+
+This model is the single source of truth: the YAML a user writes locally, the `spec` of the
+DataMixture custom resource, and the CRD schema (generated from it) all come from here.
+Every default lives in a `Field(default=..., description=...)` below; `docs/spec-reference.md`
+is generated from this file (`python -m mixplane.spec --markdown`).
+
+Validation has two stages. Pydantic checks shapes and types; :func:`semantic_problems` checks
+the rules that span fields (mixture rules of KempnerForge plus the ones users get wrong) and
+returns every problem with its field path, so `mixplane validate` can list them all at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+AXES = ("tp", "cp", "dp", "pp")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ImageSpec(_Model):
+    patch_size: int = Field(14, ge=1, description="Side of one square image patch in pixels.")
+    max_side: int = Field(896, ge=1, description="Longer image side is resized down to at most this many pixels.")
+    merge: int = Field(1, ge=1, description="Patches merged into one backbone token (e.g. 4 for 2x2 merging).")
+    image_token_id: int | None = Field(None, description="Placeholder token id for image positions; default: the tokenizer's `<|image|>` token, else vocab size - 1.")
+
+
+class SourceSpec(_Model):
+    name: str = Field(..., pattern=NAME_PATTERN, max_length=40, description="Unique source name (used in metrics, pods and mixture weights).")
+    uri: str = Field(..., min_length=1, description="A Parquet file, directory, or glob; local or a pyarrow.fs URI (s3://, gs://, hdfs://).")
+    columns: list[str] = Field(default_factory=lambda: ["text"], min_length=1, description="Columns to read. text: [text]; tokens: [token ids]; image_text: [image bytes, caption].")
+    kind: Literal["text", "tokens", "image_text"] = Field("text", description="How samples are turned into tokens.")
+    tokenizer: str | None = Field(None, description="Path of a Hugging Face `tokenizers` JSON file (required for text and image_text).")
+    append_eos: bool = Field(True, description="Append the tokenizer's end-of-text token to every document.")
+    live: bool = Field(False, description="New files matching `uri` join while running; a dry source blocks instead of failing.")
+    shuffle: Literal["page", "row", "rowgroup", "sequential"] = Field("page", description="Read order: page-level shuffle (default), full row shuffle, or baselines.")
+    replicas: int = Field(1, ge=1, description="Source Loader replicas that partition this source disjointly.")
+    image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
+
+
+class PhaseSpec(_Model):
+    start_step: int = Field(..., ge=0, description="First step of the phase.")
+    weights: dict[str, float] = Field(default_factory=dict, description="Weights by source; a source not named keeps its base weight.")
+    lr_scale: float = Field(1.0, description="Learning-rate multiplier delivered with every batch of the phase.")
+
+
+class AnnealSpec(_Model):
+    start_step: int = Field(..., ge=0, description="Step where annealing starts.")
+    weights: dict[str, float] = Field(..., description="Weights by source from start_step on; sources not named drop to 0.")
+    lr_scale: float = Field(1.0, description="Learning-rate multiplier during annealing.")
+
+
+class MixtureSpec(_Model):
+    weights: dict[str, float] = Field(default_factory=dict, description="Base weights by source name; empty means equal weights.")
+    temperature: float = Field(1.0, description="p_i ∝ w_i^(1/T); T > 1 flattens the mixture (KempnerForge semantics).")
+    unit: Literal["tokens", "samples"] = Field("tokens", description="Whether weights are fractions of tokens or of samples.")
+    phases: list[PhaseSpec] = Field(default_factory=list, description="Step-triggered weight changes (curriculum).")
+    anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
+    seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
+
+
+class BatchSpec(_Model):
+    sequences: int | None = Field(None, ge=1, description="Global batch in sequences (packed rows of seq_len) per step.")
+    tokens: int | None = Field(None, ge=1, description="Global batch in tokens per step (a multiple of seq_len); exclusive with `sequences`.")
+    seq_len: int = Field(..., description="Tokens per packed row.")
+    microbatches: int = Field(1, ge=1, description="Microbatches per data-parallel rank per step.")
+    packing: Literal["best_fit", "next_fit", "none"] = Field("best_fit", description="How documents are packed into rows.")
+    overlong: Literal["split", "truncate"] = Field("split", description="Documents longer than seq_len are split into chunks or truncated.")
+    pad_id: int = Field(0, ge=0, description="Token id used for padding (labels are -100 there).")
+
+
+class ModuleSpec(_Model):
+    role: Literal["backbone", "encoder"] | None = Field(None, description="What the module consumes; default from its name (`encoder` else backbone).")
+    dp: int = Field(1, ge=1, description="Data-parallel size.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel stages.")
+    cp: int = Field(1, ge=1, description="Context-parallel size.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def resolved_role(self, name: str) -> str:
+        return self.role or ("encoder" if name.startswith("encoder") or name in ("vit", "vision") else "backbone")
+
+
+class TopologySpec(_Model):
+    modules: dict[str, ModuleSpec] = Field(default_factory=lambda: {"backbone": ModuleSpec()}, description="Modules with their own parallelism over one world, e.g. backbone {dp,pp,cp,tp} and encoder {dp}.")
+    order: list[Literal["tp", "cp", "dp", "pp"]] = Field(default_factory=lambda: list(AXES), description="Rank order of the axes, fastest-varying first (Megatron: tp, cp, dp, pp).")
+    ranks_per_node: int = Field(8, ge=1, description="GPU ranks per node (for per-node constructors and sidecars).")
+
+    def backbone(self) -> tuple[str, ModuleSpec]:
+        for name, m in self.modules.items():
+            if m.resolved_role(name) == "backbone":
+                return name, m
+        raise KeyError("no backbone module")
+
+    def encoder(self) -> tuple[str, ModuleSpec] | None:
+        for name, m in self.modules.items():
+            if m.resolved_role(name) == "encoder":
+                return name, m
+        return None
+
+
+class ModelDims(_Model):
+    hidden: int = Field(4096, ge=1, description="Hidden size.")
+    layers: int = Field(32, ge=1, description="Transformer layers.")
+    heads: int = Field(32, ge=1, description="Attention heads.")
+    ffn_hidden: int | None = Field(None, ge=1, description="MLP hidden size; default 4 x hidden (x 2/3 x 2 for gated).")
+    vocab: int = Field(32000, ge=1, description="Vocabulary size (the LM head's cost).")
+    moe_topk: int = Field(1, ge=1, description="Experts per token (1 for dense).")
+    gated_mlp: bool = Field(True, description="SwiGLU-style MLP with three matrices.")
+
+
+class StrategySpec(_Model):
+    name: str = Field("llm_balance", description="Built-in strategy (vanilla, llm_balance, vlm_balance) or `package.module:function`.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the strategy.")
+
+
+class CurveSpec(_Model):
+    enabled: bool = Field(False, description="Encrypt and authenticate every socket with CURVE.")
+    key_dir: str | None = Field(None, description="Directory holding the component key pairs and the public-key allowlist.")
+
+
+class RuntimeSpec(_Model):
+    host: str = Field("127.0.0.1", description="Interface the embedded runtime binds to.")
+    planner_port: int = Field(0, ge=0, le=65535, description="Planner port; 0 picks a free one.")
+    metrics: bool = Field(True, description="Serve Prometheus /metrics from every component.")
+    window: int = Field(512, ge=8, description="Samples per loader replica the planner sees (the loader's read-ahead window).")
+    prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
+    constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
+    run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
+    step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor.")
+    heartbeat_s: float = Field(2.0, gt=0, description="Heartbeat interval between components.")
+    curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
+
+
+class DataMixtureSpec(_Model):
+    name: str = Field("mixture", pattern=NAME_PATTERN, description="Name of the mixture (run directory, metrics label).")
+    sources: list[SourceSpec] = Field(..., min_length=1, description="The data sources.")
+    mixture: MixtureSpec = Field(default_factory=MixtureSpec, description="How sources are mixed over steps.")
+    batch: BatchSpec = Field(..., description="What one training step consumes.")
+    topology: TopologySpec = Field(default_factory=TopologySpec, description="The trainer's parallelism.")
+    model: dict[str, ModelDims] = Field(default_factory=dict, description="Model dimensions by module name (for cost models).")
+    strategy: StrategySpec = Field(default_factory=StrategySpec, description="Planning strategy.")
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Ports, buffers, timeouts.")
+
+    # ---- derived values used everywhere ----
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def source_index(self, name: str) -> int:
+        return self.source_names().index(name)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.backbone()[1].world
+
+    @property
+    def rows_per_step(self) -> int:
+        b = self.batch
+        return b.sequences if b.sequences is not None else (b.tokens or 0) // b.seq_len
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        dp = self.topology.backbone()[1].dp
+        return self.rows_per_step // (dp * self.batch.microbatches)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.rows_per_step * self.batch.seq_len
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """An invalid DataMixture; `problems` lists every rule it breaks."""
+
+    def __init__(self, problems: list[Problem], origin: str = "<spec>"):
+        self.problems = problems
+        self.origin = origin
+        super().__init__("\n".join(f"{origin}: {p}" for p in problems))
+
+
+def _loc_to_path(prefix: str, loc: tuple) -> str:
+    parts = [prefix] if prefix else []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or "<root>"
+
+
+def unwrap_document(doc: Any) -> tuple[dict[str, Any], str]:
+    """Accept a bare spec or a whole `kind: DataMixture` resource; return (spec, path prefix)."""
+    if not isinstance(doc, dict):
+        raise SpecError([Problem("<root>", "expected a mapping")])
+    if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
+        if doc.get("kind") not in (None, "DataMixture"):
+            raise SpecError([Problem("kind", f"expected DataMixture, got {doc.get('kind')!r}")])
+        spec = dict(doc["spec"] or {})
+        name = (doc.get("metadata") or {}).get("name")
+        if name and "name" not in spec:
+            spec["name"] = name
+        return spec, "spec"
+    return doc, ""
+
+
+def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, check_files: bool = True, origin: str = "<spec>") -> DataMixtureSpec:
+    """Build and fully validate a spec; relative paths resolve against base_dir. Raises SpecError."""
+    raw, prefix = unwrap_document(doc)
+    try:
+        spec = DataMixtureSpec.model_validate(raw)
+    except ValidationError as e:
+        problems = [Problem(_loc_to_path(prefix, tuple(err["loc"])), err["msg"]) for err in e.errors()]
+        raise SpecError(problems, origin) from None
+    if base_dir is not None:
+        spec = resolve_paths(spec, Path(base_dir))
+    problems = semantic_problems(spec, check_files=check_files, prefix=prefix)
+    if problems:
+        raise SpecError(problems, origin)
+    return spec
+
+
+def load_spec(path: str | os.PathLike, *, check_files: bool = True) -> DataMixtureSpec:
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError([Problem("<file>", f"cannot read: {e.strerror}")], str(path)) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "<file>"
+        raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}")], str(path)) from None
+    return parse_spec(doc, base_dir=path.parent, check_files=check_files, origin=str(path))
+
+
+def _is_uri(s: str) -> bool:
+    return "://" in s
+
+
+def resolve_paths(spec: DataMixtureSpec, base: Path) -> DataMixtureSpec:
+    """Relative file paths in a spec are relative to the spec file, as users expect."""
+    def fix(p: str | None) -> str | None:
+        if p is None or _is_uri(p) or os.path.isabs(p):
+            return p
+        return str((base / os.path.expanduser(p)).resolve()) if not p.startswith("~") else os.path.expanduser(p)
+
+    sources = [s.model_copy(update={"uri": fix(s.uri), "tokenizer": fix(s.tokenizer)}) for s in spec.sources]
+    runtime = spec.runtime.model_copy(update={"run_dir": fix(spec.runtime.run_dir)})
+    return spec.model_copy(update={"sources": sources, "runtime": runtime})
+
+
+def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix: str = "") -> list[Problem]:
+    """Every cross-field rule, each reported with the path of the field to fix."""
+    p = (prefix + ".") if prefix else ""
+    out: list[Problem] = []
+    names = spec.source_names()
+    known = set(names)
+
+    seen: dict[str, int] = {}
+    for i, s in enumerate(spec.sources):
+        if s.name in seen:
+            out.append(Problem(f"{p}sources[{i}].name", f"duplicate source name {s.name!r} (also sources[{seen[s.name]}])"))
+        seen.setdefault(s.name, i)
+        if s.kind in ("text", "image_text") and not s.tokenizer:
+            out.append(Problem(f"{p}sources[{i}].tokenizer", f"kind {s.kind} needs a tokenizer"))
+        if s.kind == "image_text" and len(s.columns) < 2:
+            out.append(Problem(f"{p}sources[{i}].columns", "image_text needs two columns: image bytes and caption"))
+
+    m = spec.mixture
+
+    def check_weights(weights: dict[str, float], path: str) -> None:
+        for name, w in weights.items():
+            if name not in known:
+                out.append(Problem(f"{path}.{name}", f"unknown source {name!r} (sources: {', '.join(names)})"))
+            if not (w >= 0) or w != w or w == float("inf"):
+                out.append(Problem(f"{path}.{name}", f"weight must be a finite number >= 0, got {w}"))
+
+    check_weights(m.weights, f"{p}mixture.weights")
+    base = effective_base_weights(spec)
+    if sum(base.values()) <= 0:
+        out.append(Problem(f"{p}mixture.weights", "weights must have a positive sum"))
+    if not (m.temperature > 0) or m.temperature == float("inf"):
+        out.append(Problem(f"{p}mixture.temperature", f"temperature must be > 0, got {m.temperature}"))
+    if m.phases and m.anneal is not None:
+        out.append(Problem(f"{p}mixture.anneal", "phases and anneal cannot both be set"))
+    prev = None
+    for i, ph in enumerate(m.phases):
+        path = f"{p}mixture.phases[{i}]"
+        if prev is not None and ph.start_step <= prev:
+            out.append(Problem(f"{path}.start_step", f"start_step must be strictly increasing ({ph.start_step} after {prev})"))
+        prev = ph.start_step
+        if not (ph.lr_scale > 0):
+            out.append(Problem(f"{path}.lr_scale", f"lr_scale must be > 0, got {ph.lr_scale}"))
+        check_weights(ph.weights, f"{path}.weights")
+        merged = {**base, **{k: v for k, v in ph.weights.items() if k in known}}
+        if sum(merged.values()) <= 0:
+            out.append(Problem(f"{path}.weights", "weights must have a positive sum"))
+    if m.anneal is not None:
+        check_weights(m.anneal.weights, f"{p}mixture.anneal.weights")
+        if not (m.anneal.lr_scale > 0):
+            out.append(Problem(f"{p}mixture.anneal.lr_scale", f"lr_scale must be > 0, got {m.anneal.lr_scale}"))
+        if sum(w for k, w in m.anneal.weights.items() if k in known) <= 0:
+            out.append(Problem(f"{p}mixture.anneal.weights", "weights must have a positive sum"))
+
+    b = spec.batch
+    if b.seq_len <= 0:
+        out.append(Problem(f"{p}batch.seq_len", f"seq_len must be > 0, got {b.seq_len}"))
+    if (b.sequences is None) == (b.tokens is None):
+        out.append(Problem(f"{p}batch", "set exactly one of sequences or tokens"))
+    elif b.tokens is not None and b.seq_len > 0 and b.tokens % b.seq_len:
+        out.append(Problem(f"{p}batch.tokens", f"tokens ({b.tokens}) must be a multiple of seq_len ({b.seq_len})"))
+
+    t = spec.topology
+    if sorted(t.order) != sorted(AXES):
+        out.append(Problem(f"{p}topology.order", f"order must name each of {', '.join(AXES)} once"))
+    if not t.modules:
+        out.append(Problem(f"{p}topology.modules", "at least one module is needed"))
+    else:
+        roles = [(n, mod.resolved_role(n)) for n, mod in t.modules.items()]
+        backbones = [n for n, r in roles if r == "backbone"]
+        encoders = [n for n, r in roles if r == "encoder"]
+        if len(backbones) != 1:
+            out.append(Problem(f"{p}topology.modules", f"exactly one backbone module is needed, found {len(backbones)}"))
+        if len(encoders) > 1:
+            out.append(Problem(f"{p}topology.modules", f"at most one encoder module, found {len(encoders)}"))
+        worlds = {n: mod.world for n, mod in t.modules.items()}
+        first = next(iter(worlds))
+        for n, w in worlds.items():
+            if w != worlds[first]:
+                out.append(Problem(f"{p}topology.modules.{n}", f"world size {w} (dp*pp*cp*tp) differs from module {first!r} ({worlds[first]})"))
+        if len(backbones) == 1 and b.seq_len > 0 and (b.sequences or b.tokens):
+            bb = t.modules[backbones[0]]
+            rows = spec.rows_per_step
+            if rows % (bb.dp * b.microbatches):
+                out.append(Problem(f"{p}batch", f"{rows} sequences per step do not divide into dp ({bb.dp}) x microbatches ({b.microbatches})"))
+            if bb.cp > 1 and b.seq_len % (2 * bb.cp):
+                out.append(Problem(f"{p}batch.seq_len", f"seq_len ({b.seq_len}) must be a multiple of 2 x cp ({2 * bb.cp}) for the zig-zag split"))
+        if encoders and not any(s.kind == "image_text" for s in spec.sources):
+            out.append(Problem(f"{p}topology.modules.{encoders[0]}", "an encoder module needs at least one image_text source"))
+
+    for name in spec.model:
+        if name not in t.modules:
+            out.append(Problem(f"{p}model.{name}", f"unknown module {name!r} (modules: {', '.join(t.modules)})"))
+
+    st = spec.strategy.name
+    if ":" in st:
+        mod, _, fn = st.partition(":")
+        try:
+            if not callable(getattr(importlib.import_module(mod), fn)):
+                out.append(Problem(f"{p}strategy.name", f"{st} is not callable"))
+        except (ImportError, AttributeError) as e:
+            out.append(Problem(f"{p}strategy.name", f"cannot import {st}: {e}"))
+    elif st not in builtin_strategy_names():
+        out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(builtin_strategy_names())}; or package.module:function)"))
+
+    if check_files:
+        out.extend(_file_problems(spec, p))
+    return out
+
+
+def builtin_strategy_names() -> list[str]:
+    return ["vanilla", "llm_balance", "vlm_balance"]
+
+
+def _file_problems(spec: DataMixtureSpec, p: str) -> list[Problem]:
+    from mixplane.loader.files import SourceFilesError, list_source_files, read_schema_names
+
+    out: list[Problem] = []
+    for i, s in enumerate(spec.sources):
+        if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
+            out.append(Problem(f"{p}sources[{i}].tokenizer", f"no such file: {s.tokenizer}"))
+        try:
+            files = list_source_files(s.uri)
+        except SourceFilesError as e:
+            out.append(Problem(f"{p}sources[{i}].uri", str(e)))
+            continue
+        if not files.paths:
+            if not s.live:
+                out.append(Problem(f"{p}sources[{i}].uri", f"matches no Parquet file: {s.uri}"))
+            continue
+        try:
+            have = read_schema_names(files, files.paths[0])
+        except SourceFilesError as e:
+            out.append(Problem(f"{p}sources[{i}].uri", str(e)))
+            continue
+        for j, c in enumerate(s.columns):
+            if c not in have:
+                out.append(Problem(f"{p}sources[{i}].columns[{j}]", f"column {c!r} not in {files.paths[0]} (has: {', '.join(have)})"))
+    return out
+
+
+def effective_base_weights(spec: DataMixtureSpec) -> dict[str, float]:
+    """Base weights for every source: the given ones, 0 for unnamed sources, or equal weights when none are given."""
+    names = spec.source_names()
+    if not spec.mixture.weights:
+        return {n: 1.0 for n in names}
+    return {n: float(spec.mixture.weights.get(n, 0.0)) for n in names}
+
+
+# ---- reference documentation of every field and default ----
+
+def reference_markdown() -> str:
+    lines = ["# DataMixture reference", "", "Generated from `src/mixplane/spec.py` (`python -m mixplane.spec --markdown`). Do not edit by hand.", ""]
+
+    def walk(model: type[BaseModel], path: str) -> None:
+        lines.append(f"## `{path}`" if path else "## top level")
+        lines.append("")
+        lines.append("| field | type | default | meaning |")
+        lines.append("|---|---|---|---|")
+        nested: list[tuple[type[BaseModel], str]] = []
+        for fname, f in model.model_fields.items():
+            ann = f.annotation
+            tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+            if f.is_required():
+                default = "required"
+            else:
+                d = f.get_default(call_default_factory=True)
+                default = f"`{d.model_dump() if isinstance(d, BaseModel) else d!r}`"
+                if len(default) > 60:
+                    default = "see below"
+            lines.append(f"| `{fname}` | {tname.replace('|', 'or')} | {default} | {f.description or ''} |")
+            for cand in _nested_models(ann):
+                nested.append((cand, f"{path}.{fname}" if path else fname))
+        lines.append("")
+        for cand, sub in nested:
+            walk(cand, sub)
+
+    walk(DataMixtureSpec, "")
+    return "\n".join(lines) + "\n"
+
+
+def _nested_models(ann: Any) -> list[type[BaseModel]]:
+    import typing
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(ann):
+        found.extend(_nested_models(arg))
+    # list[X] and dict[str, X] document X under the field's path
+    return found
+
+
+def json_schema() -> dict[str, Any]:
+    return DataMixtureSpec.model_json_schema()
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation helper
+    if "--markdown" in sys.argv:
+        sys.stdout.write(reference_markdown())
