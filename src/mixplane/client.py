@@ -42,7 +42,8 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 
 class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int = 2,
-                 timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None):
+                 timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
+                 curve: wire.CurveSetup | None = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
@@ -61,6 +62,16 @@ class MixtureLoader:
         self._cursor: dict[str, Any] | None = None
         self._inflight: deque[int] = deque()
         self._started = False
+        if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
+            curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
+        self.curve = curve
+
+    def _socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            wire.curve_client(s, self.curve.keys, self.curve.server_key("server"))
+        return s
 
     # -- connection -----------------------------------------------------------------------
     def _request(self, sock: zmq.Socket, kind: Kind, meta: dict[str, Any], what: str) -> wire.Message:
@@ -73,8 +84,7 @@ class MixtureLoader:
         return msg
 
     def _connect(self) -> None:
-        p = self.ctx.socket(zmq.DEALER)
-        p.setsockopt(zmq.LINGER, 0)
+        p = self._socket()
         p.connect(self.planner_endpoint)
         self._planner = p
         if self._resume_cursor is not None:
@@ -86,8 +96,7 @@ class MixtureLoader:
         self.endpoint = route.get("endpoint", str)
         self.coords = dict(route.get("coords", dict))
         self.sources = list(route.get("sources", list))
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+        s = self._socket()
         s.setsockopt(zmq.RCVHWM, max(4, 2 * (self.prefetch + 1)))
         s.connect(self.endpoint)
         self._sock = s
