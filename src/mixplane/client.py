@@ -61,6 +61,7 @@ class MixtureLoader:
         self._resume_cursor: dict[str, Any] | None = None
         self._cursor: dict[str, Any] | None = None
         self._inflight: deque[int] = deque()
+        self._early: dict[int, wire.Message] = {}
         self._started = False
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
@@ -126,6 +127,9 @@ class MixtureLoader:
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
         while True:
+            if step in self._early:
+                msg = self._early.pop(step)
+                break
             if not self._sock.poll(int(self.timeout_s * 1000)):
                 raise DeliveryError(f"rank {self.rank}: step {step} not delivered by constructor {self.endpoint} within {self.timeout_s:.0f}s")
             try:
@@ -137,6 +141,7 @@ class MixtureLoader:
                     # delivery restarted (another rank resumed): ask again for what is in flight
                     pending = list(self._inflight)
                     self._inflight.clear()
+                    self._early.clear()
                     for s in pending:
                         self._ask(s)
                     continue
@@ -146,16 +151,17 @@ class MixtureLoader:
             got = msg.get("step", int)
             if got != step:
                 if got in self._inflight:
-                    raise DeliveryError(f"rank {self.rank}: constructor {self.endpoint} answered step {got} before {step}")
-                continue  # a stale answer from before a restart
-            self._inflight.popleft()
-            self.next_step = step + 1
-            self._cursor = msg.meta.get("cursor_after")
-            out = {name: _tensor(a) for name, a in msg.arrays.items()}
-            out["step"] = torch.tensor(step, dtype=torch.int64)
-            out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
-            out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
-            return out
+                    self._early[got] = msg  # steps complete out of order; keep it until its turn
+                continue  # else a stale answer from before a restart
+            break
+        self._inflight.popleft()
+        self.next_step = step + 1
+        self._cursor = msg.meta.get("cursor_after")
+        out = {name: _tensor(a) for name, a in msg.arrays.items()}
+        out["step"] = torch.tensor(step, dtype=torch.int64)
+        out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
+        out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
+        return out
 
     # -- resume ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -181,6 +187,7 @@ class MixtureLoader:
                 s.close(0)
         self._sock = self._planner = None
         self._inflight.clear()
+        self._early.clear()
         self._started = False
 
     def __enter__(self) -> "MixtureLoader":

@@ -194,8 +194,9 @@ class ConstructorServer:
                 still.append((ident, step, rank, since))
         self.pending = still
         # forget steps every known rank has moved past (a rank asks ahead by at most `prefetch`)
-        if self.last_request:
-            floor = min(self.last_request.values()) - self.prefetch - 1
+        if self.ranks:
+            # every served rank consumes every step: keep a step until the slowest rank has moved past it
+            floor = min(self.last_request.get(r, self.start_step - 1) for r in self.ranks) - self.prefetch - 1
             waiting = {step for _, step, _, _ in self.pending}
             for s in [s for s in self.steps if s < floor and s not in waiting]:
                 del self.steps[s]
