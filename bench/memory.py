@@ -325,8 +325,8 @@ def main() -> None:
     rg_mb = 1.0 if args.quick else 5.0
     all_paths = make_sources(root, max(sources_list), rg_mb)
     budget_mb = args.budget_gb * 1024
-    # per-source, per-worker estimate for the budget check: about two row groups' worth decoded
-    est = lambda r, m: r * (WORKERS + 1) * (60 + 2.2 * rg_mb * m)  # noqa: E731
+    # baseline estimate for the budget check: per rank a main process plus w workers holding ~2 row groups per source
+    est = lambda r, m: r * (60 + WORKERS * (60 + 2.2 * rg_mb * m))  # noqa: E731
 
     idle: dict[int, float] = {}
 
@@ -335,36 +335,32 @@ def main() -> None:
             idle[r] = run_idle(r)
         return idle[r]
 
+    def baseline(paths: list[str], r: int, note: str = "") -> float:
+        tot, n = run_baseline(paths, r)
+        print(json.dumps({"side": "baseline", "ranks": r, "sources": len(paths), "pss_total_mb": round(tot, 1),
+                          "idle_trainers_mb": round(idle_mb(r), 1), "processes": n, **({"note": note} if note else {})}),
+              flush=True)
+        return tot - idle_mb(r)
+
     small_r = 1 if args.quick else 2
     rows = []
-    measured_base: dict[int, tuple[int, float]] = {}  # m -> (ranks measured, loader-side MB)
     for m in sources_list:
         paths = all_paths[:m]
+        per_rank: float | None = None  # loader-side MB per baseline rank, from a smaller measured run
         for r in ranks_list:
-            if args.quick and not (r == 8 and m == 32):
-                mp = None
-            else:
+            mp = None
+            if not args.quick or (r == 8 and m == 32):
                 tot, n = run_mixplane(paths, r, root)
                 mp = tot - idle_mb(r)
                 print(json.dumps({"side": "mixplane", "ranks": r, "sources": m, "pss_total_mb": round(tot, 1),
                                   "idle_trainers_mb": round(idle_mb(r), 1), "processes": n}), flush=True)
-            extrap = False
             if not args.quick and est(r, m) <= budget_mb:
-                tot, n = run_baseline(paths, r)
-                base = tot - idle_mb(r)
-                measured_base[m] = (r, base)
-                print(json.dumps({"side": "baseline", "ranks": r, "sources": m, "pss_total_mb": round(tot, 1),
-                                  "idle_trainers_mb": round(idle_mb(r), 1), "processes": n}), flush=True)
+                base, extrap = baseline(paths, r), False
+                per_rank = base / r
             else:
-                if m not in measured_base or measured_base[m][0] > small_r and est(small_r, m) <= budget_mb and args.quick:
-                    tot, n = run_baseline(paths, small_r)
-                    measured_base[m] = (small_r, tot - idle_mb(small_r))
-                    print(json.dumps({"side": "baseline", "ranks": small_r, "sources": m, "pss_total_mb": round(tot, 1),
-                                      "idle_trainers_mb": round(idle_mb(small_r), 1), "processes": n,
-                                      "note": "measured for extrapolation"}), flush=True)
-                rm, bm = measured_base[m]
-                base = bm / rm * r
-                extrap = rm != r
+                if per_rank is None:
+                    per_rank = baseline(paths, small_r, "measured for extrapolation") / small_r
+                base, extrap = per_rank * r, True
             rows.append({"ranks": r, "sources": m, "baseline_rss_mb": round(base, 1),
                          "mixplane_rss_mb": None if mp is None else round(mp, 1), "extrapolated": extrap})
     if args.quick:  # mixplane measured once: scale its per-source part, keep its per-rank part
