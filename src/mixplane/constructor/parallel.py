@@ -42,7 +42,7 @@ TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask"
 # which fields each pipeline stage needs (anything else named below goes to every stage)
 FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index"})
 LAST_STAGE_FIELDS = frozenset({"labels", "source_ids", "loss_mask", "doc_ids"})
-ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "max_seqlen", "cp_token_index", "step", "lr_scale", "phase",
+ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_mb", "max_seqlen", "cp_token_index", "step", "lr_scale", "phase",
                               "generation", "tokens", "rows", "seq_len", "dp_rank", "microbatch"})
 META_ONLY = "meta_only"  # key set to True on a view that carries no tensors
 
@@ -195,9 +195,9 @@ def pp_filter(batch: Mapping[str, Any], stage: int, pp: int) -> dict[str, Any]:
 
 
 def metadata_only(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """A view with no tensors: scalars plus the dtype and shape of every tensor (for receive buffers)."""
-    shapes = dict(batch.get("shapes", {}))
-    shapes.update({k: [str(v.dtype), list(v.shape)] for k, v in batch.items() if isinstance(v, np.ndarray)})
+    """A view with no tensors: scalars plus the dtype and shape of each tensor it replaces (the receive
+    buffers of the trainer-side broadcast from tp = 0)."""
+    shapes = {k: [str(v.dtype), list(v.shape)] for k, v in batch.items() if isinstance(v, np.ndarray)}
     out = {k: v for k, v in batch.items() if not isinstance(v, np.ndarray) and k != "shapes"}
     out["shapes"] = shapes
     out[META_ONLY] = True

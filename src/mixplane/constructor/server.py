@@ -16,6 +16,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
+from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.spec import DataMixtureSpec
@@ -31,6 +32,7 @@ class StepState:
     spans: SpanStore = field(default_factory=SpanStore.empty)
     cursor_after: dict[str, Any] | None = None
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    views: dict[tuple[int, ViewKey], dict[str, Any]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -56,6 +58,15 @@ class ConstructorServer:
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
+        wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
+                              heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True)
+        self.auth: wire.Authenticator | None = None
+        if spec.runtime.curve.enabled:
+            # the client-facing socket is a CURVE server; clients must be on the key directory's allowlist
+            setup = wire.CurveSetup.from_dir(spec.runtime.curve.key_dir or "", "server")
+            self.auth = wire.Authenticator(self.ctx, setup.allow)
+            wire.curve_server(self.clients, setup.keys)
         self.clients.bind(f"tcp://{host}:0")
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -67,12 +78,25 @@ class ConstructorServer:
         self.asked_through = -1
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
         self.start_step = 0
+        self.released_through = -1
         self.stopped = False
         self.welcomed = False
         self.m = make_metrics("constructor")
         self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         self.prefetch = spec.runtime.prefetch_steps
         self._last_hello = 0.0
+        bb = spec.topology.backbone()[1]
+        self.cp, self.pp = bb.cp, bb.pp
+        opts = spec.strategy.options or {}
+        bc = opts.get("broadcast_at", ())
+        self.broadcast_at = (bc,) if isinstance(bc, str) else tuple(bc)
+        self.cp_layout = opts.get("cp_layout", "row")
+        if self.cp_layout != "row":
+            raise ValueError(f"{self.name}: strategy.options.cp_layout {self.cp_layout!r}: the server builds the 'row' "
+                             "zig-zag layout (per-document THD needs rows packed with align=2*cp)")
+        if self.cp > 1 and spec.batch.seq_len % (2 * self.cp):
+            raise ValueError(f"{self.name}: batch.seq_len {spec.batch.seq_len} must be a multiple of 2*cp = {2 * self.cp} "
+                             "for the zig-zag context-parallel split")
 
     def _hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "constructor", "index": self.index, "data_endpoint": self.data_endpoint,
@@ -84,11 +108,12 @@ class ConstructorServer:
         self.steps.clear()
         self.asked_through = start_step - 1
         self.start_step = start_step
+        self.released_through = start_step - 1
         self.last_request.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, rank, _ in self.pending:
-            wire.send(self.clients, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
-                                                 "retry": True}, route=[ident])
+            self._to_client(ident, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
+                                                "retry": True})
         self.pending.clear()
 
     # -- planner / loader messages ------------------------------------------------------
@@ -148,19 +173,54 @@ class ConstructorServer:
             self.m.constructor_steps.inc()
         return b
 
+    def _to_client(self, ident: bytes, kind: Kind, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> bool:
+        """Send to one client; False (logged) when it is gone or its queue is full."""
+        try:
+            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
+            return False
+
+    def _view_for(self, st: StepState, rank: int) -> dict[str, Any]:
+        """What `rank` receives of its data-parallel batch: each distinct CP / PP / TP view is built once
+        per step and shared (same buffers) by every rank that receives it."""
+        c = backbone_coords(self.spec, rank)
+        dp_local = self.dp_ranks.index(c.dp)
+        key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, self.broadcast_at))
+        v = st.views.get(key)
+        if v is None:
+            batch = self._batch_for(st, rank)
+            v = rank_view(batch, cp=self.cp, cp_rank=c.cp, pp=self.pp, pp_stage=c.pp, tp_rank=c.tp,
+                          broadcast_at=self.broadcast_at, cp_mode=self.cp_layout)
+            st.views[key] = v
+        return v
+
     def _reply(self, ident: bytes, step: int, rank: int, since: float) -> None:
         st = self.steps[step]
         lay = st.layout
         assert lay is not None
         try:
-            batch = self._batch_for(st, rank)
+            view = self._view_for(st, rank)
         except MissingPayload as e:
-            wire.send(self.clients, Kind.ERROR, {"error": f"{self.name}: {e}", "step": step}, route=[ident])
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: {e}", "step": step})
             return
+        except ValueError as e:  # a layout the parallel transforms cannot split: name it, keep serving
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step}: {e}", "step": step})
+            return
+        arrays = {k: v for k, v in view.items() if isinstance(v, np.ndarray)}
         meta = {"step": step, "rank": rank, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
-                "session": self.session, "microbatches": lay.microbatches, "cursor_after": st.cursor_after}
-        wire.send(self.clients, Kind.STEP_DATA, meta, batch, route=[ident])
-        self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in batch.values()))
+                "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
+                "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
+                "coords": backbone_coords(self.spec, rank).as_dict()}
+        if "shapes" in view:
+            meta["shapes"] = view["shapes"]
+        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}
+        if extra:
+            meta["extra"] = extra
+        if not self._to_client(ident, Kind.STEP_DATA, meta, arrays):
+            return
+        self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in arrays.values()))
         self.m.constructor_client_wait_seconds.observe(time.monotonic() - since)
 
     def on_client(self, ident: bytes, msg: wire.Message) -> None:
@@ -168,10 +228,15 @@ class ConstructorServer:
             step = msg.get("step", int)
             rank = msg.get("rank", int)
             if rank not in self.ranks:
-                wire.send(self.clients, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"}, route=[ident])
+                self._to_client(ident, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"})
+                return
+            if step <= self.released_through:
+                self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} was already delivered to every rank "
+                                                    f"and released (steps up to {self.released_through}); resume from a "
+                                                    "state_dict to get it again", "step": step})
                 return
             if step < self.start_step:
-                wire.send(self.clients, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step}, route=[ident])
+                self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
                 return
             self.last_request[rank] = max(self.last_request.get(rank, -1), step)
             self.pending.append((ident, step, rank, time.monotonic()))
@@ -180,7 +245,7 @@ class ConstructorServer:
                 self.asked_through = want
                 wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want})
         elif msg.kind == Kind.HEARTBEAT:
-            wire.send(self.clients, Kind.HEARTBEAT, {}, route=[ident])
+            wire.try_send(self.clients, Kind.HEARTBEAT, {}, route=[ident])
         else:
             raise WireError(f"unexpected {msg.kind.name} from a client")
 
@@ -200,6 +265,7 @@ class ConstructorServer:
             waiting = {step for _, step, _, _ in self.pending}
             for s in [s for s in self.steps if s < floor and s not in waiting]:
                 del self.steps[s]
+                self.released_through = max(self.released_through, s)
 
     # -- loop ---------------------------------------------------------------------------
     def run(self, *, max_seconds: float | None = None) -> None:
@@ -242,3 +308,6 @@ class ConstructorServer:
     def close(self) -> None:
         for s in (self.planner, self.data, self.clients):
             s.close(0)
+        if self.auth is not None:
+            self.auth.close()
+            self.auth = None

@@ -65,6 +65,7 @@ class PlannerServer:
         self.pending_routes: list[tuple[bytes, int]] = []
         self.session = 0
         self.session_start: dict[str, Any] = self.core.cursor()
+        self.initial_cursor: dict[str, Any] = json.loads(json.dumps(self.session_start))
         self.need_through = -1
         self.planned_through = -1
         self.generation = 0
@@ -107,6 +108,8 @@ class PlannerServer:
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "start_step": int(self.session_start["step"]),
+            # lets a client make a resumable state_dict before its first step, and restart from step 0
+            "session_start": self.session_start, "initial_cursor": self.initial_cursor,
         })
 
     # -- message handling ---------------------------------------------------------------
@@ -177,7 +180,10 @@ class PlannerServer:
             raise WireError(f"unexpected {k.name} at the planner")
 
     def _resume(self, identity: bytes, cursor: dict[str, Any]) -> None:
-        if json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True):
+        if (json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
+                and self.planned_through < int(cursor["step"])):
+            # other ranks of the same job resuming to the point this session starts at: nothing to redo.
+            # (Once steps of this session were planned they may be gone: a new session re-creates them.)
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
         try:
