@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from mixplane import wire
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.metrics import make_metrics, serve_metrics
+from mixplane.planner.core import window_full
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind, WireError
 
@@ -28,9 +30,12 @@ CHUNK = 64  # samples read and transformed per refill step
 
 @dataclass
 class Buffered:
+    pos: int
     key: int
     tokens: np.ndarray
     patches: np.ndarray | None
+    npatches: int = 0
+    done: int = 0  # tokens already planned
 
 
 class LoaderServer:
@@ -41,7 +46,7 @@ class LoaderServer:
         self.source = spec.sources[source_index]
         self.replica = replica
         self.name = f"loader:{self.source.name}:{replica}"
-        self.window = spec.runtime.window
+        self.win_min, self.win_tokens, self.win_max = spec.window_bounds(source_index)
         self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -50,7 +55,10 @@ class LoaderServer:
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
         self.transform = make_transform(self.source)
-        self.buffer: dict[int, Buffered] = {}
+        self.buffer: dict[int, Buffered] = {}  # announced to the planner, not yet fully consumed
+        self.staged: deque[Buffered] = deque()  # read and transformed, not yet announced
+        self.unconsumed_tokens = 0
+        self.partial: dict[int, int] = {}
         self.skip: set[int] = set()
         self.session = -1
         self.welcomed = False
@@ -85,34 +93,55 @@ class LoaderServer:
     def _seek(self, session: int, cursor: dict[str, Any]) -> None:
         self.session = session
         self.buffer.clear()
+        self.staged.clear()
+        self.unconsumed_tokens = 0
         self.skip = {int(p) for p in cursor.get("skip", [])}
+        self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
         self.stream.seek(int(cursor["low"]))
         log.info("%s: session %d from position %d", self.name, session, cursor["low"])
 
-    def _fill(self) -> bool:
-        """Read, transform and announce more samples while the window has room; True if it did work."""
-        room = self.window - len(self.buffer)
-        if room <= 0 or not self.welcomed:
-            return False
+    @property
+    def window_full(self) -> bool:
+        return window_full(len(self.buffer), self.unconsumed_tokens, self.win_min, self.win_tokens, self.win_max)
+
+    def _read(self) -> None:
+        """Read and transform one chunk into the staging queue."""
         t0 = time.perf_counter()
-        raw = self.stream.take(min(room, CHUNK))
-        keep = np.array([int(p) not in self.skip for p in raw.positions], dtype=bool)
+        raw = self.stream.take(CHUNK)
         out = self.transform(raw)
-        keep &= out.ntokens > 0  # empty documents carry nothing to train on
-        idx = np.flatnonzero(keep)
-        pos = raw.positions[idx]
-        for j, i in enumerate(idx):
-            self.buffer[int(pos[j])] = Buffered(int(raw.keys[i]), out.tokens[int(i)],
-                                                out.patches[int(i)] if out.patches is not None else None)
-        self.skip.difference_update(int(p) for p in raw.positions)
+        for i, p in enumerate(raw.positions):
+            p = int(p)
+            if p in self.skip:  # consumed before the cursor was taken
+                self.skip.discard(p)
+                continue
+            if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
+                continue
+            self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
+                                        out.patches[i] if out.patches is not None else None,
+                                        int(out.npatches[i]), self.partial.pop(p, 0)))
         self.m.loader_read_seconds.observe(time.perf_counter() - t0)
-        self.m.loader_samples_read.labels(self.source.name).inc(len(idx))
-        self.m.loader_tokens.labels(self.source.name).inc(int(out.ntokens[idx].sum()))
+        self.m.loader_samples_read.labels(self.source.name).inc(len(raw))
+        self.m.loader_tokens.labels(self.source.name).inc(int(out.ntokens.sum()))
+
+    def _fill(self) -> bool:
+        """Announce staged samples one by one until the window is exactly full; True if it did work."""
+        if not self.welcomed or self.window_full:
+            return False
+        new: list[Buffered] = []
+        while not self.window_full:
+            if not self.staged:
+                self._read()
+                continue
+            b = self.staged.popleft()
+            self.buffer[b.pos] = b
+            self.unconsumed_tokens += len(b.tokens) - b.done
+            new.append(b)
         self.m.loader_buffer_samples.labels(self.source.name).set(len(self.buffer))
-        if len(idx):
+        if new:
             self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
-                               {"pos": pos.astype(np.int64), "key": raw.keys[idx].astype(np.int64),
-                                "tokens": out.ntokens[idx].astype(np.int32), "patches": out.npatches[idx].astype(np.int32)})
+                               {"pos": np.array([b.pos for b in new], np.int64), "key": np.array([b.key for b in new], np.int64),
+                                "tokens": np.array([len(b.tokens) for b in new], np.int32),
+                                "patches": np.array([b.npatches for b in new], np.int32)})
         return True
 
     def _on_plan(self, msg: wire.Message) -> None:
@@ -140,6 +169,10 @@ class LoaderServer:
                 keys[j] = b.key
                 s0 = int(start[i])
                 spans.append(b.tokens[s0 : s0 + int(length[i]) + 1])  # +1: the label of the span's last token
+                end = s0 + int(length[i])
+                if end > b.done:
+                    self.unconsumed_tokens -= end - b.done
+                    b.done = end
             offsets = np.zeros(len(spans) + 1, np.int64)
             np.cumsum([len(s) for s in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
@@ -149,7 +182,9 @@ class LoaderServer:
                        "offsets": offsets, "values": values})
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
-            self.buffer.pop(int(pos[i]), None)
+            b = self.buffer.pop(int(pos[i]), None)
+            if b is not None:
+                self.unconsumed_tokens -= len(b.tokens) - b.done
 
     def handle(self, msg: wire.Message) -> None:
         if msg.kind == Kind.WELCOME:
@@ -172,7 +207,7 @@ class LoaderServer:
         self._hello()
         try:
             while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                busy = self.welcomed and len(self.buffer) < self.window
+                busy = self.welcomed and not self.window_full
                 events = dict(poller.poll(0 if busy else 100))
                 if self.planner in events:
                     while True:
