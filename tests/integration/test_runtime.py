@@ -261,3 +261,27 @@ def test_replay_rebuilds_what_a_rank_received(run_result, step, rank, tmp_path):
     delivered = run_result["batches"][rank][step]
     for k in saved.files:
         assert np.array_equal(saved[k], delivered[k]), k
+
+
+def test_every_component_serves_prometheus_metrics(token_sources, tmp_path):
+    import urllib.request
+
+    spec = parse_spec(token_mixture(token_sources["root"], runtime={"window": 64, "metrics": True}))
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        fetch(rt.planner_endpoint, 2, 5)
+        comps = rt.endpoints()["components"]
+
+        def scrape(name: str) -> str:
+            port = comps[name]["metrics_port"]
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+        planner = scrape("planner")
+        steps = float(next(l.split()[-1] for l in planner.splitlines() if l.startswith("mixplane_planner_steps_planned_total")))
+        assert steps >= 5
+        assert 'mixplane_planner_target_fraction{source="a"} 0.5' in planner
+        assert "mixplane_planner_realized_fraction" in planner and "mixplane_planner_packing_efficiency" in planner
+        loader = scrape("loader-b-0")
+        assert 'mixplane_loader_samples_read_total{source="b"}' in loader and "mixplane_loader_quarantined_pages_total" in loader
+        cons = scrape("constructor-1")
+        built = float(next(l.split()[-1] for l in cons.splitlines() if l.startswith("mixplane_constructor_steps_total")))
+        assert built >= 5
