@@ -69,7 +69,7 @@ class SourceGroup:
                 live = [ld for ld in self.loaders if not ld.stopped]
                 if not live:
                     break
-                busy = [ld for ld in live if ld.welcomed and len(ld.buffer) < ld.window]
+                busy = [ld for ld in live if ld.welcomed and not ld.window.full]
                 events = dict(poller.poll(0 if busy else 100))
                 for sock in events:
                     self._drain(by_sock[sock])
