@@ -259,7 +259,7 @@ def mixture_spec(paths: list[str], r: int, run_dir: str) -> dict:
     dp = max(1, r // (CP * PP))
     return {
         "name": "membench",
-        "sources": [{"name": f"s{i:03d}", "uri": p, "kind": "tokens", "columns": ["tokens"], "shuffle": "rowgroup"}
+        "sources": [{"name": f"s{i:03d}", "uri": p, "kind": "tokens", "columns": ["tokens"], }
                     for i, p in enumerate(paths)],
         "batch": {"sequences": 2 * dp, "seq_len": SEQ, "microbatches": 1},
         "topology": {"modules": {"backbone": {"dp": dp, "pp": PP, "cp": CP, "tp": 1}}, "ranks_per_node": r},
