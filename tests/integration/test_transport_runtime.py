@@ -213,3 +213,73 @@ def test_state_dict_is_plain_data(reference):
     _, states = reference
     s = states[3][0]
     assert json.loads(json.dumps(s)) == s  # checkpointable without pickle
+
+
+def _junk(rnd) -> list[bytes]:
+    import json as _json
+
+    from mixplane import wire
+    from mixplane.wire import Kind
+
+    choice = rnd.randrange(7)
+    if choice == 0:
+        return [rnd.randbytes(rnd.randrange(0, 64)) for _ in range(rnd.randrange(1, 4))]
+    if choice == 1:  # a valid header of a random kind with random meta
+        kind = rnd.choice(list(Kind))
+        return wire.encode(kind, {"step": rnd.choice([0, -1, 2**62, "x", None]), "rank": rnd.choice([0, 99, -5, "r"]),
+                                  "session": rnd.choice([0, 1, 7])})
+    if choice == 2:  # GET_STEP for ranks / steps it must refuse
+        return wire.encode(Kind.GET_STEP, {"step": rnd.choice([-3, 0, 10**9]), "rank": rnd.choice([-1, 8, 10**6])})
+    if choice == 3:  # a header claiming buffers that are missing or wrong
+        body = _json.dumps({"arrays": [["key", "<i8", [rnd.randrange(100)]]]}).encode()
+        return [wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Kind.SAMPLES), 0, len(body)) + body]
+    if choice == 4:  # SAMPLES with inconsistent arrays
+        import numpy as _np
+        return wire.encode(Kind.SAMPLES, {"session": 0, "step": 1, "source": 0},
+                           {"key": _np.arange(3), "start": _np.zeros(2, _np.int64), "len": _np.ones(3, _np.int64),
+                            "offsets": _np.array([0, 5]), "values": _np.zeros(2, _np.int32)})
+    if choice == 5:
+        return [b"MXPL" + rnd.randbytes(rnd.randrange(0, 30))]
+    return [b""]
+
+
+def test_fuzzing_the_constructor_sockets_breaks_nothing(parallel_runtime):
+    import random
+
+    import zmq
+
+    spec, rt = parallel_runtime
+    info = rt.endpoints()["components"]["constructor-0"]
+    ctx = zmq.Context()
+    rnd = random.Random(4)
+    socks = []
+    try:
+        for ep, typ in ((info["client_endpoint"], zmq.DEALER), (info["data_endpoint"], zmq.PUSH)):
+            s = ctx.socket(typ)
+            s.linger = 0
+            s.connect(ep)
+            socks.append(s)
+        for _ in range(400):
+            rnd.choice(socks).send_multipart(_junk(rnd))
+        # the constructor still serves correct data to every rank
+        world = spec.world_size
+        loaders = [MixtureLoader(rt.planner_endpoint, rank=r, prefetch=1, timeout_s=60, max_steps=2) for r in range(world)]
+        try:
+            for _ in range(2):
+                for l in loaders:
+                    b = next(l)
+                    if "input_ids" in b and not bool(b["meta_only"]):
+                        assert int(b["input_ids"].min()) >= 0
+        finally:
+            for l in loaders:
+                l.close()
+        # the fuzzing client got only well-formed answers
+        from mixplane import wire
+        from mixplane.wire import Kind
+
+        while socks[0].poll(200):
+            _, m = wire.recv(socks[0])
+            assert m.kind in (Kind.ERROR, Kind.HEARTBEAT, Kind.STEP_DATA)  # a valid GET_STEP is answered
+        assert not rt.dead(), rt.dead()
+    finally:
+        ctx.destroy(linger=0)
