@@ -478,11 +478,13 @@ class Authenticator:
     the handshake, so no message of theirs reaches the server socket. ``allow`` may be updated live.
     """
 
-    def __init__(self, ctx: Any, allow: Iterable[bytes]):
+    def __init__(self, ctx: Any, allow: Iterable[bytes], *, key_dir: str | os.PathLike | None = None):
         import zmq
 
         self.ctx = ctx
         self.allow = set(allow)
+        self.key_dir = key_dir  # when set, an unknown key triggers (at most once a second) a re-read of the allowlist
+        self._reloaded = 0.0
         self.denied = 0
         self._stop = threading.Event()
         self._sock = ctx.socket(zmq.REP)
@@ -509,6 +511,13 @@ class Authenticator:
             if mechanism == b"CURVE" and len(msg) >= 7:
                 key = zmq.utils.z85.encode(msg[6]) if len(msg[6]) == 32 else b""
                 ok = key in self.allow
+                if not ok and self.key_dir is not None and time.monotonic() - self._reloaded > 1.0:
+                    self._reloaded = time.monotonic()
+                    try:
+                        self.allow = load_allowlist(self.key_dir)
+                    except (OSError, ValueError):
+                        pass
+                    ok = key in self.allow
             if not ok:
                 self.denied += 1
             reply = [version, request_id, b"200" if ok else b"400", b"OK" if ok else text, b"", b""]
@@ -543,3 +552,50 @@ class CurveSetup:
 
     def server_key(self, name: str) -> bytes:
         return load_public_key(self.key_dir, name)
+
+
+def ensure_keys(key_dir: str | os.PathLike, names: Iterable[str] = ("server", "client")) -> None:
+    """Create the named key pairs in key_dir unless they exist (call once before starting components)."""
+    for name in names:
+        if not (Path(key_dir) / f"{name}{SECRET_SUFFIX}").exists():
+            generate_keys(key_dir, name)
+
+
+_AUTHENTICATORS: dict[int, Authenticator] = {}
+_AUTH_LOCK = threading.Lock()
+
+
+class Security:
+    """Transport security of one component, from the spec's ``runtime.curve`` (a no-op when disabled).
+
+    Servers (binding sockets) present the ``server`` key pair and admit only clients whose public key
+    is in the key directory (the allowlist, re-read when an unknown key knocks); components connecting
+    to other components use the ``server`` pair as well (they are trusted), trainer clients their own.
+    """
+
+    def __init__(self, ctx: Any, curve: Any = None, *, name: str = "server"):
+        self.ctx = ctx
+        self.enabled = bool(curve is not None and getattr(curve, "enabled", False))
+        self.key_dir = getattr(curve, "key_dir", None) if self.enabled else None
+        if self.enabled and not self.key_dir:
+            raise ValueError("runtime.curve.enabled needs runtime.curve.key_dir")
+        self.keys = load_keys(self.key_dir, name) if self.enabled else None
+        self.server_public = load_public_key(self.key_dir, "server") if self.enabled else None
+
+    def _authenticator(self) -> Authenticator:
+        with _AUTH_LOCK:  # one ZAP handler per context
+            a = _AUTHENTICATORS.get(id(self.ctx))
+            if a is None or a.ctx is not self.ctx:
+                a = _AUTHENTICATORS[id(self.ctx)] = Authenticator(self.ctx, load_allowlist(self.key_dir), key_dir=self.key_dir)
+            return a
+
+    def server(self, sock: Any) -> Any:
+        if self.enabled:
+            self._authenticator()
+            curve_server(sock, self.keys)  # type: ignore[arg-type]
+        return sock
+
+    def client(self, sock: Any) -> Any:
+        if self.enabled:
+            curve_client(sock, self.keys, self.server_public)  # type: ignore[arg-type]
+        return sock

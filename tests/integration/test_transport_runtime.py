@@ -283,3 +283,34 @@ def test_fuzzing_the_constructor_sockets_breaks_nothing(parallel_runtime):
         assert not rt.dead(), rt.dead()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_curve_end_to_end_with_allowlist(tmp_path):
+    from mixplane import wire
+    from mixplane.client import DeliveryError
+
+    paths = make_sources(tmp_path, 2, docs=20, max_len=50)
+    keys = tmp_path / "keys"
+    spec = spec_for(paths, tmp_path, seq_len=32, sequences=2, topo={"dp": 1})
+    spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={
+        "curve": spec.runtime.curve.model_copy(update={"enabled": True, "key_dir": str(keys)})})})
+    with EmbeddedRuntime(spec, tmp_path / "run", log_level="WARNING") as rt:
+        assert (keys / "server.key_secret").exists() and (keys / "client.key").exists()
+        ok = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=30, max_steps=2,
+                           curve=wire.CurveSetup.from_dir(keys, "client"))
+        batches = list(ok)
+        assert len(batches) == 2 and int(batches[1]["step"]) == 1
+        ok.close()
+        assert rt.status()["planned_through"] >= 1
+        # a key pair that is not in the key directory is refused by the ZAP handler
+        stranger = wire.generate_keys(tmp_path / "elsewhere", "stranger")
+        bad = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=1.0, max_steps=1,
+                            curve=wire.CurveSetup(stranger, key_dir=str(keys)))
+        with pytest.raises(DeliveryError, match=f"no answer to route from the planner at {rt.planner_endpoint}"):
+            next(bad)
+        bad.close()
+        plain = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=1.0, max_steps=1)
+        with pytest.raises(DeliveryError, match="no answer to route"):
+            next(plain)
+        plain.close()
+        assert not rt.dead()

@@ -47,27 +47,23 @@ class ConstructorServer:
         self.index = index
         self.name = f"constructor:{index}"
         self.ctx = context or zmq.Context.instance()
+        # CURVE when runtime.curve is enabled: both bound sockets are servers, the planner link a client
+        self.security = wire.Security(self.ctx, spec.runtime.curve)
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
         self.planner.setsockopt(zmq.LINGER, 0)
-        self.planner.connect(planner_endpoint)
+        self.security.client(self.planner).connect(planner_endpoint)
         self.data = self.ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.RCVHWM, 256)
         self.data.setsockopt(zmq.LINGER, 0)
-        self.data.bind(f"tcp://{host}:0")
+        self.security.server(self.data).bind(f"tcp://{host}:0")
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
         wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
                               heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True)
-        self.auth: wire.Authenticator | None = None
-        if spec.runtime.curve.enabled:
-            # the client-facing socket is a CURVE server; clients must be on the key directory's allowlist
-            setup = wire.CurveSetup.from_dir(spec.runtime.curve.key_dir or "", "server")
-            self.auth = wire.Authenticator(self.ctx, setup.allow)
-            wire.curve_server(self.clients, setup.keys)
-        self.clients.bind(f"tcp://{host}:0")
+        self.security.server(self.clients).bind(f"tcp://{host}:0")
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.session = -1
@@ -308,6 +304,4 @@ class ConstructorServer:
     def close(self) -> None:
         for s in (self.planner, self.data, self.clients):
             s.close(0)
-        if self.auth is not None:
-            self.auth.close()
-            self.auth = None
+

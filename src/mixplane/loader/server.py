@@ -36,7 +36,8 @@ class LoaderServer:
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
         self.planner.setsockopt(zmq.LINGER, 0)
-        self.planner.connect(planner_endpoint)
+        self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
+        self.security.client(self.planner).connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read)
@@ -65,7 +66,7 @@ class LoaderServer:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
             s.setsockopt(zmq.SNDHWM, 64)
-            s.connect(ep)
+            self.security.client(s).connect(ep)
             self.pushers.append(s)
         self._seek(msg.get("session", int), msg.get("cursor", dict))
         self.welcomed = True

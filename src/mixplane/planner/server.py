@@ -56,7 +56,7 @@ class PlannerServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.bind(endpoint)
+        wire.Security(self.ctx, spec.runtime.curve).server(self.sock).bind(endpoint)  # CURVE when configured
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
