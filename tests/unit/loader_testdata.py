@@ -45,7 +45,7 @@ def text_table(n: int, seed: int = 0, start: int = 0) -> pa.Table:
 
 def write_source(directory: str, nfiles: int = 3, rows: int = 1200, *, page_size: int = 2048, row_group_size: int = 500,
                  page_index: bool | list[bool] = True, version: str = "1.0", compression: str = "snappy",
-                 checksum: bool = True, seed: int = 0) -> tuple[list[str], pa.Table]:
+                 checksum: bool = True, seed: int = 0, dictionary: bool = False) -> tuple[list[str], pa.Table]:
     """Files d/part-00.parquet ... with a global `row` column equal to the row's index in the source."""
     os.makedirs(directory, exist_ok=True)
     paths, tables = [], []
@@ -56,7 +56,8 @@ def write_source(directory: str, nfiles: int = 3, rows: int = 1200, *, page_size
         p = os.path.join(directory, f"part-{k:02d}.parquet")
         pi = page_index[k % len(page_index)] if isinstance(page_index, list) else page_index
         pq.write_table(t, p, data_page_size=page_size, row_group_size=row_group_size, write_page_index=pi,
-                       data_page_version=version, compression=compression, write_page_checksum=checksum)
+                       data_page_version=version, compression=compression, write_page_checksum=checksum,
+                       use_dictionary=dictionary, write_batch_size=50)
         paths.append(p)
         tables.append(t)
     return paths, pa.concat_tables(tables)
