@@ -542,7 +542,7 @@ class SourceReader:
             return out
         except ParquetError as e:
             w = self.index.where(col.name, chunk, u0)
-            if e.file is None:
+            if e.row_group is None or e.page is None:  # add the unit's whereabouts
                 raise type(e)(e.detail, **w) from None
             raise
         except (ValueError, ThriftError, pa.ArrowException, IndexError, OverflowError) as e:

@@ -477,18 +477,23 @@ def decompress(codec: int, data, size: int) -> bytes | bytearray | memoryview:
             raise ValueError(f"uncompressed page has {len(data)} bytes, header says {size}")
         return data
     out = bytearray(size)
-    if codec == SNAPPY:
-        n = cramjam.snappy.decompress_raw_into(bytes(data), out)
-    elif codec == ZSTD:
-        n = cramjam.zstd.decompress_into(bytes(data), out)
-    elif codec == GZIP:
-        n = cramjam.gzip.decompress_into(bytes(data), out)
-    elif codec == BROTLI:
-        n = cramjam.brotli.decompress_into(bytes(data), out)
-    elif codec == LZ4_RAW:
-        n = cramjam.lz4.decompress_block_into(bytes(data), out)
-    else:
-        raise UnsupportedError(f"codec {CODEC_NAMES[codec] if 0 <= codec < 8 else codec} is not supported")
+    try:
+        if codec == SNAPPY:
+            n = cramjam.snappy.decompress_raw_into(bytes(data), out)
+        elif codec == ZSTD:
+            n = cramjam.zstd.decompress_into(bytes(data), out)
+        elif codec == GZIP:
+            n = cramjam.gzip.decompress_into(bytes(data), out)
+        elif codec == BROTLI:
+            n = cramjam.brotli.decompress_into(bytes(data), out)
+        elif codec == LZ4_RAW:
+            n = cramjam.lz4.decompress_block_into(bytes(data), out)
+        else:
+            raise UnsupportedError(f"codec {CODEC_NAMES[codec] if 0 <= codec < 8 else codec} is not supported")
+    except UnsupportedError:
+        raise
+    except Exception as e:  # cramjam.DecompressionError and friends
+        raise ValueError(f"{CODEC_NAMES[codec]} decompression failed: {e}") from None
     if n != size:
         raise ValueError(f"page decompressed to {n} bytes, header says {size}")
     return out
