@@ -117,6 +117,7 @@ class SourceStream:
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
         self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._cache: dict[int, dict[str, pa.Array]] = {}
+        self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
         self._lru = _LRU(row_cache_bytes)
         self._base_epoch, self._base_pos = 0, 0
         self.dry = False
@@ -230,6 +231,7 @@ class SourceStream:
         self._off = 0
         self._epoch_delivered = 0
         self._cache.clear()
+        self._maps.clear()
 
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
@@ -246,6 +248,39 @@ class SourceStream:
     def _free(self, units: list[int]) -> None:
         for u in units:
             self._cache.pop(u, None)
+            self._maps.pop(u, None)
+        if self.mode == "page" and self._plan_obj is not None and len(self._cache) > 8:
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Keep only the rows still in the shuffle buffer of pages that are mostly drained, so a
+        page with a few rows left does not pin its whole decoded size."""
+        sim = self._plan_obj.sim
+        rows = self.index.unit_rows
+        cached = sum(int(rows[u]) if u not in self._maps else int((self._maps[u] >= 0).sum()) for u in self._cache)
+        if cached <= 1.5 * sim.size + 2 * sim.K:
+            return
+        victims = sorted(u for u in self._cache if sim.left.get(u, 0) * 2 <= int(rows[u]) and u not in self._maps)
+        if not victims:
+            return
+        owner, ids = sim.owner[: sim.size], sim.buf[: sim.size]
+        sel = np.isin(owner, victims)
+        own, rid = owner[sel], ids[sel]
+        order = np.argsort(own, kind="stable")
+        own, rid = own[order], rid[order]
+        bounds = np.searchsorted(own, victims + [np.iinfo(np.int64).max])
+        starts = self.index.unit_row_start
+        for i, u in enumerate(victims):
+            local = np.sort(rid[bounds[i] : bounds[i + 1]] - starts[u])
+            # rows of the current block not yet taken are still needed too
+            blk = self._block[self._off :]
+            bl = blk[(blk >= starts[u]) & (blk < starts[u] + rows[u])] - starts[u]
+            local = np.union1d(local, bl)
+            m = np.full(int(rows[u]), -1, np.int64)
+            m[local] = np.arange(len(local))
+            idx = pa.array(local)
+            self._cache[u] = {c: a.take(idx) for c, a in self._cache[u].items()}
+            self._maps[u] = m
 
     @property
     def position(self) -> int:
@@ -349,6 +384,14 @@ class SourceStream:
         lens = np.array([len(datas[k][self.columns[0]]) for k in keep], np.int64)
         base = np.concatenate([[0], np.cumsum(lens)])[:-1]
         local = rows[good] - starts[uniq[keep]][gi]
+        if self._maps:
+            for j, k in enumerate(keep):
+                m = self._maps.get(int(uniq[k]))
+                if m is not None:
+                    sel = gi == j
+                    local[sel] = m[local[sel]]
+            if (local < 0).any():
+                raise AssertionError("compacted page lost a row that is still to be delivered")
         take_idx = pa.array(base[gi] + local)
         cols = {}
         for c in self.columns:
