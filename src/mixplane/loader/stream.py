@@ -381,8 +381,6 @@ class SourceStream:
         remap = np.full(len(uniq), -1, np.int64)
         remap[keep] = np.arange(len(keep))
         gi = remap[inv[good]]
-        lens = np.array([len(datas[k][self.columns[0]]) for k in keep], np.int64)
-        base = np.concatenate([[0], np.cumsum(lens)])[:-1]
         local = rows[good] - starts[uniq[keep]][gi]
         if self._maps:
             for j, k in enumerate(keep):
@@ -392,12 +390,20 @@ class SourceStream:
                     local[sel] = m[local[sel]]
             if (local < 0).any():
                 raise AssertionError("compacted page lost a row that is still to be delivered")
-        take_idx = pa.array(base[gi] + local)
+        # gather page by page (Arrow's take on a chunked array would concatenate every chunk first),
+        # then restore the delivery order with one take over the small result
+        order = np.argsort(gi, kind="stable")
+        bounds = np.searchsorted(gi[order], np.arange(len(keep) + 1))
+        local_sorted = local[order]
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        inv_arr = pa.array(inverse)
         cols = {}
         for c in self.columns:
-            parts = [datas[k][c] for k in keep]
-            arr = parts[0].take(take_idx) if len(parts) == 1 else pa.chunked_array(parts).take(take_idx).combine_chunks()
-            cols[c] = arr
+            pieces = [datas[k][c].take(pa.array(local_sorted[bounds[j] : bounds[j + 1]]))
+                      for j, k in enumerate(keep) if bounds[j + 1] > bounds[j]]
+            cat = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+            cols[c] = cat.take(inv_arr)
         return good, cols
 
     def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
