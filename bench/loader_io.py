@@ -319,7 +319,7 @@ def main() -> None:
         modes[mode] = {k: res[k] for k in MODE_FIELDS}
 
     # page mode's memory at a second dataset size: the first quarter of the files
-    small = os.path.join(data, "quarter")
+    small = data.rstrip("/") + "_quarter"  # outside the source directory, which is scanned recursively
     os.makedirs(small, exist_ok=True)
     quarter = man["paths"][: max(1, len(man["paths"]) // 4)]
     for p in quarter:
