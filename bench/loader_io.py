@@ -4,8 +4,8 @@
 Data: a real-text source built from the text files on this machine (Python sources and docs of the
 installed packages and the standard library, /usr/share/doc): one row per file, like a code
 dataset (The Stack layout), repeated in shuffled order until the source reaches the target size.
-Layout like a production dataset: at most 16 files, two row groups of >= 64 MB per file (full
-run), pyarrow's defaults (snappy, dictionary on, ~1 MB data pages: the writer checks the page size
+Layout like a production dataset: at most 16 files, pyarrow's default row-group size (each file
+one row group, >= 64 MB compressed in the full run), pyarrow's defaults (snappy, dictionary on, ~1 MB data pages: the writer checks the page size
 every `write_batch_size` rows, so that is set to about 1 MB of rows), plus an int64 `id` column
 (the row's position in stored order, read only by the HF baseline, which has no other way to tell
 where a sample came from; our streams carry it in their keys).
@@ -89,7 +89,7 @@ def build_dataset(out_dir: str, target_bytes: int, quick: bool) -> dict:
     man_path = os.path.join(out_dir, "manifest.json")
     if os.path.exists(man_path):
         man = json.load(open(man_path))
-        if man.get("target_bytes") == target_bytes and all(os.path.exists(p) for p in man["paths"]):
+        if man.get("target_bytes") == target_bytes and man.get("layout") == 2 and all(os.path.exists(p) for p in man["paths"]):
             return man
     os.makedirs(out_dir, exist_ok=True)
     for p in glob.glob(os.path.join(out_dir, "*.parquet")):
@@ -117,7 +117,8 @@ def build_dataset(out_dir: str, target_bytes: int, quick: bool) -> dict:
         table = pa.table({"text": pa.array([docs[i] for i in pick], pa.string()),
                           "id": pa.array(np.arange(start, start + n, dtype=np.int64))})
         p = os.path.join(out_dir, f"part-{k:05d}.parquet")
-        pq.write_table(table, p, row_group_size=-(-n // 2), write_batch_size=write_batch, write_page_index=True)
+        # the writer's default row-group size (2^20 rows) keeps each file one row group: >= 64 MB compressed
+        pq.write_table(table, p, write_batch_size=write_batch, write_page_index=True)
         del table
         paths.append(p)
         written += os.path.getsize(p)
@@ -126,7 +127,7 @@ def build_dataset(out_dir: str, target_bytes: int, quick: bool) -> dict:
     rg_bytes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
     rg_comp = [sum(md.row_group(i).column(j).total_compressed_size for j in range(md.num_columns))
                for i in range(md.num_row_groups)]
-    man = {"target_bytes": target_bytes, "paths": paths, "rows": start, "dataset_bytes": written,
+    man = {"target_bytes": target_bytes, "layout": 2, "paths": paths, "rows": start, "dataset_bytes": written,
            "corpus_docs": len(docs), "corpus_bytes": int(lens.sum()), "avg_doc_bytes": avg,
            "row_group_bytes_uncompressed": rg_bytes, "row_group_bytes_compressed": rg_comp,
            "write_batch_size": write_batch, "build_s": round(time.time() - t0, 1)}
@@ -263,6 +264,10 @@ def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budg
            "--samples", str(samples), "--batch", str(batch), "--budget", str(budget), "--buffer-rows", str(buffer_rows)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    # the same allocator settings for every mode (HF included): Arrow on the system allocator and glibc
+    # returning page-sized blocks to the OS, so RSS shows what a loader holds, not heap fragmentation
+    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"mode {mode} failed:\n{p.stderr[-3000:]}")

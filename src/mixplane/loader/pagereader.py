@@ -476,7 +476,7 @@ def decompress(codec: int, data, size: int) -> bytes | bytearray | memoryview:
         if len(data) != size:
             raise ValueError(f"uncompressed page has {len(data)} bytes, header says {size}")
         return data
-    out = bytearray(size)
+    out = _alloc(size)
     try:
         if codec == SNAPPY:
             n = cramjam.snappy.decompress_raw_into(bytes(data), out)
@@ -497,6 +497,12 @@ def decompress(codec: int, data, size: int) -> bytes | bytearray | memoryview:
     if n != size:
         raise ValueError(f"page decompressed to {n} bytes, header says {size}")
     return out
+
+
+def _alloc(n: int):
+    """A writable buffer from Arrow's memory pool: page-sized allocations come and go all the time,
+    and the pool gives them back to the system far better than the C heap does."""
+    return pa.allocate_buffer(max(n, 0), resizable=False) if n else bytearray(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -633,7 +639,9 @@ def _plain_byte_array(buf, pos: int, end: int, n: int) -> tuple[np.ndarray, np.n
         return offsets, np.zeros(0, np.uint8)
     keep = np.ones(p - pos, bool)
     keep[(st[:, None] + np.arange(4)).ravel()] = False
-    return offsets, a[keep]
+    data = np.frombuffer(_alloc(int(offsets[-1])), np.uint8)
+    np.compress(keep, a, out=data)
+    return offsets, data
 
 
 def _binary_array(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | None, string: bool) -> pa.Array:

@@ -118,6 +118,7 @@ class SourceStream:
         self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._cache: dict[int, dict[str, pa.Array]] = {}
         self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
+        self._held: dict[int, int] = {}  # unit -> rows its cached data holds, after compaction
         self._lru = _LRU(row_cache_bytes)
         self._base_epoch, self._base_pos = 0, 0
         self.dry = False
@@ -232,6 +233,7 @@ class SourceStream:
         self._epoch_delivered = 0
         self._cache.clear()
         self._maps.clear()
+        self._held.clear()
 
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
@@ -249,18 +251,20 @@ class SourceStream:
         for u in units:
             self._cache.pop(u, None)
             self._maps.pop(u, None)
-        if self.mode == "page" and self._plan_obj is not None and len(self._cache) > 8:
+            self._held.pop(u, None)
+        if self.mode == "page" and self._plan_obj is not None and self._cache:
             self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        """Keep only the rows still in the shuffle buffer of pages that are mostly drained, so a
-        page with a few rows left does not pin its whole decoded size."""
+        """Keep only the rows still to be delivered of pages that are half drained (again and again:
+        each page is copied at most ~log2(rows) times, at most twice its size in all). A page with a
+        few rows left in the shuffle buffer then holds only those rows, so the decoded pages never
+        take much more memory than the rows in the buffer."""
         sim = self._plan_obj.sim
         rows = self.index.unit_rows
-        cached = sum(int(rows[u]) if u not in self._maps else int((self._maps[u] >= 0).sum()) for u in self._cache)
-        if cached <= 1.5 * sim.size + 2 * sim.K:
-            return
-        victims = sorted(u for u in self._cache if sim.left.get(u, 0) * 2 <= int(rows[u]) and u not in self._maps)
+        held = self._held
+        victims = sorted(u for u in self._cache
+                         if 0 < sim.left.get(u, 0) and 2 * sim.left[u] <= held.get(u, int(rows[u])) and held.get(u, int(rows[u])) > 4)
         if not victims:
             return
         owner, ids = sim.owner[: sim.size], sim.buf[: sim.size]
@@ -268,19 +272,22 @@ class SourceStream:
         own, rid = owner[sel], ids[sel]
         order = np.argsort(own, kind="stable")
         own, rid = own[order], rid[order]
-        bounds = np.searchsorted(own, victims + [np.iinfo(np.int64).max])
+        bounds = np.searchsorted(own, np.array(victims + [np.iinfo(np.int64).max], np.int64))
         starts = self.index.unit_row_start
+        blk = self._block[self._off :]
         for i, u in enumerate(victims):
-            local = np.sort(rid[bounds[i] : bounds[i + 1]] - starts[u])
-            # rows of the current block not yet taken are still needed too
-            blk = self._block[self._off :]
+            local = rid[bounds[i] : bounds[i + 1]] - starts[u]
+            # rows of the current block not yet taken are still to be delivered too
             bl = blk[(blk >= starts[u]) & (blk < starts[u] + rows[u])] - starts[u]
             local = np.union1d(local, bl)
+            old = self._maps.get(u)
+            cur = old[local] if old is not None else local
             m = np.full(int(rows[u]), -1, np.int64)
             m[local] = np.arange(len(local))
-            idx = pa.array(local)
+            idx = pa.array(cur)
             self._cache[u] = {c: a.take(idx) for c, a in self._cache[u].items()}
             self._maps[u] = m
+            held[u] = len(local)
 
     @property
     def position(self) -> int:
