@@ -267,7 +267,8 @@ def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budg
     # the same allocator settings for every mode (HF included): Arrow on the system allocator and glibc
     # returning page-sized blocks to the OS, so RSS shows what a loader holds, not heap fragmentation
     env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"mode {mode} failed:\n{p.stderr[-3000:]}")

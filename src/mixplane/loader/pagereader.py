@@ -637,10 +637,16 @@ def _plain_byte_array(buf, pos: int, end: int, n: int) -> tuple[np.ndarray, np.n
     np.cumsum(lens, out=offsets[1:])
     if n == 0:
         return offsets, np.zeros(0, np.uint8)
-    keep = np.ones(p - pos, bool)
-    keep[(st[:, None] + np.arange(4)).ravel()] = False
-    data = np.frombuffer(_alloc(int(offsets[-1])), np.uint8)
-    np.compress(keep, a, out=data)
+    if n * 64 <= p - pos:
+        # long values (text): copy each value's bytes in one memcpy, skipping the length prefixes
+        mv = memoryview(buf)
+        data = np.frombuffer(b"".join([mv[q + 4 : q + 4 + ln] for q, ln in zip(starts, lens.tolist())]), np.uint8)
+    else:
+        # short values: one vectorised pass with a mask of the prefix bytes
+        keep = np.ones(p - pos, bool)
+        keep[(st[:, None] + np.arange(4)).ravel()] = False
+        data = np.frombuffer(_alloc(int(offsets[-1])), np.uint8)
+        np.compress(keep, a, out=data)
     return offsets, data
 
 
