@@ -145,8 +145,7 @@ class DeficitSampler:
     """Deterministic stratified sampling: pick the source most behind its target.
 
     `realized[i]` counts what source i contributed in the current segment (tokens or samples);
-    after placing total T, source i's target is p_i * T. Picking the largest p_i * (T + 1) - r_i
-    keeps every |r_i - p_i * T| below one unit (one sample, or one document's tokens).
+    after placing total T, source i's target is p_i * T (see `pick` for the guarantees).
     """
 
     num_sources: int
@@ -164,14 +163,32 @@ class DeficitSampler:
             self.realized[:] = 0.0
 
     def pick(self, probs: np.ndarray, eligible: np.ndarray, unit: float = 1.0) -> int:
-        """Index of the next source, or -1 if none is eligible."""
+        """Index of the next source, or -1 if none is eligible.
+
+        unit=1 (counting samples): Tijdeman's earliest-deadline rule, which keeps every source
+        within 1 - 1/(2k-2) < 1 sample of its target after every pick. unit=0 (counting tokens,
+        sizes unknown in advance): the largest deficit, so a source overshoots by less than one
+        document and falls behind by less than k-1 documents.
+        """
         mask = eligible & (probs > 0)
         if not mask.any():
             return -1
         total = self.realized.sum()
-        deficit = probs * (total + unit) - self.realized
-        deficit = np.where(mask, deficit, -np.inf)
-        return int(np.argmax(deficit))  # ties -> lowest index: deterministic
+        if unit > 0:
+            k = int((probs > 0).sum())
+            if k == 1:
+                return int(np.argmax(mask))
+            c = 1.0 / (2 * k - 2)
+            n = total / unit + 1.0
+            s = self.realized / unit
+            need = probs * n - s
+            released = mask & (need >= c - 1e-12)
+            cand = released if released.any() else mask
+            with np.errstate(divide="ignore", over="ignore"):
+                deadline = np.where(cand, (s + 1.0 - c) / np.where(probs > 0, probs, 1.0), np.inf)
+            return int(np.argmin(deadline))  # ties -> lowest index: deterministic
+        deficit = np.where(mask, probs * total - self.realized, -np.inf)
+        return int(np.argmax(deficit))
 
     def record(self, source: int, amount: float) -> None:
         self.realized[source] += amount

@@ -8,6 +8,8 @@ Output (numpy; the client wraps the buffers as torch tensors without copying):
     source_ids    int32 [rows, seq_len]   source index of each token, -1 for padding
     cu_seqlens    int32 [n + 1]           FlashAttention varlen boundaries over the flattened rows
     cu_seqlens_mb int64 [microbatches+1]  where each microbatch's boundaries start in cu_seqlens
+    segment_*     one entry per piece: source, key (sample id), start (token offset in the sample),
+                  len, row — which document span sits where (per-document metrics, debugging, audits)
 
 A row never mixes documents in attention: every piece is its own segment in cu_seqlens, and the
 padding tail of a row is a segment of its own. Labels never cross a document boundary; a piece
@@ -115,4 +117,9 @@ def materialize_rank(layout: StepLayout, dp_local: int, spans: SpanStore, pad_id
         "source_ids": source_ids,
         "cu_seqlens": cu_seqlens,
         "cu_seqlens_mb": cu_mb,
+        "segment_source": src.astype(np.int32),
+        "segment_key": keys.astype(np.int64),
+        "segment_start": starts.astype(np.int64),
+        "segment_len": lens.astype(np.int64),
+        "segment_row": rows.astype(np.int64),
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,19 +17,11 @@ from mixplane import wire
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.metrics import make_metrics, serve_metrics
+from mixplane.loader.window import LoaderWindow
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
-
-CHUNK = 64  # samples read and transformed per refill step
-
-
-@dataclass
-class Buffered:
-    key: int
-    tokens: np.ndarray
-    patches: np.ndarray | None
 
 
 class LoaderServer:
@@ -41,7 +32,6 @@ class LoaderServer:
         self.source = spec.sources[source_index]
         self.replica = replica
         self.name = f"loader:{self.source.name}:{replica}"
-        self.window = spec.runtime.window
         self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -49,9 +39,7 @@ class LoaderServer:
         self.planner.connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
-        self.transform = make_transform(self.source)
-        self.buffer: dict[int, Buffered] = {}
-        self.skip: set[int] = set()
+        self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read)
         self.session = -1
         self.welcomed = False
         self.stopped = False
@@ -84,35 +72,23 @@ class LoaderServer:
 
     def _seek(self, session: int, cursor: dict[str, Any]) -> None:
         self.session = session
-        self.buffer.clear()
-        self.skip = {int(p) for p in cursor.get("skip", [])}
-        self.stream.seek(int(cursor["low"]))
+        self.window.seek(cursor)
         log.info("%s: session %d from position %d", self.name, session, cursor["low"])
 
+    def _on_read(self, samples: int, tokens: int, seconds: float) -> None:
+        self.m.loader_read_seconds.observe(seconds)
+        self.m.loader_samples_read.labels(self.source.name).inc(samples)
+        self.m.loader_tokens.labels(self.source.name).inc(tokens)
+
     def _fill(self) -> bool:
-        """Read, transform and announce more samples while the window has room; True if it did work."""
-        room = self.window - len(self.buffer)
-        if room <= 0 or not self.welcomed:
+        """Announce samples until the window is full; True if it did work."""
+        if not self.welcomed or self.window.full:
             return False
-        t0 = time.perf_counter()
-        raw = self.stream.take(min(room, CHUNK))
-        keep = np.array([int(p) not in self.skip for p in raw.positions], dtype=bool)
-        out = self.transform(raw)
-        keep &= out.ntokens > 0  # empty documents carry nothing to train on
-        idx = np.flatnonzero(keep)
-        pos = raw.positions[idx]
-        for j, i in enumerate(idx):
-            self.buffer[int(pos[j])] = Buffered(int(raw.keys[i]), out.tokens[int(i)],
-                                                out.patches[int(i)] if out.patches is not None else None)
-        self.skip.difference_update(int(p) for p in raw.positions)
-        self.m.loader_read_seconds.observe(time.perf_counter() - t0)
-        self.m.loader_samples_read.labels(self.source.name).inc(len(idx))
-        self.m.loader_tokens.labels(self.source.name).inc(int(out.ntokens[idx].sum()))
-        self.m.loader_buffer_samples.labels(self.source.name).set(len(self.buffer))
-        if len(idx):
+        a = self.window.fill()
+        self.m.loader_buffer_samples.labels(self.source.name).set(len(self.window.buffer))
+        if len(a):
             self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
-                               {"pos": pos.astype(np.int64), "key": raw.keys[idx].astype(np.int64),
-                                "tokens": out.ntokens[idx].astype(np.int32), "patches": out.npatches[idx].astype(np.int32)})
+                               {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
 
     def _on_plan(self, msg: wire.Message) -> None:
@@ -134,12 +110,11 @@ class LoaderServer:
             keys = np.empty(len(sel), np.int64)
             spans = []
             for j, i in enumerate(sel):
-                b = self.buffer.get(int(pos[i]))
-                if b is None:
-                    raise WireError(f"step {step}: planned sample at position {int(pos[i])} is not in the buffer")
-                keys[j] = b.key
-                s0 = int(start[i])
-                spans.append(b.tokens[s0 : s0 + int(length[i]) + 1])  # +1: the label of the span's last token
+                try:
+                    keys[j], span = self.window.span(int(pos[i]), int(start[i]), int(length[i]))
+                except KeyError as e:
+                    raise WireError(f"step {step}: {e.args[0]}") from None
+                spans.append(span)
             offsets = np.zeros(len(spans) + 1, np.int64)
             np.cumsum([len(s) for s in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
@@ -149,7 +124,7 @@ class LoaderServer:
                        "offsets": offsets, "values": values})
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
-            self.buffer.pop(int(pos[i]), None)
+            self.window.retire(int(pos[i]))
 
     def handle(self, msg: wire.Message) -> None:
         if msg.kind == Kind.WELCOME:
@@ -172,7 +147,7 @@ class LoaderServer:
         self._hello()
         try:
             while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                busy = self.welcomed and len(self.buffer) < self.window
+                busy = self.welcomed and not self.window.full
                 events = dict(poller.poll(0 if busy else 100))
                 if self.planner in events:
                     while True:
