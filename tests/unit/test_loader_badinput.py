@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loader_testdata import text_table, write_source
+from tests.unit.loader_testdata import text_table, write_source
 from mixplane.loader import pageindex as pi
 from mixplane.loader.pagereader import parse_page_header
 from mixplane.loader.stream import StreamError, open_stream

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loader_testdata import text_table
+from tests.unit.loader_testdata import text_table
 from mixplane.loader.stream import RawSamples, open_stream
 from mixplane.loader.transforms import append_value, concat_ragged, make_transform, target_size
 from mixplane.samples import Ragged, key_row

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader_testdata import mixed_table
+from tests.unit.loader_testdata import mixed_table
 from mixplane.loader import pagereader as pr
 from mixplane.loader import thrift
 

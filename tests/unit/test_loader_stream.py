@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from loader_testdata import write_source
+from tests.unit.loader_testdata import write_source
 from mixplane.loader import pageindex as pi
 from mixplane.loader.pagereader import IOStats
 from mixplane.loader.shuffle import BufferShuffle, FeistelPermutation
@@ -41,7 +41,7 @@ def rows_of(r):
 # ---------------------------------------------------------------- index
 
 def test_index_from_offset_index_equals_header_scan(tmp_path):
-    from loader_testdata import text_table
+    from tests.unit.loader_testdata import text_table
     import pyarrow.parquet as pq
     t = text_table(2000)
     a, b = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
