@@ -229,3 +229,63 @@ def gather_embeddings(encoder_outputs: list[np.ndarray], image_token_index: np.n
     m = image_token_index >= 0
     out[m] = gathered[image_token_index[m]]
     return out
+
+
+# ------------------------------------------------------------------------------------------ constructor glue
+def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
+    """Permutation taking row-major patches (as loaders cut them) to merge-window order."""
+    gh, gw = grid
+    m = int(round(merge ** 0.5))
+    if m * m != merge or gh % m or gw % m:
+        raise ValueError(f"grid {grid} cannot be merged in {m}x{m} windows")
+    idx = np.arange(gh * gw).reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3)
+    return idx.reshape(-1)
+
+
+def attach_images(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
+                  img_patches: np.ndarray, dp_rank: int, images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]],
+                  image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Add the encoder tensors and the fused layout of one data-parallel rank's images to its batch.
+
+    The rank encodes the step's images whose ``img_rank`` is its dp rank (they belong to samples whose
+    first piece sits in its rows); ``images`` maps (source, key) to (row-major patches [n, D], grid).
+    Placeholders are at the start of each image sample (image first, then caption), so a piece starting
+    at token ``start`` follows ``start`` placeholders of its image. Placeholders whose image is not
+    encoded in this step (later pieces of a split sample) become padding with ignored labels.
+    """
+    mine = np.flatnonzero(np.asarray(img_rank) == dp_rank)
+    patches, grids = [], []
+    for i in mine:
+        k = (int(img_source[i]), int(img_key[i]))
+        if k not in images:
+            raise KeyError(f"patches of source {k[0]} sample {k[1]} did not arrive")
+        pix, grid = images[k]
+        if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
+            raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
+        patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
+        grids.append(grid)
+    enc = collate_encoder(patches, grids, mine, merge) if patches else {
+        "pixel_patches": np.zeros((0, 0), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
+        "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
+        "image_ids": np.zeros(0, np.int64)}
+    # segments of this rank and the image (in this rank's encoder batch) each one's placeholders belong to
+    rows, S = batch["input_ids"].shape
+    seg_row = batch["segment_row"].astype(np.int64)
+    seg_len = batch["segment_len"].astype(np.int64)
+    seg_start = batch["segment_start"].astype(np.int64)
+    csum = np.cumsum(seg_len)
+    first = np.searchsorted(seg_row, seg_row, side="left")
+    seg_off = csum - seg_len - np.where(first > 0, csum[first - 1], 0) if len(seg_row) else seg_len
+    local = {(int(img_source[i]), int(img_key[i])): j for j, i in enumerate(mine)}
+    seg_image = np.array([local.get((int(s), int(k)), -1) if st == 0 else -1
+                          for s, k, st in zip(batch["segment_source"], batch["segment_key"], seg_start)], np.int64)
+    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=seg_row, seg_offset=seg_off, seg_len=seg_len,
+                         seg_image=seg_image, seg_ph_before=np.zeros(len(seg_row), np.int64),
+                         img_rank=np.zeros(len(mine), np.int64),
+                         img_tokens=np.asarray(img_patches, np.int64)[mine] // merge, world=1)
+    batch.update(enc)
+    batch["image_token_index"] = fused["image_token_index"]
+    batch["image_token_mask"] = fused["image_token_mask"]
+    batch["encoder_tokens"] = fused["encoder_tokens_per_rank"]
+    batch["orphan_placeholders"] = np.array([mask_orphan_placeholders(batch, image_token_id, pad_id)], np.int64)
+    return batch

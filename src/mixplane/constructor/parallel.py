@@ -38,9 +38,13 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 # per-token fields whose last axis is the sequence
-TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask", "doc_ids", "image_token_mask")
+TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask", "doc_ids", "image_token_mask",
+                "image_token_index")
 # which fields each pipeline stage needs (anything else named below goes to every stage)
-FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index"})
+FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index",
+                                # the vision encoder runs before the first backbone stage
+                                "pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids",
+                                "encoder_tokens"})
 LAST_STAGE_FIELDS = frozenset({"labels", "source_ids", "loss_mask", "doc_ids"})
 ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_mb", "max_seqlen", "cp_token_index", "step", "lr_scale", "phase",
                               "generation", "tokens", "rows", "seq_len", "dp_rank", "microbatch"})

@@ -16,6 +16,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
+from mixplane.constructor.multimodal import attach_images
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
@@ -33,6 +34,7 @@ class StepState:
     cursor_after: dict[str, Any] | None = None
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     views: dict[tuple[int, ViewKey], dict[str, Any]] = field(default_factory=dict)
+    images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -83,6 +85,14 @@ class ConstructorServer:
         self._last_hello = 0.0
         bb = spec.topology.backbone()[1]
         self.cp, self.pp = bb.cp, bb.pp
+        # image placeholder id of each image_text source (spec value, else the loader's rule: tokenizer's <|image|>)
+        self._image_token_ids: dict[int, int] = {}
+        for si, src in enumerate(spec.sources):
+            if src.kind == "image_text":
+                from mixplane.loader.transforms import image_token_id, load_tokenizer
+
+                tok = load_tokenizer(src.tokenizer) if src.tokenizer else None
+                self._image_token_ids[si] = int(image_token_id(tok, src.image.image_token_id))
         opts = spec.strategy.options or {}
         bc = opts.get("broadcast_at", ())
         self.broadcast_at = (bc,) if isinstance(bc, str) else tuple(bc)
@@ -154,7 +164,26 @@ class ConstructorServer:
         if not (len(starts) == len(lens) == n and len(offsets) == n + 1) or (n and (offsets[0] != 0 or offsets[-1] != len(values) or np.any(np.diff(offsets) < lens))):
             raise WireError(f"SAMPLES for step {step}: inconsistent arrays")
         st = self.steps.setdefault(step, StepState())
-        st.spans.add(msg.get("source", int), keys, starts, offsets, values)
+        source = msg.get("source", int)
+        if "img_key" in msg.arrays:
+            self._store_images(st, source, msg)
+        st.spans.add(source, keys, starts, offsets, values)
+
+    def _store_images(self, st: StepState, source: int, msg: wire.Message) -> None:
+        if not 0 <= source < len(self.spec.sources):
+            raise WireError(f"SAMPLES: unknown source {source}")
+        ik, grid, off, val = msg.array("img_key"), msg.array("img_grid"), msg.array("img_offsets"), msg.array("img_values")
+        p = self.spec.sources[source].image.patch_size
+        dim = p * p * 3
+        n = len(ik)
+        if grid.shape != (n, 2) or len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(val))) or np.any(np.diff(off) < 0):
+            raise WireError("SAMPLES: inconsistent image arrays")
+        for i in range(n):
+            g = (int(grid[i, 0]), int(grid[i, 1]))
+            flat = val[off[i]:off[i + 1]]
+            if len(flat) != g[0] * g[1] * dim:
+                raise WireError(f"SAMPLES: image of sample {int(ik[i])} has {len(flat)} bytes, grid {g} needs {g[0] * g[1] * dim}")
+            st.images[(source, int(ik[i]))] = (flat.reshape(g[0] * g[1], dim), g)
 
     # -- clients ------------------------------------------------------------------------
     def _batch_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
@@ -164,6 +193,9 @@ class ConstructorServer:
         if b is None:
             t0 = time.perf_counter()
             b = materialize_rank(st.layout, dp_local, st.spans, self.spec.batch.pad_id)  # type: ignore[arg-type]
+            lay = st.layout
+            if lay is not None and len(lay.img_key):
+                self._attach_images(b, lay, coords.dp, st)
             st.batches[dp_local] = b
             self.m.constructor_build_seconds.observe(time.perf_counter() - t0)
             self.m.constructor_steps.inc()
@@ -191,6 +223,20 @@ class ConstructorServer:
                           broadcast_at=self.broadcast_at, cp_mode=self.cp_layout)
             st.views[key] = v
         return v
+
+    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, dp_rank: int, st: StepState) -> None:
+        srcs = {int(s) for s in lay.img_source}
+        specs = [self.spec.sources[s].image for s in srcs]
+        merge = specs[0].merge
+        token_id = self._image_token_ids[min(srcs)]
+        if any(s.merge != merge for s in specs) or any(self._image_token_ids[s] != token_id for s in srcs):
+            raise ValueError("image sources of one step must share image.merge and the placeholder token")
+        try:
+            attach_images(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
+                          img_patches=lay.img_patches, dp_rank=dp_rank, images=st.images,
+                          image_token_id=int(token_id), merge=merge, pad_id=self.spec.batch.pad_id)
+        except KeyError as e:
+            raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
 
     def _reply(self, ident: bytes, step: int, rank: int, since: float) -> None:
         st = self.steps[step]
