@@ -1,0 +1,401 @@
+"""Vectorised balancers: split items with costs into bins so that the most loaded bin is as light as possible.
+
+Two methods (seed 001 §4.2 `balance`): greedy bin packing (LPT: largest item to the least loaded
+bin) and Karmarkar-Karp's largest differencing method. Both come in two forms:
+
+* **equal count** — every bin receives the same number of items (± 1): used when the items are
+  packed rows or microbatches and every rank must receive exactly its share of them.
+* **free count** — any number of items per bin: used for samples (e.g. images onto encoder ranks).
+  Items larger than a small fraction of the target load are placed by the method itself; the many
+  small ones then *water-fill* the remaining gaps in one vectorised pass (overshoot at most one
+  small item per bin).
+
+Everything works on numpy arrays: LPT runs in rounds (one item per bin per round, the round's
+largest item to the currently lightest bin), so its cost is O(rounds x bins log bins) numpy work
+instead of one Python step per item; KK starts from balanced k-tuples (BLDM) so it merges only
+items / bins tuples. Bins may start with initial loads (`init`), e.g. another module's cost, and
+bins may be split into groups (`group_size`, seed 001: balance within subgroups to bound the
+coordination cost on very large clusters).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Literal
+
+import numpy as np
+
+Method = Literal["greedy", "karmarkar_karp", "none"]
+METHODS = ("greedy", "karmarkar_karp", "none")
+
+# items costlier than this fraction of the target bin load are placed by LPT / KK, the rest water-fill
+SMALL_FRACTION = 0.01
+
+
+def _as_costs(costs: np.ndarray) -> np.ndarray:
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim != 1:
+        raise ValueError("costs must be a 1-D array")
+    if len(c) and (not np.all(np.isfinite(c)) or c.min() < 0):
+        raise ValueError("costs must be finite and >= 0")
+    return c
+
+
+# ---- greedy (LPT) ---------------------------------------------------------------------------
+
+def _lpt_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
+                loads: np.ndarray, out: np.ndarray) -> None:
+    """Equal-count LPT by rounds, within groups: round r gives each bin of a group one item,
+    the round's largest item to the group's least loaded bin. Updates `loads` and `out` in place."""
+    if len(items) == 0:
+        return
+    n_groups = int(bin_group.max()) + 1 if len(bin_group) else 0
+    bins_per_group = np.bincount(bin_group, minlength=n_groups)
+    bin_first = np.concatenate([[0], np.cumsum(bins_per_group)[:-1]])
+    # items sorted by group, then cost descending (stable: ties keep item order -> deterministic)
+    ig = item_group[items]
+    order = np.lexsort((-costs[items], ig))
+    items = items[order]
+    ig = ig[order]
+    start = np.searchsorted(ig, np.arange(n_groups))
+    q = np.arange(len(items)) - start[ig]
+    nb = bins_per_group[ig]
+    rnd = q // nb
+    slot = q % nb
+    by_round = np.argsort(rnd, kind="stable")
+    bounds = np.searchsorted(rnd[by_round], np.arange(int(rnd.max()) + 2))
+    bin_order = np.lexsort((np.arange(len(loads)), loads, bin_group))
+    for r in range(len(bounds) - 1):
+        sel = by_round[bounds[r]:bounds[r + 1]]
+        if len(sel) == 0:
+            continue
+        if r:
+            bin_order = np.lexsort((np.arange(len(loads)), loads, bin_group))
+        b = bin_order[bin_first[ig[sel]] + slot[sel]]
+        out[items[sel]] = b
+        loads += np.bincount(b, weights=costs[items[sel]], minlength=len(loads))
+
+
+def _water_fill(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
+                loads: np.ndarray, out: np.ndarray) -> None:
+    """Fill each group's bins up to the group's mean load with small items, contiguously."""
+    if len(items) == 0:
+        return
+    n_groups = int(bin_group.max()) + 1
+    ig = item_group[items]
+    order = np.lexsort((-costs[items], ig))
+    items, ig = items[order], ig[order]
+    c = costs[items]
+    tot_items = np.bincount(ig, weights=c, minlength=n_groups)
+    tot_loads = np.bincount(bin_group, weights=loads, minlength=n_groups)
+    nbins = np.bincount(bin_group, minlength=n_groups)
+    target = (tot_items + tot_loads) / np.maximum(nbins, 1)
+    deficit = np.maximum(target[bin_group] - loads, 0.0)
+    dsum = np.bincount(bin_group, weights=deficit, minlength=n_groups)
+    scale = np.where(dsum > 0, tot_items / np.where(dsum > 0, dsum, 1.0), 0.0)
+    deficit = deficit * scale[bin_group]
+    # bins sorted by group (stable), cumulative deficit within the group
+    border = np.argsort(bin_group, kind="stable")
+    bg = bin_group[border]
+    cd = np.cumsum(deficit[border])
+    gstart_b = np.searchsorted(bg, np.arange(n_groups))
+    base_b = np.where(gstart_b > 0, cd[np.maximum(gstart_b - 1, 0)], 0.0)
+    cdg = cd - base_b[bg]  # cumulative within group
+    # cumulative item cost within group; place each item where its midpoint falls
+    ci = np.cumsum(c)
+    gstart_i = np.searchsorted(ig, np.arange(n_groups))
+    base_i = np.where(gstart_i > 0, ci[np.maximum(gstart_i - 1, 0)], 0.0)
+    mid = ci - base_i[ig] - 0.5 * c
+    # search within each group's slice of cdg: offset the keys by group so one searchsorted serves all
+    span = float(cdg.max() if len(cdg) else 0.0) + float(mid.max() if len(mid) else 0.0) + 1.0
+    keys_b = cdg + bg * span
+    keys_i = mid + ig * span
+    pos = np.searchsorted(keys_b, keys_i, side="right")
+    last = gstart_b + nbins - 1
+    pos = np.minimum(np.maximum(pos, gstart_b[ig]), last[ig])
+    b = border[pos]
+    out[items] = b
+    loads += np.bincount(b, weights=c, minlength=len(loads))
+
+
+# ---- Karmarkar-Karp (largest differencing, k-way) ------------------------------------------------
+
+def _kk_equal(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray | None) -> np.ndarray:
+    """Balanced largest differencing (BLDM): bins of `items`, equal counts (± 1); `init` pins loads to bins."""
+    k = n_bins
+    n = len(items)
+    c_items = costs[items]
+    order = np.argsort(-c_items, kind="stable")
+    rows = -(-n // k) if n else 0
+    pad = rows * k - n
+    vals = np.concatenate([c_items[order], np.zeros(pad)]).reshape(rows, k) if rows else np.zeros((0, k))
+    ids = np.concatenate([order, np.full(pad, -1, dtype=np.int64)]).reshape(rows, k) if rows else np.zeros((0, k), np.int64)
+    # nodes: leaves 0..rows-1 (chunks), optional init leaf, then merges
+    sums: list[np.ndarray] = [vals[r].copy() for r in range(rows)]
+    has_init = init is not None and np.any(init != 0)
+    if has_init:
+        sums.append(np.asarray(init, dtype=np.float64).copy())
+    n_leaves = len(sums)
+    children: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+    heap = [(-(float(s.max() - s.min())), i, i) for i, s in enumerate(sums)]
+    heapq.heapify(heap)
+    node_sums = {i: s for i, s in enumerate(sums)}
+    next_id = n_leaves
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        sa, sb = node_sums.pop(a), node_sums.pop(b)
+        oa = np.argsort(-sa, kind="stable")
+        ob = np.argsort(sb, kind="stable")
+        s = sa[oa] + sb[ob]
+        children.append((a, b, oa, ob))
+        node_sums[next_id] = s
+        heapq.heappush(heap, (-(float(s.max() - s.min())), next_id, next_id))
+        next_id += 1
+    if not node_sums:
+        return np.zeros(0, dtype=np.int64)
+    root = next(iter(node_sums))
+    # resolve: final subset index of each slot of every node, top-down
+    slot_map: dict[int, np.ndarray] = {root: np.arange(k)}
+    for nid in range(next_id - 1, n_leaves - 1, -1):
+        a, b, oa, ob = children[nid - n_leaves]
+        m = slot_map.pop(nid)
+        ma = np.empty(k, dtype=np.int64)
+        ma[oa] = m
+        mb = np.empty(k, dtype=np.int64)
+        mb[ob] = m
+        slot_map[a] = ma
+        slot_map[b] = mb
+    # subset -> bin: identity, unless an init leaf pins subsets to bins
+    subset_to_bin = np.arange(k)
+    if has_init:
+        m = slot_map[n_leaves - 1]  # slot b of the init leaf (= bin b) -> final subset
+        subset_to_bin = np.empty(k, dtype=np.int64)
+        subset_to_bin[m] = np.arange(k)
+    out = np.empty(n, dtype=np.int64)
+    for r in range(rows):
+        sel = ids[r] >= 0
+        out[ids[r][sel]] = subset_to_bin[slot_map[r][sel]]
+    return out
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+def assign(costs: np.ndarray, n_bins: int, method: str = "greedy", *, equal_count: bool = False,
+           init: np.ndarray | None = None, group_size: int | None = None,
+           small_fraction: float = SMALL_FRACTION) -> np.ndarray:
+    """Bin (0..n_bins-1) of every item.
+
+    method: 'greedy' (LPT), 'karmarkar_karp' (largest differencing) or 'none' (round robin in
+    item order, the unbalanced baseline). equal_count: every bin gets len(costs) // n_bins items
+    or one more. init: loads the bins start with. group_size: bins are cut into groups of that many
+    consecutive bins; items are first balanced over the groups, then inside each group.
+    """
+    costs = _as_costs(costs)
+    n = len(costs)
+    if n_bins < 1:
+        raise ValueError("n_bins must be >= 1")
+    if method not in METHODS:
+        raise ValueError(f"unknown balance method {method!r} (expected one of {', '.join(METHODS)})")
+    init = None if init is None else np.asarray(init, dtype=np.float64)
+    if init is not None and init.shape != (n_bins,):
+        raise ValueError(f"init must have one load per bin ({n_bins})")
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if method == "none":
+        if equal_count:
+            per = -(-n // n_bins)
+            return np.minimum(np.arange(n) // per, n_bins - 1).astype(np.int64)
+        return (np.arange(n) % n_bins).astype(np.int64)
+    if group_size and 1 < group_size < n_bins:
+        return _assign_grouped(costs, n_bins, method, equal_count, init, int(group_size), small_fraction)
+    group = np.zeros(n, dtype=np.int64)
+    bin_group = np.zeros(n_bins, dtype=np.int64)
+    return _assign_in_groups(costs, group, bin_group, method, equal_count, init, small_fraction)
+
+
+def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray, method: str,
+                      equal_count: bool, init: np.ndarray | None, small_fraction: float) -> np.ndarray:
+    n_bins = len(bin_group)
+    loads = np.zeros(n_bins) if init is None else init.astype(np.float64).copy()
+    out = np.full(len(costs), -1, dtype=np.int64)
+    everything = np.arange(len(costs))
+    single = int(bin_group.max()) == 0
+    if equal_count:
+        if method == "greedy" or not single:
+            if method == "karmarkar_karp":
+                # KK per group (groups are small when group_size is used)
+                for g in range(int(bin_group.max()) + 1):
+                    its = everything[item_group == g]
+                    bins = np.nonzero(bin_group == g)[0]
+                    out[its] = bins[_kk_equal(costs, its, len(bins), None if init is None else init[bins])]
+                return out
+            _lpt_rounds(costs, everything, item_group, bin_group, loads, out)
+            return out
+        return _kk_equal(costs, everything, n_bins, init)
+    # free count: big items by the method, small ones water-fill
+    n_groups = int(bin_group.max()) + 1
+    tot = np.bincount(item_group, weights=costs, minlength=n_groups) + np.bincount(bin_group, weights=loads, minlength=n_groups)
+    target = tot / np.maximum(np.bincount(bin_group, minlength=n_groups), 1)
+    big = costs > small_fraction * target[item_group]
+    big_items = everything[big]
+    if method == "karmarkar_karp" and len(big_items):
+        if single:
+            out[big_items] = _kk_equal(costs, big_items, n_bins, loads if np.any(loads) else None)
+        else:
+            for g in range(n_groups):
+                its = big_items[item_group[big_items] == g]
+                bins = np.nonzero(bin_group == g)[0]
+                if len(its):
+                    out[its] = bins[_kk_equal(costs, its, len(bins), loads[bins] if np.any(loads[bins]) else None)]
+        loads += np.bincount(out[big_items], weights=costs[big_items], minlength=n_bins)
+    else:
+        _lpt_rounds(costs, big_items, item_group, bin_group, loads, out)
+    _water_fill(costs, everything[~big], item_group, bin_group, loads, out)
+    return out
+
+
+def _assign_grouped(costs: np.ndarray, n_bins: int, method: str, equal_count: bool, init: np.ndarray | None,
+                    group_size: int, small_fraction: float) -> np.ndarray:
+    n_groups = -(-n_bins // group_size)
+    bin_group = np.arange(n_bins) // group_size
+    members = np.bincount(bin_group, minlength=n_groups)
+    n = len(costs)
+    # level 1: items onto groups, each group weighted by its number of bins
+    if equal_count:
+        # a group of m bins takes m shares of items: balance over virtual bins, then fold
+        virt = assign(costs, n_bins, method, equal_count=True, init=init, small_fraction=small_fraction)
+        item_group = bin_group[virt]
+    else:
+        ginit = np.bincount(bin_group, weights=init, minlength=n_groups) if init is not None else None
+        # balance per-bin averages: scale costs by 1/members of the target group is not possible before
+        # assignment, so weight groups equally when they are equally sized (the common case)
+        item_group = assign(costs, n_groups, method, init=ginit, small_fraction=small_fraction)
+        if np.any(members != members[0]):
+            # uneven last group: move the excess of over-full groups by a proportional re-split
+            item_group = _proportional_groups(costs, members)
+    del n
+    return _assign_in_groups(costs, item_group, bin_group, method, equal_count, init, small_fraction)
+
+
+def _proportional_groups(costs: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """Items onto groups of unequal size by water-filling group shares proportional to their bins."""
+    n_groups = len(members)
+    item_group = np.zeros(len(costs), dtype=np.int64)
+    bin_group = np.repeat(np.arange(n_groups), members)
+    out = np.full(len(costs), -1, dtype=np.int64)
+    loads = np.zeros(len(bin_group))
+    _lpt_rounds(costs, np.arange(len(costs)), item_group, np.zeros(len(bin_group), np.int64), loads, out)
+    return bin_group[out]
+
+
+def bin_loads(assignment: np.ndarray, costs: np.ndarray, n_bins: int) -> np.ndarray:
+    return np.bincount(np.asarray(assignment, dtype=np.int64), weights=_as_costs(costs), minlength=n_bins)
+
+
+def imbalance(loads: np.ndarray) -> float:
+    """max / mean of bin loads (1.0 is perfect)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    m = loads.mean() if len(loads) else 0.0
+    return float(loads.max() / m) if m > 0 else 1.0
+
+
+# ---- packing pieces into rows with balanced costs ---------------------------------------------------
+
+def pack_balanced(lengths: np.ndarray, costs: np.ndarray, n_rows: int, seq_len: int,
+                  method: str = "greedy") -> np.ndarray | None:
+    """Rows (0..n_rows-1) for pieces so that no row exceeds seq_len tokens and row costs are even.
+
+    Long pieces (more than seq_len / 8 tokens) are spread over rows by LPT rounds (or KK) on cost,
+    each only into a row with room; the rest fill the remaining room by tokens, in a few vectorised
+    passes, and a final best-fit pass places stragglers. Returns None when the pieces cannot all be
+    placed this way (the caller then keeps a packing it already knows to be feasible).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    costs = _as_costs(costs)
+    n = len(lengths)
+    out = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return out
+    if lengths.max() > seq_len or lengths.min() <= 0:
+        raise ValueError("pieces must be in 1..seq_len tokens")
+    if lengths.sum() > n_rows * seq_len:
+        return None
+    free = np.full(n_rows, seq_len, dtype=np.int64)
+    loads = np.zeros(n_rows)
+    big = lengths > seq_len // 8
+    big_items = np.nonzero(big)[0]
+    if len(big_items):
+        if method == "karmarkar_karp":
+            trial = np.full(n, -1, dtype=np.int64)
+            trial[big_items] = _kk_equal(costs, big_items, n_rows, None)
+            rows_tok = np.bincount(trial[big_items], weights=lengths[big_items], minlength=n_rows)
+            if np.all(rows_tok <= seq_len):
+                out[big_items] = trial[big_items]
+            else:
+                method = "greedy"
+        if method != "karmarkar_karp" or out[big_items[0]] < 0:
+            order = big_items[np.argsort(-costs[big_items], kind="stable")]
+            pending = order
+            for _ in range(64):
+                if len(pending) == 0:
+                    break
+                room_order = np.lexsort((np.arange(n_rows), loads))
+                take = pending[:n_rows]
+                cand = room_order[: len(take)]
+                ok = free[cand] >= lengths[take]
+                # rows are distinct within a round, so accepted pieces never collide
+                acc = take[ok]
+                out[acc] = cand[ok]
+                np.subtract.at(free, cand[ok], lengths[acc])
+                np.add.at(loads, cand[ok], costs[acc])
+                rejected = take[~ok]
+                if len(rejected) == len(take):
+                    # nothing fitted in the load order: best fit by room for these
+                    for i in rejected:
+                        fits = np.nonzero(free >= lengths[i])[0]
+                        if len(fits) == 0:
+                            return None
+                        r = fits[np.argmin(free[fits])]
+                        out[i] = r
+                        free[r] -= lengths[i]
+                        loads[r] += costs[i]
+                    rejected = rejected[:0]
+                pending = np.concatenate([rejected, pending[len(take):]])
+            if len(pending):
+                return None
+        else:
+            np.subtract.at(free, out[big_items], lengths[big_items])
+            np.add.at(loads, out[big_items], costs[big_items])
+    small = np.nonzero(~big)[0]
+    small = small[np.argsort(-lengths[small], kind="stable")]
+    for _ in range(8):
+        if len(small) == 0:
+            break
+        room_rows = np.nonzero(free > 0)[0]
+        if len(room_rows) == 0:
+            return None
+        # rows with the least cost first take the most
+        room_rows = room_rows[np.argsort(loads[room_rows], kind="stable")]
+        cum_room = np.cumsum(free[room_rows])
+        cum_len = np.cumsum(lengths[small])
+        end = cum_len
+        beg = cum_len - lengths[small]
+        r_end = np.searchsorted(cum_room, end, side="left")
+        r_beg = np.searchsorted(cum_room, beg, side="right")
+        fits = (r_end == r_beg) & (r_end < len(room_rows))
+        rows = room_rows[np.minimum(r_end, len(room_rows) - 1)]
+        acc = small[fits]
+        out[acc] = rows[fits]
+        np.subtract.at(free, rows[fits], lengths[acc])
+        np.add.at(loads, rows[fits], costs[acc])
+        small = small[~fits]
+    for i in small:  # stragglers: best fit by room
+        fits = np.nonzero(free >= lengths[i])[0]
+        if len(fits) == 0:
+            return None
+        r = fits[np.argmin(free[fits])]
+        out[i] = r
+        free[r] -= lengths[i]
+        loads[r] += costs[i]
+    return out
