@@ -224,26 +224,37 @@ class DeficitSampler:
             self.realized[:] = 0.0
             self.unit_max = 0.0
 
-    def pick(self, probs: np.ndarray, eligible: np.ndarray, sizes: np.ndarray | float = 1.0,
-             scale: float | None = None) -> int:
+    def pick(self, probs: np.ndarray, eligible: np.ndarray, unit: float = 1.0, *,
+             sizes: np.ndarray | None = None, scale: float | None = None) -> int:
         """Index of the next source, or -1 if none is eligible (reference implementation; the planner's
-        select() inlines the same rule). sizes: what each source's next sample adds (1 for samples)."""
+        select() inlines the sizes form).
+
+        sizes given (what each source's next sample adds; the planner knows them): the EDF rule with
+        L = scale (default: the largest size seen in the segment). Else unit > 0: samples of `unit`
+        each, Tijdeman's rule (within 1 - 1/(2k-2) units). Else (unit == 0, sizes unknown until
+        after the pick): the largest deficit (ahead by less than one document).
+        """
         probs = np.asarray(probs, dtype=np.float64)
         mask = np.asarray(eligible, dtype=bool) & (probs > 0)
         if not mask.any():
             return -1
-        l = np.broadcast_to(np.asarray(sizes, dtype=np.float64), probs.shape)
-        L = float(scale if scale is not None else max(self.unit_max, float(l[mask].max()), 1e-12))
-        self.unit_max = max(self.unit_max, L)
-        delta = slack(int(mask.sum()))
-        T = float(self.realized.sum())
         r = self.realized
-        released = mask & (r + l - probs * (T + l) <= delta * L + 1e-9 * L)
+        T = float(r.sum())
+        if sizes is None and unit <= 0:
+            return int(np.argmax(np.where(mask, probs * T - r, -np.inf)))
+        if sizes is None:
+            l = np.full(probs.shape, float(unit))
+            L = float(unit)
+        else:
+            l = np.broadcast_to(np.asarray(sizes, dtype=np.float64), probs.shape)
+            L = float(scale if scale is not None else max(self.unit_max, float(l[mask].max()), 1e-12))
+            self.unit_max = max(self.unit_max, L)
+        delta = slack(int((probs > 0).sum())) * L
+        released = mask & (r + l - probs * (T + l) <= delta + 1e-9 * L)
         if released.any():
-            deadline = np.where(released, (r + delta * L) / np.where(probs > 0, probs, 1.0), np.inf)
+            deadline = np.where(released, (r + delta) / np.where(probs > 0, probs, 1.0), np.inf)
             return int(np.argmin(deadline))  # ties -> lowest index: deterministic
-        score = np.where(mask, probs * (T + l) - r, -np.inf)
-        return int(np.argmax(score))
+        return int(np.argmax(np.where(mask, probs * (T + l) - r, -np.inf)))
 
     def record(self, source: int, amount: float) -> None:
         self.realized[source] += amount

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -138,7 +140,9 @@ class RuntimeSpec(_Model):
     host: str = Field("127.0.0.1", description="Interface the embedded runtime binds to.")
     planner_port: int = Field(0, ge=0, le=65535, description="Planner port; 0 picks a free one.")
     metrics: bool = Field(True, description="Serve Prometheus /metrics from every component.")
-    window: int = Field(512, ge=8, description="Samples per loader replica the planner sees (the loader's read-ahead window).")
+    window: int = Field(256, ge=1, description="Samples per loader replica the planner sees at least (its read-ahead window).")
+    window_tokens: int | None = Field(None, ge=1, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
+    window_max: int = Field(65536, ge=1, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
     prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
     constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
@@ -181,6 +185,12 @@ class DataMixtureSpec(_Model):
     @property
     def tokens_per_step(self) -> int:
         return self.rows_per_step * self.batch.seq_len
+
+    def window_bounds(self, source: int) -> tuple[int, int, int]:
+        """(min samples, min unconsumed tokens, max samples) of each loader replica's window of this source."""
+        r = self.runtime
+        tokens = r.window_tokens if r.window_tokens is not None else max(2 * self.tokens_per_step // self.sources[source].replicas, 2 * self.batch.seq_len)
+        return min(r.window, r.window_max), tokens, r.window_max
 
 
 @dataclass(frozen=True)
@@ -432,7 +442,8 @@ def reference_markdown() -> str:
         nested: list[tuple[type[BaseModel], str]] = []
         for fname, f in model.model_fields.items():
             ann = f.annotation
-            tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+            tname = ann.__name__ if isinstance(ann, type) and not typing.get_args(ann) else str(ann)
+            tname = re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", tname).replace("NoneType", "None")
             if f.is_required():
                 default = "required"
             else:

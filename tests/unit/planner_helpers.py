@@ -63,20 +63,17 @@ def sample_meta(source: int, replica: int, pos: np.ndarray, seq_len: int, *, hea
 
 
 def fill(planner: StepPlanner, *, heavy: bool = True, images: bool = False) -> None:
-    """Top every window up to capacity from its deterministic stream, skipping consumed positions."""
+    """Top every window up from its deterministic stream (skipping consumed positions) until it is full,
+    exactly as a loader announces the shortest stream prefix that fills it."""
     S = planner.spec.batch.seq_len
     for w in planner.windows:
-        need = w.capacity - len(w)
-        if need <= 0:
-            continue
-        pos = []
         p = w.next_pos
-        while len(pos) < need:
-            if p not in w.skip:
-                pos.append(p)
+        while not w.ready:
+            while p in w.skip:
+                p += 1
+            pos_a, key, tok, pat = sample_meta(w.source, w.replica, np.array([p]), S, heavy=heavy, images=images)
+            w.add(pos_a, key, tok, pat)
             p += 1
-        pos_a, key, tok, pat = sample_meta(w.source, w.replica, np.array(pos), S, heavy=heavy, images=images)
-        w.add(pos_a, key, tok, pat)
 
 
 def run(planner: StepPlanner, steps: int, **kw) -> list:

@@ -26,13 +26,20 @@ class WindowError(ValueError):
     """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
 
 
+def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:
+    """The one predicate loaders and planner share, so both agree on a window's exact content."""
+    return samples >= max_samples or (samples >= min_samples and unconsumed_tokens >= min_tokens)
+
+
 class ReplicaWindow:
     """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order."""
 
-    def __init__(self, source: int, replica: int, capacity: int):
+    def __init__(self, source: int, replica: int, min_samples: int, min_tokens: int = 0, max_samples: int | None = None):
         self.source = source
         self.replica = replica
-        self.capacity = capacity
+        self.min_samples = min_samples
+        self.min_tokens = min_tokens
+        self.capacity = max_samples if max_samples is not None else min_samples
         self.pos = np.zeros(0, np.int64)
         self.key = np.zeros(0, np.int64)
         self.tokens = np.zeros(0, np.int64)
@@ -48,8 +55,13 @@ class ReplicaWindow:
         return len(self.pos)
 
     @property
+    def unconsumed_tokens(self) -> int:
+        return int((self.tokens - self.done).sum())
+
+    @property
     def ready(self) -> bool:
-        return len(self.pos) >= self.capacity or self.dry
+        """Full: the loader has announced the shortest stream prefix meeting both minimums (or the cap)."""
+        return window_full(len(self.pos), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.capacity) or self.dry
 
     def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
         pos = np.asarray(pos, np.int64)
@@ -66,7 +78,13 @@ class ReplicaWindow:
             raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
         if len(self.pos) + len(pos) > self.capacity:
             raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + len(pos)} > {self.capacity})")
-        done = np.array([self.restored_done.pop(int(p), 0) for p in pos], dtype=np.int64)
+        done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+        toks = np.asarray(tokens, np.int64)
+        before_last = self.unconsumed_tokens + int((toks[:-1] - done[:-1]).sum())
+        if window_full(len(self.pos) + len(pos) - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
+            raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {int(pos[0])})")
+        for p in pos:
+            self.restored_done.pop(int(p), None)
         self.pos = np.concatenate([self.pos, pos])
         self.key = np.concatenate([self.key, np.asarray(key, np.int64)])
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
@@ -97,7 +115,7 @@ class ReplicaWindow:
                 "partial": {str(int(p)): int(d) for p, d in zip(self.pos, self.done) if d > 0}}
 
     def restore(self, cur: dict[str, Any]) -> None:
-        self.__init__(self.source, self.replica, self.capacity)  # type: ignore[misc]
+        self.__init__(self.source, self.replica, self.min_samples, self.min_tokens, self.capacity)  # type: ignore[misc]
         self.low = self.next_pos = int(cur["low"])
         self.skip = {int(p) for p in cur.get("skip", [])}
         self.restored_done = {int(p): int(d) for p, d in cur.get("partial", {}).items()}
@@ -247,8 +265,9 @@ class StepPlanner:
         self.strategy = strategy or vanilla_strategy
         self.windows: list[ReplicaWindow] = []
         for si, s in enumerate(spec.sources):
+            lo, tokens, hi = spec.window_bounds(si)
             for r in range(s.replicas):
-                self.windows.append(ReplicaWindow(si, r, spec.runtime.window))
+                self.windows.append(ReplicaWindow(si, r, lo, tokens, hi))
         self.next_step = 0
         self.tree = ClientPlaceTree.from_spec(spec)
         self.dp = self.tree.backbone.dp

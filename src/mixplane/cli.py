@@ -1,0 +1,299 @@
+"""The `mixplane` command: validate, run, demo, replay, status, update, and component entrypoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_INVALID = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _load(path: str, check_files: bool = True):
+    from mixplane.spec import SpecError, load_spec
+
+    try:
+        return load_spec(path, check_files=check_files)
+    except SpecError as e:
+        for p in e.problems:
+            print(f"{e.origin}: {p}", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID) from None
+
+
+def _load_resolved(path: str):
+    """Specs written by the runtime (JSON, paths already absolute)."""
+    from mixplane.spec import DataMixtureSpec
+
+    return DataMixtureSpec.model_validate_json(Path(path).read_text())
+
+
+def _on_sigterm(server: Any) -> None:
+    def stop(*_: object) -> None:
+        server.stopped = True
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from mixplane.spec import SpecError, load_spec
+
+    bad = 0
+    for f in args.files:
+        try:
+            load_spec(f, check_files=not args.no_files)
+        except SpecError as e:
+            for p in e.problems:
+                print(f"{e.origin}: {p}")
+            bad += 1
+        else:
+            if not args.quiet:
+                print(f"{f}: valid", file=sys.stderr)
+    return EXIT_INVALID if bad else 0
+
+
+def cmd_planner(args: argparse.Namespace) -> int:
+    from mixplane.planner.server import PlannerServer
+    from mixplane.runtime import write_ready
+
+    spec = _load_resolved(args.spec)
+    srv = PlannerServer(spec, args.bind, run_dir=args.run_dir)
+    _on_sigterm(srv)
+    write_ready(args.ready_file, {"endpoint": srv.endpoint, "metrics_port": srv.metrics_port})
+    srv.run()
+    return 0
+
+
+def cmd_constructor(args: argparse.Namespace) -> int:
+    from mixplane.constructor.server import ConstructorServer
+    from mixplane.runtime import write_ready
+
+    spec = _load_resolved(args.spec)
+    srv = ConstructorServer(spec, args.index, args.planner, host=args.host or spec.runtime.host)
+    _on_sigterm(srv)
+    write_ready(args.ready_file, {"data_endpoint": srv.data_endpoint, "client_endpoint": srv.client_endpoint,
+                                  "metrics_port": srv.metrics_port})
+    srv.run()
+    return 0
+
+
+def cmd_loader(args: argparse.Namespace) -> int:
+    from mixplane.loader.server import LoaderServer
+    from mixplane.runtime import write_ready
+
+    spec = _load_resolved(args.spec)
+    srv = LoaderServer(spec, spec.source_index(args.source), args.replica, args.planner)
+    _on_sigterm(srv)
+    write_ready(args.ready_file, {"metrics_port": srv.metrics_port, "source": args.source, "replica": args.replica})
+    srv.run()
+    return 0
+
+
+def format_progress(st: dict[str, Any], tok_rate: float) -> str:
+    parts = [f"step {st['planned_through']:>6}", f"phase {st['phase']}", f"{tok_rate / 1e3:8.1f}k tok/s"]
+    for n, t, r in zip(st["sources"], st["target"], st["realized_phase"]):
+        parts.append(f"{n} {100 * r:5.1f}% ({100 * t:.1f}%)")
+    if st.get("waiting"):
+        parts.append("waiting: " + ",".join(st["waiting"]))
+    return " | ".join(parts)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from mixplane.runtime import EmbeddedRuntime
+
+    spec = _load(args.file)
+    rt = EmbeddedRuntime(spec, args.run_dir, log_level=args.log_level)
+    stop = {"flag": False}
+
+    def on_signal(*_: object) -> None:
+        stop["flag"] = True
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    rt.start()
+    try:
+        eps = rt.endpoints()
+        print(f"mixplane: mixture {spec.name!r} running; run dir {eps['run_dir']}")
+        print(f"  planner      {eps['planner']}   (export MIXPLANE_PLANNER={eps['planner']})")
+        for name, info in eps["components"].items():
+            extra = " ".join(f"{k}={v}" for k, v in info.items() if k.endswith("endpoint") or k == "metrics_port")
+            print(f"  {name:<28} pid {info['pid']:<7} {extra}")
+        sys.stdout.flush()
+        last_tok, last_t = 0, time.monotonic()
+        t_end = None if args.max_seconds is None else time.monotonic() + args.max_seconds
+        while not stop["flag"] and (t_end is None or time.monotonic() < t_end):
+            time.sleep(1.0)
+            dead = rt.dead()
+            if dead:
+                print(f"mixplane: component(s) exited: {dead}; see {rt.run_dir / 'logs'}", file=sys.stderr)
+                return 1
+            try:
+                st = rt.status()
+            except (TimeoutError, RuntimeError) as e:
+                print(f"mixplane: status: {e}", file=sys.stderr)
+                continue
+            now = time.monotonic()
+            rate = (st["tokens_planned"] - last_tok) / max(now - last_t, 1e-9)
+            last_tok, last_t = st["tokens_planned"], now
+            line = format_progress(st, rate)
+            if sys.stdout.isatty():
+                print("\r" + line[:200], end="", flush=True)
+            else:
+                print(line, flush=True)
+    finally:
+        rt.stop()
+        print("\nmixplane: stopped", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mixplane.runtime import request
+    from mixplane.wire import Kind
+
+    print(json.dumps(request(args.planner, Kind.STATUS, {}, args.timeout), indent=1))
+    return 0
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    from mixplane.runtime import request
+    from mixplane.wire import Kind
+
+    weights = {}
+    for kv in args.weight:
+        k, _, v = kv.partition("=")
+        weights[k] = float(v)
+    meta: dict[str, Any] = {"weights": weights, "effective_step": args.step}
+    if args.lr_scale is not None:
+        meta["lr_scale"] = args.lr_scale
+    try:
+        print(json.dumps(request(args.planner, Kind.UPDATE_MIXTURE, meta, args.timeout)))
+    except RuntimeError as e:
+        print(f"mixplane update: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo_data(args: argparse.Namespace) -> int:
+    from mixplane.demo.data import build_demo_data
+
+    summary = build_demo_data(Path(args.dir), max_mb=args.max_mb, vocab_size=args.vocab)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mixplane.demo.train import run_demo
+
+    return run_demo(Path(args.dir), steps=args.steps, ranks=args.ranks, quick=args.quick)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from mixplane.replay import replay_step
+
+    spec = _load(args.file)
+    out = replay_step(spec, step=args.step, rank=args.rank, run_dir=args.run_dir, save=args.out)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    try:
+        from mixplane.operator.main import run_operator
+    except ImportError as e:
+        print(f"mixplane operator: not available ({e})", file=sys.stderr)
+        return 1
+    return run_operator(namespace=args.namespace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mixplane", description="Disaggregated multisource data plane for foundation-model training.")
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("validate", help="check DataMixture files; exit 2 with one line per problem")
+    v.add_argument("files", nargs="+")
+    v.add_argument("--no-files", action="store_true", help="do not look at data files and tokenizers")
+    v.add_argument("-q", "--quiet", action="store_true")
+    v.set_defaults(fn=cmd_validate)
+
+    d = sub.add_parser("demo-data", help="build the demo sources (Parquet) and tokenizer from local text")
+    d.add_argument("dir")
+    d.add_argument("--max-mb", type=float, default=24.0, help="text per source, in MB")
+    d.add_argument("--vocab", type=int, default=8192)
+    d.set_defaults(fn=cmd_demo_data)
+
+    r = sub.add_parser("run", help="run a mixture with the embedded runtime")
+    r.add_argument("file")
+    r.add_argument("--run-dir")
+    r.add_argument("--max-seconds", type=float)
+    r.set_defaults(fn=cmd_run)
+
+    dm = sub.add_parser("demo", help="train a small GPT on 2 ranks fed by mixplane")
+    dm.add_argument("--dir", default=".mixplane/demo-data")
+    dm.add_argument("--steps", type=int, default=200)
+    dm.add_argument("--ranks", type=int, default=2)
+    dm.add_argument("--quick", action="store_true")
+    dm.set_defaults(fn=cmd_demo)
+
+    rp = sub.add_parser("replay", help="rebuild the batch one rank got at one step")
+    rp.add_argument("file")
+    rp.add_argument("--step", type=int, required=True)
+    rp.add_argument("--rank", type=int, required=True)
+    rp.add_argument("--run-dir")
+    rp.add_argument("--out", help="save the batch as .npz")
+    rp.set_defaults(fn=cmd_replay)
+
+    st = sub.add_parser("status", help="progress of a running mixture")
+    st.add_argument("--planner", required=True)
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(fn=cmd_status)
+
+    up = sub.add_parser("update", help="change mixture weights from a given step")
+    up.add_argument("--planner", required=True)
+    up.add_argument("--step", type=int, required=True)
+    up.add_argument("--weight", action="append", default=[], metavar="SOURCE=W")
+    up.add_argument("--lr-scale", type=float)
+    up.add_argument("--timeout", type=float, default=5.0)
+    up.set_defaults(fn=cmd_update)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator")
+    op.add_argument("--namespace")
+    op.set_defaults(fn=cmd_operator)
+
+    for name, fn in (("planner", cmd_planner), ("constructor", cmd_constructor), ("loader", cmd_loader)):
+        c = sub.add_parser(name, help=f"run one {name} (used by the runtime and by pods)")
+        c.add_argument("--spec", required=True, help="resolved spec (JSON) written by the runtime or the operator")
+        c.add_argument("--ready-file")
+        if name == "planner":
+            c.add_argument("--bind", default="tcp://127.0.0.1:*")
+            c.add_argument("--run-dir")
+        else:
+            c.add_argument("--planner", required=True)
+        if name == "constructor":
+            c.add_argument("--index", type=int, required=True)
+            c.add_argument("--host")
+        if name == "loader":
+            c.add_argument("--source", required=True)
+            c.add_argument("--replica", type=int, default=0)
+        c.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

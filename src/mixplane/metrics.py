@@ -1,0 +1,94 @@
+"""Prometheus metrics of every component, in one place so dashboards and code agree on names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    # wire (all components)
+    bad_messages: Counter
+    # planner
+    steps_planned: Counter
+    plan_seconds: Histogram
+    planner_step: Gauge
+    planner_phase: Gauge
+    source_tokens: Counter
+    source_samples: Counter
+    target_fraction: Gauge
+    realized_fraction: Gauge
+    window_samples: Gauge
+    planner_waiting: Gauge
+    packing_efficiency: Gauge
+    mixture_generation: Gauge
+    # loader
+    loader_samples_read: Counter
+    loader_tokens: Counter
+    loader_bytes_sent: Counter
+    loader_quarantined_pages: Counter
+    loader_buffer_samples: Gauge
+    loader_dry: Gauge
+    loader_read_seconds: Histogram
+    # constructor
+    constructor_steps: Counter
+    constructor_build_seconds: Histogram
+    constructor_bytes_sent: Counter
+    constructor_pending_steps: Gauge
+    constructor_client_wait_seconds: Histogram
+
+
+def make_metrics(component: str) -> Metrics:
+    """A fresh registry per process/component (tests create several in one process)."""
+    r = CollectorRegistry()
+    lbl = ["component"]
+
+    def c(name: str, doc: str, labels: list[str] | None = None) -> Counter:
+        return Counter(name, doc, labels or [], registry=r)
+
+    def g(name: str, doc: str, labels: list[str] | None = None) -> Gauge:
+        return Gauge(name, doc, labels or [], registry=r)
+
+    def h(name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=_FAST, registry=r)
+
+    m = Metrics(
+        registry=r,
+        bad_messages=c("mixplane_wire_bad_messages_total", "Malformed or unexpected messages dropped", lbl + ["reason"]),
+        steps_planned=c("mixplane_planner_steps_planned_total", "Steps planned"),
+        plan_seconds=h("mixplane_planner_plan_seconds", "Time to plan one step"),
+        planner_step=g("mixplane_planner_step", "Last planned step"),
+        planner_phase=g("mixplane_planner_phase", "Mixture phase of the last planned step"),
+        source_tokens=c("mixplane_planner_tokens_total", "Tokens planned per source", ["source"]),
+        source_samples=c("mixplane_planner_samples_total", "Samples planned per source", ["source"]),
+        target_fraction=g("mixplane_planner_target_fraction", "Target share of each source in the current phase", ["source"]),
+        realized_fraction=g("mixplane_planner_realized_fraction", "Realised share of each source in the current phase", ["source"]),
+        window_samples=g("mixplane_planner_window_samples", "Samples visible in a loader replica's window", ["source", "replica"]),
+        planner_waiting=g("mixplane_planner_waiting_windows", "Loader windows the next step is waiting for"),
+        packing_efficiency=g("mixplane_planner_packing_efficiency", "Fraction of row tokens holding data in the last step"),
+        mixture_generation=g("mixplane_planner_mixture_generation", "Spec generation in force"),
+        loader_samples_read=c("mixplane_loader_samples_read_total", "Samples read and transformed", ["source"]),
+        loader_tokens=c("mixplane_loader_tokens_total", "Tokens produced", ["source"]),
+        loader_bytes_sent=c("mixplane_loader_bytes_sent_total", "Payload bytes sent to constructors", ["source"]),
+        loader_quarantined_pages=c("mixplane_loader_quarantined_pages_total", "Bad units (pages, row groups, files) skipped", ["source"]),
+        loader_buffer_samples=g("mixplane_loader_buffer_samples", "Samples held in the read buffer", ["source"]),
+        loader_dry=g("mixplane_loader_dry", "1 while a live source has no new data", ["source"]),
+        loader_read_seconds=h("mixplane_loader_read_seconds", "Time to read and transform one chunk"),
+        constructor_steps=c("mixplane_constructor_steps_total", "Steps materialised"),
+        constructor_build_seconds=h("mixplane_constructor_build_seconds", "Time to materialise one step"),
+        constructor_bytes_sent=c("mixplane_constructor_bytes_sent_total", "Bytes delivered to clients"),
+        constructor_pending_steps=g("mixplane_constructor_pending_steps", "Steps planned but not yet complete"),
+        constructor_client_wait_seconds=h("mixplane_constructor_client_wait_seconds", "How long a client request waited for its step"),
+    )
+    return m
+
+
+def serve_metrics(m: Metrics, host: str = "127.0.0.1", port: int = 0) -> int:
+    """Start /metrics on a background thread; returns the bound port."""
+    server, _thread = start_http_server(port, addr=host, registry=m.registry)
+    return int(server.server_port)

@@ -1,0 +1,343 @@
+"""Planner server: the rendezvous of a mixture and the one place where steps are planned.
+
+Thin shell over `planner.core.StepPlanner`: registers loaders and constructors, feeds loader
+metadata into windows, plans steps when constructors need them, tells each loader what to send
+where and each constructor what to build, journals every step, answers status and updates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from mixplane import wire
+from mixplane.metrics import make_metrics, serve_metrics
+from mixplane.planner.core import StepPlan, StepPlanner, WindowError
+from mixplane.planner.strategies import resolve_strategy
+from mixplane.spec import DataMixtureSpec
+from mixplane.topology import backbone_coords, constructor_groups, dp_ranks_of_group
+from mixplane.wire import Kind, WireError
+
+log = logging.getLogger("mixplane.planner")
+
+
+@dataclass
+class ConstructorPeer:
+    index: int
+    identity: bytes
+    data_endpoint: str
+    client_endpoint: str
+    ranks: list[int]
+    dp_ranks: list[int]
+
+
+@dataclass
+class PlannerState:
+    """Progress that status replies and the progress line report."""
+
+    realized_tokens: np.ndarray
+    started: float = field(default_factory=time.monotonic)
+    tokens_planned: int = 0
+
+
+class PlannerServer:
+    def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
+                 run_dir: str | None = None, metrics_port: int | None = 0):
+        self.spec = spec
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.core = StepPlanner(spec, resolve_strategy(spec))
+        self.groups = constructor_groups(spec)
+        self.constructors: dict[int, ConstructorPeer] = {}
+        self.loaders: dict[tuple[int, int], bytes] = {}
+        self.pending_loader_welcome: set[tuple[int, int]] = set()
+        self.pending_routes: list[tuple[bytes, int]] = []
+        self.session = 0
+        self.session_start: dict[str, Any] = self.core.cursor()
+        self.need_through = -1
+        self.planned_through = -1
+        self.generation = 0
+        self.names = spec.source_names()
+        self.state = PlannerState(np.zeros(len(self.names)))
+        self.stopped = False
+        self.run_dir = run_dir
+        self.journal = open(os.path.join(run_dir, "journal.jsonl"), "a") if run_dir else None
+        self.m = make_metrics("planner")
+        self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
+        self._dp_to_constructors: dict[int, list[int]] = {}
+        for ci, ranks in enumerate(self.groups):
+            for d in dp_ranks_of_group(spec, ranks):
+                self._dp_to_constructors.setdefault(d, []).append(ci)
+
+    # -- helpers ------------------------------------------------------------------------
+    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
+        wire.send(self.sock, kind, meta, arrays, route=[identity])
+
+    @property
+    def all_constructors(self) -> bool:
+        return len(self.constructors) == len(self.groups)
+
+    def _welcome_loader(self, key: tuple[int, int]) -> None:
+        eps = [self.constructors[i].data_endpoint for i in range(len(self.groups))]
+        w = self.core.window(*key)
+        # the window restarts from its cursor: the loader re-sends every unconsumed sample
+        cur = w.cursor()
+        w.restore(cur)
+        self._send(self.loaders[key], Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": cur})
+
+    def _route_reply(self, identity: bytes, rank: int) -> None:
+        if not 0 <= rank < self.spec.world_size:
+            self._send(identity, Kind.ERROR, {"error": f"rank {rank} outside world of size {self.spec.world_size}"})
+            return
+        ci = next(i for i, g in enumerate(self.groups) if rank in g)
+        c = self.constructors[ci]
+        self._send(identity, Kind.ROUTE_REPLY, {
+            "constructor": ci, "endpoint": c.client_endpoint, "session": self.session,
+            "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
+            "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
+            "start_step": int(self.session_start["step"]),
+        })
+
+    # -- message handling ---------------------------------------------------------------
+    def handle(self, identity: bytes, msg: wire.Message) -> None:
+        k = msg.kind
+        if k == Kind.HELLO:
+            role = msg.get("role", str)
+            if role == "loader":
+                key = (msg.get("source", int), msg.get("replica", int))
+                try:
+                    self.core.window(*key)
+                except KeyError:
+                    raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
+                self.loaders[key] = identity
+                if self.all_constructors:
+                    self._welcome_loader(key)
+                else:
+                    self.pending_loader_welcome.add(key)
+            elif role == "constructor":
+                ci = msg.get("index", int)
+                if not 0 <= ci < len(self.groups):
+                    raise WireError(f"HELLO from constructor {ci}, but the topology has {len(self.groups)}")
+                ranks = self.groups[ci]
+                self.constructors[ci] = ConstructorPeer(ci, identity, msg.get("data_endpoint", str),
+                                                        msg.get("client_endpoint", str), ranks,
+                                                        dp_ranks_of_group(self.spec, ranks))
+                self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
+                                                    "dp_ranks": self.constructors[ci].dp_ranks,
+                                                    "start_step": int(self.session_start["step"])})
+                if self.all_constructors:
+                    for key in sorted(self.pending_loader_welcome):
+                        self._welcome_loader(key)
+                    self.pending_loader_welcome.clear()
+                    for ident, rank in self.pending_routes:
+                        self._route_reply(ident, rank)
+                    self.pending_routes.clear()
+            else:
+                raise WireError(f"HELLO with unknown role {role!r}")
+        elif k == Kind.LOADER_META:
+            if msg.get("session", int) != self.session:
+                return
+            key = (msg.get("source", int), msg.get("replica", int))
+            try:
+                self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
+            except (KeyError, WindowError) as e:
+                raise WireError(f"LOADER_META: {e}") from None
+        elif k == Kind.NEED_STEPS:
+            if msg.get("session", int) == self.session:
+                self.need_through = max(self.need_through, msg.get("through", int))
+        elif k == Kind.ROUTE:
+            rank = msg.get("rank", int)
+            if self.all_constructors:
+                self._route_reply(identity, rank)
+            else:
+                self.pending_routes.append((identity, rank))
+        elif k == Kind.RESUME:
+            cursor = msg.get("cursor", dict)
+            self._resume(identity, cursor)
+        elif k == Kind.STATUS:
+            self._send(identity, Kind.STATUS_REPLY, self.status())
+        elif k == Kind.UPDATE_MIXTURE:
+            self._update(identity, msg)
+        elif k == Kind.SHUTDOWN:
+            self.stopped = True
+        elif k == Kind.HEARTBEAT:
+            pass
+        else:
+            raise WireError(f"unexpected {k.name} at the planner")
+
+    def _resume(self, identity: bytes, cursor: dict[str, Any]) -> None:
+        if json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True):
+            self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
+            return
+        try:
+            self.core.restore(cursor)
+        except (KeyError, ValueError, TypeError) as e:
+            self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {e}"})
+            return
+        self.session += 1
+        self.session_start = json.loads(json.dumps(cursor))
+        self.need_through = -1
+        self.planned_through = int(cursor["step"]) - 1
+        for key, ident in self.loaders.items():
+            self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
+        for c in self.constructors.values():
+            self._send(c.identity, Kind.RESET, {"session": self.session, "start_step": int(cursor["step"])})
+        self._journal({"event": "resume", "session": self.session, "step": int(cursor["step"])})
+        log.info("resumed at step %d (session %d)", cursor["step"], self.session)
+        self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
+
+    def _update(self, identity: bytes, msg: wire.Message) -> None:
+        weights = msg.get("weights", dict)
+        step = msg.get("effective_step", int)
+        lr = msg.meta.get("lr_scale")
+        try:
+            seg = self.core.schedule.update({str(a): float(b) for a, b in weights.items()}, step,
+                                            self.generation + 1, lr, planned_through=self.planned_through)
+        except (ValueError, TypeError) as e:
+            self._send(identity, Kind.ERROR, {"error": f"mixture update rejected: {e}"})
+            return
+        self.generation += 1
+        self._journal({"event": "update", "generation": self.generation, "segment": seg.to_json()})
+        self._send(identity, Kind.ACK, {"generation": self.generation, "effective_step": step, "phase": seg.phase})
+
+    # -- planning -----------------------------------------------------------------------
+    def try_plan(self) -> int:
+        planned = 0
+        while (self.all_constructors and len(self.loaders) == len(self.core.windows) and not self.pending_loader_welcome
+               and self.planned_through < self.need_through and self.core.ready):
+            t0 = time.perf_counter()
+            plan = self.core.plan()
+            self._dispatch(plan)
+            self.m.plan_seconds.observe(time.perf_counter() - t0)
+            planned += 1
+        self.m.planner_waiting.set(len(self.core.waiting_for()))
+        return planned
+
+    def _dispatch(self, plan: StepPlan) -> None:
+        lay = plan.layout
+        step = lay.step
+        self.planned_through = step
+        cursor_after = self.core.cursor()
+        # loader instructions: every segment goes to every constructor serving its dp rank
+        p = plan.pieces
+        where = {(int(p.source[i]), int(p.key[i]), int(p.start[i])): (int(p.replica[i]), int(p.pos[i])) for i in range(len(p))}
+        rpr = lay.rows_per_rank
+        per_loader: dict[tuple[int, int], dict[str, list[int]]] = {}
+        for i in range(len(lay.seg_row)):
+            src = int(lay.seg_source[i])
+            rep, pos = where[(src, int(lay.seg_key[i]), int(lay.seg_start[i]))]
+            w = self.core.window(src, rep)
+            retire = 1 if int(pos) < w.low or int(pos) in w.skip else 0
+            d = per_loader.setdefault((src, rep), {"pos": [], "start": [], "len": [], "dest": [], "retire": []})
+            cons = self._dp_to_constructors.get(int(lay.seg_row[i]) // rpr, [])
+            for j, ci in enumerate(cons):
+                d["pos"].append(pos)
+                d["start"].append(int(lay.seg_start[i]))
+                d["len"].append(int(lay.seg_len[i]))
+                d["dest"].append(ci)
+                d["retire"].append(retire if j == len(cons) - 1 else 0)
+        for key, d in per_loader.items():
+            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step},
+                       {"pos": np.array(d["pos"], np.int64), "start": np.array(d["start"], np.int64),
+                        "len": np.array(d["len"], np.int64), "dest": np.array(d["dest"], np.int32),
+                        "retire": np.array(d["retire"], np.uint8)})
+        for c in self.constructors.values():
+            sub = lay.select_ranks(c.dp_ranks)
+            self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
+                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after},
+                       sub.arrays())
+        # bookkeeping
+        self._journal({"step": step, "session": self.session, "generation": lay.generation, "phase": lay.phase,
+                       "cursor": plan.cursor_before})
+        tok = plan.tokens_by_source
+        fill = lay.row_fill().sum() / float(lay.rows * lay.seq_len)
+        self.m.steps_planned.inc()
+        self.m.planner_step.set(step)
+        self.m.planner_phase.set(lay.phase)
+        self.m.packing_efficiency.set(fill)
+        self.m.mixture_generation.set(self.generation)
+        point = self.core.schedule.at(step)
+        realized = self.core.sampler.realized
+        total = realized.sum()
+        for i, n in enumerate(self.names):
+            self.m.source_tokens.labels(n).inc(float(tok[i]))
+            self.m.source_samples.labels(n).inc(float(plan.samples_by_source[i]))
+            self.m.target_fraction.labels(n).set(float(point.probs[i]))
+            self.m.realized_fraction.labels(n).set(float(realized[i] / total) if total else 0.0)
+        for w in self.core.windows:
+            self.m.window_samples.labels(self.names[w.source], str(w.replica)).set(len(w))
+        self.state.tokens_planned += int(tok.sum())
+        self.state.realized_tokens += tok
+
+    def _journal(self, record: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self.journal.flush()
+
+    def status(self) -> dict[str, Any]:
+        point = self.core.schedule.at(max(self.planned_through, 0))
+        realized = self.core.sampler.realized
+        total = realized.sum()
+        return {
+            "planned_through": self.planned_through, "need_through": self.need_through, "session": self.session,
+            "generation": self.generation, "phase": point.phase, "lr_scale": point.lr_scale,
+            "sources": self.names, "target": [float(x) for x in point.probs],
+            "realized_phase": [float(x / total) if total else 0.0 for x in realized],
+            "tokens_planned": self.state.tokens_planned, "uptime_s": time.monotonic() - self.state.started,
+            "waiting": [f"{self.names[w.source]}/{w.replica}" for w in self.core.waiting_for()],
+            "constructors": len(self.constructors), "loaders": len(self.loaders),
+        }
+
+    # -- loop ---------------------------------------------------------------------------
+    def run(self, *, max_seconds: float | None = None) -> None:
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self.stopped and (deadline is None or time.monotonic() < deadline):
+                if poller.poll(100):
+                    for _ in range(1000):
+                        try:
+                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if len(frames) < 2:
+                            self.m.bad_messages.labels("planner", "decode").inc()
+                            continue
+                        identity = frames[0].bytes
+                        try:
+                            msg = wire.decode(frames[1:])
+                            self.handle(identity, msg)
+                        except WireError as e:
+                            self.m.bad_messages.labels("planner", "content").inc()
+                            log.warning("dropped a message from %r: %s", identity, e)
+                self.try_plan()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for key, ident in self.loaders.items():
+            try:
+                self._send(ident, Kind.SHUTDOWN)
+            except zmq.ZMQError:
+                pass
+        for c in self.constructors.values():
+            try:
+                self._send(c.identity, Kind.SHUTDOWN)
+            except zmq.ZMQError:
+                pass
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        self.sock.close(0)

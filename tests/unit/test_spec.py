@@ -1,0 +1,237 @@
+"""Every validation rule of the DataMixture spec, and `mixplane validate`'s output contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mixplane.spec import SpecError, load_spec, parse_spec, reference_markdown
+from tests.conftest import token_mixture
+
+
+def problems(doc: dict, **kw) -> list[str]:
+    try:
+        parse_spec(doc, **kw)
+    except SpecError as e:
+        return [str(p) for p in e.problems]
+    return []
+
+
+@pytest.fixture()
+def good(token_sources) -> dict:
+    return token_mixture(token_sources["root"])
+
+
+def test_valid_mixture_has_no_problems(good):
+    assert problems(good) == []
+    spec = parse_spec(good)
+    assert spec.rows_per_microbatch == 2 and spec.world_size == 2 and spec.tokens_per_step == 8 * 256
+
+
+def test_defaults_are_applied(token_sources):
+    doc = token_mixture(token_sources["root"])
+    del doc["mixture"]
+    del doc["topology"]
+    doc["batch"] = {"sequences": 4, "seq_len": 128}
+    spec = parse_spec(doc)
+    assert spec.mixture.temperature == 1.0 and spec.mixture.unit == "tokens"
+    assert spec.batch.packing == "best_fit" and spec.batch.microbatches == 1
+    assert spec.topology.backbone()[1].dp == 1
+    assert spec.sources[0].shuffle == "rowgroup" and spec.sources[1].replicas == 1
+
+
+def test_duplicate_source_names(good):
+    good["sources"][1]["name"] = "a"
+    assert any(p.startswith("sources[1].name: duplicate source name 'a'") for p in problems(good))
+
+
+def test_unknown_source_in_weights(good):
+    good["mixture"]["weights"]["zzz"] = 1.0
+    assert "mixture.weights.zzz: unknown source 'zzz' (sources: a, b, c)" in problems(good)
+
+
+def test_negative_weight(good):
+    good["mixture"]["weights"]["b"] = -0.1
+    assert any(p.startswith("mixture.weights.b: weight must be a finite number >= 0") for p in problems(good))
+
+
+def test_weights_need_positive_sum(good):
+    good["mixture"]["weights"] = {"a": 0, "b": 0, "c": 0}
+    assert "mixture.weights: weights must have a positive sum" in problems(good)
+
+
+def test_temperature_must_be_positive(good):
+    good["mixture"]["temperature"] = 0
+    assert any(p.startswith("mixture.temperature: temperature must be > 0") for p in problems(good))
+
+
+def test_phases_strictly_increasing(good):
+    good["mixture"]["phases"] = [{"start_step": 100, "weights": {"a": 1}}, {"start_step": 100, "weights": {"b": 1}}]
+    assert "mixture.phases[1].start_step: start_step must be strictly increasing (100 after 100)" in problems(good)
+
+
+def test_phase_lr_scale_positive(good):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 1}, "lr_scale": 0}]
+    assert "mixture.phases[0].lr_scale: lr_scale must be > 0, got 0.0" in problems(good)
+
+
+def test_phase_names_only_known_sources(good):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"web": 1}}]
+    assert any(p.startswith("mixture.phases[0].weights.web: unknown source 'web'") for p in problems(good))
+
+
+def test_phases_and_anneal_exclusive(good):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 1}}]
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"b": 1}}
+    assert "mixture.anneal: phases and anneal cannot both be set" in problems(good)
+
+
+def test_anneal_needs_positive_weights(good):
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"b": 0}}
+    assert "mixture.anneal.weights: weights must have a positive sum" in problems(good)
+
+
+def test_seq_len_positive(good):
+    good["batch"]["seq_len"] = 0
+    assert "batch.seq_len: seq_len must be > 0, got 0" in problems(good)
+
+
+def test_batch_sequences_or_tokens(good):
+    good["batch"]["tokens"] = 4096
+    assert "batch: set exactly one of sequences or tokens" in problems(good)
+    del good["batch"]["sequences"]
+    good["batch"]["tokens"] = 1000
+    assert "batch.tokens: tokens (1000) must be a multiple of seq_len (256)" in problems(good)
+
+
+def test_batch_divides_into_ranks_and_microbatches(good):
+    good["batch"]["sequences"] = 6
+    assert "batch: 6 sequences per step do not divide into dp (2) x microbatches (2)" in problems(good)
+
+
+def test_world_size_consistent_between_modules(good):
+    good["topology"] = {"modules": {"backbone": {"dp": 2, "tp": 2}, "encoder": {"dp": 2}}}
+    good["sources"][0]["kind"] = "image_text"
+    out = problems(good, check_files=False)
+    assert "topology.modules.encoder: world size 2 (dp*pp*cp*tp) differs from module 'backbone' (4)" in out
+
+
+def test_cp_needs_even_split(good):
+    good["topology"] = {"modules": {"backbone": {"dp": 2, "cp": 3}}}
+    assert "batch.seq_len: seq_len (256) must be a multiple of 2 x cp (6) for the zig-zag split" in problems(good)
+
+
+def test_files_that_match_nothing(good, tmp_path):
+    good["sources"][2]["uri"] = str(tmp_path / "nothing" / "*.parquet")
+    assert f"sources[2].uri: matches no Parquet file: {tmp_path / 'nothing' / '*.parquet'}" in problems(good)
+
+
+def test_live_source_may_start_empty(good, tmp_path):
+    good["sources"][2]["uri"] = str(tmp_path / "later" / "*.parquet")
+    good["sources"][2]["live"] = True
+    assert problems(good) == []
+
+
+def test_missing_column_names_the_file(good, token_sources):
+    good["sources"][0]["columns"] = ["text"]
+    out = problems(good)
+    assert len(out) == 1 and out[0].startswith("sources[0].columns[0]: column 'text' not in ") and "(has: tokens, id)" in out[0]
+
+
+def test_text_source_needs_tokenizer(good):
+    good["sources"][0]["kind"] = "text"
+    assert "sources[0].tokenizer: kind text needs a tokenizer" in problems(good)
+
+
+def test_tokenizer_file_must_exist(good, tmp_path):
+    good["sources"][0]["kind"] = "text"
+    good["sources"][0]["tokenizer"] = str(tmp_path / "missing.json")
+    assert f"sources[0].tokenizer: no such file: {tmp_path / 'missing.json'}" in problems(good)
+
+
+def test_unknown_strategy(good):
+    good["strategy"] = {"name": "magic"}
+    assert any(p.startswith("strategy.name: unknown strategy 'magic'") for p in problems(good))
+    good["strategy"] = {"name": "nonexistent_pkg.mod:fn"}
+    assert any(p.startswith("strategy.name: cannot import nonexistent_pkg.mod:fn") for p in problems(good))
+
+
+def test_type_errors_name_the_field(good):
+    good["batch"]["microbatches"] = "two"
+    good["sources"][1]["replicas"] = 0
+    out = problems(good)
+    assert any(p.startswith("batch.microbatches: ") for p in out)
+    assert any(p.startswith("sources[1].replicas: ") for p in out)
+
+
+def test_unknown_fields_are_rejected(good):
+    good["mixture"]["wieghts"] = {"a": 1}
+    assert any(p.startswith("mixture.wieghts: ") for p in problems(good))
+
+
+def test_bad_source_name(good):
+    good["sources"][0]["name"] = "Web_Data"
+    assert any(p.startswith("sources[0].name: ") for p in problems(good))
+
+
+def test_custom_resource_form_prefixes_paths(good):
+    cr = {"apiVersion": "mixplane.dev/v1alpha1", "kind": "DataMixture", "metadata": {"name": "cr"}, "spec": good}
+    good["mixture"]["temperature"] = -1
+    out = problems(cr)
+    assert any(p.startswith("spec.mixture.temperature: ") for p in out)
+
+
+def test_all_problems_reported_at_once(good):
+    good["mixture"]["weights"]["zzz"] = 1
+    good["mixture"]["temperature"] = 0
+    good["batch"]["sequences"] = 6
+    assert len(problems(good)) == 3
+
+
+def test_relative_paths_resolve_against_the_file(token_sources, tmp_path):
+    doc = token_mixture(token_sources["root"])
+    for s in doc["sources"]:
+        s["uri"] = str(Path(s["uri"]).relative_to(token_sources["root"]))
+    f = token_sources["root"] / "mix.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    spec = load_spec(f)
+    assert spec.sources[0].uri == str(token_sources["root"] / "a")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mixplane.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_validate_exit_codes_and_format(token_sources, tmp_path):
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump(token_mixture(token_sources["root"])))
+    r = run_cli("validate", str(ok))
+    assert r.returncode == 0 and r.stdout == ""
+
+    bad_doc = token_mixture(token_sources["root"])
+    bad_doc["mixture"]["weights"]["zzz"] = 1
+    bad_doc["batch"]["seq_len"] = -5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(bad_doc))
+    r = run_cli("validate", str(bad))
+    assert r.returncode == 2
+    lines = r.stdout.strip().splitlines()
+    assert f"{bad}: mixture.weights.zzz: unknown source 'zzz' (sources: a, b, c)" in lines
+    assert f"{bad}: batch.seq_len: seq_len must be > 0, got -5" in lines
+    assert all(line.startswith(f"{bad}: ") for line in lines)
+
+
+def test_cli_validate_reports_broken_yaml(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("sources: [\n  - name: a\n")
+    r = run_cli("validate", str(f))
+    assert r.returncode == 2 and r.stdout.startswith(f"{f}: line ")
+
+
+def test_reference_doc_is_in_sync():
+    doc = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
+    assert doc.read_text() == reference_markdown(), "regenerate with: python -m mixplane.spec --markdown > docs/spec-reference.md"
