@@ -252,7 +252,8 @@ class DeficitSampler:
         delta = slack(int((probs > 0).sum())) * L
         released = mask & (r + l - probs * (T + l) <= delta + 1e-9 * L)
         if released.any():
-            deadline = np.where(released, (r + delta) / np.where(probs > 0, probs, 1.0), np.inf)
+            with np.errstate(divide="ignore", over="ignore"):
+                deadline = np.where(released, (r + delta) / np.where(probs > 0, probs, 1.0), np.inf)
             return int(np.argmin(deadline))  # ties -> lowest index: deterministic
         return int(np.argmax(np.where(mask, probs * (T + l) - r, -np.inf)))
 

@@ -29,7 +29,9 @@ Method = Literal["greedy", "karmarkar_karp", "none"]
 METHODS = ("greedy", "karmarkar_karp", "none")
 
 # items costlier than this fraction of the target bin load are placed by LPT / KK, the rest water-fill
-SMALL_FRACTION = 0.01
+# (a bin overshoots its target by at most one small item, so this bounds the residual imbalance)
+SMALL_FRACTION = 0.002
+MAX_ROUNDS = 128  # at most this many LPT rounds: the threshold rises when there are more big items
 
 
 def _as_costs(costs: np.ndarray) -> np.ndarray:
@@ -43,18 +45,41 @@ def _as_costs(costs: np.ndarray) -> np.ndarray:
 
 # ---- greedy (LPT) ---------------------------------------------------------------------------
 
+EXACT_ROUNDS = 64  # LPT rounds that re-sort the bins every round; later rounds go in snake blocks
+
+
+def _round_blocks(n_rounds: int) -> list[tuple[int, int]]:
+    """[r0, r1) blocks of rounds: single rounds first, then blocks doubling in size (items get smaller)."""
+    out = [(r, r + 1) for r in range(min(n_rounds, EXACT_ROUNDS))]
+    r, size = EXACT_ROUNDS, 2
+    while r < n_rounds:
+        out.append((r, min(n_rounds, r + size)))
+        r += size
+        size *= 2
+    return out
+
+
 def _lpt_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
                 loads: np.ndarray, out: np.ndarray) -> None:
-    """Equal-count LPT by rounds, within groups: round r gives each bin of a group one item,
-    the round's largest item to the group's least loaded bin. Updates `loads` and `out` in place."""
+    """Equal-count LPT by rounds, within groups: round r gives each bin of a group one item, the round's
+    largest item to the group's least loaded bin. The first EXACT_ROUNDS rounds re-sort the bins each
+    time; after that rounds are dealt in blocks (doubling in size, as items are small by then) in
+    snake order over the bins sorted once per block, so large problems (many items per bin) cost
+    O(log) Python steps. Updates `loads` and `out` in place."""
     if len(items) == 0:
         return
     n_groups = int(bin_group.max()) + 1 if len(bin_group) else 0
+    if n_groups == 1:
+        _lpt_rounds_single(costs, items, loads, out)
+        return
     bins_per_group = np.bincount(bin_group, minlength=n_groups)
     bin_first = np.concatenate([[0], np.cumsum(bins_per_group)[:-1]])
     # items sorted by group, then cost descending (stable: ties keep item order -> deterministic)
     ig = item_group[items]
-    order = np.lexsort((-costs[items], ig))
+    if n_groups == 1:
+        order = np.argsort(-costs[items], kind="stable")
+    else:
+        order = np.lexsort((-costs[items], ig))
     items = items[order]
     ig = ig[order]
     start = np.searchsorted(ig, np.arange(n_groups))
@@ -62,18 +87,54 @@ def _lpt_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bi
     nb = bins_per_group[ig]
     rnd = q // nb
     slot = q % nb
-    by_round = np.argsort(rnd, kind="stable")
+    # a round with fewer items than bins (the last of a group) gives them to the lightest bins: keep
+    # such rounds exact (never reversed by the snake)
+    full_round = (np.minimum(nb, np.bincount(ig, minlength=n_groups)[ig] - rnd * nb) == nb)
+    by_round = np.arange(len(items)) if n_groups == 1 else np.argsort(rnd, kind="stable")
     bounds = np.searchsorted(rnd[by_round], np.arange(int(rnd.max()) + 2))
-    bin_order = np.lexsort((np.arange(len(loads)), loads, bin_group))
-    for r in range(len(bounds) - 1):
-        sel = by_round[bounds[r]:bounds[r + 1]]
+    nbins = len(loads)
+    for r0, r1 in _round_blocks(len(bounds) - 1):
+        sel = by_round[bounds[r0]:bounds[r1]]
         if len(sel) == 0:
             continue
-        if r:
-            bin_order = np.lexsort((np.arange(len(loads)), loads, bin_group))
-        b = bin_order[bin_first[ig[sel]] + slot[sel]]
+        bin_order = np.lexsort((np.arange(nbins), loads, bin_group))
+        sl = slot[sel]
+        odd = ((rnd[sel] - r0) % 2 == 1) & full_round[sel]
+        sl = np.where(odd, nb[sel] - 1 - sl, sl)
+        b = bin_order[bin_first[ig[sel]] + sl]
         out[items[sel]] = b
-        loads += np.bincount(b, weights=costs[items[sel]], minlength=len(loads))
+        loads += np.bincount(b, weights=costs[items[sel]], minlength=nbins)
+
+
+def _lpt_rounds_single(costs: np.ndarray, items: np.ndarray, loads: np.ndarray, out: np.ndarray) -> None:
+    """_lpt_rounds for one group of bins, on contiguous slices of the sorted items."""
+    nb = len(loads)
+    c_items = costs[items]
+    order = np.argsort(-c_items)  # introsort: deterministic for the same input
+    items = items[order]
+    c_sorted = c_items[order]
+    n = len(items)
+    n_rounds = -(-n // nb)
+    arange_nb = np.arange(nb)
+    for r0, r1 in _round_blocks(n_rounds):
+        lo, hi = r0 * nb, min(r1 * nb, n)
+        bin_order = np.argsort(loads, kind="stable")
+        m = hi - lo
+        if r1 - r0 == 1:
+            b = bin_order[:m]
+        else:
+            k = np.arange(m)
+            rr = k // nb
+            sl = k - rr * nb
+            full = (r0 + rr + 1) * nb <= n
+            sl = np.where((rr % 2 == 1) & full, nb - 1 - sl, sl)
+            b = bin_order[sl]
+        out[items[lo:hi]] = b
+        if m == nb and r1 - r0 == 1:
+            loads[b] += c_sorted[lo:hi]
+        else:
+            loads += np.bincount(b, weights=c_sorted[lo:hi], minlength=nb)
+    del arange_nb
 
 
 def _water_fill(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
@@ -83,8 +144,9 @@ def _water_fill(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bi
         return
     n_groups = int(bin_group.max()) + 1
     ig = item_group[items]
-    order = np.lexsort((-costs[items], ig))
-    items, ig = items[order], ig[order]
+    if n_groups > 1:  # contiguous per group; inside a group any order works (overshoot <= one item)
+        order = np.argsort(ig, kind="stable")
+        items, ig = items[order], ig[order]
     c = costs[items]
     tot_items = np.bincount(ig, weights=c, minlength=n_groups)
     tot_loads = np.bincount(bin_group, weights=loads, minlength=n_groups)
@@ -120,10 +182,75 @@ def _water_fill(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bi
 
 # ---- Karmarkar-Karp (largest differencing, k-way) ------------------------------------------------
 
+KK_SEQUENTIAL_MAX = 256  # up to this many k-tuples KK merges one pair at a time (heap); beyond, in batches
+
+
+def _kk_equal_batched(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray | None) -> np.ndarray:
+    """BLDM with the merges of one level done together: k-tuples sorted by spread are merged in pairs
+    (1st with 2nd, 3rd with 4th, ...), each pair's largest subset with the other's smallest, until
+    one tuple is left; log2(tuples) vectorised levels instead of one Python step per merge."""
+    k = n_bins
+    n = len(items)
+    c_items = costs[items]
+    order = np.argsort(-c_items, kind="stable")
+    rows = -(-n // k)
+    pad = rows * k - n
+    vals = np.concatenate([c_items[order], np.zeros(pad)]).reshape(rows, k)
+    has_init = init is not None and np.any(init != 0)
+    if has_init:
+        vals = np.vstack([vals, np.asarray(init, dtype=np.float64)[None, :]])
+    T = vals.shape[0]
+    # membership: every (tuple, slot) of the leaves maps to (current tuple, current slot)
+    leaf_tuple = np.repeat(np.arange(T), k)
+    leaf_slot = np.tile(np.arange(k), T)
+    # keep every tuple's sums sorted descending (leaves are: chunks of a sorted list; init is sorted here)
+    o = np.argsort(-vals, axis=1, kind="stable")
+    vals = np.take_along_axis(vals, o, axis=1)
+    inv = np.argsort(o, axis=1)
+    leaf_slot = inv[leaf_tuple, leaf_slot]
+    while vals.shape[0] > 1:
+        spread = vals[:, 0] - vals[:, -1]
+        so = np.argsort(-spread, kind="stable")
+        m = len(so) // 2
+        a, b = so[0:2 * m:2], so[1:2 * m:2]
+        rest = so[2 * m:]
+        merged = vals[a] + vals[b][:, ::-1]
+        mo = np.argsort(-merged, axis=1, kind="stable")
+        merged = np.take_along_axis(merged, mo, axis=1)
+        minv = np.argsort(mo, axis=1)
+        # relabel: tuple a -> pair p, its slot s -> minv[p, s]; tuple b -> pair p, slot s -> minv[p, k-1-s]
+        new_tuple = np.empty(vals.shape[0], dtype=np.int64)
+        new_tuple[a] = np.arange(m)
+        new_tuple[b] = np.arange(m)
+        new_tuple[rest] = m + np.arange(len(rest))
+        is_b = np.zeros(vals.shape[0], dtype=bool)
+        is_b[b] = True
+        t_old = leaf_tuple
+        s_old = np.where(is_b[t_old], k - 1 - leaf_slot, leaf_slot)
+        t_new = new_tuple[t_old]
+        paired = t_new < m
+        s_new = leaf_slot.copy()
+        s_new[paired] = minv[t_new[paired], s_old[paired]]
+        leaf_tuple, leaf_slot = t_new, s_new
+        vals = np.vstack([merged, vals[rest]])
+    subset_to_bin = np.arange(k)
+    if has_init:
+        init_slots = leaf_slot[(T - 1) * k:(T - 1) * k + k]  # final subset of each bin's initial load
+        subset_to_bin = np.empty(k, dtype=np.int64)
+        subset_to_bin[init_slots] = np.arange(k)
+    out = np.empty(n, dtype=np.int64)
+    flat = leaf_slot[: rows * k]
+    real = np.arange(rows * k) < n
+    out[order] = subset_to_bin[flat[real]]
+    return out
+
+
 def _kk_equal(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray | None) -> np.ndarray:
     """Balanced largest differencing (BLDM): bins of `items`, equal counts (± 1); `init` pins loads to bins."""
     k = n_bins
     n = len(items)
+    if -(-n // k) > KK_SEQUENTIAL_MAX:
+        return _kk_equal_batched(costs, items, n_bins, init)
     c_items = costs[items]
     order = np.argsort(-c_items, kind="stable")
     rows = -(-n // k) if n else 0
@@ -202,6 +329,10 @@ def assign(costs: np.ndarray, n_bins: int, method: str = "greedy", *, equal_coun
         raise ValueError(f"init must have one load per bin ({n_bins})")
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    scale = float(costs.mean()) or 1.0  # work in units of the mean item: keeps sums well inside float range
+    costs = costs / scale
+    if init is not None:
+        init = init / scale
     if method == "none":
         if equal_count:
             per = -(-n // n_bins)
@@ -238,6 +369,9 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
     tot = np.bincount(item_group, weights=costs, minlength=n_groups) + np.bincount(bin_group, weights=loads, minlength=n_groups)
     target = tot / np.maximum(np.bincount(bin_group, minlength=n_groups), 1)
     big = costs > small_fraction * target[item_group]
+    if big.sum() > MAX_ROUNDS * n_bins:
+        thr = np.partition(costs, len(costs) - MAX_ROUNDS * n_bins)[len(costs) - MAX_ROUNDS * n_bins]
+        big &= costs > thr
     big_items = everything[big]
     if method == "karmarkar_karp" and len(big_items):
         if single:

@@ -298,7 +298,13 @@ class DGraph:
             self._order_for_cp()
         if level in ("inter", "both"):
             rc = self.row_costs()
-            self.assign_rows(_deal_rows(rc, ctx.dp, ctx.microbatches, ctx.rows_per_microbatch, method, self.group_size))
+            perm = _deal_rows(rc, ctx.dp, ctx.microbatches, ctx.rows_per_microbatch, method, self.group_size)
+            cur = rc.reshape(ctx.dp, -1).sum(axis=1).max()
+            new = np.bincount(perm // (ctx.microbatches * ctx.rows_per_microbatch), weights=rc, minlength=ctx.dp).max()
+            if method == "none" or new <= cur * (1 + 1e-12):
+                self.assign_rows(perm)
+            else:  # never worse than the order mix produced
+                stats["kept_mix_order"] = True
         after = self.bucket_costs()
         stats["imbalance_after"] = B.imbalance(after)
         self.balanced = stats
