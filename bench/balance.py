@@ -13,11 +13,13 @@ balancing: mix's packing in order, images on their own replica's ranks round-rob
 Meshes (TP x PP x CP x DP): 288 = 4 x 8 x 1 x 9 and 576 = 4 x 4 x 4 x 9 (the paper's Fig. 12), and
 1152 = 4 x 4 x 4 x 18 (the 576 mesh with data parallelism doubled).
 
-Two batch settings. The paper's (dist ``text`` / ``coyo``): ``bs`` *samples per GPU* (seed 001
-§7.2: "a batch size of 72 for each GPU"), so a DP replica of tp x pp x cp GPUs trains bs x
-tp x pp x cp samples, each its own sequence of at most ``seq`` tokens (longer ones truncated),
-in 8 microbatches; vanilla gives every replica the next samples in sampling order and every GPU
-its own bs images, as a loader without scheduling does. mixplane's default (dist ``text-packed`` / ``coyo-packed``): ``bs`` best-fit
+Two batch settings. The paper's (dist ``text`` / ``coyo``): ``bs`` *samples* per data-parallel
+rank of the module that consumes them (seed 001 §7.2: "a batch size of 72 for each GPU") — for
+text the backbone's DP replica, for VLM the encoder's world-wide DP rank, so a backbone replica of
+tp x pp x cp GPUs then trains bs x tp x pp x cp pairs — each sample its own sequence of at most
+``seq`` tokens (longer ones truncated), 8 microbatches per replica; vanilla gives every replica
+the next samples in sampling order and every GPU its own bs images, as a loader without
+scheduling does. mixplane's default (dist ``text-packed`` / ``coyo-packed``): ``bs`` best-fit
 *packed* rows of ``seq`` tokens per replica, one row per microbatch; vanilla is then mix's packing
 in order, already even in tokens, so only the quadratic attention term and the encoder are left
 to balance.
@@ -204,12 +206,15 @@ def make_spec(gpus: int, bs: int, seq: int, dist: str):
            # replica, one row per microbatch
            "batch": ({"sequences": bs * mesh["dp"], "seq_len": seq, "microbatches": bs, "packing": "best_fit",
                       "overlong": "split"} if packed else
-                     {"sequences": bs * world, "seq_len": seq, "microbatches": 8, "packing": "none",
+                     {"sequences": bs * (world if dist == "coyo" else mesh["dp"]), "seq_len": seq, "microbatches": 8,
+                      "packing": "none",
                       "overlong": "truncate"}),
            "topology": {"modules": modules}, "model": model, "strategy": {"name": "vanilla"},
            "runtime": ({"window": 64, "window_max": 1 << 22, "metrics": False} if packed else
                        # one sample per row: a window of one step's samples per source is enough
                        {"window": bs * world + 1, "window_tokens": 1, "window_max": 1 << 22, "metrics": False})}
+    if not packed and dist != "coyo":
+        doc["runtime"]["window"] = bs * mesh["dp"] + 1
     return parse_spec(doc, check_files=False)
 
 

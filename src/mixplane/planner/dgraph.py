@@ -250,7 +250,8 @@ class DGraph:
     def assign_rows(self, row_of_row: np.ndarray) -> "DGraph":
         """Low-level: move whole rows: current row i becomes row row_of_row[i] (a permutation)."""
         perm = np.asarray(row_of_row, dtype=np.int64)
-        if perm.shape != (self.ctx.rows,) or not np.array_equal(np.sort(perm), np.arange(self.ctx.rows)):
+        if (perm.shape != (self.ctx.rows,) or (len(perm) and (perm.min() < 0 or perm.max() >= self.ctx.rows))
+                or np.any(np.bincount(perm, minlength=self.ctx.rows) != 1)):
             raise DGraphError(f"step {self.ctx.step}: assign_rows needs a permutation of the {self.ctx.rows} rows")
         root = self.root
         root._row = perm[self.rows()]
@@ -450,34 +451,30 @@ def vanilla_image_ranks(tree: Any, image_rows: np.ndarray, rows_per_rank: int) -
 def _deal_rows(row_cost: np.ndarray, dp: int, microbatches: int, rows_per_mb: int, method: str,
                group_size: int | None) -> np.ndarray:
     """Permutation: current row -> new global row, so every DP bucket gets rows_per_rank rows and every
-    microbatch rows_per_microbatch of them, with bucket totals and microbatch costs balanced."""
+    microbatch rows_per_microbatch of them, with microbatch costs and bucket totals balanced.
+
+    Two single-group balancing problems: rows onto the dp x microbatches bins (equal counts), then
+    those bins onto the dp buckets (equal counts) — the second also evens the buckets when bins hold
+    a single row and so cannot be evened themselves."""
     n_rows = len(row_cost)
-    rpr = microbatches * rows_per_mb
-    bucket = B.assign(row_cost, dp, method, equal_count=True, group_size=group_size)
-    # within each bucket: rows onto its microbatch bins (equal count), vectorised over buckets
-    mb_bins = dp * microbatches
-    if microbatches > 1 and method != "none":
-        bin_group = np.repeat(np.arange(dp), microbatches)
-        mb = B._assign_in_groups(row_cost / max(row_cost.mean(), 1e-300) if n_rows else row_cost, bucket, bin_group,
-                                 method, True, None, B.SMALL_FRACTION)
+    n_bins = dp * microbatches
+    if rows_per_mb > 1:
+        bin_of_row = B.assign(row_cost, n_bins, method, equal_count=True)
     else:
-        # one microbatch per bucket, or no balancing: keep the rows' order inside the bucket
-        order = np.lexsort((np.arange(n_rows), bucket))
-        q = np.empty(n_rows, dtype=np.int64)
-        start = np.searchsorted(bucket[order], np.arange(dp))
-        q[order] = np.arange(n_rows) - start[bucket[order]]
-        mb = bucket * microbatches + q // rows_per_mb
-    # position inside the microbatch: by current row order
-    order = np.lexsort((np.arange(n_rows), mb))
-    start = np.searchsorted(mb[order], np.arange(mb_bins))
-    slot = np.empty(n_rows, dtype=np.int64)
-    slot[order] = np.arange(n_rows) - start[mb[order]]
-    counts = np.bincount(mb, minlength=mb_bins)
-    if np.any(counts != rows_per_mb):
-        raise AssertionError("row dealing produced uneven microbatches")  # equal-count balancers guarantee it
-    new_row = mb * rows_per_mb + slot
-    del rpr
-    return new_row
+        bin_of_row = np.arange(n_rows, dtype=np.int64)
+    bin_cost = np.bincount(bin_of_row, weights=row_cost, minlength=n_bins)
+    if dp > 1:
+        bucket_of_bin = B.assign(bin_cost, dp, method, equal_count=True, group_size=group_size)
+    else:
+        bucket_of_bin = np.zeros(n_bins, dtype=np.int64)
+    if np.any(np.bincount(bucket_of_bin, minlength=dp) != microbatches):
+        raise AssertionError("row dealing produced uneven buckets")  # equal-count balancers guarantee it
+    if np.any(np.bincount(bin_of_row, minlength=n_bins) != rows_per_mb):
+        raise AssertionError("row dealing produced uneven microbatches")
+    # microbatch index of each bin inside its bucket, and slot of each row inside its bin (stable orders)
+    mb_in_bucket = B.slots_in_bins(bucket_of_bin, dp)
+    slot = B.slots_in_bins(bin_of_row, n_bins) if rows_per_mb > 1 else np.zeros(n_rows, dtype=np.int64)
+    return (bucket_of_bin[bin_of_row] * microbatches + mb_in_bucket[bin_of_row]) * rows_per_mb + slot
 
 
 def _offsets(rows: np.ndarray, key: np.ndarray, length: np.ndarray) -> np.ndarray:
