@@ -191,6 +191,11 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
         # groups whose bins are all closed (overshoot) hand items to every bin
         n_open = np.bincount(bin_group[open_], minlength=n_groups)
         open_ |= (n_open == 0)[bin_group]
+        # as in LPT, only bins within one (next) item of the group's lightest bin take part this round
+        gmin = np.full(n_groups, np.inf)
+        np.minimum.at(gmin, bin_group[open_], loads[open_])
+        nxt = np.where(left > 0, costs[items[np.minimum(gstart + ptr, len(items) - 1)]], 0.0)
+        open_ &= loads <= (gmin + nxt)[bin_group]
         ob = bidx[open_]
         ob = ob[np.lexsort((ob, loads[ob], bin_group[ob]))]  # open bins by group, then load
         og = bin_group[ob]
@@ -206,6 +211,36 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
         ptr += take
     rest = [items[gstart[g] + ptr[g]: gstart[g] + gcount[g]] for g in range(n_groups) if ptr[g] < gcount[g]]
     return np.concatenate(rest) if rest else items[:0]
+
+
+def _repair_over_target(costs: np.ndarray, items: np.ndarray, out: np.ndarray, loads: np.ndarray,
+                        bin_target: np.ndarray, bin_group: np.ndarray, max_moves: int | None = None) -> None:
+    """Move items out of bins above their target into the lightest bin of the same group while that lowers
+    the heavier of the two (KK balances the large items among themselves, unaware of the small ones
+    that will fill the other bins later)."""
+    if len(items) == 0:
+        return
+    members: dict[int, list[int]] = {}
+    for i in items.tolist():
+        members.setdefault(int(out[i]), []).append(i)
+    for _ in range(max_moves if max_moves is not None else 4 * len(loads)):
+        over = np.nonzero(loads > bin_target * (1 + 1e-9))[0]
+        if len(over) == 0:
+            break
+        hi = int(over[np.argmax(loads[over] - bin_target[over])])
+        mem = members.get(hi)
+        if not mem:
+            break
+        same = np.nonzero(bin_group == bin_group[hi])[0]
+        lo = int(same[np.argmin(loads[same])])
+        i = min(mem, key=lambda x: costs[x])
+        if lo == hi or loads[lo] + costs[i] >= loads[hi]:
+            break
+        mem.remove(i)
+        members.setdefault(lo, []).append(i)
+        out[i] = lo
+        loads[hi] -= costs[i]
+        loads[lo] += costs[i]
 
 
 def _water_fill(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
@@ -312,7 +347,7 @@ def _kk_equal_batched(costs: np.ndarray, items: np.ndarray, n_bins: int, init: n
     return out
 
 
-KK_FREE_EXACT_MAX = 4096  # up to this many (big) items free-count KK starts from singletons (true KK)
+KK_FREE_EXACT_MAX = 2048  # up to this many (big) items free-count KK starts from singletons (true KK)
 
 
 def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray | None) -> np.ndarray:
@@ -337,20 +372,18 @@ def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray
         _, _, va, ma = heapq.heappop(heap)
         _, _, vb, mb = heapq.heappop(heap)
         a, b = len(va), len(vb)
-        # a's subsets (descending) meet b's (ascending, empty subsets in front) over the k slots
-        vals = np.zeros(k)
-        vals[:a] = va
-        members = [list(x) for x in ma] + [[] for _ in range(k - a)]
-        off = k - b
-        vals[off:] += vb[::-1]
-        for j in range(b):
-            members[off + j].extend(mb[b - 1 - j])
-        keep = [i for i in range(len(vals)) if members[i]]
-        vals = vals[keep]
-        members = [members[i] for i in keep]
-        o = np.argsort(-vals, kind="stable")
-        vals = vals[o]
-        members = [members[i] for i in o]
+        o = max(0, a + b - k)  # subsets that pair up: a's smallest o with b's smallest o, crosswise
+        if o:
+            paired = va[a - o:] + vb[b - o:][::-1]
+            pm = [ma[a - o + t] + mb[b - 1 - t] for t in range(o)]
+            vals = np.concatenate([va[:a - o], vb[:b - o], paired])
+            members = ma[:a - o] + mb[:b - o] + pm
+        else:
+            vals = np.concatenate([va, vb])
+            members = ma + mb
+        order = np.argsort(-vals, kind="stable")
+        vals = vals[order]
+        members = [members[i] for i in order]
         spread = float(vals[0] - (vals[-1] if len(vals) == k else 0.0))
         heapq.heappush(heap, (-spread, counter, vals, members))
         counter += 1
@@ -435,6 +468,62 @@ def _kk_equal(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarra
     return out
 
 
+REFINE_TOLERANCE = 1e-4  # heaviest - lightest below this fraction of the mean: nothing left to refine
+REFINE_MAX_ITER = 256
+
+# ---- refinement ------------------------------------------------------------------------------------
+
+def refine_swaps(costs: np.ndarray, bins: np.ndarray, n_bins: int, max_iter: int | None = None) -> np.ndarray:
+    """Improve an assignment without changing any bin's item count: repeatedly swap one item of the
+    heaviest bin with one of the lightest so that their difference comes closest to half the gap.
+
+    Round-based LPT and BLDM both deal items in strata of similar size, so one item far larger than
+    the rest of its stratum (a 16k-token document among short ones) can leave its bin heavy; a few
+    such swaps hand that bin the smallest items instead. Stops when no swap between the extremes helps."""
+    costs = np.asarray(costs, dtype=np.float64)
+    bins = np.asarray(bins, dtype=np.int64).copy()
+    n = len(bins)
+    if n == 0 or n_bins < 2:
+        return bins
+    order = np.argsort(bins, kind="stable")
+    counts = np.bincount(bins, minlength=n_bins)
+    start = np.concatenate([[0], np.cumsum(counts)])
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    loads = np.bincount(bins, weights=costs, minlength=n_bins)
+    mean = float(loads.mean())
+    for _ in range(max_iter if max_iter is not None else min(2 * n_bins + 16, REFINE_MAX_ITER)):
+        hi = int(np.argmax(loads))
+        lo = int(np.argmin(loads))
+        gap = loads[hi] - loads[lo]
+        if gap <= REFINE_TOLERANCE * mean or counts[hi] == 0 or counts[lo] == 0:
+            break
+        A = order[start[hi]:start[hi + 1]]
+        Bs = order[start[lo]:start[lo + 1]]
+        cb_o = np.argsort(costs[Bs], kind="stable")
+        cb = costs[Bs][cb_o]
+        ca = costs[A]
+        want = ca - gap / 2  # ideal partner cost for each item of the heavy bin
+        j = np.clip(np.searchsorted(cb, want), 1, len(cb) - 1) if len(cb) > 1 else np.zeros(len(ca), np.int64)
+        cand = np.stack([j - 1, j]) if len(cb) > 1 else np.stack([j])
+        d = ca[None, :] - cb[cand]  # cost moved from hi to lo by each candidate swap
+        new_gap = np.abs(gap - 2 * d)
+        new_gap = np.where(d > 0, new_gap, np.inf)
+        best = np.unravel_index(int(np.argmin(new_gap)), new_gap.shape)
+        if not new_gap[best] < gap * (1 - 1e-12):
+            break
+        ia = int(A[best[1]])
+        ib = int(Bs[cb_o[cand[best]]])
+        moved = costs[ia] - costs[ib]
+        loads[hi] -= moved
+        loads[lo] += moved
+        bins[ia], bins[ib] = lo, hi
+        pa, pb = pos[ia], pos[ib]
+        order[pa], order[pb] = ib, ia
+        pos[ia], pos[ib] = pb, pa
+    return bins
+
+
 # ---- public API ---------------------------------------------------------------------------------
 
 def assign(costs: np.ndarray, n_bins: int, method: str = "greedy", *, equal_count: bool = False,
@@ -463,9 +552,9 @@ def assign(costs: np.ndarray, n_bins: int, method: str = "greedy", *, equal_coun
     if init is not None:
         init = init / scale
     if method == "none":
-        if equal_count:
-            per = -(-n // n_bins)
-            return np.minimum(np.arange(n) // per, n_bins - 1).astype(np.int64)
+        if equal_count:  # contiguous runs, the first n % n_bins bins one item longer
+            q, r = divmod(n, n_bins)
+            return np.repeat(np.arange(n_bins, dtype=np.int64), q + (np.arange(n_bins) < r))
         return (np.arange(n) % n_bins).astype(np.int64)
     if group_size and 1 < group_size < n_bins:
         return _assign_grouped(costs, n_bins, method, equal_count, init, int(group_size), small_fraction)
@@ -481,6 +570,12 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
     out = np.full(len(costs), -1, dtype=np.int64)
     everything = np.arange(len(costs))
     single = int(bin_group.max()) == 0
+    if equal_count and single:
+        if method == "greedy":
+            _lpt_rounds(costs, everything, item_group, bin_group, loads, out)
+        else:
+            out = _kk_equal(costs, everything, n_bins, init)
+        return refine_swaps(costs, out, n_bins) if init is None else out
     if equal_count:
         if method == "greedy" or not single:
             if method == "karmarkar_karp":
@@ -503,10 +598,16 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
         big &= costs > thr
     big_items = everything[big]
     small = everything[~big]
+    more = big_items[:0]
+    if method == "karmarkar_karp" and len(big_items) > KK_FREE_EXACT_MAX:
+        # exact KK for the largest items only; the next ones go by target-aware LPT rounds
+        o = desc_order(costs[big_items])
+        more = big_items[o[KK_FREE_EXACT_MAX:]]
+        big_items = big_items[o[:KK_FREE_EXACT_MAX]]
     if method == "karmarkar_karp" and len(big_items):
         def kk(its: np.ndarray, nb: int, ld: np.ndarray) -> np.ndarray:
             init_ = ld if np.any(ld) else None
-            if len(its) <= KK_FREE_EXACT_MAX and n_groups <= 8:
+            if len(its) <= 2 * KK_FREE_EXACT_MAX and n_groups <= 8:
                 return _kk_free(costs, its, nb, init_)
             return _kk_equal(costs, its, nb, init_)  # balanced variant for very many big items
 
@@ -519,6 +620,10 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
                 if len(its):
                     out[its] = bins[kk(its, len(bins), loads[bins])]
         loads += np.bincount(out[big_items], weights=costs[big_items], minlength=n_bins)
+        _repair_over_target(costs, big_items, out, loads, target[bin_group], bin_group)
+        left = _lpt_open_rounds(costs, more, item_group, bin_group, loads, out, target, EXACT_ROUNDS)
+        if len(left):
+            small = np.concatenate([left, small])
     else:
         left = _lpt_open_rounds(costs, big_items, item_group, bin_group, loads, out, target, EXACT_ROUNDS)
         if len(left):
