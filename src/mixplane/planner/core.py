@@ -417,6 +417,8 @@ class StepPlanner:
         dL = slack(sum(1 for x in probs if x > 0)) * L
         tol = 1e-9 * L
         lsz = [size_of(i) if counts[i] > 0 else 0.0 for i in range(n)]
+        # sources with a target share but no candidate left this step (window exhausted or nothing fits)
+        starved = [i for i in range(n) if probs[i] > 0 and counts[i] == 0]
         o_bin: list[int] = []
         o_src: list[int] = []
         o_key: list[int] = []
@@ -437,13 +439,15 @@ class StepPlanner:
                         bd = d
                         best = i
             if best < 0:
-                bv = -np.inf
-                for i in active:
-                    li = lsz[i]
-                    v = probs[i] * (total + li) - realized[i]
-                    if v > bv:
-                        bv = v
-                        best = i
+                # every source that could still place something is a full sample ahead: the ones behind
+                # have nothing that fits; end the step rather than drift
+                break
+            if starved:
+                # a source with nothing left that fits may not fall a sample behind: rather end the step
+                # here (its rows keep some padding) and let it catch up first thing next step
+                li = lsz[best]
+                if any(probs[i] * (total + li) - realized[i] > dL + tol for i in starved):
+                    break
             k = ptr[best]
             wi = cw[best][k]
             ei = ce[best][k]
@@ -457,6 +461,7 @@ class StepPlanner:
                 ptr[best] = k + 1  # does not fit this step; stays in the window for the next
                 if k + 1 >= counts[best]:
                     active.remove(best)
+                    starved.append(best)
                 else:
                     lsz[best] = size_of(best)
                 continue
@@ -481,6 +486,7 @@ class StepPlanner:
                 ptr[best] = k + 1
                 if k + 1 >= counts[best]:
                     active.remove(best)
+                    starved.append(best)
                     continue
             lsz[best] = size_of(best)
         self.sampler.realized[:] = realized
