@@ -128,3 +128,14 @@ class StepLayout:
         out = cls(**kw, phase=meta.get("phase", 0), lr_scale=float(lr), generation=meta.get("generation", 0), **parts)
         out.validate()
         return out
+
+
+def layout_digest(layout: StepLayout) -> str:
+    """A short fingerprint of what a step contains, journaled so replays can prove they match."""
+    import hashlib
+
+    h = hashlib.sha1()
+    h.update(repr(sorted(layout.meta().items())).encode())
+    for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
+        h.update(np.ascontiguousarray(getattr(layout, name)).tobytes())
+    return h.hexdigest()[:16]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,23 +17,11 @@ from mixplane import wire
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.metrics import make_metrics, serve_metrics
-from mixplane.planner.core import window_full
+from mixplane.loader.window import LoaderWindow
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
-
-CHUNK = 64  # samples read and transformed per refill step
-
-
-@dataclass
-class Buffered:
-    pos: int
-    key: int
-    tokens: np.ndarray
-    patches: np.ndarray | None
-    npatches: int = 0
-    done: int = 0  # tokens already planned
 
 
 class LoaderServer:
@@ -46,7 +32,6 @@ class LoaderServer:
         self.source = spec.sources[source_index]
         self.replica = replica
         self.name = f"loader:{self.source.name}:{replica}"
-        self.win_min, self.win_tokens, self.win_max = spec.window_bounds(source_index)
         self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -54,12 +39,7 @@ class LoaderServer:
         self.planner.connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
-        self.transform = make_transform(self.source)
-        self.buffer: dict[int, Buffered] = {}  # announced to the planner, not yet fully consumed
-        self.staged: deque[Buffered] = deque()  # read and transformed, not yet announced
-        self.unconsumed_tokens = 0
-        self.partial: dict[int, int] = {}
-        self.skip: set[int] = set()
+        self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read)
         self.session = -1
         self.welcomed = False
         self.stopped = False
@@ -92,56 +72,23 @@ class LoaderServer:
 
     def _seek(self, session: int, cursor: dict[str, Any]) -> None:
         self.session = session
-        self.buffer.clear()
-        self.staged.clear()
-        self.unconsumed_tokens = 0
-        self.skip = {int(p) for p in cursor.get("skip", [])}
-        self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
-        self.stream.seek(int(cursor["low"]))
+        self.window.seek(cursor)
         log.info("%s: session %d from position %d", self.name, session, cursor["low"])
 
-    @property
-    def window_full(self) -> bool:
-        return window_full(len(self.buffer), self.unconsumed_tokens, self.win_min, self.win_tokens, self.win_max)
-
-    def _read(self) -> None:
-        """Read and transform one chunk into the staging queue."""
-        t0 = time.perf_counter()
-        raw = self.stream.take(CHUNK)
-        out = self.transform(raw)
-        for i, p in enumerate(raw.positions):
-            p = int(p)
-            if p in self.skip:  # consumed before the cursor was taken
-                self.skip.discard(p)
-                continue
-            if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
-                continue
-            self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
-                                        out.patches[i] if out.patches is not None else None,
-                                        int(out.npatches[i]), self.partial.pop(p, 0)))
-        self.m.loader_read_seconds.observe(time.perf_counter() - t0)
-        self.m.loader_samples_read.labels(self.source.name).inc(len(raw))
-        self.m.loader_tokens.labels(self.source.name).inc(int(out.ntokens.sum()))
+    def _on_read(self, samples: int, tokens: int, seconds: float) -> None:
+        self.m.loader_read_seconds.observe(seconds)
+        self.m.loader_samples_read.labels(self.source.name).inc(samples)
+        self.m.loader_tokens.labels(self.source.name).inc(tokens)
 
     def _fill(self) -> bool:
-        """Announce staged samples one by one until the window is exactly full; True if it did work."""
-        if not self.welcomed or self.window_full:
+        """Announce samples until the window is full; True if it did work."""
+        if not self.welcomed or self.window.full:
             return False
-        new: list[Buffered] = []
-        while not self.window_full:
-            if not self.staged:
-                self._read()
-                continue
-            b = self.staged.popleft()
-            self.buffer[b.pos] = b
-            self.unconsumed_tokens += len(b.tokens) - b.done
-            new.append(b)
-        self.m.loader_buffer_samples.labels(self.source.name).set(len(self.buffer))
-        if new:
+        a = self.window.fill()
+        self.m.loader_buffer_samples.labels(self.source.name).set(len(self.window.buffer))
+        if len(a):
             self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
-                               {"pos": np.array([b.pos for b in new], np.int64), "key": np.array([b.key for b in new], np.int64),
-                                "tokens": np.array([len(b.tokens) for b in new], np.int32),
-                                "patches": np.array([b.npatches for b in new], np.int32)})
+                               {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
 
     def _on_plan(self, msg: wire.Message) -> None:
@@ -163,16 +110,11 @@ class LoaderServer:
             keys = np.empty(len(sel), np.int64)
             spans = []
             for j, i in enumerate(sel):
-                b = self.buffer.get(int(pos[i]))
-                if b is None:
-                    raise WireError(f"step {step}: planned sample at position {int(pos[i])} is not in the buffer")
-                keys[j] = b.key
-                s0 = int(start[i])
-                spans.append(b.tokens[s0 : s0 + int(length[i]) + 1])  # +1: the label of the span's last token
-                end = s0 + int(length[i])
-                if end > b.done:
-                    self.unconsumed_tokens -= end - b.done
-                    b.done = end
+                try:
+                    keys[j], span = self.window.span(int(pos[i]), int(start[i]), int(length[i]))
+                except KeyError as e:
+                    raise WireError(f"step {step}: {e.args[0]}") from None
+                spans.append(span)
             offsets = np.zeros(len(spans) + 1, np.int64)
             np.cumsum([len(s) for s in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
@@ -182,9 +124,7 @@ class LoaderServer:
                        "offsets": offsets, "values": values})
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
-            b = self.buffer.pop(int(pos[i]), None)
-            if b is not None:
-                self.unconsumed_tokens -= len(b.tokens) - b.done
+            self.window.retire(int(pos[i]))
 
     def handle(self, msg: wire.Message) -> None:
         if msg.kind == Kind.WELCOME:
@@ -207,7 +147,7 @@ class LoaderServer:
         self._hello()
         try:
             while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                busy = self.welcomed and not self.window_full
+                busy = self.welcomed and not self.window.full
                 events = dict(poller.poll(0 if busy else 100))
                 if self.planner in events:
                     while True:

@@ -4,25 +4,50 @@ Contract (used by the loader server, the planner's journal replay and `mixplane 
 
 * The stream emits the rows of one partition of a source, epoch after epoch. Epoch e's order is a
   pure function of (seed, source name, e, partition, num_partitions) and the source's files.
-* ``position`` counts rows emitted since the start of epoch 0; ``seek(p)`` makes the next
-  ``take`` return exactly what an unbroken stream would have returned at position p.
+* ``position`` counts row *slots* since the start of epoch 0; ``seek(p)`` makes the next
+  ``take`` return exactly what an unbroken stream would have returned at slot p. Seeking only
+  replays the order on integer ids (no data is read or decoded for skipped rows).
 * Every row carries a key ``make_key(epoch, row)`` where ``row`` is its index in the source
   (files sorted by path, rows in file order), so repeats within an epoch are detectable.
+* ``take(n)`` returns n rows and their slot positions. Positions are consecutive unless a
+  quarantined unit (a page that failed its CRC, could not be decoded, ...) sat in between: its
+  rows are skipped, never emitted, and their slots stay empty. Keeping the slots makes the order
+  independent of *when* a bad page was found, so seek and resume stay exact.
 
-This module holds the simple row-group shuffle; page-level reading lives beside it.
+Shuffle modes (``SourceSpec.shuffle``): ``page`` (default; random pages + YOUMU's aggressive
+buffer shuffle), ``row`` (full shuffle), ``rowgroup`` and ``sequential`` (baselines).
+
+Live sources (``SourceSpec.live``) are read once: the files found at open form segment 0; files
+that appear later under the uri form the next segments, each shuffled on its own. A live
+source that has run dry blocks in ``take`` (or returns early after ``timeout``), logs a status line
+and exposes ``dry`` / ``status()`` for metrics, instead of failing.
+
+Memory of a page-mode stream: its index (:attr:`SourceIndex.bytes_per_page`), the decoded pages
+that still have rows in the shuffle buffer, and the buffer's row ids — never a row group or file.
 """
 
 from __future__ import annotations
 
-import zlib
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from mixplane.loader.files import SourceFiles, list_source_files, open_parquet
+from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
+from mixplane.loader.pageindex import SourceIndex, SourceReader, _LRU, build_source_index
+from mixplane.loader.pagereader import IOStats, ParquetError
+from mixplane.loader.quarantine import QuarantineLog
+from mixplane.loader.shuffle import PagePlan, RowPlan, SequentialPlan, epoch_rng, key_of
 from mixplane.samples import make_key
 from mixplane.spec import SourceSpec
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+DEFAULT_BUFFER_ROWS = 10_000
+
+__all__ = ["RawSamples", "SourceStream", "open_stream", "epoch_rng", "DEFAULT_BUFFER_ROWS"]
 
 
 @dataclass
@@ -37,120 +62,511 @@ class RawSamples:
         return len(self.keys)
 
 
-def epoch_rng(seed: int, source: str, epoch: int, *salt: int) -> np.random.Generator:
-    """Independent, reproducible randomness per (seed, source, epoch, ...)."""
-    return np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(source.encode()), epoch, *salt])
+class StreamError(ValueError):
+    """A stream that cannot be opened or continued; the message names the source."""
 
 
 @dataclass
-class _Unit:
-    file: int
-    row_group: int
-    first_row: int  # index of the unit's first row in the source
-    rows: int
+class _Segment:
+    """A run of files read as one epoch-like unit (all files for a finite source; one discovery
+    batch for a live source)."""
+
+    unit_lo: int
+    unit_hi: int
+    chunk_lo: int
+    chunk_hi: int
+    row_lo: int
+    row_hi: int
+    paths: list[str]
 
 
-class RowGroupStream:
-    """Row-group shuffle: random row-group order per epoch, rows shuffled within the group."""
-
+class SourceStream:
     def __init__(self, source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1,
-                 files: SourceFiles | None = None):
+                 files: SourceFiles | None = None, buffer_rows: int = DEFAULT_BUFFER_ROWS,
+                 quarantine: QuarantineLog | None = None, stats: IOStats | None = None, cache_dir: str | None = "default",
+                 verify_crc: bool = True, row_block: int = 512, row_cache_bytes: int = 64 << 20,
+                 poll_s: float = 2.0, status_every_s: float = 30.0):
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} not in [0, {num_partitions})")
         self.source = source
-        self.seed = seed
-        self.partition = partition
-        self.num_partitions = num_partitions
-        self.files = files or list_source_files(source.uri)
+        self.name = source.name
+        self.mode = source.shuffle
+        self.live = bool(source.live)
+        self.seed = int(seed)
+        self.partition, self.num_partitions = int(partition), int(num_partitions)
         self.columns = list(source.columns)
-        self.units: list[_Unit] = []
-        first = 0
-        for fi, path in enumerate(self.files.paths):
-            meta = open_parquet(self.files, path).metadata
-            for rg in range(meta.num_row_groups):
-                n = meta.row_group(rg).num_rows
-                if n:
-                    self.units.append(_Unit(fi, rg, first, n))
-                first += n
-        if not self.units:
-            raise ValueError(f"source {source.name!r}: no rows in {source.uri}")
-        self._unit_rows = np.array([u.rows for u in self.units], dtype=np.int64)
-        self._epoch = 0
-        self._epoch_units: np.ndarray = self._order(0)
-        self._epoch_cum = np.concatenate([[0], np.cumsum(self._unit_rows[self._epoch_units])])
-        self._epoch_start = 0  # stream position where the current epoch begins
-        self._offset = 0  # position within the epoch
-        self._cache: tuple[int, int, dict[str, pa.Array], np.ndarray] | None = None
-        self._open: dict[int, object] = {}
+        self.buffer_rows = int(buffer_rows)
+        self.row_block = int(row_block)
+        self.poll_s, self.status_every_s = poll_s, status_every_s
+        self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
+        self.stats = stats if stats is not None else IOStats()
+        self._cache_dir = cache_dir
+        self.files = files or list_source_files(source.uri)
+        self.index = SourceIndex(self.columns)
+        self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
+        self.segments: list[_Segment] = []
+        self._rows_per_page = 1
+        self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
+        if not self.live:
+            if self.index.num_rows == 0:
+                why = "; ".join(str(e) for e in self.index.bad_files.values()) or "no Parquet files"
+                raise StreamError(f"source {self.name!r}: no readable rows in {source.uri} ({why})")
+            if self.index.num_units < self.num_partitions and self.mode != "row":
+                raise StreamError(f"source {self.name!r}: {self.index.num_units} pages cannot be split into "
+                                  f"{self.num_partitions} partitions")
+        self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
+        self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
+        self._cache: dict[int, dict[str, pa.Array]] = {}
+        self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
+        self._held: dict[int, int] = {}  # unit -> rows its cached data holds, after compaction
+        self._lru = _LRU(row_cache_bytes)
+        self._base_epoch, self._base_pos = 0, 0
+        self.dry = False
+        self._dry_since: float | None = None
+        self._last_status = 0.0
+        self._set_epoch(0, 0)
 
-    # -- order --------------------------------------------------------------------------
-    def _order(self, epoch: int) -> np.ndarray:
-        perm = epoch_rng(self.seed, self.source.name, epoch).permutation(len(self.units))
-        mine = perm[self.partition :: self.num_partitions]
-        if len(mine) == 0:
-            raise ValueError(f"source {self.source.name!r}: partition {self.partition} of {self.num_partitions} has no row groups")
-        return mine
+    # ------------------------------------------------------------------------------------------
+    # files and segments
 
-    def _set_epoch(self, epoch: int, epoch_start: int) -> None:
+    def _add_files(self, paths: list[str], sizes: list[int], mtimes: list[int]) -> bool:
+        """Index new files (in path order) and append them as a segment; True if rows were added."""
+        new = [(p, s, m) for p, s, m in zip(paths, sizes, mtimes) if self._known.get(p) != (s, m)]
+        new = [t for t in new if t[0] not in {f.path for f in self.index.files}]
+        if not new:
+            return False
+        for p, s, m in new:
+            self._known[p] = (s, m)
+        u0, c0, r0 = self.index.num_units, self.index.num_chunks, self.index.num_rows
+        before = len(self.index.files)
+
+        def on_bad(err: ParquetError) -> None:
+            self.quarantine.add(err, pages=1, whole_file=True)
+
+        build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new], mtimes=[t[2] for t in new],
+                           filesystem=self.files.filesystem, stats=self.stats, cache_dir=self._cache_dir,
+                           on_bad=on_bad, index=self.index)
+        if self.live:
+            # a file that failed may still be being written: try it again when it changes
+            for p in list(self.index.bad_files):
+                self.index.bad_files.pop(p)
+        if len(self.index.files) == before or self.index.num_rows == r0:
+            return False
+        self.segments.append(_Segment(u0, self.index.num_units, c0, self.index.num_chunks, r0, self.index.num_rows,
+                                      [f.path for f in self.index.files[before:]]))
+        self._rows_per_page = max(1, int(round(float(self.index.unit_rows.mean()))))
+        return True
+
+    def _rescan(self) -> bool:
+        try:
+            f = list_source_files(self.source.uri)
+        except SourceFilesError as e:
+            log.warning("source %r: cannot list %s: %s", self.name, self.source.uri, e)
+            return False
+        return self._add_files(list(f.paths), list(f.sizes), list(f.mtimes_ns))
+
+    def _segment(self, epoch: int) -> _Segment | None:
+        if not self.live:
+            return self.segments[0] if self.segments else None
+        return self.segments[epoch] if epoch < len(self.segments) else None
+
+    # ------------------------------------------------------------------------------------------
+    # epochs
+
+    def _plan(self, epoch: int):
+        seg = self._segment(epoch)
+        if seg is None:
+            return None
+        idx, p, N = self.index, self.partition, self.num_partitions
+        name = self.name
+        if self.mode == "row":
+            key = key_of(self.seed, name, epoch, 7)
+            return RowPlan(seg.row_lo, seg.row_hi - seg.row_lo, key, p, N, self.row_block)
+        if self.mode == "rowgroup":
+            chunks = np.arange(seg.chunk_lo, seg.chunk_hi, dtype=np.int64)
+            order = chunks[epoch_rng(self.seed, name, epoch, 3).permutation(len(chunks))][p::N]
+            seed, e = self.seed, epoch
+
+            def within(c: int, n: int) -> np.ndarray:
+                return epoch_rng(seed, name, e, 4, c).permutation(n).astype(np.int64)
+
+            return SequentialPlan(order, idx.chunk_row_start, idx.chunk_rows, within)
+        units = np.arange(seg.unit_lo, seg.unit_hi, dtype=np.int64)
+        if self.mode == "sequential":
+            return SequentialPlan(units[p::N], idx.unit_row_start, idx.unit_rows)
+        rng = epoch_rng(self.seed, name, epoch, 1)
+        order = units[rng.permutation(len(units))][p::N]
+        return PagePlan(order, idx.unit_row_start, idx.unit_rows, epoch_rng(self.seed, name, epoch, 2, p, N),
+                        buffer_rows=self.buffer_rows, rows_per_page=self._rows_per_page)
+
+    def _epoch_rows(self, epoch: int) -> int:
+        seg = self._segment(epoch)
+        if seg is None:
+            return 0
+        p, N, idx = self.partition, self.num_partitions, self.index
+        if self.mode == "row":
+            n = seg.row_hi - seg.row_lo
+            return max(0, (n - p + N - 1) // N)
+        if self.mode == "rowgroup":
+            nch = seg.chunk_hi - seg.chunk_lo
+            if N == 1:
+                return seg.row_hi - seg.row_lo
+            perm = epoch_rng(self.seed, self.name, epoch, 3).permutation(nch)[p::N] + seg.chunk_lo
+            return int(idx.chunk_rows[perm].sum())
+        if N == 1:
+            return seg.row_hi - seg.row_lo
+        nu = seg.unit_hi - seg.unit_lo
+        if self.mode == "sequential":
+            return int(idx.unit_rows[seg.unit_lo + np.arange(p, nu, N)].sum())
+        perm = epoch_rng(self.seed, self.name, epoch, 1).permutation(nu)[p::N] + seg.unit_lo
+        return int(idx.unit_rows[perm].sum())
+
+    def _set_epoch(self, epoch: int, start: int) -> None:
         self._epoch = epoch
-        self._epoch_units = self._order(epoch)
-        self._epoch_cum = np.concatenate([[0], np.cumsum(self._unit_rows[self._epoch_units])])
-        self._epoch_start = epoch_start
-        self._offset = 0
+        self._epoch_start = start
+        self._plan_obj = self._plan(epoch)
+        self._epoch_len = self._plan_obj.rows if self._plan_obj is not None else 0
+        self._block = np.zeros(0, np.int64)
+        self._block_done: list[int] = []
+        self._block_start = start
+        self._off = 0
+        self._epoch_delivered = 0
+        self._cache.clear()
+        self._maps.clear()
+        self._held.clear()
+
+    def _next_block(self) -> bool:
+        """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
+        self._free(self._block_done)
+        self._block_start += len(self._block)
+        self._off = 0
+        nb = self._plan_obj.next_block() if self._plan_obj is not None else None
+        if nb is None:
+            self._block, self._block_done = np.zeros(0, np.int64), []
+            return False
+        self._block, self._block_done = nb
+        return True
+
+    def _free(self, units: list[int]) -> None:
+        for u in units:
+            self._cache.pop(u, None)
+            self._maps.pop(u, None)
+            self._held.pop(u, None)
+        if self.mode == "page" and self._plan_obj is not None and self._cache:
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Keep only the rows still to be delivered of pages that are half drained (again and again:
+        each page is copied at most ~log2(rows) times, at most twice its size in all). A page with a
+        few rows left in the shuffle buffer then holds only those rows, so the decoded pages never
+        take much more memory than the rows in the buffer."""
+        sim = self._plan_obj.sim
+        rows = self.index.unit_rows
+        held = self._held
+        victims = sorted(u for u in self._cache
+                         if 0 < sim.left.get(u, 0) and 2 * sim.left[u] <= held.get(u, int(rows[u])) and held.get(u, int(rows[u])) > 4)
+        if not victims:
+            return
+        owner, ids = sim.owner[: sim.size], sim.buf[: sim.size]
+        sel = np.isin(owner, victims)
+        own, rid = owner[sel], ids[sel]
+        order = np.argsort(own, kind="stable")
+        own, rid = own[order], rid[order]
+        bounds = np.searchsorted(own, np.array(victims + [np.iinfo(np.int64).max], np.int64))
+        starts = self.index.unit_row_start
+        blk = self._block[self._off :]
+        for i, u in enumerate(victims):
+            local = rid[bounds[i] : bounds[i + 1]] - starts[u]
+            # rows of the current block not yet taken are still to be delivered too
+            bl = blk[(blk >= starts[u]) & (blk < starts[u] + rows[u])] - starts[u]
+            local = np.union1d(local, bl)
+            old = self._maps.get(u)
+            cur = old[local] if old is not None else local
+            m = np.full(int(rows[u]), -1, np.int64)
+            m[local] = np.arange(len(local))
+            idx = pa.array(cur)
+            self._cache[u] = {c: a.take(idx) for c, a in self._cache[u].items()}
+            self._maps[u] = m
+            held[u] = len(local)
 
     @property
     def position(self) -> int:
-        return self._epoch_start + self._offset
+        return self._block_start + self._off
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
 
     def seek(self, position: int) -> None:
-        if position < 0:
-            raise ValueError("position must be >= 0")
-        self._set_epoch(0, 0)
-        while position - self._epoch_start >= self._epoch_cum[-1]:
-            self._set_epoch(self._epoch + 1, self._epoch_start + int(self._epoch_cum[-1]))
-        self._offset = position - self._epoch_start
+        """Continue at slot ``position``, exactly as an unbroken stream would (no data is read)."""
+        position = int(position)
+        if position < self._base_pos:
+            raise ValueError(f"position {position} is before this stream's start ({self._base_pos})")
+        e, start = self._base_epoch, self._base_pos
+        while True:
+            n = self._epoch_rows(e)
+            if self.live and self._segment(e) is None:
+                if position > start:
+                    raise StreamError(f"source {self.name!r}: position {position} lies beyond the {start} rows "
+                                      "known so far (restore the stream's state_dict first)")
+                break
+            if n == 0:
+                if self.live:
+                    e += 1
+                    continue
+                raise StreamError(f"source {self.name!r}: partition {self.partition} of {self.num_partitions} is empty")
+            if position < start + n:
+                break
+            if self.num_partitions == 1 and not self.live:
+                k = (position - start) // n
+                e, start = e + k, start + k * n
+                continue
+            e, start = e + 1, start + n
+        self._set_epoch(e, start)
+        if self.mode == "row" and self._plan_obj is not None:
+            k = (position - start) // self._plan_obj.block
+            self._plan_obj.skip_blocks(k)
+            self._block_start = start + k * self._plan_obj.block
+        while self.position + (len(self._block) - self._off) <= position:
+            if not self._next_block():
+                break
+        self._off = position - self._block_start
 
-    # -- reading ------------------------------------------------------------------------
-    def _unit_data(self, k: int) -> tuple[dict[str, pa.Array], np.ndarray]:
-        ui = int(self._epoch_units[k])
-        if self._cache is not None and self._cache[0] == self._epoch and self._cache[1] == ui:
-            return self._cache[2], self._cache[3]
-        u = self.units[ui]
-        pf = self._open.get(u.file)
-        if pf is None:
-            pf = self._open[u.file] = open_parquet(self.files, self.files.paths[u.file])
-        table = pf.read_row_group(u.row_group, columns=self.columns)  # type: ignore[attr-defined]
-        perm = epoch_rng(self.seed, self.source.name, self._epoch, 1, ui).permutation(u.rows)
-        cols = {c: table.column(c).combine_chunks().take(pa.array(perm)) for c in self.columns}
-        rows = u.first_row + perm.astype(np.int64)
-        self._cache = (self._epoch, ui, cols, rows)
-        return cols, rows
+    # ------------------------------------------------------------------------------------------
+    # reading
 
-    def take(self, n: int) -> RawSamples:
+    def _unit_bounds(self):
+        if self.mode == "rowgroup":
+            return self.index.chunk_row_start, self.index.chunk_rows
+        return self.index.unit_row_start, self.index.unit_rows
+
+    def _load(self, u: int) -> dict[str, pa.Array] | None:
+        idx = self.index
+        try:
+            if self.mode == "rowgroup":
+                r0 = int(idx.chunk_row_start[u])
+                a = idx.primary["chunk_first_unit"]
+                return self.reader.read_rows(u, r0, r0 + int(idx.chunk_rows[u]), (int(a[u]), int(a[u + 1])))
+            r0 = int(idx.unit_row_start[u])
+            c = int(idx.chunk_of_units([u])[0])
+            return self.reader.read_rows(c, r0, r0 + int(idx.unit_rows[u]), (u, u + 1))
+        except ParquetError as e:
+            pages = int(idx.primary["unit_pages"][u]) if self.mode != "rowgroup" else 1
+            self.quarantine.add(e, pages=pages)
+            self._bad_units.add(u)
+            return None
+
+    def _get(self, u: int):
+        if u in self._bad_units:
+            return None
+        if self.mode == "row":
+            hit = self._lru.get(u)
+            if hit is not None:
+                return hit[0]
+            d = self._load(u)
+            if d is not None:
+                self._lru.put(u, d, sum(a.nbytes for a in d.values()))
+            return d
+        d = self._cache.get(u)
+        if d is None:
+            d = self._load(u)
+            if d is not None:
+                self._cache[u] = d
+        return d
+
+    def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, pa.Array]]:
+        """Data of the given source rows; returns (mask of rows delivered, columns of those rows)."""
+        starts, _ = self._unit_bounds()
+        units = np.searchsorted(starts, rows, side="right") - 1
+        uniq, inv = np.unique(units, return_inverse=True)
+        datas = [self._get(int(u)) for u in uniq]
+        ok_u = np.array([d is not None for d in datas], bool)
+        good = ok_u[inv]
+        if not good.any():
+            return good, {c: pa.array([], type=self.index.col_info[i].arrow_type) for i, c in enumerate(self.columns)}
+        keep = np.flatnonzero(ok_u)
+        remap = np.full(len(uniq), -1, np.int64)
+        remap[keep] = np.arange(len(keep))
+        gi = remap[inv[good]]
+        local = rows[good] - starts[uniq[keep]][gi]
+        if self._maps:
+            for j, k in enumerate(keep):
+                m = self._maps.get(int(uniq[k]))
+                if m is not None:
+                    sel = gi == j
+                    local[sel] = m[local[sel]]
+            if (local < 0).any():
+                raise AssertionError("compacted page lost a row that is still to be delivered")
+        # gather page by page (Arrow's take on a chunked array would concatenate every chunk first),
+        # then restore the delivery order with one take over the small result
+        order = np.argsort(gi, kind="stable")
+        bounds = np.searchsorted(gi[order], np.arange(len(keep) + 1))
+        local_sorted = local[order]
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        inv_arr = pa.array(inverse)
+        cols = {}
+        for c in self.columns:
+            pieces = [datas[k][c].take(pa.array(local_sorted[bounds[j] : bounds[j + 1]]))
+                      for j, k in enumerate(keep) if bounds[j + 1] > bounds[j]]
+            cat = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+            cols[c] = cat.take(inv_arr)
+        return good, cols
+
+    def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
+        """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds)."""
+        n = int(n)
         keys, poss, parts = [], [], {c: [] for c in self.columns}
-        while n > 0:
-            if self._offset >= self._epoch_cum[-1]:
-                self._set_epoch(self._epoch + 1, self._epoch_start + int(self._epoch_cum[-1]))
-            k = int(np.searchsorted(self._epoch_cum, self._offset, side="right") - 1)
-            cols, rows = self._unit_data(k)
-            lo = self._offset - int(self._epoch_cum[k])
-            hi = min(len(rows), lo + n)
-            keys.append(make_key(self._epoch, rows[lo:hi]))
-            poss.append(np.arange(self.position, self.position + hi - lo, dtype=np.int64))
-            for c in self.columns:
-                parts[c].append(cols[c].slice(lo, hi - lo))
-            self._offset += hi - lo
-            n -= hi - lo
+        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while got < n:
+            if self._off >= len(self._block):
+                if not self._next_block():
+                    if not self._advance_epoch(deadline):
+                        break
+                    continue
+            want = min(n - got, len(self._block) - self._off)
+            rows = self._block[self._off : self._off + want]
+            good, cols = self._gather(rows)
+            pos = self.position + np.arange(want, dtype=np.int64)
+            self._off += want
+            k = int(good.sum())
+            if k:
+                keys.append(make_key(0 if self.live else self._epoch, rows[good]))
+                poss.append(pos[good])
+                for c in self.columns:
+                    parts[c].append(cols[c])
+                got += k
+                self._epoch_delivered += k
         if not keys:
-            return RawSamples(np.zeros(0, np.int64), np.zeros(0, np.int64), {})
+            return RawSamples(np.zeros(0, np.int64), np.zeros(0, np.int64),
+                              {c: pa.array([], type=self._col_type(c)) for c in self.columns})
         return RawSamples(np.concatenate(keys), np.concatenate(poss),
-                          {c: pa.concat_arrays(v) for c, v in parts.items()})
+                          {c: (v[0] if len(v) == 1 else pa.concat_arrays(v)) for c, v in parts.items()})
+
+    def _col_type(self, c: str) -> pa.DataType:
+        if self.index.col_info is None:
+            return pa.null()
+        return self.index.col_info[self.columns.index(c)].arrow_type
+
+    def _advance_epoch(self, deadline: float | None) -> bool:
+        """Move to the next epoch (segment); for a dry live source wait for new files."""
+        if self._epoch_len and self._epoch_delivered == 0 and not self.live:
+            raise StreamError(f"source {self.name!r}: every page of partition {self.partition} in epoch "
+                              f"{self._epoch} is quarantined ({self.quarantine.counts()})")
+        nxt = self._epoch + 1 if self._plan_obj is not None else self._epoch
+        if not self.live:
+            self._set_epoch(nxt, self._epoch_start + self._epoch_len)
+            return True
+        while self._segment(nxt) is None:
+            if self._rescan():
+                break
+            now = time.monotonic()
+            if not self.dry:
+                self.dry, self._dry_since, self._last_status = True, now, 0.0
+            if now - self._last_status >= self.status_every_s:
+                self._last_status = now
+                log.warning("%s", self.status_line())
+            if deadline is not None and now >= deadline:
+                return False
+            time.sleep(self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - now)))
+        self.dry, self._dry_since = False, None
+        self._set_epoch(nxt, self._epoch_start + self._epoch_len)
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    # status, state
+
+    def status(self) -> dict:
+        return {"source": self.name, "mode": self.mode, "partition": self.partition,
+                "num_partitions": self.num_partitions, "position": self.position, "epoch": self._epoch,
+                "files": len(self.index.files), "rows": self.index.num_rows, "pages": self.index.num_pages,
+                "index_bytes": self.index.nbytes, "index_bytes_per_page": self.index.bytes_per_page,
+                "bytes_read": self.stats.bytes_read, "reads": self.stats.reads, "live": self.live, "dry": self.dry,
+                "dry_seconds": (time.monotonic() - self._dry_since) if self._dry_since is not None else 0.0,
+                "quarantined": self.quarantine.counts(), "buffered_pages": len(self._cache)}
+
+    def status_line(self) -> str:
+        s = self.status()
+        if s["dry"]:
+            return (f"source {self.name!r} is dry: {s['position']} rows delivered from {s['files']} files; waiting "
+                    f"{s['dry_seconds']:.0f}s for new files under {self.source.uri}")
+        return (f"source {self.name!r}: position {s['position']} epoch {s['epoch']}, {s['files']} files, "
+                f"{s['pages']} pages, {s['quarantined']['pages']} quarantined")
+
+    def state_dict(self) -> dict:
+        st = {"version": STATE_VERSION, "source": self.name, "mode": self.mode, "seed": self.seed,
+              "partition": self.partition, "num_partitions": self.num_partitions, "position": self.position,
+              "epoch": self._epoch, "epoch_start": self._epoch_start, "base_epoch": self._base_epoch,
+              "base_position": self._base_pos, "fingerprint": self.index.fingerprint(),
+              "buffer_rows": self.buffer_rows}
+        if self.live:
+            st["segments"] = [list(s.paths) for s in self.segments]
+        return st
+
+    def load_state_dict(self, st: dict) -> None:
+        """Resume exactly where ``st`` was taken. A state from another (partition, num_partitions)
+        is accepted at an epoch boundary: this partition then starts that epoch at that position."""
+        if st.get("version") != STATE_VERSION:
+            raise ValueError(f"stream state version {st.get('version')} is not {STATE_VERSION}")
+        for k, mine in (("source", self.name), ("mode", self.mode), ("seed", self.seed), ("buffer_rows", self.buffer_rows)):
+            if st.get(k) != mine:
+                raise ValueError(f"stream state is for {k}={st.get(k)!r}, this stream has {mine!r}")
+        if self.live and "segments" in st:
+            self._restore_segments(st["segments"])
+        if st.get("fingerprint") != self.index.fingerprint():
+            log.warning("source %r: files changed since the state was saved; the order will differ", self.name)
+        same = (st["partition"], st["num_partitions"]) == (self.partition, self.num_partitions)
+        if same:
+            self._base_epoch, self._base_pos = int(st["base_epoch"]), int(st["base_position"])
+            self.seek(int(st["position"]))
+            return
+        if st["position"] != st["epoch_start"]:
+            raise ValueError("the number of partitions can only change at an epoch boundary "
+                             f"(state is {st['position'] - st['epoch_start']} rows into epoch {st['epoch']})")
+        self.start_epoch(int(st["epoch"]), int(st["position"]))
+
+    def start_epoch(self, epoch: int, position: int = 0) -> None:
+        """Make slot ``position`` the start of ``epoch`` (used when replicas change at an epoch boundary)."""
+        self._base_epoch, self._base_pos = int(epoch), int(position)
+        self.seek(int(position))
+
+    def _restore_segments(self, segs: list[list[str]]) -> None:
+        have = [s.paths for s in self.segments]
+        if have == segs[: len(have)] and len(have) <= len(segs):
+            if have == segs:
+                return
+        # rebuild the index in the recorded segment order
+        self.index = SourceIndex(self.columns)
+        self.segments = []
+        self._known = {}
+        sizes = dict(zip(self.files.paths, self.files.sizes))
+        mt = dict(zip(self.files.paths, self.files.mtimes_ns))
+        cur = list_source_files(self.source.uri)
+        sizes.update(zip(cur.paths, cur.sizes))
+        mt.update(zip(cur.paths, cur.mtimes_ns))
+        for paths in segs:
+            missing = [p for p in paths if p not in sizes]
+            if missing:
+                raise StreamError(f"source {self.name!r}: files of the saved state are gone: {missing[:3]}")
+            self._add_files(paths, [sizes[p] for p in paths], [mt[p] for p in paths])
+        self._rescan()
+        self.reader.close()
+        self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats,
+                                   verify_crc=self.reader.verify_crc)
 
     def close(self) -> None:
-        self._open.clear()
-        self._cache = None
+        self.reader.close()
+        self._cache.clear()
+        self._lru.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1):
-    """The stream for a source's configured shuffle mode."""
-    return RowGroupStream(source, seed=seed, partition=partition, num_partitions=num_partitions)
+def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
+    """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options)."""
+    return SourceStream(source, seed=seed, partition=partition, num_partitions=num_partitions, **options)

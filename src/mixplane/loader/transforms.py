@@ -1,7 +1,25 @@
-"""Sample transforms run inside a Source Loader: raw column values -> token ids (and image patches)."""
+"""Sample transforms run inside a Source Loader: raw column values -> token ids (and image patches).
+
+* ``text``: one batched ``encode_batch_fast`` call per take, EOS appended vectorised.
+* ``tokens``: a ``list<int32|int64>`` column passes through (a ``binary`` column is read as
+  little-endian int32); the tokenizer's EOS is appended when a tokenizer is given.
+* ``image_text``: columns [image, caption]. The image (encoded bytes, or an HF-style struct with a
+  ``bytes`` field) is decoded with Pillow, resized so its longer side is at most ``max_side`` and
+  both sides are multiples of ``patch_size`` (times sqrt(merge) when patches are merged), and cut
+  into patches. Its tokens are the fused sequence ``[image placeholder] * (patches / merge) +
+  caption tokens (+ EOS)``. ``patches`` holds each sample's patch pixels flattened (uint8, patch
+  by patch, row-major, each patch p*p*3 RGB), ``image_grid`` its (h_patches, w_patches).
+
+Per-sample metadata the planner sees before any payload moves: ``ntokens`` and ``npatches`` (the
+key and source travel with the RawSamples). A sample whose image cannot be decoded is emptied
+(ntokens 0, so the loader drops it) and counted in ``transform.quarantine``; it never delivers
+garbage and never stops the loader.
+"""
 
 from __future__ import annotations
 
+import io
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,19 +27,27 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.stream import RawSamples
 from mixplane.samples import Ragged
 from mixplane.spec import SourceSpec
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+IMAGE_TOKEN_CANDIDATES = ("<|image|>", "<image>", "<|image_pad|>")
 
 
 @dataclass
 class TransformedSamples:
-    tokens: Ragged
-    patches: Ragged | None
-    ntokens: np.ndarray
-    npatches: np.ndarray
+    tokens: Ragged  # int32 token ids per sample (image_text: fused sequence with placeholders)
+    patches: Ragged | None  # uint8 flattened patch pixels per sample (image_text only)
+    ntokens: np.ndarray  # int32
+    npatches: np.ndarray  # int32
+    image_grid: np.ndarray | None = None  # int32 (n, 2): (h_patches, w_patches); (0, 0) without image
+    patch_size: int = 0
+
+
+class TransformError(ValueError):
+    """A column that cannot be turned into tokens (wrong type, bad token bytes); names the source and column."""
 
 
 def load_tokenizer(path: str):
@@ -41,45 +67,253 @@ def eos_id(tok) -> int | None:
     return None
 
 
-def _ragged_from_list_array(arr: pa.Array) -> Ragged:
+def image_token_id(tok, configured: int | None) -> int:
+    if configured is not None:
+        return int(configured)
+    if tok is not None:
+        for t in IMAGE_TOKEN_CANDIDATES:
+            i = tok.token_to_id(t)
+            if i is not None:
+                return int(i)
+        return int(tok.get_vocab_size(with_added_tokens=True)) - 1
+    raise ValueError("image_text needs image.image_token_id or a tokenizer")
+
+
+# ---- ragged helpers (vectorised) ----
+
+def append_value(rg: Ragged, value: int) -> Ragged:
+    """Append one value to every item of a Ragged without a Python loop."""
+    n = len(rg)
+    lens = rg.lengths
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lens + 1, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=rg.values.dtype)
+    is_tail = np.zeros(len(out), bool)
+    is_tail[offsets[1:] - 1] = True
+    out[is_tail] = value
+    out[~is_tail] = rg.values
+    return Ragged(out, offsets)
+
+
+def concat_ragged(a: Ragged, b: Ragged) -> Ragged:
+    """Item-wise concatenation a[i] + b[i] (vectorised)."""
+    la, lb = a.lengths, b.lengths
+    offsets = np.zeros(len(la) + 1, np.int64)
+    np.cumsum(la + lb, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.result_type(a.values.dtype, b.values.dtype))
+    from_a = np.zeros(len(out), bool)
+    # mark the first la[i] slots of item i
+    if len(out):
+        starts = offsets[:-1]
+        idx = np.repeat(starts, la) + (np.arange(int(la.sum())) - np.repeat(np.concatenate([[0], np.cumsum(la)])[:-1], la))
+        from_a[idx] = True
+    out[from_a] = a.values
+    out[~from_a] = b.values
+    return Ragged(out, offsets)
+
+
+def _ragged_from_list_array(arr: pa.Array, what: str = "tokens") -> Ragged:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    if not pa.types.is_list(arr.type) and not pa.types.is_large_list(arr.type):
-        raise TypeError(f"expected a list column of token ids, got {arr.type}")
+    t = arr.type
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return _ragged_from_binary(arr, what)
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        raise TransformError(f"{what}: expected a list<int> or binary column of token ids, got {t}")
+    if not pa.types.is_integer(t.value_type):
+        raise TransformError(f"{what}: token list items are {t.value_type}, expected integers")
     if arr.null_count:
-        arr = arr.fill_null(pa.scalar([], type=arr.type))
+        arr = arr.fill_null(pa.scalar([], type=t))
     offsets = np.asarray(arr.offsets, dtype=np.int64)
-    values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=np.int32)
-    values = values[offsets[0] : offsets[-1]]
+    vals_arr = arr.values
+    if vals_arr.null_count:
+        raise TransformError(f"{what}: token lists contain nulls")
+    values = vals_arr.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    if values.dtype != np.int32:
+        if len(values) and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
+            raise TransformError(f"{what}: token ids outside int32")
+        values = values.astype(np.int32)
     return Ragged(values, offsets - offsets[0])
 
 
+def _ragged_from_binary(arr: pa.Array, what: str) -> Ragged:
+    if pa.types.is_fixed_size_binary(arr.type):
+        arr = arr.cast(pa.binary())
+    if arr.null_count:
+        arr = arr.fill_null(b"")
+    bufs = arr.buffers()
+    otype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    offsets = np.frombuffer(bufs[1], dtype=otype, count=len(arr) + 1, offset=arr.offset * np.dtype(otype).itemsize).astype(np.int64)
+    if np.any(np.diff(offsets) % 4):
+        raise TransformError(f"{what}: binary token rows must hold whole little-endian int32 values")
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    data = data[offsets[0] : offsets[-1]]
+    return Ragged(data.view("<i4").astype(np.int32), (offsets - offsets[0]) // 4)
+
+
+def _texts(arr: pa.Array, what: str) -> list[str]:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    t = arr.type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            arr = pc.cast(arr, pa.large_string())  # raises on invalid UTF-8
+        elif pa.types.is_null(t):
+            return [""] * len(arr)
+        else:
+            raise TransformError(f"{what}: column is {t}, expected text")
+    return arr.fill_null("").to_pylist()
+
+
+def _encode(tok, texts: list[str]) -> Ragged:
+    """One batched tokenizer call; the per-document `.ids` lists are what the tokenizers API returns."""
+    enc = tok.encode_batch_fast(texts, add_special_tokens=False)
+    lens = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
+    offsets = np.zeros(len(enc) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    values = np.fromiter((i for e in enc for i in e.ids), dtype=np.int32, count=int(offsets[-1]))
+    return Ragged(values, offsets)
+
+
+# ---- images ----
+
+def target_size(w: int, h: int, patch: int, max_side: int, multiple: int = 1) -> tuple[int, int]:
+    """Size after resizing: longer side <= max_side (never upscaled past it), both sides multiples of
+    patch*multiple, at least one unit each, aspect ratio kept as closely as the grid allows."""
+    unit = patch * multiple
+    scale = min(1.0, max_side / max(w, h)) if max(w, h) > 0 else 1.0
+    cap = max(unit, (max_side // unit) * unit)
+    tw = min(cap, max(unit, int(round(w * scale / unit)) * unit))
+    th = min(cap, max(unit, int(round(h * scale / unit)) * unit))
+    return tw, th
+
+
+def image_to_patches(data: bytes, patch: int, max_side: int, multiple: int = 1) -> tuple[np.ndarray, int, int]:
+    """Decode, resize, cut into patches: (flattened uint8 patches, h_patches, w_patches)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.draft("RGB", (max_side, max_side))  # JPEG: decode at reduced size when much larger
+        im = im.convert("RGB")
+        tw, th = target_size(im.width, im.height, patch, max_side, multiple)
+        if (tw, th) != im.size:
+            im = im.resize((tw, th), Image.Resampling.BICUBIC)
+        a = np.asarray(im, dtype=np.uint8)
+    hp, wp = th // patch, tw // patch
+    patches = a.reshape(hp, patch, wp, patch, 3).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(patches).reshape(-1), hp, wp
+
+
+def _image_bytes(arr: pa.Array, what: str) -> list[bytes | None]:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    t = arr.type
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        if "bytes" not in names:
+            raise TransformError(f"{what}: image struct has no 'bytes' field (fields: {names})")
+        arr = arr.field("bytes")
+        t = arr.type
+    if not (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        raise TransformError(f"{what}: image column is {t}, expected encoded image bytes")
+    return arr.to_pylist()
+
+
 def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamples]:
-    col = source.columns[0]
+    tok = load_tokenizer(source.tokenizer) if source.tokenizer else None
+    eos = eos_id(tok) if (tok is not None and source.append_eos) else None
+    quarantine = QuarantineLog(source.name)
+
     if source.kind == "tokens":
+        col = source.columns[0]
+        what = f"source {source.name!r}, column {col!r}"
+
         def tokens_passthrough(raw: RawSamples) -> TransformedSamples:
-            rg = _ragged_from_list_array(raw.columns[col])
+            rg = _ragged_from_list_array(raw.columns[col], what)
+            if eos is not None:
+                rg = append_value(rg, eos)
             n = rg.lengths.astype(np.int32)
             return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
+
+        tokens_passthrough.quarantine = quarantine  # type: ignore[attr-defined]
         return tokens_passthrough
+
     if source.kind == "text":
-        tok = load_tokenizer(source.tokenizer or "")
-        eos = eos_id(tok) if source.append_eos else None
+        if tok is None:
+            raise ValueError(f"source {source.name!r}: kind text needs a tokenizer")
+        col = source.columns[0]
+        what = f"source {source.name!r}, column {col!r}"
 
         def tokenize(raw: RawSamples) -> TransformedSamples:
-            arr = raw.columns[col]
-            if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
-                if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
-                    arr = pc.cast(arr, pa.large_string())
-                else:
-                    raise TypeError(f"source {source.name!r}: column {col!r} is {arr.type}, expected text")
-            texts = arr.fill_null("").to_pylist()
-            enc = tok.encode_batch_fast(texts, add_special_tokens=False)
-            ids = [np.asarray(e.ids, dtype=np.int32) for e in enc]
+            rg = _encode(tok, _texts(raw.columns[col], what))
             if eos is not None:
-                ids = [np.append(a, np.int32(eos)) for a in ids]
-            rg = Ragged.from_arrays(ids, np.int32)
+                rg = append_value(rg, eos)
             n = rg.lengths.astype(np.int32)
             return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
+
+        tokenize.quarantine = quarantine  # type: ignore[attr-defined]
         return tokenize
-    raise NotImplementedError(f"source {source.name!r}: kind {source.kind} is not supported by this loader yet")
+
+    if source.kind == "image_text":
+        if len(source.columns) < 2:
+            raise ValueError(f"source {source.name!r}: image_text needs columns [image, caption]")
+        img_col, cap_col = source.columns[0], source.columns[1]
+        im = source.image
+        p, max_side, merge = im.patch_size, im.max_side, im.merge
+        side = int(math.isqrt(merge))
+        multiple = side if side * side == merge else 1
+        img_tok = image_token_id(tok, im.image_token_id)
+        what = f"source {source.name!r}"
+
+        def image_text(raw: RawSamples) -> TransformedSamples:
+            n = len(raw)
+            caps = _encode(tok, _texts(raw.columns[cap_col], f"{what}, column {cap_col!r}")) if tok is not None else \
+                Ragged(np.zeros(0, np.int32), np.zeros(n + 1, np.int64))
+            if eos is not None:
+                caps = append_value(caps, eos)
+            imgs = _image_bytes(raw.columns[img_col], f"{what}, column {img_col!r}")
+            grid = np.zeros((n, 2), np.int32)
+            pix: list[np.ndarray] = []
+            bad = np.zeros(n, bool)
+            for i, b in enumerate(imgs):  # image decoding is per image by nature (Pillow)
+                if b is None:
+                    pix.append(np.zeros(0, np.uint8))
+                    continue
+                try:
+                    flat, hp, wp = image_to_patches(b, p, max_side, multiple)
+                except Exception as e:  # PIL raises many types for corrupt data
+                    bad[i] = True
+                    quarantine.add(_SampleError(f"{what}: sample key {int(raw.keys[i])}: undecodable image ({e})",
+                                                int(raw.keys[i])), pages=0)
+                    pix.append(np.zeros(0, np.uint8))
+                    continue
+                grid[i] = (hp, wp)
+                pix.append(flat)
+            npatches = (grid[:, 0] * grid[:, 1]).astype(np.int32)
+            nplace = (npatches // merge).astype(np.int64)
+            place = Ragged(np.full(int(nplace.sum()), img_tok, np.int32),
+                           np.concatenate([[0], np.cumsum(nplace)]).astype(np.int64))
+            tokens = concat_ragged(place, caps)
+            ntokens = tokens.lengths.astype(np.int32)
+            if bad.any():  # an undecodable image empties its sample: the loader drops it
+                keep = ~bad
+                lens = np.where(keep, tokens.lengths, 0)
+                offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+                tokens = Ragged(tokens.values[np.repeat(keep, tokens.lengths)], offs)
+                ntokens = lens.astype(np.int32)
+                npatches[bad] = 0
+            patches = Ragged.from_arrays(pix, np.uint8)
+            return TransformedSamples(tokens, patches, ntokens, npatches, grid, p)
+
+        image_text.quarantine = quarantine  # type: ignore[attr-defined]
+        return image_text
+    raise NotImplementedError(f"source {source.name!r}: kind {source.kind} is not supported")
+
+
+class _SampleError(ValueError):
+    kind = "bad_image"
+    file = row_group = column = None
+
+    def __init__(self, message: str, key: int):
+        super().__init__(message)
+        self.page = key  # the sample key identifies the quarantined unit

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from mixplane import wire
+from mixplane.layout import layout_digest
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
@@ -259,7 +260,7 @@ class PlannerServer:
                        sub.arrays())
         # bookkeeping
         self._journal({"step": step, "session": self.session, "generation": lay.generation, "phase": lay.phase,
-                       "cursor": plan.cursor_before})
+                       "digest": layout_digest(lay), "cursor": plan.cursor_before})
         tok = plan.tokens_by_source
         fill = lay.row_fill().sum() / float(lay.rows * lay.seq_len)
         self.m.steps_planned.inc()

@@ -1,0 +1,349 @@
+"""Loader I/O benchmark (issue 5): page shuffle vs row shuffle vs row-group shuffle vs Hugging Face
+`datasets` streaming (10,000-sample shuffle buffer), on the same Parquet files.
+
+Data: a real-text source built from the text files on this machine (Python sources and docs of the
+installed packages and the standard library, /usr/share/doc): one row per file, like a code
+dataset (The Stack layout), repeated in shuffled order until the source reaches the target size.
+Layout like a production dataset: at most 16 files, pyarrow's default row-group size (each file
+one row group, >= 64 MB compressed in the full run), pyarrow's defaults (snappy, dictionary on, ~1 MB data pages: the writer checks the page size
+every `write_batch_size` rows, so that is set to about 1 MB of rows), plus an int64 `id` column
+(the row's position in stored order, read only by the HF baseline, which has no other way to tell
+where a sample came from; our streams carry it in their keys).
+
+Each mode runs in its own process (clean peak RSS). Per mode: samples_per_s, bytes_read_per_sample
+(bytes our reader issued; for HF the process's read() bytes, /proc/self/io rchar), delivered_bytes_per_sample
+(UTF-8 bytes of the delivered text), read_amplification (their ratio), peak_rss_mb, p50/p99 of the
+time to get one batch, pair_gap and window_coverage over the delivered order.
+
+Usage: python bench/loader_io.py [--quick] [--gb 1.0] [--data DIR]
+The last stdout line is one JSON object:
+{"modes": {"page": {...}, "row": {...}, "rowgroup": {...}, "hf_streaming": {...}}, "index_bytes_per_page": N, "dataset_bytes": N}
+The line before it compares page mode's memory at two dataset sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+MODE_FIELDS = ["samples_per_s", "bytes_read_per_sample", "delivered_bytes_per_sample", "read_amplification",
+               "peak_rss_mb", "p50_batch_ms", "p99_batch_ms", "pair_gap", "window_coverage"]
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+
+def _corpus_files(quick: bool) -> list[str]:
+    roots = [os.path.dirname(os.__file__)]
+    if not quick:
+        import numpy as _np
+
+        roots.append(os.path.dirname(os.path.dirname(_np.__file__)))  # site-packages
+        roots.append("/usr/share/doc")
+    out = []
+    for r in roots:
+        for d, _, fs in os.walk(r):
+            for f in fs:
+                if f.endswith((".py", ".md", ".rst", ".txt", ".gz")) or f in ("README", "copyright", "changelog"):
+                    p = os.path.join(d, f)
+                    try:
+                        if 64 <= os.path.getsize(p) <= 256 << 10:
+                            out.append(p)
+                    except OSError:
+                        pass
+    return sorted(out)
+
+
+def _read_text(p: str) -> str | None:
+    try:
+        raw = open(p, "rb").read()
+        if p.endswith(".gz"):
+            raw = gzip.decompress(raw)
+            if len(raw) > 256 << 10:
+                return None
+        t = raw.decode("utf-8")
+        return t if t.strip() else None
+    except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+        return None
+
+
+def build_dataset(out_dir: str, target_bytes: int, quick: bool) -> dict:
+    """Write the source (or reuse it); returns its manifest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    man_path = os.path.join(out_dir, "manifest.json")
+    if os.path.exists(man_path):
+        man = json.load(open(man_path))
+        if man.get("target_bytes") == target_bytes and man.get("layout") == 2 and all(os.path.exists(p) for p in man["paths"]):
+            return man
+    os.makedirs(out_dir, exist_ok=True)
+    for p in glob.glob(os.path.join(out_dir, "*.parquet")):
+        os.unlink(p)
+    t0 = time.time()
+    docs = [t for t in (_read_text(p) for p in _corpus_files(quick)) if t is not None]
+    lens = np.array([len(d.encode()) for d in docs], np.int64)
+    avg = float(lens.mean())
+    rng = np.random.default_rng(0)
+    # measure the on-disk bytes per row with the writer's defaults
+    probe = rng.choice(len(docs), min(2000, len(docs)), replace=False)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": [docs[i] for i in probe], "id": np.arange(len(probe))}), sink)
+    disk_per_row = sink.getvalue().size / len(probe)
+    total_rows = int(target_bytes / disk_per_row) + 1
+    nfiles = 16 if not quick else 4
+    rows_per_file = -(-total_rows // nfiles)
+    write_batch = max(8, int((1 << 20) / avg))  # ~1 MB of rows between page-size checks -> ~1 MB pages
+    paths, written, start = [], 0, 0
+    for k in range(nfiles):
+        n = min(rows_per_file, total_rows - start)
+        if n <= 0:
+            break
+        pick = rng.integers(0, len(docs), n)
+        table = pa.table({"text": pa.array([docs[i] for i in pick], pa.string()),
+                          "id": pa.array(np.arange(start, start + n, dtype=np.int64))})
+        p = os.path.join(out_dir, f"part-{k:05d}.parquet")
+        # the writer's default row-group size (2^20 rows) keeps each file one row group: >= 64 MB compressed
+        pq.write_table(table, p, write_batch_size=write_batch, write_page_index=True)
+        del table
+        paths.append(p)
+        written += os.path.getsize(p)
+        start += n
+    md = pq.ParquetFile(paths[0]).metadata
+    rg_bytes = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
+    rg_comp = [sum(md.row_group(i).column(j).total_compressed_size for j in range(md.num_columns))
+               for i in range(md.num_row_groups)]
+    man = {"target_bytes": target_bytes, "layout": 2, "paths": paths, "rows": start, "dataset_bytes": written,
+           "corpus_docs": len(docs), "corpus_bytes": int(lens.sum()), "avg_doc_bytes": avg,
+           "row_group_bytes_uncompressed": rg_bytes, "row_group_bytes_compressed": rg_comp,
+           "write_batch_size": write_batch, "build_s": round(time.time() - t0, 1)}
+    json.dump(man, open(man_path, "w"))
+    return man
+
+
+# ------------------------------------------------------------------------------------------------
+# one mode, in its own process
+
+
+def _rchar() -> int:
+    try:
+        for line in open("/proc/self/io"):
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _pss_mb() -> float:
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _peak_rss_mb() -> float:
+    """VmHWM: this process's peak resident set (ru_maxrss would carry the parent's peak across exec)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def quality(pos: np.ndarray, n_total: int) -> tuple[float, float]:
+    pair_gap = float(np.abs(np.diff(pos.astype(np.int64))).mean() / n_total) if len(pos) > 1 else 0.0
+    first = pos[: max(1, n_total // 100)]
+    buckets = np.unique(np.minimum(first * 100 // n_total, 99))
+    return pair_gap, len(buckets) / 100.0
+
+
+def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budget_s: float, buffer_rows: int) -> dict:
+    import pyarrow.compute as pc
+
+    need = max(n_total // 100, 1)  # window_coverage needs the first 1%
+    lat, pos_parts, delivered = [], [], 0
+    t_open = time.perf_counter()
+    if mode == "hf_streaming":
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import datasets
+
+        datasets.disable_progress_bars()
+        files = sorted(glob.glob(os.path.join(data_dir, "*.parquet")))
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True,
+                                   columns=["text", "id"], cache_dir=os.path.join(data_dir, ".hf-cache"))
+        ds = ds.shuffle(seed=0, buffer_size=10_000)
+        it = ds.iter(batch_size=batch)
+        open_s = time.perf_counter() - t_open
+        r0 = _rchar()
+        t0 = time.perf_counter()
+        got = 0
+        while got < samples and (got < need or time.perf_counter() - t0 < budget_s):
+            t = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            lat.append(time.perf_counter() - t)
+            pos_parts.append(np.asarray(b["id"], np.int64))
+            delivered += sum(len(s.encode()) for s in b["text"])
+            got += len(b["id"])
+        wall = time.perf_counter() - t0
+        bytes_read = _rchar() - r0
+        stats = {}
+    else:
+        from mixplane.loader.stream import open_stream
+        from mixplane.samples import key_row
+        from mixplane.spec import SourceSpec
+
+        src = SourceSpec(name="bench", uri=data_dir, columns=["text"], kind="tokens", shuffle=mode)
+        s = open_stream(src, seed=0, buffer_rows=buffer_rows)
+        open_s = time.perf_counter() - t_open
+        b0, r0 = s.stats.bytes_read, _rchar()
+        t0 = time.perf_counter()
+        got = 0
+        while got < samples and (got < need or time.perf_counter() - t0 < budget_s):
+            t = time.perf_counter()
+            r = s.take(batch)
+            lat.append(time.perf_counter() - t)
+            pos_parts.append(key_row(r.keys))
+            delivered += int(pc.sum(pc.binary_length(r.columns["text"])).as_py() or 0)
+            got += len(r)
+        wall = time.perf_counter() - t0
+        bytes_read = s.stats.bytes_read - b0
+        st = s.status()
+        stats = {"rchar_per_sample": (_rchar() - r0) / max(got, 1), "index_bytes_per_page": st["index_bytes_per_page"],
+                 "pages": st["pages"], "quarantined": st["quarantined"]["pages"]}
+        s.close()
+    pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+    pair_gap, cover = quality(pos, n_total)
+    lat_ms = np.array(lat) * 1000
+    out = {
+        "samples_per_s": round(got / wall, 1) if wall > 0 else 0.0,
+        "bytes_read_per_sample": round(bytes_read / max(got, 1), 1),
+        "delivered_bytes_per_sample": round(delivered / max(got, 1), 1),
+        "read_amplification": round(bytes_read / max(delivered, 1), 3),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "p50_batch_ms": round(float(np.percentile(lat_ms, 50)), 2) if len(lat) else 0.0,
+        "p99_batch_ms": round(float(np.percentile(lat_ms, 99)), 2) if len(lat) else 0.0,
+        "pair_gap": round(pair_gap, 4),
+        "window_coverage": round(cover, 3),
+    }
+    out["_extra"] = {"samples": got, "wall_s": round(wall, 2), "open_s": round(open_s, 2), "pss_mb": round(_pss_mb(), 1),
+                     "batch": batch, **stats}
+    return out
+
+
+def run_worker(args) -> None:
+    res = run_mode(args.worker, args.data, args.n_total, args.samples, args.batch, args.budget, args.buffer_rows)
+    print(json.dumps(res))
+
+
+def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budget: float, buffer_rows: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--data", data_dir, "--n-total", str(n_total),
+           "--samples", str(samples), "--batch", str(batch), "--budget", str(budget), "--buffer-rows", str(buffer_rows)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    # the same allocator settings for every mode (HF included): Arrow on the system allocator and glibc
+    # returning page-sized blocks to the OS, so RSS shows what a loader holds, not heap fragmentation
+    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"mode {mode} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small dataset and sample counts (ends within 60 s)")
+    ap.add_argument("--gb", type=float, default=None, help="dataset size on disk (default 1.05, quick 0.04)")
+    ap.add_argument("--data", default=None, help="dataset directory (default bench/data/loader_io[_quick])")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--n-total", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--buffer-rows", type=int, default=10_000, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+    quick = args.quick
+    gb = args.gb if args.gb is not None else (0.04 if quick else 1.05)
+    data = args.data or os.path.join(HERE, "data", "loader_io_quick" if quick else "loader_io")
+    t0 = time.time()
+    man = build_dataset(data, int(gb * (1 << 30)), quick)
+    n = man["rows"]
+    print(json.dumps({"dataset": {k: man[k] for k in man if k != "paths"}, "files": len(man["paths"])}), flush=True)
+
+    # the page index sidecars are built once here (its cost is reported), as a loader's first start does
+    os.environ.setdefault("MIXPLANE_INDEX_CACHE", os.path.join(data, ".pageindex"))
+    from mixplane.loader.pageindex import build_source_index
+
+    ti = time.time()
+    idx = build_source_index(man["paths"], ["text"])
+    index_s = time.time() - ti
+    print(json.dumps({"index": {"pages": idx.num_pages, "units": idx.num_units, "rows": idx.num_rows,
+                                "index_bytes": idx.nbytes, "bytes_per_page": round(idx.bytes_per_page, 1),
+                                "build_s": round(index_s, 2),
+                                "mean_page_bytes": float(idx.primary["unit_len"].mean())}}), flush=True)
+
+    if quick:
+        plan = {"page": (4000, 6), "rowgroup": (4000, 6), "hf_streaming": (4000, 8), "row": (1000, 4)}
+    else:
+        plan = {"page": (60_000, 60), "rowgroup": (60_000, 60), "hf_streaming": (60_000, 90), "row": (max(n // 100, 2000), 60)}
+    modes = {}
+    for mode in ("page", "row", "rowgroup", "hf_streaming"):
+        samples, budget = plan[mode]
+        res = spawn(mode, data, n, samples, 256, budget, 10_000)
+        print(json.dumps({"mode": mode, **res}), flush=True)
+        modes[mode] = {k: res[k] for k in MODE_FIELDS}
+
+    # page mode's memory at a second dataset size: the first quarter of the files
+    small = data.rstrip("/") + "_quarter"  # outside the source directory, which is scanned recursively
+    os.makedirs(small, exist_ok=True)
+    quarter = man["paths"][: max(1, len(man["paths"]) // 4)]
+    for p in quarter:
+        q = os.path.join(small, os.path.basename(p))
+        if not os.path.exists(q):
+            os.symlink(p, q)
+    n_small = sum(__import__("pyarrow.parquet", fromlist=["x"]).ParquetFile(p).metadata.num_rows for p in quarter)
+    samples, budget = plan["page"]
+    res_small = spawn("page", small, n_small, samples, 256, budget, 10_000)
+    print(json.dumps({"page_memory_vs_size": {
+        "full": {"dataset_bytes": man["dataset_bytes"], "rows": n, "peak_rss_mb": modes["page"]["peak_rss_mb"]},
+        "quarter": {"dataset_bytes": sum(os.path.getsize(p) for p in quarter), "rows": n_small,
+                    "peak_rss_mb": res_small["peak_rss_mb"]},
+        "rowgroup_peak_rss_mb": modes["rowgroup"]["peak_rss_mb"]}, "total_s": round(time.time() - t0, 1)}), flush=True)
+
+    print(json.dumps({"modes": modes, "index_bytes_per_page": round(idx.bytes_per_page, 1),
+                      "dataset_bytes": man["dataset_bytes"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,577 @@
+"""Global page index of a source (YOUMU §5.3) and the reader of indexed units.
+
+For the projected columns of every file: column chunk -> data page byte ranges and row counts,
+taken from the file's OffsetIndex when the writer stored one, else from one scan of the page
+headers. Each file's index is cached in a small sidecar keyed by file identity (path, size,
+mtime), so a restart or a new replica does not rescan.
+
+The unit of shuffling is a *page of the first projected column* (a run of pages when a list row
+straddles pages in files without an OffsetIndex). Global unit number -> (file, chunk, page) is a
+layered binary search (Algorithm 1): file-level unit offsets, then chunk-level offsets.
+Rows are numbered across the source: files in order (sorted by path), rows in file order.
+
+Memory: the index holds a few numpy arrays, about 24 bytes per page of each projected column
+plus ~40 bytes per column chunk (:attr:`SourceIndex.bytes_per_page`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from mixplane.loader import pagereader as pr
+from mixplane.loader.pagereader import (
+    ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader, SchemaMismatchError,
+)
+from mixplane.loader.thrift import ThriftError
+
+log = logging.getLogger(__name__)
+INDEX_VERSION = 1
+_HEADER_PROBE = 256
+
+
+def default_cache_dir() -> str | None:
+    d = os.environ.get("MIXPLANE_INDEX_CACHE")
+    if d is not None:
+        return d or None  # empty string disables the sidecar cache
+    return os.path.join(os.path.expanduser("~"), ".cache", "mixplane", "pageindex")
+
+
+# ----------------------------------------------------------------------------------------------
+# one file
+
+
+@dataclass
+class ColumnPages:
+    """Pages of one column in one file (arrays over chunks and over units)."""
+
+    chunk_rg: np.ndarray  # int32 row group of each chunk
+    chunk_codec: np.ndarray  # int8
+    chunk_dict_off: np.ndarray  # int64 (0 = none)
+    chunk_dict_len: np.ndarray  # int32
+    chunk_first_unit: np.ndarray  # int64, len = chunks + 1
+    unit_off: np.ndarray  # int64 byte offset of the unit's first page header
+    unit_len: np.ndarray  # int32 bytes of the unit (headers included)
+    unit_rows: np.ndarray  # int32 rows in the unit
+    unit_pages: np.ndarray  # int16 pages in the unit (1 unless a row straddles pages)
+
+    FIELDS = ("chunk_rg", "chunk_codec", "chunk_dict_off", "chunk_dict_len", "chunk_first_unit",
+              "unit_off", "unit_len", "unit_rows", "unit_pages")
+
+
+@dataclass
+class FileIndex:
+    path: str
+    size: int
+    mtime_ns: int
+    num_rows: int
+    rg_rows: np.ndarray  # int64
+    columns: list[ColumnInfo]
+    pages: dict[str, ColumnPages]
+
+
+def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
+    """Unit table of one column chunk: OffsetIndex when present, else a header scan."""
+    path = reader.path
+    start, end = chunk.start, chunk.start + chunk.total_compressed_size
+    if start < 4 or end > reader.size - 8:
+        raise CorruptFileError(f"column chunk [{start}, {end}) lies outside the file", file=path, row_group=rg, column=col.name)
+    dict_off = dict_len = 0
+    oi = None
+    try:
+        oi = pr.read_offset_index(reader, chunk)
+    except (ThriftError, KeyError, TypeError) as e:
+        log.warning("%s: row group %d, column %r: unreadable OffsetIndex (%s); scanning page headers", path, rg, col.name, e)
+        oi = None
+    if oi is not None and len(oi[0]):
+        off, size, first = oi
+        if (np.any(np.diff(off) <= 0) or off[0] < start or off[-1] + size[-1] > end or np.any(size <= 0)
+                or first[0] != 0 or np.any(np.diff(first) < 0) or first[-1] >= max(rg_rows, 1)):
+            raise CorruptFileError("OffsetIndex does not match the column chunk", file=path, row_group=rg, column=col.name)
+        rows = np.diff(np.append(first, rg_rows))
+        if off[0] > start:
+            dict_off, dict_len = start, int(off[0] - start)
+        return dict_off, dict_len, off.astype(np.int64), size.astype(np.int64), rows.astype(np.int64), np.ones(len(off), np.int64)
+    # scan headers: one small positional read per page (plus the level bytes of v1 list pages)
+    offs, lens, rows, pages = [], [], [], []
+    pos, k = start, 0
+    while pos < end:
+        probe = min(_HEADER_PROBE, end - pos)
+        while True:
+            buf = reader.read_at(pos, probe)
+            try:
+                h = pr.parse_page_header(buf, 0)
+                break
+            except ThriftError as e:
+                if probe >= end - pos or probe >= 1 << 20:
+                    raise CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
+                                           column=col.name, page=k) from None
+                probe = min(probe * 8, end - pos)
+        total = h.header_len + h.compressed_size
+        if pos + total > end:
+            raise CorruptPageError(f"page at byte {pos} runs past its column chunk", file=path, row_group=rg, column=col.name, page=k)
+        if h.type == pr.DICTIONARY_PAGE:
+            if offs:
+                raise CorruptPageError("dictionary page after data pages", file=path, row_group=rg, column=col.name, page=k)
+            dict_off, dict_len = pos, total
+        elif h.type in (pr.DATA_PAGE, pr.DATA_PAGE_V2):
+            nrows = h.num_values
+            cont = False
+            if col.max_rep and (h.type == pr.DATA_PAGE or h.num_rows is None):
+                body = reader.read_at(pos + h.header_len, h.compressed_size)
+                try:
+                    nrows = pr.count_rows_v1(col, h, body, chunk.codec)
+                    cont = pr.first_rep_level(col, h, body, chunk.codec) != 0
+                except (ValueError, ParquetError) as e:
+                    raise CorruptPageError(f"cannot count rows: {e}", file=path, row_group=rg, column=col.name, page=k) from None
+            elif h.type == pr.DATA_PAGE_V2:
+                nrows = h.num_rows
+            if cont and offs:  # this page continues the previous row: merge into the previous unit
+                lens[-1] += total
+                rows[-1] += nrows
+                pages[-1] += 1
+            else:
+                offs.append(pos)
+                lens.append(total)
+                rows.append(nrows)
+                pages.append(1)
+            k += 1
+        pos += total
+    return (dict_off, dict_len, np.array(offs, np.int64), np.array(lens, np.int64), np.array(rows, np.int64),
+            np.array(pages, np.int64))
+
+
+def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats | None = None,
+               size: int | None = None, mtime_ns: int = 0) -> FileIndex:
+    """Build the index of one file (raises ParquetError naming what is wrong)."""
+    reader = RangeReader(path, filesystem, stats)
+    try:
+        meta = pr.read_file_meta(reader)
+        if meta.num_rows == 0 or not meta.row_groups:
+            raise pr.EmptyFileError("file has no rows", file=path)
+        cols = pr.resolve_columns(meta, columns)
+        rg_rows = np.array([rg.num_rows for rg in meta.row_groups], np.int64)
+        if rg_rows.sum() != meta.num_rows or np.any(rg_rows < 0):
+            raise CorruptFileError(f"row groups hold {int(rg_rows.sum())} rows, footer says {meta.num_rows}", file=path)
+        pages: dict[str, ColumnPages] = {}
+        for col in cols:
+            rgs, codecs, doffs, dlens, firsts = [], [], [], [], [0]
+            uo, ul, ur, up = [], [], [], []
+            for ri, rg in enumerate(meta.row_groups):
+                if rg.num_rows == 0:
+                    continue
+                chunk = rg.columns[col.leaf]
+                if chunk.physical_type != col.physical_type:
+                    raise CorruptFileError("column chunk type differs from the schema", file=path, row_group=ri, column=col.name)
+                if chunk.codec not in (pr.UNCOMPRESSED, pr.SNAPPY, pr.GZIP, pr.BROTLI, pr.ZSTD, pr.LZ4_RAW):
+                    raise pr.UnsupportedError(f"codec {pr.CODEC_NAMES[chunk.codec] if 0 <= chunk.codec < 8 else chunk.codec}"
+                                              " is not supported", file=path, row_group=ri, column=col.name)
+                doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                if rows.sum() != rg.num_rows:
+                    raise CorruptFileError(f"pages hold {int(rows.sum())} rows, the row group {rg.num_rows}",
+                                           file=path, row_group=ri, column=col.name)
+                rgs.append(ri)
+                codecs.append(chunk.codec)
+                doffs.append(doff)
+                dlens.append(dlen)
+                firsts.append(firsts[-1] + len(off))
+                uo.append(off), ul.append(ln), ur.append(rows), up.append(npg)
+            cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+            pages[col.name] = ColumnPages(
+                chunk_rg=np.array(rgs, np.int32), chunk_codec=np.array(codecs, np.int8),
+                chunk_dict_off=np.array(doffs, np.int64), chunk_dict_len=np.array(dlens, np.int32),
+                chunk_first_unit=np.array(firsts, np.int64), unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
+                unit_rows=cat(ur, np.int32), unit_pages=cat(up, np.int16))
+        return FileIndex(path=path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
+                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages)
+    finally:
+        reader.close()
+
+
+# ---- sidecar cache ----
+
+def _sidecar_path(cache_dir: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
+    key = f"v{INDEX_VERSION}|{path}|{size}|{mtime_ns}|{','.join(columns)}"
+    h = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"{os.path.basename(path)[:60]}.{h}.npz")
+
+
+def _save_sidecar(fi: FileIndex, file: str) -> None:
+    arrays: dict[str, np.ndarray] = {"rg_rows": fi.rg_rows}
+    meta = {"version": INDEX_VERSION, "path": fi.path, "size": fi.size, "mtime_ns": fi.mtime_ns, "num_rows": fi.num_rows,
+            "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type, "type_length": c.type_length,
+                         "max_def": c.max_def, "max_rep": c.max_rep, "list_def": c.list_def, "item_def": c.item_def}
+                        for c in fi.columns]}
+    schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
+                       + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
+    arrays["schema"] = np.frombuffer(schema.serialize().to_pybytes(), np.uint8)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    for i, c in enumerate(fi.columns):
+        cp = fi.pages[c.name]
+        for f in ColumnPages.FIELDS:
+            arrays[f"{i}.{f}"] = getattr(cp, f)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _load_sidecar(file: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> FileIndex | None:
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if (meta["version"] != INDEX_VERSION or meta["path"] != path or meta["size"] != size
+                    or meta["mtime_ns"] != mtime_ns or [c["name"] for c in meta["columns"]] != list(columns)):
+                return None
+            schema = pa.ipc.read_schema(pa.py_buffer(bytes(z["schema"])))
+            cols, pages = [], {}
+            for i, c in enumerate(meta["columns"]):
+                cols.append(ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type, **c))
+                pages[c["name"]] = ColumnPages(**{f: z[f"{i}.{f}"] for f in ColumnPages.FIELDS})
+            return FileIndex(path=path, size=size, mtime_ns=mtime_ns, num_rows=meta["num_rows"], rg_rows=z["rg_rows"],
+                             columns=cols, pages=pages)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, pa.ArrowException, zlib.error):
+        return None
+    except Exception:  # a damaged sidecar is never fatal: rebuild it
+        return None
+
+
+def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
+                       stats: IOStats | None = None, cache_dir: str | None = None) -> FileIndex:
+    side = _sidecar_path(cache_dir, path, size, mtime_ns, columns) if cache_dir else None
+    if side and os.path.exists(side):
+        fi = _load_sidecar(side, path, size, mtime_ns, columns)
+        if fi is not None:
+            return fi
+    fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
+    if side:
+        try:
+            _save_sidecar(fi, side)
+        except OSError as e:
+            log.debug("cannot write page-index sidecar %s: %s", side, e)
+    return fi
+
+
+# ----------------------------------------------------------------------------------------------
+# the source
+
+
+class SourceIndex:
+    """Concatenated file indexes of a source with the global numbering of rows and units.
+
+    Units are pages (runs) of the first column; ``unit_row_start[u]`` is the source row of unit
+    u's first row. Files listed here are the readable ones; files that failed are in ``bad_files``
+    (they hold no rows)."""
+
+    def __init__(self, columns: list[str]):
+        self.columns = list(columns)
+        self.files: list[FileIndex] = []
+        self.bad_files: dict[str, ParquetError] = {}
+        self.col_info: list[ColumnInfo] | None = None
+        self._rebuild()
+
+    # -- building --
+    def add(self, fi: FileIndex) -> None:
+        """Append one file (rows and units continue after the existing ones)."""
+        sig = [c.signature() for c in fi.columns]
+        if self.col_info is None:
+            self.col_info = fi.columns
+        elif sig != [c.signature() for c in self.col_info]:
+            want = ", ".join(f"{c.name}: {c.arrow_type}" for c in self.col_info)
+            have = ", ".join(f"{c.name}: {c.arrow_type}" for c in fi.columns)
+            raise SchemaMismatchError(f"column types ({have}) differ from the source's ({want})", file=fi.path)
+        self.files.append(fi)
+
+    def finish(self) -> None:
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        F = len(self.files)
+        self.file_row_start = np.zeros(F + 1, np.int64)
+        for i, f in enumerate(self.files):
+            self.file_row_start[i + 1] = self.file_row_start[i] + f.num_rows
+        self.num_rows = int(self.file_row_start[-1])
+        self.cols: dict[str, dict[str, np.ndarray]] = {}
+        for c in self.columns:
+            parts: dict[str, list] = {k: [] for k in ("chunk_file", "chunk_rg", "chunk_codec", "chunk_dict_off",
+                                                      "chunk_dict_len", "chunk_row_start", "chunk_rows", "unit_off",
+                                                      "unit_len", "unit_rows", "unit_pages", "chunk_nunits")}
+            file_units = [0]
+            for fi_i, f in enumerate(self.files):
+                cp = f.pages[c]
+                rg_start = np.concatenate([[0], np.cumsum(f.rg_rows)])[:-1]
+                parts["chunk_file"].append(np.full(len(cp.chunk_rg), fi_i, np.int32))
+                parts["chunk_rg"].append(cp.chunk_rg)
+                parts["chunk_codec"].append(cp.chunk_codec)
+                parts["chunk_dict_off"].append(cp.chunk_dict_off)
+                parts["chunk_dict_len"].append(cp.chunk_dict_len)
+                parts["chunk_row_start"].append(self.file_row_start[fi_i] + rg_start[cp.chunk_rg])
+                parts["chunk_rows"].append(f.rg_rows[cp.chunk_rg])
+                parts["chunk_nunits"].append(np.diff(cp.chunk_first_unit))
+                for k in ("unit_off", "unit_len", "unit_rows", "unit_pages"):
+                    parts[k].append(getattr(cp, k))
+                file_units.append(file_units[-1] + len(cp.unit_off))
+            dts = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
+                   "chunk_dict_len": np.int32, "chunk_row_start": np.int64, "chunk_rows": np.int64, "unit_off": np.int64,
+                   "unit_len": np.int32, "unit_rows": np.int32, "unit_pages": np.int16, "chunk_nunits": np.int64}
+            a = {k: (np.concatenate(v).astype(dts[k]) if v else np.zeros(0, dts[k])) for k, v in parts.items()}
+            a["chunk_first_unit"] = np.concatenate([[0], np.cumsum(a.pop("chunk_nunits"))]).astype(np.int64)
+            a["file_first_unit"] = np.array(file_units, np.int64)
+            nun = len(a["unit_off"])
+            # the source row of each unit's first row: chunk row start + rows of earlier units in the chunk
+            chunk_of_unit = np.repeat(np.arange(len(a["chunk_rg"])), np.diff(a["chunk_first_unit"]))
+            cum = np.concatenate([[0], np.cumsum(a["unit_rows"].astype(np.int64))])
+            a["unit_row_start"] = (a["chunk_row_start"][chunk_of_unit] + cum[:-1]
+                                   - cum[a["chunk_first_unit"][chunk_of_unit]]) if nun else np.zeros(0, np.int64)
+            self.cols[c] = a
+        p = self.cols[self.columns[0]] if self.columns else None
+        self.primary = p
+        self.num_units = len(p["unit_off"]) if p is not None else 0
+
+    # -- views of the primary column --
+    @property
+    def unit_rows(self) -> np.ndarray:
+        return self.primary["unit_rows"]
+
+    @property
+    def unit_row_start(self) -> np.ndarray:
+        return self.primary["unit_row_start"]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.primary["chunk_rg"])
+
+    @property
+    def chunk_row_start(self) -> np.ndarray:
+        return self.primary["chunk_row_start"]
+
+    @property
+    def chunk_rows(self) -> np.ndarray:
+        return self.primary["chunk_rows"]
+
+    def locate(self, units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layered binary search (YOUMU Alg. 1): global unit -> (file, chunk, unit within chunk).
+
+        First the file (file-level unit offsets), then the chunk among that file's chunks
+        (chunk-level offsets), then the page by subtraction. Vectorised over ``units``."""
+        u = np.asarray(units, dtype=np.int64)
+        if len(u) and (u.min() < 0 or u.max() >= self.num_units):
+            raise IndexError(f"unit out of range [0, {self.num_units})")
+        p = self.primary
+        f = np.searchsorted(p["file_first_unit"], u, side="right") - 1
+        # chunks of file f are a contiguous block of the chunk table; search only within it
+        cf = np.searchsorted(p["chunk_file"], f, side="left")
+        cl = np.searchsorted(p["chunk_file"], f, side="right")
+        c = np.empty_like(u)
+        for fi in np.unique(f):  # one search per distinct file
+            m = f == fi
+            lo, hi = int(cf[m][0]), int(cl[m][0])
+            c[m] = lo + np.searchsorted(p["chunk_first_unit"][lo : hi + 1], u[m], side="right") - 1
+        return f, c, u - p["chunk_first_unit"][c]
+
+    def unit_of_rows(self, rows) -> np.ndarray:
+        return np.searchsorted(self.unit_row_start, np.asarray(rows, np.int64), side="right") - 1
+
+    def chunk_of_rows(self, rows) -> np.ndarray:
+        return np.searchsorted(self.chunk_row_start, np.asarray(rows, np.int64), side="right") - 1
+
+    def chunk_of_units(self, units) -> np.ndarray:
+        return np.searchsorted(self.primary["chunk_first_unit"], np.asarray(units, np.int64), side="right") - 1
+
+    # -- accounting --
+    @property
+    def nbytes(self) -> int:
+        n = self.file_row_start.nbytes
+        for a in self.cols.values():
+            n += sum(v.nbytes for v in a.values())
+        return n
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.primary["unit_pages"].sum()) if self.num_units else 0
+
+    @property
+    def bytes_per_page(self) -> float:
+        """Index memory per data page of the first column (all projected columns included)."""
+        return self.nbytes / max(self.num_pages, 1)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{f.path}|{f.size}|{f.mtime_ns}|{f.num_rows}\n".encode())
+        return h.hexdigest()[:16]
+
+    def where(self, col: str, chunk: int, unit: int | None = None) -> dict:
+        a = self.cols[col]
+        f = self.files[int(a["chunk_file"][chunk])]
+        d = {"file": f.path, "row_group": int(a["chunk_rg"][chunk]), "column": col}
+        if unit is not None:
+            d["page"] = int(unit - a["chunk_first_unit"][chunk])
+        return d
+
+
+def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
+                       stats: IOStats | None = None, cache_dir: str | None = "default",
+                       on_bad=None, index: SourceIndex | None = None) -> SourceIndex:
+    """Index files in the given order (append to ``index`` if given). A file that cannot be
+    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows."""
+    if cache_dir == "default":
+        cache_dir = default_cache_dir()
+    idx = index if index is not None else SourceIndex(columns)
+    for i, path in enumerate(paths):
+        size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
+        mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
+        try:
+            fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
+                                    cache_dir=cache_dir)
+            idx.add(fi)
+        except ParquetError as e:
+            idx.bad_files[path] = e
+            if on_bad is not None:
+                on_bad(e)
+    idx.finish()
+    return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# reading indexed rows
+
+
+class _LRU:
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.items: OrderedDict = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key):
+        v = self.items.get(key)
+        if v is not None:
+            self.items.move_to_end(key)
+        return v
+
+    def put(self, key, value, nbytes: int) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        self.items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget and len(self.items) > 1:
+            _, (_, nb) = self.items.popitem(last=False)
+            self.nbytes -= nb
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+
+class SourceReader:
+    """Reads rows of an indexed source by page: positional reads of just the pages that hold them
+    (plus each chunk's dictionary page, decoded once and kept in a small LRU)."""
+
+    def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
+                 dict_cache_bytes: int = 32 << 20, max_open_files: int = 64):
+        self.index = index
+        self.fs = filesystem
+        self.stats = stats if stats is not None else IOStats()
+        self.verify_crc = verify_crc
+        self._dicts = _LRU(dict_cache_bytes)
+        self._readers: OrderedDict[int, RangeReader] = OrderedDict()
+        self._max_open = max_open_files
+
+    def _reader(self, file_i: int) -> RangeReader:
+        r = self._readers.get(file_i)
+        if r is None:
+            f = self.index.files[file_i]
+            r = RangeReader(f.path, self.fs, self.stats)
+            if r.size != f.size:
+                r.close()
+                raise CorruptFileError(f"file changed since it was indexed ({f.size} -> {r.size} bytes)", file=f.path)
+            self._readers[file_i] = r
+            while len(self._readers) > self._max_open:
+                _, old = self._readers.popitem(last=False)
+                old.close()
+        else:
+            self._readers.move_to_end(file_i)
+        return r
+
+    def _dictionary(self, col: ColumnInfo, chunk: int):
+        a = self.index.cols[col.name]
+        key = (col.name, chunk)
+        hit = self._dicts.get(key)
+        if hit is not None:
+            return hit[0]
+        dlen = int(a["chunk_dict_len"][chunk])
+        if dlen == 0:
+            return None
+        buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
+        d = pr.read_dictionary(col, buf, int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
+        self._dicts.put(key, d, d.nbytes)
+        return d
+
+    def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int) -> pa.Array:
+        """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``)."""
+        a = self.index.cols[col.name]
+        off = int(a["unit_off"][u0])
+        end = int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1])
+        rows = int(a["unit_rows"][u0:u1].sum())
+        codec = int(a["chunk_codec"][chunk])
+        try:
+            buf = self._reader(int(a["chunk_file"][chunk])).read_at(off, end - off)
+            dictionary = self._dictionary(col, chunk) if int(a["chunk_dict_len"][chunk]) else None
+            arrs = pr.decode_page_run(col, buf, codec, dictionary, verify_crc=self.verify_crc, expect_rows=rows)
+            out = arrs[0] if len(arrs) == 1 else pa.concat_arrays(arrs)
+            if pa.types.is_string(out.type) or pa.types.is_large_string(out.type):
+                out.validate(full=True)  # invalid UTF-8 means corrupt bytes slipped past the checks
+            return out
+        except ParquetError as e:
+            w = self.index.where(col.name, chunk, u0)
+            if e.row_group is None or e.page is None:  # add the unit's whereabouts
+                raise type(e)(e.detail, **w) from None
+            raise
+        except (ValueError, ThriftError, pa.ArrowException, IndexError, OverflowError) as e:
+            w = self.index.where(col.name, chunk, u0)
+            raise CorruptPageError(f"cannot decode ({type(e).__name__}: {e})", **w) from None
+
+    def read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None) -> dict[str, pa.Array]:
+        """Rows [row0, row1) (source row numbers, all inside ``chunk``) of every projected column.
+
+        ``units`` gives the primary column's unit range when the caller knows it; other columns
+        read the pages that cover the row range and slice them."""
+        out: dict[str, pa.Array] = {}
+        for ci, col in enumerate(self.index.col_info):
+            a = self.index.cols[col.name]
+            if ci == 0 and units is not None:
+                u0, u1 = units
+                lo = int(a["unit_row_start"][u0])
+            else:
+                c0, c1 = int(a["chunk_first_unit"][chunk]), int(a["chunk_first_unit"][chunk + 1])
+                starts = a["unit_row_start"][c0:c1]
+                u0 = c0 + int(np.searchsorted(starts, row0, side="right")) - 1
+                u1 = c0 + int(np.searchsorted(starts, row1, side="left"))
+                lo = int(a["unit_row_start"][u0])
+            arr = self.read_units(col, chunk, u0, u1)
+            out[col.name] = arr.slice(row0 - lo, row1 - row0) if (row0 != lo or len(arr) != row1 - row0) else arr
+        return out
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._dicts.clear()

@@ -1,0 +1,68 @@
+"""Bad units the loader skipped: what, where, why — and the counts behind
+``mixplane_loader_quarantined_pages_total``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    kind: str  # corrupt_file, corrupt_page, checksum, missing_column, type_mismatch, empty_file, unsupported
+    file: str | None
+    row_group: int | None
+    column: str | None
+    page: int | None
+    pages: int  # data pages skipped (0 when a whole file was skipped before its pages were known)
+    message: str
+
+
+class QuarantineLog:
+    """Thread-safe record of skipped files and pages. ``pages_total`` feeds the Prometheus counter
+    ``mixplane_loader_quarantined_pages_total``; ``counts()`` breaks it down by kind."""
+
+    def __init__(self, source: str = "", max_entries: int = 1000):
+        self.source = source
+        self.entries: list[QuarantineEntry] = []
+        self.max_entries = max_entries
+        self.pages_total = 0
+        self.files_total = 0
+        self.units_total = 0
+        self._by_kind: Counter[str] = Counter()
+        self._seen: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def add(self, err, *, pages: int = 1, whole_file: bool = False) -> bool:
+        """Record an error (a ParquetError or anything with .kind/.file/...). Returns False if
+        this exact unit was already recorded (a unit is counted once)."""
+        kind = getattr(err, "kind", type(err).__name__)
+        key = (getattr(err, "file", None), getattr(err, "row_group", None), getattr(err, "column", None),
+               getattr(err, "page", None), whole_file)
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            e = QuarantineEntry(kind=kind, file=key[0], row_group=key[1], column=key[2], page=key[3],
+                                pages=pages, message=str(err))
+            if len(self.entries) < self.max_entries:
+                self.entries.append(e)
+            self.pages_total += pages
+            self.files_total += whole_file
+            self.units_total += 1
+            self._by_kind[kind] += 1
+        log.warning("source %r: quarantined %s: %s", self.source, "file" if whole_file else "page", err)
+        return True
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {"pages": self.pages_total, "files": self.files_total, "units": self.units_total,
+                    "by_kind": dict(self._by_kind)}
+
+    def messages(self) -> list[str]:
+        with self._lock:
+            return [e.message for e in self.entries]

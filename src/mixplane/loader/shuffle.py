@@ -1,0 +1,230 @@
+"""Read orders, simulated on integer ids only (no data): cheap to replay, so ``seek`` is exact.
+
+* ``page``      — random page order over the whole source (YOUMU §5.3), then the aggressive
+                  buffer shuffle of Algorithm 2 on the rows of those pages.
+* ``row``       — full random row order; a Feistel-network permutation gives row(i) in O(1)
+                  memory for any i, so even a billion-row source needs no permutation array.
+* ``rowgroup``  — random row-group order, rows shuffled within the group (baseline).
+* ``sequential``— pages in file order, rows in order (baseline).
+
+Every order is a pure function of (seed, source name, epoch, partition, num_partitions) and the
+index. Partitions take every N-th unit of one epoch-wide permutation, so they are disjoint and
+together cover the source in every epoch, whatever N is — N may change at an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def epoch_rng(seed: int, source: str, epoch: int, *salt: int) -> np.random.Generator:
+    """Independent, reproducible randomness per (seed, source, epoch, ...)."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, zlib.crc32(source.encode()), epoch,
+                                  *salt])
+
+
+def partition_of_permutation(n: int, rng: np.random.Generator, partition: int, num_partitions: int) -> np.ndarray:
+    """Partition ``partition`` of one random permutation of range(n): every N-th element."""
+    return rng.permutation(n)[partition::num_partitions]
+
+
+# ----------------------------------------------------------------------------------------------
+# page mode: YOUMU Algorithm 2
+
+
+class BufferShuffle:
+    """Aggressive buffer shuffle (YOUMU Alg. 2) on row ids.
+
+    ``units`` are the pages in read order; unit u holds rows ``starts[u] .. starts[u]+rows[u]``.
+    The buffer is first filled to ``buffer_rows``; then, whenever a page's worth of rows
+    (``rows_per_page``) has left, the next page is read in. Every block emits ``rows_per_page``
+    rows drawn uniformly at random from the whole buffer (a shuffle after each arrival followed by
+    a pop has the same distribution). When the pages run out the buffer drains, still random.
+
+    ``next_block()`` returns (row ids, pages whose last buffered row left in this block).
+    """
+
+    def __init__(self, units: np.ndarray, starts: np.ndarray, rows: np.ndarray, *, buffer_rows: int,
+                 rows_per_page: int, rng: np.random.Generator):
+        self.units = np.asarray(units, np.int64)
+        self.starts = np.asarray(starts, np.int64)  # indexed by unit id
+        self.rows = np.asarray(rows, np.int64)  # indexed by unit id
+        self.B = max(1, int(buffer_rows))
+        self.K = max(1, int(rows_per_page))
+        self.rng = rng
+        max_rows = int(self.rows[self.units].max()) if len(self.units) else 0
+        self.buf = np.empty(self.B + max_rows + self.K, np.int64)  # row ids
+        self.owner = np.empty_like(self.buf)  # unit of each buffered row
+        self.size = 0
+        self.next = 0
+        self.left: dict[int, int] = {}
+        self.loaded: list[int] = []  # units read in, in order (for accounting)
+        while self.size < self.B and self.next < len(self.units):
+            self._load()
+
+    def _load(self) -> None:
+        u = int(self.units[self.next])
+        self.next += 1
+        n = int(self.rows[u])
+        if n == 0:
+            return
+        s = self.size
+        self.buf[s : s + n] = self.starts[u] + np.arange(n, dtype=np.int64)
+        self.owner[s : s + n] = u
+        self.size = s + n
+        self.left[u] = n
+
+    def next_block(self) -> tuple[np.ndarray, list[int]] | None:
+        while self.next < len(self.units) and (self.size + self.K <= self.B or self.size == 0):
+            self._load()
+        if self.size == 0:
+            return None
+        k = min(self.K, self.size)
+        pick = self.rng.choice(self.size, size=k, replace=False)
+        out = self.buf[pick].copy()
+        own = self.owner[pick]
+        # O(k) removal: fill the picked holes below the new end with unpicked rows from the tail
+        new = self.size - k
+        holes = pick[pick < new]
+        tail = np.arange(new, self.size)
+        survivors = tail[~np.isin(tail, pick)]
+        self.buf[holes] = self.buf[survivors]
+        self.owner[holes] = self.owner[survivors]
+        self.size = new
+        done = []
+        uu, cnt = np.unique(own, return_counts=True)
+        for u, c in zip(uu.tolist(), cnt.tolist()):
+            r = self.left[u] - c
+            if r:
+                self.left[u] = r
+            else:
+                del self.left[u]
+                done.append(u)
+        return out, done
+
+
+# ----------------------------------------------------------------------------------------------
+# row mode: O(1)-memory random permutation
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+class FeistelPermutation:
+    """A keyed pseudo-random bijection of range(n), evaluated for any index array.
+
+    Balanced Feistel network (4 rounds, splitmix64 round function) over the smallest even bit
+    width covering n, with cycle walking for indices that land at or above n."""
+
+    def __init__(self, n: int, key: int):
+        self.n = int(n)
+        bits = max(2, (max(self.n, 2) - 1).bit_length())
+        bits += bits & 1
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        k = _mix(np.array([key & 0xFFFFFFFFFFFFFFFF], np.uint64) + np.arange(1, 5, dtype=np.uint64) * _M2)
+        self.keys = [np.uint64(v) for v in k]
+
+    def _round(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, idx) -> np.ndarray:
+        i = np.asarray(idx, dtype=np.int64)
+        if self.n <= 1:
+            return np.zeros_like(i)
+        if len(i) and (i.min() < 0 or i.max() >= self.n):
+            raise IndexError("permutation index out of range")
+        with np.errstate(over="ignore"):
+            x = self._round(i.astype(np.uint64))
+            bad = x >= np.uint64(self.n)
+            while bad.any():
+                x[bad] = self._round(x[bad])
+                bad = x >= np.uint64(self.n)
+        return x.astype(np.int64)
+
+
+def key_of(seed: int, source: str, epoch: int, *salt: int) -> int:
+    return int(epoch_rng(seed, source, epoch, *salt).integers(0, 2**63 - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# epoch plans: a sequence of blocks of row ids for one partition
+
+
+class EpochPlan:
+    """Blocks of row ids for one (epoch, partition). ``rows`` = slots in the epoch."""
+
+    rows: int
+
+    def next_block(self) -> tuple[np.ndarray, list[int]] | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class PagePlan(EpochPlan):
+    """``order``: this partition's pages in read order (already a random permutation)."""
+
+    def __init__(self, order: np.ndarray, starts: np.ndarray, rows: np.ndarray, rng: np.random.Generator, *,
+                 buffer_rows: int, rows_per_page: int):
+        order = np.asarray(order, np.int64)
+        self.order = order
+        self.rows = int(rows[order].sum())
+        self.sim = BufferShuffle(order, starts, rows, buffer_rows=buffer_rows, rows_per_page=rows_per_page, rng=rng)
+
+    def next_block(self):
+        return self.sim.next_block()
+
+
+class SequentialPlan(EpochPlan):
+    """Units in the given order, rows in order; one block per unit."""
+
+    def __init__(self, order: np.ndarray, starts: np.ndarray, rows: np.ndarray, within: "callable | None" = None):
+        self.order = np.asarray(order, np.int64)
+        self.starts, self.urows = starts, rows
+        self.rows = int(rows[self.order].sum())
+        self.i = 0
+        self.within = within
+
+    def next_block(self):
+        while self.i < len(self.order):
+            u = int(self.order[self.i])
+            self.i += 1
+            n = int(self.urows[u])
+            if n == 0:
+                continue
+            ids = self.starts[u] + (self.within(u, n) if self.within is not None else np.arange(n, dtype=np.int64))
+            return ids, [u]
+        return None
+
+
+class RowPlan(EpochPlan):
+    """Full shuffle of rows [row_lo, row_lo + n): position j of partition p is permutation[p + N*j]."""
+
+    def __init__(self, row_lo: int, n: int, key: int, partition: int, num_partitions: int, block: int):
+        self.perm = FeistelPermutation(n, key)
+        self.row_lo, self.n = row_lo, n
+        self.p, self.N = partition, num_partitions
+        self.rows = max(0, (n - partition + num_partitions - 1) // num_partitions)
+        self.block = max(1, block)
+        self.j = 0
+
+    def next_block(self):
+        if self.j >= self.rows:
+            return None
+        j1 = min(self.rows, self.j + self.block)
+        pos = self.p + self.N * np.arange(self.j, j1, dtype=np.int64)
+        self.j = j1
+        return self.row_lo + self.perm(pos), []
+
+    def skip_blocks(self, k: int) -> None:
+        self.j = min(self.rows, self.j + k * self.block)

@@ -1,0 +1,116 @@
+"""A loader replica's read-ahead window: what it has announced to the planner and not yet handed off.
+
+Shared by the loader server and by offline replay (`mixplane replay`, journal checks), so both
+announce exactly the same samples for the same cursor: read in order from the deterministic
+stream, skip what the cursor says was consumed, and stop at the shortest prefix that satisfies
+`planner.core.window_full`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from mixplane.planner.core import window_full
+
+CHUNK = 64  # samples read and transformed at a time
+
+
+@dataclass
+class Buffered:
+    pos: int
+    key: int
+    tokens: np.ndarray
+    patches: np.ndarray | None
+    npatches: int = 0
+    done: int = 0  # tokens already planned
+
+
+@dataclass
+class Announcement:
+    pos: np.ndarray
+    key: np.ndarray
+    tokens: np.ndarray
+    patches: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+
+class LoaderWindow:
+    def __init__(self, stream: Any, transform: Callable, bounds: tuple[int, int, int],
+                 on_read: Callable[[int, int, float], None] | None = None):
+        self.stream = stream
+        self.transform = transform
+        self.min_samples, self.min_tokens, self.max_samples = bounds
+        self.buffer: dict[int, Buffered] = {}  # announced, not yet fully consumed
+        self.staged: deque[Buffered] = deque()  # read and transformed, not yet announced
+        self.unconsumed_tokens = 0
+        self.skip: set[int] = set()
+        self.partial: dict[int, int] = {}
+        self.on_read = on_read
+
+    @property
+    def full(self) -> bool:
+        return window_full(len(self.buffer), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.max_samples)
+
+    def seek(self, cursor: dict[str, Any]) -> None:
+        """Start over from a planner cursor: low position, consumed positions, partial progress."""
+        self.buffer.clear()
+        self.staged.clear()
+        self.unconsumed_tokens = 0
+        self.skip = {int(p) for p in cursor.get("skip", [])}
+        self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
+        self.stream.seek(int(cursor["low"]))
+
+    def _read(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        raw = self.stream.take(CHUNK)
+        out = self.transform(raw)
+        for i, p in enumerate(raw.positions):
+            p = int(p)
+            if p in self.skip:  # consumed before the cursor was taken
+                self.skip.discard(p)
+                continue
+            if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
+                continue
+            self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
+                                        out.patches[i] if out.patches is not None else None,
+                                        int(out.npatches[i]), self.partial.pop(p, 0)))
+        if self.on_read is not None:
+            self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
+
+    def fill(self) -> Announcement:
+        """Announce staged samples one by one until the window is exactly full."""
+        new: list[Buffered] = []
+        while not self.full:
+            if not self.staged:
+                self._read()
+                continue
+            b = self.staged.popleft()
+            self.buffer[b.pos] = b
+            self.unconsumed_tokens += len(b.tokens) - b.done
+            new.append(b)
+        return Announcement(np.array([b.pos for b in new], np.int64), np.array([b.key for b in new], np.int64),
+                            np.array([len(b.tokens) for b in new], np.int32), np.array([b.npatches for b in new], np.int32))
+
+    def span(self, pos: int, start: int, length: int) -> tuple[int, np.ndarray]:
+        """(key, tokens[start : start + length + 1]) of a planned span; the extra token labels the last one."""
+        b = self.buffer.get(pos)
+        if b is None:
+            raise KeyError(f"planned sample at position {pos} is not in the window")
+        end = start + length
+        if end > b.done:
+            self.unconsumed_tokens -= end - b.done
+            b.done = end
+        return b.key, b.tokens[start : end + 1]
+
+    def retire(self, pos: int) -> None:
+        b = self.buffer.pop(pos, None)
+        if b is not None:
+            self.unconsumed_tokens -= len(b.tokens) - b.done

@@ -1,0 +1,179 @@
+"""Bad input: every case is named in the error, quarantined and counted; the rest is still served."""
+
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.unit.loader_testdata import text_table, write_source
+from mixplane.loader import pageindex as pi
+from mixplane.loader.pagereader import parse_page_header
+from mixplane.loader.stream import StreamError, open_stream
+from mixplane.samples import key_epoch, key_row
+from mixplane.spec import SourceSpec
+
+
+@pytest.fixture(autouse=True)
+def _index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+
+
+def spec(d, mode="page"):
+    return SourceSpec(name="bad", uri=d, columns=["text", "row"], kind="tokens", shuffle=mode)
+
+
+def good_source(tmp_path, **kw):
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=3, rows=400, **kw)
+    return d, paths, table
+
+
+def epoch_rows(s, n_expected_max):
+    r = s.take(n_expected_max)
+    return r, r.columns["row"].to_numpy()[key_epoch(r.keys) == 0]
+
+
+def check_serves_rest(d, table, lost_rows, mode="page", whole_files=False):
+    """One epoch delivers exactly the rows outside the quarantined unit, each once, with true data."""
+    s = open_stream(spec(d, mode), seed=1, buffer_rows=100)
+    n_ok = len(table) - len(lost_rows)
+    r = s.take(n_ok)
+    got = r.columns["row"].to_numpy()
+    assert (key_epoch(r.keys) == 0).all()
+    assert sorted(got.tolist()) == sorted(set(range(len(table))) - set(lost_rows))
+    if whole_files:  # a skipped file holds no rows: the source's row numbers continue over it
+        survivors = np.array(sorted(set(range(len(table))) - set(lost_rows)))
+        assert (survivors[key_row(r.keys)] == got).all()
+    else:  # a skipped page keeps the numbering
+        assert (key_row(r.keys) == got).all()
+    exp = table.column("text").take(pa.array(got)).combine_chunks()
+    assert r.columns["text"].equals(exp)  # never garbage
+    nxt = s.take(1)
+    assert key_epoch(nxt.keys)[0] == 1  # the epoch held nothing else
+    return s, r
+
+
+def _file_rows(paths, k):
+    n0 = sum(pq.ParquetFile(p).metadata.num_rows for p in paths[:k])
+    return list(range(n0, n0 + pq.ParquetFile(paths[k]).metadata.num_rows))
+
+
+@pytest.mark.parametrize("case", ["truncated", "bad_magic", "empty", "zero_rows", "garbage_footer"])
+def test_bad_file_is_quarantined_and_named(tmp_path, case):
+    d, paths, table = good_source(tmp_path)
+    bad = paths[1]
+    lost = _file_rows(paths, 1)
+    if case == "truncated":
+        with open(bad, "r+b") as f:
+            f.truncate(os.path.getsize(bad) // 2)
+    elif case == "bad_magic":
+        with open(bad, "r+b") as f:
+            f.seek(-4, 2)
+            f.write(b"XXXX")
+    elif case == "empty":
+        open(bad, "wb").close()
+    elif case == "zero_rows":
+        pq.write_table(text_table(0), bad)
+    elif case == "garbage_footer":
+        size = os.path.getsize(bad)
+        flen = int.from_bytes(open(bad, "rb").read()[-8:-4], "little")
+        with open(bad, "r+b") as f:
+            f.seek(size - 8 - flen)
+            f.write(b"\xff" * min(flen, 40))
+    s, _ = check_serves_rest(d, table, lost, whole_files=True)
+    q = s.quarantine.counts()
+    assert q["files"] == 1 and q["pages"] == 1
+    msg = s.quarantine.messages()[0]
+    assert bad in msg
+    assert q["by_kind"]
+
+
+def test_missing_column_and_type_mismatch_quarantine_the_file(tmp_path):
+    d, paths, table = good_source(tmp_path)
+    t1 = pq.read_table(paths[1])
+    pq.write_table(t1.drop_columns(["text"]), paths[1])
+    t2 = pq.read_table(paths[2])
+    pq.write_table(t2.set_column(t2.column_names.index("row"), "row", t2.column("row").cast(pa.string())), paths[2])
+    s, _ = check_serves_rest(d, table, _file_rows(paths, 1) + _file_rows(paths, 2), whole_files=True)
+    q = s.quarantine.counts()
+    assert q["by_kind"] == {"missing_column": 1, "type_mismatch": 1}
+    msgs = " | ".join(s.quarantine.messages())
+    assert paths[1] in msgs and "no column 'text'" in msgs
+    assert paths[2] in msgs and "differ" in msgs
+
+
+def test_source_with_nothing_readable_fails_at_open_naming_the_problem(tmp_path):
+    d, paths, _ = good_source(tmp_path)
+    for p in paths:
+        open(p, "wb").close()
+    with pytest.raises(StreamError, match="no readable rows"):
+        open_stream(spec(d), seed=0)
+    with pytest.raises(StreamError, match="no Parquet files"):
+        open_stream(spec(str(tmp_path / "nothing-here")), seed=0)
+
+
+def _page_of(paths, file_k, unit_k):
+    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    u = int(idx.primary["file_first_unit"][file_k]) + unit_k
+    r0 = int(idx.unit_row_start[u])
+    return idx, u, int(idx.primary["unit_off"][u]), int(idx.primary["unit_len"][u]), list(range(r0, r0 + int(idx.unit_rows[u])))
+
+
+@pytest.mark.parametrize("case", ["header", "crc", "bytes_no_crc"])
+def test_corrupt_page_is_quarantined_with_file_row_group_and_page(tmp_path, case):
+    d, paths, table = good_source(tmp_path, checksum=(case != "bytes_no_crc"), compression="snappy")
+    idx, u, off, ln, lost = _page_of(paths, 1, 3)
+    with open(paths[1], "r+b") as f:
+        f.seek(off)
+        head = f.read(ln)
+        h = parse_page_header(head, 0)
+        if case == "header":
+            f.seek(off)
+            f.write(b"\x0f" * 6)  # field type 15: not valid thrift
+        else:  # flip bytes in the middle of the compressed page body
+            f.seek(off + h.header_len + h.compressed_size // 2)
+            f.write(bytes(b ^ 0x5A for b in head[h.header_len + h.compressed_size // 2:][:16]))
+    s, _ = check_serves_rest(d, table, lost)
+    q = s.quarantine.counts()
+    assert q["pages"] == 1 and q["files"] == 0
+    msg = s.quarantine.messages()[0]
+    assert paths[1] in msg and "row group" in msg and "page" in msg and "'text'" in msg
+    if case == "crc":
+        assert q["by_kind"] == {"checksum": 1} and "CRC" in msg
+
+
+def test_bad_page_does_not_break_seek(tmp_path):
+    d, paths, table = good_source(tmp_path)
+    _, _, off, ln, lost = _page_of(paths, 0, 2)
+    with open(paths[0], "r+b") as f:
+        f.seek(off + ln - 8)
+        f.write(b"\x00" * 8)
+    full = open_stream(spec(d), seed=7, buffer_rows=100).take(1500)
+    # slots of the quarantined rows stay empty: positions skip them, so seek stays exact
+    assert len(full.positions) == 1500 and (np.diff(full.positions) >= 1).all()
+    holes = int(full.positions[-1]) + 1 - 1500
+    assert 0 < holes <= len(lost)
+    for i in (0, 300, 900, 1400):
+        s = open_stream(spec(d), seed=7, buffer_rows=100)
+        s.seek(int(full.positions[i]))
+        r = s.take(50)
+        k = min(50, 1500 - i)
+        assert (r.keys[:k] == full.keys[i : i + k]).all()
+
+
+def test_file_changed_after_indexing_is_quarantined_not_misread(tmp_path):
+    d, paths, table = good_source(tmp_path)
+    changed = set(_file_rows(paths, 2))
+    s = open_stream(spec(d), seed=1, buffer_rows=100)
+    with open(paths[2], "ab") as f:
+        f.write(b"appended junk")
+    r = s.take(len(table) - len(changed))
+    got = set(r.columns["row"].to_numpy().tolist())
+    assert got.isdisjoint(changed) and len(got) == len(table) - len(changed)
+    assert (key_epoch(r.keys) == 0).all()
+    n_pages = len(s.index.files[2].pages["text"].unit_off)
+    assert s.quarantine.pages_total == n_pages  # every page of the changed file, each counted once
+    assert "changed since it was indexed" in s.quarantine.messages()[0]

@@ -1,0 +1,169 @@
+"""The page decoder against pyarrow on the same files, and its building blocks."""
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.loader_testdata import mixed_table
+from mixplane.loader import pagereader as pr
+from mixplane.loader import thrift
+
+TABLE = mixed_table(1500)
+
+
+def decode_file(path, columns):
+    rr = pr.RangeReader(path)
+    try:
+        meta = pr.read_file_meta(rr)
+        cols = pr.resolve_columns(meta, columns)
+        out = {c.name: [] for c in cols}
+        for rg in meta.row_groups:
+            for c in cols:
+                ch = rg.columns[c.leaf]
+                buf = rr.read_at(ch.start, ch.total_compressed_size)
+                arrs = pr.decode_page_run(c, buf, ch.codec, None, expect_rows=rg.num_rows)
+                out[c.name].extend(arrs)
+        return {k: pa.concat_arrays(v) for k, v in out.items()}, rr.stats
+    finally:
+        rr.close()
+
+
+@pytest.mark.parametrize("codec,dictionary,version,page_size,page_index",
+                         [c for c in itertools.product(["snappy", "zstd", "gzip", "none"], [True, False], ["1.0", "2.0"],
+                                                       [300, 1 << 20], [True, False])
+                          if (c[3] == 300) == (c[4] is True) or c[0] == "snappy"])
+def test_decoded_pages_equal_pyarrow(tmp_path, codec, dictionary, version, page_size, page_index):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(TABLE, path, compression=codec, use_dictionary=dictionary, data_page_version=version,
+                   data_page_size=page_size, row_group_size=600, write_page_index=page_index, write_page_checksum=True)
+    got, _ = decode_file(path, TABLE.column_names)
+    ref = pq.read_table(path)
+    for name in TABLE.column_names:
+        exp = ref.column(name).combine_chunks()
+        assert got[name].type == exp.type, name
+        assert got[name].equals(exp), name
+
+
+def test_brotli_lz4_and_no_checksum(tmp_path):
+    for codec in ("brotli", "lz4"):
+        path = str(tmp_path / f"{codec}.parquet")
+        pq.write_table(TABLE, path, compression=codec, data_page_size=4096, write_page_checksum=False)
+        got, _ = decode_file(path, ["text", "toks", "i64"])
+        ref = pq.read_table(path, columns=["text", "toks", "i64"])
+        for name in got:
+            assert got[name].equals(ref.column(name).combine_chunks())
+
+
+def test_legacy_two_level_list_and_required_columns(tmp_path):
+    t = pa.table({"ids": pa.array([[1, 2], [], [3]] * 200, pa.list_(pa.field("x", pa.int32(), nullable=False))),
+                  "r": pa.array(np.arange(600, dtype=np.int32))},
+                 schema=pa.schema([pa.field("ids", pa.list_(pa.field("x", pa.int32(), nullable=False)), nullable=False),
+                                   pa.field("r", pa.int32(), nullable=False)]))
+    path = str(tmp_path / "l.parquet")
+    pq.write_table(t, path, use_compliant_nested_type=False, data_page_size=256)
+    got, _ = decode_file(path, ["ids", "r"])
+    ref = pq.read_table(path)
+    assert got["ids"].to_pylist() == ref.column("ids").to_pylist()
+    assert got["r"].equals(ref.column("r").combine_chunks())
+
+
+def test_reads_only_requested_columns(tmp_path):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(TABLE, path, data_page_size=2048)
+    _, stats = decode_file(path, ["i64"])
+    md = pq.ParquetFile(path).metadata
+    i = TABLE.column_names.index("i64")
+    chunk_bytes = sum(md.row_group(r).column(i).total_compressed_size for r in range(md.num_row_groups))
+    footer = stats.bytes_read - chunk_bytes
+    assert 0 < footer < 20_000  # footer + magic, never the other columns
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 32), st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=300))
+def test_unpack_bits_matches_reference(width, values):
+    vals = [v & ((1 << width) - 1) for v in values]
+    acc = 0
+    for i, v in enumerate(vals):
+        acc |= v << (i * width)
+    data = acc.to_bytes((len(vals) * width + 7) // 8 + 1, "little")
+    assert pr.unpack_bits(data, width, len(vals)).tolist() == vals
+
+
+def _hybrid_encode(runs, width):
+    """runs: list of ('rle', value, count) / ('bp', [values multiple of 8])."""
+    out = bytearray()
+
+    def varint(n):
+        while True:
+            b = n & 0x7F
+            n >>= 7
+            out.append(b | (0x80 if n else 0))
+            if not n:
+                return
+
+    for r in runs:
+        if r[0] == "rle":
+            varint(r[2] << 1)
+            out.extend(r[1].to_bytes((width + 7) // 8, "little"))
+        else:
+            vals = r[1]
+            varint(((len(vals) // 8) << 1) | 1)
+            acc = 0
+            for i, v in enumerate(vals):
+                acc |= v << (i * width)
+            out.extend(acc.to_bytes(len(vals) * width // 8, "little"))
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 20), st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 2**20)), min_size=1, max_size=12))
+def test_hybrid_decoding_mixed_runs(width, spec):
+    mask = (1 << width) - 1
+    runs, expect = [], []
+    for is_rle, n, v in spec:
+        if is_rle:
+            runs.append(("rle", v & mask, n))
+            expect += [v & mask] * n
+        else:
+            vals = [(v * (i + 1) * 2654435761) & mask for i in range(8 * ((n + 7) // 8))]
+            runs.append(("bp", vals))
+            expect += vals
+    buf = _hybrid_encode(runs, width)
+    got = pr.decode_hybrid(buf, 0, len(buf), width, len(expect))
+    assert got.tolist() == expect
+
+
+def test_hybrid_rejects_truncated_data():
+    buf = _hybrid_encode([("bp", list(range(16)))], 5)
+    with pytest.raises(ValueError):
+        pr.decode_hybrid(buf[:4], 0, 4, 5, 16)
+
+
+def test_thrift_roundtrip_and_errors():
+    w = thrift.CompactWriter()
+    w.struct([(1, thrift.I32, -5), (2, thrift.BINARY, "héllo"), (3, thrift.LIST, (thrift.I64, [1, 2**40, -3])),
+              (20, thrift.STRUCT, [(1, thrift.TRUE, True)]), (21, thrift.I64, 7)])
+    s, end = thrift.read_struct(bytes(w.out))
+    assert s == {1: -5, 2: "héllo".encode(), 3: [1, 2**40, -3], 20: {1: True}, 21: 7}
+    assert end == len(w.out)
+    with pytest.raises(thrift.ThriftError):
+        thrift.read_struct(bytes(w.out)[:-3])
+    with pytest.raises(thrift.ThriftError):
+        thrift.read_struct(b"\x1d")  # field type 13 does not exist
+
+
+def test_page_header_parse_of_real_file(tmp_path):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(TABLE, path, data_page_version="2.0", write_page_checksum=True)
+    md = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    with open(path, "rb") as f:
+        f.seek(md.data_page_offset)
+        buf = f.read(256)
+    h = pr.parse_page_header(buf, 0)
+    assert h.type in (pr.DATA_PAGE_V2, pr.DICTIONARY_PAGE)
+    assert h.crc is not None and h.compressed_size > 0
