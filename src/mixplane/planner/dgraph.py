@@ -288,7 +288,9 @@ class DGraph:
                                  "axis": self.axis}
         before = self.bucket_costs()
         stats["imbalance_before"] = B.imbalance(before)
-        if not keep_global_batch and method != "none":
+        if not keep_global_batch and method != "none" and ctx.spec.batch.packing == "none":
+            stats["repack"] = "skipped: batch.packing is 'none' (one document per row)"
+        elif not keep_global_batch and method != "none":
             rows = B.pack_balanced(self.pieces.length, self.piece_costs(), ctx.rows, ctx.seq_len, method)
             if rows is None:
                 stats["repack"] = "kept mix packing (balanced re-packing could not place every piece)"
