@@ -24,7 +24,6 @@ digest, so a replay that diverges fails at the first step that differs, naming i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from mixplane.layout import SEGMENT_ARRAYS, IMAGE_ARRAYS, StepLayout
+from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
 from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner, window_full
 from mixplane.spec import DataMixtureSpec
 
@@ -49,17 +48,6 @@ class JournalError(ValueError):
 
 class ReplayMismatch(JournalError):
     """A replanned step differs from what was journaled."""
-
-
-def layout_digest(layout: StepLayout) -> str:
-    """A short stable fingerprint of a layout: its meta and every array."""
-    h = hashlib.blake2b(digest_size=12)
-    h.update(json.dumps(layout.meta(), sort_keys=True).encode())
-    for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
-        a = np.ascontiguousarray(getattr(layout, name))
-        h.update(name.encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
 
 
 def _dump(obj: Any) -> str:
