@@ -74,6 +74,7 @@ def _as_costs(costs: np.ndarray) -> np.ndarray:
 
 # ---- greedy (LPT) ---------------------------------------------------------------------------
 
+MAX_BLOCK = 32  # rounds dealt together in one snake block at most
 EXACT_ROUNDS = 64  # LPT rounds that re-sort the bins every round; later rounds go in snake blocks
 
 
@@ -84,7 +85,7 @@ def _round_blocks(n_rounds: int) -> list[tuple[int, int]]:
     while r < n_rounds:
         out.append((r, min(n_rounds, r + size)))
         r += size
-        size *= 2
+        size = min(2 * size, MAX_BLOCK)
     return out
 
 
@@ -468,7 +469,7 @@ def _kk_equal(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarra
     return out
 
 
-REFINE_TOLERANCE = 1e-3  # heaviest - lightest below 0.1% of the mean: nothing worth refining
+REFINE_TOLERANCE = 5e-3  # heaviest - lightest below 0.5% of the mean: not worth the swaps
 REFINE_MAX_ITER = 256
 
 # ---- refinement ------------------------------------------------------------------------------------
