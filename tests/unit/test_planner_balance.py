@@ -37,7 +37,7 @@ def test_equal_count_is_exact_and_balanced(method, n, k):
     smooth = np.random.default_rng(1).lognormal(0, 1, n)
     s = B.assign(smooth, k, method, equal_count=True)
     if n // k >= 100:
-        assert B.imbalance(loads(s, smooth, k)) < 1.001
+        assert B.imbalance(loads(s, smooth, k)) < 1.005  # the swap refinement stops below 0.5% spread
 
 
 @pytest.mark.parametrize("method", ["greedy", "karmarkar_karp"])
