@@ -644,36 +644,17 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
 
 def _assign_grouped(costs: np.ndarray, n_bins: int, method: str, equal_count: bool, init: np.ndarray | None,
                     group_size: int, small_fraction: float) -> np.ndarray:
+    """Items onto groups of group_size consecutive bins first, then onto the bins inside each group."""
     n_groups = -(-n_bins // group_size)
     bin_group = np.arange(n_bins) // group_size
     members = np.bincount(bin_group, minlength=n_groups)
-    n = len(costs)
-    # level 1: items onto groups, each group weighted by its number of bins
-    if equal_count:
-        # a group of m bins takes m shares of items: balance over virtual bins, then fold
-        virt = assign(costs, n_bins, method, equal_count=True, init=init, small_fraction=small_fraction)
-        item_group = bin_group[virt]
-    else:
+    if np.all(members == members[0]):
         ginit = np.bincount(bin_group, weights=init, minlength=n_groups) if init is not None else None
-        # balance per-bin averages: scale costs by 1/members of the target group is not possible before
-        # assignment, so weight groups equally when they are equally sized (the common case)
-        item_group = assign(costs, n_groups, method, init=ginit, small_fraction=small_fraction)
-        if np.any(members != members[0]):
-            # uneven last group: move the excess of over-full groups by a proportional re-split
-            item_group = _proportional_groups(costs, members)
-    del n
+        item_group = assign(costs, n_groups, method, equal_count=equal_count, init=ginit, small_fraction=small_fraction)
+    else:  # a smaller last group: balance over every bin, then keep only the group of each item
+        item_group = bin_group[assign(costs, n_bins, method, equal_count=equal_count, init=init,
+                                      small_fraction=small_fraction)]
     return _assign_in_groups(costs, item_group, bin_group, method, equal_count, init, small_fraction)
-
-
-def _proportional_groups(costs: np.ndarray, members: np.ndarray) -> np.ndarray:
-    """Items onto groups of unequal size by water-filling group shares proportional to their bins."""
-    n_groups = len(members)
-    item_group = np.zeros(len(costs), dtype=np.int64)
-    bin_group = np.repeat(np.arange(n_groups), members)
-    out = np.full(len(costs), -1, dtype=np.int64)
-    loads = np.zeros(len(bin_group))
-    _lpt_rounds(costs, np.arange(len(costs)), item_group, np.zeros(len(bin_group), np.int64), loads, out)
-    return bin_group[out]
 
 
 def bin_loads(assignment: np.ndarray, costs: np.ndarray, n_bins: int) -> np.ndarray:
