@@ -11,7 +11,7 @@ import pytest
 
 
 def write_token_source(directory: Path, *, rows: int, files: int, mean_len: float, seed: int,
-                       rows_per_group: int = 200, vocab: int = 1000) -> list[np.ndarray]:
+                       rows_per_group: int = 200, vocab: int = 1000, page_checksum: bool = False) -> list[np.ndarray]:
     """A `tokens` source: list<int32> documents with lognormal lengths; returns the documents in source order."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
@@ -22,7 +22,8 @@ def write_token_source(directory: Path, *, rows: int, files: int, mean_len: floa
         part = docs[f * per : (f + 1) * per]
         table = pa.table({"tokens": pa.array(part, type=pa.list_(pa.int32())),
                           "id": pa.array(np.arange(f * per, f * per + len(part)), pa.int64())})
-        pq.write_table(table, directory / f"part-{f:03d}.parquet", row_group_size=rows_per_group, write_page_index=True)
+        pq.write_table(table, directory / f"part-{f:03d}.parquet", row_group_size=rows_per_group, write_page_index=True,
+                       write_page_checksum=page_checksum)
     return docs
 
 

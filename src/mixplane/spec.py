@@ -49,6 +49,7 @@ class SourceSpec(_Model):
     live: bool = Field(False, description="New files matching `uri` join while running; a dry source blocks instead of failing.")
     shuffle: Literal["page", "row", "rowgroup", "sequential"] = Field("page", description="Read order: page-level shuffle (default), full row shuffle, or baselines.")
     replicas: int = Field(1, ge=1, description="Source Loader replicas that partition this source disjointly.")
+    shuffle_buffer: int = Field(10000, ge=1, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
 
 

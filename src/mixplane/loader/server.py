@@ -39,7 +39,10 @@ class LoaderServer:
         self.planner.connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
-        self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read)
+        self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
+                                   read_timeout=0.2 if self.source.live else None)
+        self._quarantined_seen = 0
+        self._last_status_line = 0.0
         self.session = -1
         self.welcomed = False
         self.stopped = False
@@ -86,6 +89,15 @@ class LoaderServer:
             return False
         a = self.window.fill()
         self.m.loader_buffer_samples.labels(self.source.name).set(len(self.window.buffer))
+        q = self.stream.quarantine.pages_total
+        if q > self._quarantined_seen:
+            self.m.loader_quarantined_pages.labels(self.source.name).inc(q - self._quarantined_seen)
+            self._quarantined_seen = q
+        dry = bool(getattr(self.stream, "dry", False))
+        self.m.loader_dry.labels(self.source.name).set(1 if dry else 0)
+        if dry and time.monotonic() - self._last_status_line > 30.0:
+            self._last_status_line = time.monotonic()
+            log.warning("%s: %s", self.name, self.stream.status_line())
         if len(a):
             self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
                                {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})

@@ -569,4 +569,5 @@ class SourceStream:
 
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
     """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options)."""
+    options.setdefault("buffer_rows", source.shuffle_buffer)
     return SourceStream(source, seed=seed, partition=partition, num_partitions=num_partitions, **options)

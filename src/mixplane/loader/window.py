@@ -42,8 +42,10 @@ class Announcement:
 
 class LoaderWindow:
     def __init__(self, stream: Any, transform: Callable, bounds: tuple[int, int, int],
-                 on_read: Callable[[int, int, float], None] | None = None):
+                 on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None):
         self.stream = stream
+        self.read_timeout = read_timeout  # live sources: give control back while dry
+        self.stalled = False
         self.transform = transform
         self.min_samples, self.min_tokens, self.max_samples = bounds
         self.buffer: dict[int, Buffered] = {}  # announced, not yet fully consumed
@@ -70,7 +72,10 @@ class LoaderWindow:
         import time
 
         t0 = time.perf_counter()
-        raw = self.stream.take(CHUNK)
+        raw = self.stream.take(CHUNK) if self.read_timeout is None else self.stream.take(CHUNK, timeout=self.read_timeout)
+        self.stalled = len(raw) == 0
+        if self.stalled:
+            return
         out = self.transform(raw)
         for i, p in enumerate(raw.positions):
             p = int(p)
@@ -91,6 +96,8 @@ class LoaderWindow:
         while not self.full:
             if not self.staged:
                 self._read()
+                if self.stalled:  # a dry live source: announce what there is, try again later
+                    break
                 continue
             b = self.staged.popleft()
             self.buffer[b.pos] = b
