@@ -6,9 +6,20 @@ Weights follow KempnerForge: base weights, temperature (p_i ∝ w_i^(1/T)), phas
 changes take effect at their step, not at an epoch boundary, and runtime updates (a new spec
 generation) are segments of the same schedule, so resume lands in the right phase.
 
-The sampler is stratified, not random: at each pick it chooses the source that is furthest
-behind its target share of what has been placed in the current segment, so realised counts
-never drift from the targets by more than one sample (of tokens or of samples).
+The sampler is stratified, not random (see DeficitSampler): it schedules sources earliest-
+deadline-first against their target shares of what has been placed in the current segment.
+
+Guarantee (tested in tests/unit/test_mixing_exact.py). Within a segment let T be the units placed
+so far (samples, or tokens when `unit: tokens`), r_i what source i contributed and p_i its target
+share. Whenever every source with p_i > 0 has a candidate that fits, after every pick and hence at
+every step boundary
+
+    | r_i - p_i * T | < L        (L = 1 sample; for tokens, the largest sample piece seen)
+
+so the realised mix never drifts: every prefix of a segment is within one sample of its target,
+per source. (The simpler "largest deficit first" rule is not enough: it can fall 1.08 samples
+behind with a few sources, 1.4 in tokens.) A new segment (phase, anneal, runtime update) starts
+its own accounting at its start step.
 """
 
 from __future__ import annotations
@@ -47,15 +58,20 @@ class Segment:
     phase: int  # id delivered with each batch
     generation: int  # spec generation that introduced this segment
     name: str = ""
+    temperature: float | None = None  # None: the schedule's temperature
 
     def to_json(self) -> dict[str, Any]:
-        return {"start_step": self.start_step, "weights": list(self.weights), "lr_scale": self.lr_scale,
-                "phase": self.phase, "generation": self.generation, "name": self.name}
+        d = {"start_step": self.start_step, "weights": list(self.weights), "lr_scale": self.lr_scale,
+             "phase": self.phase, "generation": self.generation, "name": self.name}
+        if self.temperature is not None:
+            d["temperature"] = self.temperature
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Segment":
+        t = d.get("temperature")
         return cls(int(d["start_step"]), tuple(float(x) for x in d["weights"]), float(d["lr_scale"]),
-                   int(d["phase"]), int(d["generation"]), str(d.get("name", "")))
+                   int(d["phase"]), int(d["generation"]), str(d.get("name", "")), None if t is None else float(t))
 
 
 @dataclass(frozen=True)
@@ -108,14 +124,21 @@ class MixtureSchedule:
 
     def at(self, step: int) -> MixturePoint:
         s = self.segment_at(step)
-        return MixturePoint(apply_temperature(np.array(s.weights), self.temperature), s.phase, s.lr_scale,
+        t = self.temperature if s.temperature is None else s.temperature
+        return MixturePoint(apply_temperature(np.array(s.weights), t), s.phase, s.lr_scale,
                             s.generation, s.start_step)
 
+    def target_counts(self, segment_start: int, total: float) -> np.ndarray:
+        """What each source should have contributed after `total` units placed in a segment."""
+        return self.at(segment_start).probs * total
+
     def update(self, weights: dict[str, float], effective_step: int, generation: int,
-               lr_scale: float | None = None, *, planned_through: int = -1) -> Segment:
+               lr_scale: float | None = None, *, planned_through: int = -1,
+               temperature: float | None = None) -> Segment:
         """A runtime change from `effective_step` on; later segments of the old schedule are replaced.
 
-        Steps already planned cannot change, so effective_step must lie after `planned_through`.
+        Sources not named keep the weight in force at effective_step. Steps already planned cannot
+        change, so effective_step must lie after `planned_through`.
         """
         if effective_step <= planned_through:
             raise ValueError(f"effective_step {effective_step} is already planned (planned through step {planned_through})")
@@ -124,33 +147,71 @@ class MixtureSchedule:
             raise ValueError(f"unknown source(s) {', '.join(unknown)}")
         if any(not (w >= 0) or math.isinf(w) for w in weights.values()):
             raise ValueError("weights must be finite and >= 0")
+        if lr_scale is not None and not (float(lr_scale) > 0 and math.isfinite(float(lr_scale))):
+            raise ValueError(f"lr_scale must be > 0, got {lr_scale}")
+        if temperature is not None and not (float(temperature) > 0 and math.isfinite(float(temperature))):
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         cur = self.segment_at(effective_step)
         w = tuple(float(weights.get(n, cur.weights[i])) for i, n in enumerate(self.names))
         if sum(w) <= 0:
             raise ValueError("weights must have a positive sum")
         seg = Segment(effective_step, w, cur.lr_scale if lr_scale is None else float(lr_scale),
-                      max(s.phase for s in self.segments) + 1, generation, f"update{generation}")
+                      max(s.phase for s in self.segments) + 1, generation, f"update{generation}",
+                      cur.temperature if temperature is None else float(temperature))
         self.segments = [s for s in self.segments if s.start_step < effective_step] + [seg]
         return seg
 
+    def rebase(self, spec: DataMixtureSpec, effective_step: int, generation: int, *,
+               planned_through: int = -1) -> list[Segment]:
+        """Adopt a new spec generation's mixture (weights, temperature, phases, anneal) from effective_step
+        on; what held before stays. The new spec's phases that start later keep their own start steps."""
+        if effective_step <= planned_through:
+            raise ValueError(f"effective_step {effective_step} is already planned (planned through step {planned_through})")
+        if spec.source_names() != self.names:
+            raise ValueError("a new generation cannot add, remove or reorder sources")
+        new = MixtureSchedule(spec, generation)
+        first_phase = max(s.phase for s in self.segments) + 1
+        head = [s for s in self.segments if s.start_step < effective_step]
+        at = new.segment_at(effective_step)
+        tail = [at] + [s for s in new.segments if s.start_step > effective_step]
+        out = []
+        for i, s in enumerate(tail):
+            out.append(Segment(effective_step if i == 0 else s.start_step, s.weights, s.lr_scale, first_phase + i,
+                               generation, f"gen{generation}:{s.name}", new.temperature))
+        self.segments = head + out
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"segments": [s.to_json() for s in self.segments]}
+        return {"segments": [s.to_json() for s in self.segments], "temperature": self.temperature}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.segments = [Segment.from_json(d) for d in state["segments"]]
+        if "temperature" in state:
+            self.temperature = float(state["temperature"])
+
+
+def slack(n_active: int) -> float:
+    """Tijdeman's bound 1 - 1/(2n - 2) for n competing sources (the chairman assignment problem)."""
+    return 1.0 - 1.0 / (2 * n_active - 2) if n_active > 1 else 0.5
 
 
 @dataclass
 class DeficitSampler:
-    """Deterministic stratified sampling: pick the source most behind its target.
+    """Deterministic stratified sampling: earliest-deadline-first over the sources' target windows.
 
-    `realized[i]` counts what source i contributed in the current segment (tokens or samples);
-    after placing total T, source i's target is p_i * T (see `pick` for the guarantees).
+    `realized[i]` counts what source i contributed in the current segment (tokens or samples).
+    Source i's next sample of size l is *released* when taking it keeps i at most delta * L ahead
+    of its target (r_i + l <= p_i (T + l) + delta L), and its *deadline* is where it would fall
+    delta * L behind ((r_i + delta L) / p_i). Among released sources the earliest deadline goes
+    first (Tijdeman 1980: with delta = 1 - 1/(2n-2) and unit sizes, |r_i - p_i T| <= delta < 1
+    at every T). L is 1 for `unit: samples` and, for tokens, the largest sample piece seen among
+    the candidates of the segment so far (`unit_max`), so deviations stay below one sample.
     """
 
     num_sources: int
     segment_start: int = -1
     realized: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    unit_max: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.realized) != self.num_sources:
@@ -161,41 +222,52 @@ class DeficitSampler:
         if point.segment_start != self.segment_start:
             self.segment_start = point.segment_start
             self.realized[:] = 0.0
+            self.unit_max = 0.0
 
-    def pick(self, probs: np.ndarray, eligible: np.ndarray, unit: float = 1.0) -> int:
-        """Index of the next source, or -1 if none is eligible.
+    def pick(self, probs: np.ndarray, eligible: np.ndarray, unit: float = 1.0, *,
+             sizes: np.ndarray | None = None, scale: float | None = None) -> int:
+        """Index of the next source, or -1 if none is eligible (reference implementation; the planner's
+        select() inlines the sizes form).
 
-        unit=1 (counting samples): Tijdeman's earliest-deadline rule, which keeps every source
-        within 1 - 1/(2k-2) < 1 sample of its target after every pick. unit=0 (counting tokens,
-        sizes unknown in advance): the largest deficit, so a source overshoots by less than one
-        document and falls behind by less than k-1 documents.
+        sizes given (what each source's next sample adds; the planner knows them): the EDF rule with
+        L = scale (default: the largest size seen in the segment). Else unit > 0: samples of `unit`
+        each, Tijdeman's rule (within 1 - 1/(2k-2) units). Else (unit == 0, sizes unknown until
+        after the pick): the largest deficit (ahead by less than one document).
         """
-        mask = eligible & (probs > 0)
+        probs = np.asarray(probs, dtype=np.float64)
+        mask = np.asarray(eligible, dtype=bool) & (probs > 0)
         if not mask.any():
             return -1
-        total = self.realized.sum()
-        if unit > 0:
-            k = int((probs > 0).sum())
-            if k == 1:
-                return int(np.argmax(mask))
-            c = 1.0 / (2 * k - 2)
-            n = total / unit + 1.0
-            s = self.realized / unit
-            need = probs * n - s
-            released = mask & (need >= c - 1e-12)
-            cand = released if released.any() else mask
+        r = self.realized
+        T = float(r.sum())
+        if sizes is None and unit <= 0:
+            return int(np.argmax(np.where(mask, probs * T - r, -np.inf)))
+        if sizes is None:
+            l = np.full(probs.shape, float(unit))
+            L = float(unit)
+        else:
+            l = np.broadcast_to(np.asarray(sizes, dtype=np.float64), probs.shape)
+            L = float(scale if scale is not None else max(self.unit_max, float(l[mask].max()), 1e-12))
+            self.unit_max = max(self.unit_max, L)
+        delta = slack(int((probs > 0).sum())) * L
+        released = mask & (r + l - probs * (T + l) <= delta + 1e-9 * L)
+        if released.any():
             with np.errstate(divide="ignore", over="ignore"):
-                deadline = np.where(cand, (s + 1.0 - c) / np.where(probs > 0, probs, 1.0), np.inf)
+                deadline = np.where(released, (r + delta) / np.where(probs > 0, probs, 1.0), np.inf)
             return int(np.argmin(deadline))  # ties -> lowest index: deterministic
-        deficit = np.where(mask, probs * total - self.realized, -np.inf)
-        return int(np.argmax(deficit))
+        return int(np.argmax(np.where(mask, probs * (T + l) - r, -np.inf)))
 
     def record(self, source: int, amount: float) -> None:
         self.realized[source] += amount
 
+    def deviation(self, probs: np.ndarray) -> np.ndarray:
+        """r_i - p_i * T for the current segment (positive: ahead of target)."""
+        return self.realized - np.asarray(probs) * self.realized.sum()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"segment_start": self.segment_start, "realized": self.realized.tolist()}
+        return {"segment_start": self.segment_start, "realized": self.realized.tolist(), "unit_max": self.unit_max}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.segment_start = int(state["segment_start"])
         self.realized = np.asarray(state["realized"], dtype=np.float64)
+        self.unit_max = float(state.get("unit_max", 0.0))

@@ -128,7 +128,7 @@ class ModelDims(_Model):
 
 
 class StrategySpec(_Model):
-    name: str = Field("llm_balance", description="Built-in strategy (vanilla, llm_balance, vlm_balance) or `package.module:function`.")
+    name: str = Field("llm_balance", description="Built-in strategy (vanilla, llm_balance, vlm_balance), `package.module:function`, or `path/to/file.py:function` (relative to the spec file).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the strategy.")
 
 
@@ -279,7 +279,11 @@ def resolve_paths(spec: DataMixtureSpec, base: Path) -> DataMixtureSpec:
 
     sources = [s.model_copy(update={"uri": fix(s.uri), "tokenizer": fix(s.tokenizer)}) for s in spec.sources]
     runtime = spec.runtime.model_copy(update={"run_dir": fix(spec.runtime.run_dir)})
-    return spec.model_copy(update={"sources": sources, "runtime": runtime})
+    update: dict = {"sources": sources, "runtime": runtime}
+    mod, sep, fn = spec.strategy.name.rpartition(":")
+    if sep and mod.endswith(".py"):
+        update["strategy"] = spec.strategy.model_copy(update={"name": f"{fix(mod)}:{fn}"})
+    return spec.model_copy(update=update)
 
 
 def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix: str = "") -> list[Problem]:
@@ -377,12 +381,16 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
 
     st = spec.strategy.name
     if ":" in st:
-        mod, _, fn = st.partition(":")
-        try:
-            if not callable(getattr(importlib.import_module(mod), fn)):
-                out.append(Problem(f"{p}strategy.name", f"{st} is not callable"))
-        except (ImportError, AttributeError) as e:
-            out.append(Problem(f"{p}strategy.name", f"cannot import {st}: {e}"))
+        mod, _, fn = st.rpartition(":")
+        if mod.endswith(".py"):  # a strategy file (relative paths resolve against the spec file)
+            if not os.path.isfile(os.path.expanduser(mod)):
+                out.append(Problem(f"{p}strategy.name", f"no such strategy file: {mod}"))
+        else:
+            try:
+                if not callable(getattr(importlib.import_module(mod), fn)):
+                    out.append(Problem(f"{p}strategy.name", f"{st} is not callable"))
+            except (ImportError, AttributeError) as e:
+                out.append(Problem(f"{p}strategy.name", f"cannot import {st}: {e}"))
     elif st not in builtin_strategy_names():
         out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(builtin_strategy_names())}; or package.module:function)"))
 

@@ -17,8 +17,9 @@ import numpy as np
 
 from mixplane.constructor.packing import OnlinePacker
 from mixplane.layout import StepLayout
-from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule
+from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, slack
 from mixplane.spec import DataMixtureSpec
+from mixplane.topology import ClientPlaceTree
 
 
 class WindowError(ValueError):
@@ -142,20 +143,58 @@ class Pieces:
         return Pieces(*(getattr(self, f)[idx] for f in ("bin", "source", "key", "start", "length", "patches", "replica", "pos")))
 
 
-@dataclass
 class PlanContext:
-    """Everything a strategy may look at for one step (metadata only)."""
+    """Everything a strategy may look at for one step (metadata only).
 
-    spec: DataMixtureSpec
-    step: int
-    point: MixturePoint
-    pieces: Pieces
-    rows: int
-    seq_len: int
-    dp: int
-    microbatches: int
-    rows_per_microbatch: int
-    options: dict[str, Any] = field(default_factory=dict)
+    Mixing is lazy: `pieces` (or `mix()`) runs the planner's deterministic stratified selection the
+    first time it is needed, so a strategy's `DGraph.mix(schedule)` decides *how* the step is mixed.
+    Calling `mix` again rolls the selection back and re-mixes (e.g. with some candidates excluded).
+    """
+
+    def __init__(self, spec: DataMixtureSpec, step: int, point: MixturePoint, pieces: Pieces | None = None,
+                 rows: int = 0, seq_len: int = 0, dp: int = 1, microbatches: int = 1, rows_per_microbatch: int = 1,
+                 options: dict[str, Any] | None = None, *, tree: ClientPlaceTree | None = None,
+                 mixer: Callable[[Any, Any], tuple[Pieces, MixturePoint]] | None = None,
+                 buffer: Callable[[], dict[str, Any]] | None = None):
+        self.spec = spec
+        self.step = step
+        self.point = point
+        self._pieces = pieces
+        self.rows = rows
+        self.seq_len = seq_len
+        self.dp = dp
+        self.microbatches = microbatches
+        self.rows_per_microbatch = rows_per_microbatch
+        self.options = dict(options or {})
+        self.tree = tree if tree is not None else ClientPlaceTree.from_spec(spec)
+        self._mixer = mixer
+        self._buffer = buffer
+        self.broadcast: list[str] = []
+        self.stats: dict[str, Any] = {}
+
+    @property
+    def mixed(self) -> bool:
+        return self._pieces is not None
+
+    @property
+    def pieces(self) -> Pieces:
+        if self._pieces is None:
+            self.mix()
+        return self._pieces  # type: ignore[return-value]
+
+    def mix(self, schedule: Any = None, *, exclude: Any = None) -> Pieces:
+        """Select the step's pieces (stratified by the schedule's weights at this step)."""
+        if self._mixer is None:
+            if self._pieces is None:
+                raise RuntimeError(f"step {self.step}: this context has no mixer and no pieces")
+            if schedule is not None or exclude:
+                raise RuntimeError(f"step {self.step}: this context was built with fixed pieces; it cannot re-mix")
+            return self._pieces
+        self._pieces, self.point = self._mixer(schedule, exclude)
+        return self._pieces
+
+    def summary_buffer(self) -> dict[str, Any]:
+        return self._buffer() if self._buffer is not None else {}
 
 
 Strategy = Callable[[PlanContext], StepLayout]
@@ -163,24 +202,46 @@ Strategy = Callable[[PlanContext], StepLayout]
 
 def layout_from_rows(ctx: PlanContext, row_of_bin: np.ndarray) -> StepLayout:
     """Turn packed bins into a layout, given the global row each bin goes to (a permutation)."""
+    from mixplane.planner.dgraph import build_layout
+
     p = ctx.pieces
     rows = np.asarray(row_of_bin, np.int64)[p.bin] if len(p) else np.zeros(0, np.int64)
-    order = np.lexsort((np.arange(len(p)), rows))
-    img = p.patches[order] > 0
-    return StepLayout(
-        step=ctx.step, seq_len=ctx.seq_len, dp=ctx.dp, microbatches=ctx.microbatches,
-        rows_per_microbatch=ctx.rows_per_microbatch, phase=ctx.point.phase, lr_scale=ctx.point.lr_scale,
-        generation=ctx.point.generation, seg_row=rows[order], seg_source=p.source[order], seg_key=p.key[order],
-        seg_start=p.start[order], seg_len=p.length[order],
-        img_source=p.source[order][img], img_key=p.key[order][img],
-        img_rank=(rows[order][img] // (ctx.microbatches * ctx.rows_per_microbatch)),
-        img_patches=p.patches[order][img],
-    )
+    return build_layout(ctx, rows)
 
 
 def vanilla_strategy(ctx: PlanContext) -> StepLayout:
-    """No balancing: bin b is row b (rank b // rows_per_rank)."""
+    """No balancing: bin b is row b (rank b // rows_per_rank); images stay on their replica's ranks."""
     return layout_from_rows(ctx, np.arange(ctx.rows))
+
+
+class CoverageError(RuntimeError):
+    """A strategy's layout does not place every selected piece exactly once."""
+
+
+def check_coverage(layout: StepLayout, pieces: Pieces) -> None:
+    """Every selected piece lands in the layout exactly once, whole; every image exactly once."""
+    def canon(src, key, start, length):
+        o = np.lexsort((length, start, key, src))
+        return np.stack([np.asarray(src, np.int64)[o], np.asarray(key, np.int64)[o],
+                         np.asarray(start, np.int64)[o], np.asarray(length, np.int64)[o]])
+
+    step = layout.step
+    if len(layout.seg_row) != len(pieces):
+        raise CoverageError(f"step {step}: the layout has {len(layout.seg_row)} segments for {len(pieces)} selected pieces")
+    a = canon(layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len)
+    b = canon(pieces.source, pieces.key, pieces.start, pieces.length)
+    if not np.array_equal(a, b):
+        bad = np.nonzero((a != b).any(axis=0))[0][0]
+        raise CoverageError(f"step {step}: the layout does not match the selection (first difference: source "
+                            f"{b[0, bad]} key {b[1, bad]} start {b[2, bad]})")
+    img = pieces.patches > 0
+    if len(layout.img_key) != int(img.sum()):
+        raise CoverageError(f"step {step}: the layout lists {len(layout.img_key)} images for {int(img.sum())} selected")
+    zero = np.zeros(int(img.sum()), np.int64)
+    a = canon(layout.img_source, layout.img_key, zero, layout.img_patches)
+    b = canon(pieces.source[img], pieces.key[img], zero, pieces.patches[img])
+    if not np.array_equal(a, b):
+        raise CoverageError(f"step {step}: the layout's images do not match the selected images")
 
 
 @dataclass
@@ -190,6 +251,8 @@ class StepPlan:
     cursor_before: dict[str, Any]
     tokens_by_source: np.ndarray
     samples_by_source: np.ndarray
+    broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (only coordinate 0 fetches)
+    stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
 
 
 class StepPlanner:
@@ -197,6 +260,7 @@ class StepPlanner:
 
     def __init__(self, spec: DataMixtureSpec, strategy: Strategy | None = None, generation: int = 0):
         self.spec = spec
+        self.generation = generation
         self.schedule = MixtureSchedule(spec, generation)
         self.n_sources = len(spec.sources)
         self.sampler = DeficitSampler(self.n_sources)
@@ -207,8 +271,8 @@ class StepPlanner:
             for r in range(s.replicas):
                 self.windows.append(ReplicaWindow(si, r, lo, tokens, hi))
         self.next_step = 0
-        bb = spec.topology.backbone()[1]
-        self.dp = bb.dp
+        self.tree = ClientPlaceTree.from_spec(spec)
+        self.dp = self.tree.backbone.dp
         self.unit_samples = spec.mixture.unit == "samples"
 
     def window(self, source: int, replica: int) -> ReplicaWindow:
@@ -224,6 +288,43 @@ class StepPlanner:
     def waiting_for(self) -> list[ReplicaWindow]:
         return [w for w in self.windows if not w.ready]
 
+    def summary_buffer(self) -> dict[str, Any]:
+        """Per source: unconsumed samples, their remaining tokens and patches in the windows."""
+        out: dict[str, Any] = {}
+        for w in self.windows:
+            name = self.spec.sources[w.source].name
+            d = out.setdefault(name, {"samples": 0, "tokens": 0, "patches": 0, "replicas": 0})
+            d["samples"] += len(w)
+            d["tokens"] += int((w.tokens - w.done).sum())
+            d["patches"] += int(w.patches[w.done == 0].sum())
+            d["replicas"] += 1
+        return out
+
+    # -- runtime changes ----------------------------------------------------------------
+    def update_mixture(self, weights: dict[str, float], effective_step: int, generation: int,
+                       lr_scale: float | None = None, temperature: float | None = None) -> dict[str, Any]:
+        """New weights from `effective_step` on (a new spec generation); returns the journal event.
+
+        Steps already planned cannot change: effective_step must be >= next_step.
+        """
+        planned_through = self.next_step - 1
+        seg = self.schedule.update(weights, effective_step, generation, lr_scale,
+                                   planned_through=planned_through, temperature=temperature)
+        self.generation = max(self.generation, generation)
+        return {"event": "update", "generation": generation, "effective_step": int(effective_step),
+                "planned_through": planned_through, "weights": {k: float(v) for k, v in weights.items()},
+                "lr_scale": lr_scale, "temperature": temperature, "segment": seg.to_json()}
+
+    def reconfigure(self, spec: DataMixtureSpec, generation: int) -> None:
+        """Adopt a new spec generation's topology / batch / strategy options from next_step on (elastic
+        resharding); the windows, sampler and schedule carry over. Sources and replicas must not change."""
+        if [(s.name, s.replicas) for s in spec.sources] != [(s.name, s.replicas) for s in self.spec.sources]:
+            raise ValueError("reconfigure cannot change sources or loader replicas; start a new planner")
+        self.spec = spec
+        self.tree = ClientPlaceTree.from_spec(spec)
+        self.dp = self.tree.backbone.dp
+        self.generation = max(self.generation, generation)
+
     # -- cursor -------------------------------------------------------------------------
     def cursor(self) -> dict[str, Any]:
         return {
@@ -234,67 +335,181 @@ class StepPlanner:
         }
 
     def restore(self, cur: dict[str, Any]) -> None:
-        self.next_step = int(cur["step"])
-        self.sampler.load_state_dict(cur["sampler"])
-        self.schedule.load_state_dict(cur["schedule"])
         by_id = {(int(c["source"]), int(c["replica"])): c for c in cur["windows"]}
         if set(by_id) != {(w.source, w.replica) for w in self.windows}:
             raise ValueError("cursor was made for a different set of sources / loader replicas")
+        self.next_step = int(cur["step"])
+        self.sampler.load_state_dict(cur["sampler"])
+        self.schedule.load_state_dict(cur["schedule"])
         for w in self.windows:
             w.restore(by_id[(w.source, w.replica)])
 
     # -- planning -----------------------------------------------------------------------
-    def select(self, step: int, point: MixturePoint) -> Pieces:
-        """Mix and pack: choose token spans by deficit and place them best-fit into the step's rows."""
+    def _snapshot(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        return self.sampler.state_dict(), [w.done.copy() for w in self.windows]
+
+    def _rollback(self, snap: tuple[dict[str, Any], list[np.ndarray]]) -> None:
+        self.sampler.load_state_dict(snap[0])
+        for w, d in zip(self.windows, snap[1]):
+            w.done = d.copy()
+
+    def select(self, step: int, point: MixturePoint, exclude: Any = None) -> Pieces:
+        """Mix and pack: choose token spans by deficit and place them best-fit into the step's rows.
+
+        The source picked next is always the one furthest behind its share (DeficitSampler's rule,
+        inlined here for speed); its oldest window sample that still fits somewhere is placed.
+        `exclude`: (source, key) pairs that must not be picked this step.
+        """
         spec = self.spec
         S = spec.batch.seq_len
         R = spec.rows_per_step
         packer = OnlinePacker(R, S, spec.batch.packing)
         truncate = spec.batch.overlong == "truncate"
         self.sampler.enter(point)
-        # candidates per source: (window index, entry index) in stream-position order
-        cands: list[list[tuple[int, int]]] = [[] for _ in range(self.n_sources)]
+        n = self.n_sources
+        excl = {(int(a), int(b)) for a, b in exclude} if exclude else None
+        # candidates per source: (window index, entry index), in (stream position, replica) order
+        cw: list[list[int]] = [[] for _ in range(n)]
+        ce: list[list[int]] = [[] for _ in range(n)]
+        parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
         for wi, w in enumerate(self.windows):
-            for ei in range(len(w)):
-                cands[w.source].append((int(w.pos[ei]), w.replica, wi, ei))  # type: ignore[arg-type]
-        for c in cands:
-            c.sort()
-        ptr = np.zeros(self.n_sources, dtype=np.int64)
-        counts = np.array([len(c) for c in cands], dtype=np.int64)
-        out: dict[str, list[int]] = {k: [] for k in ("bin", "source", "key", "start", "length", "patches", "replica", "pos")}
-        unit = 1.0 if self.unit_samples else 0.0
-        while packer.largest_gap > 0:
-            eligible = ptr < counts
-            src = self.sampler.pick(point.probs, eligible, unit)
-            if src < 0:
+            if len(w):
+                m = len(w)
+                parts[w.source].append((w.pos, np.full(m, w.replica), np.full(m, wi), np.arange(m)))
+        for si in range(n):
+            if not parts[si]:
+                continue
+            pos = np.concatenate([p[0] for p in parts[si]])
+            rep = np.concatenate([p[1] for p in parts[si]])
+            wis = np.concatenate([p[2] for p in parts[si]])
+            eis = np.concatenate([p[3] for p in parts[si]])
+            o = np.lexsort((rep, pos))
+            wis, eis = wis[o], eis[o]
+            if excl:
+                keep = np.array([(si, int(self.windows[a].key[b])) not in excl for a, b in zip(wis, eis)], dtype=bool)
+                wis, eis = wis[keep], eis[keep]
+            cw[si] = wis.tolist()
+            ce[si] = eis.tolist()
+        ptr = [0] * n
+        counts = [len(c) for c in cw]
+        probs = [float(x) for x in point.probs]
+        inv_p = [1.0 / x if x > 0 else 0.0 for x in probs]
+        realized = [float(x) for x in self.sampler.realized]
+        total = float(self.sampler.realized.sum())
+        active = [i for i in range(n) if counts[i] > 0 and probs[i] > 0]
+        unit_samples = self.unit_samples
+        windows = self.windows
+
+        def size_of(i: int) -> float:
+            w = windows[cw[i][ptr[i]]]
+            ei = ce[i][ptr[i]]
+            d = int(w.done[ei])
+            if unit_samples:
+                return 1.0 if d == 0 else 0.0
+            rem = int(w.tokens[ei]) - d
+            return float(rem if rem < S else S)
+
+        # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
+        if unit_samples:
+            L = 1.0
+        else:
+            big = [int(min(S, int((w.tokens - w.done).max()))) for w in windows if len(w)]
+            L = max(self.sampler.unit_max, float(max(big)) if big else 1.0)
+            self.sampler.unit_max = L
+        dL = slack(sum(1 for x in probs if x > 0)) * L
+        tol = 1e-9 * L
+        lsz = [size_of(i) if counts[i] > 0 else 0.0 for i in range(n)]
+        # sources with a target share but no candidate left this step (window exhausted or nothing fits)
+        starved = [i for i in range(n) if probs[i] > 0 and counts[i] == 0]
+        o_bin: list[int] = []
+        o_src: list[int] = []
+        o_key: list[int] = []
+        o_start: list[int] = []
+        o_len: list[int] = []
+        o_patch: list[int] = []
+        o_rep: list[int] = []
+        o_pos: list[int] = []
+        while active and packer.largest_gap > 0:
+            # earliest deadline among released sources (DeficitSampler.pick, inlined)
+            best = -1
+            bd = np.inf
+            for i in active:
+                li = lsz[i]
+                if realized[i] + li - probs[i] * (total + li) <= dL + tol:
+                    d = (realized[i] + dL) * inv_p[i]
+                    if d < bd:
+                        bd = d
+                        best = i
+            if best < 0:
+                # every source that could still place something is a full sample ahead: the ones behind
+                # have nothing that fits; end the step rather than drift
                 break
-            _, _, wi, ei = cands[src][ptr[src]]  # type: ignore[misc]
-            w = self.windows[wi]
-            remaining = int(w.tokens[ei] - w.done[ei])
-            piece = min(remaining, S)
+            if starved:
+                # a source with nothing left that fits may not fall a sample behind: rather end the step
+                # here (its rows keep some padding) and let it catch up first thing next step
+                li = lsz[best]
+                if any(probs[i] * (total + li) - realized[i] > dL + tol for i in starved):
+                    break
+            k = ptr[best]
+            wi = cw[best][k]
+            ei = ce[best][k]
+            w = windows[wi]
+            start = int(w.done[ei])
+            tokens = int(w.tokens[ei])
+            remaining = tokens - start
+            piece = remaining if remaining < S else S
             row = packer.place(piece)
             if row < 0:
-                ptr[src] += 1  # does not fit this step; stays in the window for the next
+                ptr[best] = k + 1  # does not fit this step; stays in the window for the next
+                if k + 1 >= counts[best]:
+                    active.remove(best)
+                    starved.append(best)
+                else:
+                    lsz[best] = size_of(best)
                 continue
-            start = int(w.done[ei])
-            first_piece = start == 0
-            out["bin"].append(row)
-            out["source"].append(src)
-            out["key"].append(int(w.key[ei]))
-            out["start"].append(start)
-            out["length"].append(piece)
-            out["patches"].append(int(w.patches[ei]) if first_piece else 0)
-            out["replica"].append(w.replica)
-            out["pos"].append(int(w.pos[ei]))
-            w.done[ei] = w.tokens[ei] if truncate else start + piece
-            if w.done[ei] >= w.tokens[ei]:
-                ptr[src] += 1
-            self.sampler.record(src, 1.0 if self.unit_samples else piece)
-            if self.unit_samples and not first_piece:
-                self.sampler.record(src, -1.0)  # a sample counts once, at its first piece
-        dt = {"bin": np.int64, "source": np.int16, "key": np.int64, "start": np.int64, "length": np.int64,
-              "patches": np.int64, "replica": np.int64, "pos": np.int64}
-        return Pieces(**{k: np.asarray(v, dtype=dt[k]) for k, v in out.items()})
+            o_bin.append(row)
+            o_src.append(best)
+            o_key.append(int(w.key[ei]))
+            o_start.append(start)
+            o_len.append(piece)
+            o_patch.append(int(w.patches[ei]) if start == 0 else 0)
+            o_rep.append(w.replica)
+            o_pos.append(int(w.pos[ei]))
+            done = tokens if truncate else start + piece
+            w.done[ei] = done
+            if unit_samples:
+                if start == 0:  # a sample counts once, at its first piece
+                    realized[best] += 1.0
+                    total += 1.0
+            else:
+                realized[best] += piece
+                total += piece
+            if done >= tokens:
+                ptr[best] = k + 1
+                if k + 1 >= counts[best]:
+                    active.remove(best)
+                    starved.append(best)
+                    continue
+            lsz[best] = size_of(best)
+        self.sampler.realized[:] = realized
+        return Pieces(np.asarray(o_bin, np.int64), np.asarray(o_src, np.int16), np.asarray(o_key, np.int64),
+                      np.asarray(o_start, np.int64), np.asarray(o_len, np.int64), np.asarray(o_patch, np.int64),
+                      np.asarray(o_rep, np.int64), np.asarray(o_pos, np.int64))
+
+    def _point_for(self, schedule: Any, step: int, default: MixturePoint) -> MixturePoint:
+        if schedule is None:
+            return default
+        if hasattr(schedule, "at"):
+            return schedule.at(step)
+        if isinstance(schedule, dict):  # weights by source name for this step only
+            names = self.spec.source_names()
+            unknown = sorted(set(schedule) - set(names))
+            if unknown:
+                raise ValueError(f"step {step}: mix weights name unknown source(s) {', '.join(unknown)}")
+            w = np.array([float(schedule.get(nm, 0.0)) for nm in names])
+            probs = apply_temperature(w, self.schedule.temperature)
+            return MixturePoint(probs, default.phase, default.lr_scale, default.generation, default.segment_start)
+        raise TypeError(f"step {step}: mix() takes a MixtureSchedule, an object with .at(step), or a weights dict")
 
     def plan(self) -> StepPlan:
         """Plan `next_step`; all windows must be ready."""
@@ -304,17 +519,35 @@ class StepPlanner:
         cursor = self.cursor()
         step = self.next_step
         point = self.schedule.at(step)
-        pieces = self.select(step, point)
-        bb = self.spec.topology.backbone()[1]
-        ctx = PlanContext(self.spec, step, point, pieces, self.spec.rows_per_step, self.spec.batch.seq_len,
-                          bb.dp, self.spec.batch.microbatches, self.spec.rows_per_microbatch,
-                          dict(self.spec.strategy.options))
-        layout = self.strategy(ctx)
-        layout.validate()
+        snap = self._snapshot()
+        state = {"mixed": False}
+
+        def mixer(schedule: Any, exclude: Any) -> tuple[Pieces, MixturePoint]:
+            if state["mixed"]:
+                self._rollback(snap)
+            pt = self._point_for(schedule, step, point)
+            pieces = self.select(step, pt, exclude)
+            state["mixed"] = True
+            return pieces, pt
+
+        spec = self.spec
+        ctx = PlanContext(spec, step, point, None, spec.rows_per_step, spec.batch.seq_len, self.dp,
+                          spec.batch.microbatches, spec.rows_per_microbatch, dict(spec.strategy.options),
+                          tree=self.tree, mixer=mixer, buffer=self.summary_buffer)
+        try:
+            layout = self.strategy(ctx)
+            pieces = ctx.pieces
+            if not isinstance(layout, StepLayout):
+                raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
+            layout.validate()
+            check_coverage(layout, pieces)
+        except BaseException:
+            self._rollback(snap)
+            raise
         for w in self.windows:
             w.compact()
         self.next_step += 1
         tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
         first = pieces.start == 0
         smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
-        return StepPlan(layout, pieces, cursor, tok, smp)
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats)

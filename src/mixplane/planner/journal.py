@@ -1,0 +1,324 @@
+"""The planner's journal: a compact, append-only record from which any past step can be planned again.
+
+A step's plan is a pure function of (spec generation, seed, step, cursor) and of the loaders'
+deterministic metadata streams: the cursor holds the windows' consumption state, the sampler's
+counters and the mixture schedule. So the journal does not store plans; it stores
+
+* ``open``       — when a planner (re)starts: format version, the full spec of the running
+                   generation, the checkpoint interval and the cursor it starts from;
+* ``checkpoint`` — the cursor before every ``every``-th step (default 100);
+* ``step``       — per planned step, ~150 bytes: generation, phase, lr_scale, per-source tokens and
+                   samples, and a digest of the StepLayout (to verify a replay bit for bit);
+* ``update``     — a runtime mixture change: new weights, effective step, the step planned last when
+                   it arrived, the resulting schedule segment;
+* ``spec``       — a new spec generation adopted from a step on (topology / batch changes);
+* ``resume``     — the planner rewound to a client's cursor (a new session).
+
+One JSON object per line (`journal.jsonl`), flushed per record, so a crash loses at most the
+record being written and a reader skips a torn last line. `replan(path, step, reader)` finds the
+last anchor (open / resume / checkpoint) before the step's own record, restores its cursor, and
+re-plays the records in between — applying updates exactly where the original planner applied
+them — refilling windows from `reader` (the loaders' metadata streams) and checking each step's
+digest, so a replay that diverges fails at the first step that differs, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
+from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner, window_full
+from mixplane.spec import DataMixtureSpec
+
+VERSION = 1
+DEFAULT_EVERY = 100
+
+# reader(source index, replica, first position, positions to skip) -> (pos, key, tokens, patches), ...
+MetaReader = Callable[[int, int, int, set[int]], Iterator[tuple[int, int, int, int]]]
+
+
+class JournalError(ValueError):
+    """A journal that cannot be read or replayed (names the file, line or step)."""
+
+
+class ReplayMismatch(JournalError):
+    """A replanned step differs from what was journaled."""
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=False, default=_default)
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class Journal:
+    """Writer used by the planner server: one call per event."""
+
+    def __init__(self, path: str | os.PathLike, *, every: int = DEFAULT_EVERY):
+        if every < 1:
+            raise ValueError("checkpoint interval must be >= 1")
+        self.path = os.fspath(path)
+        self.every = every
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._session = 0
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self._f.write(_dump(rec) + "\n")
+        self._f.flush()
+
+    def open(self, spec: DataMixtureSpec, generation: int, cursor: dict[str, Any], session: int = 0) -> None:
+        self._session = session
+        self._write({"event": "open", "v": VERSION, "session": session, "generation": generation,
+                     "step": int(cursor["step"]), "seed": spec.mixture.seed, "every": self.every,
+                     "spec": spec.model_dump(mode="json"), "cursor": cursor})
+
+    def step(self, plan: StepPlan) -> None:
+        lay = plan.layout
+        if lay.step % self.every == 0:
+            self._write({"event": "checkpoint", "step": lay.step, "session": self._session, "cursor": plan.cursor_before})
+        self._write({"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,
+                     "phase": lay.phase, "lr_scale": lay.lr_scale, "digest": layout_digest(lay),
+                     "tokens": [int(x) for x in plan.tokens_by_source],
+                     "samples": [int(x) for x in plan.samples_by_source]})
+
+    def update(self, event: dict[str, Any]) -> None:
+        """A runtime mixture update, as returned by StepPlanner.update_mixture."""
+        rec = dict(event)
+        rec["event"] = "update"
+        rec["session"] = self._session
+        self._write(rec)
+
+    def spec_change(self, spec: DataMixtureSpec, generation: int, effective_step: int, planned_through: int,
+                    mode: str = "rebase") -> None:
+        """A new spec generation from effective_step on (mode 'rebase': its mixture replaces what follows;
+        'reconfigure': its topology / batch take over at the next step)."""
+        self._write({"event": "spec", "session": self._session, "generation": generation, "mode": mode,
+                     "effective_step": effective_step, "planned_through": planned_through,
+                     "spec": spec.model_dump(mode="json")})
+
+    def resume(self, cursor: dict[str, Any], session: int) -> None:
+        self._session = session
+        self._write({"event": "resume", "session": session, "step": int(cursor["step"]), "cursor": cursor})
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records; a torn last line (crash while writing) is ignored, any other bad line is an error."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except OSError as e:
+        raise JournalError(f"{path}: cannot read: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # the last non-empty line may be torn
+                break
+            raise JournalError(f"{path}:{i + 1}: not a JSON record") from None
+        if not isinstance(rec, dict) or "event" not in rec:
+            # records written by older servers have no 'event' for steps: tolerate them as steps
+            if isinstance(rec, dict) and "step" in rec:
+                rec = {"event": "legacy_step", **rec}
+            else:
+                raise JournalError(f"{path}:{i + 1}: record without an event")
+        if rec["event"] == "open" and int(rec.get("v", VERSION)) > VERSION:
+            raise JournalError(f"{path}:{i + 1}: journal format v{rec['v']} is newer than this mixplane (v{VERSION})")
+        out.append(rec)
+    return out
+
+
+@dataclass
+class ReplayPlan:
+    """Where a replay of `step` starts and what it re-plays."""
+
+    spec: dict[str, Any]
+    generation: int
+    anchor: dict[str, Any]
+    records: list[dict[str, Any]]  # from after the anchor through the target's step record
+    target: dict[str, Any] | None  # the target's step record (None: never planned)
+
+
+def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
+    """The anchor and records a replay of `step` needs (pure; see the module docstring)."""
+    target_i = None
+    for i, r in enumerate(records):
+        if r["event"] == "step" and r["step"] == step:
+            target_i = i
+    end = target_i if target_i is not None else len(records) - 1
+    anchor_i = None
+    for i in range(end, -1, -1):
+        r = records[i]
+        if r["event"] in ("open", "resume", "checkpoint") and int(r["step"]) <= step:
+            anchor_i = i
+            break
+    if anchor_i is None:
+        raise JournalError(f"step {step}: the journal has no cursor at or before it")
+    spec_rec = None
+    for i in range(anchor_i, -1, -1):
+        r = records[i]
+        if r["event"] in ("open", "spec") and (r["event"] == "open" or r.get("planned_through", -1) < int(records[anchor_i]["step"])):
+            spec_rec = r
+            break
+    if spec_rec is None:
+        raise JournalError(f"step {step}: no spec recorded before its cursor")
+    gen = int(spec_rec["generation"])
+    # updates recorded before the anchor are already inside the anchor's schedule state
+    return ReplayPlan(spec_rec["spec"], gen, records[anchor_i], records[anchor_i + 1:end + 1],
+                      records[target_i] if target_i is not None else None)
+
+
+# ---- feeding windows from metadata streams ---------------------------------------------------------
+
+class WindowFeeder:
+    """Tops windows up exactly as loaders do: the shortest prefix of the unconsumed stream that fills them."""
+
+    def __init__(self, planner: StepPlanner, reader: MetaReader):
+        self.planner = planner
+        self.reader = reader
+        self._its: dict[tuple[int, int], Iterator[tuple[int, int, int, int]]] = {}
+        self._pending: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
+
+    def reset(self) -> None:
+        self._its.clear()
+        self._pending.clear()
+
+    def fill(self) -> None:
+        for w in self.planner.windows:
+            self._fill_one(w)
+
+    def _fill_one(self, w: ReplicaWindow) -> None:
+        key = (w.source, w.replica)
+        it = self._its.get(key)
+        if it is None:
+            it = self._its[key] = iter(self.reader(w.source, w.replica, w.next_pos, set(w.skip)))
+        n = len(w)
+        toks = w.unconsumed_tokens
+        batch: list[tuple[int, int, int, int]] = []
+        partial = w.restored_done
+        while not window_full(n, toks, w.min_samples, w.min_tokens, w.capacity):
+            try:
+                rec = next(it)
+            except StopIteration:
+                w.dry = True
+                break
+            batch.append(rec)
+            n += 1
+            toks += int(rec[2]) - int(partial.get(int(rec[0]), 0))
+        if batch:
+            a = np.array(batch, dtype=np.int64)
+            w.add(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+
+
+def stream_reader(spec: DataMixtureSpec) -> MetaReader:
+    """Metadata of the real sources, read exactly as the Source Loaders read them (same stream, same
+    transform, empty documents skipped). Used by `mixplane replay`."""
+    from mixplane.loader.stream import open_stream
+    from mixplane.loader.transforms import make_transform
+
+    def reader(si: int, replica: int, start: int, skip: set[int]) -> Iterator[tuple[int, int, int, int]]:
+        src = spec.sources[si]
+        stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
+        stream.seek(start)
+        transform = make_transform(src)
+        while True:
+            raw = stream.take(256)
+            out = transform(raw)
+            for i, p in enumerate(raw.positions):
+                p = int(p)
+                if p in skip or out.ntokens[i] <= 0:
+                    continue
+                yield p, int(raw.keys[i]), int(out.ntokens[i]), int(out.npatches[i])
+
+    return reader
+
+
+# ---- replay -------------------------------------------------------------------------------------
+
+def replan(path: str | os.PathLike, step: int, reader: MetaReader | None = None, *,
+           strategy: Any = None, verify: bool = True, base_dir: str | None = None) -> StepPlan:
+    """Plan journaled step `step` again and return its StepPlan (layout, pieces, cursor before it).
+
+    reader: the loaders' metadata streams (default: `stream_reader` of the journaled spec, reading the
+    real sources). strategy: override the spec's strategy (default: resolve it from the spec).
+    verify: compare every replanned step's digest with the journal (ReplayMismatch on the first
+    difference). A step after the last journaled one is planned ahead from the last cursor.
+    """
+    from mixplane.planner.strategies import resolve_strategy
+    from mixplane.spec import parse_spec
+
+    records = read_journal(path)
+    if step < 0:
+        raise JournalError(f"step {step}: steps start at 0")
+    rp = locate(records, step)
+    spec = parse_spec(rp.spec, check_files=False)
+    planner = StepPlanner(spec, strategy or resolve_strategy(spec, base_dir), rp.generation)
+    planner.restore(rp.anchor["cursor"])
+    feeder = WindowFeeder(planner, reader or stream_reader(spec))
+    journaled: dict[int, dict[str, Any]] = {}
+    last: StepPlan | None = None
+
+    def plan_next() -> StepPlan:
+        feeder.fill()
+        return planner.plan()
+
+    for r in rp.records:
+        ev = r["event"]
+        if ev == "update":
+            if planner.next_step <= int(r["effective_step"]):
+                planner.update_mixture(r["weights"], int(r["effective_step"]), int(r["generation"]),
+                                       r.get("lr_scale"), r.get("temperature"))
+        elif ev == "spec":
+            new = parse_spec(r["spec"], check_files=False)
+            if r.get("mode", "rebase") == "reconfigure":
+                planner.reconfigure(new, int(r["generation"]))
+                planner.strategy = strategy or resolve_strategy(new, base_dir)
+            else:
+                planner.schedule.rebase(new, int(r["effective_step"]), int(r["generation"]),
+                                        planned_through=planner.next_step - 1)
+        elif ev == "step":
+            s = int(r["step"])
+            journaled[s] = r
+            if s < planner.next_step:
+                continue
+            while planner.next_step <= s:
+                last = plan_next()
+                got = journaled.get(last.layout.step)
+                if verify and got is not None and got.get("digest") != layout_digest(last.layout):
+                    raise ReplayMismatch(f"step {last.layout.step}: replanned layout differs from the journal "
+                                         f"(digest {layout_digest(last.layout)} != {got.get('digest')})")
+        elif ev in ("resume", "open", "checkpoint"):
+            if int(r["step"]) != planner.next_step:
+                raise JournalError(f"step {step}: journal record {ev} at step {r['step']} does not follow step "
+                                   f"{planner.next_step - 1}")
+    while planner.next_step <= step:
+        last = plan_next()
+    assert last is not None and last.layout.step == step
+    return last

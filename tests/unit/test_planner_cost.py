@@ -1,0 +1,74 @@
+"""Analytical FLOPs cost models: backbone (linear + per-document quadratic attention, MoE, vocab) and ViT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mixplane.planner.cost import (BackboneCost, EncoderCost, TransformerFlops, backbone_cost, default_ffn,
+                                   encoder_cost, resolve_cost, token_cost)
+from mixplane.spec import ModelDims
+
+from .planner_helpers import make_spec
+
+
+def test_dense_formula_by_hand():
+    f = TransformerFlops(hidden=8, layers=2, ffn=32, vocab=100, topk=1, gated=False, causal=True)
+    per_layer = 8 * 8 * 8 + 2 * 2 * 8 * 32  # QKVO + two MLP matrices
+    lin = 3 * (2 * per_layer + 2 * 8 * 100)
+    assert f.linear_per_token == lin
+    assert f.per_pair == 3 * 2 * 4 * 8
+    L = 10
+    assert f(np.array([L]))[0] == pytest.approx(lin * L + f.per_pair * L * (L + 1) / 2)
+
+
+def test_packed_row_costs_the_sum_of_its_documents_not_the_square_of_its_length():
+    f = BackboneCost(ModelDims(hidden=1024, layers=4, heads=8, vocab=1000))
+    docs = np.array([300, 500, 1200])
+    row = f({"length": docs}).sum()
+    as_one = f({"length": np.array([docs.sum()])})[0]
+    lin = f.flops.linear_per_token * docs.sum()
+    assert row < as_one  # attention never crosses documents
+    assert row - lin == pytest.approx(f.flops.per_pair * (docs * (docs + 1) / 2).sum())
+
+
+def test_quadratic_term_grows_with_length():
+    f = TransformerFlops.from_dims(ModelDims(hidden=4096, layers=32, heads=32))
+    shares = [f.attention_share(L) for L in (512, 4096, 32768)]
+    assert shares[0] < shares[1] < shares[2]
+    cost = f(np.array([1000, 2000]))
+    assert cost[1] > 2 * cost[0]  # superlinear
+
+
+def test_moe_topk_gating_and_vocab_change_the_linear_term():
+    base = TransformerFlops.from_dims(ModelDims(hidden=512, layers=2, heads=8, vocab=1000, moe_topk=1))
+    moe = TransformerFlops.from_dims(ModelDims(hidden=512, layers=2, heads=8, vocab=1000, moe_topk=2))
+    mlp = 3 * 2 * 2 * 3 * 512 * default_ffn(ModelDims(hidden=512))  # 3x train, 2 layers, 2 flops, 3 mats
+    assert moe.linear_per_token - base.linear_per_token == pytest.approx(mlp)
+    big_vocab = TransformerFlops.from_dims(ModelDims(hidden=512, layers=2, heads=8, vocab=101000))
+    assert big_vocab.linear_per_token - base.linear_per_token == pytest.approx(3 * 2 * 512 * 100000)
+    assert default_ffn(ModelDims(hidden=768, gated_mlp=False)) == 3072
+    assert default_ffn(ModelDims(hidden=768, gated_mlp=True)) == 2048
+    assert default_ffn(ModelDims(hidden=768, ffn_hidden=1000)) == 1000
+
+
+def test_vit_cost_from_patches_is_bidirectional_and_zero_without_image():
+    enc = EncoderCost(ModelDims(hidden=64, layers=2, heads=4, gated_mlp=False))
+    c = enc({"patches": np.array([0, 16, 256])})
+    assert c[0] == 0
+    P = 256
+    assert c[2] == pytest.approx(enc.flops.linear_per_token * P + enc.flops.per_pair * P * P)
+    assert enc.flops.vocab == 0
+
+
+def test_dims_come_from_the_spec():
+    spec = make_spec(encoder=True, model={"backbone": {"hidden": 2048, "layers": 24, "heads": 16, "moe_topk": 2},
+                                          "encoder": {"hidden": 1024, "layers": 12, "heads": 16}})
+    b, e = backbone_cost(spec), encoder_cost(spec)
+    assert b.dims.hidden == 2048 and b.flops.topk == 2 and e.dims.layers == 12
+    default = backbone_cost(make_spec())
+    assert default.dims == ModelDims()
+    assert resolve_cost(spec, "tokens") is token_cost
+    assert isinstance(resolve_cost(spec, "encoder"), EncoderCost)
+    with pytest.raises(ValueError, match="unknown cost"):
+        resolve_cost(spec, "flops")

@@ -1,0 +1,128 @@
+"""The planner journal: compact records from which any past step is planned again, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mixplane.planner.core import StepPlanner
+from mixplane.planner.journal import (Journal, JournalError, ReplayMismatch, WindowFeeder, layout_digest, locate,
+                                      read_journal, replan)
+from mixplane.planner.strategies import resolve_strategy
+
+from .planner_helpers import make_spec, sample_meta
+
+MODEL = {"backbone": {"hidden": 512, "layers": 4, "heads": 8, "vocab": 1000}}
+
+
+def reader(si, rep, start, skip):
+    """The loaders' metadata streams for the synthetic sources of planner_helpers (seq_len 256)."""
+    p = start
+    while True:
+        if p not in skip:
+            pos, key, tok, pat = sample_meta(si, rep, np.array([p]), 256)
+            yield int(pos[0]), int(key[0]), int(tok[0]), int(pat[0])
+        p += 1
+
+
+def spec_():
+    return make_spec(strategy="llm_balance", model=MODEL, dp=2, rows=16, microbatches=2,
+                     phases=[{"start_step": 9, "weights": {"s0": 4}, "lr_scale": 0.5}])
+
+
+def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
+    spec = spec_()
+    pl = StepPlanner(spec, resolve_strategy(spec))
+    feeder = WindowFeeder(pl, reader)
+    plans = {}
+    with Journal(path, every=every) as j:
+        j.open(spec, 0, pl.cursor())
+        for s in range(steps):
+            if update_at is not None and s == update_at:
+                j.update(pl.update_mixture({"s1": 5.0}, s + 3, 1, lr_scale=0.25))
+            if resume_at is not None and s == resume_at[0]:
+                cur = plans[resume_at[1]].cursor_before
+                pl.restore(cur)
+                feeder.reset()
+                j.resume(cur, session=1)
+            feeder.fill()
+            plan = pl.plan()
+            j.step(plan)
+            plans[plan.layout.step] = plan
+    return plans
+
+
+def test_every_past_step_replans_identically(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    plans = record_run(path, update_at=13)
+    for s in (0, 5, 8, 9, 15, 16, 17, 29):
+        p = replan(path, s, reader)
+        assert layout_digest(p.layout) == layout_digest(plans[s].layout), s
+        assert p.cursor_before == plans[s].cursor_before
+        assert (p.layout.phase, p.layout.lr_scale, p.layout.generation) == \
+            (plans[s].layout.phase, plans[s].layout.lr_scale, plans[s].layout.generation)
+    assert plans[16].layout.lr_scale == 0.25 and plans[15].layout.lr_scale == 0.5
+
+
+def test_journal_is_compact(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    record_run(path, steps=40, every=20)
+    recs = read_journal(path)
+    steps = [r for r in recs if r["event"] == "step"]
+    assert len(steps) == 40 and [r["event"] for r in recs].count("checkpoint") == 2
+    assert max(len(json.dumps(r)) for r in steps) < 400  # a step costs a few hundred bytes, not a plan
+    assert {"digest", "phase", "lr_scale", "generation", "tokens", "samples"} <= set(steps[0])
+
+
+def test_replay_after_a_rewind_uses_the_latest_timeline(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    plans = record_run(path, steps=25, every=8, resume_at=(20, 12))  # at step 20, rewind to before step 12
+    recs = read_journal(path)
+    assert [r["event"] for r in recs].count("resume") == 1
+    rp = locate(recs, 14)
+    assert rp.anchor["event"] == "resume" and rp.anchor["step"] == 12
+    p = replan(path, 14, reader)
+    assert layout_digest(p.layout) == layout_digest(plans[14].layout)
+
+
+def test_divergence_is_detected_and_named(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    record_run(path, steps=12, every=4)
+
+    def other(si, rep, start, skip):  # different data than what was planned
+        for pos, key, tok, pat in reader(si, rep, start, skip):
+            yield pos, key, tok + 1, pat
+
+    with pytest.raises(ReplayMismatch, match="step 8"):
+        replan(path, 10, other)
+
+
+def test_torn_last_line_and_bad_records(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    plans = record_run(path, steps=6, every=4)
+    with open(path, "a") as f:
+        f.write('{"event": "step", "ste')  # crash mid-write
+    assert layout_digest(replan(path, 5, reader).layout) == layout_digest(plans[5].layout)
+    bad = tmp_path / "bad.jsonl"
+    lines = open(path).read().split("\n")
+    lines.insert(1, "not json")
+    bad.write_text("\n".join(lines))
+    with pytest.raises(JournalError, match="bad.jsonl:2"):
+        read_journal(bad)
+    with pytest.raises(JournalError, match="cannot read"):
+        read_journal(tmp_path / "missing.jsonl")
+
+
+def test_future_step_is_planned_ahead_from_the_last_cursor(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    record_run(path, steps=10, every=4)
+    spec = spec_()
+    pl = StepPlanner(spec, resolve_strategy(spec))
+    feeder = WindowFeeder(pl, reader)
+    for _ in range(13):
+        feeder.fill()
+        last = pl.plan()
+    assert layout_digest(replan(path, 12, reader).layout) == layout_digest(last.layout)
