@@ -68,16 +68,18 @@ def test_image_patches_and_fused_layout_end_to_end(tmp_path, merge):
         loaders = [MixtureLoader(rt.planner_endpoint, rank=r, timeout_s=60, max_steps=4) for r in range(2)]
         seen_images = checked = 0
         for _ in range(4):
-            for l in loaders:
-                b = {k: v.numpy() for k, v in next(l).items()}
+            batches = [{k: v.numpy() for k, v in next(l).items()} for l in loaders]
+            # what the trainer all-gathers: every rank's encoder output in rank order (here: the patches)
+            gathered = np.concatenate([x["pixel_patches"] for x in batches])
+            merged = gathered.reshape(len(gathered) // merge, -1)  # merged token t = patches [t*merge, (t+1)*merge)
+            for b in batches:
                 ids, idx, pix = b["input_ids"], b["image_token_index"], b["pixel_patches"]
+                assert b["encoder_tokens"].tolist() == [len(x["pixel_patches"]) // merge for x in batches]
+                assert b["patch_cu_seqlens"][-1] == len(pix)
                 # every remaining placeholder has an embedding; nothing else does
                 assert np.array_equal(ids == img_id, idx >= 0)
-                assert int(b["encoder_tokens"][0]) == len(pix) // merge
-                assert b["patch_cu_seqlens"][-1] == len(pix)
                 seen_images += len(b["image_ids"])
                 # each placeholder points at the right patch of the right image (image first, then caption)
-                S = ids.shape[1]
                 rows, lens = b["segment_row"].astype(np.int64), b["segment_len"].astype(np.int64)
                 csum = np.cumsum(lens)
                 first = np.searchsorted(rows, rows, side="left")
@@ -91,7 +93,6 @@ def test_image_patches_and_fused_layout_end_to_end(tmp_path, merge):
                     if start == 0:
                         k = min(gh * gw // merge, int(ln))
                         assert np.all(seg_ids[:k] == img_id) and not np.any(seg_ids[k:] == img_id)
-                        merged = pix.reshape(len(pix) // merge, -1)  # merged token t = patches [t*merge, (t+1)*merge)
                         np.testing.assert_array_equal(merged[seg_idx[:k]], expect[:k])
                         checked += k
                     else:  # a later piece: its image went with the first piece, placeholders are masked

@@ -39,13 +39,13 @@ def make_sources(tmp, n_sources: int, docs: int, max_len: int, seed: int = 0) ->
     return paths
 
 
-def spec_for(paths, tmp, *, seq_len, sequences, topo, options=None, microbatches=1, window=32):
+def spec_for(paths, tmp, *, seq_len, sequences, topo, options=None, microbatches=1, window=32, strategy="vanilla"):
     return parse_spec({
         "name": "transport-test",
         "sources": [{"name": f"s{i}", "uri": p, "kind": "tokens", "columns": ["tokens"]} for i, p in enumerate(paths)],
         "batch": {"sequences": sequences, "seq_len": seq_len, "microbatches": microbatches},
         "topology": {"modules": {"backbone": topo}},
-        "strategy": {"name": "vanilla", "options": options or {}},
+        "strategy": {"name": strategy, "options": options or {}},
         "runtime": {"window": window, "metrics": False, "run_dir": str(tmp / "run"), "step_timeout_s": 60},
     })
 
@@ -77,7 +77,7 @@ def parallel_runtime(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("par")
     paths = make_sources(tmp, 2, docs=60, max_len=150)
     spec = spec_for(paths, tmp, seq_len=64, sequences=4, topo={"dp": 1, "pp": 2, "cp": 2, "tp": 2},
-                    options={"broadcast_at": ["TP"]}, microbatches=2)
+                    strategy="llm_balance", options={"broadcast": ["TP"]}, microbatches=2)
     with EmbeddedRuntime(spec, tmp / "run", log_level="WARNING") as rt:
         yield spec, rt
 

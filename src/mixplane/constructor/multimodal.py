@@ -242,50 +242,61 @@ def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
     return idx.reshape(-1)
 
 
-def attach_images(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
-                  img_patches: np.ndarray, dp_rank: int, images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]],
-                  image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Add the encoder tensors and the fused layout of one data-parallel rank's images to its batch.
+def _segment_offsets(rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    csum = np.cumsum(lens)
+    first = np.searchsorted(rows, rows, side="left")
+    return csum - lens - np.where(first > 0, csum[first - 1], 0) if len(rows) else lens
 
-    The rank encodes the step's images whose ``img_rank`` is its dp rank (they belong to samples whose
-    first piece sits in its rows); ``images`` maps (source, key) to (row-major patches [n, D], grid).
-    Placeholders are at the start of each image sample (image first, then caption), so a piece starting
-    at token ``start`` follows ``start`` placeholders of its image. Placeholders whose image is not
-    encoded in this step (later pieces of a split sample) become padding with ignored labels.
+
+def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
+               img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Add the backbone's fused layout to one data-parallel rank's batch (in place).
+
+    ``img_*`` list every image of the step with the global rank that encodes it; the encoder outputs
+    are all-gathered in rank order, so ``image_token_index`` indexes that gathered tensor (in merged
+    tokens) and ``encoder_tokens`` [world] sizes the gather. Placeholders sit at the start of an
+    image sample (image first, then caption); those of a later piece of a split sample have no image
+    in this step and become padding with ignored labels (counted in ``orphan_placeholders``).
     """
-    mine = np.flatnonzero(np.asarray(img_rank) == dp_rank)
-    patches, grids = [], []
-    for i in mine:
-        k = (int(img_source[i]), int(img_key[i]))
-        if k not in images:
-            raise KeyError(f"patches of source {k[0]} sample {k[1]} did not arrive")
-        pix, grid = images[k]
-        if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
-            raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
-        patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
-        grids.append(grid)
-    enc = collate_encoder(patches, grids, mine, merge) if patches else {
-        "pixel_patches": np.zeros((0, 0), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
-        "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
-        "image_ids": np.zeros(0, np.int64)}
-    # segments of this rank and the image (in this rank's encoder batch) each one's placeholders belong to
-    rows, S = batch["input_ids"].shape
-    seg_row = batch["segment_row"].astype(np.int64)
-    seg_len = batch["segment_len"].astype(np.int64)
-    seg_start = batch["segment_start"].astype(np.int64)
-    csum = np.cumsum(seg_len)
-    first = np.searchsorted(seg_row, seg_row, side="left")
-    seg_off = csum - seg_len - np.where(first > 0, csum[first - 1], 0) if len(seg_row) else seg_len
-    local = {(int(img_source[i]), int(img_key[i])): j for j, i in enumerate(mine)}
-    seg_image = np.array([local.get((int(s), int(k)), -1) if st == 0 else -1
-                          for s, k, st in zip(batch["segment_source"], batch["segment_key"], seg_start)], np.int64)
-    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=seg_row, seg_offset=seg_off, seg_len=seg_len,
-                         seg_image=seg_image, seg_ph_before=np.zeros(len(seg_row), np.int64),
-                         img_rank=np.zeros(len(mine), np.int64),
-                         img_tokens=np.asarray(img_patches, np.int64)[mine] // merge, world=1)
-    batch.update(enc)
+    rows = batch["segment_row"].astype(np.int64)
+    lens = batch["segment_len"].astype(np.int64)
+    starts = batch["segment_start"].astype(np.int64)
+    where = {(int(s), int(k)): j for j, (s, k) in enumerate(zip(img_source, img_key))}
+    seg_image = np.array([where.get((int(s), int(k)), -1) if st == 0 else -1
+                          for s, k, st in zip(batch["segment_source"], batch["segment_key"], starts)], np.int64)
+    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=rows, seg_offset=_segment_offsets(rows, lens),
+                         seg_len=lens, seg_image=seg_image, seg_ph_before=np.zeros(len(rows), np.int64),
+                         img_rank=np.asarray(img_rank, np.int64),
+                         img_tokens=np.asarray(img_patches, np.int64) // merge, world=world)
     batch["image_token_index"] = fused["image_token_index"]
     batch["image_token_mask"] = fused["image_token_mask"]
     batch["encoder_tokens"] = fused["encoder_tokens_per_rank"]
     batch["orphan_placeholders"] = np.array([mask_orphan_placeholders(batch, image_token_id, pad_id)], np.int64)
     return batch
+
+
+def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
+                  img_patches: np.ndarray, images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]],
+                  merge: int, patch_dim: int) -> dict[str, np.ndarray]:
+    """The vision-encoder batch of one global rank: the step's images whose ``img_rank`` is `rank`.
+
+    ``images`` maps (source, key) to (row-major patches [n, D], grid) as loaders cut them; patches
+    are reordered so the ``merge`` patches of one merged token are consecutive. Raises KeyError when
+    an image's patches are not here.
+    """
+    mine = np.flatnonzero(np.asarray(img_rank) == rank)
+    patches, grids = [], []
+    for i in mine:
+        k = (int(img_source[i]), int(img_key[i]))
+        if k not in images:
+            raise KeyError(f"patches of source {k[0]} sample {k[1]} (encoded by rank {rank}) are not at this constructor")
+        pix, grid = images[k]
+        if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
+            raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
+        patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
+        grids.append(grid)
+    if patches:
+        return collate_encoder(patches, grids, mine, merge)
+    return {"pixel_patches": np.zeros((0, patch_dim), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
+            "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
+            "image_ids": np.zeros(0, np.int64)}

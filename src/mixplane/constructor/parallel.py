@@ -41,12 +41,9 @@ import numpy as np
 TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask", "doc_ids", "image_token_mask",
                 "image_token_index")
 # which fields each pipeline stage needs (anything else named below goes to every stage)
-FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index",
-                                # the vision encoder runs before the first backbone stage
-                                "pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids",
-                                "encoder_tokens"})
+FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index"})
 LAST_STAGE_FIELDS = frozenset({"labels", "source_ids", "loss_mask", "doc_ids"})
-ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_mb", "max_seqlen", "cp_token_index", "step", "lr_scale", "phase",
+ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_mb", "max_seqlen", "encoder_tokens", "cp_token_index", "step", "lr_scale", "phase",
                               "generation", "tokens", "rows", "seq_len", "dp_rank", "microbatch"})
 META_ONLY = "meta_only"  # key set to True on a view that carries no tensors
 

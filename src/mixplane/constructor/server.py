@@ -16,7 +16,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
-from mixplane.constructor.multimodal import attach_images
+from mixplane.constructor.multimodal import encoder_batch, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
@@ -34,6 +34,7 @@ class StepState:
     cursor_after: dict[str, Any] | None = None
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     views: dict[tuple[int, ViewKey], dict[str, Any]] = field(default_factory=dict)
+    broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
     images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
 
@@ -93,13 +94,9 @@ class ConstructorServer:
 
                 tok = load_tokenizer(src.tokenizer) if src.tokenizer else None
                 self._image_token_ids[si] = int(image_token_id(tok, src.image.image_token_id))
-        opts = spec.strategy.options or {}
-        bc = opts.get("broadcast_at", ())
-        self.broadcast_at = (bc,) if isinstance(bc, str) else tuple(bc)
-        self.cp_layout = opts.get("cp_layout", "row")
-        if self.cp_layout != "row":
-            raise ValueError(f"{self.name}: strategy.options.cp_layout {self.cp_layout!r}: the server builds the 'row' "
-                             "zig-zag layout (per-document THD needs rows packed with align=2*cp)")
+        # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
+        # needs rows packed with align=2*cp, which the planner does not do yet
+        self.cp_layout = "row"
         if self.cp > 1 and spec.batch.seq_len % (2 * self.cp):
             raise ValueError(f"{self.name}: batch.seq_len {spec.batch.seq_len} must be a multiple of 2*cp = {2 * self.cp} "
                              "for the zig-zag context-parallel split")
@@ -140,6 +137,10 @@ class ConstructorServer:
             st = self.steps.setdefault(layout.step, StepState())
             st.layout = layout
             st.cursor_after = msg.meta.get("cursor_after")
+            bc = msg.meta.get("broadcast", [])
+            if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
+                raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
+            st.broadcast = tuple(a.upper() for a in bc)
             self.m.constructor_pending_steps.set(sum(1 for s in self.steps.values() if not s.complete))
         elif k == Kind.RESET:
             self._reset(msg.get("session", int), msg.get("start_step", int))
@@ -215,26 +216,39 @@ class ConstructorServer:
         per step and shared (same buffers) by every rank that receives it."""
         c = backbone_coords(self.spec, rank)
         dp_local = self.dp_ranks.index(c.dp)
-        key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, self.broadcast_at))
+        key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, st.broadcast))
         v = st.views.get(key)
         if v is None:
             batch = self._batch_for(st, rank)
             v = rank_view(batch, cp=self.cp, cp_rank=c.cp, pp=self.pp, pp_stage=c.pp, tp_rank=c.tp,
-                          broadcast_at=self.broadcast_at, cp_mode=self.cp_layout)
+                          broadcast_at=st.broadcast, cp_mode=self.cp_layout)
             st.views[key] = v
+        if st.layout is not None and len(st.layout.img_key):
+            # every rank encodes its own share of the step's images (axis WORLD or its DP group's consumers)
+            v = {**v, **self._encoder_for(st, rank)}
         return v
 
-    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, dp_rank: int, st: StepState) -> None:
-        srcs = {int(s) for s in lay.img_source}
+    def _image_settings(self, lay: StepLayout) -> tuple[int, int, int]:
+        """(merge, placeholder id, patch vector size) shared by the step's image sources."""
+        srcs = sorted({int(s) for s in lay.img_source})
         specs = [self.spec.sources[s].image for s in srcs]
-        merge = specs[0].merge
-        token_id = self._image_token_ids[min(srcs)]
-        if any(s.merge != merge for s in specs) or any(self._image_token_ids[s] != token_id for s in srcs):
-            raise ValueError("image sources of one step must share image.merge and the placeholder token")
+        merge, token_id, p = specs[0].merge, self._image_token_ids[srcs[0]], specs[0].patch_size
+        if any((x.merge, x.patch_size) != (merge, p) for x in specs) or any(self._image_token_ids[s] != token_id for s in srcs):
+            raise ValueError(f"step {lay.step}: image sources of one step must share image.merge, patch_size and placeholder")
+        return merge, token_id, p * p * 3
+
+    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, dp_rank: int, st: StepState) -> None:
+        merge, token_id, _ = self._image_settings(lay)
+        fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
+                   world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)
+
+    def _encoder_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
+        lay = st.layout
+        assert lay is not None
+        merge, _, dim = self._image_settings(lay)
         try:
-            attach_images(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
-                          img_patches=lay.img_patches, dp_rank=dp_rank, images=st.images,
-                          image_token_id=int(token_id), merge=merge, pad_id=self.spec.batch.pad_id)
+            return encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
+                                 img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim)
         except KeyError as e:
             raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
 

@@ -262,7 +262,8 @@ class PlannerServer:
         for c in self.constructors.values():
             sub = lay.select_ranks(c.dp_ranks)
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
-                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after},
+                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after,
+                        "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
                        sub.arrays())
         # bookkeeping
         self._journal({"step": step, "session": self.session, "generation": lay.generation, "phase": lay.phase,
