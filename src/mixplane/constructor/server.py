@@ -202,11 +202,14 @@ class ConstructorServer:
             self.m.constructor_steps.inc()
         return b
 
-    def _to_client(self, ident: bytes, kind: Kind, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> bool:
-        """Send to one client; False (logged) when it is gone or its queue is full."""
+    def _to_client(self, ident: bytes, kind: Kind, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> bool | None:
+        """Send to one client without blocking: True when sent, None when its queue is full (the
+        caller may retry later: backpressure), False when it is gone (logged)."""
         try:
             wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK)
             return True
+        except zmq.Again:
+            return None
         except zmq.ZMQError as e:
             log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
             return False
@@ -252,7 +255,8 @@ class ConstructorServer:
         except KeyError as e:
             raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
 
-    def _reply(self, ident: bytes, step: int, rank: int, since: float) -> None:
+    def _reply(self, ident: bytes, step: int, rank: int, since: float) -> bool:
+        """Answer one request; False when it must wait (the client's queue is full)."""
         st = self.steps[step]
         lay = st.layout
         assert lay is not None
@@ -260,10 +264,10 @@ class ConstructorServer:
             view = self._view_for(st, rank)
         except MissingPayload as e:
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: {e}", "step": step})
-            return
+            return True
         except ValueError as e:  # a layout the parallel transforms cannot split: name it, keep serving
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step}: {e}", "step": step})
-            return
+            return True
         arrays = {k: v for k, v in view.items() if isinstance(v, np.ndarray)}
         meta = {"step": step, "rank": rank, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
                 "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
@@ -274,10 +278,14 @@ class ConstructorServer:
         extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}
         if extra:
             meta["extra"] = extra
-        if not self._to_client(ident, Kind.STEP_DATA, meta, arrays):
-            return
+        sent = self._to_client(ident, Kind.STEP_DATA, meta, arrays)
+        if sent is None:
+            return False  # the client's queue is full: keep the request, send when it drains
+        if not sent:
+            return True
         self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in arrays.values()))
         self.m.constructor_client_wait_seconds.observe(time.monotonic() - since)
+        return True
 
     def on_client(self, ident: bytes, msg: wire.Message) -> None:
         if msg.kind == Kind.GET_STEP:
@@ -309,8 +317,8 @@ class ConstructorServer:
         still = []
         for ident, step, rank, since in self.pending:
             st = self.steps.get(step)
-            if st is not None and st.complete:
-                self._reply(ident, step, rank, since)
+            if st is not None and st.complete and self._reply(ident, step, rank, since):
+                continue
             else:
                 still.append((ident, step, rank, since))
         self.pending = still
