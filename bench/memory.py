@@ -24,6 +24,10 @@ processes (python + torch + numpy imported, nothing loaded). Configurations whos
 fit the memory budget are extrapolated from a measured run of the same M with fewer ranks (per-rank
 footprint × R) and marked ``"extrapolated": true``.
 
+``--quick`` (a smoke run, within a minute): 1 MB row groups, the baseline measured with one rank at
+every M and multiplied by R, mixplane measured once (R = 8, M = 32) and scaled to the other rows by
+its per-source share; every row is then marked extrapolated.
+
 The last stdout line is ``{"rows": [{"ranks", "sources", "baseline_rss_mb", "mixplane_rss_mb", "ratio",
 "extrapolated"}]}`` (MB = 2**20 bytes, PSS).
 """

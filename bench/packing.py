@@ -100,8 +100,13 @@ def main() -> None:
     args = ap.parse_args()
     data = Path(args.data)
     if not (data / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "mixplane.cli", "demo-data", str(data)], check=True,
-                       env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
+        build = ["demo-data", str(data)]
+        if args.quick:  # a smaller demo set of its own, so --quick stays within a minute
+            data = Path(".mixplane/bench-packing-quick")
+            build = ["demo-data", str(data), "--max-mb", "4"]
+        if not (data / "tokenizer.json").exists():
+            subprocess.run([sys.executable, "-m", "mixplane.cli", *build], check=True, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
     t0 = time.perf_counter()
     by_source = doc_lengths(data, 1500 if args.quick else None)
     lengths = interleave(by_source)
