@@ -144,9 +144,13 @@ def test_shutdown_leaves_no_process(run_result):
 
 
 def test_journal_records_every_step(run_result):
-    lines = (Path(run_result["run_dir"]) / "journal.jsonl").read_text().splitlines()
-    steps = [int(l.split('"step":')[1].split(",")[0]) for l in lines if l.startswith('{"step"')]
-    assert steps[: STEPS] == list(range(STEPS))
+    from mixplane.planner.journal import read_journal
+
+    recs = read_journal(Path(run_result["run_dir"]) / "journal.jsonl")
+    assert recs[0]["event"] == "open" and recs[0]["step"] == 0
+    steps = [r["step"] for r in recs if r["event"] == "step"]
+    assert steps[:STEPS] == list(range(STEPS))
+    assert any(r["event"] == "checkpoint" and r["step"] == 0 for r in recs)
 
 
 def test_resume_mid_run_equals_uninterrupted_run(token_sources, tmp_path):
@@ -366,3 +370,35 @@ def test_live_source_blocks_when_dry_and_resumes_when_files_arrive(tmp_path):
         b = next(loader)
         assert int(b["step"]) == delivered and (b["source_ids"] == 1).any()
         loader.close()
+
+
+def test_runtime_mixture_update_takes_effect_at_its_step_and_replays(token_sources, tmp_path):
+    from mixplane.replay import replay_step
+
+    spec = parse_spec(token_mixture(token_sources["root"], batch={"sequences": 16, "seq_len": 256, "microbatches": 2}))
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        first = fetch(rt.planner_endpoint, 2, 4)
+        assert int(first[0][-1]["phase"]) == 0
+        too_early = subprocess.run([sys.executable, "-m", "mixplane.cli", "update", "--planner", rt.planner_endpoint,
+                                    "--step", "1", "--weight", "a=1"], capture_output=True, text=True, timeout=30)
+        assert too_early.returncode == 1 and "already planned" in too_early.stderr
+        r = subprocess.run([sys.executable, "-m", "mixplane.cli", "update", "--planner", rt.planner_endpoint,
+                            "--step", "12", "--weight", "a=0.1", "--weight", "c=0.6", "--lr-scale", "0.5"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        ranks = {}
+        for rank in (0, 1):
+            loader = MixtureLoader(rt.planner_endpoint, rank=rank, timeout_s=60, max_steps=30)
+            loader.next_step = 4
+            ranks[rank] = [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+            loader.close()
+    tok = np.zeros(3)
+    for rank in (0, 1):
+        for b in ranks[rank]:
+            step = int(b["step"])
+            assert (int(b["phase"]) >= 1) == (step >= 12) and float(b["lr_scale"]) == (0.5 if step >= 12 else 1.0)
+            if step >= 12:
+                tok += np.bincount(b["source_ids"][b["source_ids"] >= 0], minlength=3)
+    assert np.allclose(tok / tok.sum(), np.array([0.1, 0.3, 0.6]), atol=0.01)
+    out = replay_step(spec, step=20, rank=1, run_dir=str(tmp_path / "run"))
+    assert out["digest_match"] and out["phase"] >= 1

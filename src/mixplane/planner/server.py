@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from mixplane import wire
-from mixplane.layout import layout_digest
+from mixplane.planner.journal import Journal
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
@@ -74,7 +74,9 @@ class PlannerServer:
         self.state = PlannerState(np.zeros(len(self.names)))
         self.stopped = False
         self.run_dir = run_dir
-        self.journal = open(os.path.join(run_dir, "journal.jsonl"), "a") if run_dir else None
+        self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
+        if self.journal is not None:
+            self.journal.open(spec, self.generation, self.session_start, self.session)
         self.m = make_metrics("planner")
         self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         self._dp_to_constructors: dict[int, list[int]] = {}
@@ -200,7 +202,8 @@ class PlannerServer:
             self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
         for c in self.constructors.values():
             self._send(c.identity, Kind.RESET, {"session": self.session, "start_step": int(cursor["step"])})
-        self._journal({"event": "resume", "session": self.session, "step": int(cursor["step"])})
+        if self.journal is not None:
+            self.journal.resume(cursor, self.session)
         log.info("resumed at step %d (session %d)", cursor["step"], self.session)
         self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
 
@@ -208,15 +211,18 @@ class PlannerServer:
         weights = msg.get("weights", dict)
         step = msg.get("effective_step", int)
         lr = msg.meta.get("lr_scale")
+        temperature = msg.meta.get("temperature")
         try:
-            seg = self.core.schedule.update({str(a): float(b) for a, b in weights.items()}, step,
-                                            self.generation + 1, lr, planned_through=self.planned_through)
+            event = self.core.update_mixture({str(a): float(b) for a, b in weights.items()}, step,
+                                             self.generation + 1, lr, temperature)
         except (ValueError, TypeError) as e:
             self._send(identity, Kind.ERROR, {"error": f"mixture update rejected: {e}"})
             return
         self.generation += 1
-        self._journal({"event": "update", "generation": self.generation, "segment": seg.to_json()})
-        self._send(identity, Kind.ACK, {"generation": self.generation, "effective_step": step, "phase": seg.phase})
+        if self.journal is not None:
+            self.journal.update(event)
+        log.info("mixture generation %d from step %d: %s", self.generation, step, weights)
+        self._send(identity, Kind.ACK, {"generation": self.generation, "effective_step": step, "phase": event["segment"]["phase"]})
 
     # -- planning -----------------------------------------------------------------------
     def try_plan(self) -> int:
@@ -266,8 +272,8 @@ class PlannerServer:
                         "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
                        sub.arrays())
         # bookkeeping
-        self._journal({"step": step, "session": self.session, "generation": lay.generation, "phase": lay.phase,
-                       "digest": layout_digest(lay), "cursor": plan.cursor_before})
+        if self.journal is not None:
+            self.journal.step(plan)
         tok = plan.tokens_by_source
         fill = lay.row_fill().sum() / float(lay.rows * lay.seq_len)
         self.m.steps_planned.inc()
@@ -287,11 +293,6 @@ class PlannerServer:
             self.m.window_samples.labels(self.names[w.source], str(w.replica)).set(len(w))
         self.state.tokens_planned += int(tok.sum())
         self.state.realized_tokens += tok
-
-    def _journal(self, record: dict[str, Any]) -> None:
-        if self.journal is not None:
-            self.journal.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self.journal.flush()
 
     def status(self) -> dict[str, Any]:
         point = self.core.schedule.at(max(self.planned_through, 0))
