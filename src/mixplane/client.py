@@ -1,14 +1,25 @@
 """Trainer-side client: one dict of torch tensors per step for this rank.
 
     from mixplane.client import MixtureLoader
-    loader = MixtureLoader()                 # planner endpoint and rank from the environment
+    loader = MixtureLoader()                 # planner endpoint and rank from the environment (torchrun)
     for batch in loader:                     # input_ids, labels, position_ids, cu_seqlens, source_ids, step, lr_scale, ...
         ...
     state = loader.state_dict()              # save with the model checkpoint
     loader.load_state_dict(state)            # resume exactly: same batches, no repeats, no gaps
 
-Configuration: `planner=` or MIXPLANE_PLANNER; `rank=` or RANK (torchrun); the client knows
-only the planner's address and asks it which constructor serves its rank.
+Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
+checked against WORLD_SIZE; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
+``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
+MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
+knows only the planner's address and asks it which constructor serves its rank.
+
+What a rank receives follows its coordinates: a CP rank gets its zig-zag shard (``cp_token_index``
+says which positions), the first PP stage the inputs, the last the labels, middle stages metadata;
+under ``broadcast_at('TP')`` only tp = 0 receives tensors and the other TP ranks get empty tensors of
+the right shapes (``meta_only`` is 1) — pass ``tp_group=`` and the client broadcasts into them.
+
+Receive is zero-copy: tensors are views of the received ZeroMQ frames (no copy between the socket
+and torch). Every message is checked (step, rank, shapes, cu_seqlens) before it is handed out.
 """
 
 from __future__ import annotations
@@ -26,6 +37,9 @@ from mixplane import wire
 from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1
+_TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+                 "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+                 "bool": torch.bool}
 
 
 class DeliveryError(RuntimeError):
@@ -33,24 +47,68 @@ class DeliveryError(RuntimeError):
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == np.uint16:
-        a = a.astype(np.int32)
+    if a.dtype in (np.uint16, np.uint32, np.uint64):  # no torch equivalent for all ops: widen
+        a = a.astype(np.int64)
     if a.flags.writeable:
-        return torch.from_numpy(a)
+        return torch.from_numpy(a)  # shares the frame's memory
     return torch.from_numpy(a.copy())
 
 
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None:
+    """Reject a STEP_DATA message whose content is inconsistent (raises DeliveryError naming `where`)."""
+    def bad(what: str) -> DeliveryError:
+        return DeliveryError(f"rank {rank}: step {step} from {where}: {what}")
+
+    if msg.meta.get("rank", rank) != rank:
+        raise bad(f"addressed to rank {msg.meta.get('rank')}")
+    arrays = msg.arrays
+    lead = None
+    for name in ("input_ids", "labels", "position_ids", "source_ids"):
+        if name in arrays:
+            if arrays[name].ndim != 2:
+                raise bad(f"{name} has {arrays[name].ndim} dimensions, expected 2")
+            if lead is None:
+                lead = arrays[name].shape
+            elif arrays[name].shape != lead:
+                raise bad(f"{name} has shape {arrays[name].shape}, others {lead}")
+    cu = arrays.get("cu_seqlens")
+    if cu is not None:
+        S = msg.meta.get("seq_len")
+        if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or np.any(np.diff(cu.astype(np.int64)) <= 0):
+            raise bad("cu_seqlens is not strictly increasing from 0")
+        if isinstance(S, int) and lead is not None and "cp_token_index" not in arrays and int(cu[-1]) != lead[0] * S:
+            raise bad(f"cu_seqlens ends at {int(cu[-1])}, rows hold {lead[0] * S} tokens")
+
+
 class MixtureLoader:
-    def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int = 2,
-                 timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None):
+    def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
+                 timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
+                 curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
-        self.rank = int(rank if rank is not None else os.environ.get("RANK", os.environ.get("MIXPLANE_RANK", "0")))
-        self.prefetch = max(0, prefetch)
+        r = rank if rank is not None else _env_int("RANK", _env_int("MIXPLANE_RANK", 0))
+        self.rank = int(r if r is not None else 0)
+        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+        if self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside WORLD_SIZE {self.world_size}")
+        self.local_rank = _env_int("LOCAL_RANK")
+        pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH", 2)
+        self.prefetch = max(0, int(pf if pf is not None else 2))
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
         self.max_steps = max_steps
         self.ctx = context or zmq.Context.instance()
+        self.tp_group = tp_group
         self._planner: zmq.Socket | None = None
         self._sock: zmq.Socket | None = None
         self.endpoint: str | None = None
@@ -60,34 +118,55 @@ class MixtureLoader:
         self._resume_cursor: dict[str, Any] | None = None
         self._cursor: dict[str, Any] | None = None
         self._inflight: deque[int] = deque()
+        self._early: dict[int, wire.Message] = {}
         self._started = False
+        self._from_start = False
+        if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
+            curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
+        self.curve = curve
+
+    def _socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            wire.curve_client(s, self.curve.keys, self.curve.server_key("server"))
+        return s
 
     # -- connection -----------------------------------------------------------------------
     def _request(self, sock: zmq.Socket, kind: Kind, meta: dict[str, Any], what: str) -> wire.Message:
         wire.send(sock, kind, meta)
-        if not sock.poll(int(self.timeout_s * 1000)):
-            raise DeliveryError(f"rank {self.rank}: no answer to {what} from {self.planner_endpoint} within {self.timeout_s:.0f}s")
-        _, msg = wire.recv(sock)
+        try:
+            _, msg = wire.recv_timeout(sock, self.timeout_s, what=f"answer to {what}")
+        except wire.PeerTimeout:
+            raise DeliveryError(f"rank {self.rank}: no answer to {what} from the planner at {self.planner_endpoint} "
+                                f"within {self.timeout_s:g}s") from None
+        except WireError as e:
+            raise DeliveryError(f"rank {self.rank}: malformed answer to {what} from {self.planner_endpoint}: {e}") from None
         if msg.kind == Kind.ERROR:
             raise DeliveryError(f"rank {self.rank}: {what} refused by {self.planner_endpoint}: {msg.meta.get('error')}")
         return msg
 
     def _connect(self) -> None:
-        p = self.ctx.socket(zmq.DEALER)
-        p.setsockopt(zmq.LINGER, 0)
+        p = self._socket()
         p.connect(self.planner_endpoint)
         self._planner = p
-        if self._resume_cursor is not None:
-            ack = self._request(p, Kind.RESUME, {"cursor": self._resume_cursor, "rank": self.rank}, "resume")
+        route = self._request(p, Kind.ROUTE, {"rank": self.rank}, "route")
+        resume = self._resume_cursor
+        if resume is None and self._from_start:
+            resume = route.meta.get("initial_cursor")  # a state saved before the first step: restart at step 0
+        if resume is not None:
+            ack = self._request(p, Kind.RESUME, {"cursor": resume, "rank": self.rank}, "resume")
             if ack.kind != Kind.ACK:
                 raise DeliveryError(f"rank {self.rank}: unexpected {ack.kind.name} to resume")
-            self._resume_cursor = None
-        route = self._request(p, Kind.ROUTE, {"rank": self.rank}, "route")
+            self._cursor = copy.deepcopy(resume)
+        elif route.meta.get("start_step") == self.next_step and isinstance(route.meta.get("session_start"), dict):
+            self._cursor = copy.deepcopy(route.meta["session_start"])  # state_dict() works before the first step
+        self._resume_cursor = None
+        self._from_start = False
         self.endpoint = route.get("endpoint", str)
         self.coords = dict(route.get("coords", dict))
         self.sources = list(route.get("sources", list))
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+        s = self._socket()
         s.setsockopt(zmq.RCVHWM, max(4, 2 * (self.prefetch + 1)))
         s.connect(self.endpoint)
         self._sock = s
@@ -112,41 +191,73 @@ class MixtureLoader:
             if self.max_steps is not None and nxt >= self.max_steps:
                 break
             self._ask(nxt)
-        return self._receive(self._inflight[0])
+        out = self._receive(self._inflight[0])
+        if self.tp_group is not None:
+            broadcast_tp(out, self.tp_group)
+        return out
 
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
+        where = f"constructor {self.endpoint}"
         while True:
+            if step in self._early:
+                msg = self._early.pop(step)
+                break
             if not self._sock.poll(int(self.timeout_s * 1000)):
-                raise DeliveryError(f"rank {self.rank}: step {step} not delivered by constructor {self.endpoint} within {self.timeout_s:.0f}s")
+                raise DeliveryError(f"rank {self.rank}: step {step} not delivered by {where} within {self.timeout_s:g}s")
             try:
                 _, msg = wire.recv(self._sock)
             except WireError as e:
-                raise DeliveryError(f"rank {self.rank}: malformed message from constructor {self.endpoint}: {e}") from None
+                raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
             if msg.kind == Kind.ERROR:
                 if msg.meta.get("retry"):
                     # delivery restarted (another rank resumed): ask again for what is in flight
                     pending = list(self._inflight)
                     self._inflight.clear()
+                    self._early.clear()
                     for s in pending:
                         self._ask(s)
                     continue
-                raise DeliveryError(f"rank {self.rank}: constructor {self.endpoint}: {msg.meta.get('error')}")
+                raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
             if msg.kind != Kind.STEP_DATA:
                 continue
-            got = msg.get("step", int)
+            try:
+                got = msg.get("step", int)
+            except WireError as e:
+                raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
             if got != step:
                 if got in self._inflight:
-                    raise DeliveryError(f"rank {self.rank}: constructor {self.endpoint} answered step {got} before {step}")
-                continue  # a stale answer from before a restart
-            self._inflight.popleft()
-            self.next_step = step + 1
-            self._cursor = msg.meta.get("cursor_after")
-            out = {name: _tensor(a) for name, a in msg.arrays.items()}
-            out["step"] = torch.tensor(step, dtype=torch.int64)
-            out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
-            out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
-            return out
+                    self._early[got] = msg  # steps complete out of order; keep it until its turn
+                continue  # else a stale answer from before a restart
+            break
+        check_step_data(msg, step, self.rank, where)
+        self._inflight.popleft()
+        self.next_step = step + 1
+        self._cursor = msg.meta.get("cursor_after")
+        return self._to_tensors(msg, step)
+
+    def _to_tensors(self, msg: wire.Message, step: int) -> dict[str, torch.Tensor]:
+        out = {name: _tensor(a) for name, a in msg.arrays.items()}
+        meta_only = bool(msg.meta.get("meta_only", False))
+        if meta_only:  # empty receive buffers of the right shapes for the trainer-side TP broadcast
+            for name, (dt, shape) in (msg.meta.get("shapes") or {}).items():
+                if name not in out:
+                    tdt = _TORCH_DTYPES.get(np.dtype(dt).name)
+                    if tdt is None:
+                        raise DeliveryError(f"rank {self.rank}: step {step}: tensor {name!r} has dtype {dt}")
+                    if np.dtype(dt) in (np.uint16, np.uint32, np.uint64):
+                        tdt = torch.int64
+                    out[name] = torch.empty(tuple(shape), dtype=tdt)
+        out["step"] = torch.tensor(step, dtype=torch.int64)
+        out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
+        out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
+        if isinstance(msg.meta.get("seq_len"), int):
+            out["seq_len"] = torch.tensor(msg.meta["seq_len"], dtype=torch.int64)
+        out["meta_only"] = torch.tensor(meta_only)
+        for k, v in (msg.meta.get("extra") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in out:
+                out[k] = torch.tensor(v)
+        return out
 
     # -- resume ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -155,15 +266,20 @@ class MixtureLoader:
                 "cursor": copy.deepcopy(self._cursor if self._cursor is not None else self._resume_cursor)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state_dict version {state.get('version')} is not {STATE_VERSION}")
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state_dict version {got} is not {STATE_VERSION}")
         if self._started:
             self.close()
-        self.next_step = int(state["next_step"])
+        next_step = int(state["next_step"])
         cur = state.get("cursor")
-        if cur is not None and int(cur["step"]) != self.next_step:
-            raise ValueError(f"state_dict is inconsistent: cursor for step {cur['step']}, next_step {self.next_step}")
+        if cur is None and next_step != 0:
+            raise ValueError(f"state_dict for step {next_step} has no cursor: it cannot be resumed exactly")
+        if cur is not None and int(cur["step"]) != next_step:
+            raise ValueError(f"state_dict is inconsistent: cursor for step {cur['step']}, next_step {next_step}")
+        self.next_step = next_step
         self._resume_cursor = copy.deepcopy(cur)
+        self._from_start = cur is None
         self._cursor = None
 
     def close(self) -> None:
@@ -172,6 +288,7 @@ class MixtureLoader:
                 s.close(0)
         self._sock = self._planner = None
         self._inflight.clear()
+        self._early.clear()
         self._started = False
 
     def __enter__(self) -> "MixtureLoader":
@@ -180,17 +297,51 @@ class MixtureLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:
+    """Trainer-side half of broadcast_at('TP'): tp = 0 (group rank 0) sends its tensors to the other TP ranks.
+
+    Tensors go in name order; scalars every rank already has are skipped.
+    """
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0)
+    for name in sorted(batch):
+        t = batch[name]
+        if t.dim() == 0:
+            continue
+        dist.broadcast(t, src=src, group=group)
+    batch["meta_only"] = torch.tensor(False)
+
 
 def microbatches(batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-    """Split a step's batch into its microbatches, with cu_seqlens rebased per microbatch."""
+    """Split a step's batch into its microbatches, with cu_seqlens rebased per microbatch.
+
+    Works for every view a rank may get (CP shard, any PP stage): per-token tensors are split by rows,
+    cu_seqlens (which always covers full rows) by cu_seqlens_mb.
+    """
     cu = batch["cu_seqlens"]
     mb = batch["cu_seqlens_mb"]
     n = len(mb) - 1
-    rows = batch["input_ids"].shape[0] // n
-    S = batch["input_ids"].shape[1]
+    token = {k: v for k, v in batch.items() if v.dim() == 2}
+    any_tok = next(iter(token.values()), None)
+    total_rows = any_tok.shape[0] if any_tok is not None else None
+    S = int(batch["seq_len"]) if "seq_len" in batch else (any_tok.shape[1] if any_tok is not None else 0)
+    if total_rows is None:
+        total_rows = (int(cu[-1]) // S) if S else 0
+    rows = total_rows // n
     for m in range(n):
         sl = slice(m * rows, (m + 1) * rows)
         c = cu[int(mb[m]) : int(mb[m + 1]) + 1].to(torch.int64) - m * rows * S
-        yield {"input_ids": batch["input_ids"][sl], "labels": batch["labels"][sl],
-               "position_ids": batch["position_ids"][sl], "source_ids": batch["source_ids"][sl],
-               "cu_seqlens": c.to(torch.int32)}
+        out = {k: v[sl] for k, v in token.items()}
+        out["cu_seqlens"] = c.to(torch.int32)
+        for k in ("cp_token_index",):
+            if k in batch:
+                out[k] = batch[k]
+        yield out

@@ -90,6 +90,8 @@ class EmbeddedRuntime:
         for sub in ("ready", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "journal.jsonl").unlink(missing_ok=True)
+        if self.spec.runtime.curve.enabled and self.spec.runtime.curve.key_dir:
+            wire.ensure_keys(self.spec.runtime.curve.key_dir)  # server + client key pairs, once
         spec_file = self.run_dir / "spec.json"
         spec_file.write_text(self.spec.model_dump_json(indent=1))
         try:
@@ -120,7 +122,7 @@ class EmbeddedRuntime:
 
     # -- control --------------------------------------------------------------------------
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        return request(self.planner_endpoint or "", Kind.STATUS, {}, timeout_s)
+        return request(self.planner_endpoint or "", Kind.STATUS, {}, timeout_s, curve=self.spec.runtime.curve)
 
     def alive(self) -> list[str]:
         return [c.name for c in self.children if c.proc.poll() is None]
@@ -147,11 +149,14 @@ class EmbeddedRuntime:
         self.stop()
 
 
-def request(endpoint: str, kind: Kind, meta: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any]:
-    """One request/reply with the planner (status, mixture updates); raises on timeout or error."""
+def request(endpoint: str, kind: Kind, meta: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    """One request/reply with the planner (status, mixture updates); raises on timeout or error.
+
+    `curve`: the spec's runtime.curve, when the planner requires CURVE."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    wire.Security(ctx, curve).client(s)
     try:
         s.connect(endpoint)
         wire.send(s, kind, meta)

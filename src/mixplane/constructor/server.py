@@ -16,6 +16,8 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
+from mixplane.constructor.multimodal import encoder_batch, fuse_batch
+from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.spec import DataMixtureSpec
@@ -31,6 +33,9 @@ class StepState:
     spans: SpanStore = field(default_factory=SpanStore.empty)
     cursor_after: dict[str, Any] | None = None
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    views: dict[tuple[int, ViewKey], dict[str, Any]] = field(default_factory=dict)
+    broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
+    images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -45,18 +50,23 @@ class ConstructorServer:
         self.index = index
         self.name = f"constructor:{index}"
         self.ctx = context or zmq.Context.instance()
+        # CURVE when runtime.curve is enabled: both bound sockets are servers, the planner link a client
+        self.security = wire.Security(self.ctx, spec.runtime.curve)
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
         self.planner.setsockopt(zmq.LINGER, 0)
-        self.planner.connect(planner_endpoint)
+        self.security.client(self.planner).connect(planner_endpoint)
         self.data = self.ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.RCVHWM, 256)
         self.data.setsockopt(zmq.LINGER, 0)
-        self.data.bind(f"tcp://{host}:0")
+        self.security.server(self.data).bind(f"tcp://{host}:0")
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.clients.bind(f"tcp://{host}:0")
+        # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
+        wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
+                              heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True)
+        self.security.server(self.clients).bind(f"tcp://{host}:0")
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.client_endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
         self.session = -1
@@ -67,12 +77,29 @@ class ConstructorServer:
         self.asked_through = -1
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
         self.start_step = 0
+        self.released_through = -1
         self.stopped = False
         self.welcomed = False
         self.m = make_metrics("constructor")
         self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         self.prefetch = spec.runtime.prefetch_steps
         self._last_hello = 0.0
+        bb = spec.topology.backbone()[1]
+        self.cp, self.pp = bb.cp, bb.pp
+        # image placeholder id of each image_text source (spec value, else the loader's rule: tokenizer's <|image|>)
+        self._image_token_ids: dict[int, int] = {}
+        for si, src in enumerate(spec.sources):
+            if src.kind == "image_text":
+                from mixplane.loader.transforms import image_token_id, load_tokenizer
+
+                tok = load_tokenizer(src.tokenizer) if src.tokenizer else None
+                self._image_token_ids[si] = int(image_token_id(tok, src.image.image_token_id))
+        # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
+        # needs rows packed with align=2*cp, which the planner does not do yet
+        self.cp_layout = "row"
+        if self.cp > 1 and spec.batch.seq_len % (2 * self.cp):
+            raise ValueError(f"{self.name}: batch.seq_len {spec.batch.seq_len} must be a multiple of 2*cp = {2 * self.cp} "
+                             "for the zig-zag context-parallel split")
 
     def _hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "constructor", "index": self.index, "data_endpoint": self.data_endpoint,
@@ -84,11 +111,12 @@ class ConstructorServer:
         self.steps.clear()
         self.asked_through = start_step - 1
         self.start_step = start_step
+        self.released_through = start_step - 1
         self.last_request.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, rank, _ in self.pending:
-            wire.send(self.clients, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
-                                                 "retry": True}, route=[ident])
+            self._to_client(ident, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
+                                                "retry": True})
         self.pending.clear()
 
     # -- planner / loader messages ------------------------------------------------------
@@ -109,6 +137,10 @@ class ConstructorServer:
             st = self.steps.setdefault(layout.step, StepState())
             st.layout = layout
             st.cursor_after = msg.meta.get("cursor_after")
+            bc = msg.meta.get("broadcast", [])
+            if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
+                raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
+            st.broadcast = tuple(a.upper() for a in bc)
             self.m.constructor_pending_steps.set(sum(1 for s in self.steps.values() if not s.complete))
         elif k == Kind.RESET:
             self._reset(msg.get("session", int), msg.get("start_step", int))
@@ -133,7 +165,26 @@ class ConstructorServer:
         if not (len(starts) == len(lens) == n and len(offsets) == n + 1) or (n and (offsets[0] != 0 or offsets[-1] != len(values) or np.any(np.diff(offsets) < lens))):
             raise WireError(f"SAMPLES for step {step}: inconsistent arrays")
         st = self.steps.setdefault(step, StepState())
-        st.spans.add(msg.get("source", int), keys, starts, offsets, values)
+        source = msg.get("source", int)
+        if "img_key" in msg.arrays:
+            self._store_images(st, source, msg)
+        st.spans.add(source, keys, starts, offsets, values)
+
+    def _store_images(self, st: StepState, source: int, msg: wire.Message) -> None:
+        if not 0 <= source < len(self.spec.sources):
+            raise WireError(f"SAMPLES: unknown source {source}")
+        ik, grid, off, val = msg.array("img_key"), msg.array("img_grid"), msg.array("img_offsets"), msg.array("img_values")
+        p = self.spec.sources[source].image.patch_size
+        dim = p * p * 3
+        n = len(ik)
+        if grid.shape != (n, 2) or len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(val))) or np.any(np.diff(off) < 0):
+            raise WireError("SAMPLES: inconsistent image arrays")
+        for i in range(n):
+            g = (int(grid[i, 0]), int(grid[i, 1]))
+            flat = val[off[i]:off[i + 1]]
+            if len(flat) != g[0] * g[1] * dim:
+                raise WireError(f"SAMPLES: image of sample {int(ik[i])} has {len(flat)} bytes, grid {g} needs {g[0] * g[1] * dim}")
+            st.images[(source, int(ik[i]))] = (flat.reshape(g[0] * g[1], dim), g)
 
     # -- clients ------------------------------------------------------------------------
     def _batch_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
@@ -143,35 +194,113 @@ class ConstructorServer:
         if b is None:
             t0 = time.perf_counter()
             b = materialize_rank(st.layout, dp_local, st.spans, self.spec.batch.pad_id)  # type: ignore[arg-type]
+            lay = st.layout
+            if lay is not None and len(lay.img_key):
+                self._attach_images(b, lay, coords.dp, st)
             st.batches[dp_local] = b
             self.m.constructor_build_seconds.observe(time.perf_counter() - t0)
             self.m.constructor_steps.inc()
         return b
 
-    def _reply(self, ident: bytes, step: int, rank: int, since: float) -> None:
+    def _to_client(self, ident: bytes, kind: Kind, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> bool | None:
+        """Send to one client without blocking: True when sent, None when its queue is full (the
+        caller may retry later: backpressure), False when it is gone (logged)."""
+        try:
+            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as e:
+            log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
+            return False
+
+    def _view_for(self, st: StepState, rank: int) -> dict[str, Any]:
+        """What `rank` receives of its data-parallel batch: each distinct CP / PP / TP view is built once
+        per step and shared (same buffers) by every rank that receives it."""
+        c = backbone_coords(self.spec, rank)
+        dp_local = self.dp_ranks.index(c.dp)
+        key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, st.broadcast))
+        v = st.views.get(key)
+        if v is None:
+            batch = self._batch_for(st, rank)
+            v = rank_view(batch, cp=self.cp, cp_rank=c.cp, pp=self.pp, pp_stage=c.pp, tp_rank=c.tp,
+                          broadcast_at=st.broadcast, cp_mode=self.cp_layout)
+            st.views[key] = v
+        if st.layout is not None and len(st.layout.img_key):
+            # every rank encodes its own share of the step's images (axis WORLD or its DP group's consumers)
+            v = {**v, **self._encoder_for(st, rank)}
+        return v
+
+    def _image_settings(self, lay: StepLayout) -> tuple[int, int, int]:
+        """(merge, placeholder id, patch vector size) shared by the step's image sources."""
+        srcs = sorted({int(s) for s in lay.img_source})
+        specs = [self.spec.sources[s].image for s in srcs]
+        merge, token_id, p = specs[0].merge, self._image_token_ids[srcs[0]], specs[0].patch_size
+        if any((x.merge, x.patch_size) != (merge, p) for x in specs) or any(self._image_token_ids[s] != token_id for s in srcs):
+            raise ValueError(f"step {lay.step}: image sources of one step must share image.merge, patch_size and placeholder")
+        return merge, token_id, p * p * 3
+
+    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, dp_rank: int, st: StepState) -> None:
+        merge, token_id, _ = self._image_settings(lay)
+        fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
+                   world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)
+
+    def _encoder_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
+        lay = st.layout
+        assert lay is not None
+        merge, _, dim = self._image_settings(lay)
+        try:
+            return encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
+                                 img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim)
+        except KeyError as e:
+            raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
+
+    def _reply(self, ident: bytes, step: int, rank: int, since: float) -> bool:
+        """Answer one request; False when it must wait (the client's queue is full)."""
         st = self.steps[step]
         lay = st.layout
         assert lay is not None
         try:
-            batch = self._batch_for(st, rank)
+            view = self._view_for(st, rank)
         except MissingPayload as e:
-            wire.send(self.clients, Kind.ERROR, {"error": f"{self.name}: {e}", "step": step}, route=[ident])
-            return
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: {e}", "step": step})
+            return True
+        except ValueError as e:  # a layout the parallel transforms cannot split: name it, keep serving
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step}: {e}", "step": step})
+            return True
+        arrays = {k: v for k, v in view.items() if isinstance(v, np.ndarray)}
         meta = {"step": step, "rank": rank, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
-                "session": self.session, "microbatches": lay.microbatches, "cursor_after": st.cursor_after}
-        wire.send(self.clients, Kind.STEP_DATA, meta, batch, route=[ident])
-        self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in batch.values()))
+                "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
+                "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
+                "coords": backbone_coords(self.spec, rank).as_dict()}
+        if "shapes" in view:
+            meta["shapes"] = view["shapes"]
+        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}
+        if extra:
+            meta["extra"] = extra
+        sent = self._to_client(ident, Kind.STEP_DATA, meta, arrays)
+        if sent is None:
+            return False  # the client's queue is full: keep the request, send when it drains
+        if not sent:
+            return True
+        self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in arrays.values()))
         self.m.constructor_client_wait_seconds.observe(time.monotonic() - since)
+        return True
 
     def on_client(self, ident: bytes, msg: wire.Message) -> None:
         if msg.kind == Kind.GET_STEP:
             step = msg.get("step", int)
             rank = msg.get("rank", int)
             if rank not in self.ranks:
-                wire.send(self.clients, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"}, route=[ident])
+                self._to_client(ident, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"})
+                return
+            if step <= self.released_through:
+                self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} was already delivered to every rank "
+                                                    f"and released (steps up to {self.released_through}); resume from a "
+                                                    "state_dict to get it again", "step": step})
                 return
             if step < self.start_step:
-                wire.send(self.clients, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step}, route=[ident])
+                self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
                 return
             self.last_request[rank] = max(self.last_request.get(rank, -1), step)
             self.pending.append((ident, step, rank, time.monotonic()))
@@ -180,7 +309,7 @@ class ConstructorServer:
                 self.asked_through = want
                 wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want})
         elif msg.kind == Kind.HEARTBEAT:
-            wire.send(self.clients, Kind.HEARTBEAT, {}, route=[ident])
+            wire.try_send(self.clients, Kind.HEARTBEAT, {}, route=[ident])
         else:
             raise WireError(f"unexpected {msg.kind.name} from a client")
 
@@ -188,17 +317,19 @@ class ConstructorServer:
         still = []
         for ident, step, rank, since in self.pending:
             st = self.steps.get(step)
-            if st is not None and st.complete:
-                self._reply(ident, step, rank, since)
+            if st is not None and st.complete and self._reply(ident, step, rank, since):
+                continue
             else:
                 still.append((ident, step, rank, since))
         self.pending = still
         # forget steps every known rank has moved past (a rank asks ahead by at most `prefetch`)
-        if self.last_request:
-            floor = min(self.last_request.values()) - self.prefetch - 1
+        if self.ranks:
+            # every served rank consumes every step: keep a step until the slowest rank has moved past it
+            floor = min(self.last_request.get(r, self.start_step - 1) for r in self.ranks) - self.prefetch - 1
             waiting = {step for _, step, _, _ in self.pending}
             for s in [s for s in self.steps if s < floor and s not in waiting]:
                 del self.steps[s]
+                self.released_through = max(self.released_through, s)
 
     # -- loop ---------------------------------------------------------------------------
     def run(self, *, max_seconds: float | None = None) -> None:
@@ -241,3 +372,4 @@ class ConstructorServer:
     def close(self) -> None:
         for s in (self.planner, self.data, self.clients):
             s.close(0)
+

@@ -36,7 +36,8 @@ class LoaderServer:
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
         self.planner.setsockopt(zmq.LINGER, 0)
-        self.planner.connect(planner_endpoint)
+        self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
+        self.security.client(self.planner).connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
@@ -68,7 +69,7 @@ class LoaderServer:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
             s.setsockopt(zmq.SNDHWM, 64)
-            s.connect(ep)
+            self.security.client(s).connect(ep)
             self.pushers.append(s)
         self._seek(msg.get("session", int), msg.get("cursor", dict))
         self.welcomed = True
@@ -130,13 +131,31 @@ class LoaderServer:
             offsets = np.zeros(len(spans) + 1, np.int64)
             np.cumsum([len(s) for s in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
+            arrays = {"key": keys, "start": start[sel].astype(np.int64), "len": length[sel].astype(np.int64),
+                      "offsets": offsets, "values": values}
+            arrays.update(self._images(pos[sel], start[sel]))
             wire.send(self.pushers[int(c)], Kind.SAMPLES,
-                      {"session": self.session, "step": step, "source": self.si, "replica": self.replica},
-                      {"key": keys, "start": start[sel].astype(np.int64), "len": length[sel].astype(np.int64),
-                       "offsets": offsets, "values": values})
+                      {"session": self.session, "step": step, "source": self.si, "replica": self.replica}, arrays)
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
+
+    def _images(self, pos: np.ndarray, start: np.ndarray) -> dict[str, np.ndarray]:
+        """Patches of the image samples whose first span is planned (the image travels once, with it)."""
+        keys, grids, parts = [], [], []
+        for p, s0 in zip(pos.tolist(), start.tolist()):
+            b = self.window.buffer.get(int(p))
+            if b is None or s0 != 0 or not b.npatches or b.patches is None or b.grid is None:
+                continue
+            keys.append(b.key)
+            grids.append(b.grid)
+            parts.append(np.asarray(b.patches, np.uint8).reshape(-1))
+        if not keys:
+            return {}
+        off = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(x) for x in parts], out=off[1:])
+        return {"img_key": np.asarray(keys, np.int64), "img_grid": np.asarray(grids, np.int32).reshape(-1, 2),
+                "img_offsets": off, "img_values": np.concatenate(parts)}
 
     def handle(self, msg: wire.Message) -> None:
         if msg.kind == Kind.WELCOME:

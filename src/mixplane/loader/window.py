@@ -27,6 +27,7 @@ class Buffered:
     patches: np.ndarray | None
     npatches: int = 0
     done: int = 0  # tokens already planned
+    grid: tuple[int, int] | None = None  # image_text: (h_patches, w_patches) of the sample's image
 
 
 @dataclass
@@ -86,7 +87,9 @@ class LoaderWindow:
                 continue
             self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
                                         out.patches[i] if out.patches is not None else None,
-                                        int(out.npatches[i]), self.partial.pop(p, 0)))
+                                        int(out.npatches[i]), self.partial.pop(p, 0),
+                                        (int(out.image_grid[i][0]), int(out.image_grid[i][1]))
+                                        if out.image_grid is not None else None))
         if self.on_read is not None:
             self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
 

@@ -111,8 +111,10 @@ class ReplicaWindow:
     def cursor(self) -> dict[str, Any]:
         """Consumption state: enough for a loader to re-emit exactly the unconsumed samples."""
         skip = sorted(self.skip)
-        return {"low": self.low, "next": self.next_pos, "skip": skip,
-                "partial": {str(int(p)): int(d) for p, d in zip(self.pos, self.done) if d > 0}}
+        # partial progress restored from a cursor but not yet re-announced by the loader counts too
+        partial = {str(p): d for p, d in sorted(self.restored_done.items())}
+        partial.update({str(int(p)): int(d) for p, d in zip(self.pos, self.done) if d > 0})
+        return {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}
 
     def restore(self, cur: dict[str, Any]) -> None:
         self.__init__(self.source, self.replica, self.min_samples, self.min_tokens, self.capacity)  # type: ignore[misc]

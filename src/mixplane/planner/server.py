@@ -56,7 +56,7 @@ class PlannerServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.bind(endpoint)
+        wire.Security(self.ctx, spec.runtime.curve).server(self.sock).bind(endpoint)  # CURVE when configured
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
@@ -66,6 +66,7 @@ class PlannerServer:
         self.pending_routes: list[tuple[bytes, int]] = []
         self.session = 0
         self.session_start: dict[str, Any] = self.core.cursor()
+        self.initial_cursor: dict[str, Any] = json.loads(json.dumps(self.session_start))
         self.need_through = -1
         self.planned_through = -1
         self.generation = 0
@@ -110,6 +111,8 @@ class PlannerServer:
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "start_step": int(self.session_start["step"]),
+            # lets a client make a resumable state_dict before its first step, and restart from step 0
+            "session_start": self.session_start, "initial_cursor": self.initial_cursor,
         })
 
     # -- message handling ---------------------------------------------------------------
@@ -180,7 +183,10 @@ class PlannerServer:
             raise WireError(f"unexpected {k.name} at the planner")
 
     def _resume(self, identity: bytes, cursor: dict[str, Any]) -> None:
-        if json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True):
+        if (json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
+                and self.planned_through < int(cursor["step"])):
+            # other ranks of the same job resuming to the point this session starts at: nothing to redo.
+            # (Once steps of this session were planned they may be gone: a new session re-creates them.)
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
         try:
@@ -262,7 +268,8 @@ class PlannerServer:
         for c in self.constructors.values():
             sub = lay.select_ranks(c.dp_ranks)
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
-                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after},
+                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after,
+                        "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
                        sub.arrays())
         # bookkeeping
         if self.journal is not None:

@@ -1,0 +1,302 @@
+"""Multimodal collation (pure numpy): image patches for the encoder, placeholder tokens for the backbone.
+
+A VLM sample is text tokens with image placeholders interleaved: each image becomes
+``patches / merge`` consecutive ``image_token_id`` tokens in the backbone sequence (merge = 4 for 2x2
+patch merging), and ``patches`` rows of ``patch_size² · channels`` pixels for the vision encoder.
+
+Per module, a rank receives:
+
+* **encoder** (its own parallelism; with ``axis='WORLD'`` every world rank encodes a share of the
+  step's images, independent of its backbone CP / PP / TP coordinates):
+  ``pixel_patches`` [N, p·p·C] uint8, ``patch_cu_seqlens`` [n+1] (varlen attention per image),
+  ``image_grid`` [n, 2] (patch rows, cols), ``patch_position_ids`` [N, 2] (row, col of each patch, for
+  2-D RoPE), ``image_ids`` [n] (the image's index in the step).
+* **backbone** (the fused layout): ``image_token_index`` [rows, S] int32 — for each placeholder
+  position, the index of its merged token in the step's encoder output gathered in image order
+  (all-gather of every encoder rank's output, in rank order), -1 for text — plus
+  ``encoder_tokens_per_rank`` so the trainer can size a variable all-gather, and ``image_token_mask``.
+
+Placeholders whose image is not encoded in this step (a split document whose image went with an
+earlier piece) get index -1 and ``image_token_mask`` False; :func:`mask_orphan_placeholders` turns
+them into padding-like tokens with ignored labels so nothing reads an embedding that is not there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------------------------------ images
+def target_grid(height: int, width: int, patch_size: int, max_side: int, merge: int = 1) -> tuple[int, int]:
+    """Patch rows and columns after resizing: longer side <= max_side, aspect kept, sides a multiple
+    of patch_size * sqrt(merge) so patches merge evenly."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image of {height}x{width} pixels has no area")
+    m = int(round(merge ** 0.5))
+    if m * m != merge:
+        raise ValueError(f"merge={merge} must be a square (1, 4, 9, ...)")
+    unit = patch_size * m
+    scale = min(1.0, max_side / max(height, width))
+    gh = max(1, int(round(height * scale / unit))) * m
+    gw = max(1, int(round(width * scale / unit))) * m
+    while max(gh, gw) * patch_size > max(max_side, unit):  # rounding up may overshoot max_side
+        if gh >= gw:
+            gh -= m
+        else:
+            gw -= m
+    return gh, gw
+
+
+def image_to_patches(image: np.ndarray, patch_size: int = 14, max_side: int = 896, merge: int = 1) -> tuple[np.ndarray, tuple[int, int]]:
+    """Resize an H x W x C uint8 image and cut it into patches: ([gh*gw, p*p*C] uint8, (gh, gw)).
+
+    Patches are in row-major order; with merge > 1 the patches of one merge window (e.g. 2x2) are
+    consecutive, so merged token k is patches [k*merge, (k+1)*merge).
+    """
+    img = np.asarray(image)
+    if img.ndim == 2:
+        img = img[:, :, None]
+    if img.ndim != 3 or img.dtype != np.uint8:
+        raise ValueError(f"expected an H x W x C uint8 image, got {img.dtype} {img.shape}")
+    H, W, C = img.shape
+    gh, gw = target_grid(H, W, patch_size, max_side, merge)
+    th, tw = gh * patch_size, gw * patch_size
+    if (th, tw) != (H, W):
+        from PIL import Image
+
+        mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(C)
+        if mode is None:
+            raise ValueError(f"cannot resize an image with {C} channels")
+        pil = Image.fromarray(img[:, :, 0] if C == 1 else img, mode=mode)
+        img = np.asarray(pil.resize((tw, th), Image.Resampling.BICUBIC)).reshape(th, tw, C)
+    p = patch_size
+    m = int(round(merge ** 0.5))
+    # [gh/m, m, gw/m, m, p, p, C] -> merge windows row-major, patches inside a window row-major
+    x = img.reshape(gh // m, m, p, gw // m, m, p, C).transpose(0, 3, 1, 4, 2, 5, 6)
+    return np.ascontiguousarray(x.reshape(gh * gw, p * p * C)), (gh, gw)
+
+
+def patch_positions(grid: tuple[int, int], merge: int = 1) -> np.ndarray:
+    """(row, col) of every patch in the order image_to_patches emits them: [gh*gw, 2] int32."""
+    gh, gw = grid
+    m = int(round(merge ** 0.5))
+    r, c = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    pos = np.stack([r, c], axis=-1).reshape(gh // m, m, gw // m, m, 2).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(pos.reshape(gh * gw, 2)).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------ interleaving
+@dataclass
+class Interleaved:
+    tokens: np.ndarray  # int32, text with placeholder runs
+    image_start: np.ndarray  # int64, position of each image's first placeholder
+    image_tokens: np.ndarray  # int64, placeholders of each image
+
+
+def interleave(parts: list[np.ndarray | int], image_token_id: int) -> Interleaved:
+    """Build a sample from text pieces (arrays of token ids) and images (ints: their placeholder count)."""
+    toks, starts, counts = [], [], []
+    pos = 0
+    for part in parts:
+        if isinstance(part, (int, np.integer)):
+            n = int(part)
+            if n <= 0:
+                raise ValueError("an image needs at least one placeholder token")
+            starts.append(pos)
+            counts.append(n)
+            toks.append(np.full(n, image_token_id, dtype=np.int32))
+            pos += n
+        else:
+            a = np.asarray(part, dtype=np.int32)
+            if np.any(a == image_token_id):
+                raise ValueError(f"text contains the image placeholder id {image_token_id}")
+            toks.append(a)
+            pos += len(a)
+    return Interleaved(np.concatenate(toks) if toks else np.zeros(0, np.int32),
+                       np.asarray(starts, np.int64), np.asarray(counts, np.int64))
+
+
+# ------------------------------------------------------------------------------------------ encoder side
+def collate_encoder(patches: list[np.ndarray], grids: list[tuple[int, int]], image_ids: list[int] | np.ndarray,
+                    merge: int = 1) -> dict[str, np.ndarray]:
+    """The encoder batch of one rank: its images' patches concatenated, with varlen boundaries."""
+    if not (len(patches) == len(grids) == len(image_ids)):
+        raise ValueError("patches, grids and image_ids differ in length")
+    n = [len(p) for p in patches]
+    for i, (p, g) in enumerate(zip(patches, grids)):
+        if len(p) != g[0] * g[1]:
+            raise ValueError(f"image {i}: {len(p)} patches but grid {g}")
+    dim = patches[0].shape[1] if patches else 0
+    cu = np.zeros(len(n) + 1, np.int32)
+    np.cumsum(n, out=cu[1:])
+    return {
+        "pixel_patches": np.concatenate(patches).astype(np.uint8, copy=False) if patches else np.zeros((0, dim), np.uint8),
+        "patch_cu_seqlens": cu,
+        "image_grid": np.asarray(grids, np.int32).reshape(-1, 2),
+        "patch_position_ids": (np.concatenate([patch_positions(g, merge) for g in grids]) if grids
+                               else np.zeros((0, 2), np.int32)),
+        "image_ids": np.asarray(image_ids, np.int64),
+    }
+
+
+def assign_world(image_tokens: np.ndarray, world: int) -> np.ndarray:
+    """Encoder rank of each image for axis='WORLD': greedy longest-first onto the least-loaded rank
+    (encoder cost grows with patches; ties to the lower rank, so the result is deterministic)."""
+    image_tokens = np.asarray(image_tokens, np.int64)
+    load = np.zeros(world, np.int64)
+    out = np.empty(len(image_tokens), np.int64)
+    for i in np.argsort(-image_tokens, kind="stable"):
+        r = int(np.argmin(load))
+        out[i] = r
+        load[r] += image_tokens[i]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ backbone side
+def encoder_offsets(img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each image's merged tokens sit in the gathered encoder output (ranks in order, images in
+    step order within a rank), and the merged-token count of every encoder rank."""
+    img_rank = np.asarray(img_rank, np.int64)
+    img_tokens = np.asarray(img_tokens, np.int64)
+    per_rank = np.bincount(img_rank, weights=img_tokens, minlength=world).astype(np.int64)
+    rank_base = np.concatenate([[0], np.cumsum(per_rank)[:-1]])
+    order = np.lexsort((np.arange(len(img_rank)), img_rank))
+    within = np.zeros(len(img_rank), np.int64)
+    run = np.zeros(world, np.int64)
+    for i in order:
+        within[i] = run[img_rank[i]]
+        run[img_rank[i]] += img_tokens[i]
+    return rank_base[img_rank] + within if len(img_rank) else within, per_rank
+
+
+def fused_layout(input_ids: np.ndarray, image_token_id: int, *, seg_row: np.ndarray, seg_offset: np.ndarray,
+                 seg_len: np.ndarray, seg_image: np.ndarray, seg_ph_before: np.ndarray,
+                 img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> dict[str, np.ndarray]:
+    """The backbone's view of the images in one rank's rows.
+
+    Segments (pieces of samples) are given by row, offset in row and length; ``seg_image`` is the
+    step-level index of the image the segment's placeholders belong to (-1: none or not encoded this
+    step) and ``seg_ph_before`` how many of that image's placeholders precede the segment (non-zero
+    for later pieces of a split sample).
+    """
+    rows, S = input_ids.shape
+    index = np.full((rows, S), -1, np.int32)
+    base, per_rank = encoder_offsets(img_rank, img_tokens, world)
+    flat_ids = input_ids.reshape(-1)
+    flat_idx = index.reshape(-1)
+    for i in range(len(seg_row)):
+        lo = int(seg_row[i]) * S + int(seg_offset[i])
+        hi = lo + int(seg_len[i])
+        ph = np.flatnonzero(flat_ids[lo:hi] == image_token_id)
+        if not len(ph):
+            continue
+        im = int(seg_image[i])
+        if im < 0:
+            continue  # orphan placeholders: their image is not encoded in this step
+        k = int(seg_ph_before[i]) + np.arange(len(ph))
+        if k[-1] >= img_tokens[im]:
+            raise ValueError(f"segment {i}: {len(ph)} placeholders after {int(seg_ph_before[i])} exceed image {im}'s "
+                             f"{int(img_tokens[im])} tokens")
+        flat_idx[lo + ph] = (base[im] + k).astype(np.int32)
+    return {"image_token_index": index, "image_token_mask": index >= 0,
+            "encoder_tokens_per_rank": per_rank.astype(np.int64)}
+
+
+def mask_orphan_placeholders(batch: dict[str, np.ndarray], image_token_id: int, pad_id: int) -> int:
+    """Placeholders without an embedding become pad tokens with ignored labels; returns how many."""
+    ids = batch["input_ids"]
+    orphan = (ids == image_token_id) & (batch["image_token_index"] < 0)
+    n = int(orphan.sum())
+    if n:
+        ids[orphan] = pad_id
+        if "labels" in batch:
+            batch["labels"][orphan] = IGNORE_INDEX
+            # the token before an orphan must not learn to predict a placeholder either
+            prev = np.zeros_like(orphan)
+            prev[:, :-1] = orphan[:, 1:]
+            batch["labels"][prev & (batch["labels"] == image_token_id)] = IGNORE_INDEX
+    return n
+
+
+def gather_embeddings(encoder_outputs: list[np.ndarray], image_token_index: np.ndarray, text_embeddings: np.ndarray) -> np.ndarray:
+    """Reference of what the trainer does (in torch, after an all-gather): splice image embeddings in."""
+    gathered = np.concatenate(encoder_outputs) if encoder_outputs else np.zeros((0, text_embeddings.shape[-1]))
+    out = text_embeddings.copy()
+    m = image_token_index >= 0
+    out[m] = gathered[image_token_index[m]]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ constructor glue
+def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
+    """Permutation taking row-major patches (as loaders cut them) to merge-window order."""
+    gh, gw = grid
+    m = int(round(merge ** 0.5))
+    if m * m != merge or gh % m or gw % m:
+        raise ValueError(f"grid {grid} cannot be merged in {m}x{m} windows")
+    idx = np.arange(gh * gw).reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3)
+    return idx.reshape(-1)
+
+
+def _segment_offsets(rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    csum = np.cumsum(lens)
+    first = np.searchsorted(rows, rows, side="left")
+    return csum - lens - np.where(first > 0, csum[first - 1], 0) if len(rows) else lens
+
+
+def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
+               img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Add the backbone's fused layout to one data-parallel rank's batch (in place).
+
+    ``img_*`` list every image of the step with the global rank that encodes it; the encoder outputs
+    are all-gathered in rank order, so ``image_token_index`` indexes that gathered tensor (in merged
+    tokens) and ``encoder_tokens`` [world] sizes the gather. Placeholders sit at the start of an
+    image sample (image first, then caption); those of a later piece of a split sample have no image
+    in this step and become padding with ignored labels (counted in ``orphan_placeholders``).
+    """
+    rows = batch["segment_row"].astype(np.int64)
+    lens = batch["segment_len"].astype(np.int64)
+    starts = batch["segment_start"].astype(np.int64)
+    where = {(int(s), int(k)): j for j, (s, k) in enumerate(zip(img_source, img_key))}
+    seg_image = np.array([where.get((int(s), int(k)), -1) if st == 0 else -1
+                          for s, k, st in zip(batch["segment_source"], batch["segment_key"], starts)], np.int64)
+    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=rows, seg_offset=_segment_offsets(rows, lens),
+                         seg_len=lens, seg_image=seg_image, seg_ph_before=np.zeros(len(rows), np.int64),
+                         img_rank=np.asarray(img_rank, np.int64),
+                         img_tokens=np.asarray(img_patches, np.int64) // merge, world=world)
+    batch["image_token_index"] = fused["image_token_index"]
+    batch["image_token_mask"] = fused["image_token_mask"]
+    batch["encoder_tokens"] = fused["encoder_tokens_per_rank"]
+    batch["orphan_placeholders"] = np.array([mask_orphan_placeholders(batch, image_token_id, pad_id)], np.int64)
+    return batch
+
+
+def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
+                  img_patches: np.ndarray, images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]],
+                  merge: int, patch_dim: int) -> dict[str, np.ndarray]:
+    """The vision-encoder batch of one global rank: the step's images whose ``img_rank`` is `rank`.
+
+    ``images`` maps (source, key) to (row-major patches [n, D], grid) as loaders cut them; patches
+    are reordered so the ``merge`` patches of one merged token are consecutive. Raises KeyError when
+    an image's patches are not here.
+    """
+    mine = np.flatnonzero(np.asarray(img_rank) == rank)
+    patches, grids = [], []
+    for i in mine:
+        k = (int(img_source[i]), int(img_key[i]))
+        if k not in images:
+            raise KeyError(f"patches of source {k[0]} sample {k[1]} (encoded by rank {rank}) are not at this constructor")
+        pix, grid = images[k]
+        if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
+            raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
+        patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
+        grids.append(grid)
+    if patches:
+        return collate_encoder(patches, grids, mine, merge)
+    return {"pixel_patches": np.zeros((0, patch_dim), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
+            "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
+            "image_ids": np.zeros(0, np.int64)}

@@ -1,0 +1,184 @@
+"""Wire framing, checksums, socket policy, heartbeats and CURVE with an allowlist."""
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from mixplane import wire
+from mixplane.wire import Kind, WireError
+
+
+def test_round_trip_zero_copy_and_small_arrays():
+    big = np.arange(100_000, dtype=np.int32)
+    frames = wire.encode(Kind.STEP_DATA, {"step": 3}, {"big": big, "small": np.array([1.5], np.float32)})
+    assert frames[1] is not None and np.shares_memory(np.asarray(frames[1]), big)
+    m = wire.decode(frames)
+    assert m.kind == Kind.STEP_DATA and m.meta == {"step": 3}
+    np.testing.assert_array_equal(m.array("big"), big)
+    assert m.array("small").tolist() == [1.5]
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_checksum_round_trip(checksum):
+    a = np.arange(1000, dtype=np.int64)
+    m = wire.decode(wire.encode(Kind.SAMPLES, {"x": [1, 2]}, {"a": a}, checksum=checksum))
+    assert m.meta == {"x": [1, 2]}
+    np.testing.assert_array_equal(m.array("a"), a)
+
+
+def test_checksum_catches_damage_anywhere():
+    a = np.arange(50_000, dtype=np.int32)  # zero-copy frame
+    frames = wire.encode(Kind.SAMPLES, {"step": 1}, {"a": a, "b": np.ones(3, np.int8)}, checksum=True)
+    head = bytearray(frames[0])
+    for i in range(len(head)):
+        bad = bytearray(head)
+        bad[i] ^= 0x10
+        with pytest.raises(WireError):
+            wire.decode([bytes(bad), *frames[1:]])
+    buf = bytearray(np.asarray(frames[1]).tobytes())
+    buf[12345] ^= 1
+    with pytest.raises(WireError, match="checksum"):
+        wire.decode([frames[0], bytes(buf), frames[2]])
+    with pytest.raises(WireError):
+        wire.decode([frames[0], frames[2], frames[1]])  # swapped buffers
+
+
+def test_reserved_and_unsendable_meta():
+    with pytest.raises(WireError, match="reserved"):
+        wire.encode(Kind.ACK, {"arrays": 1})
+    with pytest.raises(WireError, match="JSON"):
+        wire.encode(Kind.ACK, {"x": object()})
+    with pytest.raises(WireError, match="dtype"):
+        wire.encode(Kind.ACK, arrays={"o": np.array([object()])})
+
+
+@pytest.mark.parametrize("frames,match", [
+    ([], "empty"),
+    ([b"xx"], "shorter"),
+    ([wire.HEADER.pack(b"NOPE", 1, 1, 0, 0)], "magic"),
+    ([wire.HEADER.pack(b"MXPL", 9, 1, 0, 0)], "version"),
+    ([wire.HEADER.pack(b"MXPL", 1, 250, 0, 0)], "kind"),
+    ([wire.HEADER.pack(b"MXPL", 1, 1, 0x80, 0)], "flags"),
+    ([wire.HEADER.pack(b"MXPL", 1, 1, 0, 5) + b"{}"], "length"),
+    ([wire.HEADER.pack(b"MXPL", 1, 1, 0, 2) + b"[]"], "object"),
+    ([wire.HEADER.pack(b"MXPL", 1, 1, 0, 3000) + b"[" * 3000], "JSON"),
+    ([wire.HEADER.pack(b"MXPL", 1, 1, 0, 1) + b"\xff"], "JSON"),
+])
+def test_decode_names_the_problem(frames, match):
+    with pytest.raises(WireError, match=match):
+        wire.decode(frames)
+
+
+def test_descriptor_checks():
+    def msg(descr, *bufs):
+        import json
+        body = json.dumps({"arrays": descr}).encode()
+        return [wire.HEADER.pack(b"MXPL", 1, int(Kind.SAMPLES), 0, len(body)) + body, *bufs]
+
+    with pytest.raises(WireError, match="twice"):
+        wire.decode(msg([["a", "<i4", [1]], ["a", "<i4", [1]]], b"\0" * 4, b"\0" * 4))
+    with pytest.raises(WireError, match="forbidden dtype"):
+        wire.decode(msg([["a", "|O", [1]]], b"\0" * 8))
+    with pytest.raises(WireError, match="bad shape"):
+        wire.decode(msg([["a", "<i4", [-1]]], b""))
+    with pytest.raises(WireError, match="needs"):
+        # a product that overflows int64 must not wrap around to the buffer size
+        wire.decode(msg([["a", "|u1", [1 << 39, 1 << 39, 1 << 39, 0x10]]], b""))
+    with pytest.raises(WireError, match="described"):
+        wire.decode(msg([["a", "<i4", [1]]]))
+
+
+def test_liveness_table():
+    now = [0.0]
+    lv = wire.Liveness(1.0, misses=3, clock=lambda: now[0])
+    lv.seen(b"a")
+    now[0] = 2.0
+    lv.seen(b"b")
+    assert lv.due() and not lv.due()
+    now[0] = 3.5
+    assert lv.expired() == [b"a"] and list(lv.last) == [b"b"]
+
+
+def test_backpressure_and_timeouts_name_the_endpoint():
+    ctx = zmq.Context()
+    try:
+        push = wire.configure_socket(ctx.socket(zmq.PUSH), sndhwm=1)
+        pull = wire.configure_socket(ctx.socket(zmq.PULL), rcvhwm=1)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        big = np.zeros(1 << 20, np.uint8)
+        with pytest.raises(wire.Backpressure, match=f"127.0.0.1:{port}"):
+            for _ in range(1000):  # the receiver never reads: queues fill, then the deadline hits
+                wire.send_frames(push, wire.encode(Kind.SAMPLES, arrays={"a": big}), timeout_s=0.2, what="samples")
+        d = ctx.socket(zmq.DEALER)
+        d.linger = 0
+        d.connect(f"tcp://127.0.0.1:{port + 0}")
+        with pytest.raises(wire.PeerTimeout, match=f"step 5 from tcp://127.0.0.1:{port}"):
+            wire.recv_timeout(d, 0.05, what="step 5")
+        assert not wire.try_send(push, Kind.ACK)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _pair(ctx, server_keys, client_keys, server_public):
+    srv = wire.curve_server(ctx.socket(zmq.ROUTER), server_keys)
+    srv.linger = 0
+    port = srv.bind_to_random_port("tcp://127.0.0.1")
+    cli = ctx.socket(zmq.DEALER)
+    cli.linger = 0
+    wire.curve_client(cli, client_keys, server_public)
+    cli.connect(f"tcp://127.0.0.1:{port}")
+    return srv, cli
+
+
+def test_curve_allowlist(tmp_path):
+    server = wire.generate_keys(tmp_path, "constructor")
+    client = wire.generate_keys(tmp_path, "client-0")
+    stranger = wire.generate_keys(tmp_path / "elsewhere", "stranger")
+    assert (tmp_path / "constructor.key_secret").stat().st_mode & 0o777 == 0o600
+    assert wire.load_keys(tmp_path, "constructor") == server
+    assert wire.load_public_key(tmp_path, "client-0") == client.public
+    allow = wire.load_allowlist(tmp_path)
+    assert allow == {server.public, client.public}
+    ctx = zmq.Context()
+    auth = wire.Authenticator(ctx, allow)
+    try:
+        srv, cli = _pair(ctx, server, client, server.public)
+        wire.send(cli, Kind.GET_STEP, {"step": 1})
+        route, m = wire.recv_timeout(srv, 5, routed=True)
+        assert m.meta == {"step": 1}
+        # a client whose key is not on the allowlist never gets a message through
+        srv2, bad = _pair(ctx, server, stranger, server.public)
+        wire.send(bad, Kind.GET_STEP, {"step": 2})
+        assert not srv2.poll(500)
+        assert auth.denied >= 1
+        # a client that expects another server key cannot talk to this server
+        srv3, wrong = _pair(ctx, server, client, stranger.public)
+        wire.send(wrong, Kind.GET_STEP, {"step": 3})
+        assert not srv3.poll(300)
+    finally:
+        auth.close()
+        ctx.destroy(linger=0)
+
+
+def test_key_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nobody.key_secret"):
+        wire.load_keys(tmp_path, "nobody")
+    (tmp_path / "broken.key_secret").write_text('curve\n public-key = "short"\n')
+    with pytest.raises(ValueError, match="broken.key_secret"):
+        wire.load_keys(tmp_path, "broken")
+
+
+def test_heartbeat_is_a_valid_message():
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://hb")
+        b.connect("inproc://hb")
+        assert wire.heartbeat(a, who="loader-0")
+        _, m = wire.recv_timeout(b, 1)
+        assert m.kind == Kind.HEARTBEAT and m.meta["who"] == "loader-0"
+    finally:
+        ctx.destroy(linger=0)
