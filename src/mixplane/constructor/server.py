@@ -37,10 +37,26 @@ class StepState:
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
     images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
+    need_spans: set[tuple[int, int, int]] = field(default_factory=set)  # set when the layout arrives
+    need_images: set[tuple[int, int]] = field(default_factory=set)
+
+    def expect(self, layout: StepLayout, ranks: list[int]) -> None:
+        """What must arrive before the step can be built: every span of the layout, and the pixels
+        of every image one of this constructor's ranks encodes."""
+        self.layout = layout
+        self.need_spans = set(zip(layout.seg_source.tolist(), layout.seg_key.tolist(), layout.seg_start.tolist()))
+        mine = np.isin(layout.img_rank, np.asarray(ranks, dtype=np.int64))
+        self.need_images = set(zip(layout.img_source[mine].tolist(), layout.img_key[mine].tolist()))
 
     @property
     def complete(self) -> bool:
-        return self.layout is not None and len(self.spans) >= len(self.layout.seg_row)
+        if self.layout is None:
+            return False
+        if self.need_spans:
+            self.need_spans = {k for k in self.need_spans if k not in self.spans.spans}
+        if self.need_images:
+            self.need_images = {k for k in self.need_images if k not in self.images}
+        return not self.need_spans and not self.need_images
 
 
 class ConstructorServer:
@@ -135,7 +151,7 @@ class ConstructorServer:
             except ValueError as e:
                 raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
             st = self.steps.setdefault(layout.step, StepState())
-            st.layout = layout
+            st.expect(layout, self.ranks)
             st.cursor_after = msg.meta.get("cursor_after")
             bc = msg.meta.get("broadcast", [])
             if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):

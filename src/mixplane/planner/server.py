@@ -80,7 +80,10 @@ class PlannerServer:
         self.m = make_metrics("planner")
         self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         self._dp_to_constructors: dict[int, list[int]] = {}
+        self._rank_to_constructors: dict[int, list[int]] = {}
         for ci, ranks in enumerate(self.groups):
+            for r in ranks:
+                self._rank_to_constructors.setdefault(int(r), []).append(ci)
             for d in dp_ranks_of_group(spec, ranks):
                 self._dp_to_constructors.setdefault(d, []).append(ci)
 
@@ -260,6 +263,20 @@ class PlannerServer:
                 d["len"].append(int(lay.seg_len[i]))
                 d["dest"].append(ci)
                 d["retire"].append(retire if j == len(cons) - 1 else 0)
+        # images: the pixels go to the constructor serving the rank that encodes them, also when that
+        # constructor gets no span of the sample (a patch-only instruction: the first span, 0 tokens)
+        for i in range(len(lay.img_key)):
+            src, k = int(lay.img_source[i]), int(lay.img_key[i])
+            rep, pos = where[(src, k, 0)]
+            d = per_loader.setdefault((src, rep), {"pos": [], "start": [], "len": [], "dest": [], "retire": []})
+            have = {c for q, s0, c in zip(d["pos"], d["start"], d["dest"]) if q == pos and s0 == 0}
+            for ci in self._rank_to_constructors.get(int(lay.img_rank[i]), []):
+                if ci not in have:
+                    d["pos"].insert(0, pos)  # before any retiring instruction of the same sample
+                    d["start"].insert(0, 0)
+                    d["len"].insert(0, 0)
+                    d["dest"].insert(0, ci)
+                    d["retire"].insert(0, 0)
         for key, d in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step},
                        {"pos": np.array(d["pos"], np.int64), "start": np.array(d["start"], np.int64),
