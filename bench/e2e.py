@@ -212,17 +212,23 @@ def bench_mixplane(data: Path, steps: int, tmp: Path) -> dict:
         with TreeSampler(lambda: comps + ranks) as sampler:
             results = collect(procs)
         comp_cpu = sum(sum(p.cpu_times()[:2]) for p in comps)
+        breakdown = {c.name: {"cpu_s": round(sum(p.cpu_times()[:2]), 2), "rss_mb": round(p.memory_info().rss / 2**20, 1)}
+                     for c, p in zip(rt.children, comps)}
+    print(f"mixplane components: {json.dumps(breakdown)}", file=sys.stderr)
+    print(f"mixplane ranks: cpu_s {[round(r['cpu'], 2) for r in results]}", file=sys.stderr)
     return summarize(results, comp_cpu, sampler.peak)
 
 
 def bench_baseline(data: Path, steps: int, tmp: Path) -> dict:
     import psutil
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # what careful users set (and HF's fork warning asks for): one tokenizer thread per worker process
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     procs = run_ranks("baseline-rank", steps, tmp, env, ["--data", str(data)])
     ranks = [psutil.Process(p.pid) for p, _ in procs]
     with TreeSampler(lambda: ranks) as sampler:
         results = collect(procs)
+    print(f"baseline ranks (with their workers): cpu_s {[round(r['cpu'], 2) for r in results]}", file=sys.stderr)
     return summarize(results, 0.0, sampler.peak)
 
 

@@ -141,7 +141,7 @@ class RuntimeSpec(_Model):
     host: str = Field("127.0.0.1", description="Interface the embedded runtime binds to.")
     planner_port: int = Field(0, ge=0, le=65535, description="Planner port; 0 picks a free one.")
     metrics: bool = Field(True, description="Serve Prometheus /metrics from every component.")
-    window: int = Field(256, ge=1, description="Samples per loader replica the planner sees at least (its read-ahead window).")
+    window: int = Field(32, ge=1, description="Samples per loader replica the planner sees at least (its read-ahead window; window_tokens usually decides).")
     window_tokens: int | None = Field(None, ge=1, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
     window_max: int = Field(65536, ge=1, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
     prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
