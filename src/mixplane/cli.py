@@ -89,6 +89,10 @@ def cmd_constructor(args: argparse.Namespace) -> int:
 
 
 def cmd_loader(args: argparse.Namespace) -> int:
+    # allocator settings first, before the loader allocates anything (see mixplane.loader.memory)
+    from mixplane.loader.memory import configure_allocator
+
+    logging.getLogger("mixplane.loader").info("allocator: %s", configure_allocator())
     from mixplane.loader.server import LoaderServer
     from mixplane.runtime import write_ready
 
