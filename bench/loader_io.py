@@ -10,10 +10,17 @@ every `write_batch_size` rows, so that is set to about 1 MB of rows), plus an in
 (the row's position in stored order, read only by the HF baseline, which has no other way to tell
 where a sample came from; our streams carry it in their keys).
 
-Each mode runs in its own process (clean peak RSS). Per mode: samples_per_s, bytes_read_per_sample
-(bytes our reader issued; for HF the process's read() bytes, /proc/self/io rchar), delivered_bytes_per_sample
-(UTF-8 bytes of the delivered text), read_amplification (their ratio), peak_rss_mb, p50/p99 of the
-time to get one batch, pair_gap and window_coverage over the delivered order.
+Each mode runs in its own process (clean peak RSS), every one with the allocator settings a loader
+process applies to itself (mixplane.loader.memory.configure_allocator). Per mode: samples_per_s,
+bytes_read_per_sample (bytes our reader issued; for HF the process's read() bytes, /proc/self/io
+rchar), delivered_bytes_per_sample (UTF-8 bytes of the delivered text), read_amplification (their
+ratio), peak_rss_mb, p50/p99 of the time to get one batch, pair_gap and window_coverage over the
+delivered order. Page mode's `_extra.memory` splits its memory at the end of the run: base_mb
+(interpreter, libraries, index), buffer_mb (inherent: the rows in the shuffle buffer), slab_overhead_mb,
+dictionaries_mb and other_mb (allocator slack, transient buffers, Python objects).
+
+window_coverage can be at most 1.0 (all 100 buckets), so it can exceed a baseline's at most
+1.0 / baseline times: with HF at 0.13 here, "10x HF" is out of reach for any order, a full shuffle included.
 
 Usage: python bench/loader_io.py [--quick] [--gb 1.0] [--data DIR]
 The last stdout line is one JSON object:
@@ -177,7 +184,18 @@ def quality(pos: np.ndarray, n_total: int) -> tuple[float, float]:
     return pair_gap, len(buckets) / 100.0
 
 
+def _rss_mb() -> float:
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
 def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budget_s: float, buffer_rows: int) -> dict:
+    # every mode (HF included) runs with the allocator settings a loader process applies to itself
+    from mixplane.loader.memory import configure_allocator
+
+    alloc = configure_allocator()
     import pyarrow.compute as pc
 
     need = max(n_total // 100, 1)  # window_coverage needs the first 1%
@@ -192,7 +210,11 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
         files = sorted(glob.glob(os.path.join(data_dir, "*.parquet")))
         ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True,
                                    columns=["text", "id"], cache_dir=os.path.join(data_dir, ".hf-cache"))
-        ds = ds.shuffle(seed=0, buffer_size=10_000)
+        # as HF's docs advise for shuffling Parquet: one shard per row group (here one per file, as
+        # each file is one row group), then shard order shuffled and a 10,000-sample buffer fed by
+        # up to `max_buffer_input_shards` (default 10) shards at a time
+        ds = ds.reshard().shuffle(seed=0, buffer_size=10_000)
+        stats = {"num_shards": ds.num_shards}
         it = ds.iter(batch_size=batch)
         open_s = time.perf_counter() - t_open
         r0 = _rchar()
@@ -210,7 +232,7 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
             got += len(b["id"])
         wall = time.perf_counter() - t0
         bytes_read = _rchar() - r0
-        stats = {}
+        stats["allocator"] = alloc
     else:
         from mixplane.loader.stream import open_stream
         from mixplane.samples import key_row
@@ -219,6 +241,7 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
         src = SourceSpec(name="bench", uri=data_dir, columns=["text"], kind="tokens", shuffle=mode)
         s = open_stream(src, seed=0, buffer_rows=buffer_rows)
         open_s = time.perf_counter() - t_open
+        base_mb = _rss_mb()  # interpreter, libraries and the index: before any page is read
         b0, r0 = s.stats.bytes_read, _rchar()
         t0 = time.perf_counter()
         got = 0
@@ -233,7 +256,10 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
         bytes_read = s.stats.bytes_read - b0
         st = s.status()
         stats = {"rchar_per_sample": (_rchar() - r0) / max(got, 1), "index_bytes_per_page": st["index_bytes_per_page"],
-                 "pages": st["pages"], "quarantined": st["quarantined"]["pages"]}
+                 "pages": st["pages"], "quarantined": st["quarantined"]["pages"], "allocator": alloc}
+        if mode == "page":
+            stats["page_reads"] = s.segments[0].page_reads
+            stats["memory"] = _page_memory(s, base_mb, delivered / max(got, 1))
         s.close()
     pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
     pair_gap, cover = quality(pos, n_total)
@@ -254,6 +280,28 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
     return out
 
 
+def _page_memory(s, base_mb: float, row_bytes: float) -> dict:
+    """Where a page-mode stream's memory goes, at the end of the run (MB)."""
+    rss = _rss_mb()
+    sim = s._plan_obj.sim
+    arena = s._arena.resident_bytes / 2**20
+    dicts = s.reader._dicts.nbytes / 2**20
+    buffer = sim.size * row_bytes / 2**20
+    return {
+        "rss_mb": round(rss, 1),
+        "base_mb": round(base_mb, 1),  # interpreter + libraries + index, before reading
+        "buffer_mb": round(buffer, 1),  # inherent: rows in the shuffle buffer x mean decoded row
+        "slab_overhead_mb": round(arena - buffer, 1),  # the two below
+        "slab_delivered_mb": round(s._arena.used_bytes / 2**20 - buffer, 1),  # rows delivered, not yet compacted away
+        "slab_unused_mb": round(arena - s._arena.used_bytes / 2**20, 1),  # slab tails, rest of the newest, spare slabs
+        "dictionaries_mb": round(dicts, 1),
+        "other_mb": round(rss - base_mb - arena - dicts, 1),  # allocator slack, transient buffers, Python objects
+        "index_mb": round(s.index.nbytes / 2**20, 3),
+        "buffer_rows": int(sim.size),
+        "slab_bytes_written_per_row_byte": round(s._arena.copied_bytes / max(1.0, s.position * row_bytes), 2),
+    }
+
+
 def run_worker(args) -> None:
     res = run_mode(args.worker, args.data, args.n_total, args.samples, args.batch, args.budget, args.buffer_rows)
     print(json.dumps(res))
@@ -264,11 +312,7 @@ def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budg
            "--samples", str(samples), "--batch", str(batch), "--budget", str(budget), "--buffer-rows", str(buffer_rows)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    # the same allocator settings for every mode (HF included): Arrow on the system allocator and glibc
-    # returning page-sized blocks to the OS, so RSS shows what a loader holds, not heap fragmentation
-    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
+    # allocator settings: each worker applies the loader's own (mixplane.loader.memory), whatever the mode
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"mode {mode} failed:\n{p.stderr[-3000:]}")
@@ -323,6 +367,8 @@ def main() -> None:
         res = spawn(mode, data, n, samples, 256, budget, 10_000)
         print(json.dumps({"mode": mode, **res}), flush=True)
         modes[mode] = {k: res[k] for k in MODE_FIELDS}
+        if mode == "page":
+            page_extra = res["_extra"]
 
     # page mode's memory at a second dataset size: the first quarter of the files
     small = data.rstrip("/") + "_quarter"  # outside the source directory, which is scanned recursively
@@ -336,9 +382,10 @@ def main() -> None:
     samples, budget = plan["page"]
     res_small = spawn("page", small, n_small, samples, 256, budget, 10_000)
     print(json.dumps({"page_memory_vs_size": {
-        "full": {"dataset_bytes": man["dataset_bytes"], "rows": n, "peak_rss_mb": modes["page"]["peak_rss_mb"]},
+        "full": {"dataset_bytes": man["dataset_bytes"], "rows": n, "peak_rss_mb": modes["page"]["peak_rss_mb"],
+                 "breakdown": page_extra["memory"]},
         "quarter": {"dataset_bytes": sum(os.path.getsize(p) for p in quarter), "rows": n_small,
-                    "peak_rss_mb": res_small["peak_rss_mb"]},
+                    "peak_rss_mb": res_small["peak_rss_mb"], "breakdown": res_small["_extra"]["memory"]},
         "rowgroup_peak_rss_mb": modes["rowgroup"]["peak_rss_mb"]}, "total_s": round(time.time() - t0, 1)}), flush=True)
 
     print(json.dumps({"modes": modes, "index_bytes_per_page": round(idx.bytes_per_page, 1),

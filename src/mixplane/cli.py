@@ -93,6 +93,10 @@ def cmd_loader(args: argparse.Namespace) -> int:
     # A loader is one of many processes on a node: tokenize on this thread (rayon's worker threads cost
     # ~30% more CPU per token here), unless the operator asked otherwise.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # allocator settings first, before the loader allocates anything (see mixplane.loader.memory)
+    from mixplane.loader.memory import configure_allocator
+
+    logging.getLogger("mixplane.loader").info("allocator: %s", configure_allocator())
     from mixplane.loader.server import LoaderServer
     from mixplane.runtime import write_ready
 

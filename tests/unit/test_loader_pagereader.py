@@ -167,3 +167,51 @@ def test_page_header_parse_of_real_file(tmp_path):
     h = pr.parse_page_header(buf, 0)
     assert h.type in (pr.DATA_PAGE_V2, pr.DICTIONARY_PAGE)
     assert h.crc is not None and h.compressed_size > 0
+
+
+@pytest.mark.parametrize("dictionary,version", [(False, "1.0"), (True, "1.0"), (False, "2.0"), (True, "2.0")])
+def test_selected_rows_of_a_page_equal_taking_them(tmp_path, dictionary, version):
+    """Decoding only some rows of a page (page splits) gives exactly those rows, for every type,
+    with and without nulls (pages with nulls or lists decode fully, then take)."""
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(TABLE, path, use_dictionary=dictionary, data_page_version=version, data_page_size=2048,
+                   row_group_size=600, write_page_index=True)
+    rr = pr.RangeReader(path)
+    meta = pr.read_file_meta(rr)
+    rng = np.random.default_rng(0)
+    for c in pr.resolve_columns(meta, TABLE.column_names):
+        ch = meta.row_groups[0].columns[c.leaf]
+        off, size, _ = pr.read_offset_index(rr, ch)
+        dictionary_ = None
+        if off[0] > ch.start:
+            dictionary_ = pr.read_dictionary(c, rr.read_at(ch.start, int(off[0] - ch.start)), ch.codec)
+        for k in range(min(4, len(off))):
+            buf = rr.read_at(int(off[k]), int(size[k]))
+            full = pa.concat_arrays(pr.decode_page_run(c, buf, ch.codec, dictionary_))
+            for sel in (np.arange(0, len(full), 3), np.sort(rng.choice(len(full), len(full) // 2, replace=False)),
+                        np.zeros(0, np.int64)):
+                got = pr.decode_page_run(c, buf, ch.codec, lambda: dictionary_, select=sel, expect_rows=len(full))
+                assert len(got) == 1 and got[0].equals(full.take(pa.array(sel, pa.int64()))), (c.name, k)
+    rr.close()
+
+
+def test_dictionary_page_read_only_for_dictionary_encoded_pages(tmp_path):
+    """A chunk whose dictionary filled up falls back to PLAIN: reading a PLAIN page of it does not
+    read (or keep) the dictionary page."""
+    from mixplane.loader import pageindex as pi
+    words = [f"w{i:06d}" + "x" * 200 for i in range(4000)]  # all distinct: the dictionary overflows
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"t": words}), path, use_dictionary=True, dictionary_pagesize_limit=64 << 10,
+                   data_page_size=16 << 10, write_page_index=True)
+    idx = pi.build_source_index([path], ["t"], cache_dir=None)
+    assert int(idx.primary["chunk_dict_len"][0]) > 0
+    stats = pr.IOStats()
+    rd = pi.SourceReader(idx, stats=stats)
+    last = idx.num_units - 1  # a PLAIN page after the fallback
+    r0 = int(idx.unit_row_start[last])
+    got = rd.read_rows(0, r0, r0 + int(idx.unit_rows[last]), (last, last + 1))["t"]
+    assert got.to_pylist() == words[r0:]
+    assert stats.bytes_read == int(idx.primary["unit_len"][last]) and rd._dicts.nbytes == 0
+    first = rd.read_rows(0, 0, int(idx.unit_rows[0]), (0, 1))["t"]  # dictionary-encoded: needs it
+    assert first.to_pylist() == words[: int(idx.unit_rows[0])] and rd._dicts.nbytes > 0
+    rd.close()

@@ -9,8 +9,8 @@ import pytest
 from tests.unit.loader_testdata import write_source
 from mixplane.loader import pageindex as pi
 from mixplane.loader.pagereader import IOStats
-from mixplane.loader.shuffle import BufferShuffle, FeistelPermutation
-from mixplane.loader.stream import open_stream
+from mixplane.loader.shuffle import BufferShuffle, FeistelPermutation, PageParts, stratified_permutation
+from mixplane.loader.stream import SLAB_LIVE_RATIO, MAX_PAGE_READS, READ_BUDGET, open_stream
 from mixplane.samples import key_epoch, key_row
 from mixplane.spec import SourceSpec
 
@@ -275,25 +275,107 @@ def test_replica_count_changes_at_an_epoch_boundary(src, mode):
         t.load_state_dict(s.state_dict())
 
 
-def test_page_mode_holds_only_buffered_pages(src):
+def test_page_mode_holds_only_buffered_rows(src):
+    import pyarrow.compute as pc
     d, _, table = src
-    s = open_stream(spec(d, "page"), seed=1, buffer_rows=200)
-    rows_per_page = float(s.index.unit_rows.mean())
-    peak = 0
-    for _ in range(60):
+    # decoded bytes of each source row (values and offsets), to weigh what the buffer holds
+    row_bytes = (pc.binary_length(table.column("text")).to_numpy(zero_copy_only=False) + 4
+                 + 4 * pc.list_value_length(table.column("ids")).to_numpy(zero_copy_only=False) + 4 + 8)
+    slab = 64 << 10
+    s = open_stream(spec(d, "page"), seed=1, buffer_rows=200, slab_bytes=slab)
+    assert s.segments[0].page_reads > 1  # these files compress well: pages are split
+    worst, unit_max = 0.0, 0
+    for _ in range(80):
         s.take(50)
-        peak = max(peak, len(s._cache))
-    # pages decoded and kept: those with rows still in the buffer (a few buffers' worth at most)
-    assert peak <= 4 * (200 / rows_per_page + 2)
-    assert peak < s.index.num_units / 3
+        sim = s._plan_obj.sim
+        live = float(row_bytes[sim.buf[: sim.size]].sum()) + 64 * 5 * len(s._cache)  # + buffer alignment
+        unit_max = max([unit_max] + [nb for _, nb in s._arena_units()])
+        worst = max(worst, s._arena.resident_bytes - live / SLAB_LIVE_RATIO / (1 - unit_max / slab))
+    # memory held: the buffered rows' bytes / ratio (a slab's unused tail is less than one unit),
+    # plus the newest slab and the spare ones
+    assert worst <= (1 + s._arena._max_spares) * slab
+    assert not s._arena._pending  # nothing points into emptied slabs once take() has returned
+    assert s._arena.copied_bytes < 8 * float(row_bytes.sum())
 
 
-def test_page_mode_reads_little_more_than_it_delivers(src):
+def test_page_mode_reads_each_page_once_per_part(src):
     d, paths, table = src
-    s = open_stream(spec(d, "page", columns=["text"]), seed=1, buffer_rows=200, cache_dir=None)
-    start = s.stats.bytes_read
-    s.take(len(table))  # one epoch
-    read = s.stats.bytes_read - start
     fis = [pi.index_file(p, ["text"]).pages["text"] for p in paths]
     data = sum(int(f.unit_len.sum()) + int(f.chunk_dict_len.sum()) for f in fis)
-    assert read <= 1.05 * data  # each page once, each dictionary page once
+    raw = sum(int(f.chunk_raw_len.sum()) for f in fis)
+    for reads in (1, 2, None):
+        s = open_stream(spec(d, "page", columns=["text"]), seed=1, buffer_rows=200, cache_dir=None, page_reads=reads)
+        start = s.stats.bytes_read
+        r = s.take(len(table))  # one epoch
+        assert sorted(key_row(r.keys).tolist()) == list(range(len(table)))
+        read = s.stats.bytes_read - start
+        k = s.segments[0].page_reads
+        assert k == (reads or k)
+        assert read <= 1.05 * k * data  # each page once per part, each dictionary page at most once per part
+        if reads is None:  # automatic: as many parts as the read budget allows, from the footers' sizes
+            assert 1 < k <= MAX_PAGE_READS and k * data / raw <= READ_BUDGET * 1.05
+    with pytest.raises(ValueError):
+        open_stream(spec(d, "page"), seed=1, page_reads=0)
+
+
+def test_page_parts_split_pages_exactly():
+    starts = np.array([0, 10, 13, 40], np.int64)
+    rows = np.array([10, 3, 27, 5], np.int64)
+    lay = PageParts(starts, rows, np.array([3, 1, 2, 1]))
+    units = lay.units_of(np.arange(4))
+    assert units.tolist() == [0, 1, 2, 3, 6, 7, 9]  # stride 3: page u's parts are 3u, 3u+1, ...
+    got = np.concatenate([lay.rows_of(int(v)) for v in units])
+    assert sorted(got.tolist()) == list(range(45))
+    assert (lay.size(units) == [len(lay.rows_of(int(v))) for v in units]).all()
+    assert lay.rows_of(1).tolist() == [1, 4, 7]  # interleaved: row j of a page goes to part j mod parts
+    v, loc = lay.unit_and_local(got)
+    for u in units:
+        assert (lay.rows_of(int(u))[loc[v == u]] == got[v == u]).all()
+    sim = BufferShuffle(units[np.random.default_rng(0).permutation(len(units))], starts, rows, buffer_rows=8,
+                        rows_per_page=6, rng=np.random.default_rng(1), parts=np.array([3, 1, 2, 1]))
+    out, done = [], []
+    while (b := sim.next_block()) is not None:
+        out.append(b[0])
+        done += b[1]
+    assert sorted(np.concatenate(out).tolist()) == list(range(45)) and sorted(done) == units.tolist()
+
+
+def test_stratified_permutation_spreads_every_prefix():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 3, 7, 64, 1000):
+        p = stratified_permutation(n, rng)
+        assert sorted(p.tolist()) == list(range(n))
+    n = 1024
+    for _ in range(5):
+        p = stratified_permutation(n, rng)
+        for j in range(11):  # the first 2^j items hold one item of each of the 2^j strata
+            m = 1 << j
+            assert len(np.unique(p[:m] * m // n)) == m
+    # not a power of two: still nearly one item per stratum
+    p = stratified_permutation(1985, rng)
+    assert len(np.unique(p[:64] * 64 // 1985)) >= 60
+    # every item is equally likely at every place, as in a uniform permutation
+    first = np.array([stratified_permutation(16, np.random.default_rng(s))[0] for s in range(4000)])
+    counts = np.bincount(first, minlength=16)
+    assert counts.min() > 180 and counts.max() < 330
+    a, b = stratified_permutation(100, np.random.default_rng(1)), stratified_permutation(100, np.random.default_rng(2))
+    assert (a != b).any()
+
+
+def test_page_mode_first_fill_covers_the_source(tmp_path):
+    """Window coverage: the first 1% of an epoch comes from (nearly) every 1% of the stored order.
+    With P pages touched by then, an unstratified page order covers about 1 - 0.99^P of it."""
+    import pyarrow.parquet as pq
+    from tests.unit.loader_testdata import text_table
+    n = 0
+    for k in range(2):  # ~7 rows per page
+        t = text_table(15000, k, n)
+        n += len(t)
+        pq.write_table(t, str(tmp_path / f"p{k}.parquet"), data_page_size=1024, write_batch_size=4,
+                       row_group_size=5000, use_dictionary=False)
+    for reads, want in ((1, 0.75), (2, 0.9)):
+        s = open_stream(spec(str(tmp_path), "page", columns=["text", "row"]), seed=1, buffer_rows=600, page_reads=reads)
+        first = key_row(s.take(n // 100).keys)
+        pages = len(np.unique(s.index.unit_of_rows(first)))
+        cover = len(np.unique(first * 100 // n)) / 100
+        assert cover >= max(want, 1 - 0.99**pages + 0.05), (reads, pages, cover)

@@ -35,7 +35,7 @@ from mixplane.loader.pagereader import (
 from mixplane.loader.thrift import ThriftError
 
 log = logging.getLogger(__name__)
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 _HEADER_PROBE = 256
 
 
@@ -59,12 +59,13 @@ class ColumnPages:
     chunk_dict_off: np.ndarray  # int64 (0 = none)
     chunk_dict_len: np.ndarray  # int32
     chunk_first_unit: np.ndarray  # int64, len = chunks + 1
+    chunk_raw_len: np.ndarray  # int64 bytes of the chunk's pages uncompressed (footer's total_uncompressed_size)
     unit_off: np.ndarray  # int64 byte offset of the unit's first page header
     unit_len: np.ndarray  # int32 bytes of the unit (headers included)
     unit_rows: np.ndarray  # int32 rows in the unit
     unit_pages: np.ndarray  # int16 pages in the unit (1 unless a row straddles pages)
 
-    FIELDS = ("chunk_rg", "chunk_codec", "chunk_dict_off", "chunk_dict_len", "chunk_first_unit",
+    FIELDS = ("chunk_rg", "chunk_codec", "chunk_dict_off", "chunk_dict_len", "chunk_first_unit", "chunk_raw_len",
               "unit_off", "unit_len", "unit_rows", "unit_pages")
 
 
@@ -164,7 +165,7 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
             raise CorruptFileError(f"row groups hold {int(rg_rows.sum())} rows, footer says {meta.num_rows}", file=path)
         pages: dict[str, ColumnPages] = {}
         for col in cols:
-            rgs, codecs, doffs, dlens, firsts = [], [], [], [], [0]
+            rgs, codecs, doffs, dlens, firsts, raws = [], [], [], [], [0], []
             uo, ul, ur, up = [], [], [], []
             for ri, rg in enumerate(meta.row_groups):
                 if rg.num_rows == 0:
@@ -183,13 +184,15 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 codecs.append(chunk.codec)
                 doffs.append(doff)
                 dlens.append(dlen)
+                raws.append(chunk.total_uncompressed_size)
                 firsts.append(firsts[-1] + len(off))
                 uo.append(off), ul.append(ln), ur.append(rows), up.append(npg)
             cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
             pages[col.name] = ColumnPages(
                 chunk_rg=np.array(rgs, np.int32), chunk_codec=np.array(codecs, np.int8),
                 chunk_dict_off=np.array(doffs, np.int64), chunk_dict_len=np.array(dlens, np.int32),
-                chunk_first_unit=np.array(firsts, np.int64), unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
+                chunk_first_unit=np.array(firsts, np.int64), chunk_raw_len=np.array(raws, np.int64),
+                unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
                 unit_rows=cat(ur, np.int32), unit_pages=cat(up, np.int16))
         return FileIndex(path=path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
                          num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages)
@@ -311,7 +314,7 @@ class SourceIndex:
         self.cols: dict[str, dict[str, np.ndarray]] = {}
         for c in self.columns:
             parts: dict[str, list] = {k: [] for k in ("chunk_file", "chunk_rg", "chunk_codec", "chunk_dict_off",
-                                                      "chunk_dict_len", "chunk_row_start", "chunk_rows", "unit_off",
+                                                      "chunk_dict_len", "chunk_raw_len", "chunk_row_start", "chunk_rows", "unit_off",
                                                       "unit_len", "unit_rows", "unit_pages", "chunk_nunits")}
             file_units = [0]
             for fi_i, f in enumerate(self.files):
@@ -322,6 +325,7 @@ class SourceIndex:
                 parts["chunk_codec"].append(cp.chunk_codec)
                 parts["chunk_dict_off"].append(cp.chunk_dict_off)
                 parts["chunk_dict_len"].append(cp.chunk_dict_len)
+                parts["chunk_raw_len"].append(cp.chunk_raw_len)
                 parts["chunk_row_start"].append(self.file_row_start[fi_i] + rg_start[cp.chunk_rg])
                 parts["chunk_rows"].append(f.rg_rows[cp.chunk_rg])
                 parts["chunk_nunits"].append(np.diff(cp.chunk_first_unit))
@@ -329,7 +333,7 @@ class SourceIndex:
                     parts[k].append(getattr(cp, k))
                 file_units.append(file_units[-1] + len(cp.unit_off))
             dts = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
-                   "chunk_dict_len": np.int32, "chunk_row_start": np.int64, "chunk_rows": np.int64, "unit_off": np.int64,
+                   "chunk_dict_len": np.int32, "chunk_raw_len": np.int64, "chunk_row_start": np.int64, "chunk_rows": np.int64, "unit_off": np.int64,
                    "unit_len": np.int32, "unit_rows": np.int32, "unit_pages": np.int16, "chunk_nunits": np.int64}
             a = {k: (np.concatenate(v).astype(dts[k]) if v else np.zeros(0, dts[k])) for k, v in parts.items()}
             a["chunk_first_unit"] = np.concatenate([[0], np.cumsum(a.pop("chunk_nunits"))]).astype(np.int64)
@@ -483,10 +487,11 @@ class _LRU:
 
 class SourceReader:
     """Reads rows of an indexed source by page: positional reads of just the pages that hold them
-    (plus each chunk's dictionary page, decoded once and kept in a small LRU)."""
+    (plus a chunk's dictionary page when a dictionary-encoded page of it is read: decoded once and
+    kept in a small LRU)."""
 
     def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
-                 dict_cache_bytes: int = 32 << 20, max_open_files: int = 64):
+                 dict_cache_bytes: int = 8 << 20, max_open_files: int = 64):
         self.index = index
         self.fs = filesystem
         self.stats = stats if stats is not None else IOStats()
@@ -525,8 +530,9 @@ class SourceReader:
         self._dicts.put(key, d, d.nbytes)
         return d
 
-    def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int) -> pa.Array:
-        """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``)."""
+    def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int, select: np.ndarray | None = None) -> pa.Array:
+        """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
+        the rows at ``select`` (ascending indices within the units) when given."""
         a = self.index.cols[col.name]
         off = int(a["unit_off"][u0])
         end = int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1])
@@ -534,8 +540,9 @@ class SourceReader:
         codec = int(a["chunk_codec"][chunk])
         try:
             buf = self._reader(int(a["chunk_file"][chunk])).read_at(off, end - off)
-            dictionary = self._dictionary(col, chunk) if int(a["chunk_dict_len"][chunk]) else None
-            arrs = pr.decode_page_run(col, buf, codec, dictionary, verify_crc=self.verify_crc, expect_rows=rows)
+            dictionary = (lambda: self._dictionary(col, chunk)) if int(a["chunk_dict_len"][chunk]) else None
+            arrs = pr.decode_page_run(col, buf, codec, dictionary, verify_crc=self.verify_crc, expect_rows=rows,
+                                      select=select)
             out = arrs[0] if len(arrs) == 1 else pa.concat_arrays(arrs)
             if pa.types.is_string(out.type) or pa.types.is_large_string(out.type):
                 out.validate(full=True)  # invalid UTF-8 means corrupt bytes slipped past the checks
@@ -549,11 +556,14 @@ class SourceReader:
             w = self.index.where(col.name, chunk, u0)
             raise CorruptPageError(f"cannot decode ({type(e).__name__}: {e})", **w) from None
 
-    def read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None) -> dict[str, pa.Array]:
-        """Rows [row0, row1) (source row numbers, all inside ``chunk``) of every projected column.
+    def read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None,
+                  select: np.ndarray | None = None) -> dict[str, pa.Array]:
+        """Rows [row0, row1) (source row numbers, all inside ``chunk``) of every projected column;
+        with ``select`` (ascending indices into that range) only those rows.
 
-        ``units`` gives the primary column's unit range when the caller knows it; other columns
-        read the pages that cover the row range and slice them."""
+        ``units`` gives the primary column's unit range when the caller knows it (it is decoded
+        selecting the rows as it goes); other columns read the pages that cover the row range,
+        slice them and take the selected rows."""
         out: dict[str, pa.Array] = {}
         for ci, col in enumerate(self.index.col_info):
             a = self.index.cols[col.name]
@@ -566,8 +576,12 @@ class SourceReader:
                 u0 = c0 + int(np.searchsorted(starts, row0, side="right")) - 1
                 u1 = c0 + int(np.searchsorted(starts, row1, side="left"))
                 lo = int(a["unit_row_start"][u0])
+            if ci == 0 and units is not None and select is not None:
+                out[col.name] = self.read_units(col, chunk, u0, u1, select)
+                continue
             arr = self.read_units(col, chunk, u0, u1)
-            out[col.name] = arr.slice(row0 - lo, row1 - row0) if (row0 != lo or len(arr) != row1 - row0) else arr
+            arr = arr.slice(row0 - lo, row1 - row0) if (row0 != lo or len(arr) != row1 - row0) else arr
+            out[col.name] = arr if select is None else arr.take(pr.int64_array(select))
         return out
 
     def close(self) -> None:

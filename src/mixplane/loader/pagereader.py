@@ -186,6 +186,7 @@ class ChunkMeta:
     data_page_offset: int
     dictionary_page_offset: int | None
     total_compressed_size: int
+    total_uncompressed_size: int
     offset_index_offset: int | None
     offset_index_length: int | None
     encodings: list[int]
@@ -309,6 +310,7 @@ def _file_meta(path: str, size: int, fm: dict) -> FileMeta:
                 raise ThriftError("column chunk without metadata (encrypted or external file)")
             cols.append(ChunkMeta(physical_type=md[1], codec=md[4], num_values=md[5], data_page_offset=md[9],
                                   dictionary_page_offset=md.get(11), total_compressed_size=md[7],
+                                  total_uncompressed_size=md.get(6, md[7]),
                                   offset_index_offset=cc.get(4), offset_index_length=cc.get(5),
                                   encodings=list(md.get(2, []))))
         if len(cols) != len(leaves):
@@ -499,6 +501,13 @@ def decompress(codec: int, data, size: int) -> bytes | bytearray | memoryview:
     return out
 
 
+def int64_array(x) -> pa.Array:
+    """An Arrow int64 array of ``x`` (e.g. take indices), built without ``pa.array``: that one
+    imports pandas on first use whenever pandas is installed (~30 MB for a loader process)."""
+    a = np.ascontiguousarray(x, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
+
+
 def _alloc(n: int):
     """A writable buffer from Arrow's memory pool: page-sized allocations come and go all the time,
     and the pool gives them back to the system far better than the C heap does."""
@@ -614,8 +623,9 @@ def decode_hybrid(buf, pos: int, end: int, bit_width: int, count: int) -> np.nda
 # values
 
 
-def _plain_byte_array(buf, pos: int, end: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets (int64, n+1) and the concatenated bytes (uint8) of n PLAIN BYTE_ARRAY values."""
+def _plain_byte_array(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (int64, n+1) and the concatenated bytes (uint8) of n PLAIN BYTE_ARRAY values
+    (only of the values at ``select``, ascending indices, when given)."""
     starts = [0] * n
     p = pos
     u32 = _u32
@@ -633,6 +643,17 @@ def _plain_byte_array(buf, pos: int, end: int, n: int) -> tuple[np.ndarray, np.n
     if n:
         lens[:-1] = st[1:] - st[:-1] - 4
         lens[-1] = (p - pos) - st[-1] - 4
+    if select is not None:  # copy just the selected values' bytes
+        sel = np.asarray(select, np.int64)
+        if len(sel) and (sel[0] < 0 or sel[-1] >= n):
+            raise IndexError("row selection outside the page")
+        ls = lens[sel]
+        offsets = np.zeros(len(sel) + 1, np.int64)
+        np.cumsum(ls, out=offsets[1:])
+        mv = memoryview(buf)
+        data = np.frombuffer(b"".join([mv[starts[i] + 4 : starts[i] + 4 + ln] for i, ln in zip(sel.tolist(), ls.tolist())]),
+                             np.uint8)
+        return offsets, data
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
     if n == 0:
@@ -668,8 +689,9 @@ def _validity(valid: np.ndarray | None):
     return pa.py_buffer(np.packbits(valid, bitorder="little")), nulls
 
 
-def decode_plain(col: ColumnInfo, buf, pos: int, end: int, n: int):
-    """PLAIN values: numpy array for fixed width, (offsets, data) for BYTE_ARRAY."""
+def decode_plain(col: ColumnInfo, buf, pos: int, end: int, n: int, select: np.ndarray | None = None):
+    """PLAIN values: numpy array for fixed width, (offsets, data) for BYTE_ARRAY (only the
+    BYTE_ARRAY values at ``select`` when given; other types ignore it)."""
     pt = col.physical_type
     if pt in _FIXED_DTYPES:
         dt = _FIXED_DTYPES[pt]
@@ -677,7 +699,7 @@ def decode_plain(col: ColumnInfo, buf, pos: int, end: int, n: int):
             raise ValueError(f"PLAIN data has {end - pos} bytes for {n} {TYPE_NAMES[pt]} values")
         return np.frombuffer(buf, dtype=dt, count=n, offset=pos)
     if pt == BYTE_ARRAY:
-        return _plain_byte_array(buf, pos, end, n)
+        return _plain_byte_array(buf, pos, end, n, select)
     if pt == BOOLEAN:
         nb = (n + 7) // 8
         if pos + nb > end:
@@ -790,9 +812,11 @@ def _levels_v1(body, pos: int, max_level: int, n: int, encoding: int) -> tuple[n
     return lv, pos + ln
 
 
-def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dictionary: Dictionary | None) -> pa.Array:
+def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dictionary: Dictionary | None,
+                     select: np.ndarray | None = None) -> pa.Array:
     """Decode one data page (``raw`` = the page bytes after its header, as stored) to an Arrow array
-    with one slot per row of the page (one list per row for list columns)."""
+    with one slot per row of the page (one list per row for list columns); with ``select``
+    (ascending row indices of the page) only those rows, in that order."""
     n = header.num_values
     rep = dfn = None
     if header.type == DATA_PAGE:
@@ -837,8 +861,12 @@ def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dicti
         raise ValueError(f"header says {header.num_nulls} nulls, levels say {n - n_present}")
 
     enc = header.encoding
+    # selecting rows while decoding (no copy of the other rows) needs one value per row
+    early = select is not None and not col.is_list and n_present == n
     if enc == PLAIN:
-        vals = decode_plain(col, body, pos, vend, n_present)
+        vals = decode_plain(col, body, pos, vend, n_present, select if early else None)
+        if early and col.physical_type != BYTE_ARRAY:
+            vals = vals[np.asarray(select, np.int64)]
         dict_mode = False
     elif enc in (PLAIN_DICTIONARY, RLE_DICTIONARY):
         if dictionary is None:
@@ -847,6 +875,8 @@ def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dicti
             raise ValueError("dictionary index data missing")
         bw = body[pos] if n_present else 0
         idx = decode_hybrid(body, pos + 1, vend, bw, n_present) if n_present else np.zeros(0, np.int64)
+        if early:
+            idx = idx[np.asarray(select, np.int64)]
         dict_mode = True
     elif enc == RLE and col.physical_type == BOOLEAN:
         if pos + 4 > vend:
@@ -855,14 +885,21 @@ def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dicti
         if pos + 4 + ln > vend:
             raise ValueError("RLE boolean data runs past the page")
         vals = decode_hybrid(body, pos + 4, pos + 4 + ln, 1, n_present).astype(bool)
+        if early:
+            vals = vals[np.asarray(select, np.int64)]
         dict_mode = False
     else:
         raise UnsupportedError(f"encoding {ENCODING_NAMES.get(enc, enc)} is not supported")
 
     if not col.is_list:
+        if early:
+            k = len(select)
+            arr = _dict_to_arrow(col, dictionary, idx, None, k) if dict_mode else _values_to_arrow(col, vals, None, k)
+            return _finish_type(arr, col.arrow_type)
         valid = present if (present is not None and n_present != n) else None
         arr = _dict_to_arrow(col, dictionary, idx, valid, n) if dict_mode else _values_to_arrow(col, vals, valid, n)
-        return _finish_type(arr, col.arrow_type)
+        arr = _finish_type(arr, col.arrow_type)
+        return arr if select is None else arr.take(int64_array(select))
 
     # one level of list: rows start where rep == 0; items exist where def >= item_def
     d = dfn if dfn is not None else np.full(n, col.max_def, np.int64)
@@ -891,7 +928,8 @@ def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dicti
     vb, nulls = _validity(list_valid)
     arr = pa.Array.from_buffers(pa.list_(items.type), n_rows, [vb, pa.py_buffer(offsets.astype(np.int32))],
                                 null_count=nulls, children=[items])
-    return _finish_type(arr, col.arrow_type)
+    arr = _finish_type(arr, col.arrow_type)
+    return arr if select is None else arr.take(int64_array(select))
 
 
 def count_rows_v1(col: ColumnInfo, header: PageHeader, raw, codec: int) -> int:
@@ -941,10 +979,15 @@ def read_dictionary(col: ColumnInfo, buf: bytes, codec: int, *, verify_crc: bool
     return decode_dictionary_page(col, h, decompress(codec, raw, h.uncompressed_size))
 
 
-def decode_page_run(col: ColumnInfo, buf: bytes, codec: int, dictionary: Dictionary | None, *,
-                    verify_crc: bool = True, expect_rows: int | None = None) -> list[pa.Array]:
+def decode_page_run(col: ColumnInfo, buf: bytes, codec: int, dictionary, *,
+                    verify_crc: bool = True, expect_rows: int | None = None,
+                    select: np.ndarray | None = None) -> list[pa.Array]:
     """Decode consecutive data pages filling ``buf`` exactly (headers included). Dictionary pages
-    met on the way replace ``dictionary``. Raises on any inconsistency; the caller adds context."""
+    met on the way replace ``dictionary``. ``dictionary`` may be a callable returning it: it is
+    then called only if a dictionary-encoded page needs it (writers fall back to PLAIN once the
+    dictionary is full, so most pages of a text column never need theirs). With ``select``
+    (ascending row indices within the run) only those rows are returned. Raises on any
+    inconsistency; the caller adds context."""
     out: list[pa.Array] = []
     pos, end = 0, len(buf)
     mv = memoryview(buf)
@@ -961,8 +1004,17 @@ def decode_page_run(col: ColumnInfo, buf: bytes, codec: int, dictionary: Diction
         if h.type == DICTIONARY_PAGE:
             dictionary = decode_dictionary_page(col, h, decompress(codec, raw, h.uncompressed_size))
         elif h.type in (DATA_PAGE, DATA_PAGE_V2):
-            arr = decode_data_page(col, h, raw, codec, dictionary)
-            rows += len(arr)
+            if callable(dictionary) and h.encoding in (PLAIN_DICTIONARY, RLE_DICTIONARY):
+                dictionary = dictionary()
+            d = None if callable(dictionary) else dictionary
+            if select is not None and not out and body_end == end and not col.is_list:
+                # the run is this one page: select while decoding (a non-list page has one value per row)
+                arr = decode_data_page(col, h, raw, codec, d, select)
+                rows += h.num_values
+                select = None
+            else:
+                arr = decode_data_page(col, h, raw, codec, d)
+                rows += len(arr)
             out.append(arr)
         elif h.type == INDEX_PAGE:
             pass
@@ -971,6 +1023,9 @@ def decode_page_run(col: ColumnInfo, buf: bytes, codec: int, dictionary: Diction
         pos = body_end
     if expect_rows is not None and rows != expect_rows:
         raise ValueError(f"pages hold {rows} rows, the index says {expect_rows}")
+    if select is not None:
+        whole = out[0] if len(out) == 1 else pa.concat_arrays(out)
+        out = [whole.take(int64_array(select))]
     return out
 
 

@@ -1,7 +1,10 @@
 """Read orders, simulated on integer ids only (no data): cheap to replay, so ``seek`` is exact.
 
-* ``page``      — random page order over the whole source (YOUMU §5.3), then the aggressive
-                  buffer shuffle of Algorithm 2 on the rows of those pages.
+* ``page``      — random page order over the whole source (YOUMU §5.3), stratified so that
+                  every stretch of the read order spreads over the whole stored order, each page
+                  optionally split into a few interleaved parts read separately (more pages in the
+                  buffer at once, at the price of reading a page once per part), then the aggressive
+                  buffer shuffle of Algorithm 2 on the rows of those units.
 * ``row``       — full random row order; a Feistel-network permutation gives row(i) in O(1)
                   memory for any i, so even a billion-row source needs no permutation array.
 * ``rowgroup``  — random row-group order, rows shuffled within the group (baseline).
@@ -34,47 +37,113 @@ def partition_of_permutation(n: int, rng: np.random.Generator, partition: int, n
 
 
 # ----------------------------------------------------------------------------------------------
-# page mode: YOUMU Algorithm 2
+# page mode: stratified page order, page splits, YOUMU Algorithm 2
+
+
+def stratified_permutation(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A random permutation of range(n) whose every prefix is spread evenly over range(n).
+
+    Owen-scrambled radical inverse (a randomised van der Corput order): item i sits in slot
+    floor(i * 2^L / n) of a binary tree of depth L; the item's place in the permutation is its
+    slot's bits read in reverse order, each XORed with a random bit drawn for its tree node. The
+    first 2^j items therefore hold one item of each of the 2^j dyadic strata of range(n) (within
+    one slot where n is not a power of two), for every j; and each item is equally likely at every
+    place, as in a uniform permutation. Used on the pages of a partition in stored order, so that
+    the first pages read in an epoch (the shuffle buffer's first fill) are a stratified sample of
+    the whole source instead of a clustered one."""
+    n = int(n)
+    if n <= 1:
+        return np.zeros(max(n, 0), np.int64)
+    L = (n - 1).bit_length()
+    slot = (np.arange(n, dtype=np.int64) << L) // n
+    key = np.zeros(n, np.int64)
+    for d in range(L):
+        bit = (slot >> (L - 1 - d)) & 1
+        flips = rng.integers(0, 2, size=1 << d, dtype=np.int64)
+        key |= (bit ^ flips[slot >> (L - d)]) << d
+    return np.argsort(key, kind="stable")
+
+
+class PageParts:
+    """Page splits: page u's rows are split into ``parts[u]`` interleaved parts (row j of the page
+    belongs to part j mod parts[u]), each read on its own (the page is read and decoded once per
+    part, and only that part's rows join the buffer). Part k of page u is the virtual unit
+    ``u * stride + k``. stride = max parts; ``parts`` all 1 is plain page mode."""
+
+    def __init__(self, starts: np.ndarray, rows: np.ndarray, parts: np.ndarray | None = None):
+        self.starts = np.asarray(starts, np.int64)  # indexed by page
+        self.rows = np.asarray(rows, np.int64)  # indexed by page
+        self.parts = np.ones(len(self.rows), np.int64) if parts is None else np.asarray(parts, np.int64)
+        self.stride = int(self.parts.max()) if len(self.parts) else 1
+
+    def units_of(self, pages: np.ndarray) -> np.ndarray:
+        """Virtual units of the given pages, in stored order (page by page, part by part)."""
+        pages = np.asarray(pages, np.int64)
+        m = self.parts[pages]
+        first = np.repeat(np.cumsum(m) - m, m)
+        return np.repeat(pages, m) * self.stride + (np.arange(int(m.sum()), dtype=np.int64) - first)
+
+    def page(self, v) -> np.ndarray | int:
+        return v // self.stride
+
+    def size(self, v) -> np.ndarray | int:
+        """Rows of virtual unit(s) v."""
+        u, k = v // self.stride, v % self.stride
+        m = self.parts[u]
+        return np.maximum((self.rows[u] - k + m - 1) // m, 0)
+
+    def rows_of(self, v: int) -> np.ndarray:
+        """Source row ids of virtual unit v (ascending)."""
+        u, k = divmod(int(v), self.stride)
+        m = int(self.parts[u])
+        return self.starts[u] + np.arange(k, int(self.rows[u]), m, dtype=np.int64)
+
+    def unit_and_local(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(virtual unit, index within the unit's rows) of source rows."""
+        rows = np.asarray(rows, np.int64)
+        u = np.searchsorted(self.starts, rows, side="right") - 1
+        j = rows - self.starts[u]
+        m = self.parts[u]
+        return u * self.stride + j % m, j // m
 
 
 class BufferShuffle:
     """Aggressive buffer shuffle (YOUMU Alg. 2) on row ids.
 
-    ``units`` are the pages in read order; unit u holds rows ``starts[u] .. starts[u]+rows[u]``.
-    The buffer is first filled to ``buffer_rows``; then, whenever a page's worth of rows
-    (``rows_per_page``) has left, the next page is read in. Every block emits ``rows_per_page``
+    ``units`` are the (virtual) units in read order: pages, or parts of pages (:class:`PageParts`).
+    The buffer is first filled to ``buffer_rows``; then, whenever a unit's worth of rows
+    (``rows_per_page``) has left, the next unit is read in. Every block emits ``rows_per_page``
     rows drawn uniformly at random from the whole buffer (a shuffle after each arrival followed by
-    a pop has the same distribution). When the pages run out the buffer drains, still random.
+    a pop has the same distribution). When the units run out the buffer drains, still random.
 
-    ``next_block()`` returns (row ids, pages whose last buffered row left in this block).
+    ``next_block()`` returns (row ids, units whose last buffered row left in this block).
     """
 
     def __init__(self, units: np.ndarray, starts: np.ndarray, rows: np.ndarray, *, buffer_rows: int,
-                 rows_per_page: int, rng: np.random.Generator):
+                 rows_per_page: int, rng: np.random.Generator, parts: np.ndarray | None = None):
         self.units = np.asarray(units, np.int64)
-        self.starts = np.asarray(starts, np.int64)  # indexed by unit id
-        self.rows = np.asarray(rows, np.int64)  # indexed by unit id
+        self.layout = PageParts(starts, rows, parts)
         self.B = max(1, int(buffer_rows))
         self.K = max(1, int(rows_per_page))
         self.rng = rng
-        max_rows = int(self.rows[self.units].max()) if len(self.units) else 0
+        max_rows = int(self.layout.size(self.units).max()) if len(self.units) else 0
         self.buf = np.empty(self.B + max_rows + self.K, np.int64)  # row ids
         self.owner = np.empty_like(self.buf)  # unit of each buffered row
         self.size = 0
         self.next = 0
         self.left: dict[int, int] = {}
-        self.loaded: list[int] = []  # units read in, in order (for accounting)
         while self.size < self.B and self.next < len(self.units):
             self._load()
 
     def _load(self) -> None:
         u = int(self.units[self.next])
         self.next += 1
-        n = int(self.rows[u])
+        ids = self.layout.rows_of(u)
+        n = len(ids)
         if n == 0:
             return
         s = self.size
-        self.buf[s : s + n] = self.starts[u] + np.arange(n, dtype=np.int64)
+        self.buf[s : s + n] = ids
         self.owner[s : s + n] = u
         self.size = s + n
         self.left[u] = n
@@ -172,14 +241,16 @@ class EpochPlan:
 
 
 class PagePlan(EpochPlan):
-    """``order``: this partition's pages in read order (already a random permutation)."""
+    """``order``: this partition's units (pages, or page parts when ``parts`` is given) in read order."""
 
     def __init__(self, order: np.ndarray, starts: np.ndarray, rows: np.ndarray, rng: np.random.Generator, *,
-                 buffer_rows: int, rows_per_page: int):
+                 buffer_rows: int, rows_per_page: int, parts: np.ndarray | None = None):
         order = np.asarray(order, np.int64)
         self.order = order
-        self.rows = int(rows[order].sum())
-        self.sim = BufferShuffle(order, starts, rows, buffer_rows=buffer_rows, rows_per_page=rows_per_page, rng=rng)
+        self.sim = BufferShuffle(order, starts, rows, buffer_rows=buffer_rows, rows_per_page=rows_per_page, rng=rng,
+                                 parts=parts)
+        self.layout = self.sim.layout
+        self.rows = int(self.layout.size(order).sum())
 
     def next_block(self):
         return self.sim.next_block()

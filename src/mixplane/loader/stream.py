@@ -22,8 +22,25 @@ that appear later under the uri form the next segments, each shuffled on its own
 source that has run dry blocks in ``take`` (or returns early after ``timeout``), logs a status line
 and exposes ``dry`` / ``status()`` for metrics, instead of failing.
 
-Memory of a page-mode stream: its index (:attr:`SourceIndex.bytes_per_page`), the decoded pages
-that still have rows in the shuffle buffer, and the buffer's row ids — never a row group or file.
+Page mode in detail (``SourceSpec.shuffle == "page"``): the pages of a partition are read in a
+stratified random order (:func:`shuffle.stratified_permutation`: the first pages of an epoch are
+spread over the whole source, not clustered by chance), and each page may be split into
+``page_reads`` interleaved parts that are read separately — the page is read and decoded once per
+part, and only that part's rows join the shuffle buffer, so the buffer holds rows of
+``page_reads`` times as many pages. By default ``page_reads`` is the largest number (at most
+:data:`MAX_PAGE_READS`) that keeps the bytes read per delivered byte within
+:data:`READ_BUDGET`, from the source's compression ratio in the file footers. Both decisions
+are fixed per segment of files, so the order stays a pure function of (seed, epoch).
+
+Memory of a page-mode stream: its index (:attr:`SourceIndex.bytes_per_page`), the buffer's row
+ids, and the decoded rows of the units (pages or parts) that still have rows in the shuffle
+buffer, as Arrow arrays — never a row group or file. A unit is read when its first row is
+delivered and dropped when its last row is. Its arrays live in fixed-size slabs
+(:class:`arena.RowArena`) rather than on the general heap, which would fragment under units that
+come and go in random order; the units of a slab whose rows still to come fill no more than
+:data:`SLAB_LIVE_RATIO` of it are compacted to those rows and moved to the newest slab, so the
+memory held stays within 1 / SLAB_LIVE_RATIO of the buffer's own rows (plus one slab).
+Dictionary pages are read only for pages that are dictionary-encoded.
 """
 
 from __future__ import annotations
@@ -35,17 +52,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from mixplane.loader.arena import RowArena
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
 from mixplane.loader.pageindex import SourceIndex, SourceReader, _LRU, build_source_index
-from mixplane.loader.pagereader import IOStats, ParquetError
+from mixplane.loader.pagereader import IOStats, ParquetError, int64_array
 from mixplane.loader.quarantine import QuarantineLog
-from mixplane.loader.shuffle import PagePlan, RowPlan, SequentialPlan, epoch_rng, key_of
+from mixplane.loader.shuffle import (
+    PageParts, PagePlan, RowPlan, SequentialPlan, epoch_rng, key_of, stratified_permutation,
+)
 from mixplane.samples import make_key
 from mixplane.spec import SourceSpec
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: stratified page order and page splits
 DEFAULT_BUFFER_ROWS = 10_000
+READ_BUDGET = 1.0  # page mode: compressed bytes read per decoded byte delivered, when page_reads is automatic
+MAX_PAGE_READS = 4  # page mode: parts a page may be split into (reads of one page per epoch)
+MIN_PART_ROWS = 4  # a page is split only into parts of at least this many rows
+SLAB_LIVE_RATIO = 0.75  # relocate the units of a slab once its rows still to come fill no more than this share of it
 
 __all__ = ["RawSamples", "SourceStream", "open_stream", "epoch_rng", "DEFAULT_BUFFER_ROWS"]
 
@@ -78,6 +102,8 @@ class _Segment:
     row_lo: int
     row_hi: int
     paths: list[str]
+    page_reads: int = 1  # page mode: parts per page (at most)
+    rows_per_unit: int = 1  # page mode: mean rows of a part (YOUMU's #rowPage)
 
 
 class SourceStream:
@@ -85,7 +111,8 @@ class SourceStream:
                  files: SourceFiles | None = None, buffer_rows: int = DEFAULT_BUFFER_ROWS,
                  quarantine: QuarantineLog | None = None, stats: IOStats | None = None, cache_dir: str | None = "default",
                  verify_crc: bool = True, row_block: int = 512, row_cache_bytes: int = 64 << 20,
-                 poll_s: float = 2.0, status_every_s: float = 30.0):
+                 poll_s: float = 2.0, status_every_s: float = 30.0, page_reads: int | None = None,
+                 slab_bytes: int = 4 << 20):
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} not in [0, {num_partitions})")
         self.source = source
@@ -96,6 +123,10 @@ class SourceStream:
         self.partition, self.num_partitions = int(partition), int(num_partitions)
         self.columns = list(source.columns)
         self.buffer_rows = int(buffer_rows)
+        if page_reads is not None and not 1 <= int(page_reads) <= 64:
+            raise ValueError(f"page_reads must be in [1, 64], not {page_reads}")
+        self.page_reads = None if page_reads is None else int(page_reads)
+        self._parts = np.zeros(0, np.int8)  # page mode: parts of each page (unit)
         self.row_block = int(row_block)
         self.poll_s, self.status_every_s = poll_s, status_every_s
         self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
@@ -105,7 +136,6 @@ class SourceStream:
         self.index = SourceIndex(self.columns)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self.segments: list[_Segment] = []
-        self._rows_per_page = 1
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
         if not self.live:
             if self.index.num_rows == 0:
@@ -116,9 +146,11 @@ class SourceStream:
                                   f"{self.num_partitions} partitions")
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
         self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
-        self._cache: dict[int, dict[str, pa.Array]] = {}
+        self._cache: dict[int, dict[str, pa.Array]] = {}  # unit (page, page part, chunk) -> decoded rows
         self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
         self._held: dict[int, int] = {}  # unit -> rows its cached data holds, after compaction
+        self._arena = RowArena(slab_bytes)  # page mode: memory of the cached units
+        self._layout = PageParts(np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._lru = _LRU(row_cache_bytes)
         self._base_epoch, self._base_pos = 0, 0
         self.dry = False
@@ -152,10 +184,32 @@ class SourceStream:
                 self.index.bad_files.pop(p)
         if len(self.index.files) == before or self.index.num_rows == r0:
             return False
-        self.segments.append(_Segment(u0, self.index.num_units, c0, self.index.num_chunks, r0, self.index.num_rows,
-                                      [f.path for f in self.index.files[before:]]))
-        self._rows_per_page = max(1, int(round(float(self.index.unit_rows.mean()))))
+        seg = _Segment(u0, self.index.num_units, c0, self.index.num_chunks, r0, self.index.num_rows,
+                       [f.path for f in self.index.files[before:]])
+        self._split_pages(seg)
+        self.segments.append(seg)
         return True
+
+    def _split_pages(self, seg: _Segment) -> None:
+        """Page mode: parts per page of a new segment, from the segment's own files only (so a
+        replay that knows more files plans this segment the same way)."""
+        idx = self.index
+        rows = idx.unit_rows[seg.unit_lo : seg.unit_hi].astype(np.int64)
+        reads = 1
+        if self.mode == "page":
+            if self.page_reads is not None:
+                reads = self.page_reads
+            else:
+                p = idx.primary
+                comp = float(p["unit_len"][seg.unit_lo : seg.unit_hi].sum() + p["chunk_dict_len"][seg.chunk_lo : seg.chunk_hi].sum())
+                raw = float(p["chunk_raw_len"][seg.chunk_lo : seg.chunk_hi].sum())
+                ratio = comp / raw if raw > 0 else 1.0
+                reads = int(min(MAX_PAGE_READS, max(1, np.floor(READ_BUDGET / max(ratio, 1e-6)))))
+        parts = np.clip(rows // MIN_PART_ROWS, 1, reads)
+        seg.page_reads = reads
+        units = int(parts.sum())
+        seg.rows_per_unit = max(1, int(round(float(rows.sum()) / max(units, 1))))
+        self._parts = np.concatenate([self._parts[: seg.unit_lo], parts.astype(np.int8)])
 
     def _rescan(self) -> bool:
         try:
@@ -194,10 +248,22 @@ class SourceStream:
         units = np.arange(seg.unit_lo, seg.unit_hi, dtype=np.int64)
         if self.mode == "sequential":
             return SequentialPlan(units[p::N], idx.unit_row_start, idx.unit_rows)
-        rng = epoch_rng(self.seed, name, epoch, 1)
-        order = units[rng.permutation(len(units))][p::N]
+        mine = self._page_units(epoch, seg)
+        order = mine[stratified_permutation(len(mine), epoch_rng(self.seed, name, epoch, 5, p, N))]
         return PagePlan(order, idx.unit_row_start, idx.unit_rows, epoch_rng(self.seed, name, epoch, 2, p, N),
-                        buffer_rows=self.buffer_rows, rows_per_page=self._rows_per_page)
+                        buffer_rows=self.buffer_rows, rows_per_page=seg.rows_per_unit, parts=self._parts)
+
+    def _page_layout(self) -> PageParts:
+        return PageParts(self.index.unit_row_start, self.index.unit_rows, self._parts)
+
+    def _page_units(self, epoch: int, seg: _Segment) -> np.ndarray:
+        """Page mode: this partition's units (page parts) of the segment, in stored order. The
+        partitions take every N-th unit of one uniform permutation of the segment's units."""
+        units = self._page_layout().units_of(np.arange(seg.unit_lo, seg.unit_hi, dtype=np.int64))
+        if self.num_partitions == 1:
+            return units
+        perm = epoch_rng(self.seed, self.name, epoch, 1).permutation(len(units))
+        return np.sort(units[perm[self.partition :: self.num_partitions]])
 
     def _epoch_rows(self, epoch: int) -> int:
         seg = self._segment(epoch)
@@ -218,14 +284,19 @@ class SourceStream:
         nu = seg.unit_hi - seg.unit_lo
         if self.mode == "sequential":
             return int(idx.unit_rows[seg.unit_lo + np.arange(p, nu, N)].sum())
-        perm = epoch_rng(self.seed, self.name, epoch, 1).permutation(nu)[p::N] + seg.unit_lo
-        return int(idx.unit_rows[perm].sum())
+        return int(self._page_layout().size(self._page_units(epoch, seg)).sum())
 
     def _set_epoch(self, epoch: int, start: int) -> None:
         self._epoch = epoch
         self._epoch_start = start
         self._plan_obj = self._plan(epoch)
         self._epoch_len = self._plan_obj.rows if self._plan_obj is not None else 0
+        if self.mode == "rowgroup":
+            self._layout = PageParts(self.index.chunk_row_start, self.index.chunk_rows)
+        elif isinstance(self._plan_obj, PagePlan):
+            self._layout = self._plan_obj.layout
+        else:
+            self._layout = PageParts(self.index.unit_row_start, self.index.unit_rows)
         self._block = np.zeros(0, np.int64)
         self._block_done: list[int] = []
         self._block_start = start
@@ -234,6 +305,7 @@ class SourceStream:
         self._cache.clear()
         self._maps.clear()
         self._held.clear()
+        self._arena.clear()
 
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
@@ -252,42 +324,63 @@ class SourceStream:
             self._cache.pop(u, None)
             self._maps.pop(u, None)
             self._held.pop(u, None)
-        if self.mode == "page" and self._plan_obj is not None and self._cache:
-            self._maybe_compact()
+            self._arena.release(u)
 
     def _maybe_compact(self) -> None:
-        """Keep only the rows still to be delivered of pages that are half drained (again and again:
-        each page is copied at most ~log2(rows) times, at most twice its size in all). A page with a
-        few rows left in the shuffle buffer then holds only those rows, so the decoded pages never
-        take much more memory than the rows in the buffer."""
+        """Move the units of mostly dead slabs, cut to the rows still to be delivered, into the
+        newest slab. With ratio r every relocated byte frees at least (1 - r) / r bytes, so each
+        decoded byte is copied at most about r / (1 - r) more times; and every slab but the newest
+        is more than r full of rows still to come."""
         sim = self._plan_obj.sim
-        rows = self.index.unit_rows
-        held = self._held
-        victims = sorted(u for u in self._cache
-                         if 0 < sim.left.get(u, 0) and 2 * sim.left[u] <= held.get(u, int(rows[u])) and held.get(u, int(rows[u])) > 4)
+        lay = self._layout
+        held, left = self._held, sim.left
+        live = {}
+        for u, nb in self._arena_units():
+            h = held.get(u)
+            if h is None:
+                h = int(lay.size(u))
+            live[u] = nb * left.get(u, 0) / max(h, 1)
+        victims = sorted(u for u in self._arena.sparse_slabs(live, SLAB_LIVE_RATIO) if u in self._cache)
         if not victims:
             return
         owner, ids = sim.owner[: sim.size], sim.buf[: sim.size]
         sel = np.isin(owner, victims)
         own, rid = owner[sel], ids[sel]
-        order = np.argsort(own, kind="stable")
-        own, rid = own[order], rid[order]
-        bounds = np.searchsorted(own, np.array(victims + [np.iinfo(np.int64).max], np.int64))
-        starts = self.index.unit_row_start
+        # rows of the current block not yet taken are still to be delivered too
         blk = self._block[self._off :]
+        bu, bl = lay.unit_and_local(blk)
+        bsel = np.isin(bu, victims)
+        _, rl = lay.unit_and_local(rid)
+        own = np.concatenate([own, bu[bsel]])
+        loc = np.concatenate([rl, bl[bsel]])
+        order = np.lexsort((loc, own))
+        own, loc = own[order], loc[order]
+        bounds = np.searchsorted(own, np.array(victims + [np.iinfo(np.int64).max], np.int64))
         for i, u in enumerate(victims):
-            local = rid[bounds[i] : bounds[i + 1]] - starts[u]
-            # rows of the current block not yet taken are still to be delivered too
-            bl = blk[(blk >= starts[u]) & (blk < starts[u] + rows[u])] - starts[u]
-            local = np.union1d(local, bl)
+            local = loc[bounds[i] : bounds[i + 1]]
+            if not len(local):  # every row delivered: nothing to keep
+                self._cache.pop(u, None)
+                self._maps.pop(u, None)
+                held.pop(u, None)
+                self._arena.release(u)
+                continue
             old = self._maps.get(u)
             cur = old[local] if old is not None else local
-            m = np.full(int(rows[u]), -1, np.int64)
+            m = np.full(int(lay.size(u)), -1, np.int64)
             m[local] = np.arange(len(local))
-            idx = pa.array(cur)
-            self._cache[u] = {c: a.take(idx) for c, a in self._cache[u].items()}
+            idx = int64_array(cur)
+            cut = {c: a.take(idx) for c, a in self._cache[u].items()}
+            self._arena.release(u)
+            self._cache[u] = self._arena.store(u, cut)
             self._maps[u] = m
             held[u] = len(local)
+        self._arena.reclaim()
+
+    def _arena_units(self):
+        for u in self._cache:
+            sid = self._arena.slab_of(u)
+            if sid is not None:
+                yield u, self._arena._slabs[sid].units[u]
 
     @property
     def position(self) -> int:
@@ -335,29 +428,33 @@ class SourceStream:
     # ------------------------------------------------------------------------------------------
     # reading
 
-    def _unit_bounds(self):
-        if self.mode == "rowgroup":
-            return self.index.chunk_row_start, self.index.chunk_rows
-        return self.index.unit_row_start, self.index.unit_rows
+    def _primary(self, u: int) -> int:
+        """The page (row-group chunk in rowgroup mode) a unit belongs to."""
+        return u // self._layout.stride
 
     def _load(self, u: int) -> dict[str, pa.Array] | None:
         idx = self.index
+        p = self._primary(u)
         try:
             if self.mode == "rowgroup":
-                r0 = int(idx.chunk_row_start[u])
+                r0 = int(idx.chunk_row_start[p])
                 a = idx.primary["chunk_first_unit"]
-                return self.reader.read_rows(u, r0, r0 + int(idx.chunk_rows[u]), (int(a[u]), int(a[u + 1])))
-            r0 = int(idx.unit_row_start[u])
-            c = int(idx.chunk_of_units([u])[0])
-            return self.reader.read_rows(c, r0, r0 + int(idx.unit_rows[u]), (u, u + 1))
+                return self.reader.read_rows(p, r0, r0 + int(idx.chunk_rows[p]), (int(a[p]), int(a[p + 1])))
+            r0 = int(idx.unit_row_start[p])
+            n = int(idx.unit_rows[p])
+            c = int(idx.chunk_of_units([p])[0])
+            m = int(self._layout.parts[p])
+            # one part of a split page: decode only its rows
+            select = np.arange(u % self._layout.stride, n, m, dtype=np.int64) if m > 1 else None
+            return self.reader.read_rows(c, r0, r0 + n, (p, p + 1), select)
         except ParquetError as e:
-            pages = int(idx.primary["unit_pages"][u]) if self.mode != "rowgroup" else 1
+            pages = int(idx.primary["unit_pages"][p]) if self.mode != "rowgroup" else 1
             self.quarantine.add(e, pages=pages)
-            self._bad_units.add(u)
+            self._bad_units.add(p)
             return None
 
     def _get(self, u: int):
-        if u in self._bad_units:
+        if self._primary(u) in self._bad_units:
             return None
         if self.mode == "row":
             hit = self._lru.get(u)
@@ -371,51 +468,45 @@ class SourceStream:
         if d is None:
             d = self._load(u)
             if d is not None:
+                if self.mode == "page":
+                    d = self._arena.store(u, {c: _compact(a) for c, a in d.items()})
                 self._cache[u] = d
         return d
 
-    def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, pa.Array]]:
-        """Data of the given source rows; returns (mask of rows delivered, columns of those rows)."""
-        starts, _ = self._unit_bounds()
-        units = np.searchsorted(starts, rows, side="right") - 1
+    def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, list[pa.Array]]]:
+        """Data of the given source rows: (mask of rows delivered, per column the pieces that hold
+        the delivered rows in order; concatenating them gives the column)."""
+        units, local = self._layout.unit_and_local(rows)
         uniq, inv = np.unique(units, return_inverse=True)
         datas = [self._get(int(u)) for u in uniq]
         ok_u = np.array([d is not None for d in datas], bool)
         good = ok_u[inv]
         if not good.any():
-            return good, {c: pa.array([], type=self.index.col_info[i].arrow_type) for i, c in enumerate(self.columns)}
-        keep = np.flatnonzero(ok_u)
-        remap = np.full(len(uniq), -1, np.int64)
-        remap[keep] = np.arange(len(keep))
-        gi = remap[inv[good]]
-        local = rows[good] - starts[uniq[keep]][gi]
+            return good, {c: [] for c in self.columns}
         if self._maps:
-            for j, k in enumerate(keep):
-                m = self._maps.get(int(uniq[k]))
+            for j, u in enumerate(uniq.tolist()):
+                m = self._maps.get(u)
                 if m is not None:
-                    sel = gi == j
+                    sel = inv == j
                     local[sel] = m[local[sel]]
-            if (local < 0).any():
-                raise AssertionError("compacted page lost a row that is still to be delivered")
-        # gather page by page (Arrow's take on a chunked array would concatenate every chunk first),
-        # then restore the delivery order with one take over the small result
-        order = np.argsort(gi, kind="stable")
-        bounds = np.searchsorted(gi[order], np.arange(len(keep) + 1))
-        local_sorted = local[order]
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        inv_arr = pa.array(inverse)
-        cols = {}
-        for c in self.columns:
-            pieces = [datas[k][c].take(pa.array(local_sorted[bounds[j] : bounds[j + 1]]))
-                      for j, k in enumerate(keep) if bounds[j + 1] > bounds[j]]
-            cat = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
-            cols[c] = cat.take(inv_arr)
-        return good, cols
+            if (local[good] < 0).any():
+                raise AssertionError("compacted unit lost a row that is still to be delivered")
+        gi, gl = inv[good], local[good]
+        if len(uniq) == 1:  # a whole block from one unit (sequential, rowgroup): one take
+            d = datas[0]
+            sel = int64_array(gl)
+            return good, {c: [d[c].take(sel)] for c in self.columns}
+        # rows from many units (page, row): one-row slices, concatenated once per take(); no
+        # per-unit take and no reordering copy
+        gl = gl.tolist()
+        return good, {c: [datas[j][c].slice(r, 1) for j, r in zip(gi.tolist(), gl)] for c in self.columns}
 
     def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
         """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds)."""
         n = int(n)
+        if self.mode == "page" and self._plan_obj is not None and self._cache:
+            # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
+            self._maybe_compact()
         keys, poss, parts = [], [], {c: [] for c in self.columns}
         got = 0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -435,14 +526,17 @@ class SourceStream:
                 keys.append(make_key(0 if self.live else self._epoch, rows[good]))
                 poss.append(pos[good])
                 for c in self.columns:
-                    parts[c].append(cols[c])
+                    parts[c].extend(cols[c])
                 got += k
                 self._epoch_delivered += k
         if not keys:
             return RawSamples(np.zeros(0, np.int64), np.zeros(0, np.int64),
-                              {c: pa.array([], type=self._col_type(c)) for c in self.columns})
-        return RawSamples(np.concatenate(keys), np.concatenate(poss),
-                          {c: (v[0] if len(v) == 1 else pa.concat_arrays(v)) for c, v in parts.items()})
+                              {c: pa.nulls(0, self._col_type(c)) for c in self.columns})
+        # always a copy: the pieces may be views of cached units (slab memory)
+        out = RawSamples(np.concatenate(keys), np.concatenate(poss), {c: pa.concat_arrays(v) for c, v in parts.items()})
+        del parts, cols
+        self._arena.reclaim()  # slabs emptied during this take() once its pieces are gone
+        return out
 
     def _col_type(self, c: str) -> pa.DataType:
         if self.index.col_info is None:
@@ -484,7 +578,8 @@ class SourceStream:
                 "index_bytes": self.index.nbytes, "index_bytes_per_page": self.index.bytes_per_page,
                 "bytes_read": self.stats.bytes_read, "reads": self.stats.reads, "live": self.live, "dry": self.dry,
                 "dry_seconds": (time.monotonic() - self._dry_since) if self._dry_since is not None else 0.0,
-                "quarantined": self.quarantine.counts(), "buffered_pages": len(self._cache)}
+                "quarantined": self.quarantine.counts(), "buffered_pages": len(self._cache),
+                "slab_bytes": self._arena.resident_bytes}
 
     def status_line(self) -> str:
         s = self.status()
@@ -499,7 +594,7 @@ class SourceStream:
               "partition": self.partition, "num_partitions": self.num_partitions, "position": self.position,
               "epoch": self._epoch, "epoch_start": self._epoch_start, "base_epoch": self._base_epoch,
               "base_position": self._base_pos, "fingerprint": self.index.fingerprint(),
-              "buffer_rows": self.buffer_rows}
+              "buffer_rows": self.buffer_rows, "page_reads": self.page_reads}
         if self.live:
             st["segments"] = [list(s.paths) for s in self.segments]
         return st
@@ -509,7 +604,8 @@ class SourceStream:
         is accepted at an epoch boundary: this partition then starts that epoch at that position."""
         if st.get("version") != STATE_VERSION:
             raise ValueError(f"stream state version {st.get('version')} is not {STATE_VERSION}")
-        for k, mine in (("source", self.name), ("mode", self.mode), ("seed", self.seed), ("buffer_rows", self.buffer_rows)):
+        for k, mine in (("source", self.name), ("mode", self.mode), ("seed", self.seed), ("buffer_rows", self.buffer_rows),
+                        ("page_reads", self.page_reads)):
             if st.get(k) != mine:
                 raise ValueError(f"stream state is for {k}={st.get(k)!r}, this stream has {mine!r}")
         if self.live and "segments" in st:
@@ -558,6 +654,9 @@ class SourceStream:
     def close(self) -> None:
         self.reader.close()
         self._cache.clear()
+        self._maps.clear()
+        self._held.clear()
+        self._arena.clear()
         self._lru.clear()
 
     def __enter__(self):
@@ -565,6 +664,13 @@ class SourceStream:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _compact(a: pa.Array) -> pa.Array:
+    """``a`` on buffers of its own size (a slice of a larger decoded run is copied out)."""
+    if a.offset or a.get_total_buffer_size() > 1.25 * a.nbytes + 4096:
+        return a.take(int64_array(np.arange(len(a))))
+    return a
 
 
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
