@@ -18,6 +18,8 @@ garbage and never stops the loader.
 
 from __future__ import annotations
 
+import itertools
+
 import io
 import math
 from dataclasses import dataclass
@@ -165,13 +167,25 @@ def _texts(arr: pa.Array, what: str) -> list[str]:
     return arr.fill_null("").to_pylist()
 
 
+ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds the tokenizer's transient memory
+
+
 def _encode(tok, texts: list[str]) -> Ragged:
-    """One batched tokenizer call; the per-document `.ids` lists are what the tokenizers API returns."""
-    enc = tok.encode_batch_fast(texts, add_special_tokens=False)
-    lens = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
-    offsets = np.zeros(len(enc) + 1, np.int64)
+    """Batched tokenizer calls of at most ~1 MB of text each (a tokenizer's intermediate state is tens
+    of bytes per token, so a batch of long documents would otherwise spike the loader's memory)."""
+    ids: list[list[int]] = []
+    i = 0
+    while i < len(texts):
+        j, size = i, 0
+        while j < len(texts) and (j == i or size + len(texts[j]) <= ENCODE_BATCH_CHARS):
+            size += len(texts[j])
+            j += 1
+        ids.extend(e.ids for e in tok.encode_batch_fast(texts[i:j], add_special_tokens=False))
+        i = j
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    offsets = np.zeros(len(ids) + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
-    values = np.fromiter((i for e in enc for i in e.ids), dtype=np.int32, count=int(offsets[-1]))
+    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(offsets[-1]))
     return Ragged(values, offsets)
 
 
