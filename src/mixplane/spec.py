@@ -50,6 +50,7 @@ class SourceSpec(_Model):
     shuffle: Literal["page", "row", "rowgroup", "sequential"] = Field("page", description="Read order: page-level shuffle (default), full row shuffle, or baselines.")
     replicas: int = Field(1, ge=1, description="Source Loader replicas that partition this source disjointly.")
     shuffle_buffer: int = Field(10000, ge=1, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
+    shuffle_buffer_mb: float | None = Field(32.0, gt=0, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
 
 

@@ -305,6 +305,13 @@ class SourceIndex:
     def finish(self) -> None:
         self._rebuild()
 
+    def decoded_bytes_per_row(self) -> float:
+        """Mean uncompressed bytes of a row's projected columns (from the footers, nothing read)."""
+        if not self.num_rows:
+            return 0.0
+        total = sum(int(np.sum(self.cols[c]["chunk_raw_len"])) for c in self.columns if c in self.cols)
+        return total / self.num_rows
+
     def _rebuild(self) -> None:
         F = len(self.files)
         self.file_row_start = np.zeros(F + 1, np.int64)

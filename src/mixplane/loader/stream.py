@@ -66,6 +66,7 @@ from mixplane.spec import SourceSpec
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: stratified page order and page splits
 DEFAULT_BUFFER_ROWS = 10_000
+MIN_BUFFER_ROWS = 64
 READ_BUDGET = 1.0  # page mode: compressed bytes read per decoded byte delivered, when page_reads is automatic
 MAX_PAGE_READS = 4  # page mode: parts a page may be split into (reads of one page per epoch)
 MIN_PART_ROWS = 4  # a page is split only into parts of at least this many rows
@@ -108,7 +109,7 @@ class _Segment:
 
 class SourceStream:
     def __init__(self, source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1,
-                 files: SourceFiles | None = None, buffer_rows: int = DEFAULT_BUFFER_ROWS,
+                 files: SourceFiles | None = None, buffer_rows: int = DEFAULT_BUFFER_ROWS, buffer_bytes: int | None = None,
                  quarantine: QuarantineLog | None = None, stats: IOStats | None = None, cache_dir: str | None = "default",
                  verify_crc: bool = True, row_block: int = 512, row_cache_bytes: int = 64 << 20,
                  poll_s: float = 2.0, status_every_s: float = 30.0, page_reads: int | None = None,
@@ -137,6 +138,10 @@ class SourceStream:
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self.segments: list[_Segment] = []
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
+        if buffer_bytes is not None and self.index.num_rows:
+            # a memory budget, not only a row count: a buffer of long documents stays bounded
+            per_row = max(1.0, self.index.decoded_bytes_per_row())
+            self.buffer_rows = max(MIN_BUFFER_ROWS, min(self.buffer_rows, int(buffer_bytes / per_row)))
         if not self.live:
             if self.index.num_rows == 0:
                 why = "; ".join(str(e) for e in self.index.bad_files.values()) or "no Parquet files"
@@ -676,4 +681,6 @@ def _compact(a: pa.Array) -> pa.Array:
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
     """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options)."""
     options.setdefault("buffer_rows", source.shuffle_buffer)
+    if source.shuffle_buffer_mb is not None:
+        options.setdefault("buffer_bytes", int(source.shuffle_buffer_mb * (1 << 20)))
     return SourceStream(source, seed=seed, partition=partition, num_partitions=num_partitions, **options)
