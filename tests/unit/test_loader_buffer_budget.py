@@ -17,9 +17,11 @@ def write_text(path, n, size, seed=0):
 
 def test_long_rows_get_fewer_buffer_rows(tmp_path):
     write_text(tmp_path / "long.parquet", 400, 20_000)
-    src = SourceSpec(name="long", uri=str(tmp_path / "long.parquet"), tokenizer="x", shuffle_buffer_mb=1.0)
+    src = SourceSpec(name="long", uri=str(tmp_path / "long.parquet"), tokenizer="x", shuffle_buffer_mb=4.0)
     s = open_stream(src, seed=0)
-    assert MIN_BUFFER_ROWS <= s.buffer_rows <= (1 << 20) // 20_000 + 1
+    assert 150 <= s.buffer_rows <= (4 << 20) // 20_000  # ~20 KB decoded per row
+    tiny = open_stream(src.model_copy(update={"shuffle_buffer_mb": 0.1}), seed=0)
+    assert tiny.buffer_rows == MIN_BUFFER_ROWS
     unbounded = open_stream(src.model_copy(update={"shuffle_buffer_mb": None}), seed=0)
     assert unbounded.buffer_rows == 10_000
 
