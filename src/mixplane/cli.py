@@ -194,7 +194,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 def cmd_demo_data(args: argparse.Namespace) -> int:
     from mixplane.demo.data import build_demo_data
 
-    summary = build_demo_data(Path(args.dir), max_mb=args.max_mb, vocab_size=args.vocab)
+    summary = build_demo_data(Path(args.dir), max_mb=args.max_mb, vocab_size=args.vocab, images=args.images)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("dir")
     d.add_argument("--max-mb", type=float, default=24.0, help="text per source, in MB")
     d.add_argument("--vocab", type=int, default=8192)
+    d.add_argument("--images", action="store_true", help="also build `pairs`: local images with captions (image_text, for the VLM example)")
     d.set_defaults(fn=cmd_demo_data)
 
     r = sub.add_parser("run", help="run a mixture with the embedded runtime")

@@ -43,3 +43,18 @@ def test_quick_demo_trains_and_tracks_the_mixture(tmp_path):
     assert result["fill"] > 0.95
     first_loss = max(s["loss"] for s in result["phases"][0]["sources"].values())
     assert result["final_loss"] < first_loss  # it learns
+
+
+def test_image_pairs_from_local_images(tmp_path):
+    from mixplane.demo.data import build_image_pairs
+    from mixplane.loader.stream import open_stream
+    from mixplane.loader.transforms import make_transform
+    from mixplane.spec import SourceSpec
+
+    info = build_image_pairs(tmp_path / "pairs", max_images=40)
+    assert info["images"] >= 10
+    tok = build_demo_data(tmp_path / "d", max_mb=0.2, vocab_size=300)["tokenizer"]
+    src = SourceSpec(name="pairs", uri=str(tmp_path / "pairs"), kind="image_text", columns=["image", "caption"],
+                     tokenizer=tok, image={"patch_size": 14, "max_side": 224})
+    out = make_transform(src)(open_stream(src, seed=0).take(info["images"]))
+    assert (out.npatches > 0).all() and (out.ntokens > out.npatches).all()  # placeholders + caption tokens

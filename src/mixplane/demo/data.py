@@ -166,8 +166,9 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> None:
     tok.save(str(path))
 
 
-def build_demo_data(out: Path, *, max_mb: float = 24.0, vocab_size: int = 8192, tokenizer_mb: float = 6.0) -> dict:
-    """Build every demo source and the tokenizer under `out`; returns a summary."""
+def build_demo_data(out: Path, *, max_mb: float = 24.0, vocab_size: int = 8192, tokenizer_mb: float = 6.0,
+                    images: bool = False) -> dict:
+    """Build every demo source and the tokenizer under `out` (and image-text pairs if asked); returns a summary."""
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"dir": str(out.resolve()), "sources": []}
     tok_texts: list[str] = []
@@ -184,7 +185,63 @@ def build_demo_data(out: Path, *, max_mb: float = 24.0, vocab_size: int = 8192, 
             budget -= len(tok_texts[-1])
     tok_path = out / "tokenizer.json"
     train_tokenizer(iter(tok_texts), vocab_size, tok_path)
+    if images:
+        summary["sources"].append(build_image_pairs(out / "pairs"))
     summary["tokenizer"] = str(tok_path)
     summary["vocab_size"] = vocab_size
     (out / "SUMMARY.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+# ---- image-text pairs (for the VLM example) ----------------------------------------------
+
+IMAGE_ROOTS = ("/usr/share", "/usr/lib/python3", os.path.expanduser("~/.rustup"), sysconfig.get_paths()["stdlib"])
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def _caption(path: str) -> str:
+    """A caption from where the image lives: its name and folders, as words."""
+    parts = [p for p in Path(path).with_suffix("").parts[-4:] if p not in ("/", "usr", "share", "doc", "html", "images", "img")]
+    words = re.sub(r"[-_.]+", " ", " ".join(parts))
+    words = re.sub(r"([a-z])([A-Z])", r"\1 \2", words)
+    return f"an image named {words.strip().lower()}"
+
+
+def build_image_pairs(out: Path, *, max_images: int = 2000, min_bytes: int = 2048, max_bytes: int = 2 << 20) -> dict:
+    """`pairs`: real images found on this machine (documentation figures, icons) with captions made
+    from their paths, as an image_text source (columns image, caption)."""
+    from PIL import Image
+
+    found = []
+    for root in IMAGE_ROOTS:
+        if os.path.isdir(root):
+            found.extend(_walk((root,), lambda p: p.lower().endswith(IMAGE_SUFFIXES)))
+    found = sorted(set(found), key=lambda p: (hashlib.sha1(p.encode()).hexdigest(), p))
+    images, captions, seen = [], [], set()
+    for p in found:
+        if len(images) >= max_images:
+            break
+        try:
+            size = os.path.getsize(p)
+            if not min_bytes <= size <= max_bytes:
+                continue
+            raw = open(p, "rb").read()
+            h = hashlib.sha1(raw).hexdigest()
+            if h in seen:
+                continue
+            with Image.open(p) as im:
+                im.verify()
+        except Exception:  # unreadable or not really an image: skip it
+            continue
+        seen.add(h)
+        images.append(raw)
+        captions.append(_caption(p))
+    if not images:
+        raise RuntimeError("no readable images found on this machine")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.parquet"):
+        old.unlink()
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "caption": pa.array(captions, pa.string())}),
+                   out / "part-00000.parquet", row_group_size=128, compression="zstd", use_dictionary=False,
+                   write_page_index=True, write_statistics=False)
+    return {"name": "pairs", "images": len(images), "bytes": sum(map(len, images)), "dir": str(out)}

@@ -208,6 +208,8 @@ def image_to_patches(data: bytes, patch: int, max_side: int, multiple: int = 1) 
 
     with Image.open(io.BytesIO(data)) as im:
         im.draft("RGB", (max_side, max_side))  # JPEG: decode at reduced size when much larger
+        if im.mode == "P" and "transparency" in im.info:
+            im = im.convert("RGBA")  # palette transparency goes through RGBA (as Pillow asks)
         im = im.convert("RGB")
         tw, th = target_size(im.width, im.height, patch, max_side, multiple)
         if (tw, th) != im.size:
