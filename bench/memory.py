@@ -379,8 +379,11 @@ def main() -> None:
         saved, SHUFFLE_BUFFER = SHUFFLE_BUFFER, 10000
         tot, n = run_mixplane(all_paths[:128], 16, root)
         SHUFFLE_BUFFER = saved
+        head = next((x for x in rows if x["ranks"] == 16 and x["sources"] == 128), None)
+        side = tot - idle_mb(16)
         print(json.dumps({"side": "mixplane", "ranks": 16, "sources": 128, "shuffle_buffer": 10000,
-                          "pss_total_mb": round(tot, 1), "loader_side_mb": round(tot - idle_mb(16), 1)}), flush=True)
+                          "pss_total_mb": round(tot, 1), "loader_side_mb": round(side, 1),
+                          "ratio": round(head["baseline_rss_mb"] / side, 2) if head else None}), flush=True)
     if args.quick:  # mixplane measured once: scale its per-source part, keep its per-rank part
         ref = next(x for x in rows if x["mixplane_rss_mb"] is not None)
         for x in rows:
