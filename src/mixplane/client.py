@@ -42,6 +42,19 @@ _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
                  "bool": torch.bool}
 
 
+def resume_attempt() -> str | None:
+    """What the ranks of one (re)launch of a job share, so their resumes restart delivery once:
+    MIXPLANE_RESUME_ID if set, else torchrun's run id and restart count, else the rendezvous address."""
+    env = os.environ
+    if env.get("MIXPLANE_RESUME_ID"):
+        return env["MIXPLANE_RESUME_ID"]
+    if "TORCHELASTIC_RESTART_COUNT" in env:
+        return f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env['TORCHELASTIC_RESTART_COUNT']}/{env.get('MASTER_PORT', '')}"
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
+
+
 class DeliveryError(RuntimeError):
     """The data plane did not deliver a step; the text names the endpoint and step."""
 
@@ -155,7 +168,11 @@ class MixtureLoader:
         if resume is None and self._from_start:
             resume = route.meta.get("initial_cursor")  # a state saved before the first step: restart at step 0
         if resume is not None:
-            ack = self._request(p, Kind.RESUME, {"cursor": resume, "rank": self.rank}, "resume")
+            meta = {"cursor": resume, "rank": self.rank}
+            attempt = resume_attempt()
+            if attempt is not None:
+                meta["attempt"] = attempt
+            ack = self._request(p, Kind.RESUME, meta, "resume")
             if ack.kind != Kind.ACK:
                 raise DeliveryError(f"rank {self.rank}: unexpected {ack.kind.name} to resume")
             self._cursor = copy.deepcopy(resume)

@@ -146,6 +146,7 @@ class RuntimeSpec(_Model):
     window_tokens: int | None = Field(None, ge=1, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
     window_max: int = Field(65536, ge=1, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
     prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
+    max_lead_steps: int = Field(32, ge=1, description="Steps the planner may run ahead of the slowest running constructor.")
     constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
     step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor.")

@@ -402,3 +402,27 @@ def test_runtime_mixture_update_takes_effect_at_its_step_and_replays(token_sourc
     assert np.allclose(tok / tok.sum(), np.array([0.1, 0.3, 0.6]), atol=0.01)
     out = replay_step(spec, step=20, rank=1, run_dir=str(tmp_path / "run"))
     assert out["digest_match"] and out["phase"] >= 1
+
+
+def test_ranks_resuming_at_different_times_restart_delivery_once(token_sources, tmp_path, monkeypatch):
+    """Ranks of one relaunch share an attempt id: the first resume restarts delivery, later ones join it."""
+    spec = parse_spec(token_mixture(token_sources["root"]))
+    with EmbeddedRuntime(spec, tmp_path / "full") as rt:
+        states: dict = {"at": 9}
+        full = fetch(rt.planner_endpoint, 2, 20, states=states)
+    monkeypatch.setenv("MIXPLANE_RESUME_ID", "job-7/restart-1")
+    with EmbeddedRuntime(spec, tmp_path / "resumed") as rt:
+        early = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=60, max_steps=20)
+        early.load_state_dict(states["saved"][0])
+        got0 = [{k: v.numpy().copy() for k, v in next(early).items()} for _ in range(5)]  # rank 0 runs ahead
+        late = MixtureLoader(rt.planner_endpoint, rank=1, timeout_s=60, max_steps=20)  # rank 1 resumes later
+        late.load_state_dict(states["saved"][1])
+        got1 = [{k: v.numpy().copy() for k, v in b.items()} for b in late]
+        got0 += [{k: v.numpy().copy() for k, v in b.items()} for b in early]
+        early.close()
+        late.close()
+        assert rt.status()["session"] == 1  # one restart for the whole relaunch
+    for r, got in ((0, got0), (1, got1)):
+        assert [int(b["step"]) for b in got] == list(range(10, 20))
+        for a, b in zip(full[r][10:], got):
+            assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -66,8 +66,10 @@ class PlannerServer:
         self.pending_routes: list[tuple[bytes, int]] = []
         self.session = 0
         self.session_start: dict[str, Any] = self.core.cursor()
+        self.session_attempt: str | None = None  # the launch whose ranks resumed into this session
         self.initial_cursor: dict[str, Any] = json.loads(json.dumps(self.session_start))
         self.need_through = -1
+        self.need_by: dict[bytes, int] = {}  # constructor identity -> the step it needs planned through
         self.planned_through = -1
         self.generation = 0
         self.names = spec.source_names()
@@ -164,7 +166,10 @@ class PlannerServer:
                 raise WireError(f"LOADER_META: {e}") from None
         elif k == Kind.NEED_STEPS:
             if msg.get("session", int) == self.session:
-                self.need_through = max(self.need_through, msg.get("through", int))
+                self.need_by[identity] = max(self.need_by.get(identity, -1), msg.get("through", int))
+                # pull model: plan what the most advanced constructor needs, but no further than
+                # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
+                self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
         elif k == Kind.ROUTE:
             rank = msg.get("rank", int)
             if self.all_constructors:
@@ -173,7 +178,8 @@ class PlannerServer:
                 self.pending_routes.append((identity, rank))
         elif k == Kind.RESUME:
             cursor = msg.get("cursor", dict)
-            self._resume(identity, cursor)
+            attempt = msg.meta.get("attempt")
+            self._resume(identity, cursor, attempt if isinstance(attempt, str) else None)
         elif k == Kind.STATUS:
             self._send(identity, Kind.STATUS_REPLY, self.status())
         elif k == Kind.UPDATE_MIXTURE:
@@ -185,11 +191,13 @@ class PlannerServer:
         else:
             raise WireError(f"unexpected {k.name} at the planner")
 
-    def _resume(self, identity: bytes, cursor: dict[str, Any]) -> None:
-        if (json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
-                and self.planned_through < int(cursor["step"])):
-            # other ranks of the same job resuming to the point this session starts at: nothing to redo.
-            # (Once steps of this session were planned they may be gone: a new session re-creates them.)
+    def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None) -> None:
+        same_start = json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
+        if same_start and ((attempt is not None and attempt == self.session_attempt)
+                           or self.planned_through < int(cursor["step"])):
+            # other ranks of the same (re)launch resuming to the point this session starts at: nothing to
+            # redo. A resume from another launch to the same point, after steps of this session were
+            # planned (and may be gone), starts a new session that re-creates them.
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
         try:
@@ -199,7 +207,9 @@ class PlannerServer:
             return
         self.session += 1
         self.session_start = json.loads(json.dumps(cursor))
+        self.session_attempt = attempt
         self.need_through = -1
+        self.need_by.clear()
         self.planned_through = int(cursor["step"]) - 1
         for key, ident in self.loaders.items():
             self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
