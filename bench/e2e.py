@@ -11,8 +11,8 @@ delivered (non-padding tokens, all ranks, from the first request to the last bat
 per million tokens over every process involved (ranks, workers, data-plane components), and the
 peak of the summed RSS of all those processes (sampled every 50 ms).
 
-    python bench/e2e.py [--quick] [--steps N]
-Last stdout line: {"mixplane": {...}, "baseline": {...}, "throughput_ratio": .., "memory_ratio": ..}
+    python bench/e2e.py [--quick] [--steps N] [--repeats K]
+Each side runs K times, interleaved; the figures are medians. Last stdout line: {"mixplane": {...}, "baseline": {...}, "throughput_ratio": .., "memory_ratio": ..}
 """
 
 from __future__ import annotations
@@ -236,6 +236,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--repeats", type=int, help="runs of each side, interleaved; medians are reported (default 3, quick 1)")
     ap.add_argument("--data", default=str(ROOT / "bench" / "data" / "demo"))
     ap.add_argument("--role")
     ap.add_argument("--rank", type=int)
@@ -253,16 +254,30 @@ def main() -> None:
 
         print(f"building demo data in {data}", file=sys.stderr)
         build_demo_data(data, max_mb=8.0 if args.quick else 24.0)
+    repeats = args.repeats or (1 if args.quick else 3)
+    runs: dict[str, list[dict]] = {"mixplane": [], "baseline": []}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        mix = bench_mixplane(data, steps, tmp)
-        print(f"mixplane: {mix}", file=sys.stderr)
-        base = bench_baseline(data, steps, tmp)
-        print(f"baseline: {base}", file=sys.stderr)
-    out = {"mixplane": mix, "baseline": base, "steps": steps, "ranks": RANKS, "seq_len": SEQ,
+        for i in range(repeats):  # interleaved, so load on the shared machine hits both alike
+            runs["mixplane"].append(bench_mixplane(data, steps, tmp))
+            print(f"mixplane run {i}: {runs['mixplane'][-1]}", file=sys.stderr)
+            runs["baseline"].append(bench_baseline(data, steps, tmp))
+            print(f"baseline run {i}: {runs['baseline'][-1]}", file=sys.stderr)
+    mix, base = median_run(runs["mixplane"]), median_run(runs["baseline"])
+    out = {"mixplane": mix, "baseline": base, "steps": steps, "ranks": RANKS, "seq_len": SEQ, "repeats": repeats,
            "throughput_ratio": round(mix["tokens_per_s"] / base["tokens_per_s"], 3),
-           "memory_ratio": round(base["rss_mb"] / mix["rss_mb"], 3)}
+           "memory_ratio": round(base["rss_mb"] / mix["rss_mb"], 3),
+           "throughput_ratio_per_run": [round(m["tokens_per_s"] / b["tokens_per_s"], 3)
+                                        for m, b in zip(runs["mixplane"], runs["baseline"])]}
     print(json.dumps(out))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Median of each figure over repeated runs."""
+    import statistics
+
+    keys = ("tokens_per_s", "cpu_s_per_mtok", "rss_mb", "tokens", "wall_s", "cpu_s")
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ class LoaderServer:
         try:
             while not self.stopped and (deadline is None or time.monotonic() < deadline):
                 busy = self.welcomed and not self.window.full
-                events = dict(poller.poll(0 if busy else 100))
+                ahead = self.welcomed and not busy and self.window.wants_read_ahead
+                events = dict(poller.poll(0 if (busy or ahead) else 100))
                 if self.planner in events:
                     while True:
                         try:
@@ -199,6 +200,8 @@ class LoaderServer:
                     self._hello()
                 if busy:
                     self._fill()
+                elif ahead and not events:  # nothing to answer: use the time to read ahead
+                    self.window.read_ahead()
         finally:
             self.close()
 

@@ -55,6 +55,10 @@ class LoaderWindow:
         self.skip: set[int] = set()
         self.partial: dict[int, int] = {}
         self.on_read = on_read
+        # read-ahead beyond the window (invisible to the planner): refills after a step are then
+        # announced at once instead of waiting for the tokenizer, so loaders overlap with planning
+        self.read_ahead_tokens = self.min_tokens
+        self.staged_tokens = 0
 
     @property
     def full(self) -> bool:
@@ -64,6 +68,7 @@ class LoaderWindow:
         """Start over from a planner cursor: low position, consumed positions, partial progress."""
         self.buffer.clear()
         self.staged.clear()
+        self.staged_tokens = 0
         self.unconsumed_tokens = 0
         self.skip = {int(p) for p in cursor.get("skip", [])}
         self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
@@ -85,6 +90,7 @@ class LoaderWindow:
                 continue
             if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
                 continue
+            self.staged_tokens += int(out.ntokens[i])
             self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
                                         out.patches[i] if out.patches is not None else None,
                                         int(out.npatches[i]), self.partial.pop(p, 0),
@@ -103,11 +109,23 @@ class LoaderWindow:
                     break
                 continue
             b = self.staged.popleft()
+            self.staged_tokens -= len(b.tokens)
             self.buffer[b.pos] = b
             self.unconsumed_tokens += len(b.tokens) - b.done
             new.append(b)
         return Announcement(np.array([b.pos for b in new], np.int64), np.array([b.key for b in new], np.int64),
                             np.array([len(b.tokens) for b in new], np.int32), np.array([b.npatches for b in new], np.int32))
+
+    @property
+    def wants_read_ahead(self) -> bool:
+        return self.staged_tokens < self.read_ahead_tokens and not self.stalled
+
+    def read_ahead(self) -> bool:
+        """Read and transform one more chunk beyond the window, if the read-ahead budget allows."""
+        if not self.wants_read_ahead:
+            return False
+        self._read()
+        return not self.stalled
 
     def span(self, pos: int, start: int, length: int) -> tuple[int, np.ndarray]:
         """(key, tokens[start : start + length + 1]) of a planned span; the extra token labels the last one."""
