@@ -101,6 +101,17 @@ def cmd_loader(args: argparse.Namespace) -> int:
     from mixplane.runtime import write_ready
 
     spec = _load_resolved(args.spec)
+    if args.sources:  # a source group: several Source Loaders in this process
+        from mixplane.loader.group import SourceGroup, parse_members
+
+        group = SourceGroup(spec, parse_members(spec, args.sources), args.planner, metrics=spec.runtime.metrics)
+        _on_sigterm(group)
+        write_ready(args.ready_file, {"sources": args.sources,
+                                      "metrics_ports": {ld.name: ld.metrics_port for ld in group.loaders}})
+        group.run()
+        return 0
+    if not args.source:
+        raise SystemExit("mixplane loader: give --source NAME [--replica R] or --sources NAME[:R],...")
     srv = LoaderServer(spec, spec.source_index(args.source), args.replica, args.planner)
     _on_sigterm(srv)
     write_ready(args.ready_file, {"metrics_port": srv.metrics_port, "source": args.source, "replica": args.replica})
@@ -292,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--index", type=int, required=True)
             c.add_argument("--host")
         if name == "loader":
-            c.add_argument("--source", required=True)
+            c.add_argument("--source")
             c.add_argument("--replica", type=int, default=0)
+            c.add_argument("--sources", help="host several: NAME[:REPLICA],... (source grouping)")
         c.set_defaults(fn=fn)
     return p
 

@@ -45,6 +45,13 @@ class Child:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def loader_groups(spec: DataMixtureSpec) -> list[list[tuple[str, int]]]:
+    """(source, replica) pairs hosted together, `runtime.sources_per_loader` per process, in spec order."""
+    pairs = [(s.name, r) for s in spec.sources for r in range(s.replicas)]
+    n = spec.runtime.sources_per_loader
+    return [pairs[i : i + n] for i in range(0, len(pairs), n)]
+
+
 def default_run_dir(spec: DataMixtureSpec) -> Path:
     return Path(spec.runtime.run_dir or os.path.join(".mixplane", spec.name)).resolve()
 
@@ -105,10 +112,15 @@ class EmbeddedRuntime:
             for i in range(len(constructor_groups(self.spec))):
                 rest.append(self._spawn(f"constructor-{i}", ["constructor", "--spec", str(spec_file), "--index", str(i),
                                                              "--planner", self.planner_endpoint]))
-            for si, s in enumerate(self.spec.sources):
-                for r in range(s.replicas):
-                    rest.append(self._spawn(f"loader-{s.name}-{r}", ["loader", "--spec", str(spec_file), "--source", s.name,
-                                                                     "--replica", str(r), "--planner", self.planner_endpoint]))
+            for group in loader_groups(self.spec):
+                if len(group) == 1:
+                    name, r = group[0]
+                    rest.append(self._spawn(f"loader-{name}-{r}", ["loader", "--spec", str(spec_file), "--source", name,
+                                                                   "--replica", str(r), "--planner", self.planner_endpoint]))
+                else:
+                    members = ",".join(f"{n}:{r}" for n, r in group)
+                    rest.append(self._spawn(f"loaders-{group[0][0]}-{group[0][1]}+{len(group) - 1}",
+                                            ["loader", "--spec", str(spec_file), "--sources", members, "--planner", self.planner_endpoint]))
             self._wait_ready(rest)
             (self.run_dir / "endpoints.json").write_text(json.dumps(self.endpoints(), indent=1))
         except BaseException:

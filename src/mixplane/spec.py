@@ -148,6 +148,7 @@ class RuntimeSpec(_Model):
     prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
     max_lead_steps: int = Field(32, ge=1, description="Steps the planner may run ahead of the slowest running constructor.")
     constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
+    sources_per_loader: int = Field(1, ge=1, description="Source Loaders hosted by one loader process (source grouping: hundreds of small sources need not cost an interpreter each).")
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
     step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor.")
     heartbeat_s: float = Field(2.0, gt=0, description="Heartbeat interval between components.")

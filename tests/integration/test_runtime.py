@@ -426,3 +426,19 @@ def test_ranks_resuming_at_different_times_restart_delivery_once(token_sources, 
         assert [int(b["step"]) for b in got] == list(range(10, 20))
         for a, b in zip(full[r][10:], got):
             assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_source_grouping_delivers_the_same_batches(token_sources, tmp_path):
+    """Three Source Loaders in one process (runtime.sources_per_loader) plan and deliver exactly what
+    one process per source does."""
+    spec = parse_spec(token_mixture(token_sources["root"]))
+    grouped = parse_spec(token_mixture(token_sources["root"], runtime={"window": 64, "metrics": False, "sources_per_loader": 3}))
+    with EmbeddedRuntime(spec, tmp_path / "apart") as rt:
+        ref = fetch(rt.planner_endpoint, 2, 8)
+    with EmbeddedRuntime(grouped, tmp_path / "together") as rt:
+        names = [c.name for c in rt.children]
+        got = fetch(rt.planner_endpoint, 2, 8)
+    assert sum(n.startswith("loader") for n in names) == 1, names
+    for r in (0, 1):
+        for a, b in zip(ref[r], got[r]):
+            assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -15,15 +15,12 @@ import argparse
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
 
 import zmq
 
-from mixplane import wire
-from mixplane.loader.server import LoaderServer
+from mixplane.loader.server import LoaderServer, serve_loaders
 from mixplane.spec import DataMixtureSpec
-from mixplane.wire import WireError
 
 log = logging.getLogger("mixplane.loader.group")
 
@@ -40,54 +37,8 @@ class SourceGroup:
                         for si, r in members]
         self.stopped = False
 
-    def _drain(self, ld: LoaderServer) -> None:
-        for _ in range(1000):
-            try:
-                _, msg = wire.recv(ld.planner, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except WireError as e:
-                ld.m.bad_messages.labels("loader", "decode").inc()
-                log.warning("%s: dropped a bad message: %s", ld.name, e)
-                continue
-            try:
-                ld.handle(msg)
-            except WireError as e:
-                ld.m.bad_messages.labels("loader", "content").inc()
-                log.error("%s: %s", ld.name, e)
-
     def run(self, *, max_seconds: float | None = None) -> None:
-        deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        poller = zmq.Poller()
-        by_sock = {}
-        for ld in self.loaders:
-            poller.register(ld.planner, zmq.POLLIN)
-            by_sock[ld.planner] = ld
-            ld._hello()
-        try:
-            while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                live = [ld for ld in self.loaders if not ld.stopped]
-                if not live:
-                    break
-                busy = [ld for ld in live if ld.welcomed and not ld.window.full]
-                events = dict(poller.poll(0 if busy else 100))
-                for sock in events:
-                    self._drain(by_sock[sock])
-                now = time.monotonic()
-                for ld in live:
-                    if not ld.welcomed and now - ld._last_hello > 1.0:
-                        ld._hello()
-                for ld in busy:  # one chunk each: the sources share the CPU fairly
-                    ld._fill()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for ld in self.loaders:
-            try:
-                ld.close()
-            except zmq.ZMQError:
-                pass
+        serve_loaders(self.loaders, lambda: self.stopped, max_seconds=max_seconds)
 
 
 def parse_members(spec: DataMixtureSpec, text: str) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -171,42 +171,82 @@ class LoaderServer:
         else:
             raise WireError(f"unexpected {msg.kind.name} at a loader")
 
+    @property
+    def needs_work(self) -> bool:
+        return self.welcomed and (not self.window.full or self.window.wants_read_ahead)
+
+    def work(self, idle: bool) -> bool:
+        """One unit of background work: refill the window (critical path), else read ahead when idle."""
+        if not self.welcomed:
+            return False
+        if not self.window.full:
+            return self._fill()
+        if idle and self.window.wants_read_ahead:
+            return self.window.read_ahead()
+        return False
+
+    def drain(self) -> None:
+        """Handle every message waiting from the planner; bad ones are counted and dropped."""
+        for _ in range(1000):
+            try:
+                _, msg = wire.recv(self.planner, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except WireError as e:
+                self.m.bad_messages.labels("loader", "decode").inc()
+                log.warning("%s: dropped a bad message: %s", self.name, e)
+                continue
+            try:
+                self.handle(msg)
+            except WireError as e:
+                self.m.bad_messages.labels("loader", "content").inc()
+                log.error("%s: %s", self.name, e)
+
     def run(self, *, max_seconds: float | None = None) -> None:
-        deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        poller = zmq.Poller()
-        poller.register(self.planner, zmq.POLLIN)
-        self._hello()
-        try:
-            while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                busy = self.welcomed and not self.window.full
-                ahead = self.welcomed and not busy and self.window.wants_read_ahead
-                events = dict(poller.poll(0 if (busy or ahead) else 100))
-                if self.planner in events:
-                    while True:
-                        try:
-                            _, msg = wire.recv(self.planner, flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except WireError as e:
-                            self.m.bad_messages.labels("loader", "decode").inc()
-                            log.warning("%s: dropped a bad message: %s", self.name, e)
-                            continue
-                        try:
-                            self.handle(msg)
-                        except WireError as e:
-                            self.m.bad_messages.labels("loader", "content").inc()
-                            log.error("%s: %s", self.name, e)
-                elif not self.welcomed and time.monotonic() - self._last_hello > 1.0:
-                    self._hello()
-                if busy:
-                    self._fill()
-                elif ahead and not events:  # nothing to answer: use the time to read ahead
-                    self.window.read_ahead()
-        finally:
-            self.close()
+        serve_loaders([self], lambda: self.stopped, max_seconds=max_seconds)
 
     def close(self) -> None:
         for s in self.pushers:
             s.close(0)
         self.planner.close(0)
         self.stream.close()
+
+
+def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, max_seconds: float | None = None) -> None:
+    """The poll loop of one loader process, hosting one or several Source Loaders (source grouping).
+
+    Messages first, then window refills (they are on the planner's critical path), then read-ahead
+    one chunk at a time while nothing else is waiting — so every source gets its share of the CPU."""
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    poller = zmq.Poller()
+    by_sock = {}
+    for ld in loaders:
+        poller.register(ld.planner, zmq.POLLIN)
+        by_sock[ld.planner] = ld
+        ld._hello()
+    try:
+        while not stopped() and (deadline is None or time.monotonic() < deadline):
+            live = [ld for ld in loaders if not ld.stopped]
+            if not live:
+                break
+            busy = any(ld.needs_work for ld in live)
+            events = dict(poller.poll(0 if busy else 100))
+            for sock in events:
+                by_sock[sock].drain()
+            now = time.monotonic()
+            for ld in live:
+                if not ld.welcomed and now - ld._last_hello > 1.0:
+                    ld._hello()
+            refills = [ld for ld in live if ld.welcomed and not ld.window.full]
+            for ld in refills:
+                ld.work(idle=False)
+            if not refills and not events:
+                for ld in live:
+                    if ld.work(idle=True):
+                        break  # one chunk, then look at the sockets again
+    finally:
+        for ld in loaders:
+            try:
+                ld.close()
+            except zmq.ZMQError:
+                pass
