@@ -720,14 +720,8 @@ def pack_balanced(lengths: np.ndarray, costs: np.ndarray, n_rows: int, seq_len: 
                 rejected = take[~ok]
                 if len(rejected) == len(take):
                     # nothing fitted in the load order: best fit by room for these
-                    for i in rejected:
-                        fits = np.nonzero(free >= lengths[i])[0]
-                        if len(fits) == 0:
-                            return None
-                        r = fits[np.argmin(free[fits])]
-                        out[i] = r
-                        free[r] -= lengths[i]
-                        loads[r] += costs[i]
+                    if not _best_fit_by_room(rejected, lengths, costs, free, loads, out):
+                        return None
                     rejected = rejected[:0]
                 pending = np.concatenate([rejected, pending[len(take):]])
             if len(pending):
@@ -758,12 +752,20 @@ def pack_balanced(lengths: np.ndarray, costs: np.ndarray, n_rows: int, seq_len: 
         np.subtract.at(free, rows[fits], lengths[acc])
         np.add.at(loads, rows[fits], costs[acc])
         small = small[~fits]
-    for i in small:  # stragglers: best fit by room
+    if not _best_fit_by_room(small, lengths, costs, free, loads, out):  # stragglers
+        return None
+    return out
+
+
+def _best_fit_by_room(items: np.ndarray, lengths: np.ndarray, costs: np.ndarray, free: np.ndarray,
+                      loads: np.ndarray, out: np.ndarray) -> bool:
+    """Place each item in the row with the least room that still fits it; False if one fits nowhere."""
+    for i in items:
         fits = np.nonzero(free >= lengths[i])[0]
         if len(fits) == 0:
-            return None
+            return False
         r = fits[np.argmin(free[fits])]
         out[i] = r
         free[r] -= lengths[i]
         loads[r] += costs[i]
-    return out
+    return True
