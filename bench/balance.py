@@ -65,7 +65,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from mixplane.layout import StepLayout  # noqa: E402
-from mixplane.planner.core import PlanContext, StepPlanner, vanilla_strategy, window_full  # noqa: E402
+from mixplane.planner.core import PlanContext, StepPlanner, vanilla_strategy  # noqa: E402
+from mixplane.spec import window_full  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402

@@ -3,7 +3,7 @@
 Shared by the loader server and by offline replay (`mixplane replay`, journal checks), so both
 announce exactly the same samples for the same cursor: read in order from the deterministic
 stream, skip what the cursor says was consumed, and stop at the shortest prefix that satisfies
-`planner.core.window_full`.
+`spec.window_full`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mixplane.planner.core import window_full
+from mixplane.spec import window_full
 
 CHUNK = 64  # samples read and transformed at a time
 

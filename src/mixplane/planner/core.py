@@ -18,17 +18,12 @@ import numpy as np
 from mixplane.constructor.packing import OnlinePacker
 from mixplane.layout import StepLayout
 from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, slack
-from mixplane.spec import DataMixtureSpec
+from mixplane.spec import DataMixtureSpec, window_full
 from mixplane.topology import ClientPlaceTree
 
 
 class WindowError(ValueError):
     """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
-
-
-def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:
-    """The one predicate loaders and planner share, so both agree on a window's exact content."""
-    return samples >= max_samples or (samples >= min_samples and unconsumed_tokens >= min_tokens)
 
 
 class ReplicaWindow:

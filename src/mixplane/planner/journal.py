@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
-from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner, window_full
+from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
+from mixplane.spec import window_full
 from mixplane.spec import DataMixtureSpec
 
 VERSION = 1
