@@ -185,7 +185,10 @@ class MixtureSchedule:
         return {"segments": [s.to_json() for s in self.segments], "temperature": self.temperature}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.segments = [Segment.from_json(d) for d in state["segments"]]
+        segments = [Segment.from_json(d) for d in state["segments"]]
+        if not segments or any(len(x.weights) != len(self.names) for x in segments):
+            raise ValueError(f"schedule state does not have weights for the {len(self.names)} sources")
+        self.segments = segments
         if "temperature" in state:
             self.temperature = float(state["temperature"])
 
@@ -268,6 +271,9 @@ class DeficitSampler:
         return {"segment_start": self.segment_start, "realized": self.realized.tolist(), "unit_max": self.unit_max}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        realized = np.asarray(state["realized"], dtype=np.float64)
+        if realized.shape != (self.num_sources,) or not np.all(np.isfinite(realized)):
+            raise ValueError(f"sampler state has {realized.size} counters for {self.num_sources} sources")
         self.segment_start = int(state["segment_start"])
-        self.realized = np.asarray(state["realized"], dtype=np.float64)
+        self.realized = realized
         self.unit_max = float(state.get("unit_max", 0.0))

@@ -442,3 +442,25 @@ def test_source_grouping_delivers_the_same_batches(token_sources, tmp_path):
     for r in (0, 1):
         for a, b in zip(ref[r], got[r]):
             assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_malformed_resume_is_refused_and_the_run_goes_on(token_sources, tmp_path):
+    from mixplane.runtime import request
+    from mixplane.wire import Kind
+
+    spec = parse_spec(token_mixture(token_sources["root"]))
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        first = fetch(rt.planner_endpoint, 2, 3)
+        for bad in ({"step": 2}, {"step": 2, "windows": [{"source": 0, "replica": 0, "low": 0, "partial": [1]}],
+                                  "sampler": {}, "schedule": {}}):
+            with pytest.raises(RuntimeError, match="cannot resume"):
+                request(rt.planner_endpoint, Kind.RESUME, {"cursor": bad})
+        st = rt.status()
+        assert st["session"] == 0 and not rt.dead()
+        more = []
+        for r in (0, 1):
+            loader = MixtureLoader(rt.planner_endpoint, rank=r, timeout_s=60, max_steps=6)
+            loader.next_step = 3
+            more.append([int(b["step"]) for b in loader])
+            loader.close()
+    assert more == [[3, 4, 5], [3, 4, 5]] and len(first[0]) == 3

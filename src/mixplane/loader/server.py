@@ -108,44 +108,44 @@ class LoaderServer:
         if msg.get("session", int) != self.session:
             return  # a plan of an older session: the planner has moved on
         step = msg.get("step", int)
-        pos = msg.array("pos")
-        start = msg.array("start")
-        length = msg.array("len")
-        dest = msg.array("dest")
-        retire = msg.array("retire")
+        pos, start, length = msg.array("pos"), msg.array("start"), msg.array("len")
+        dest, retire, img = msg.array("dest"), msg.array("retire"), msg.array("img")
         n = len(pos)
-        if not (len(start) == len(length) == len(dest) == len(retire) == n):
+        if not (len(start) == len(length) == len(dest) == len(retire) == len(img) == n):
             raise WireError("PLAN_LOADER: arrays differ in length")
         if n and (dest.min() < 0 or dest.max() >= len(self.pushers)):
             raise WireError(f"PLAN_LOADER: constructor index out of range at step {step}")
+        missing = [int(q) for q in np.unique(pos) if int(q) not in self.window.buffer]
+        if missing:  # checked before anything is sent: a step goes out whole or not at all
+            raise WireError(f"step {step}: planned sample at position {missing[0]} is not in the window")
+        if n and (np.any(length < 0) or np.any(start < 0)):
+            raise WireError(f"PLAN_LOADER: negative span at step {step}")
         for c in np.unique(dest):
             sel = np.flatnonzero(dest == c)
-            keys = np.empty(len(sel), np.int64)
+            spans_at = sel[length[sel] > 0]
+            keys = np.empty(len(spans_at), np.int64)
             spans = []
-            for j, i in enumerate(sel):
-                try:
-                    keys[j], span = self.window.span(int(pos[i]), int(start[i]), int(length[i]))
-                except KeyError as e:
-                    raise WireError(f"step {step}: {e.args[0]}") from None
+            for j, i in enumerate(spans_at):
+                keys[j], span = self.window.span(int(pos[i]), int(start[i]), int(length[i]))
                 spans.append(span)
             offsets = np.zeros(len(spans) + 1, np.int64)
-            np.cumsum([len(s) for s in spans], out=offsets[1:])
+            np.cumsum([len(x) for x in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
-            arrays = {"key": keys, "start": start[sel].astype(np.int64), "len": length[sel].astype(np.int64),
+            arrays = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
                       "offsets": offsets, "values": values}
-            arrays.update(self._images(pos[sel], start[sel]))
+            arrays.update(self._images(pos[sel[img[sel] > 0]]))
             wire.send(self.pushers[int(c)], Kind.SAMPLES,
                       {"session": self.session, "step": step, "source": self.si, "replica": self.replica}, arrays)
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
 
-    def _images(self, pos: np.ndarray, start: np.ndarray) -> dict[str, np.ndarray]:
-        """Patches of the image samples whose first span is planned (the image travels once, with it)."""
+    def _images(self, pos: np.ndarray) -> dict[str, np.ndarray]:
+        """Pixels of the image samples at these positions (the planner says which constructor needs them)."""
         keys, grids, parts = [], [], []
-        for p, s0 in zip(pos.tolist(), start.tolist()):
+        for p in pos.tolist():
             b = self.window.buffer.get(int(p))
-            if b is None or s0 != 0 or not b.npatches or b.patches is None or b.grid is None:
+            if b is None or not b.npatches or b.patches is None or b.grid is None:
                 continue
             keys.append(b.key)
             grids.append(b.grid)

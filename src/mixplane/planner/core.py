@@ -68,18 +68,23 @@ class ReplicaWindow:
             raise WindowError(f"source {self.source} replica {self.replica}: positions out of order (got {int(pos[0])}, expected >= {self.next_pos})")
         if np.any(np.asarray(tokens) <= 0):
             raise WindowError(f"source {self.source} replica {self.replica}: a sample has no tokens")
-        bad = [int(p) for p in pos if int(p) in self.skip]
-        if bad:
-            raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
+        if self.skip:
+            bad = [int(p) for p in pos if int(p) in self.skip]
+            if bad:
+                raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
         if len(self.pos) + len(pos) > self.capacity:
             raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + len(pos)} > {self.capacity})")
-        done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+        if self.restored_done:  # partial progress restored from a cursor (only right after a resume)
+            done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+        else:
+            done = np.zeros(len(pos), np.int64)
         toks = np.asarray(tokens, np.int64)
         before_last = self.unconsumed_tokens + int((toks[:-1] - done[:-1]).sum())
         if window_full(len(self.pos) + len(pos) - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
             raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {int(pos[0])})")
-        for p in pos:
-            self.restored_done.pop(int(p), None)
+        if self.restored_done:
+            for p in pos:
+                self.restored_done.pop(int(p), None)
         self.pos = np.concatenate([self.pos, pos])
         self.key = np.concatenate([self.key, np.asarray(key, np.int64)])
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
@@ -108,14 +113,32 @@ class ReplicaWindow:
         skip = sorted(self.skip)
         # partial progress restored from a cursor but not yet re-announced by the loader counts too
         partial = {str(p): d for p, d in sorted(self.restored_done.items())}
-        partial.update({str(int(p)): int(d) for p, d in zip(self.pos, self.done) if d > 0})
+        nz = np.flatnonzero(self.done > 0)
+        partial.update(zip(map(str, self.pos[nz].tolist()), self.done[nz].tolist()))
         return {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}
 
+    @staticmethod
+    def parse_cursor(cur: Any) -> tuple[int, set[int], dict[int, int]]:
+        """(low, skip, partial) of a window cursor; ValueError naming what is wrong."""
+        try:
+            low = int(cur["low"])
+            skip = {int(p) for p in cur.get("skip", [])}
+            partial = cur.get("partial", {})
+            if not isinstance(partial, dict):
+                raise TypeError("partial is not a mapping")
+            done = {int(p): int(d) for p, d in partial.items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"window cursor is malformed ({e})") from None
+        if low < 0 or any(p < low for p in skip) or any(d <= 0 for d in done.values()):
+            raise ValueError("window cursor is inconsistent (negative or out-of-range positions)")
+        return low, skip, done
+
     def restore(self, cur: dict[str, Any]) -> None:
+        low, skip, done = self.parse_cursor(cur)
         self.__init__(self.source, self.replica, self.min_samples, self.min_tokens, self.capacity)  # type: ignore[misc]
-        self.low = self.next_pos = int(cur["low"])
-        self.skip = {int(p) for p in cur.get("skip", [])}
-        self.restored_done = {int(p): int(d) for p, d in cur.get("partial", {}).items()}
+        self.low = self.next_pos = low
+        self.skip = skip
+        self.restored_done = done
 
 
 @dataclass
@@ -265,23 +288,27 @@ class StepPlanner:
             lo, tokens, hi = spec.window_bounds(si)
             for r in range(s.replicas):
                 self.windows.append(ReplicaWindow(si, r, lo, tokens, hi))
+        self._by_id = {(w.source, w.replica): w for w in self.windows}
         self.next_step = 0
         self.tree = ClientPlaceTree.from_spec(spec)
         self.dp = self.tree.backbone.dp
         self.unit_samples = spec.mixture.unit == "samples"
 
     def window(self, source: int, replica: int) -> ReplicaWindow:
-        for w in self.windows:
-            if w.source == source and w.replica == replica:
-                return w
-        raise KeyError(f"no window for source {source} replica {replica}")
+        try:
+            return self._by_id[(source, replica)]
+        except KeyError:
+            raise KeyError(f"no window for source {source} replica {replica}") from None
 
     @property
     def ready(self) -> bool:
-        return all(w.ready for w in self.windows)
+        return not self.waiting_for()
 
     def waiting_for(self) -> list[ReplicaWindow]:
-        return [w for w in self.windows if not w.ready]
+        """Windows the next step waits for: a source with no weight at that step is not drawn from,
+        so its window (e.g. a dry live source switched off) need not be full."""
+        probs = self.schedule.at(self.next_step).probs
+        return [w for w in self.windows if probs[w.source] > 0 and not w.ready]
 
     def summary_buffer(self) -> dict[str, Any]:
         """Per source: unconsumed samples, their remaining tokens and patches in the windows."""
@@ -329,15 +356,47 @@ class StepPlanner:
             "windows": [{"source": w.source, "replica": w.replica, **w.cursor()} for w in self.windows],
         }
 
-    def restore(self, cur: dict[str, Any]) -> None:
-        by_id = {(int(c["source"]), int(c["replica"])): c for c in cur["windows"]}
+    def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
+        """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
+
+        keep_updates: runtime mixture updates that are newer than the cursor and take effect at or after
+        its step stay in force (a rewind of the data must not undo an operator's change of the mixture);
+        they are returned as journal events."""
+        try:
+            step = int(cur["step"])
+            by_id = {(int(c["source"]), int(c["replica"])): c for c in cur["windows"]}
+            sampler_state, schedule_state = cur["sampler"], cur["schedule"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"cursor is malformed ({e})") from None
+        if step < 0:
+            raise ValueError(f"cursor step {step} is negative")
         if set(by_id) != {(w.source, w.replica) for w in self.windows}:
             raise ValueError("cursor was made for a different set of sources / loader replicas")
-        self.next_step = int(cur["step"])
-        self.sampler.load_state_dict(cur["sampler"])
-        self.schedule.load_state_dict(cur["schedule"])
+        for w in self.windows:
+            ReplicaWindow.parse_cursor(by_id[(w.source, w.replica)])
+        sampler = DeficitSampler(self.n_sources)
+        schedule = MixtureSchedule(self.spec)
+        try:
+            sampler.load_state_dict(sampler_state)
+            schedule.load_state_dict(schedule_state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"cursor's mixture state is malformed ({e})") from None
+        kept: list[dict[str, Any]] = []
+        if keep_updates:
+            gen = max(seg.generation for seg in schedule.segments)
+            for seg in self.schedule.segments:
+                if seg.generation > gen and seg.start_step >= step:
+                    schedule.segments = [x for x in schedule.segments if x.start_step < seg.start_step] + [seg]
+                    kept.append({"event": "update", "generation": seg.generation, "effective_step": seg.start_step,
+                                 "planned_through": step - 1, "weights": dict(zip(self.spec.source_names(), seg.weights)),
+                                 "lr_scale": seg.lr_scale, "temperature": seg.temperature, "segment": seg.to_json()})
+        # all valid: commit
+        self.next_step = step
+        self.sampler = sampler
+        self.schedule = schedule
         for w in self.windows:
             w.restore(by_id[(w.source, w.replica)])
+        return kept
 
     # -- planning -----------------------------------------------------------------------
     def _snapshot(self) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -502,7 +561,8 @@ class StepPlanner:
             if unknown:
                 raise ValueError(f"step {step}: mix weights name unknown source(s) {', '.join(unknown)}")
             w = np.array([float(schedule.get(nm, 0.0)) for nm in names])
-            probs = apply_temperature(w, self.schedule.temperature)
+            seg = self.schedule.segment_at(step)
+            probs = apply_temperature(w, self.schedule.temperature if seg.temperature is None else seg.temperature)
             return MixturePoint(probs, default.phase, default.lr_scale, default.generation, default.segment_start)
         raise TypeError(f"step {step}: mix() takes a MixtureSchedule, an object with .at(step), or a weights dict")
 

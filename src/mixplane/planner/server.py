@@ -19,6 +19,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.planner.journal import Journal
+from mixplane.planner.routing import Fanout, loader_instructions
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
@@ -43,7 +44,6 @@ class ConstructorPeer:
 class PlannerState:
     """Progress that status replies and the progress line report."""
 
-    realized_tokens: np.ndarray
     started: float = field(default_factory=time.monotonic)
     tokens_planned: int = 0
 
@@ -70,10 +70,8 @@ class PlannerServer:
         self.initial_cursor: dict[str, Any] = json.loads(json.dumps(self.session_start))
         self.need_through = -1
         self.need_by: dict[bytes, int] = {}  # constructor identity -> the step it needs planned through
-        self.planned_through = -1
-        self.generation = 0
         self.names = spec.source_names()
-        self.state = PlannerState(np.zeros(len(self.names)))
+        self.state = PlannerState()
         self.stopped = False
         self.run_dir = run_dir
         self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
@@ -81,13 +79,23 @@ class PlannerServer:
             self.journal.open(spec, self.generation, self.session_start, self.session)
         self.m = make_metrics("planner")
         self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
-        self._dp_to_constructors: dict[int, list[int]] = {}
-        self._rank_to_constructors: dict[int, list[int]] = {}
+        dp_to: list[list[int]] = [[] for _ in range(spec.topology.backbone()[1].dp)]
+        rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
         for ci, ranks in enumerate(self.groups):
             for r in ranks:
-                self._rank_to_constructors.setdefault(int(r), []).append(ci)
+                rank_to[int(r)].append(ci)
             for d in dp_ranks_of_group(spec, ranks):
-                self._dp_to_constructors.setdefault(d, []).append(ci)
+                dp_to[d].append(ci)
+        self._dp_fanout = Fanout.from_lists(dp_to)  # dp rank -> constructors serving it
+        self._rank_fanout = Fanout.from_lists(rank_to)  # global rank -> its constructor
+
+    @property
+    def planned_through(self) -> int:
+        return self.core.next_step - 1
+
+    @property
+    def generation(self) -> int:
+        return self.core.generation
 
     # -- helpers ------------------------------------------------------------------------
     def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -201,8 +209,8 @@ class PlannerServer:
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
         try:
-            self.core.restore(cursor)
-        except (KeyError, ValueError, TypeError) as e:
+            kept = self.core.restore(cursor, keep_updates=True)
+        except Exception as e:  # noqa: BLE001 - a peer's cursor must never take the planner down
             self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {e}"})
             return
         self.session += 1
@@ -210,13 +218,14 @@ class PlannerServer:
         self.session_attempt = attempt
         self.need_through = -1
         self.need_by.clear()
-        self.planned_through = int(cursor["step"]) - 1
         for key, ident in self.loaders.items():
             self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
         for c in self.constructors.values():
             self._send(c.identity, Kind.RESET, {"session": self.session, "start_step": int(cursor["step"])})
         if self.journal is not None:
             self.journal.resume(cursor, self.session)
+            for event in kept:  # runtime mixture updates newer than the cursor stay in force
+                self.journal.update(event)
         log.info("resumed at step %d (session %d)", cursor["step"], self.session)
         self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
 
@@ -227,11 +236,10 @@ class PlannerServer:
         temperature = msg.meta.get("temperature")
         try:
             event = self.core.update_mixture({str(a): float(b) for a, b in weights.items()}, step,
-                                             self.generation + 1, lr, temperature)
+                                             self.core.generation + 1, lr, temperature)
         except (ValueError, TypeError) as e:
             self._send(identity, Kind.ERROR, {"error": f"mixture update rejected: {e}"})
             return
-        self.generation += 1
         if self.journal is not None:
             self.journal.update(event)
         log.info("mixture generation %d from step %d: %s", self.generation, step, weights)
@@ -253,45 +261,19 @@ class PlannerServer:
     def _dispatch(self, plan: StepPlan) -> None:
         lay = plan.layout
         step = lay.step
-        self.planned_through = step
         cursor_after = self.core.cursor()
-        # loader instructions: every segment goes to every constructor serving its dp rank
+        # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
-        where = {(int(p.source[i]), int(p.key[i]), int(p.start[i])): (int(p.replica[i]), int(p.pos[i])) for i in range(len(p))}
-        rpr = lay.rows_per_rank
-        per_loader: dict[tuple[int, int], dict[str, list[int]]] = {}
-        for i in range(len(lay.seg_row)):
-            src = int(lay.seg_source[i])
-            rep, pos = where[(src, int(lay.seg_key[i]), int(lay.seg_start[i]))]
-            w = self.core.window(src, rep)
-            retire = 1 if int(pos) < w.low or int(pos) in w.skip else 0
-            d = per_loader.setdefault((src, rep), {"pos": [], "start": [], "len": [], "dest": [], "retire": []})
-            cons = self._dp_to_constructors.get(int(lay.seg_row[i]) // rpr, [])
-            for j, ci in enumerate(cons):
-                d["pos"].append(pos)
-                d["start"].append(int(lay.seg_start[i]))
-                d["len"].append(int(lay.seg_len[i]))
-                d["dest"].append(ci)
-                d["retire"].append(retire if j == len(cons) - 1 else 0)
-        # images: the pixels go to the constructor serving the rank that encodes them, also when that
-        # constructor gets no span of the sample (a patch-only instruction: the first span, 0 tokens)
-        for i in range(len(lay.img_key)):
-            src, k = int(lay.img_source[i]), int(lay.img_key[i])
-            rep, pos = where[(src, k, 0)]
-            d = per_loader.setdefault((src, rep), {"pos": [], "start": [], "len": [], "dest": [], "retire": []})
-            have = {c for q, s0, c in zip(d["pos"], d["start"], d["dest"]) if q == pos and s0 == 0}
-            for ci in self._rank_to_constructors.get(int(lay.img_rank[i]), []):
-                if ci not in have:
-                    d["pos"].insert(0, pos)  # before any retiring instruction of the same sample
-                    d["start"].insert(0, 0)
-                    d["len"].insert(0, 0)
-                    d["dest"].insert(0, ci)
-                    d["retire"].insert(0, 0)
-        for key, d in per_loader.items():
-            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step},
-                       {"pos": np.array(d["pos"], np.int64), "start": np.array(d["start"], np.int64),
-                        "len": np.array(d["len"], np.int64), "dest": np.array(d["dest"], np.int32),
-                        "retire": np.array(d["retire"], np.uint8)})
+        retired = np.zeros(len(p), np.uint8)
+        for w in self.core.windows:
+            mine = (p.source == w.source) & (p.replica == w.replica)
+            if mine.any():
+                q = p.pos[mine]
+                retired[mine] = (q < w.low) | np.isin(q, np.fromiter(w.skip, np.int64, len(w.skip)))
+        per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
+                                         self._dp_fanout, self._rank_fanout)
+        for key, ins in per_loader.items():
+            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
         for c in self.constructors.values():
             sub = lay.select_ranks(c.dp_ranks)
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
@@ -319,7 +301,6 @@ class PlannerServer:
         for w in self.core.windows:
             self.m.window_samples.labels(self.names[w.source], str(w.replica)).set(len(w))
         self.state.tokens_planned += int(tok.sum())
-        self.state.realized_tokens += tok
 
     def status(self) -> dict[str, Any]:
         point = self.core.schedule.at(max(self.planned_through, 0))

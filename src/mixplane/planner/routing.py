@@ -1,0 +1,127 @@
+"""Who sends what where: a step's layout turned into per-loader instructions (pure, vectorised).
+
+Every segment goes to every constructor that serves its data-parallel rank; an image sample's
+pixels go only to the constructors serving the rank that encodes it (`img` flag) — with an
+image-only instruction (0 tokens) when that constructor gets no token span of the sample. A
+sample is retired from its loader's window with the last instruction that mentions it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mixplane.layout import StepLayout
+
+
+@dataclass
+class Fanout:
+    """A CSR map from an index (dp rank, or global rank) to the constructors that need it."""
+
+    offsets: np.ndarray  # int64 [n + 1]
+    targets: np.ndarray  # int32
+
+    @classmethod
+    def from_lists(cls, lists: list[list[int]]) -> "Fanout":
+        counts = np.array([len(x) for x in lists], np.int64)
+        offsets = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        flat = np.array([t for x in lists for t in x], np.int32)
+        return cls(offsets, flat)
+
+    def expand(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which input each output came from, its target) for every (input, target) pair."""
+        idx = np.asarray(idx, np.int64)
+        counts = self.offsets[idx + 1] - self.offsets[idx]
+        src = np.repeat(np.arange(len(idx)), counts)
+        first = np.repeat(self.offsets[idx], counts)
+        within = np.arange(len(src)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return src, self.targets[first + within]
+
+
+@dataclass
+class Instructions:
+    """One loader replica's part of a step (the arrays of a PLAN_LOADER message)."""
+
+    pos: np.ndarray  # int64 stream position of the sample
+    start: np.ndarray  # int64 token offset of the span
+    len: np.ndarray  # int64 tokens (0: image only)
+    dest: np.ndarray  # int32 constructor index
+    retire: np.ndarray  # uint8: the loader may drop the sample after this step
+    img: np.ndarray  # uint8: attach the sample's pixels for this destination
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"pos": self.pos, "start": self.start, "len": self.len, "dest": self.dest, "retire": self.retire, "img": self.img}
+
+
+def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key: np.ndarray, piece_start: np.ndarray,
+                        piece_replica: np.ndarray, piece_pos: np.ndarray, retired: np.ndarray,
+                        dp_fanout: Fanout, rank_fanout: Fanout) -> dict[tuple[int, int], Instructions]:
+    """Per (source, replica): what to send to which constructor.
+
+    `retired[i]` says piece i's sample leaves its window with this step. Pieces and layout segments
+    are the same spans (the planner checks coverage), matched here by (source, key, start).
+    """
+    n = len(layout.seg_row)
+    if len(piece_source) != n:
+        raise ValueError(f"step {layout.step}: {len(piece_source)} pieces for {n} segments")
+    # align pieces with segments
+    lo = np.lexsort((layout.seg_start, layout.seg_key, layout.seg_source))
+    po = np.lexsort((piece_start, piece_key, piece_source))
+    replica = np.empty(n, np.int64)
+    pos = np.empty(n, np.int64)
+    ret = np.empty(n, np.uint8)
+    replica[lo] = piece_replica[po]
+    pos[lo] = piece_pos[po]
+    ret[lo] = np.asarray(retired, np.uint8)[po]
+    src = layout.seg_source.astype(np.int64)
+    # token spans: one instruction per (segment, constructor of its dp rank)
+    seg, dest = dp_fanout.expand(layout.seg_row.astype(np.int64) // layout.rows_per_rank)
+    last = np.ones(len(seg), bool)
+    last[:-1] = seg[1:] != seg[:-1]  # the last copy of a segment carries its retire flag
+    cols = {"src": src[seg], "rep": replica[seg], "pos": pos[seg], "start": layout.seg_start[seg].astype(np.int64),
+            "len": layout.seg_len[seg].astype(np.int64), "dest": dest, "retire": np.where(last, ret[seg], 0).astype(np.uint8),
+            "img": np.zeros(len(seg), np.uint8)}
+    # images: mark the first span's instruction for the encoder's constructor, or add an image-only one
+    if len(layout.img_key):
+        first = layout.seg_start == 0
+        fk = np.stack([src[first], layout.seg_key[first].astype(np.int64)])
+        f_order = np.lexsort(fk[::-1])
+        fk_sorted = fk[:, f_order]
+        ik = np.stack([layout.img_source.astype(np.int64), layout.img_key.astype(np.int64)])
+        # position of each image's first span among the start-0 segments
+        key_f = fk_sorted[0] * (1 << 48) + fk_sorted[1]
+        key_i = ik[0] * (1 << 48) + ik[1]
+        at = np.searchsorted(key_f, key_i)
+        if np.any(at >= len(key_f)) or np.any(key_f[np.minimum(at, len(key_f) - 1)] != key_i):
+            raise ValueError(f"step {layout.step}: an image has no first span in the layout")
+        fseg = np.flatnonzero(first)[f_order][at]
+        img_of, img_dest = rank_fanout.expand(layout.img_rank.astype(np.int64))
+        img_seg = fseg[img_of]
+        # existing (segment, dest) instructions that can carry the pixels
+        code_exist = seg * (1 << 20) + dest
+        code_img = img_seg * (1 << 20) + img_dest
+        hit = np.isin(code_exist, code_img)
+        cols["img"][hit] = 1
+        extra = ~np.isin(code_img, code_exist)
+        if extra.any():
+            e = img_seg[extra]
+            add = {"src": src[e], "rep": replica[e], "pos": pos[e], "start": np.zeros(len(e), np.int64),
+                   "len": np.zeros(len(e), np.int64), "dest": img_dest[extra], "retire": np.zeros(len(e), np.uint8),
+                   "img": np.ones(len(e), np.uint8)}
+            cols = {k: np.concatenate([cols[k], add[k]]) for k in cols}
+    # split by loader replica
+    order = np.lexsort((cols["rep"], cols["src"]))
+    cols = {k: v[order] for k, v in cols.items()}
+    out: dict[tuple[int, int], Instructions] = {}
+    if len(order) == 0:
+        return out
+    key = cols["src"] * (1 << 20) + cols["rep"]
+    bounds = np.flatnonzero(np.diff(key)) + 1
+    for lo_i, hi_i in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(key)]])):
+        sl = slice(int(lo_i), int(hi_i))
+        out[(int(cols["src"][lo_i]), int(cols["rep"][lo_i]))] = Instructions(
+            cols["pos"][sl], cols["start"][sl], cols["len"][sl], cols["dest"][sl].astype(np.int32),
+            cols["retire"][sl], cols["img"][sl])
+    return out
