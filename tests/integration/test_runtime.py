@@ -464,3 +464,18 @@ def test_a_malformed_resume_is_refused_and_the_run_goes_on(token_sources, tmp_pa
             more.append([int(b["step"]) for b in loader])
             loader.close()
     assert more == [[3, 4, 5], [3, 4, 5]] and len(first[0]) == 3
+
+
+def test_a_request_far_in_the_future_is_refused_not_planned(token_sources, tmp_path):
+    spec = parse_spec(token_mixture(token_sources["root"]))
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        from mixplane.client import DeliveryError
+
+        loader = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=30, prefetch=0)
+        loader.next_step = 1_000_000
+        with pytest.raises(DeliveryError, match="max_lead_steps"):
+            next(loader)
+        loader.close()
+        assert rt.status()["planned_through"] < 100
+        got = fetch(rt.planner_endpoint, 2, 3)  # and the run is fine
+        assert [int(b["step"]) for b in got[1]] == [0, 1, 2]

@@ -65,7 +65,9 @@ class OnlinePacker:
             return self._by_free[-1][0] if self._by_free else 0
         if self._current >= self.rows:
             return 0
-        return int(self.free[self._current:].max()) if self.policy == "next_fit" else int(self.free[self._current])
+        if self.policy == "next_fit" and self._current + 1 < self.rows:
+            return self.seq_len  # rows after the open one are still empty
+        return int(self.free[self._current])
 
     def fits(self, length: int) -> bool:
         return 0 < length <= self.largest_gap

@@ -318,6 +318,11 @@ class ConstructorServer:
             if step < self.start_step:
                 self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
                 return
+            horizon = max(self.last_request.values(), default=self.start_step - 1) + self.spec.runtime.max_lead_steps
+            if step > horizon:  # clients ask in order: a far-future step is a bug or garbage, not a prefetch
+                self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
+                                                    f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})
+                return
             self.last_request[rank] = max(self.last_request.get(rank, -1), step)
             self.pending.append((ident, step, rank, time.monotonic()))
             want = step + self.prefetch
