@@ -301,7 +301,7 @@ def run_mixplane(paths: list[str], r: int, workdir: Path) -> tuple[float, int]:
         procs.append(_py("-m", "mixplane.cli", "constructor", "--spec", str(spec_file), "--index", "0", "--planner", ep))
         names = [s.name for s in spec.sources]
         for g in range(0, len(names), GROUP):
-            procs.append(_py("-m", "mixplane.loader.group", "--spec", str(spec_file), "--planner", ep,
+            procs.append(_py("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
                              "--sources", ",".join(names[g:g + GROUP])))
         ranks = [_py(__file__, "--role", "mixplane", "--planner", ep, "--rank", str(i)) for i in range(r)]
         procs.extend(ranks)

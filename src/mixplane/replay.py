@@ -1,15 +1,18 @@
 """Rebuild what one rank received at any past step, from the planner's journal and the sources.
 
 `planner.journal.replan` plans the step again from the nearest journaled cursor (checking every
-replanned step's digest against the journal); the step's token spans are then read back from the
-sources with the loaders' own stream and transform, and the rank's batch is materialised exactly
-as its Data Constructor did (Blender's "re-fetch any past batch", e.g. to investigate a loss spike).
+replanned step's digest against the journal). Its windows are filled by `ReplayLoaders`: the Source
+Loaders of the mixture run offline, each a `loader.window.LoaderWindow` over the loader's own
+stream and transform — the code the loader server runs, not a re-implementation. The step's token
+spans are then taken from those windows (no second read of the sources), and the rank's batch is
+materialised exactly as its Data Constructor did (Blender's "re-fetch any past batch", e.g. to
+investigate a loss spike).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -17,43 +20,145 @@ from mixplane.constructor.collate import SpanStore, materialize_rank
 from mixplane.layout import layout_digest
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
-from mixplane.planner.core import StepPlan
+from mixplane.loader.window import LoaderWindow
+from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
 from mixplane.planner.journal import read_journal, replan
 from mixplane.runtime import default_run_dir
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import backbone_coords
+
+LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
+
+# (spec, source index, replica) -> (stream, transform) of that loader replica
+ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[Any, Callable]]
 
 
 class ReplayError(RuntimeError):
     pass
 
 
-def fetch_spans(spec: DataMixtureSpec, plan: StepPlan) -> SpanStore:
-    """The token spans of a planned step, read from the sources by stream position."""
+def open_replica(spec: DataMixtureSpec, source_index: int, replica: int) -> tuple[Any, Callable]:
+    """The stream and transform a Source Loader of this replica reads with (as `loader.server` opens them)."""
+    src = spec.sources[source_index]
+    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
+    return stream, make_transform(src)
+
+
+class ReplayLoaders:
+    """The Source Loaders of a mixture, offline: a `planner.journal.WindowFiller`.
+
+    One `LoaderWindow` per (source, replica), built as the loader server builds it. Each call
+    first tells every loader window what the planner consumed since the last call — the spans
+    handed off and the samples retired, as a PLAN_LOADER message does — then announces
+    `LoaderWindow.fill()` into the planner's `ReplicaWindow`. A planner window that no longer holds
+    what was announced to it (the planner was restored from a cursor, or it is another planner's)
+    makes its loader window start over from the window's cursor, as a SEEK does. One instance
+    serves one mixture (the sources of the first planner it fills); `close()` closes the streams.
+    """
+
+    def __init__(self, opener: ReplicaOpener = open_replica):
+        self.opener = opener
+        self.spec: DataMixtureSpec | None = None
+        self._windows: dict[tuple[int, int], tuple[ReplicaWindow, LoaderWindow]] = {}
+        self._next: dict[tuple[int, int], int] = {}  # the planner window's next position after our last announcement
+
+    def __call__(self, planner: StepPlanner) -> None:
+        self.spec = planner.spec
+        for w in planner.windows:
+            key = (w.source, w.replica)
+            lw = self._window(planner.spec, w)
+            if not self._consumed(w, lw):
+                lw.seek(w.cursor())
+            a = lw.fill()
+            if lw.stalled:
+                raise ReplayError(f"source {planner.spec.sources[w.source].name!r} replica {w.replica}: the stream ran "
+                                  f"dry at position {w.next_pos} while replaying (files removed since?)")
+            new = a.pos >= w.next_pos  # after a restart: what the planner's window already holds
+            w.add(a.pos[new], a.key[new], a.tokens[new], a.patches[new])
+            self._next[key] = w.next_pos
+            if len(lw.buffer) != len(w) or lw.unconsumed_tokens != w.unconsumed_tokens:
+                raise ReplayError(f"source {planner.spec.sources[w.source].name!r} replica {w.replica}: the loader "
+                                  f"window ({len(lw.buffer)} samples, {lw.unconsumed_tokens} tokens) disagrees with the "
+                                  f"planner's ({len(w)} samples, {w.unconsumed_tokens} tokens)")
+
+    def _window(self, spec: DataMixtureSpec, w: ReplicaWindow) -> LoaderWindow:
+        key = (w.source, w.replica)
+        have = self._windows.get(key)
+        if have is not None and have[0] is w:
+            return have[1]
+        if have is not None:  # another planner's window (a new replay): same stream, start over
+            lw = have[1]
+            self._next.pop(key, None)
+        else:
+            stream, transform = self.opener(spec, w.source, w.replica)
+            live = bool(getattr(spec.sources[w.source], "live", False))
+            lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
+                              read_timeout=LIVE_READ_TIMEOUT if live else None)
+        self._windows[key] = (w, lw)
+        return lw
+
+    def _consumed(self, w: ReplicaWindow, lw: LoaderWindow) -> bool:
+        """Mirror the planner's consumption into the loader window (span what was delivered, retire what
+        is used up); False if the two windows no longer describe the same stream prefix."""
+        if self._next.get((w.source, w.replica)) != w.next_pos or w.restored_done:
+            return False
+        if w.skip and max(w.skip) >= w.next_pos:
+            return False
+        index = {int(p): i for i, p in enumerate(w.pos.tolist())}
+        if any(p not in lw.buffer for p in index):
+            return False
+        for p, b in list(lw.buffer.items()):
+            i = index.get(p)
+            if i is None:
+                if p < w.low or p in w.skip:  # fully consumed: the planner retires it
+                    lw.retire(p)
+                    continue
+                return False
+            d = int(w.done[i])
+            if d < b.done:
+                return False
+            if d > b.done:
+                lw.span(p, b.done, d - b.done)
+        return True
+
+    def span(self, source: int, replica: int, pos: int, start: int, length: int) -> tuple[int, np.ndarray]:
+        """(key, tokens[start : start + length + 1]) of a sample in a replica's window, as its loader ships it."""
+        have = self._windows.get((source, replica))
+        if have is None:
+            raise KeyError(f"no loader window for source {source} replica {replica}")
+        return have[1].span(pos, start, length)
+
+    def close(self) -> None:
+        for _, lw in self._windows.values():
+            close = getattr(lw.stream, "close", None)
+            if close is not None:
+                close()
+        self._windows.clear()
+        self._next.clear()
+
+    def __enter__(self) -> "ReplayLoaders":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def fetch_spans(loaders: ReplayLoaders, plan: StepPlan) -> SpanStore:
+    """The token spans of a step just replanned with `loaders`, from their windows (no second read)."""
     store = SpanStore.empty()
     p = plan.pieces
-    by_replica: dict[tuple[int, int], list[int]] = {}
+    names = loaders.spec.source_names() if loaders.spec is not None else []
     for i in range(len(p)):
-        by_replica.setdefault((int(p.source[i]), int(p.replica[i])), []).append(i)
-    for (si, r), idx in by_replica.items():
-        src = spec.sources[si]
-        stream = open_stream(src, seed=spec.mixture.seed, partition=r, num_partitions=src.replicas)
-        transform = make_transform(src)
-        cache: dict[int, np.ndarray] = {}
-        for i in sorted(idx, key=lambda j: int(p.pos[j])):
-            pos = int(p.pos[i])
-            if pos not in cache:
-                stream.seek(pos)
-                raw = stream.take(1)
-                if len(raw) == 0 or int(raw.positions[0]) != pos:
-                    raise ReplayError(f"source {src.name!r}: stream position {pos} cannot be read back (quarantined since?)")
-                if int(raw.keys[0]) != int(p.key[i]):
-                    raise ReplayError(f"source {src.name!r}: position {pos} now holds sample {int(raw.keys[0])}, "
-                                      f"the plan says {int(p.key[i])} (did the files change?)")
-                cache[pos] = transform(raw).tokens[0]
-            s0, ln = int(p.start[i]), int(p.length[i])
-            store.spans[(si, int(p.key[i]), s0)] = cache[pos][s0 : s0 + ln + 1]
-        stream.close()
+        si, r, pos, s0, ln = int(p.source[i]), int(p.replica[i]), int(p.pos[i]), int(p.start[i]), int(p.length[i])
+        name = names[si] if si < len(names) else str(si)
+        try:
+            key, tokens = loaders.span(si, r, pos, s0, ln)
+        except KeyError:
+            raise ReplayError(f"source {name!r}: stream position {pos} cannot be read back (quarantined since?)") from None
+        if key != int(p.key[i]):
+            raise ReplayError(f"source {name!r}: position {pos} now holds sample {key}, the plan says {int(p.key[i])} "
+                              f"(did the files change?)")
+        store.spans[(si, key, s0)] = tokens
     return store
 
 
@@ -65,10 +170,11 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
     journaled = {int(r["step"]): r for r in read_journal(path) if r.get("event") == "step"}
     if step not in journaled:
         raise ReplayError(f"step {step} is not in {path} (journaled: {min(journaled, default=0)}..{max(journaled, default=-1)})")
-    plan = replan(path, step)  # raises ReplayMismatch naming the first step that differs
-    digest = layout_digest(plan.layout)
     coords = backbone_coords(spec, rank)
-    batch = materialize_rank(plan.layout, coords.dp, fetch_spans(spec, plan), spec.batch.pad_id)
+    with ReplayLoaders() as loaders:
+        plan = replan(path, step, loaders)  # raises ReplayMismatch naming the first step that differs
+        batch = materialize_rank(plan.layout, coords.dp, fetch_spans(loaders, plan), spec.batch.pad_id)
+    digest = layout_digest(plan.layout)
     names = spec.source_names()
     src = batch["source_ids"]
     out = {

@@ -492,10 +492,6 @@ def _nested_models(ann: Any) -> list[type[BaseModel]]:
     return found
 
 
-def json_schema() -> dict[str, Any]:
-    return DataMixtureSpec.model_json_schema()
-
-
 if __name__ == "__main__":  # pragma: no cover - documentation helper
     if "--markdown" in sys.argv:
         sys.stdout.write(reference_markdown())

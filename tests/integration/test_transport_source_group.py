@@ -48,8 +48,8 @@ def test_grouped_loaders_deliver_the_same_batches_as_separate_loaders(tmp_path):
             time.sleep(0.05)
         ep = json.loads(ready.read_text())["endpoint"]
         procs.append(_spawn("-m", "mixplane.cli", "constructor", "--spec", str(spec_file), "--index", "0", "--planner", ep))
-        procs.append(_spawn("-m", "mixplane.loader.group", "--spec", str(spec_file), "--planner", ep,
-                            "--sources", "s0,s1,s2", "--max-seconds", "120"))
+        procs.append(_spawn("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
+                            "--sources", "s0,s1,s2"))
         got = [{k: v.clone() for k, v in b.items()} for b in MixtureLoader(ep, rank=0, timeout_s=60, max_steps=4)]
         assert len(procs) == 3 and all(p.poll() is None for p in procs)
     finally:

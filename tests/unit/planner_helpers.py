@@ -1,13 +1,22 @@
-"""Shared helpers for planner tests: specs built in code and deterministic synthetic loader streams."""
+"""Shared helpers for planner tests: specs built in code and deterministic synthetic loader streams.
+
+Windows are filled by the loaders' own code (`mixplane.replay.ReplayLoaders` driving
+`loader.window.LoaderWindow`) over synthetic streams, so tests announce exactly what a loader
+would: unconsumed positions in order, empty documents dropped, the shortest prefix that fills.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
+from mixplane.loader.transforms import TransformedSamples
 from mixplane.planner.core import StepPlanner
-from mixplane.samples import make_key
+from mixplane.replay import ReplayLoaders
+from mixplane.samples import Ragged, make_key
 from mixplane.spec import parse_spec
 
 
@@ -62,18 +71,70 @@ def sample_meta(source: int, replica: int, pos: np.ndarray, seq_len: int, *, hea
     return pos, np.asarray(keys, dtype=np.int64), tok, pat
 
 
-def fill(planner: StepPlanner, *, heavy: bool = True, images: bool = False) -> None:
-    """Top every window up from its deterministic stream (skipping consumed positions) until it is full,
-    exactly as a loader announces the shortest stream prefix that fills it."""
-    S = planner.spec.batch.seq_len
-    for w in planner.windows:
-        p = w.next_pos
-        while not w.ready:
-            while p in w.skip:
-                p += 1
-            pos_a, key, tok, pat = sample_meta(w.source, w.replica, np.array([p]), S, heavy=heavy, images=images)
-            w.add(pos_a, key, tok, pat)
-            p += 1
+# meta(source, replica, positions, seq_len) -> (keys, tokens, patches) of those stream positions
+Meta = Callable[[int, int, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def planner_meta(*, heavy: bool = True, images: bool = False) -> Meta:
+    def meta(source: int, replica: int, pos: np.ndarray, seq_len: int):
+        _, key, tok, pat = sample_meta(source, replica, pos, seq_len, heavy=heavy, images=images)
+        return key, tok, pat
+
+    return meta
+
+
+@dataclass
+class SyntheticRows:
+    keys: np.ndarray
+    positions: np.ndarray
+    ntokens: np.ndarray
+    npatches: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class SyntheticStream:
+    """A loader stream whose position p holds a sample with metadata meta(source, replica, p)."""
+
+    def __init__(self, meta: Meta, source: int, replica: int, seq_len: int):
+        self.meta, self.source, self.replica, self.seq_len = meta, source, replica, seq_len
+        self.position = 0
+
+    def seek(self, position: int) -> None:
+        self.position = int(position)
+
+    def take(self, n: int, *, timeout: float | None = None) -> SyntheticRows:
+        pos = np.arange(self.position, self.position + n, dtype=np.int64)
+        self.position += n
+        key, tok, pat = self.meta(self.source, self.replica, pos, self.seq_len)
+        return SyntheticRows(np.asarray(key, np.int64), pos, np.asarray(tok, np.int64), np.asarray(pat, np.int64))
+
+
+def synthetic_transform(raw: SyntheticRows) -> TransformedSamples:
+    """Token ids do not matter to the planner: zeros of each sample's length."""
+    n = raw.ntokens.astype(np.int32)
+    offsets = np.zeros(len(n) + 1, np.int64)
+    np.cumsum(n, out=offsets[1:])
+    return TransformedSamples(Ragged(np.zeros(int(offsets[-1]), np.int32), offsets), None, n,
+                              raw.npatches.astype(np.int32))
+
+
+def synthetic_loaders(meta: Meta) -> ReplayLoaders:
+    """Source Loaders over synthetic streams: a WindowFiller for `replan` and for planner tests."""
+    return ReplayLoaders(lambda spec, si, r: (SyntheticStream(meta, si, r, spec.batch.seq_len), synthetic_transform))
+
+
+_loaders: "weakref.WeakKeyDictionary[StepPlanner, tuple[Any, ReplayLoaders]]" = weakref.WeakKeyDictionary()
+
+
+def fill(planner: StepPlanner, *, heavy: bool = True, images: bool = False, meta: Meta | None = None) -> None:
+    """Top every window up as the loaders would (each planner keeps its own synthetic loaders)."""
+    how = (heavy, images) if meta is None else meta
+    have = _loaders.get(planner)
+    if have is None or have[0] != how:
+        have = _loaders[planner] = (how, synthetic_loaders(meta or planner_meta(heavy=heavy, images=images)))
+    have[1](planner)
 
 
 def run(planner: StepPlanner, steps: int, **kw) -> list:

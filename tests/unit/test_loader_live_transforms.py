@@ -12,7 +12,7 @@ import pytest
 
 from tests.unit.loader_testdata import text_table
 from mixplane.loader.stream import RawSamples, open_stream
-from mixplane.loader.transforms import append_value, concat_ragged, make_transform, target_size
+from mixplane.loader.transforms import TransformedSamples, append_value, concat_ragged, make_transform, target_size
 from mixplane.samples import Ragged, key_row
 from mixplane.spec import ImageSpec, SourceSpec
 
@@ -66,6 +66,94 @@ def test_live_source_may_start_empty(tmp_path):
     assert len(s.take(5, timeout=0.1)) == 0 and s.dry
     _write(d, 0, 50, 0)
     assert len(s.take(50, timeout=5)) == 50
+
+
+class FakeClock:
+    """Stands in for the stream module's `time`: sleeping advances the clock at once."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.slept = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, dt):
+        self.now += dt
+        self.slept += dt
+
+
+@pytest.fixture
+def clock_and_listings(monkeypatch):
+    import mixplane.loader.stream as stream_mod
+
+    clock = FakeClock()
+    listings = []
+    real = stream_mod.list_source_files
+
+    def listing(uri):
+        listings.append(clock.now)
+        return real(uri)
+
+    monkeypatch.setattr(stream_mod, "time", clock)
+    monkeypatch.setattr(stream_mod, "list_source_files", listing)
+    return clock, listings
+
+
+def test_dry_live_source_lists_storage_at_most_once_per_poll_interval(tmp_path, clock_and_listings):
+    clock, listings = clock_and_listings
+    d = str(tmp_path)
+    _write(d, 0, 40, 0)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="tokens", live=True)
+    s = open_stream(src, seed=0, poll_s=2.0, status_every_s=1e9)
+    assert len(s.take(40)) == 40 and len(listings) == 1  # the listing at open
+    # a loader's poll loop on the dry source: take(timeout=0.2) every 50 ms for 10 s
+    takes = 200
+    for _ in range(takes):
+        assert len(s.take(10, timeout=0.2)) == 0
+        clock.now += 0.05
+    assert s.dry
+    gaps = np.diff(listings)
+    assert len(listings) <= 1 + 10 / 2.0 + 1 and (gaps >= 2.0).all()  # once per poll_s, not twice per take
+    # a take sleeps only when a listing falls due within its timeout; otherwise it returns at once
+    assert clock.slept <= 0.2 * len(listings)
+    assert s.seconds_to_rescan() <= 2.0
+    # new files are found by the next listing that falls due
+    _write(d, 1, 30, 40)
+    clock.now += s.seconds_to_rescan()
+    r = s.take(30, timeout=0.2)
+    assert sorted(r.columns["row"].to_pylist()) == list(range(40, 70)) and not s.dry
+
+
+def test_loader_window_waits_on_a_dry_live_source_instead_of_asking_again(tmp_path, clock_and_listings):
+    from mixplane.loader.window import LoaderWindow
+
+    clock, listings = clock_and_listings
+    d = str(tmp_path)
+    _write(d, 0, 20, 0)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="tokens", live=True)
+    stream = open_stream(src, seed=0, poll_s=2.0, status_every_s=1e9)
+
+    def transform(raw):
+        n = np.full(len(raw), 5, np.int32)
+        return TransformedSamples(Ragged(np.zeros(5 * len(raw), np.int32), np.arange(len(raw) + 1) * 5), None, n,
+                                  np.zeros(len(raw), np.int32))
+
+    w = LoaderWindow(stream, transform, (64, 0, 64), read_timeout=0.2)
+    w.seek({"low": 0})
+    assert len(w.fill()) == 20 and w.stalled and not w.complete
+    # dry, next listing not due: the window has nothing to do (the poll loop sleeps on its sockets)
+    assert w.waiting and w.full and not w.wants_read_ahead
+    n = len(listings)
+    clock.now += 1.0
+    assert w.full and len(listings) == n
+    clock.now += 1.0  # the listing is due: the loader asks again, once
+    assert not w.full
+    _write(d, 1, 10, 20)
+    assert len(w.fill()) == 10 and len(listings) == n + 1
+    assert w.waiting  # dry again right after, without a second listing
+    w.seek({"low": 0})  # a new session: not waiting any more
+    assert not w.stalled and not w.full
 
 
 # ---------------------------------------------------------------- transforms
@@ -163,6 +251,28 @@ def test_image_text_patches_and_fused_tokens(tokenizer_path):
     assert out.ntokens[3] == 0 and out.npatches[3] == 0
     assert f.quarantine.counts()["by_kind"] == {"bad_image": 1}
     assert out.ntokens.tolist()[:3] == [len(out.tokens[i]) for i in range(3)]
+
+
+def test_bad_images_are_counted_and_remembered_within_bounds(tokenizer_path, monkeypatch):
+    import mixplane.loader.transforms as tr
+    from mixplane.samples import make_key
+
+    monkeypatch.setattr(tr, "SAMPLE_QUARANTINE_ENTRIES", 5)
+    monkeypatch.setattr(tr, "SAMPLE_QUARANTINE_SEEN", 8)
+    src = SourceSpec(name="vl", uri="x", kind="image_text", tokenizer=tokenizer_path, columns=["img", "cap"],
+                     image=ImageSpec(patch_size=14, max_side=224, merge=1))
+    f = make_transform(src)
+    cols = {"img": pa.array([b"not an image"] * 10, pa.binary()), "cap": pa.array(["alpha"] * 10)}
+    for epoch in range(4):  # the same 10 bad rows every epoch, under new keys
+        keys = make_key(epoch, np.arange(10))
+        out = f(RawSamples(keys, np.arange(10) + 10 * epoch, cols))
+        assert (out.ntokens == 0).all()
+    q = f.quarantine
+    assert q.units_total == 40 and q.counts()["by_kind"] == {"bad_image": 40}  # every bad sample counted
+    assert len(q.entries) == 5 and f"sample key {int(keys[-1])}" in q.entries[-1].message  # the last ones kept
+    assert len(q._seen) == 8  # memory stays bounded however many epochs go by
+    f(RawSamples(keys[-3:], np.arange(3), {c: a[:3] for c, a in cols.items()}))  # re-read after a seek
+    assert q.units_total == 40
 
 
 def test_image_merge_rounds_to_merged_grid(tokenizer_path):

@@ -8,6 +8,8 @@ import pytest
 from mixplane.planner.core import ReplicaWindow, StepPlanner, WindowError
 from mixplane.spec import parse_spec
 
+from .planner_helpers import fill
+
 MEANS = (60, 150, 900)  # the third source has documents longer than seq_len
 
 
@@ -26,20 +28,15 @@ def sample_len(source: int, pos: int) -> int:
     return int(np.random.default_rng([source, pos]).lognormal(np.log(MEANS[source]), 0.8)) + 1
 
 
-def fill(planner: StepPlanner) -> None:
-    """What a loader does: announce unconsumed stream positions in order until the window is full."""
-    for w in planner.windows:
-        p = w.next_pos
-        while not w.ready:
-            if p not in w.skip:
-                w.add(np.array([p]), np.array([p + 1000 * w.source]), np.array([sample_len(w.source, p)]), np.zeros(1, np.int64))
-            p += 1
+def meta(source: int, replica: int, pos: np.ndarray, seq_len: int):
+    """Stream position p of a source holds sample p + 1000 * source of length sample_len(source, p)."""
+    return pos + 1000 * source, np.array([sample_len(source, int(p)) for p in pos], np.int64), np.zeros(len(pos), np.int64)
 
 
 def run(planner: StepPlanner, steps: int):
     out = []
     for _ in range(steps):
-        fill(planner)
+        fill(planner, meta=meta)  # what the loaders do: the shortest unconsumed stream prefix that fills
         out.append(planner.plan())
     return out
 

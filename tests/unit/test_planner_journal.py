@@ -5,27 +5,21 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 
 from mixplane.planner.core import StepPlanner
-from mixplane.planner.journal import (Journal, JournalError, ReplayMismatch, WindowFeeder, layout_digest, locate,
-                                      read_journal, replan)
+from mixplane.planner.journal import Journal, JournalError, ReplayMismatch, layout_digest, locate, read_journal, replan
 from mixplane.planner.strategies import resolve_strategy
 
-from .planner_helpers import make_spec, sample_meta
+from .planner_helpers import make_spec, planner_meta, synthetic_loaders
 
 MODEL = {"backbone": {"hidden": 512, "layers": 4, "heads": 8, "vocab": 1000}}
+META = planner_meta()
 
 
-def reader(si, rep, start, skip):
-    """The loaders' metadata streams for the synthetic sources of planner_helpers (seq_len 256)."""
-    p = start
-    while True:
-        if p not in skip:
-            pos, key, tok, pat = sample_meta(si, rep, np.array([p]), 256)
-            yield int(pos[0]), int(key[0]), int(tok[0]), int(pat[0])
-        p += 1
+def loaders(meta=META):
+    """The Source Loaders of the synthetic sources of planner_helpers (a WindowFiller for replan)."""
+    return synthetic_loaders(meta)
 
 
 def spec_():
@@ -36,7 +30,7 @@ def spec_():
 def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
     spec = spec_()
     pl = StepPlanner(spec, resolve_strategy(spec))
-    feeder = WindowFeeder(pl, reader)
+    fill = loaders()
     plans = {}
     with Journal(path, every=every) as j:
         j.open(spec, 0, pl.cursor())
@@ -45,10 +39,9 @@ def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
                 j.update(pl.update_mixture({"s1": 5.0}, s + 3, 1, lr_scale=0.25))
             if resume_at is not None and s == resume_at[0]:
                 cur = plans[resume_at[1]].cursor_before
-                pl.restore(cur)
-                feeder.reset()
+                pl.restore(cur)  # the loaders start over from the restored windows' cursors
                 j.resume(cur, session=1)
-            feeder.fill()
+            fill(pl)
             plan = pl.plan()
             j.step(plan)
             plans[plan.layout.step] = plan
@@ -58,8 +51,9 @@ def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
 def test_every_past_step_replans_identically(tmp_path):
     path = tmp_path / "journal.jsonl"
     plans = record_run(path, update_at=13)
+    fill = loaders()  # one set of loaders serves every replay (each starts over from its anchor)
     for s in (0, 5, 8, 9, 15, 16, 17, 29):
-        p = replan(path, s, reader)
+        p = replan(path, s, fill)
         assert layout_digest(p.layout) == layout_digest(plans[s].layout), s
         assert p.cursor_before == plans[s].cursor_before
         assert (p.layout.phase, p.layout.lr_scale, p.layout.generation) == \
@@ -84,7 +78,7 @@ def test_replay_after_a_rewind_uses_the_latest_timeline(tmp_path):
     assert [r["event"] for r in recs].count("resume") == 1
     rp = locate(recs, 14)
     assert rp.anchor["event"] == "resume" and rp.anchor["step"] == 12
-    p = replan(path, 14, reader)
+    p = replan(path, 14, loaders())
     assert layout_digest(p.layout) == layout_digest(plans[14].layout)
 
 
@@ -92,12 +86,12 @@ def test_divergence_is_detected_and_named(tmp_path):
     path = tmp_path / "journal.jsonl"
     record_run(path, steps=12, every=4)
 
-    def other(si, rep, start, skip):  # different data than what was planned
-        for pos, key, tok, pat in reader(si, rep, start, skip):
-            yield pos, key, tok + 1, pat
+    def other(si, rep, pos, seq_len):  # different data than what was planned
+        key, tok, pat = META(si, rep, pos, seq_len)
+        return key, tok + 1, pat
 
     with pytest.raises(ReplayMismatch, match="step 8"):
-        replan(path, 10, other)
+        replan(path, 10, loaders(other))
 
 
 def test_torn_last_line_and_bad_records(tmp_path):
@@ -105,7 +99,7 @@ def test_torn_last_line_and_bad_records(tmp_path):
     plans = record_run(path, steps=6, every=4)
     with open(path, "a") as f:
         f.write('{"event": "step", "ste')  # crash mid-write
-    assert layout_digest(replan(path, 5, reader).layout) == layout_digest(plans[5].layout)
+    assert layout_digest(replan(path, 5, loaders()).layout) == layout_digest(plans[5].layout)
     bad = tmp_path / "bad.jsonl"
     lines = open(path).read().split("\n")
     lines.insert(1, "not json")
@@ -121,8 +115,8 @@ def test_future_step_is_planned_ahead_from_the_last_cursor(tmp_path):
     record_run(path, steps=10, every=4)
     spec = spec_()
     pl = StepPlanner(spec, resolve_strategy(spec))
-    feeder = WindowFeeder(pl, reader)
+    fill = loaders()
     for _ in range(13):
-        feeder.fill()
+        fill(pl)
         last = pl.plan()
-    assert layout_digest(replan(path, 12, reader).layout) == layout_digest(last.layout)
+    assert layout_digest(replan(path, 12, loaders()).layout) == layout_digest(last.layout)

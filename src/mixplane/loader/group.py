@@ -3,26 +3,18 @@
 Each source keeps its own :class:`~mixplane.loader.server.LoaderServer` state (planner socket,
 window, stream, pushers) — to the planner they are separate loaders — but they share one process,
 one ZeroMQ context and one poll loop, so a job with hundreds of small sources does not pay a Python
-interpreter per source. The partitioner decides the grouping; `mixplane.runtime` / pods may host a
-group with::
+interpreter per source. The partitioner decides the grouping; `mixplane.runtime` / pods host a
+group with the loader command (one code path: allocator and tokenizer settings included)::
 
-    python -m mixplane.loader.group --spec SPEC.json --planner EP --sources a,b,c[:replica] [--ready-file F]
+    mixplane loader --spec SPEC.json --planner EP --sources a,b,c[:replica] [--ready-file F]
 """
 
 from __future__ import annotations
-
-import argparse
-import logging
-import signal
-import sys
-from pathlib import Path
 
 import zmq
 
 from mixplane.loader.server import LoaderServer, serve_loaders
 from mixplane.spec import DataMixtureSpec
-
-log = logging.getLogger("mixplane.loader.group")
 
 
 class SourceGroup:
@@ -47,32 +39,3 @@ def parse_members(spec: DataMixtureSpec, text: str) -> list[tuple[int, int]]:
         name, _, rep = item.partition(":")
         out.append((spec.source_index(name), int(rep or 0)))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mixplane.loader.group", description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--planner", required=True)
-    ap.add_argument("--sources", required=True, help="comma-separated source names, each optionally name:replica")
-    ap.add_argument("--ready-file")
-    ap.add_argument("--max-seconds", type=float)
-    ap.add_argument("--log-level", default="WARNING")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
-    spec = DataMixtureSpec.model_validate_json(Path(args.spec).read_text())
-    group = SourceGroup(spec, parse_members(spec, args.sources), args.planner)
-
-    def stop(*_: object) -> None:
-        group.stopped = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    from mixplane.runtime import write_ready
-
-    write_ready(args.ready_file, {"sources": args.sources})
-    group.run(max_seconds=args.max_seconds)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -400,9 +400,6 @@ class SourceIndex:
     def unit_of_rows(self, rows) -> np.ndarray:
         return np.searchsorted(self.unit_row_start, np.asarray(rows, np.int64), side="right") - 1
 
-    def chunk_of_rows(self, rows) -> np.ndarray:
-        return np.searchsorted(self.chunk_row_start, np.asarray(rows, np.int64), side="right") - 1
-
     def chunk_of_units(self, units) -> np.ndarray:
         return np.searchsorted(self.primary["chunk_first_unit"], np.asarray(units, np.int64), side="right") - 1
 

@@ -426,10 +426,6 @@ class PageHeader:
     rep_len: int = 0
     is_compressed: bool = True
 
-    @property
-    def total_len(self) -> int:
-        return self.header_len + self.compressed_size
-
 
 def parse_page_header(buf: bytes | memoryview, pos: int = 0) -> PageHeader:
     """Parse the Thrift PageHeader at ``pos``; raises ThriftError / ValueError when malformed."""

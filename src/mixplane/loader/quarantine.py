@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -23,18 +23,25 @@ class QuarantineEntry:
 
 
 class QuarantineLog:
-    """Thread-safe record of skipped files and pages. ``pages_total`` feeds the Prometheus counter
-    ``mixplane_loader_quarantined_pages_total``; ``counts()`` breaks it down by kind."""
+    """Thread-safe record of skipped files, pages and samples. ``pages_total`` feeds the Prometheus
+    counter ``mixplane_loader_quarantined_pages_total``; ``units_total`` counts every unit recorded
+    (a file, a page, or — in a transform's log — a sample); ``counts()`` breaks them down by kind.
 
-    def __init__(self, source: str = "", max_entries: int = 1000):
+    Memory is bounded: ``entries`` keeps the last ``max_entries`` records, and a unit is recognised
+    as already recorded among the last ``max_seen`` units (None: all of them — right for pages and
+    files, whose number is bounded by the source; a transform meets new sample keys every epoch).
+    """
+
+    def __init__(self, source: str = "", max_entries: int = 1000, max_seen: int | None = None):
         self.source = source
-        self.entries: list[QuarantineEntry] = []
+        self.entries: deque[QuarantineEntry] = deque(maxlen=max_entries)
         self.max_entries = max_entries
+        self.max_seen = max_seen
         self.pages_total = 0
         self.files_total = 0
         self.units_total = 0
         self._by_kind: Counter[str] = Counter()
-        self._seen: set[tuple] = set()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def add(self, err, *, pages: int = 1, whole_file: bool = False) -> bool:
@@ -45,12 +52,13 @@ class QuarantineLog:
                getattr(err, "page", None), whole_file)
         with self._lock:
             if key in self._seen:
+                self._seen.move_to_end(key)
                 return False
-            self._seen.add(key)
-            e = QuarantineEntry(kind=kind, file=key[0], row_group=key[1], column=key[2], page=key[3],
-                                pages=pages, message=str(err))
-            if len(self.entries) < self.max_entries:
-                self.entries.append(e)
+            self._seen[key] = None
+            if self.max_seen is not None and len(self._seen) > self.max_seen:
+                self._seen.popitem(last=False)
+            self.entries.append(QuarantineEntry(kind=kind, file=key[0], row_group=key[1], column=key[2], page=key[3],
+                                                pages=pages, message=str(err)))
             self.pages_total += pages
             self.files_total += whole_file
             self.units_total += 1

@@ -31,11 +31,6 @@ def epoch_rng(seed: int, source: str, epoch: int, *salt: int) -> np.random.Gener
                                   *salt])
 
 
-def partition_of_permutation(n: int, rng: np.random.Generator, partition: int, num_partitions: int) -> np.ndarray:
-    """Partition ``partition`` of one random permutation of range(n): every N-th element."""
-    return rng.permutation(n)[partition::num_partitions]
-
-
 # ----------------------------------------------------------------------------------------------
 # page mode: stratified page order, page splits, YOUMU Algorithm 2
 

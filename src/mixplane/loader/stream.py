@@ -1,6 +1,6 @@
 """A source partition as a deterministic, infinite, seekable stream of rows.
 
-Contract (used by the loader server, the planner's journal replay and `mixplane replay`):
+Contract (used by the loader server and, through the same `LoaderWindow`, by `mixplane replay`):
 
 * The stream emits the rows of one partition of a source, epoch after epoch. Epoch e's order is a
   pure function of (seed, source name, e, partition, num_partitions) and the source's files.
@@ -20,7 +20,9 @@ buffer shuffle), ``row`` (full shuffle), ``rowgroup`` and ``sequential`` (baseli
 Live sources (``SourceSpec.live``) are read once: the files found at open form segment 0; files
 that appear later under the uri form the next segments, each shuffled on its own. A live
 source that has run dry blocks in ``take`` (or returns early after ``timeout``), logs a status line
-and exposes ``dry`` / ``status()`` for metrics, instead of failing.
+and exposes ``dry`` / ``status()`` for metrics, instead of failing. It lists its storage (a
+directory glob, an S3 LIST, ...) at most once per ``poll_s``: ``take(timeout=...)`` returns at once
+when the next listing is not due within the timeout, and ``seconds_to_rescan()`` says when it is.
 
 Page mode in detail (``SourceSpec.shuffle == "page"``): the pages of a partition are read in a
 stratified random order (:func:`shuffle.stratified_permutation`: the first pages of an epoch are
@@ -133,6 +135,8 @@ class SourceStream:
         self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
         self.stats = stats if stats is not None else IOStats()
         self._cache_dir = cache_dir
+        # live sources list their storage at most once per poll_s (monotonic clock)
+        self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
         self.files = files or list_source_files(source.uri)
         self.index = SourceIndex(self.columns)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
@@ -216,7 +220,17 @@ class SourceStream:
         seg.rows_per_unit = max(1, int(round(float(rows.sum()) / max(units, 1))))
         self._parts = np.concatenate([self._parts[: seg.unit_lo], parts.astype(np.int8)])
 
-    def _rescan(self) -> bool:
+    def seconds_to_rescan(self) -> float:
+        """Seconds until the next listing of the source's storage is due (0: due now)."""
+        return max(0.0, self.next_rescan_at - time.monotonic())
+
+    def _rescan(self, *, force: bool = False) -> bool:
+        """List the storage and add new files as a segment; True if rows were added. At most once per
+        ``poll_s`` unless forced (a dry live source would otherwise list on every ``take``)."""
+        now = time.monotonic()
+        if not force and now < self.next_rescan_at:
+            return False
+        self.next_rescan_at = now + self.poll_s
         try:
             f = list_source_files(self.source.uri)
         except SourceFilesError as e:
@@ -558,7 +572,7 @@ class SourceStream:
             self._set_epoch(nxt, self._epoch_start + self._epoch_len)
             return True
         while self._segment(nxt) is None:
-            if self._rescan():
+            if self._rescan():  # lists only when due
                 break
             now = time.monotonic()
             if not self.dry:
@@ -566,9 +580,9 @@ class SourceStream:
             if now - self._last_status >= self.status_every_s:
                 self._last_status = now
                 log.warning("%s", self.status_line())
-            if deadline is not None and now >= deadline:
-                return False
-            time.sleep(self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - now)))
+            if deadline is not None and self.next_rescan_at >= deadline:
+                return False  # nothing can change before the deadline: give control back now
+            time.sleep(max(0.0, self.next_rescan_at - now))
         self.dry, self._dry_since = False, None
         self._set_epoch(nxt, self._epoch_start + self._epoch_len)
         return True
@@ -651,7 +665,7 @@ class SourceStream:
             if missing:
                 raise StreamError(f"source {self.name!r}: files of the saved state are gone: {missing[:3]}")
             self._add_files(paths, [sizes[p] for p in paths], [mt[p] for p in paths])
-        self._rescan()
+        self._rescan(force=True)
         self.reader.close()
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats,
                                    verify_crc=self.reader.verify_crc)

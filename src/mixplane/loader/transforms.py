@@ -12,8 +12,8 @@
 
 Per-sample metadata the planner sees before any payload moves: ``ntokens`` and ``npatches`` (the
 key and source travel with the RawSamples). A sample whose image cannot be decoded is emptied
-(ntokens 0, so the loader drops it) and counted in ``transform.quarantine``; it never delivers
-garbage and never stops the loader.
+(ntokens 0, so the loader drops it) and counted in ``transform.quarantine.units_total`` (one per
+bad sample read, for the loader's metrics); it never delivers garbage and never stops the loader.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from mixplane.loader.stream import RawSamples
 from mixplane.samples import Ragged
 from mixplane.spec import SourceSpec
 
+SAMPLE_QUARANTINE_ENTRIES = 100  # bad-sample records a transform keeps (the last ones)
+SAMPLE_QUARANTINE_SEEN = 4096  # recent bad-sample keys remembered, so a re-read after a seek counts once
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 IMAGE_TOKEN_CANDIDATES = ("<|image|>", "<image>", "<|image_pad|>")
 
@@ -238,7 +240,8 @@ def _image_bytes(arr: pa.Array, what: str) -> list[bytes | None]:
 def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamples]:
     tok = load_tokenizer(source.tokenizer) if source.tokenizer else None
     eos = eos_id(tok) if (tok is not None and source.append_eos) else None
-    quarantine = QuarantineLog(source.name)
+    # bad samples: keys are new every epoch, so the log remembers only the most recent ones
+    quarantine = QuarantineLog(source.name, max_entries=SAMPLE_QUARANTINE_ENTRIES, max_seen=SAMPLE_QUARANTINE_SEEN)
 
     if source.kind == "tokens":
         col = source.columns[0]

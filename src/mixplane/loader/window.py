@@ -4,10 +4,15 @@ Shared by the loader server and by offline replay (`mixplane replay`, journal ch
 announce exactly the same samples for the same cursor: read in order from the deterministic
 stream, skip what the cursor says was consumed, and stop at the shortest prefix that satisfies
 `spec.window_full`.
+
+A window over a dry live source *waits*: while the stream's next listing of its storage is not
+due (`SourceStream.seconds_to_rescan`), `full` is true and the loader's poll loop sleeps on its
+sockets instead of asking the stream again; `complete` is the shared predicate alone.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -61,8 +66,22 @@ class LoaderWindow:
         self.staged_tokens = 0
 
     @property
-    def full(self) -> bool:
+    def complete(self) -> bool:
+        """The shared predicate (`spec.window_full`): the planner's window of this replica is full."""
         return window_full(len(self.buffer), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.max_samples)
+
+    @property
+    def waiting(self) -> bool:
+        """A dry live source whose next listing is not due yet: nothing new can be read before then."""
+        if not self.stalled:
+            return False
+        due_in = getattr(self.stream, "seconds_to_rescan", None)
+        return due_in is not None and due_in() > 0
+
+    @property
+    def full(self) -> bool:
+        """Nothing to announce now: the window is complete, or its live source is dry and waiting."""
+        return self.complete or self.waiting
 
     def seek(self, cursor: dict[str, Any]) -> None:
         """Start over from a planner cursor: low position, consumed positions, partial progress."""
@@ -70,13 +89,12 @@ class LoaderWindow:
         self.staged.clear()
         self.staged_tokens = 0
         self.unconsumed_tokens = 0
+        self.stalled = False
         self.skip = {int(p) for p in cursor.get("skip", [])}
         self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
         self.stream.seek(int(cursor["low"]))
 
     def _read(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         raw = self.stream.take(CHUNK) if self.read_timeout is None else self.stream.take(CHUNK, timeout=self.read_timeout)
         self.stalled = len(raw) == 0
@@ -100,9 +118,9 @@ class LoaderWindow:
             self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
 
     def fill(self) -> Announcement:
-        """Announce staged samples one by one until the window is exactly full."""
+        """Announce staged samples one by one until the window is exactly complete (or its live source is dry)."""
         new: list[Buffered] = []
-        while not self.full:
+        while not self.complete:
             if not self.staged:
                 self._read()
                 if self.stalled:  # a dry live source: announce what there is, try again later

@@ -15,11 +15,12 @@ counters and the mixture schedule. So the journal does not store plans; it store
 * ``resume``     — the planner rewound to a client's cursor (a new session).
 
 One JSON object per line (`journal.jsonl`), flushed per record, so a crash loses at most the
-record being written and a reader skips a torn last line. `replan(path, step, reader)` finds the
+record being written and a reader skips a torn last line. `replan(path, step, fill)` finds the
 last anchor (open / resume / checkpoint) before the step's own record, restores its cursor, and
 re-plays the records in between — applying updates exactly where the original planner applied
-them — refilling windows from `reader` (the loaders' metadata streams) and checking each step's
-digest, so a replay that diverges fails at the first step that differs, naming it.
+them — refilling windows with `fill` (a `WindowFiller`: the loaders' side, implemented outside the
+planner) and checking each step's digest, so a replay that diverges fails at the first step that
+differs, naming it.
 """
 
 from __future__ import annotations
@@ -27,20 +28,24 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
-from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
-from mixplane.spec import window_full
+from mixplane.planner.core import StepPlan, StepPlanner
 from mixplane.spec import DataMixtureSpec
 
 VERSION = 1
 DEFAULT_EVERY = 100
 
-# reader(source index, replica, first position, positions to skip) -> (pos, key, tokens, patches), ...
-MetaReader = Callable[[int, int, int, set[int]], Iterator[tuple[int, int, int, int]]]
+WindowFiller = Callable[[StepPlanner], None]
+"""The loaders' side of a replay: ``fill(planner)`` announces into every one of ``planner.windows``
+exactly what that replica's Source Loader would announce now (the shortest unconsumed stream prefix
+that makes ``spec.window_full`` true), given what the planner has consumed so far — also after the
+planner was restored from a cursor. The planner only defines it: ``mixplane.replay.ReplayLoaders``
+implements it over the real sources with the loaders' own ``LoaderWindow``; tests use synthetic
+streams through the same class."""
 
 
 class JournalError(ValueError):
@@ -196,79 +201,15 @@ def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
                       records[target_i] if target_i is not None else None)
 
 
-# ---- feeding windows from metadata streams ---------------------------------------------------------
-
-class WindowFeeder:
-    """Tops windows up exactly as loaders do: the shortest prefix of the unconsumed stream that fills them."""
-
-    def __init__(self, planner: StepPlanner, reader: MetaReader):
-        self.planner = planner
-        self.reader = reader
-        self._its: dict[tuple[int, int], Iterator[tuple[int, int, int, int]]] = {}
-        self._pending: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
-
-    def reset(self) -> None:
-        self._its.clear()
-        self._pending.clear()
-
-    def fill(self) -> None:
-        for w in self.planner.windows:
-            self._fill_one(w)
-
-    def _fill_one(self, w: ReplicaWindow) -> None:
-        key = (w.source, w.replica)
-        it = self._its.get(key)
-        if it is None:
-            it = self._its[key] = iter(self.reader(w.source, w.replica, w.next_pos, set(w.skip)))
-        n = len(w)
-        toks = w.unconsumed_tokens
-        batch: list[tuple[int, int, int, int]] = []
-        partial = w.restored_done
-        while not window_full(n, toks, w.min_samples, w.min_tokens, w.capacity):
-            try:
-                rec = next(it)
-            except StopIteration:
-                w.dry = True
-                break
-            batch.append(rec)
-            n += 1
-            toks += int(rec[2]) - int(partial.get(int(rec[0]), 0))
-        if batch:
-            a = np.array(batch, dtype=np.int64)
-            w.add(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
-
-
-def stream_reader(spec: DataMixtureSpec) -> MetaReader:
-    """Metadata of the real sources, read exactly as the Source Loaders read them (same stream, same
-    transform, empty documents skipped). Used by `mixplane replay`."""
-    from mixplane.loader.stream import open_stream
-    from mixplane.loader.transforms import make_transform
-
-    def reader(si: int, replica: int, start: int, skip: set[int]) -> Iterator[tuple[int, int, int, int]]:
-        src = spec.sources[si]
-        stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
-        stream.seek(start)
-        transform = make_transform(src)
-        while True:
-            raw = stream.take(256)
-            out = transform(raw)
-            for i, p in enumerate(raw.positions):
-                p = int(p)
-                if p in skip or out.ntokens[i] <= 0:
-                    continue
-                yield p, int(raw.keys[i]), int(out.ntokens[i]), int(out.npatches[i])
-
-    return reader
-
-
 # ---- replay -------------------------------------------------------------------------------------
 
-def replan(path: str | os.PathLike, step: int, reader: MetaReader | None = None, *,
+def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
            strategy: Any = None, verify: bool = True, base_dir: str | None = None) -> StepPlan:
     """Plan journaled step `step` again and return its StepPlan (layout, pieces, cursor before it).
 
-    reader: the loaders' metadata streams (default: `stream_reader` of the journaled spec, reading the
-    real sources). strategy: override the spec's strategy (default: resolve it from the spec).
+    fill: tops the planner's windows up before every step, as the loaders did (see `WindowFiller`;
+    `mixplane.replay.ReplayLoaders` reads the real sources of the journaled spec, `planner.spec`).
+    strategy: override the spec's strategy (default: resolve it from the spec).
     verify: compare every replanned step's digest with the journal (ReplayMismatch on the first
     difference). A step after the last journaled one is planned ahead from the last cursor.
     """
@@ -282,12 +223,11 @@ def replan(path: str | os.PathLike, step: int, reader: MetaReader | None = None,
     spec = parse_spec(rp.spec, check_files=False)
     planner = StepPlanner(spec, strategy or resolve_strategy(spec, base_dir), rp.generation)
     planner.restore(rp.anchor["cursor"])
-    feeder = WindowFeeder(planner, reader or stream_reader(spec))
     journaled: dict[int, dict[str, Any]] = {}
     last: StepPlan | None = None
 
     def plan_next() -> StepPlan:
-        feeder.fill()
+        fill(planner)
         return planner.plan()
 
     for r in rp.records:
