@@ -63,7 +63,8 @@ class QuarantineLog:
             self.files_total += whole_file
             self.units_total += 1
             self._by_kind[kind] += 1
-        log.warning("source %r: quarantined %s: %s", self.source, "file" if whole_file else "page", err)
+        unit = getattr(err, "unit", "file" if whole_file else "page")
+        log.warning("source %r: quarantined %s: %s", self.source, unit, err)
         return True
 
     def counts(self) -> dict:

@@ -43,6 +43,7 @@ class LoaderServer:
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
                                    read_timeout=0.2 if self.source.live else None)
         self._quarantined_seen = 0
+        self._bad_samples_seen = 0
         self._last_status_line = 0.0
         self.session = -1
         self.welcomed = False
@@ -94,6 +95,11 @@ class LoaderServer:
         if q > self._quarantined_seen:
             self.m.loader_quarantined_pages.labels(self.source.name).inc(q - self._quarantined_seen)
             self._quarantined_seen = q
+        tq = getattr(self.window.transform, "quarantine", None)
+        bad = tq.units_total if tq is not None else 0
+        if bad > self._bad_samples_seen:
+            self.m.loader_quarantined_samples.labels(self.source.name).inc(bad - self._bad_samples_seen)
+            self._bad_samples_seen = bad
         dry = bool(getattr(self.stream, "dry", False))
         self.m.loader_dry.labels(self.source.name).set(1 if dry else 0)
         if dry and time.monotonic() - self._last_status_line > 30.0:

@@ -331,6 +331,7 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
 
 class _SampleError(ValueError):
     kind = "bad_image"
+    unit = "sample"
     file = row_group = column = None
 
     def __init__(self, message: str, key: int):
