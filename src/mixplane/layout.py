@@ -130,6 +130,21 @@ class StepLayout:
         return out
 
 
+def segment_offsets(rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Offset of each segment inside its row, for segments listed row by row in the order they sit
+    there: the running sum of the lengths before it in the same row (int64)."""
+    rows = np.asarray(rows)
+    lens = np.asarray(lens, dtype=np.int64)
+    if len(rows) != len(lens):
+        raise ValueError(f"segment_offsets: {len(rows)} rows but {len(lens)} lengths")
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    if np.any(rows[1:] < rows[:-1]):
+        raise ValueError("segment_offsets: segments are not ordered by row")
+    before = np.cumsum(lens) - lens  # tokens of all earlier segments
+    return before - before[np.searchsorted(rows, rows, side="left")]
+
+
 def layout_digest(layout: StepLayout) -> str:
     """A short fingerprint of what a step contains, journaled so replays can prove they match."""
     import hashlib

@@ -3,63 +3,48 @@
 import numpy as np
 import pytest
 
-from mixplane.constructor.multimodal import (assign_world, collate_encoder, encoder_offsets, fused_layout,
-                                             gather_embeddings, image_to_patches, interleave,
-                                             mask_orphan_placeholders, patch_positions, target_grid)
+from mixplane.constructor.multimodal import (collate_encoder, encoder_offsets, fused_layout, gather_embeddings,
+                                             mask_orphan_placeholders, patch_positions, rowmajor_to_windows)
+from mixplane.loader.transforms import image_to_patches
 
 IMG = 9999
 
 
-def test_target_grid_respects_max_side_and_merge():
-    assert target_grid(896, 896, 14, 896) == (64, 64)
-    gh, gw = target_grid(1000, 500, 14, 448, merge=4)
-    assert gh % 2 == 0 and gw % 2 == 0 and gh * 14 <= 448 and gw * 14 <= 448
-    assert target_grid(10, 10, 14, 896, merge=4) == (2, 2)  # tiny images still give one merged token
-    with pytest.raises(ValueError, match="square"):
-        target_grid(10, 10, 14, 896, merge=2)
+def _png(a: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
 
 
-def test_patches_round_trip_without_resize():
+def test_loader_patches_in_merge_windows_match_patch_positions():
+    """Loaders cut row-major patches; the constructor's window order and 2-D positions agree with them."""
     rng = np.random.default_rng(0)
-    img = rng.integers(0, 255, size=(28, 42, 3), dtype=np.uint8)
-    p, grid = image_to_patches(img, patch_size=14, max_side=896)
-    assert grid == (2, 3) and p.shape == (6, 14 * 14 * 3)
-    np.testing.assert_array_equal(p[4].reshape(14, 14, 3), img[14:28, 14:28])  # row 1, col 1
-    pos = patch_positions(grid)
-    assert pos[4].tolist() == [1, 1]
+    img = rng.integers(0, 255, size=(28, 56, 3), dtype=np.uint8)  # 2 x 4 patches of 14: no resize
+    flat, hp, wp = image_to_patches(_png(img), 14, 896)
+    pix = flat.reshape(hp * wp, -1)
+    assert (hp, wp) == (2, 4)
+    np.testing.assert_array_equal(pix[5].reshape(14, 14, 3), img[14:28, 14:28])  # row 1, col 1
+    assert patch_positions((hp, wp))[5].tolist() == [1, 1]
+    order = rowmajor_to_windows((hp, wp), 4)
+    pos = patch_positions((hp, wp), merge=4)
+    # merged token 0 covers patches (0,0) (0,1) (1,0) (1,1), token 1 the next 2x2 window
+    assert pos[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+    for k, (r, c) in enumerate(pos.tolist()):
+        np.testing.assert_array_equal(pix[order][k].reshape(14, 14, 3), img[14 * r:14 * r + 14, 14 * c:14 * c + 14])
+    with pytest.raises(ValueError, match="merged"):
+        rowmajor_to_windows((3, 4), 4)
 
 
-def test_merge_windows_are_consecutive():
-    img = np.arange(28 * 28, dtype=np.uint8).reshape(28, 28, 1)
-    p, grid = image_to_patches(img, patch_size=7, max_side=28, merge=4)
-    assert grid == (4, 4)
-    pos = patch_positions(grid, merge=4)
-    # the first merged token covers patches (0,0) (0,1) (1,0) (1,1)
-    assert pos[:4].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    np.testing.assert_array_equal(p[2].reshape(7, 7), img[7:14, 0:7, 0])
-
-
-def test_resize_large_image():
-    img = np.zeros((1000, 2000, 3), np.uint8)
-    p, (gh, gw) = image_to_patches(img, patch_size=14, max_side=448)
-    assert gw * 14 <= 448 and len(p) == gh * gw
-
-
-def test_interleave_and_encoder_batch():
-    s = interleave([4, np.array([1, 2, 3]), 2, np.array([5])], IMG)
-    assert s.tokens.tolist() == [IMG] * 4 + [1, 2, 3] + [IMG] * 2 + [5]
-    assert s.image_start.tolist() == [0, 7] and s.image_tokens.tolist() == [4, 2]
-    with pytest.raises(ValueError, match="placeholder id"):
-        interleave([np.array([IMG])], IMG)
+def test_encoder_batch_collates_with_varlen_boundaries():
     enc = collate_encoder([np.zeros((4, 12), np.uint8), np.ones((6, 12), np.uint8)], [(2, 2), (2, 3)], [0, 3])
     assert enc["pixel_patches"].shape == (10, 12) and enc["patch_cu_seqlens"].tolist() == [0, 4, 10]
     assert enc["image_grid"].tolist() == [[2, 2], [2, 3]] and enc["patch_position_ids"].shape == (10, 2)
-
-
-def test_assign_world_balances_images():
-    r = assign_world(np.array([100, 90, 10, 10, 5]), 2)
-    load = np.bincount(r, weights=[100, 90, 10, 10, 5], minlength=2)
-    assert abs(load[0] - load[1]) <= 15
+    with pytest.raises(ValueError, match="grid"):
+        collate_encoder([np.zeros((5, 12), np.uint8)], [(2, 2)], [0])
 
 
 def test_fused_layout_maps_every_placeholder_to_its_embedding():

@@ -23,101 +23,24 @@ them into padding-like tokens with ignored labels so nothing reads an embedding 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+from mixplane.layout import segment_offsets
 
 IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------------------------ images
-def target_grid(height: int, width: int, patch_size: int, max_side: int, merge: int = 1) -> tuple[int, int]:
-    """Patch rows and columns after resizing: longer side <= max_side, aspect kept, sides a multiple
-    of patch_size * sqrt(merge) so patches merge evenly."""
-    if height <= 0 or width <= 0:
-        raise ValueError(f"image of {height}x{width} pixels has no area")
-    m = int(round(merge ** 0.5))
-    if m * m != merge:
-        raise ValueError(f"merge={merge} must be a square (1, 4, 9, ...)")
-    unit = patch_size * m
-    scale = min(1.0, max_side / max(height, width))
-    gh = max(1, int(round(height * scale / unit))) * m
-    gw = max(1, int(round(width * scale / unit))) * m
-    while max(gh, gw) * patch_size > max(max_side, unit):  # rounding up may overshoot max_side
-        if gh >= gw:
-            gh -= m
-        else:
-            gw -= m
-    return gh, gw
-
-
-def image_to_patches(image: np.ndarray, patch_size: int = 14, max_side: int = 896, merge: int = 1) -> tuple[np.ndarray, tuple[int, int]]:
-    """Resize an H x W x C uint8 image and cut it into patches: ([gh*gw, p*p*C] uint8, (gh, gw)).
-
-    Patches are in row-major order; with merge > 1 the patches of one merge window (e.g. 2x2) are
-    consecutive, so merged token k is patches [k*merge, (k+1)*merge).
-    """
-    img = np.asarray(image)
-    if img.ndim == 2:
-        img = img[:, :, None]
-    if img.ndim != 3 or img.dtype != np.uint8:
-        raise ValueError(f"expected an H x W x C uint8 image, got {img.dtype} {img.shape}")
-    H, W, C = img.shape
-    gh, gw = target_grid(H, W, patch_size, max_side, merge)
-    th, tw = gh * patch_size, gw * patch_size
-    if (th, tw) != (H, W):
-        from PIL import Image
-
-        mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(C)
-        if mode is None:
-            raise ValueError(f"cannot resize an image with {C} channels")
-        pil = Image.fromarray(img[:, :, 0] if C == 1 else img, mode=mode)
-        img = np.asarray(pil.resize((tw, th), Image.Resampling.BICUBIC)).reshape(th, tw, C)
-    p = patch_size
-    m = int(round(merge ** 0.5))
-    # [gh/m, m, gw/m, m, p, p, C] -> merge windows row-major, patches inside a window row-major
-    x = img.reshape(gh // m, m, p, gw // m, m, p, C).transpose(0, 3, 1, 4, 2, 5, 6)
-    return np.ascontiguousarray(x.reshape(gh * gw, p * p * C)), (gh, gw)
-
+# Loaders decode, resize and cut images (`loader.transforms.image_to_patches`, row-major patches);
+# here they are only reordered into merge windows and collated.
 
 def patch_positions(grid: tuple[int, int], merge: int = 1) -> np.ndarray:
-    """(row, col) of every patch in the order image_to_patches emits them: [gh*gw, 2] int32."""
+    """(row, col) of every patch in merge-window order (`rowmajor_to_windows`): [gh*gw, 2] int32."""
     gh, gw = grid
     m = int(round(merge ** 0.5))
     r, c = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
     pos = np.stack([r, c], axis=-1).reshape(gh // m, m, gw // m, m, 2).transpose(0, 2, 1, 3, 4)
     return np.ascontiguousarray(pos.reshape(gh * gw, 2)).astype(np.int32)
-
-
-# ------------------------------------------------------------------------------------------ interleaving
-@dataclass
-class Interleaved:
-    tokens: np.ndarray  # int32, text with placeholder runs
-    image_start: np.ndarray  # int64, position of each image's first placeholder
-    image_tokens: np.ndarray  # int64, placeholders of each image
-
-
-def interleave(parts: list[np.ndarray | int], image_token_id: int) -> Interleaved:
-    """Build a sample from text pieces (arrays of token ids) and images (ints: their placeholder count)."""
-    toks, starts, counts = [], [], []
-    pos = 0
-    for part in parts:
-        if isinstance(part, (int, np.integer)):
-            n = int(part)
-            if n <= 0:
-                raise ValueError("an image needs at least one placeholder token")
-            starts.append(pos)
-            counts.append(n)
-            toks.append(np.full(n, image_token_id, dtype=np.int32))
-            pos += n
-        else:
-            a = np.asarray(part, dtype=np.int32)
-            if np.any(a == image_token_id):
-                raise ValueError(f"text contains the image placeholder id {image_token_id}")
-            toks.append(a)
-            pos += len(a)
-    return Interleaved(np.concatenate(toks) if toks else np.zeros(0, np.int32),
-                       np.asarray(starts, np.int64), np.asarray(counts, np.int64))
 
 
 # ------------------------------------------------------------------------------------------ encoder side
@@ -141,19 +64,6 @@ def collate_encoder(patches: list[np.ndarray], grids: list[tuple[int, int]], ima
                                else np.zeros((0, 2), np.int32)),
         "image_ids": np.asarray(image_ids, np.int64),
     }
-
-
-def assign_world(image_tokens: np.ndarray, world: int) -> np.ndarray:
-    """Encoder rank of each image for axis='WORLD': greedy longest-first onto the least-loaded rank
-    (encoder cost grows with patches; ties to the lower rank, so the result is deterministic)."""
-    image_tokens = np.asarray(image_tokens, np.int64)
-    load = np.zeros(world, np.int64)
-    out = np.empty(len(image_tokens), np.int64)
-    for i in np.argsort(-image_tokens, kind="stable"):
-        r = int(np.argmin(load))
-        out[i] = r
-        load[r] += image_tokens[i]
-    return out
 
 
 # ------------------------------------------------------------------------------------------ backbone side
@@ -242,12 +152,6 @@ def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
     return idx.reshape(-1)
 
 
-def _segment_offsets(rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    csum = np.cumsum(lens)
-    first = np.searchsorted(rows, rows, side="left")
-    return csum - lens - np.where(first > 0, csum[first - 1], 0) if len(rows) else lens
-
-
 def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
                img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
     """Add the backbone's fused layout to one data-parallel rank's batch (in place).
@@ -264,7 +168,7 @@ def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key:
     where = {(int(s), int(k)): j for j, (s, k) in enumerate(zip(img_source, img_key))}
     seg_image = np.array([where.get((int(s), int(k)), -1) if st == 0 else -1
                           for s, k, st in zip(batch["segment_source"], batch["segment_key"], starts)], np.int64)
-    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=rows, seg_offset=_segment_offsets(rows, lens),
+    fused = fused_layout(batch["input_ids"], image_token_id, seg_row=rows, seg_offset=segment_offsets(rows, lens),
                          seg_len=lens, seg_image=seg_image, seg_ph_before=np.zeros(len(rows), np.int64),
                          img_rank=np.asarray(img_rank, np.int64),
                          img_tokens=np.asarray(img_patches, np.int64) // merge, world=world)

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from sortedcontainers import SortedList
 
+from mixplane.layout import segment_offsets
+
 PACKING_POLICIES = ("best_fit", "next_fit", "none")
 OVERLONG_POLICIES = ("split", "truncate", "drop")
 
@@ -100,17 +102,6 @@ class OnlinePacker:
         self.free[row] -= length
         self._current += 1
         return row
-
-
-@dataclass
-class PackingStats:
-    rows: int
-    seq_len: int
-    tokens: int
-
-    @property
-    def efficiency(self) -> float:
-        return self.tokens / float(self.rows * self.seq_len) if self.rows else 0.0
 
 
 @dataclass
@@ -285,9 +276,7 @@ def pack_documents(lengths: np.ndarray, seq_len: int, policy: str = "best_fit", 
     order = np.lexsort((rank_in_order, rows))
     doc, start, length, foot, rows = doc[order], start[order], length[order], foot[order], rows[order]
     # offsets: running sum of footprints within each row
-    csum = np.cumsum(foot) - foot
-    row_first = np.searchsorted(rows, rows, side="left")
-    offset = csum - csum[row_first] if len(rows) else csum
+    offset = segment_offsets(rows, foot)
     delivered = int(length.sum())
     npieces = np.bincount(doc, minlength=len(lengths)) if len(doc) else np.zeros(len(lengths), np.int64)
     report = PackingReport(

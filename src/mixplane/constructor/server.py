@@ -21,6 +21,7 @@ from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_ke
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.spec import DataMixtureSpec
+from mixplane.tokens import resolve_image_token_id
 from mixplane.topology import backbone_coords
 from mixplane.wire import Kind, WireError
 
@@ -37,26 +38,33 @@ class StepState:
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
     images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
-    need_spans: set[tuple[int, int, int]] = field(default_factory=set)  # set when the layout arrives
+    # spans still missing, as (source, key, start) arrays; set when the layout arrives
+    need_spans: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0, np.int64),) * 3
     need_images: set[tuple[int, int]] = field(default_factory=set)
 
     def expect(self, layout: StepLayout, ranks: list[int]) -> None:
         """What must arrive before the step can be built: every span of the layout, and the pixels
         of every image one of this constructor's ranks encodes."""
         self.layout = layout
-        self.need_spans = set(zip(layout.seg_source.tolist(), layout.seg_key.tolist(), layout.seg_start.tolist()))
+        self.need_spans = (layout.seg_source, layout.seg_key, layout.seg_start)
         mine = np.isin(layout.img_rank, np.asarray(ranks, dtype=np.int64))
         self.need_images = set(zip(layout.img_source[mine].tolist(), layout.img_key[mine].tolist()))
+
+    @property
+    def missing_spans(self) -> int:
+        return len(self.need_spans[0])
 
     @property
     def complete(self) -> bool:
         if self.layout is None:
             return False
-        if self.need_spans:
-            self.need_spans = {k for k in self.need_spans if k not in self.spans.spans}
+        if self.missing_spans:
+            src, key, start = self.need_spans
+            missing = ~self.spans.contains(src, key, start)
+            self.need_spans = (src[missing], key[missing], start[missing])
         if self.need_images:
             self.need_images = {k for k in self.need_images if k not in self.images}
-        return not self.need_spans and not self.need_images
+        return not self.missing_spans and not self.need_images
 
 
 class ConstructorServer:
@@ -102,14 +110,10 @@ class ConstructorServer:
         self._last_hello = 0.0
         bb = spec.topology.backbone()[1]
         self.cp, self.pp = bb.cp, bb.pp
-        # image placeholder id of each image_text source (spec value, else the loader's rule: tokenizer's <|image|>)
-        self._image_token_ids: dict[int, int] = {}
-        for si, src in enumerate(spec.sources):
-            if src.kind == "image_text":
-                from mixplane.loader.transforms import image_token_id, load_tokenizer
-
-                tok = load_tokenizer(src.tokenizer) if src.tokenizer else None
-                self._image_token_ids[si] = int(image_token_id(tok, src.image.image_token_id))
+        # image placeholder id of each image_text source: the rule loaders apply (mixplane.tokens)
+        self._image_token_ids = {si: resolve_image_token_id(src.image.image_token_id, src.tokenizer)
+                                 for si, src in enumerate(spec.sources) if src.kind == "image_text"}
+        self._coords = {r: backbone_coords(spec, r) for r in range(spec.world_size)}  # rank -> backbone coordinates
         # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
         # needs rows packed with align=2*cp, which the planner does not do yet
         self.cp_layout = "row"
@@ -204,7 +208,7 @@ class ConstructorServer:
 
     # -- clients ------------------------------------------------------------------------
     def _batch_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
-        coords = backbone_coords(self.spec, rank)
+        coords = self._coords[rank]
         dp_local = self.dp_ranks.index(coords.dp)
         b = st.batches.get(dp_local)
         if b is None:
@@ -233,7 +237,7 @@ class ConstructorServer:
     def _view_for(self, st: StepState, rank: int) -> dict[str, Any]:
         """What `rank` receives of its data-parallel batch: each distinct CP / PP / TP view is built once
         per step and shared (same buffers) by every rank that receives it."""
-        c = backbone_coords(self.spec, rank)
+        c = self._coords[rank]
         dp_local = self.dp_ranks.index(c.dp)
         key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, st.broadcast))
         v = st.views.get(key)
@@ -288,7 +292,7 @@ class ConstructorServer:
         meta = {"step": step, "rank": rank, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
                 "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
                 "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
-                "coords": backbone_coords(self.spec, rank).as_dict()}
+                "coords": self._coords[rank].as_dict()}
         if "shapes" in view:
             meta["shapes"] = view["shapes"]
         extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}

@@ -33,11 +33,11 @@ from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.stream import RawSamples
 from mixplane.samples import Ragged
 from mixplane.spec import SourceSpec
+from mixplane.tokens import resolve_image_token_id
 
 SAMPLE_QUARANTINE_ENTRIES = 100  # bad-sample records a transform keeps (the last ones)
 SAMPLE_QUARANTINE_SEEN = 4096  # recent bad-sample keys remembered, so a re-read after a seek counts once
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
-IMAGE_TOKEN_CANDIDATES = ("<|image|>", "<image>", "<|image_pad|>")
 
 
 @dataclass
@@ -69,18 +69,6 @@ def eos_id(tok) -> int | None:
         if i is not None:
             return int(i)
     return None
-
-
-def image_token_id(tok, configured: int | None) -> int:
-    if configured is not None:
-        return int(configured)
-    if tok is not None:
-        for t in IMAGE_TOKEN_CANDIDATES:
-            i = tok.token_to_id(t)
-            if i is not None:
-                return int(i)
-        return int(tok.get_vocab_size(with_added_tokens=True)) - 1
-    raise ValueError("image_text needs image.image_token_id or a tokenizer")
 
 
 # ---- ragged helpers (vectorised) ----
@@ -281,7 +269,7 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
         p, max_side, merge = im.patch_size, im.max_side, im.merge
         side = int(math.isqrt(merge))
         multiple = side if side * side == merge else 1
-        img_tok = image_token_id(tok, im.image_token_id)
+        img_tok = resolve_image_token_id(im.image_token_id, source.tokenizer)  # the id constructors resolve too
         what = f"source {source.name!r}"
 
         def image_text(raw: RawSamples) -> TransformedSamples:

@@ -657,10 +657,6 @@ def _assign_grouped(costs: np.ndarray, n_bins: int, method: str, equal_count: bo
     return _assign_in_groups(costs, item_group, bin_group, method, equal_count, init, small_fraction)
 
 
-def bin_loads(assignment: np.ndarray, costs: np.ndarray, n_bins: int) -> np.ndarray:
-    return np.bincount(np.asarray(assignment, dtype=np.int64), weights=_as_costs(costs), minlength=n_bins)
-
-
 def imbalance(loads: np.ndarray) -> float:
     """max / mean of bin loads (1.0 is perfect)."""
     loads = np.asarray(loads, dtype=np.float64)

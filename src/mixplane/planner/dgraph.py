@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from mixplane.layout import StepLayout
+from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
 from mixplane.planner.cost import CostFn, TransformerFlops
 from mixplane.spec import AXES
@@ -153,10 +153,6 @@ class DGraph:
         if self.kind == "image":
             return self.module.consumers(self.axis or "WORLD")
         return self.ctx.dp
-
-    @property
-    def bins_per_bucket(self) -> int:
-        return self.ctx.microbatches if self.kind == "text" else 1
 
     @property
     def capacity(self) -> int:
@@ -484,14 +480,8 @@ def _offsets(rows: np.ndarray, key: np.ndarray, length: np.ndarray) -> np.ndarra
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     order = np.lexsort((np.arange(n), key, rows))
-    r = rows[order]
-    L = length[order].astype(np.int64)
-    cs = np.cumsum(L)
-    first = np.searchsorted(r, r, side="left")
-    base = np.where(first > 0, cs[np.maximum(first - 1, 0)], 0)
-    off_sorted = cs - L - base
     off = np.empty(n, dtype=np.int64)
-    off[order] = off_sorted
+    off[order] = segment_offsets(rows[order], length[order])
     return off
 
 
