@@ -35,6 +35,7 @@ class Metrics:
     loader_quarantined_samples: Counter
     loader_buffer_samples: Gauge
     loader_dry: Gauge
+    loader_outbox_messages: Gauge
     loader_read_seconds: Histogram
     # constructor
     constructor_steps: Counter
@@ -80,6 +81,7 @@ def make_metrics(component: str) -> Metrics:
         loader_quarantined_samples=c("mixplane_loader_quarantined_samples_total", "Samples a transform could not decode (e.g. a broken image), dropped", ["source"]),
         loader_buffer_samples=g("mixplane_loader_buffer_samples", "Samples held in the read buffer", ["source"]),
         loader_dry=g("mixplane_loader_dry", "1 while a live source has no new data", ["source"]),
+        loader_outbox_messages=g("mixplane_loader_outbox_messages", "Sample messages waiting for a constructor to take them", ["source"]),
         loader_read_seconds=h("mixplane_loader_read_seconds", "Time to read and transform one chunk"),
         constructor_steps=c("mixplane_constructor_steps_total", "Steps materialised"),
         constructor_build_seconds=h("mixplane_constructor_build_seconds", "Time to materialise one step"),

@@ -55,3 +55,63 @@ def test_undecodable_images_are_counted_in_the_loader_metrics(tmp_path):
         assert _counter(server.m, "mixplane_loader_quarantined_samples_total", "vl") == expected
     finally:
         server.close()
+
+
+def test_a_constructor_that_takes_nothing_does_not_block_the_loader(tmp_path):
+    """Sample messages wait in the loader's outbox (no blocking send): a dead or slow constructor
+    stalls only its own queue; once it reads again, every message arrives, in plan order."""
+    import time
+
+    import zmq
+
+    from mixplane import wire
+    from mixplane.wire import Kind
+    from tests.conftest import write_token_source
+
+    docs = write_token_source(tmp_path / "t", rows=400, files=1, mean_len=40, seed=3)
+    spec = parse_spec({
+        "name": "outbox", "sources": [{"name": "t", "uri": str(tmp_path / "t"), "kind": "tokens", "columns": ["tokens"]}],
+        "batch": {"sequences": 2, "seq_len": 64, "microbatches": 1},
+        "topology": {"modules": {"backbone": {"dp": 1}}}, "runtime": {"window": 32, "metrics": False},
+    })
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.PULL)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(0)  # nobody listens there yet: the constructor is "down"
+    server = LoaderServer(spec, 0, 0, "tcp://127.0.0.1:9", context=ctx)
+    try:
+        welcome = wire.decode(wire.encode(Kind.WELCOME, {"constructors": [f"tcp://127.0.0.1:{port}"], "session": 1,
+                                                         "cursor": {"low": 0}}))
+        server.handle(welcome)
+        for s in server.pushers:
+            s.setsockopt(zmq.SNDHWM, 2)
+        sent = []
+        t0 = time.monotonic()
+        for step in range(40):  # far more messages than the high-water mark lets through
+            server._fill()
+            b = next(iter(server.window.buffer.values()))
+            n = len(b.tokens) - b.done
+            plan = {"pos": np.array([b.pos]), "start": np.array([b.done]), "len": np.array([n]),
+                    "dest": np.array([0]), "retire": np.array([1]), "img": np.array([0])}
+            server.handle(wire.decode(wire.encode(Kind.PLAN_LOADER, {"session": 1, "step": step}, plan)))
+            sent.append((step, int(b.key)))
+        assert time.monotonic() - t0 < 10  # never blocked on the missing peer
+        assert server.outbox_messages > 0
+        assert server.m.registry.get_sample_value("mixplane_loader_outbox_messages", {"source": "t"}) == server.outbox_messages
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(f"tcp://127.0.0.1:{port}")  # the constructor comes back
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            server.flush()
+            if pull.poll(20):
+                m = wire.recv(pull)[1]
+                k = int(m.array("key")[0])
+                got.append((m.get("step", int), k))
+                assert np.array_equal(m.array("values")[:-1] if len(m.array("values")) > int(m.array("len")[0]) else
+                                      m.array("values"), docs[int(key_row(k))][: int(m.array("len")[0])])
+        assert got == sent and server.outbox_messages == 0
+        pull.close(0)
+    finally:
+        server.close()
+        ctx.term()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +40,11 @@ class LoaderServer:
         self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
         self.security.client(self.planner).connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
+        # per constructor: encoded SAMPLES messages in plan order, sent without blocking as room appears,
+        # so a slow or dead constructor stalls only its own queue, never the poll loop (or a source group)
+        self.outbox: list[deque[list[Any]]] = []
+        self._outbox_stuck_since: float | None = None
+        self.constructor_endpoints: list[str] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
                                    read_timeout=0.2 if self.source.live else None)
@@ -66,6 +72,8 @@ class LoaderServer:
         for s in self.pushers:
             s.close(0)
         self.pushers = []
+        self.outbox = [deque() for _ in endpoints]  # an older session's data is of no use to anyone
+        self.constructor_endpoints = list(endpoints)
         for ep in endpoints:
             s = self.ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
@@ -140,11 +148,42 @@ class LoaderServer:
             arrays = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
-            wire.send(self.pushers[int(c)], Kind.SAMPLES,
-                      {"session": self.session, "step": step, "source": self.si, "replica": self.replica}, arrays)
+            self.outbox[int(c)].append(wire.encode(Kind.SAMPLES, {"session": self.session, "step": step,
+                                                                  "source": self.si, "replica": self.replica}, arrays))
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
+        self.flush()
+
+    @property
+    def outbox_messages(self) -> int:
+        return sum(len(q) for q in self.outbox)
+
+    def flush(self) -> bool:
+        """Send queued SAMPLES messages, in order per constructor, as far as the peers take them
+        without blocking; True if anything was sent."""
+        sent = False
+        for c, q in enumerate(self.outbox):
+            while q:
+                try:
+                    self.pushers[c].send_multipart(q[0], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                q.popleft()
+                sent = True
+        waiting = self.outbox_messages
+        self.m.loader_outbox_messages.labels(self.source.name).set(waiting)
+        now = time.monotonic()
+        if not waiting or sent:
+            self._outbox_stuck_since = None if not waiting else now
+        elif self._outbox_stuck_since is None:
+            self._outbox_stuck_since = now
+        elif now - self._outbox_stuck_since > 30.0:
+            self._outbox_stuck_since = now
+            late = [self.constructor_endpoints[c] for c, q in enumerate(self.outbox) if q]
+            log.warning("%s: %d sample messages wait for constructor(s) %s, which take nothing", self.name,
+                        waiting, ", ".join(late))
+        return sent
 
     def _images(self, pos: np.ndarray) -> dict[str, np.ndarray]:
         """Pixels of the image samples at these positions (the planner says which constructor needs them)."""
@@ -236,13 +275,17 @@ def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, m
             if not live:
                 break
             busy = any(ld.needs_work for ld in live)
-            events = dict(poller.poll(0 if busy else 100))
+            queued = any(ld.outbox_messages for ld in live)  # waiting on constructors: look again soon
+            events = dict(poller.poll(0 if busy else (5 if queued else 100)))
             for sock in events:
                 by_sock[sock].drain()
             now = time.monotonic()
             for ld in live:
                 if not ld.welcomed and now - ld._last_hello > 1.0:
                     ld._hello()
+            for ld in live:
+                if ld.outbox_messages:
+                    ld.flush()
             refills = [ld for ld in live if ld.welcomed and not ld.window.full]
             for ld in refills:
                 ld.work(idle=False)
