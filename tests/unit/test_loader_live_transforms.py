@@ -287,3 +287,46 @@ def test_image_merge_rounds_to_merged_grid(tokenizer_path):
     img_id = Tokenizer.from_file(tokenizer_path).token_to_id("<|image|>")
     assert int((out.tokens[0] == img_id).sum()) == hp * wp // 4  # one placeholder per merged 2x2 patch block
     assert out.npatches[0] == hp * wp and out.ntokens[0] == len(out.tokens[0])
+
+
+def test_window_reads_about_the_tokens_it_misses_not_a_fixed_count():
+    """A source of very long documents: topping up a window tokenizes a few documents, not CHUNK of them,
+    and the announced prefix is the same whatever the read sizes."""
+    from mixplane.loader.window import CHUNK, MIN_CHUNK, LoaderWindow
+
+    class Stream:
+        def __init__(self):
+            self.at, self.reads = 0, []
+
+        def seek(self, p):
+            self.at = p
+
+        def take(self, n, timeout=None):
+            self.reads.append(n)
+            pos = np.arange(self.at, self.at + n)
+            self.at += n
+            return RawSamples(pos.astype(np.int64), pos.astype(np.int64), {})
+
+    def transform(raw, length=lambda p: 20_000 + 1000 * (p % 7)):
+        n = np.array([length(int(p)) for p in raw.positions], np.int32)
+        off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+        return TransformedSamples(Ragged(np.zeros(int(off[-1]), np.int32), off), None, n, np.zeros(len(raw), np.int32))
+
+    def run(min_tokens):
+        s = Stream()
+        w = LoaderWindow(s, transform, (4, min_tokens, 10_000))
+        w.seek({"low": 0})
+        a = w.fill()
+        while w.wants_read_ahead:
+            w.read_ahead()
+        return s, w, a
+
+    s, w, a = run(200_000)
+    lengths = np.cumsum([20_000 + 1000 * (p % 7) for p in range(100)])
+    assert len(a) == int(np.argmax(lengths >= 200_000)) + 1  # the shortest prefix with >= 4 samples, >= 200k tokens
+    read_tokens = int(w._read_tokens)
+    # window + read-ahead ask for 400k tokens; every read after the first is sized to what is missing
+    assert read_tokens < 400_000 + MIN_CHUNK * 26_000 and max(s.reads[1:]) <= max(MIN_CHUNK, 20)
+    assert max(s.reads) < CHUNK
+    s2, _, a2 = run(200_000)
+    np.testing.assert_array_equal(a.pos, a2.pos)

@@ -8,7 +8,6 @@ import pyarrow.parquet as pq
 
 from mixplane.loader.server import LoaderServer
 from mixplane.loader.stream import open_stream
-from mixplane.loader.window import CHUNK
 from mixplane.samples import key_row
 from mixplane.spec import parse_spec
 from tests.integration.test_transport_multimodal import P, _images, _tokenizer
@@ -41,9 +40,10 @@ def test_undecodable_images_are_counted_in_the_loader_metrics(tmp_path):
         server.welcomed = True
         server.window.seek({"low": 0})
         assert server._fill()
-        # what the loader read: the first CHUNK rows of the same deterministic stream
+        # what the loader read: as many rows of the same deterministic stream as its metrics say
+        n_read = int(server.m.registry.get_sample_value("mixplane_loader_samples_read_total", {"source": "vl"}))
         check = open_stream(spec.sources[0], seed=spec.mixture.seed)
-        read_rows = {int(r) for r in key_row(check.take(CHUNK).keys)}
+        read_rows = {int(r) for r in key_row(check.take(n_read).keys)}
         check.close()
         rows = {int(key_row(b.key)) for b in server.window.buffer.values()}
         assert rows and rows <= read_rows - bad  # no bad sample announced

@@ -21,7 +21,9 @@ import numpy as np
 
 from mixplane.spec import window_full
 
-CHUNK = 64  # samples read and transformed at a time
+CHUNK = 64  # most samples read and transformed at a time
+MIN_CHUNK = 8  # fewest (amortises the per-read cost of the stream and the tokenizer call)
+FIRST_CHUNK = 16  # before the source's tokens per sample are known
 
 
 @dataclass
@@ -64,6 +66,10 @@ class LoaderWindow:
         # announced at once instead of waiting for the tokenizer, so loaders overlap with planning
         self.read_ahead_tokens = self.min_tokens
         self.staged_tokens = 0
+        # tokens per sample read so far: a read asks for about what is missing, not a fixed count, so a
+        # source of book-length documents does not tokenize a million tokens to top up a window of 64k
+        self._read_samples = 0
+        self._read_tokens = 0
 
     @property
     def complete(self) -> bool:
@@ -94,13 +100,23 @@ class LoaderWindow:
         self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
         self.stream.seek(int(cursor["low"]))
 
-    def _read(self) -> None:
+    def chunk_for(self, tokens: int, samples: int = 0) -> int:
+        """Samples to read for about `tokens` more tokens (and at least `samples` more samples)."""
+        if self._read_samples == 0 or self._read_tokens == 0:
+            n = FIRST_CHUNK
+        else:
+            n = -(-max(tokens, 0) * self._read_samples // self._read_tokens)
+        return int(min(CHUNK, max(MIN_CHUNK, n, samples)))
+
+    def _read(self, n: int = CHUNK) -> None:
         t0 = time.perf_counter()
-        raw = self.stream.take(CHUNK) if self.read_timeout is None else self.stream.take(CHUNK, timeout=self.read_timeout)
+        raw = self.stream.take(n) if self.read_timeout is None else self.stream.take(n, timeout=self.read_timeout)
         self.stalled = len(raw) == 0
         if self.stalled:
             return
         out = self.transform(raw)
+        self._read_samples += len(raw)
+        self._read_tokens += int(out.ntokens.sum())
         for i, p in enumerate(raw.positions):
             p = int(p)
             if p in self.skip:  # consumed before the cursor was taken
@@ -122,7 +138,7 @@ class LoaderWindow:
         new: list[Buffered] = []
         while not self.complete:
             if not self.staged:
-                self._read()
+                self._read(self.chunk_for(self.min_tokens - self.unconsumed_tokens, self.min_samples - len(self.buffer)))
                 if self.stalled:  # a dry live source: announce what there is, try again later
                     break
                 continue
@@ -142,7 +158,7 @@ class LoaderWindow:
         """Read and transform one more chunk beyond the window, if the read-ahead budget allows."""
         if not self.wants_read_ahead:
             return False
-        self._read()
+        self._read(self.chunk_for(self.read_ahead_tokens - self.staged_tokens))
         return not self.stalled
 
     def span(self, pos: int, start: int, length: int) -> tuple[int, np.ndarray]:
