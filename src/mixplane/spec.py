@@ -13,6 +13,7 @@ returns every problem with its field path, so `mixplane validate` can list them 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
@@ -26,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 AXES = ("tp", "cp", "dp", "pp")
+# keys of the ClientPlaceTree override `strategy.options.place_tree` (see ClientPlaceTree.from_spec)
+PLACE_TREE_KEYS = ("order", "modules", "rank_map", "constructors", "broadcast", "ranks_per_node", "function")
+PLACE_TREE_MODULE_KEYS = ("order", "rank_map")
 
 
 class _Model(BaseModel):
@@ -234,7 +238,8 @@ def _loc_to_path(prefix: str, loc: tuple) -> str:
 def unwrap_document(doc: Any) -> tuple[dict[str, Any], str]:
     """Accept a bare spec or a whole `kind: DataMixture` resource; return (spec, path prefix)."""
     if not isinstance(doc, dict):
-        raise SpecError([Problem("<root>", "expected a mapping")])
+        got = "an empty document" if doc is None else f"a {type(doc).__name__}"
+        raise SpecError([Problem("<root>", f"expected a mapping, got {got}")])
     if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
         if doc.get("kind") not in (None, "DataMixture"):
             raise SpecError([Problem("kind", f"expected DataMixture, got {doc.get('kind')!r}")])
@@ -248,7 +253,10 @@ def unwrap_document(doc: Any) -> tuple[dict[str, Any], str]:
 
 def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, check_files: bool = True, origin: str = "<spec>") -> DataMixtureSpec:
     """Build and fully validate a spec; relative paths resolve against base_dir. Raises SpecError."""
-    raw, prefix = unwrap_document(doc)
+    try:
+        raw, prefix = unwrap_document(doc)
+    except SpecError as e:  # root-level problems name the file too
+        raise SpecError(e.problems, origin) from None
     try:
         spec = DataMixtureSpec.model_validate(raw)
     except ValidationError as e:
@@ -263,16 +271,18 @@ def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, check_fil
 
 
 def load_spec(path: str | os.PathLike, *, check_files: bool = True) -> DataMixtureSpec:
+    """Read and validate a spec file; problems name the file exactly as the caller spelt it."""
+    origin = os.fspath(path)  # Path() would turn ./x.yaml into x.yaml
     path = Path(path)
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise SpecError([Problem("<file>", f"cannot read: {e.strerror}")], str(path)) from None
+        raise SpecError([Problem("<file>", f"cannot read: {e.strerror}")], origin) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "<file>"
-        raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}")], str(path)) from None
-    return parse_spec(doc, base_dir=path.parent, check_files=check_files, origin=str(path))
+        raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}")], origin) from None
+    return parse_spec(doc, base_dir=path.parent, check_files=check_files, origin=origin)
 
 
 def _is_uri(s: str) -> bool:
@@ -311,6 +321,9 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
             out.append(Problem(f"{p}sources[{i}].tokenizer", f"kind {s.kind} needs a tokenizer"))
         if s.kind == "image_text" and len(s.columns) < 2:
             out.append(Problem(f"{p}sources[{i}].columns", "image_text needs two columns: image bytes and caption"))
+        if s.live and s.replicas > 1:
+            out.append(Problem(f"{p}sources[{i}].replicas", f"a live source must have 1 replica, got {s.replicas}: each replica "
+                               "lists new files on its own schedule, so their partitions would differ and rows repeat"))
 
     m = spec.mixture
 
@@ -318,15 +331,15 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
         for name, w in weights.items():
             if name not in known:
                 out.append(Problem(f"{path}.{name}", f"unknown source {name!r} (sources: {', '.join(names)})"))
-            if not (w >= 0) or w != w or w == float("inf"):
+            if not (math.isfinite(w) and w >= 0):
                 out.append(Problem(f"{path}.{name}", f"weight must be a finite number >= 0, got {w}"))
 
     check_weights(m.weights, f"{p}mixture.weights")
     base = effective_base_weights(spec)
     if sum(base.values()) <= 0:
         out.append(Problem(f"{p}mixture.weights", "weights must have a positive sum"))
-    if not (m.temperature > 0) or m.temperature == float("inf"):
-        out.append(Problem(f"{p}mixture.temperature", f"temperature must be > 0, got {m.temperature}"))
+    if not _positive_finite(m.temperature):
+        out.append(Problem(f"{p}mixture.temperature", f"temperature must be a finite number > 0, got {m.temperature}"))
     if m.phases and m.anneal is not None:
         out.append(Problem(f"{p}mixture.anneal", "phases and anneal cannot both be set"))
     prev = None
@@ -335,16 +348,16 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
         if prev is not None and ph.start_step <= prev:
             out.append(Problem(f"{path}.start_step", f"start_step must be strictly increasing ({ph.start_step} after {prev})"))
         prev = ph.start_step
-        if not (ph.lr_scale > 0):
-            out.append(Problem(f"{path}.lr_scale", f"lr_scale must be > 0, got {ph.lr_scale}"))
+        if not _positive_finite(ph.lr_scale):
+            out.append(Problem(f"{path}.lr_scale", f"lr_scale must be a finite number > 0, got {ph.lr_scale}"))
         check_weights(ph.weights, f"{path}.weights")
         merged = {**base, **{k: v for k, v in ph.weights.items() if k in known}}
         if sum(merged.values()) <= 0:
             out.append(Problem(f"{path}.weights", "weights must have a positive sum"))
     if m.anneal is not None:
         check_weights(m.anneal.weights, f"{p}mixture.anneal.weights")
-        if not (m.anneal.lr_scale > 0):
-            out.append(Problem(f"{p}mixture.anneal.lr_scale", f"lr_scale must be > 0, got {m.anneal.lr_scale}"))
+        if not _positive_finite(m.anneal.lr_scale):
+            out.append(Problem(f"{p}mixture.anneal.lr_scale", f"lr_scale must be a finite number > 0, got {m.anneal.lr_scale}"))
         if sum(w for k, w in m.anneal.weights.items() if k in known) <= 0:
             out.append(Problem(f"{p}mixture.anneal.weights", "weights must have a positive sum"))
 
@@ -388,6 +401,8 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
         if name not in t.modules:
             out.append(Problem(f"{p}model.{name}", f"unknown module {name!r} (modules: {', '.join(t.modules)})"))
 
+    out.extend(place_tree_problems(spec.strategy.options.get("place_tree"), list(t.modules), f"{p}strategy.options.place_tree"))
+
     st = spec.strategy.name
     if ":" in st:
         mod, _, fn = st.rpartition(":")
@@ -405,6 +420,33 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
 
     if check_files:
         out.extend(_file_problems(spec, p))
+    return out
+
+
+def _positive_finite(x: float) -> bool:
+    """NaN and inf slip through `x > 0` checks; a scale or temperature must be a real positive number."""
+    return math.isfinite(x) and x > 0
+
+
+def place_tree_problems(overrides: Any, modules: list[str], path: str) -> list[Problem]:
+    """Unknown keys of a ClientPlaceTree override: a misspelt key would otherwise be silently ignored."""
+    if overrides is None:
+        return []
+    if not isinstance(overrides, dict):
+        return [Problem(path, f"expected a mapping with keys {', '.join(PLACE_TREE_KEYS)}")]
+    out = [Problem(f"{path}.{k}", f"unknown key {k!r} (allowed: {', '.join(PLACE_TREE_KEYS)})")
+           for k in overrides if k not in PLACE_TREE_KEYS]
+    per_mod = overrides.get("modules") or {}
+    if not isinstance(per_mod, dict):
+        return out + [Problem(f"{path}.modules", "expected a mapping of module name to {order, rank_map}")]
+    for name, o in per_mod.items():
+        if name not in modules:
+            out.append(Problem(f"{path}.modules.{name}", f"unknown module {name!r} (modules: {', '.join(modules)})"))
+        if not isinstance(o, dict):
+            out.append(Problem(f"{path}.modules.{name}", f"expected a mapping with keys {', '.join(PLACE_TREE_MODULE_KEYS)}"))
+            continue
+        out.extend(Problem(f"{path}.modules.{name}.{k}", f"unknown key {k!r} (allowed: {', '.join(PLACE_TREE_MODULE_KEYS)})")
+                   for k in o if k not in PLACE_TREE_MODULE_KEYS)
     return out
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from mixplane.spec import AXES, DataMixtureSpec, ModuleSpec
+from mixplane.spec import AXES, DataMixtureSpec, ModuleSpec, place_tree_problems
 
 DATA_AXES = ("DP", "CP", "WORLD")
 
@@ -229,11 +229,11 @@ class ClientPlaceTree:
         if hit is not None:
             return hit
         t = spec.topology
+        bad = place_tree_problems(overrides, list(t.modules), "place_tree")
+        if bad:  # the same rules `mixplane validate` reports, for overrides given in code
+            raise ValueError("; ".join(map(str, bad)))
         order = overrides.get("order", list(t.order))
         per_mod = overrides.get("modules", {}) or {}
-        unknown = set(per_mod) - set(t.modules)
-        if unknown:
-            raise ValueError(f"place_tree override names unknown module(s) {sorted(unknown)}")
         meshes = {}
         for name, m in t.modules.items():
             o = per_mod.get(name, {})

@@ -36,12 +36,16 @@ def test_defaults_are_applied(token_sources):
     doc = token_mixture(token_sources["root"])
     del doc["mixture"]
     del doc["topology"]
+    del doc["strategy"]
+    for s in doc["sources"]:
+        del s["shuffle"]  # the fixture sets it; the default is what this test is about
     doc["batch"] = {"sequences": 4, "seq_len": 128}
     spec = parse_spec(doc)
     assert spec.mixture.temperature == 1.0 and spec.mixture.unit == "tokens"
     assert spec.batch.packing == "best_fit" and spec.batch.microbatches == 1
     assert spec.topology.backbone()[1].dp == 1
-    assert spec.sources[0].shuffle == "rowgroup" and spec.sources[1].replicas == 1
+    assert [s.shuffle for s in spec.sources] == ["page"] * 3 and spec.sources[1].replicas == 1
+    assert spec.sources[0].live is False and spec.strategy.name == "llm_balance"
 
 
 def test_duplicate_source_names(good):
@@ -66,7 +70,13 @@ def test_weights_need_positive_sum(good):
 
 def test_temperature_must_be_positive(good):
     good["mixture"]["temperature"] = 0
-    assert any(p.startswith("mixture.temperature: temperature must be > 0") for p in problems(good))
+    assert "mixture.temperature: temperature must be a finite number > 0, got 0.0" in problems(good)
+
+
+@pytest.mark.parametrize("t", [float("inf"), float("nan")])
+def test_temperature_must_be_finite(good, t):
+    good["mixture"]["temperature"] = t
+    assert any(p.startswith("mixture.temperature: temperature must be a finite number > 0, got ") for p in problems(good))
 
 
 def test_phases_strictly_increasing(good):
@@ -76,7 +86,54 @@ def test_phases_strictly_increasing(good):
 
 def test_phase_lr_scale_positive(good):
     good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 1}, "lr_scale": 0}]
-    assert "mixture.phases[0].lr_scale: lr_scale must be > 0, got 0.0" in problems(good)
+    assert "mixture.phases[0].lr_scale: lr_scale must be a finite number > 0, got 0.0" in problems(good)
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0])
+def test_phase_lr_scale_must_be_finite_and_positive(good, lr):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 1}, "lr_scale": lr}]
+    assert f"mixture.phases[0].lr_scale: lr_scale must be a finite number > 0, got {lr}" in problems(good)
+
+
+@pytest.mark.parametrize("lr", [0.0, -0.5, float("inf"), float("nan")])
+def test_anneal_lr_scale_must_be_finite_and_positive(good, lr):
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"b": 1}, "lr_scale": lr}
+    assert problems(good) == [f"mixture.anneal.lr_scale: lr_scale must be a finite number > 0, got {lr}"]
+
+
+def test_anneal_names_only_known_sources(good):
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"b": 1, "web": 1}}
+    assert problems(good) == ["mixture.anneal.weights.web: unknown source 'web' (sources: a, b, c)"]
+
+
+def test_negative_weight_in_a_phase(good):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": -1, "b": 2}}]
+    assert problems(good) == ["mixture.phases[0].weights.a: weight must be a finite number >= 0, got -1.0"]
+
+
+def test_negative_weight_in_anneal(good):
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"a": 1, "c": -0.5}}
+    assert problems(good) == ["mixture.anneal.weights.c: weight must be a finite number >= 0, got -0.5"]
+
+
+def test_phase_weights_need_positive_sum(good):
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 0, "b": 0, "c": 0}}]
+    assert problems(good) == ["mixture.phases[0].weights: weights must have a positive sum"]
+
+
+@pytest.mark.parametrize("w", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["base", "phase", "anneal"])
+def test_non_finite_weights_are_rejected(good, w, where):
+    if where == "base":
+        good["mixture"]["weights"]["b"] = w
+        path = "mixture.weights.b"
+    elif where == "phase":
+        good["mixture"]["phases"] = [{"start_step": 10, "weights": {"b": w}}]
+        path = "mixture.phases[0].weights.b"
+    else:
+        good["mixture"]["anneal"] = {"start_step": 20, "weights": {"a": 1, "b": w}}
+        path = "mixture.anneal.weights.b"
+    assert f"{path}: weight must be a finite number >= 0, got {w}" in problems(good)
 
 
 def test_phase_names_only_known_sources(good):
@@ -128,6 +185,36 @@ def test_cp_needs_even_split(good):
 def test_files_that_match_nothing(good, tmp_path):
     good["sources"][2]["uri"] = str(tmp_path / "nothing" / "*.parquet")
     assert f"sources[2].uri: matches no Parquet file: {tmp_path / 'nothing' / '*.parquet'}" in problems(good)
+
+
+def test_live_source_cannot_have_replicas(good, tmp_path):
+    good["sources"][2]["live"] = True
+    good["sources"][2]["replicas"] = 2
+    out = problems(good)
+    assert len(out) == 1 and out[0].startswith("sources[2].replicas: a live source must have 1 replica, got 2")
+    good["sources"][2]["live"] = False
+    assert problems(good) == []  # replicas of a fixed source partition it disjointly
+
+
+def test_place_tree_override_keys_are_checked(good):
+    good["strategy"]["options"] = {"place_tree": {"brodcast": ["tp"], "order": ["tp", "cp", "dp", "pp"],
+                                                  "modules": {"backbone": {"rank_mapp": [1, 0]}, "vit": {}}}}
+    out = problems(good)
+    assert ("strategy.options.place_tree.brodcast: unknown key 'brodcast' (allowed: order, modules, rank_map, "
+            "constructors, broadcast, ranks_per_node, function)") in out
+    assert "strategy.options.place_tree.modules.backbone.rank_mapp: unknown key 'rank_mapp' (allowed: order, rank_map)" in out
+    assert "strategy.options.place_tree.modules.vit: unknown module 'vit' (modules: backbone)" in out
+    assert len(out) == 3
+
+
+def test_place_tree_override_must_be_a_mapping(good):
+    good["strategy"]["options"] = {"place_tree": ["tp"]}
+    assert any(p.startswith("strategy.options.place_tree: expected a mapping") for p in problems(good))
+
+
+def test_valid_place_tree_override_passes(good):
+    good["strategy"]["options"] = {"place_tree": {"broadcast": ["tp"], "modules": {"backbone": {"order": ["tp", "cp", "dp", "pp"]}}}}
+    assert problems(good) == []
 
 
 def test_live_source_may_start_empty(good, tmp_path):
@@ -235,3 +322,42 @@ def test_cli_validate_reports_broken_yaml(tmp_path):
 def test_reference_doc_is_in_sync():
     doc = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
     assert doc.read_text() == reference_markdown(), "regenerate with: python -m mixplane.spec --markdown > docs/spec-reference.md"
+
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def run_cli_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`mixplane` run from `cwd`, so relative file names reach it exactly as a user types them."""
+    env = {**__import__("os").environ, "PYTHONPATH": SRC}
+    return subprocess.run([sys.executable, "-m", "mixplane.cli", *args], capture_output=True, text=True, timeout=60,
+                          cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("text, line", [
+    ("", "<root>: expected a mapping, got an empty document"),
+    ("- a\n- b\n", "<root>: expected a mapping, got a list"),
+    ("apiVersion: mixplane.dev/v1alpha1\nkind: Job\nspec: {}\n", "kind: expected DataMixture, got 'Job'"),
+])
+def test_cli_validate_root_problems_name_the_file_as_typed(tmp_path, text, line):
+    (tmp_path / "x.yaml").write_text(text)
+    r = run_cli_in(tmp_path, "validate", "./x.yaml")
+    assert r.returncode == 2
+    assert r.stdout.splitlines() == [f"./x.yaml: {line}"]
+
+
+def test_cli_validate_keeps_the_typed_name_for_field_problems(token_sources, tmp_path):
+    doc = token_mixture(token_sources["root"])
+    doc["mixture"]["temperature"] = float("inf")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(doc))
+    r = run_cli_in(tmp_path, "validate", "./t.yaml")
+    assert r.returncode == 2
+    assert r.stdout.splitlines() == ["./t.yaml: mixture.temperature: temperature must be a finite number > 0, got inf"]
+
+
+def test_load_spec_root_problem_carries_the_origin(tmp_path):
+    f = tmp_path / "empty.yaml"
+    f.write_text("")
+    with pytest.raises(SpecError) as e:
+        load_spec(f)
+    assert e.value.origin == str(f) and str(e.value) == f"{f}: <root>: expected a mapping, got an empty document"
