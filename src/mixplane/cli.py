@@ -183,17 +183,42 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def update_message(weights: list[str], step: int, lr_scale: float | None = None,
+                   temperature: float | None = None) -> dict[str, Any]:
+    """The UPDATE_MIXTURE request for `mixplane update`; bad input fails here, before reaching the planner."""
+    import math
+
+    parsed: dict[str, float] = {}
+    for kv in weights:
+        k, sep, v = kv.partition("=")
+        try:
+            w = float(v)
+        except ValueError:
+            w = math.nan
+        if not sep or not k or not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"--weight {kv!r}: expected SOURCE=W with W a finite number >= 0")
+        parsed[k] = w
+    if step < 0:
+        raise ValueError(f"--step must be >= 0, got {step}")
+    meta: dict[str, Any] = {"weights": parsed, "effective_step": step}
+    for name, x in (("lr_scale", lr_scale), ("temperature", temperature)):
+        if x is None:
+            continue
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {x}")
+        meta[name] = x
+    return meta
+
+
 def cmd_update(args: argparse.Namespace) -> int:
     from mixplane.runtime import request
     from mixplane.wire import Kind
 
-    weights = {}
-    for kv in args.weight:
-        k, _, v = kv.partition("=")
-        weights[k] = float(v)
-    meta: dict[str, Any] = {"weights": weights, "effective_step": args.step}
-    if args.lr_scale is not None:
-        meta["lr_scale"] = args.lr_scale
+    try:
+        meta = update_message(args.weight, args.step, args.lr_scale, args.temperature)
+    except ValueError as e:
+        print(f"mixplane update: {e}", file=sys.stderr)
+        return EXIT_INVALID
     try:
         print(json.dumps(request(args.planner, Kind.UPDATE_MIXTURE, meta, args.timeout)))
     except RuntimeError as e:
@@ -282,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--planner", required=True)
     up.add_argument("--step", type=int, required=True)
     up.add_argument("--weight", action="append", default=[], metavar="SOURCE=W")
-    up.add_argument("--lr-scale", type=float)
+    up.add_argument("--lr-scale", type=float, help="learning-rate multiplier from --step on (finite, > 0)")
+    up.add_argument("--temperature", type=float, help="mixture temperature from --step on (finite, > 0)")
     up.add_argument("--timeout", type=float, default=5.0)
     up.set_defaults(fn=cmd_update)
 
