@@ -361,3 +361,16 @@ def test_load_spec_root_problem_carries_the_origin(tmp_path):
     with pytest.raises(SpecError) as e:
         load_spec(f)
     assert e.value.origin == str(f) and str(e.value) == f"{f}: <root>: expected a mapping, got an empty document"
+
+
+def test_readme_quickstart_mixture_is_valid():
+    """The README's mixture must validate, and its loop (every rank reads input_ids and labels) needs pure DP."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1
+    spec = parse_spec(yaml.safe_load(blocks[0]), check_files=False)
+    _, bb = spec.topology.backbone()
+    assert (bb.tp, bb.pp, bb.cp) == (1, 1, 1) and spec.world_size == bb.dp
+    assert "tp_group=" in readme and "meta_only" in readme
