@@ -238,7 +238,7 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from mixplane.demo.train import run_demo
 
-    return run_demo(Path(args.dir), steps=args.steps, ranks=args.ranks, quick=args.quick)
+    return run_demo(Path(args.dir), steps=args.steps, ranks=args.ranks, quick=args.quick, max_mb=args.max_mb)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--steps", type=int, default=200)
     dm.add_argument("--ranks", type=int, default=2)
     dm.add_argument("--quick", action="store_true")
+    dm.add_argument("--max-mb", type=float, help="demo text per source in MB (default 24, --quick 6); rebuilt when it changes")
     dm.set_defaults(fn=cmd_demo)
 
     rp = sub.add_parser("replay", help="rebuild the batch one rank got at one step")

@@ -58,3 +58,77 @@ def test_image_pairs_from_local_images(tmp_path):
                      tokenizer=tok, image={"patch_size": 14, "max_side": 224})
     out = make_transform(src)(open_stream(src, seed=0).take(info["images"]))
     assert (out.npatches > 0).all() and (out.ntokens > out.npatches).all()  # placeholders + caption tokens
+
+
+def test_demo_data_is_rebuilt_when_its_parameters_change(tmp_path):
+    from mixplane.demo.data import build_params, ensure_demo_data
+
+    d = tmp_path / "data"
+    assert ensure_demo_data(d, max_mb=0.1, vocab_size=300)
+    summary = json.loads((d / "SUMMARY.json").read_text())
+    assert summary["params"] == build_params(max_mb=0.1, vocab_size=300, tokenizer_mb=6.0)
+    small = sum(s["bytes"] for s in summary["sources"])
+    stamp = (d / "SUMMARY.json").stat().st_mtime_ns
+    assert not ensure_demo_data(d, max_mb=0.1, vocab_size=300)  # same build: reused
+    assert (d / "SUMMARY.json").stat().st_mtime_ns == stamp
+    assert ensure_demo_data(d, max_mb=0.25, vocab_size=300)  # a bigger build: rebuilt, not reused
+    bigger = json.loads((d / "SUMMARY.json").read_text())
+    assert bigger["params"]["max_mb"] == 0.25 and sum(s["bytes"] for s in bigger["sources"]) > small
+    del bigger["params"]  # a summary from before parameters were recorded
+    (d / "SUMMARY.json").write_text(json.dumps(bigger))
+    assert ensure_demo_data(d, max_mb=0.25, vocab_size=300)
+
+
+def test_demo_data_command(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mixplane.cli", "demo-data", str(tmp_path / "d"), "--max-mb", "0.1", "--vocab", "300"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [s["name"] for s in out["sources"]] == ["code", "man", "docs"]
+    assert out["params"]["max_mb"] == 0.1 and out["vocab_size"] == 300
+    assert json.loads((tmp_path / "d" / "SUMMARY.json").read_text()) == out
+    assert all(sorted((tmp_path / "d" / s["name"]).glob("*.parquet")) for s in out["sources"])
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes (not zombies) whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_to_the_demo_stops_every_trainer(tmp_path):
+    import os
+    import signal
+    import time
+
+    data = tmp_path / "data"
+    parent = subprocess.Popen([sys.executable, "-m", "mixplane.cli", "demo", "--dir", str(data), "--max-mb", "0.2",
+                               "--steps", "2000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        trainers: list[int] = []
+        while len(trainers) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            trainers = [p for p in _processes_mentioning("mixplane.demo.train") if p in _processes_mentioning(str(tmp_path))]
+        assert len(trainers) == 2, f"trainers did not start: {parent.poll()} {parent.stderr.read() if parent.poll() is not None else ''}"
+        time.sleep(1.0)  # trainers are running: connected or connecting to the data plane
+        os.kill(parent.pid, signal.SIGTERM)
+        assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+        left = _processes_mentioning(str(tmp_path))  # trainers and data-plane components all name the demo dirs
+        assert left == [], f"processes left behind: {left}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in _processes_mentioning(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)

@@ -166,11 +166,35 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, path: Path) -> None:
     tok.save(str(path))
 
 
+def build_params(*, max_mb: float, vocab_size: int, tokenizer_mb: float) -> dict[str, float | int]:
+    """What decides the demo data's content; recorded in SUMMARY.json so a different build is noticed."""
+    return {"max_mb": float(max_mb), "vocab_size": int(vocab_size), "tokenizer_mb": float(tokenizer_mb)}
+
+
+def summary_matches(summary_path: Path, params: dict[str, float | int]) -> bool:
+    """True when SUMMARY.json exists and was built with exactly these parameters (old summaries lack them)."""
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("params") == params
+
+
+def ensure_demo_data(out: Path, *, max_mb: float, vocab_size: int = 8192, tokenizer_mb: float = 6.0) -> bool:
+    """Build the demo data unless `out` already holds a build with the same parameters; True if it built."""
+    if summary_matches(out / "SUMMARY.json", build_params(max_mb=max_mb, vocab_size=vocab_size, tokenizer_mb=tokenizer_mb)):
+        return False
+    build_demo_data(out, max_mb=max_mb, vocab_size=vocab_size, tokenizer_mb=tokenizer_mb)
+    return True
+
+
 def build_demo_data(out: Path, *, max_mb: float = 24.0, vocab_size: int = 8192, tokenizer_mb: float = 6.0,
                     images: bool = False) -> dict:
     """Build every demo source and the tokenizer under `out` (and image-text pairs if asked); returns a summary."""
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"dir": str(out.resolve()), "sources": []}
+    (out / "SUMMARY.json").unlink(missing_ok=True)  # a half-rebuilt directory must not look complete
+    summary: dict = {"dir": str(out.resolve()), "sources": [],
+                     "params": build_params(max_mb=max_mb, vocab_size=vocab_size, tokenizer_mb=tokenizer_mb)}
     tok_texts: list[str] = []
     for src in demo_sources():
         docs = list(collect_documents(src, int(max_mb * (1 << 20))))

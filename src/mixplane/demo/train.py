@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 DEMO_MIXTURE = """\
 # The demo mixture: three real sources, a curriculum change half-way, 2 data-parallel ranks.
@@ -241,8 +244,70 @@ def print_summary(result: dict[str, Any], out=sys.stdout) -> None:
         w(f"  {k:<22}{v}\n")
 
 
-def run_demo(data_dir: Path, *, steps: int = 200, ranks: int = 2, quick: bool = False) -> int:
-    from mixplane.demo.data import build_demo_data
+QUICK_MAX_MB, FULL_MAX_MB = 6.0, 24.0
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the demo: unwind (stopping trainers and the data plane) and exit 128 + 15."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM into an exception so every `finally` runs; without it the trainers outlive the demo."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Terminate every process still running, then kill what has not exited after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _run_trainers(ranks: int, steps: int, spec_path: Path, result_path: Path, planner: str) -> list[int]:
+    """Start one trainer process per rank (torchrun-style environment) and wait; none survives this call."""
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in range(ranks):
+            env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "MIXPLANE_PLANNER": planner, "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "mixplane.demo.train", str(result_path), str(steps), str(spec_path)],
+                                          env=env, stdout=None if r == 0 else subprocess.DEVNULL))
+        return [p.wait() for p in procs]
+    finally:
+        stop_processes(procs)
+
+
+def run_demo(data_dir: Path, *, steps: int = 200, ranks: int = 2, quick: bool = False, max_mb: float | None = None) -> int:
+    with sigterm_unwinds():
+        return _run_demo(data_dir, steps=steps, ranks=ranks, quick=quick, max_mb=max_mb)
+
+
+def _run_demo(data_dir: Path, *, steps: int, ranks: int, quick: bool, max_mb: float | None) -> int:
+    from mixplane.demo.data import ensure_demo_data
     from mixplane.runtime import EmbeddedRuntime
     from mixplane.spec import load_spec
 
@@ -250,9 +315,11 @@ def run_demo(data_dir: Path, *, steps: int = 200, ranks: int = 2, quick: bool = 
     data_dir = data_dir.resolve()
     if quick:
         steps = min(steps, 40)
-    if not (data_dir / "SUMMARY.json").exists():
-        print(f"mixplane demo: building demo data in {data_dir} (Python stdlib, man pages, Debian docs) ...", flush=True)
-        build_demo_data(data_dir, max_mb=6.0 if quick else 24.0)
+    if max_mb is None:
+        max_mb = QUICK_MAX_MB if quick else FULL_MAX_MB
+    print(f"mixplane demo: demo data in {data_dir} ({max_mb:g} MB per source) ...", flush=True)
+    if ensure_demo_data(data_dir, max_mb=max_mb):
+        print("mixplane demo: built the demo data (Python stdlib, man pages, Debian docs)", flush=True)
     spec_path = write_demo_mixture(data_dir, steps, ranks)
     spec = load_spec(spec_path)
     run_dir = data_dir.parent / "demo-run"
@@ -261,19 +328,7 @@ def run_demo(data_dir: Path, *, steps: int = 200, ranks: int = 2, quick: bool = 
         print(f"mixplane demo: data plane up in {time.perf_counter() - t0:.1f}s (planner {rt.planner_endpoint}; logs in {run_dir / 'logs'})", flush=True)
         result_path = run_dir / "demo-result.json"
         result_path.unlink(missing_ok=True)
-        port = _free_port()
-        procs = []
-        for r in range(ranks):
-            env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "MIXPLANE_PLANNER": rt.planner_endpoint or "", "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, "-m", "mixplane.demo.train", str(result_path), str(steps), str(spec_path)],
-                                          env=env, stdout=None if r == 0 else subprocess.DEVNULL))
-        try:
-            codes = [p.wait() for p in procs]
-        except KeyboardInterrupt:
-            for p in procs:
-                p.terminate()
-            raise
+        codes = _run_trainers(ranks, steps, spec_path, result_path, rt.planner_endpoint or "")
         if any(codes) or not result_path.exists():
             print(f"mixplane demo: a trainer failed (exit codes {codes}); data plane logs in {run_dir / 'logs'}", file=sys.stderr)
             return 1
