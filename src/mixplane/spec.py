@@ -121,7 +121,8 @@ class TopologySpec(_Model):
 class ModelDims(_Model):
     hidden: int = Field(4096, ge=1, description="Hidden size.")
     layers: int = Field(32, ge=1, description="Transformer layers.")
-    heads: int = Field(32, ge=1, description="Attention heads.")
+    heads: int = Field(32, ge=1, description="Attention (query) heads; head_dim = hidden / heads.")
+    kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query attention); default: heads (multi-head attention).")
     ffn_hidden: int | None = Field(None, ge=1, description="MLP hidden size; default 4 x hidden (x 2/3 x 2 for gated).")
     vocab: int = Field(32000, ge=1, description="Vocabulary size (the LM head's cost).")
     moe_topk: int = Field(1, ge=1, description="Experts per token (1 for dense).")
