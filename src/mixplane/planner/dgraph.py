@@ -140,8 +140,9 @@ class DGraph:
 
     # ---- Orchestrate ---------------------------------------------------------------------------
     def distribute(self, axis: str = "DP", group_size: int | None = None) -> "DGraph":
-        """Buckets = the ClientPlaceTree nodes at `axis` ('DP', 'CP', 'WORLD'); with group_size,
-        balancing happens within groups of that many buckets."""
+        """Text: buckets are the DP replicas whatever the axis; 'CP' / 'WORLD' make a row cost its busiest
+        zig-zag CP shard x cp (see row_costs). Images: buckets are the module's consumers at `axis`.
+        With group_size, balancing happens within groups of that many buckets."""
         axis = str(axis).upper()
         if axis not in ("DP", "CP", "WORLD"):
             raise DGraphError(f"step {self.ctx.step}: distribute: unknown axis {axis!r} (DP, CP or WORLD)")
