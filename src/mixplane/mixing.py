@@ -1,10 +1,12 @@
 """Mixture semantics: which weights hold at a step, and a deterministic sampler that realises them.
 
-Weights follow KempnerForge: base weights, temperature (p_i ∝ w_i^(1/T)), phases with
-`start_step` / `lr_scale` (a source not named in a phase keeps its base weight), and the
-`anneal` shortcut (one final phase; sources it does not name drop to 0). Unlike KempnerForge,
-changes take effect at their step, not at an epoch boundary, and runtime updates (a new spec
-generation) are segments of the same schedule, so resume lands in the right phase.
+Weights follow KempnerForge (seed 002): base weights, temperature (p_i ∝ w_i^(1/T)), phases with
+`start_step` / `lr_scale` and the `anneal` shortcut (one final phase). In a phase and in the anneal
+a source not named falls back to its base weight; a source is dropped only by an explicit 0.
+Unlike KempnerForge, changes take effect at their step, not at an epoch boundary. A runtime update
+is a segment of the same schedule that lasts until the next scheduled boundary: later spec phases
+(and the anneal) still start at their steps, with their weights as written, so resume lands in the
+right phase. Batches carry the spec's phase index; the update is identified by its generation.
 
 The sampler is stratified, not random (see DeficitSampler): it schedules sources earliest-
 deadline-first against their target shares of what has been placed in the current segment.
@@ -85,6 +87,20 @@ class MixturePoint:
     segment_start: int
 
 
+def phase_weights(names: list[str], base: dict[str, float], named: dict[str, float]) -> tuple[float, ...]:
+    """A phase's (or the anneal's) raw weights: named sources as given, the rest at their base weight
+    (seed 002: "falls back to its original weight"; zeroing a source takes an explicit 0)."""
+    return tuple(float(named.get(n, base[n])) for n in names)
+
+
+def insert_segment(segments: list[Segment], seg: Segment) -> list[Segment]:
+    """`segments` with `seg` in force from its start step until the next later segment (one starting
+    at the same step is replaced); later segments are kept, so scheduled phases survive updates."""
+    before = [s for s in segments if s.start_step < seg.start_step]
+    after = [s for s in segments if s.start_step > seg.start_step]
+    return before + [seg] + after
+
+
 class MixtureSchedule:
     """Step -> mixture; built from the spec, extended by runtime updates."""
 
@@ -96,17 +112,11 @@ class MixtureSchedule:
         segs = [Segment(0, self.base, 1.0, 0, generation, "base")]
         m = spec.mixture
         phases = list(m.phases)
-        anneal_weights = None
         if m.anneal is not None:
-            anneal_weights = {n: float(m.anneal.weights.get(n, 0.0)) for n in self.names}
             phases = [m.anneal]
         for i, ph in enumerate(phases):
-            if anneal_weights is not None:
-                w = tuple(anneal_weights[n] for n in self.names)
-                name = "anneal"
-            else:
-                w = tuple(float(ph.weights.get(n, base[n])) for n in self.names)
-                name = f"phase{i + 1}"
+            w = phase_weights(self.names, base, ph.weights)
+            name = "anneal" if m.anneal is not None else f"phase{i + 1}"
             if ph.start_step == 0:
                 segs[0] = Segment(0, w, ph.lr_scale, 0, generation, name)
             else:
@@ -135,9 +145,12 @@ class MixtureSchedule:
     def update(self, weights: dict[str, float], effective_step: int, generation: int,
                lr_scale: float | None = None, *, planned_through: int = -1,
                temperature: float | None = None) -> Segment:
-        """A runtime change from `effective_step` on; later segments of the old schedule are replaced.
+        """A runtime change from `effective_step` until the next scheduled boundary.
 
-        Sources not named keep the weight in force at effective_step. Steps already planned cannot
+        Sources not named keep the weight in force at effective_step. Later segments (spec phases, the
+        anneal, other updates) still start at their steps with their own weights: an operator's live
+        tweak must not erase the curriculum. The segment keeps the spec phase id in force (batches
+        report the spec's phase); its generation identifies the update. Steps already planned cannot
         change, so effective_step must lie after `planned_through`.
         """
         if effective_step <= planned_through:
@@ -156,9 +169,9 @@ class MixtureSchedule:
         if sum(w) <= 0:
             raise ValueError("weights must have a positive sum")
         seg = Segment(effective_step, w, cur.lr_scale if lr_scale is None else float(lr_scale),
-                      max(s.phase for s in self.segments) + 1, generation, f"update{generation}",
+                      cur.phase, generation, f"update{generation}",
                       cur.temperature if temperature is None else float(temperature))
-        self.segments = [s for s in self.segments if s.start_step < effective_step] + [seg]
+        self.segments = insert_segment(self.segments, seg)
         return seg
 
     def rebase(self, spec: DataMixtureSpec, effective_step: int, generation: int, *,

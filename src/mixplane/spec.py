@@ -60,13 +60,13 @@ class SourceSpec(_Model):
 
 class PhaseSpec(_Model):
     start_step: int = Field(..., ge=0, description="First step of the phase.")
-    weights: dict[str, float] = Field(default_factory=dict, description="Weights by source; a source not named keeps its base weight.")
+    weights: dict[str, float] = Field(default_factory=dict, description="Weights by source from start_step on; a source not named keeps its base weight (KempnerForge), a source is dropped only by an explicit 0.")
     lr_scale: float = Field(1.0, description="Learning-rate multiplier delivered with every batch of the phase.")
 
 
 class AnnealSpec(_Model):
     start_step: int = Field(..., ge=0, description="Step where annealing starts.")
-    weights: dict[str, float] = Field(..., description="Weights by source from start_step on; sources not named drop to 0.")
+    weights: dict[str, float] = Field(..., description="Weights by source from start_step on; a source not named falls back to its base weight (KempnerForge: 'drops to its default'), a source is dropped only by an explicit 0.")
     lr_scale: float = Field(1.0, description="Learning-rate multiplier during annealing.")
 
 
@@ -74,7 +74,7 @@ class MixtureSpec(_Model):
     weights: dict[str, float] = Field(default_factory=dict, description="Base weights by source name; empty means equal weights.")
     temperature: float = Field(1.0, description="p_i ∝ w_i^(1/T); T > 1 flattens the mixture (KempnerForge semantics).")
     unit: Literal["tokens", "samples"] = Field("tokens", description="Whether weights are fractions of tokens or of samples.")
-    phases: list[PhaseSpec] = Field(default_factory=list, description="Step-triggered weight changes (curriculum).")
+    phases: list[PhaseSpec] = Field(default_factory=list, description="Step-triggered weight changes (curriculum). A runtime mixture update lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
     anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
     seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
 
@@ -125,7 +125,8 @@ class TopologySpec(_Model):
 class ModelDims(_Model):
     hidden: int = Field(4096, ge=1, description="Hidden size.")
     layers: int = Field(32, ge=1, description="Transformer layers.")
-    heads: int = Field(32, ge=1, description="Attention heads.")
+    heads: int = Field(32, ge=1, description="Attention (query) heads; head_dim = hidden / heads.")
+    kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query attention); default: heads (multi-head attention).")
     ffn_hidden: int | None = Field(None, ge=1, description="MLP hidden size; default 4 x hidden (x 2/3 x 2 for gated).")
     vocab: int = Field(32000, ge=1, description="Vocabulary size (the LM head's cost).")
     moe_topk: int = Field(1, ge=1, description="Experts per token (1 for dense).")

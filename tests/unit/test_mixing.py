@@ -48,25 +48,68 @@ def test_phase_falls_back_to_base_weights():
     assert np.allclose(p.probs, np.array([0.1, 0.3, 0.7]) / 1.1) and p.lr_scale == 0.3 and p.phase == 2
 
 
-def test_anneal_drops_unnamed_sources():
-    s = MixtureSchedule(spec_with({"weights": {"web": 0.7, "code": 0.3}, "anneal": {"start_step": 50, "weights": {"books": 1.0}, "lr_scale": 0.5}}))
-    assert np.allclose(s.at(49).probs, [0.7, 0.3, 0.0])
+def test_anneal_falls_back_to_base_weights():
+    # seed 002: "everything else drops to its default" -- its original weight, not 0
+    s = MixtureSchedule(spec_with({"weights": {"web": 0.7, "code": 0.3, "books": 0.5},
+                                   "anneal": {"start_step": 50, "weights": {"books": 1.0}, "lr_scale": 0.5}}))
+    assert np.allclose(s.at(49).probs, np.array([0.7, 0.3, 0.5]) / 1.5)
     a = s.at(50)
-    assert np.allclose(a.probs, [0, 0, 1]) and a.lr_scale == 0.5 and a.phase == 1
+    assert np.allclose(a.probs, np.array([0.7, 0.3, 1.0]) / 2.0) and a.lr_scale == 0.5 and a.phase == 1
+
+
+def test_explicit_zero_drops_a_source_in_phases_and_anneal():
+    s = MixtureSchedule(spec_with({"weights": {"web": 1, "code": 1, "books": 2},
+                                   "phases": [{"start_step": 10, "weights": {"code": 0}}]}))
+    assert np.allclose(s.at(10).probs, [1 / 3, 0, 2 / 3])
+    a = MixtureSchedule(spec_with({"weights": {"web": 1, "code": 1, "books": 2},
+                                   "anneal": {"start_step": 10, "weights": {"web": 0, "code": 0, "books": 1}}}))
+    assert np.allclose(a.at(10).probs, [0, 0, 1])
+
+
+def test_anneal_source_without_base_weight_stays_at_zero():
+    # a source absent from mixture.weights has base weight 0, so the fallback keeps it out
+    s = MixtureSchedule(spec_with({"weights": {"web": 0.7, "code": 0.3},
+                                   "anneal": {"start_step": 50, "weights": {"code": 0.7}}}))
+    assert np.allclose(s.at(50).probs, [0.5, 0.5, 0.0])
 
 
 def test_runtime_update_takes_effect_at_its_step():
     s = MixtureSchedule(spec_with({"weights": {"web": 1, "code": 1, "books": 1},
-                                   "phases": [{"start_step": 500, "weights": {"books": 5}}]}))
+                                   "phases": [{"start_step": 500, "weights": {"books": 5}, "lr_scale": 0.5}]}))
     seg = s.update({"code": 2.0}, effective_step=120, generation=1, planned_through=100)
     assert seg.start_step == 120 and seg.generation == 1
     assert np.allclose(s.at(119).probs, [1 / 3] * 3)
-    assert np.allclose(s.at(120).probs, [0.25, 0.5, 0.25])
-    assert np.allclose(s.at(600).probs, [0.25, 0.5, 0.25])  # later spec phases are superseded
+    assert np.allclose(s.at(120).probs, [0.25, 0.5, 0.25]) and s.at(499).generation == 1
+    # the later spec phase still starts at its step, with its weights as written
+    p = s.at(600)
+    assert np.allclose(p.probs, np.array([1, 1, 5]) / 7) and p.lr_scale == 0.5 and p.phase == 1
     with pytest.raises(ValueError, match="already planned"):
         s.update({"web": 1.0}, effective_step=90, generation=2, planned_through=100)
     with pytest.raises(ValueError, match="unknown source"):
         s.update({"nope": 1.0}, effective_step=200, generation=2, planned_through=100)
+
+
+def test_runtime_update_before_the_anneal_keeps_the_anneal():
+    s = MixtureSchedule(spec_with({"weights": {"web": 1, "code": 1, "books": 1},
+                                   "anneal": {"start_step": 100, "weights": {"books": 4}, "lr_scale": 0.1}}))
+    s.update({"web": 3.0}, effective_step=10, generation=1, lr_scale=0.8)
+    u = s.at(50)
+    assert np.allclose(u.probs, [0.6, 0.2, 0.2]) and u.lr_scale == 0.8 and u.generation == 1
+    assert u.phase == 0  # batches keep the spec's phase id; the generation names the update
+    a = s.at(150)
+    assert np.allclose(a.probs, np.array([1, 1, 4]) / 6) and a.lr_scale == 0.1 and a.phase == 1
+    assert a.segment_start == 100 and a.generation == 0
+
+
+def test_runtime_update_at_a_phase_start_modifies_that_phase():
+    s = MixtureSchedule(spec_with({"weights": {"web": 1, "code": 1, "books": 1},
+                                   "phases": [{"start_step": 100, "weights": {"books": 4}, "lr_scale": 0.5},
+                                              {"start_step": 200, "weights": {"web": 2}}]}))
+    s.update({"code": 0.0}, effective_step=100, generation=1)
+    p = s.at(150)  # unnamed sources and lr_scale come from the phase in force at the step
+    assert np.allclose(p.probs, [0.2, 0, 0.8]) and p.lr_scale == 0.5 and p.phase == 1 and p.generation == 1
+    assert np.allclose(s.at(200).probs, [0.5, 0.25, 0.25]) and s.at(200).phase == 2
+    assert [g.start_step for g in s.segments] == [0, 100, 200]
 
 
 def test_schedule_state_roundtrip():

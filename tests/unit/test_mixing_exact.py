@@ -55,7 +55,32 @@ def test_within_one_sample_at_every_step_through_phases_and_anneal(unit):
                        anneal={"start_step": 6, "weights": {"s2": 1.0}, "lr_scale": 0.1})
     p = StepPlanner(anneal)
     check_every_step(p, 10)
-    assert p.schedule.at(9).lr_scale == 0.1 and np.allclose(p.schedule.at(9).probs, [0, 0, 1])
+    # unnamed sources fall back to their base weights (seed 002); s2 had none
+    assert p.schedule.at(9).lr_scale == 0.1 and np.allclose(p.schedule.at(9).probs, [0.6, 0.2, 0.2])
+
+
+@pytest.mark.parametrize("unit", ["samples", "tokens"])
+def test_runtime_update_ends_at_the_next_phase_and_stays_exact(unit):
+    """Updates before a phase and before the anneal: each lasts until the next boundary; the realised
+    counts stay within one sample of target at every step through every change."""
+    spec = make_spec(sources=3, weights={"s0": 3, "s1": 2, "s2": 1}, unit=unit, rows=16,
+                     phases=[{"start_step": 6, "weights": {"s2": 4}, "lr_scale": 0.5},
+                             {"start_step": 10, "weights": {"s0": 0.5}, "lr_scale": 0.2}])
+    p = StepPlanner(spec)
+    updates = {2: {"weights": {"s1": 6.0, "s0": 0.0}, "effective_step": 3, "generation": 1, "lr_scale": 0.9},
+               7: {"weights": {"s2": 0.0}, "effective_step": 8, "generation": 2}}
+    check_every_step(p, 13, updates=updates)
+    at = {s: p.schedule.at(s) for s in (2, 3, 6, 8, 10)}
+    assert [(a.phase, a.generation, a.lr_scale) for a in at.values()] == \
+        [(0, 0, 1.0), (0, 1, 0.9), (1, 0, 0.5), (1, 2, 0.5), (2, 0, 0.2)]
+    assert np.allclose(at[8].probs, [0.6, 0.4, 0.0])  # s0, s1 from phase 1 (base), s2 zeroed
+    assert np.allclose(at[10].probs, np.array([0.5, 2, 1]) / 3.5)  # phase 2 as written
+    anneal = make_spec(sources=3, weights={"s0": 1, "s1": 1, "s2": 1}, unit=unit, rows=16,
+                       anneal={"start_step": 7, "weights": {"s2": 5.0}, "lr_scale": 0.1})
+    q = StepPlanner(anneal)
+    check_every_step(q, 10, updates={1: {"weights": {"s0": 4.0}, "effective_step": 2, "generation": 1}})
+    a = q.schedule.at(9)
+    assert a.lr_scale == 0.1 and a.segment_start == 7 and np.allclose(a.probs, [1 / 7, 1 / 7, 5 / 7])
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,6 +22,32 @@ def test_dense_formula_by_hand():
     assert f(np.array([L]))[0] == pytest.approx(lin * L + f.per_pair * L * (L + 1) / 2)
 
 
+def test_gqa_projection_flops_by_hand():
+    """Llama-3-8B-like layer: h 4096, 32 query heads, 8 kv heads (head_dim 128, K/V width 1024)."""
+    dims = dict(hidden=4096, layers=2, heads=32, ffn_hidden=14336, vocab=128256)
+    mha = TransformerFlops.from_dims(ModelDims(**dims))
+    gqa = TransformerFlops.from_dims(ModelDims(**dims, kv_heads=8))
+    h, kv = 4096, 8 * 128
+    assert gqa.projection_per_token == 2 * h * h + 2 * 2 * h * kv + 2 * h * h == 83_886_080
+    assert mha.projection_per_token == 8 * h * h
+    mlp = 2 * 3 * h * 14336
+    assert gqa.linear_per_token == 3 * (2 * (83_886_080 + mlp) + 2 * h * 128256)
+    # GQA removes 3 (train) x layers x 2 (K, V) x 2 h (h - kv) per token, and only that
+    assert mha.linear_per_token - gqa.linear_per_token == 3 * 2 * 2 * 2 * h * (h - kv)
+    assert gqa.per_pair == mha.per_pair == 3 * 2 * 4 * h  # the attention term per document is unchanged
+    L = 8192
+    assert gqa(np.array([L]))[0] == pytest.approx(gqa.linear_per_token * L + gqa.per_pair * L * (L + 1) / 2)
+
+
+def test_kv_heads_comes_from_the_spec_and_is_checked():
+    spec = make_spec(model={"backbone": {"hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 4}})
+    b = backbone_cost(spec)
+    assert b.dims.kv_heads == 4 and b.flops.kv_dim == 256
+    assert ModelDims().kv_heads is None and TransformerFlops.from_dims(ModelDims()).kv_dim == 4096
+    with pytest.raises(ValueError, match="cannot exceed heads"):
+        TransformerFlops.from_dims(ModelDims(heads=8, kv_heads=16))
+
+
 def test_packed_row_costs_the_sum_of_its_documents_not_the_square_of_its_length():
     f = BackboneCost(ModelDims(hidden=1024, layers=4, heads=8, vocab=1000))
     docs = np.array([300, 500, 1200])

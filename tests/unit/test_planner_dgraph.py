@@ -10,6 +10,8 @@ from mixplane.planner.cost import backbone_cost, encoder_cost, token_cost
 from mixplane.planner.dgraph import DGraph, DGraphError, _cp_shard_costs
 from mixplane.planner.balance import imbalance
 
+from mixplane.samples import make_key
+
 from .planner_helpers import fill, make_spec, run
 
 MODEL = {"backbone": {"hidden": 512, "layers": 4, "heads": 8, "vocab": 1000}}
@@ -118,6 +120,145 @@ def test_intra_level_reorders_documents_to_even_cp_shards():
 
     plan_with(spec, strategy, steps=3)
     assert res["after"] <= res["before"]
+
+
+# One source whose stream packs (best fit, seq_len 1024) into four full rows, in mix's order:
+# [768, 128, 128] (long document first), [768, 256], [512, 4 x 128], [8 x 128].
+PATTERN = np.array([768, 128, 128, 768, 256, 512, 128, 128, 128, 128] + [128] * 8)
+
+
+def pattern_meta(source, replica, pos, seq_len):
+    pos = np.asarray(pos, np.int64)
+    return make_key(0, pos * 8 + replica), PATTERN[pos % len(PATTERN)], np.zeros(len(pos), np.int64)
+
+
+def cp_spec(microbatches=2):
+    return make_spec(sources=1, dp=2, cp=2, rows=4, microbatches=microbatches, seq_len=1024, model=MODEL)
+
+
+def zigzag_busiest(flops, pairs_on_busiest_rank):
+    """Hand formula for a full row under cp=2: each rank holds 512 tokens; row cost = 2 x busiest rank."""
+    return 2 * (flops.linear_per_token * 512 + flops.per_pair * pairs_on_busiest_rank)
+
+
+def test_intra_level_strictly_lowers_the_busiest_microbatch():
+    """Row 0 = [768, 128, 128]: under zig-zag (chunks of 256; rank 0 = chunks 0, 3, rank 1 = chunks 1, 2)
+    the long document first puts its positions 256..767 on rank 1: 262400 attention pairs. Putting it
+    last leaves the busiest rank 180480 pairs. Row 1 = [256, 768] is already at its best (196864)."""
+    res = {}
+
+    def strategy(ctx):
+        g = DGraph(ctx).mix().distribute("CP").cost(backbone_cost(ctx.spec))
+        key = np.arange(len(g.pieces))
+        key[[3, 4]] = key[[4, 3]]  # row 1 as [256, 768]
+        g.set_rows(g.rows(), key)
+        mb = lambda: g.row_costs().reshape(ctx.dp * ctx.microbatches, -1).sum(axis=1)
+        res["before"], rows_before = mb(), g.rows().copy()
+        g.balance("greedy", level="intra")
+        res["after"] = mb()
+        assert np.array_equal(g.rows(), rows_before)  # documents stay in their rows
+        res["flops"] = g.cost_fn.flops
+        return g.plan()
+
+    plan_with(cp_spec(), strategy, meta=pattern_meta)
+    f, before, after = res["flops"], res["before"], res["after"]
+    assert np.isclose(before[0], zigzag_busiest(f, 262400)) and np.isclose(after[0], zigzag_busiest(f, 180480))
+    assert np.isclose(after[1], zigzag_busiest(f, 196864))
+    assert after.max() < before.max() * (1 - 1e-3)  # the busiest microbatch strictly cheaper
+    assert np.all(after <= before * (1 + 1e-12))
+
+
+def test_distribute_cp_deals_rows_by_their_busiest_shard():
+    """distribute('CP'): rows still go to DP replicas, but a row costs its busiest zig-zag shard x cp, not
+    the sum of its documents. Two rows whose sums differ only slightly but whose shards are uneven
+    (long document first) end up apart under 'CP'; under 'DP' they share a replica."""
+    res = {}
+
+    def strategy(ctx):
+        dims = ctx.spec
+        rows_key = {}
+
+        def graph(axis):
+            g = DGraph(ctx).mix().distribute(axis).cost(backbone_cost(dims))
+            if not rows_key:
+                key = np.arange(len(g.pieces))
+                key[[3, 4]] = key[[4, 3]]  # row 1 as [256, 768]
+                rows_key["v"] = (g.rows().copy(), key)
+            g.set_rows(*rows_key["v"])
+            return g
+
+        cp, dp = graph("CP"), graph("DP")
+        res["cp_rows"] = cp.row_costs()
+        res["sum_rows"] = dp.row_costs()
+        res["shard_max"] = cp.shard_costs().max(axis=1)
+        cp.balance("greedy", level="inter")
+        dp.balance("greedy", level="inter")
+        per_rank = ctx.rows // ctx.dp
+        orig = rows_key["v"][0]
+
+        def bucket_of_row(g):  # the DP replica every original row went to
+            out = np.zeros(ctx.rows, np.int64)
+            out[orig] = g.rows() // per_rank
+            return out
+
+        res["cp_assign"], res["dp_assign"] = bucket_of_row(cp), bucket_of_row(dp)
+
+        def busiest(assign):  # busiest replica under the CP cost model
+            return np.bincount(assign, weights=res["cp_rows"], minlength=ctx.dp).max()
+
+        res["busiest_cp"], res["busiest_dp"] = busiest(res["cp_assign"]), busiest(res["dp_assign"])
+        return cp.plan()
+
+    plan_with(cp_spec(), strategy, meta=pattern_meta)
+    assert np.allclose(res["cp_rows"], 2 * res["shard_max"])  # the cost model of 'CP'
+    assert res["cp_rows"][0] > res["sum_rows"][0] * 1.01  # [768, 128, 128]: uneven shards cost more than their sum
+    assert np.allclose(res["cp_rows"][3], res["sum_rows"][3])  # 8 x 128: even shards, same as the sum
+    assert not np.array_equal(res["cp_assign"], res["dp_assign"])  # the cost model changes the assignment
+    assert res["busiest_cp"] < res["busiest_dp"] * (1 - 1e-3)
+
+
+def test_level_both_orders_documents_then_deals_rows():
+    res = {}
+
+    def strategy(ctx):
+        def fresh():
+            g = DGraph(ctx).mix().distribute("CP").cost(backbone_cost(ctx.spec))
+            return g
+        base = fresh()
+        res["mix_rows"] = sorted(map(tuple, (np.sort(base.pieces.key[base.rows() == r]) for r in range(ctx.rows))))
+        res["mix_busiest"] = base.bucket_costs().max()
+        intra = fresh().balance("greedy", level="intra")
+        res["intra_row_costs"] = np.sort(intra.row_costs())
+        both = fresh().balance("greedy", level="both")
+        res["both_rows"] = sorted(map(tuple, (np.sort(both.pieces.key[both.rows() == r]) for r in range(ctx.rows))))
+        res["both_row_costs"] = np.sort(both.row_costs())
+        res["both_busiest"] = both.bucket_costs().max()
+        res["both_stats"] = dict(both.balanced)
+        return both.plan()
+
+    for plan in plan_with(make_spec(dp=4, cp=2, rows=16, microbatches=2, seq_len=1024, model=MODEL), strategy, steps=2):
+        check_coverage(plan.layout, plan.pieces)
+        assert res["both_rows"] == res["mix_rows"]  # whole rows move, documents only reorder inside them
+        assert np.allclose(res["both_row_costs"], res["intra_row_costs"])  # intra's orders survive the dealing
+        assert res["both_busiest"] < res["mix_busiest"]  # and the dealing evens the replicas
+        assert res["both_stats"]["level"] == "both"
+
+
+def test_broadcast_at_accepts_only_tp():
+    spec = make_spec(model=MODEL)
+    errors = {}
+
+    def strategy(ctx):
+        g = DGraph(ctx).mix()
+        for dim in ("PP", "CP", "DP", "XX"):
+            with pytest.raises(ValueError, match="allowed: TP") as e:
+                g.broadcast_at(dim)
+            errors[dim] = str(e.value)
+        assert g.broadcast_at("tp").broadcast == ["tp"] and ctx.broadcast == ["tp"]
+        return g.plan()
+
+    plan_with(spec, strategy)
+    assert "not implemented" in errors["PP"] and "unknown" in errors["XX"]
 
 
 def test_cp_shards_follow_the_zigzag_split():

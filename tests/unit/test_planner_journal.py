@@ -27,8 +27,8 @@ def spec_():
                      phases=[{"start_step": 9, "weights": {"s0": 4}, "lr_scale": 0.5}])
 
 
-def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
-    spec = spec_()
+def record_run(path, steps=30, every=8, update_at=None, resume_at=None, spec=None, update=None):
+    spec = spec or spec_()
     pl = StepPlanner(spec, resolve_strategy(spec))
     fill = loaders()
     plans = {}
@@ -36,7 +36,8 @@ def record_run(path, steps=30, every=8, update_at=None, resume_at=None):
         j.open(spec, 0, pl.cursor())
         for s in range(steps):
             if update_at is not None and s == update_at:
-                j.update(pl.update_mixture({"s1": 5.0}, s + 3, 1, lr_scale=0.25))
+                j.update(pl.update_mixture(**(update or {"weights": {"s1": 5.0}, "effective_step": s + 3,
+                                                         "generation": 1, "lr_scale": 0.25})))
             if resume_at is not None and s == resume_at[0]:
                 cur = plans[resume_at[1]].cursor_before
                 pl.restore(cur)  # the loaders start over from the restored windows' cursors
@@ -59,6 +60,24 @@ def test_every_past_step_replans_identically(tmp_path):
         assert (p.layout.phase, p.layout.lr_scale, p.layout.generation) == \
             (plans[s].layout.phase, plans[s].layout.lr_scale, plans[s].layout.generation)
     assert plans[16].layout.lr_scale == 0.25 and plans[15].layout.lr_scale == 0.5
+
+
+def test_replay_after_an_update_lands_in_the_later_spec_phases(tmp_path):
+    """An update until the next phase boundary: replay reproduces update, phase and anneal-like phase."""
+    spec = make_spec(strategy="llm_balance", model=MODEL, dp=2, rows=16, microbatches=2,
+                     phases=[{"start_step": 9, "weights": {"s0": 4}, "lr_scale": 0.5},
+                             {"start_step": 14, "weights": {"s2": 6}, "lr_scale": 0.1}])
+    path = tmp_path / "journal.jsonl"
+    plans = record_run(path, steps=20, every=4, update_at=2, spec=spec,
+                       update={"weights": {"s1": 5.0}, "effective_step": 5, "generation": 1, "lr_scale": 0.25})
+    got = {s: (plans[s].layout.phase, plans[s].layout.lr_scale, plans[s].layout.generation) for s in (4, 5, 8, 9, 14, 19)}
+    assert got == {4: (0, 1.0, 0), 5: (0, 0.25, 1), 8: (0, 0.25, 1), 9: (1, 0.5, 0), 14: (2, 0.1, 0), 19: (2, 0.1, 0)}
+    fill = loaders()
+    for s in (3, 5, 7, 9, 12, 14, 19):
+        p = replan(path, s, fill)
+        assert layout_digest(p.layout) == layout_digest(plans[s].layout), s
+        assert (p.layout.phase, p.layout.lr_scale, p.layout.generation) == \
+            (plans[s].layout.phase, plans[s].layout.lr_scale, plans[s].layout.generation)
 
 
 def test_journal_is_compact(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 
 from mixplane.constructor.packing import OnlinePacker
 from mixplane.layout import StepLayout
-from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, slack
+from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
 from mixplane.spec import DataMixtureSpec, window_full
 from mixplane.topology import ClientPlaceTree
 
@@ -386,7 +386,7 @@ class StepPlanner:
             gen = max(seg.generation for seg in schedule.segments)
             for seg in self.schedule.segments:
                 if seg.generation > gen and seg.start_step >= step:
-                    schedule.segments = [x for x in schedule.segments if x.start_step < seg.start_step] + [seg]
+                    schedule.segments = insert_segment(schedule.segments, seg)
                     kept.append({"event": "update", "generation": seg.generation, "effective_step": seg.start_step,
                                  "planned_through": step - 1, "weights": dict(zip(self.spec.source_names(), seg.weights)),
                                  "lr_scale": seg.lr_scale, "temperature": seg.temperature, "segment": seg.to_json()})

@@ -6,7 +6,8 @@ token, vocabulary and hidden size. Everything here is vectorised over arrays of 
 
 Per layer and token, forward FLOPs (multiply-add = 2 FLOPs):
 
-* attention projections Q, K, V, O: ``8 h^2``
+* attention projections: Q and O ``2 h^2`` each, K and V ``2 h d_kv`` each, with
+  ``d_kv = kv_heads * h / heads`` (grouped-query attention; ``8 h^2`` when kv_heads = heads)
 * MLP: ``2 * m * h * f * topk`` with m = 3 matrices (gated, SwiGLU) or 2, f the MLP width,
   topk the experts each token visits (1 for dense); the router's ``2 h E`` is negligible
 * attention scores and weighted sum: ``4 h`` per (query, key) pair the query attends to
@@ -37,6 +38,15 @@ def default_ffn(dims: ModelDims) -> int:
     return int(round(8 * dims.hidden / 3)) if dims.gated_mlp else 4 * dims.hidden
 
 
+def kv_width(dims: ModelDims) -> float:
+    """Width of the K and V projections: kv_heads x head_dim (head_dim = hidden / heads); GQA makes
+    K and V narrower than the hidden size, which changes what a token costs."""
+    kv_heads = dims.heads if dims.kv_heads is None else dims.kv_heads
+    if kv_heads > dims.heads:
+        raise ValueError(f"kv_heads ({kv_heads}) cannot exceed heads ({dims.heads})")
+    return kv_heads * dims.hidden / dims.heads
+
+
 @dataclass(frozen=True)
 class TransformerFlops:
     """Training FLOPs of a transformer stack as ``linear * L + pair * pairs(L)`` per document."""
@@ -49,17 +59,26 @@ class TransformerFlops:
     gated: bool = True
     causal: bool = True
     train_factor: float = 3.0
+    kv_dim: float | None = None  # width of K and V (kv_heads x head_dim); None: hidden (no GQA)
 
     @classmethod
     def from_dims(cls, dims: ModelDims, *, causal: bool = True, lm_head: bool = True) -> "TransformerFlops":
         return cls(hidden=dims.hidden, layers=dims.layers, ffn=default_ffn(dims),
-                   vocab=dims.vocab if lm_head else 0, topk=dims.moe_topk, gated=dims.gated_mlp, causal=causal)
+                   vocab=dims.vocab if lm_head else 0, topk=dims.moe_topk, gated=dims.gated_mlp, causal=causal,
+                   kv_dim=kv_width(dims))
+
+    @property
+    def projection_per_token(self) -> float:
+        """Forward FLOPs of Q, K, V, O per token and layer: GQA shrinks only K and V."""
+        h = float(self.hidden)
+        kv = h if self.kv_dim is None else float(self.kv_dim)
+        return 2.0 * h * h + 2.0 * 2.0 * h * kv + 2.0 * h * h
 
     @property
     def linear_per_token(self) -> float:
         h = float(self.hidden)
         mats = 3.0 if self.gated else 2.0
-        per_layer = 8.0 * h * h + 2.0 * mats * h * self.ffn * self.topk
+        per_layer = self.projection_per_token + 2.0 * mats * h * self.ffn * self.topk
         return self.train_factor * (self.layers * per_layer + 2.0 * h * self.vocab)
 
     @property
@@ -89,7 +108,8 @@ class BackboneCost:
 
     def __repr__(self) -> str:
         d = self.dims
-        return f"BackboneCost(h={d.hidden}, layers={d.layers}, ffn={self.flops.ffn}, topk={d.moe_topk}, vocab={d.vocab})"
+        return (f"BackboneCost(h={d.hidden}, layers={d.layers}, heads={d.heads}, kv_heads={d.kv_heads or d.heads}, "
+                f"ffn={self.flops.ffn}, topk={d.moe_topk}, vocab={d.vocab})")
 
 
 class EncoderCost:

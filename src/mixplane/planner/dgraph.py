@@ -29,11 +29,13 @@ the step's samples into rows with even row costs (`balance.pack_balanced`); if t
 cannot place every sample, the step keeps mix's packing. Either way every selected piece lands in
 the layout exactly once — the planner checks it.
 
-`distribute(axis)`: 'DP' buckets are DP replicas; 'CP' makes the (dp, cp) ranks the consumers:
-a row is processed by its CP group in lock-step, so its cost is that of its busiest zig-zag
-shard and balance evens the busiest CP rank, not only the DP totals; 'WORLD' (for the image
-graph) makes every distinct consumer of the image module a bucket — for an encoder declared
-{dp: world} that is every rank. `group_size` balances within groups of that many buckets.
+`distribute(axis)` on text: the buckets are always the DP replicas (rows are dealt to DP replicas
+only; hybrid DP x CP consumers are not implemented). The axis chooses the row cost model: 'DP' — a
+row costs the sum of its pieces; 'CP' (and 'WORLD', which behaves the same on text) — with cp > 1 a
+row costs its busiest zig-zag CP shard x cp, since a CP group works on a row in lock-step, so
+balance evens what the busiest CP rank carries. On the image graph 'WORLD' makes every distinct
+consumer of the image module a bucket — for an encoder declared {dp: world} that is every rank.
+`group_size` balances within groups of that many buckets.
 
 The image graph (`g.images()`) is built from the same buffer with different metadata (patch
 counts) and decides which encoder rank encodes each image (`img_rank` = that rank's global id).
@@ -55,6 +57,7 @@ from mixplane.planner.cost import CostFn, TransformerFlops
 from mixplane.spec import AXES
 
 LEVELS = ("inter", "intra", "both")
+BROADCAST_DIMS = ("tp",)  # the broadcasts constructors and the client implement
 
 
 class DGraphError(ValueError):
@@ -137,8 +140,9 @@ class DGraph:
 
     # ---- Orchestrate ---------------------------------------------------------------------------
     def distribute(self, axis: str = "DP", group_size: int | None = None) -> "DGraph":
-        """Buckets = the ClientPlaceTree nodes at `axis` ('DP', 'CP', 'WORLD'); with group_size,
-        balancing happens within groups of that many buckets."""
+        """Text: buckets are the DP replicas whatever the axis; 'CP' / 'WORLD' make a row cost its busiest
+        zig-zag CP shard x cp (see row_costs). Images: buckets are the module's consumers at `axis`.
+        With group_size, balancing happens within groups of that many buckets."""
         axis = str(axis).upper()
         if axis not in ("DP", "CP", "WORLD"):
             raise DGraphError(f"step {self.ctx.step}: distribute: unknown axis {axis!r} (DP, CP or WORLD)")
@@ -192,10 +196,14 @@ class DGraph:
         return self
 
     def broadcast_at(self, dim: str) -> "DGraph":
-        """The trainer broadcasts along `dim` (e.g. 'TP'): only coordinate-0 ranks fetch data."""
+        """The trainer broadcasts along `dim`: only coordinate-0 ranks fetch data. Only 'TP' is accepted:
+        constructors (`tp_receives`) and the client (`broadcast_tp`) implement no other broadcast, so a
+        PP / CP / DP broadcast would leave ranks without data."""
         d = str(dim).lower()
-        if d not in AXES:
-            raise DGraphError(f"step {self.ctx.step}: broadcast_at: unknown dimension {dim!r} ({', '.join(a.upper() for a in AXES)})")
+        if d not in BROADCAST_DIMS:
+            allowed = ", ".join(a.upper() for a in BROADCAST_DIMS)
+            why = "not implemented by constructors and client" if d in AXES else "unknown dimension"
+            raise DGraphError(f"step {self.ctx.step}: broadcast_at: {dim!r}: {why}; allowed: {allowed}")
         if d not in self.broadcast:
             self.broadcast.append(d)
         root = self.root
