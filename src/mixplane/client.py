@@ -59,9 +59,21 @@ class DeliveryError(RuntimeError):
     """The data plane did not deliver a step; the text names the endpoint and step."""
 
 
+_WIDENED = frozenset({np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64)})
+
+
+def _torch_dtype(dt: np.dtype) -> torch.dtype | None:
+    """The torch dtype a received array of numpy dtype `dt` becomes (unsigned > 8 bit widen to int64,
+    as :func:`_tensor` does); None when torch has no equivalent."""
+    return torch.int64 if dt in _WIDENED else _TORCH_DTYPES.get(dt.name)
+
+
 def _tensor(a: np.ndarray) -> torch.Tensor:
-    if a.dtype in (np.uint16, np.uint32, np.uint64):  # no torch equivalent for all ops: widen
-        a = a.astype(np.int64)
+    """A tensor sharing `a`'s memory (frames received with copy=False are writable, so this is the
+    zero-copy path); copies only when it must: unsigned > 8 bit (widened: torch lacks most ops on them)
+    and read-only buffers (torch cannot guard them, a write would corrupt the sender's bytes)."""
+    if a.dtype in _WIDENED:
+        return torch.from_numpy(a.astype(np.int64))
     if a.flags.writeable:
         return torch.from_numpy(a)  # shares the frame's memory
     return torch.from_numpy(a.copy())
@@ -259,11 +271,12 @@ class MixtureLoader:
         if meta_only:  # empty receive buffers of the right shapes for the trainer-side TP broadcast
             for name, (dt, shape) in (msg.meta.get("shapes") or {}).items():
                 if name not in out:
-                    tdt = _TORCH_DTYPES.get(np.dtype(dt).name)
+                    try:
+                        tdt = _torch_dtype(np.dtype(dt))
+                    except TypeError:
+                        tdt = None
                     if tdt is None:
                         raise DeliveryError(f"rank {self.rank}: step {step}: tensor {name!r} has dtype {dt}")
-                    if np.dtype(dt) in (np.uint16, np.uint32, np.uint64):
-                        tdt = torch.int64
                     out[name] = torch.empty(tuple(shape), dtype=tdt)
         out["step"] = torch.tensor(step, dtype=torch.int64)
         out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
