@@ -226,7 +226,8 @@ class ConstructorServer:
         """Send to one client without blocking: True when sent, None when its queue is full (the
         caller may retry later: backpressure), False when it is gone (logged)."""
         try:
-            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK)
+            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK,
+                      checksum=self.spec.runtime.checksum_payloads if kind in wire.PAYLOAD_KINDS else None)
             return True
         except zmq.Again:
             return None

@@ -149,7 +149,8 @@ class LoaderServer:
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
             self.outbox[int(c)].append(wire.encode(Kind.SAMPLES, {"session": self.session, "step": step,
-                                                                  "source": self.si, "replica": self.replica}, arrays))
+                                                                  "source": self.si, "replica": self.replica}, arrays,
+                                                              checksum=self.spec.runtime.checksum_payloads))
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
