@@ -9,7 +9,8 @@
 
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
 checked against WORLD_SIZE; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
-``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
+``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
+interval of both sockets, default 2, 0 disables); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
 MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
 knows only the planner's address and asks it which constructor serves its rank.
 
@@ -118,7 +119,8 @@ def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None
 class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
                  timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
-                 curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None):
+                 curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
+                 heartbeat_s: float | None = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
@@ -132,6 +134,8 @@ class MixtureLoader:
         self.prefetch = max(0, int(pf if pf is not None else 2))
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
         self.max_steps = max_steps
+        hb = heartbeat_s if heartbeat_s is not None else float(os.environ.get("MIXPLANE_HEARTBEAT_S", "2"))
+        self.heartbeat_s = hb if hb > 0 else None  # ZMTP heartbeats: a dead server is noticed, its pipe dropped
         self.ctx = context or zmq.Context.instance()
         self.tp_group = tp_group
         self._planner: zmq.Socket | None = None
@@ -152,7 +156,7 @@ class MixtureLoader:
 
     def _socket(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+        wire.configure_socket(s, heartbeat_s=self.heartbeat_s)
         if self.curve is not None:
             wire.curve_client(s, self.curve.keys, self.curve.server_key("server"))
         return s

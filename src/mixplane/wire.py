@@ -286,7 +286,7 @@ def configure_socket(sock: Any, *, sndhwm: int | None = None, rcvhwm: int | None
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
-    if router_mandatory and sock.socket_type == zmq.ROUTER:
+    if router_mandatory and sock.type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if max_msgsize is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_msgsize))

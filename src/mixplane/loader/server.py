@@ -36,7 +36,7 @@ class LoaderServer:
         self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
-        self.planner.setsockopt(zmq.LINGER, 0)
+        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s)
         self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
         self.security.client(self.planner).connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
@@ -76,8 +76,7 @@ class LoaderServer:
         self.constructor_endpoints = list(endpoints)
         for ep in endpoints:
             s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.setsockopt(zmq.SNDHWM, 64)
+            wire.configure_socket(s, sndhwm=64, linger_ms=1000, heartbeat_s=self.spec.runtime.heartbeat_s)
             self.security.client(s).connect(ep)
             self.pushers.append(s)
         self._seek(msg.get("session", int), msg.get("cursor", dict))
