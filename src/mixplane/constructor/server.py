@@ -102,6 +102,7 @@ class ConstructorServer:
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
         self.start_step = 0
         self.released_through = -1
+        self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
         self.stopped = False
         self.welcomed = False
         self.m = make_metrics("constructor")
@@ -132,6 +133,7 @@ class ConstructorServer:
         self.asked_through = start_step - 1
         self.start_step = start_step
         self.released_through = start_step - 1
+        self.planned_seen = start_step - 1
         self.last_request.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, rank, _ in self.pending:
@@ -154,6 +156,7 @@ class ConstructorServer:
                 layout = StepLayout.from_parts(msg.meta, msg.arrays)
             except ValueError as e:
                 raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
+            self.planned_seen = max(self.planned_seen, layout.step)
             st = self.steps.setdefault(layout.step, StepState())
             st.expect(layout, self.ranks)
             st.cursor_after = msg.meta.get("cursor_after")
@@ -171,14 +174,24 @@ class ConstructorServer:
         else:
             raise WireError(f"unexpected {k.name} from the planner")
 
+    @property
+    def sample_horizon(self) -> int:
+        """The last step SAMPLES may be for: the planner plans at most max_lead_steps past what the
+        slowest constructor asked for, and tells every constructor about every step it plans."""
+        return max(self.planned_seen, self.asked_through, self.start_step - 1) + self.spec.runtime.max_lead_steps
+
     def on_samples(self, msg: wire.Message) -> None:
         if msg.kind != Kind.SAMPLES:
             raise WireError(f"unexpected {msg.kind.name} on the data socket")
         if msg.get("session", int) != self.session:
             return
         step = msg.get("step", int)
-        if step < self.start_step or (step in self.steps and self.steps[step].batches):
+        if step <= self.released_through or step < self.start_step or (step in self.steps and self.steps[step].batches):
             return
+        horizon = self.sample_horizon
+        if step > horizon:  # never planned, so never freed: refuse rather than hold it forever
+            raise WireError(f"SAMPLES for step {step} beyond the planned horizon {horizon} "
+                            f"(steps planned or asked for + max_lead_steps {self.spec.runtime.max_lead_steps})")
         keys, starts, offsets, values = msg.array("key"), msg.array("start"), msg.array("offsets"), msg.array("values")
         lens = msg.array("len")
         n = len(keys)

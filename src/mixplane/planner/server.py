@@ -180,11 +180,16 @@ class PlannerServer:
             if msg.get("session", int) != self.session:
                 return
             key = (msg.get("source", int), msg.get("replica", int))
+            if self.loaders.get(key) != identity:  # only the registered loader may fill its window
+                raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
             try:
                 self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
             except (KeyError, WindowError) as e:
                 raise WireError(f"LOADER_META: {e}") from None
         elif k == Kind.NEED_STEPS:
+            if not any(c.identity == identity for c in self.constructors.values()):
+                # an unknown peer's low 'through' would cap planning (need_through follows the slowest)
+                raise WireError("NEED_STEPS from a peer that is not a registered constructor")
             if msg.get("session", int) == self.session:
                 self.need_by[identity] = max(self.need_by.get(identity, -1), msg.get("through", int))
                 # pull model: plan what the most advanced constructor needs, but no further than
