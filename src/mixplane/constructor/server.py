@@ -16,16 +16,25 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
-from mixplane.constructor.multimodal import encoder_batch, fuse_batch
+from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
-from mixplane.topology import backbone_coords
+from mixplane.topology import backbone_coords, place_tree
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.constructor")
+ENCODER_SHAPES = "encoder_shapes"  # a peer's view of its bucket leader's encoder batch (metadata only)
+
+
+def encoder_leaders(spec: DataMixtureSpec) -> dict[int, int]:
+    """Global rank -> the rank its images are assigned to: the lowest rank of its image-module
+    DP x CP bucket (topology.consumer_leader; every rank of an encoder declared {dp: world})."""
+    mod = place_tree(spec).image_module
+    lead = mod.consumer_leader("WORLD")[mod.consumer_index("WORLD")]
+    return {r: int(lead[r]) for r in range(spec.world_size)}
 
 
 @dataclass
@@ -115,6 +124,7 @@ class ConstructorServer:
         self._image_token_ids = {si: resolve_image_token_id(src.image.image_token_id, src.tokenizer)
                                  for si, src in enumerate(spec.sources) if src.kind == "image_text"}
         self._coords = {r: backbone_coords(spec, r) for r in range(spec.world_size)}  # rank -> backbone coordinates
+        self._encoder_leader = encoder_leaders(spec)
         # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
         # needs rows packed with align=2*cp, which the planner does not do yet
         self.cp_layout = "row"
@@ -261,7 +271,8 @@ class ConstructorServer:
                           broadcast_at=st.broadcast, cp_mode=self.cp_layout)
             st.views[key] = v
         if st.layout is not None and len(st.layout.img_key):
-            # every rank encodes its own share of the step's images (axis WORLD or its DP group's consumers)
+            # the encoder batch is per rank, outside the backbone's TP rule: real tensors for the rank
+            # that encodes them even when its backbone view is metadata-only
             v = {**v, **self._encoder_for(st, rank)}
         return v
 
@@ -279,13 +290,21 @@ class ConstructorServer:
         fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
                    world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)
 
-    def _encoder_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
+    def _encoder_for(self, st: StepState, rank: int) -> dict[str, Any]:
+        """The encoder part of `rank`'s message. Images are assigned to the lowest rank of an image-module
+        DP x CP bucket (its leader); the leader gets the pixels, its TP / PP peers the leader's shapes
+        (``encoder_shapes``: receive buffers for a trainer-side broadcast from ``encoder_leader``)."""
         lay = st.layout
         assert lay is not None
         merge, _, dim = self._image_settings(lay)
+        leader = self._encoder_leader[rank]
+        if leader != rank:
+            return {ENCODER_SHAPES: encoder_shapes(leader, img_rank=lay.img_rank, img_patches=lay.img_patches, patch_dim=dim),
+                    "encoder_leader": leader}
         try:
-            return encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
-                                 img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim)
+            return {**encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
+                                    img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim),
+                    "encoder_leader": rank}
         except KeyError as e:
             raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
 
@@ -307,9 +326,10 @@ class ConstructorServer:
                 "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
                 "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
                 "coords": self._coords[rank].as_dict()}
-        if "shapes" in view:
-            meta["shapes"] = view["shapes"]
-        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}
+        for k in ("shapes", ENCODER_SHAPES):
+            if k in view:
+                meta[k] = view[k]
+        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", ENCODER_SHAPES, META_ONLY)}
         if extra:
             meta["extra"] = extra
         sent = self._to_client(ident, Kind.STEP_DATA, meta, arrays)
