@@ -10,7 +10,8 @@ Per module, a rank receives:
   step's images, independent of its backbone CP / PP / TP coordinates):
   ``pixel_patches`` [N, p·p·C] uint8, ``patch_cu_seqlens`` [n+1] (varlen attention per image),
   ``image_grid`` [n, 2] (patch rows, cols), ``patch_position_ids`` [N, 2] (row, col of each patch, for
-  2-D RoPE), ``image_ids`` [n] (the image's index in the step).
+  2-D RoPE), ``image_ids`` [n] (the image's index in the step). Images go to the lowest rank of an
+  image-module DP x CP bucket; its TP / PP peers receive only the shapes (:func:`encoder_shapes`).
 * **backbone** (the fused layout): ``image_token_index`` [rows, S] int32 — for each placeholder
   position, the index of its merged token in the step's encoder output gathered in image order
   (all-gather of every encoder rank's output, in rank order), -1 for text — plus

@@ -255,6 +255,7 @@ class ConstructorServer:
         except zmq.Again:
             return None
         except zmq.ZMQError as e:
+            self.m.bad_messages.labels("constructor", "undeliverable").inc()
             log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
             return False
 
