@@ -9,14 +9,18 @@
 
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
 checked against WORLD_SIZE; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
-``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
+``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
+interval of both sockets, default 2, 0 disables); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
 MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
 knows only the planner's address and asks it which constructor serves its rank.
 
 What a rank receives follows its coordinates: a CP rank gets its zig-zag shard (``cp_token_index``
 says which positions), the first PP stage the inputs, the last the labels, middle stages metadata;
 under ``broadcast_at('TP')`` only tp = 0 receives tensors and the other TP ranks get empty tensors of
-the right shapes (``meta_only`` is 1) — pass ``tp_group=`` and the client broadcasts into them.
+the right shapes (``meta_only`` is 1) — pass ``tp_group=`` and the client broadcasts into them. The
+encoder batch (``pixel_patches``, ...) is per rank and never part of that broadcast: the rank that
+encodes images gets them as tensors; its image-module TP / PP peers get empty buffers of its shapes
+(``encoder_meta_only``) that :func:`broadcast_encoder` fills.
 
 Receive is zero-copy: tensors are views of the received ZeroMQ frames (no copy between the socket
 and torch). Every message is checked (step, rank, shapes, cu_seqlens) before it is handed out.
@@ -34,6 +38,7 @@ import torch
 import zmq
 
 from mixplane import wire
+from mixplane.constructor.multimodal import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1
@@ -59,9 +64,21 @@ class DeliveryError(RuntimeError):
     """The data plane did not deliver a step; the text names the endpoint and step."""
 
 
+_WIDENED = frozenset({np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64)})
+
+
+def _torch_dtype(dt: np.dtype) -> torch.dtype | None:
+    """The torch dtype a received array of numpy dtype `dt` becomes (unsigned > 8 bit widen to int64,
+    as :func:`_tensor` does); None when torch has no equivalent."""
+    return torch.int64 if dt in _WIDENED else _TORCH_DTYPES.get(dt.name)
+
+
 def _tensor(a: np.ndarray) -> torch.Tensor:
-    if a.dtype in (np.uint16, np.uint32, np.uint64):  # no torch equivalent for all ops: widen
-        a = a.astype(np.int64)
+    """A tensor sharing `a`'s memory (frames received with copy=False are writable, so this is the
+    zero-copy path); copies only when it must: unsigned > 8 bit (widened: torch lacks most ops on them)
+    and read-only buffers (torch cannot guard them, a write would corrupt the sender's bytes)."""
+    if a.dtype in _WIDENED:
+        return torch.from_numpy(a.astype(np.int64))
     if a.flags.writeable:
         return torch.from_numpy(a)  # shares the frame's memory
     return torch.from_numpy(a.copy())
@@ -106,7 +123,8 @@ def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None
 class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
                  timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
-                 curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None):
+                 curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
+                 heartbeat_s: float | None = None, encoder_group: Any = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
@@ -120,8 +138,11 @@ class MixtureLoader:
         self.prefetch = max(0, int(pf if pf is not None else 2))
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
         self.max_steps = max_steps
+        hb = heartbeat_s if heartbeat_s is not None else float(os.environ.get("MIXPLANE_HEARTBEAT_S", "2"))
+        self.heartbeat_s = hb if hb > 0 else None  # ZMTP heartbeats: a dead server is noticed, its pipe dropped
         self.ctx = context or zmq.Context.instance()
         self.tp_group = tp_group
+        self.encoder_group = encoder_group  # the image-module bucket's group: broadcast_encoder after each step
         self._planner: zmq.Socket | None = None
         self._sock: zmq.Socket | None = None
         self.endpoint: str | None = None
@@ -140,7 +161,7 @@ class MixtureLoader:
 
     def _socket(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+        wire.configure_socket(s, heartbeat_s=self.heartbeat_s)
         if self.curve is not None:
             wire.curve_client(s, self.curve.keys, self.curve.server_key("server"))
         return s
@@ -211,6 +232,8 @@ class MixtureLoader:
         out = self._receive(self._inflight[0])
         if self.tp_group is not None:
             broadcast_tp(out, self.tp_group)
+        if self.encoder_group is not None and "encoder_leader" in out:
+            broadcast_encoder(out, self.encoder_group)
         return out
 
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
@@ -257,14 +280,13 @@ class MixtureLoader:
         out = {name: _tensor(a) for name, a in msg.arrays.items()}
         meta_only = bool(msg.meta.get("meta_only", False))
         if meta_only:  # empty receive buffers of the right shapes for the trainer-side TP broadcast
-            for name, (dt, shape) in (msg.meta.get("shapes") or {}).items():
-                if name not in out:
-                    tdt = _TORCH_DTYPES.get(np.dtype(dt).name)
-                    if tdt is None:
-                        raise DeliveryError(f"rank {self.rank}: step {step}: tensor {name!r} has dtype {dt}")
-                    if np.dtype(dt) in (np.uint16, np.uint32, np.uint64):
-                        tdt = torch.int64
-                    out[name] = torch.empty(tuple(shape), dtype=tdt)
+            self._allocate(out, msg.meta.get("shapes"), step)
+        enc_shapes = msg.meta.get("encoder_shapes")
+        if enc_shapes is not None:  # a peer of the encoding rank: buffers for broadcast_encoder
+            self._allocate(out, {k: v for k, v in enc_shapes.items() if k in ENCODER_FIELDS}, step)
+            out["encoder_meta_only"] = torch.tensor(True)
+        elif "pixel_patches" in out:
+            out["encoder_meta_only"] = torch.tensor(False)
         out["step"] = torch.tensor(step, dtype=torch.int64)
         out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
         out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
@@ -275,6 +297,21 @@ class MixtureLoader:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in out:
                 out[k] = torch.tensor(v)
         return out
+
+    def _allocate(self, out: dict[str, torch.Tensor], shapes: Any, step: int) -> None:
+        """Empty tensors for the [dtype, shape] entries of `shapes` that `out` lacks."""
+        if not isinstance(shapes, dict):
+            return
+        for name, (dt, shape) in shapes.items():
+            if name in out:
+                continue
+            try:
+                tdt = _torch_dtype(np.dtype(dt))
+            except TypeError:
+                tdt = None
+            if tdt is None:
+                raise DeliveryError(f"rank {self.rank}: step {step}: tensor {name!r} has dtype {dt}")
+            out[name] = torch.empty(tuple(shape), dtype=tdt)
 
     # -- resume ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -324,17 +361,35 @@ class MixtureLoader:
 def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:
     """Trainer-side half of broadcast_at('TP'): tp = 0 (group rank 0) sends its tensors to the other TP ranks.
 
-    Tensors go in name order; scalars every rank already has are skipped.
+    Tensors go in name order; scalars every rank already has are skipped, and so is the encoder batch
+    (ENCODER_FIELDS): it is per rank, each encoding rank received its own (see :func:`broadcast_encoder`).
     """
     import torch.distributed as dist
 
     src = dist.get_global_rank(group, 0)
     for name in sorted(batch):
         t = batch[name]
-        if t.dim() == 0:
+        if t.dim() == 0 or name in ENCODER_FIELDS:
             continue
         dist.broadcast(t, src=src, group=group)
     batch["meta_only"] = torch.tensor(False)
+
+
+def broadcast_encoder(batch: dict[str, torch.Tensor], group: Any) -> None:
+    """Copy the encoder batch from the rank that received it (``encoder_leader``) to its peers.
+
+    Images go to the lowest rank of each image-module DP x CP bucket; its TP / PP peers get empty
+    buffers of the leader's shapes (``encoder_meta_only``). A trainer whose encoder is TP- or
+    PP-sharded calls this with the bucket's group (it must contain the leader); every rank of the
+    group calls it. The gather layout (``encoder_tokens``) still counts the images at the leader only.
+    """
+    import torch.distributed as dist
+
+    src = int(batch["encoder_leader"])
+    for name in ENCODER_FIELDS:
+        if name in batch:
+            dist.broadcast(batch[name], src=src, group=group)
+    batch["encoder_meta_only"] = torch.tensor(False)
 
 
 def microbatches(batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:

@@ -157,6 +157,7 @@ class RuntimeSpec(_Model):
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
     step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor.")
     heartbeat_s: float = Field(2.0, gt=0, description="Heartbeat interval between components.")
+    checksum_payloads: bool = Field(False, description="Checksum bulk payloads (SAMPLES, STEP_DATA) too; control messages always are.")
     journal_every: int = Field(100, ge=1, description="The planner journals a full cursor every this many steps (replay starts there).")
     curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
 

@@ -13,7 +13,8 @@ naming the problem, so a server can count and drop a bad message instead of cras
 Flags (u16 in the header): bit 0 ``FLAG_CHECKSUM`` — the header frame ends with a CRC-32 of header and
 meta, and ``meta["sums"]`` holds an xxh3-64 digest of every buffer; decode verifies both, so a message
 damaged anywhere (bit flips, truncated or swapped frames) is rejected, never delivered. Checksums cost
-about 1 ms per 30 MB here; control messages carry them by default, bulk payloads when configured.
+about 1 ms per 30 MB here; every message except the bulk payloads (``PAYLOAD_KINDS``: SAMPLES,
+STEP_DATA) carries them by default (``checksum=None``), payloads when ``runtime.checksum_payloads`` is set.
 
 Beyond framing this module holds the socket policy every component shares: high-water marks and
 send-with-deadline (backpressure), ZMTP heartbeats plus an application-level liveness table, and
@@ -78,6 +79,16 @@ class Kind(enum.IntEnum):
     RESET = 21  # planner -> constructor: drop all steps of older sessions
 
 
+# bulk data: checksummed only on request (runtime.checksum_payloads); everything else always
+PAYLOAD_KINDS = frozenset({Kind.SAMPLES, Kind.STEP_DATA})
+
+
+def wants_checksum(kind: Kind, checksum: bool | None = None) -> bool:
+    """Whether a message of `kind` is checksummed: explicit choice, else control messages only
+    (they are small, so damage to a plan or a cursor is caught at no measurable cost)."""
+    return (kind not in PAYLOAD_KINDS) if checksum is None else bool(checksum)
+
+
 class WireError(ValueError):
     """A message that does not follow the framing; the text names the field at fault."""
 
@@ -109,11 +120,13 @@ def _digest(buf: Any) -> str:
 
 
 def encode(kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
-           *, checksum: bool = False) -> list:
+           *, checksum: bool | None = None) -> list:
     """Frames for one message; large arrays are passed by reference (no copy).
 
-    With ``checksum`` the message carries CRC-32 of header+meta and xxh3 of each buffer (FLAG_CHECKSUM).
+    With ``checksum`` the message carries CRC-32 of header+meta and xxh3 of each buffer (FLAG_CHECKSUM);
+    None (default) checksums control messages and not payloads (:func:`wants_checksum`).
     """
+    checksum = wants_checksum(kind, checksum)
     meta = dict(meta or {})
     if "arrays" in meta or "sums" in meta:
         raise WireError(f"{kind.name}: meta keys 'arrays' and 'sums' are reserved")
@@ -223,7 +236,7 @@ def decode(frames: Sequence[Any]) -> Message:
 
 
 def send(sock: Any, kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
-         *, route: Iterable[bytes] = (), flags: int = 0, checksum: bool = False) -> None:
+         *, route: Iterable[bytes] = (), flags: int = 0, checksum: bool | None = None) -> None:
     """Send one message, prefixed by ROUTER routing frames when given."""
     frames = [*route, *encode(kind, meta, arrays, checksum=checksum)]
     sock.send_multipart(frames, flags=flags, copy=False)
@@ -273,7 +286,7 @@ def configure_socket(sock: Any, *, sndhwm: int | None = None, rcvhwm: int | None
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
-    if router_mandatory and sock.socket_type == zmq.ROUTER:
+    if router_mandatory and sock.type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if max_msgsize is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_msgsize))
@@ -315,7 +328,7 @@ def send_frames(sock: Any, frames: list, *, timeout_s: float | None = None, what
 
 
 def try_send(sock: Any, kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
-             *, route: Iterable[bytes] = (), checksum: bool = False) -> bool:
+             *, route: Iterable[bytes] = (), checksum: bool | None = None) -> bool:
     """Send without blocking; False when the high-water mark is reached (the caller keeps the message)."""
     import zmq
 

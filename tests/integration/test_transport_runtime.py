@@ -78,8 +78,17 @@ def parallel_runtime(tmp_path_factory):
     paths = make_sources(tmp, 2, docs=60, max_len=150)
     spec = spec_for(paths, tmp, seq_len=64, sequences=4, topo={"dp": 1, "pp": 2, "cp": 2, "tp": 2},
                     strategy="llm_balance", options={"broadcast": ["TP"]}, microbatches=2)
+    spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"metrics": True})})  # build counts
     with EmbeddedRuntime(spec, tmp / "run", log_level="WARNING") as rt:
         yield spec, rt
+
+
+def constructor_metric(rt, name: str, constructor: str = "constructor-0") -> float:
+    import urllib.request
+
+    port = rt.endpoints()["components"][constructor]["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name + " ")))
 
 
 def test_cp_pp_tp_views_are_exact_parts_of_one_batch(parallel_runtime):
@@ -90,9 +99,14 @@ def test_cp_pp_tp_views_are_exact_parts_of_one_batch(parallel_runtime):
     loaders = [MixtureLoader(rt.planner_endpoint, rank=r, prefetch=1, timeout_s=60, max_steps=3) for r in range(world)]
     coords = [backbone_coords(spec, r) for r in range(world)]
     S = spec.batch.seq_len
+    built0 = constructor_metric(rt, "mixplane_constructor_steps_total")
+    sent0 = constructor_metric(rt, "mixplane_constructor_bytes_sent_total")
+    received = 0
     try:
         for step in range(3):
             got = [next(l) for l in loaders]
+            received += sum(v.numel() * v.element_size() for b in got if not bool(b["meta_only"]) for k, v in b.items()
+                            if v.dim() > 0)
             for b in got:
                 assert int(b["step"]) == step
             by = {(c.cp, c.pp, c.tp): b for c, b in zip(coords, got)}
@@ -122,6 +136,10 @@ def test_cp_pp_tp_views_are_exact_parts_of_one_batch(parallel_runtime):
             mbs = list(microbatches(last))
             assert len(mbs) == 2 and all(m["labels"].shape == (2, S // 2) for m in mbs)
             assert all(int(m["cu_seqlens"][-1]) == 2 * S for m in mbs)
+        # one batch per DP rank (dp = 1) per step for all 8 CP x PP x TP ranks; the views are slices of it,
+        # and metadata-only TP ranks cost no tensor bytes
+        assert constructor_metric(rt, "mixplane_constructor_steps_total") - built0 == 3
+        assert constructor_metric(rt, "mixplane_constructor_bytes_sent_total") - sent0 == received
     finally:
         for l in loaders:
             l.close()

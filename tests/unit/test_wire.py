@@ -182,3 +182,25 @@ def test_heartbeat_is_a_valid_message():
         assert m.kind == Kind.HEARTBEAT and m.meta["who"] == "loader-0"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_control_messages_are_checksummed_by_default_payloads_on_request():
+    ctl = wire.encode(Kind.PLAN_CONSTRUCTOR, {"step": 3}, {"rows": np.arange(10, dtype=np.int64)})
+    payload = wire.encode(Kind.SAMPLES, {"step": 3}, {"values": np.arange(10, dtype=np.int32)})
+    flags = lambda frames: wire.HEADER.unpack_from(bytes(frames[0]))[3]
+    assert flags(ctl) & wire.FLAG_CHECKSUM and not flags(payload) & wire.FLAG_CHECKSUM
+    assert flags(wire.encode(Kind.STEP_DATA, {}, checksum=True)) & wire.FLAG_CHECKSUM
+    assert not flags(wire.encode(Kind.ACK, {}, checksum=False)) & wire.FLAG_CHECKSUM
+    # a bit flip in a default (control) message is rejected, in the header, the meta or a buffer
+    head = bytearray(ctl[0])
+    head[wire.HEADER.size + 2] ^= 0x01
+    with pytest.raises(WireError, match="checksum"):
+        wire.decode([bytes(head), *ctl[1:]])
+    buf = bytearray(bytes(ctl[1]))
+    buf[5] ^= 0x80
+    with pytest.raises(WireError, match="checksum"):
+        wire.decode([ctl[0], bytes(buf)])
+    # the same flip in an unchecksummed payload goes undetected: that is what checksum_payloads is for
+    pbuf = bytearray(bytes(payload[1]))
+    pbuf[5] ^= 0x80
+    assert wire.decode([payload[0], bytes(pbuf)]).array("values")[1] != 1

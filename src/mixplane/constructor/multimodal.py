@@ -10,7 +10,8 @@ Per module, a rank receives:
   step's images, independent of its backbone CP / PP / TP coordinates):
   ``pixel_patches`` [N, p·p·C] uint8, ``patch_cu_seqlens`` [n+1] (varlen attention per image),
   ``image_grid`` [n, 2] (patch rows, cols), ``patch_position_ids`` [N, 2] (row, col of each patch, for
-  2-D RoPE), ``image_ids`` [n] (the image's index in the step).
+  2-D RoPE), ``image_ids`` [n] (the image's index in the step). Images go to the lowest rank of an
+  image-module DP x CP bucket; its TP / PP peers receive only the shapes (:func:`encoder_shapes`).
 * **backbone** (the fused layout): ``image_token_index`` [rows, S] int32 — for each placeholder
   position, the index of its merged token in the step's encoder output gathered in image order
   (all-gather of every encoder rank's output, in rank order), -1 for text — plus
@@ -28,6 +29,8 @@ import numpy as np
 from mixplane.layout import segment_offsets
 
 IGNORE_INDEX = -100
+# the per-rank encoder batch: delivered to the rank that encodes it, never part of a TP broadcast
+ENCODER_FIELDS = ("pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids")
 
 
 # ------------------------------------------------------------------------------------------ images
@@ -204,3 +207,12 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
     return {"pixel_patches": np.zeros((0, patch_dim), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
             "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
             "image_ids": np.zeros(0, np.int64)}
+
+
+def encoder_shapes(rank: int, *, img_rank: np.ndarray, img_patches: np.ndarray, patch_dim: int) -> dict[str, list]:
+    """[dtype, shape] of every field of :func:`encoder_batch` for `rank`, from the layout alone (no
+    pixels needed): what a peer of the encoding rank allocates to receive its copy by broadcast."""
+    mine = np.asarray(img_rank) == rank
+    n, N = int(mine.sum()), int(np.asarray(img_patches, np.int64)[mine].sum())
+    return {"pixel_patches": ["|u1", [N, patch_dim]], "patch_cu_seqlens": ["<i4", [n + 1]], "image_grid": ["<i4", [n, 2]],
+            "patch_position_ids": ["<i4", [N, 2]], "image_ids": ["<i8", [n]]}

@@ -16,16 +16,25 @@ import zmq
 
 from mixplane import wire
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
-from mixplane.constructor.multimodal import encoder_batch, fuse_batch
+from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
-from mixplane.topology import backbone_coords
+from mixplane.topology import backbone_coords, place_tree
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.constructor")
+ENCODER_SHAPES = "encoder_shapes"  # a peer's view of its bucket leader's encoder batch (metadata only)
+
+
+def encoder_leaders(spec: DataMixtureSpec) -> dict[int, int]:
+    """Global rank -> the rank its images are assigned to: the lowest rank of its image-module
+    DP x CP bucket (topology.consumer_leader; every rank of an encoder declared {dp: world})."""
+    mod = place_tree(spec).image_module
+    lead = mod.consumer_leader("WORLD")[mod.consumer_index("WORLD")]
+    return {r: int(lead[r]) for r in range(spec.world_size)}
 
 
 @dataclass
@@ -78,11 +87,11 @@ class ConstructorServer:
         self.security = wire.Security(self.ctx, spec.runtime.curve)
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
-        self.planner.setsockopt(zmq.LINGER, 0)
+        hb = spec.runtime.heartbeat_s  # ZMTP heartbeats on every socket: dead peers' pipes are dropped
+        wire.configure_socket(self.planner, heartbeat_s=hb)
         self.security.client(self.planner).connect(planner_endpoint)
         self.data = self.ctx.socket(zmq.PULL)
-        self.data.setsockopt(zmq.RCVHWM, 256)
-        self.data.setsockopt(zmq.LINGER, 0)
+        wire.configure_socket(self.data, rcvhwm=256, heartbeat_s=hb)
         self.security.server(self.data).bind(f"tcp://{host}:0")
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
@@ -102,6 +111,7 @@ class ConstructorServer:
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
         self.start_step = 0
         self.released_through = -1
+        self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
         self.stopped = False
         self.welcomed = False
         self.m = make_metrics("constructor")
@@ -114,6 +124,7 @@ class ConstructorServer:
         self._image_token_ids = {si: resolve_image_token_id(src.image.image_token_id, src.tokenizer)
                                  for si, src in enumerate(spec.sources) if src.kind == "image_text"}
         self._coords = {r: backbone_coords(spec, r) for r in range(spec.world_size)}  # rank -> backbone coordinates
+        self._encoder_leader = encoder_leaders(spec)
         # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
         # needs rows packed with align=2*cp, which the planner does not do yet
         self.cp_layout = "row"
@@ -132,6 +143,7 @@ class ConstructorServer:
         self.asked_through = start_step - 1
         self.start_step = start_step
         self.released_through = start_step - 1
+        self.planned_seen = start_step - 1
         self.last_request.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, rank, _ in self.pending:
@@ -154,6 +166,7 @@ class ConstructorServer:
                 layout = StepLayout.from_parts(msg.meta, msg.arrays)
             except ValueError as e:
                 raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
+            self.planned_seen = max(self.planned_seen, layout.step)
             st = self.steps.setdefault(layout.step, StepState())
             st.expect(layout, self.ranks)
             st.cursor_after = msg.meta.get("cursor_after")
@@ -171,14 +184,24 @@ class ConstructorServer:
         else:
             raise WireError(f"unexpected {k.name} from the planner")
 
+    @property
+    def sample_horizon(self) -> int:
+        """The last step SAMPLES may be for: the planner plans at most max_lead_steps past what the
+        slowest constructor asked for, and tells every constructor about every step it plans."""
+        return max(self.planned_seen, self.asked_through, self.start_step - 1) + self.spec.runtime.max_lead_steps
+
     def on_samples(self, msg: wire.Message) -> None:
         if msg.kind != Kind.SAMPLES:
             raise WireError(f"unexpected {msg.kind.name} on the data socket")
         if msg.get("session", int) != self.session:
             return
         step = msg.get("step", int)
-        if step < self.start_step or (step in self.steps and self.steps[step].batches):
+        if step <= self.released_through or step < self.start_step or (step in self.steps and self.steps[step].batches):
             return
+        horizon = self.sample_horizon
+        if step > horizon:  # never planned, so never freed: refuse rather than hold it forever
+            raise WireError(f"SAMPLES for step {step} beyond the planned horizon {horizon} "
+                            f"(steps planned or asked for + max_lead_steps {self.spec.runtime.max_lead_steps})")
         keys, starts, offsets, values = msg.array("key"), msg.array("start"), msg.array("offsets"), msg.array("values")
         lens = msg.array("len")
         n = len(keys)
@@ -226,11 +249,13 @@ class ConstructorServer:
         """Send to one client without blocking: True when sent, None when its queue is full (the
         caller may retry later: backpressure), False when it is gone (logged)."""
         try:
-            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK)
+            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK,
+                      checksum=self.spec.runtime.checksum_payloads if kind in wire.PAYLOAD_KINDS else None)
             return True
         except zmq.Again:
             return None
         except zmq.ZMQError as e:
+            self.m.bad_messages.labels("constructor", "undeliverable").inc()
             log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
             return False
 
@@ -247,7 +272,8 @@ class ConstructorServer:
                           broadcast_at=st.broadcast, cp_mode=self.cp_layout)
             st.views[key] = v
         if st.layout is not None and len(st.layout.img_key):
-            # every rank encodes its own share of the step's images (axis WORLD or its DP group's consumers)
+            # the encoder batch is per rank, outside the backbone's TP rule: real tensors for the rank
+            # that encodes them even when its backbone view is metadata-only
             v = {**v, **self._encoder_for(st, rank)}
         return v
 
@@ -265,13 +291,21 @@ class ConstructorServer:
         fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
                    world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)
 
-    def _encoder_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:
+    def _encoder_for(self, st: StepState, rank: int) -> dict[str, Any]:
+        """The encoder part of `rank`'s message. Images are assigned to the lowest rank of an image-module
+        DP x CP bucket (its leader); the leader gets the pixels, its TP / PP peers the leader's shapes
+        (``encoder_shapes``: receive buffers for a trainer-side broadcast from ``encoder_leader``)."""
         lay = st.layout
         assert lay is not None
         merge, _, dim = self._image_settings(lay)
+        leader = self._encoder_leader[rank]
+        if leader != rank:
+            return {ENCODER_SHAPES: encoder_shapes(leader, img_rank=lay.img_rank, img_patches=lay.img_patches, patch_dim=dim),
+                    "encoder_leader": leader}
         try:
-            return encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
-                                 img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim)
+            return {**encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
+                                    img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim),
+                    "encoder_leader": rank}
         except KeyError as e:
             raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
 
@@ -293,9 +327,10 @@ class ConstructorServer:
                 "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
                 "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
                 "coords": self._coords[rank].as_dict()}
-        if "shapes" in view:
-            meta["shapes"] = view["shapes"]
-        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", META_ONLY)}
+        for k in ("shapes", ENCODER_SHAPES):
+            if k in view:
+                meta[k] = view[k]
+        extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", ENCODER_SHAPES, META_ONLY)}
         if extra:
             meta["extra"] = extra
         sent = self._to_client(ident, Kind.STEP_DATA, meta, arrays)

@@ -36,7 +36,7 @@ class LoaderServer:
         self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
-        self.planner.setsockopt(zmq.LINGER, 0)
+        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s)
         self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
         self.security.client(self.planner).connect(planner_endpoint)
         self.pushers: list[zmq.Socket] = []
@@ -76,8 +76,7 @@ class LoaderServer:
         self.constructor_endpoints = list(endpoints)
         for ep in endpoints:
             s = self.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.setsockopt(zmq.SNDHWM, 64)
+            wire.configure_socket(s, sndhwm=64, linger_ms=1000, heartbeat_s=self.spec.runtime.heartbeat_s)
             self.security.client(s).connect(ep)
             self.pushers.append(s)
         self._seek(msg.get("session", int), msg.get("cursor", dict))
@@ -149,7 +148,8 @@ class LoaderServer:
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
             self.outbox[int(c)].append(wire.encode(Kind.SAMPLES, {"session": self.session, "step": step,
-                                                                  "source": self.si, "replica": self.replica}, arrays))
+                                                                  "source": self.si, "replica": self.replica}, arrays,
+                                                              checksum=self.spec.runtime.checksum_payloads))
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))

@@ -28,6 +28,7 @@ from mixplane.topology import backbone_coords, constructor_groups, dp_ranks_of_g
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.planner")
+PLANNER_HWM = 10_000  # messages queued per peer: far above a step's plan messages, bounded still
 
 
 @dataclass
@@ -54,8 +55,11 @@ class PlannerServer:
         self.spec = spec
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # heartbeats drop dead peers' pipes; a send to a vanished or stuck peer raises (counted, logged)
+        # instead of vanishing silently; the high-water mark bounds what one stuck peer can hold
+        wire.configure_socket(self.sock, sndhwm=PLANNER_HWM, rcvhwm=PLANNER_HWM, heartbeat_s=spec.runtime.heartbeat_s,
+                              router_mandatory=True)
         wire.Security(self.ctx, spec.runtime.curve).server(self.sock).bind(endpoint)  # CURVE when configured
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.core = StepPlanner(spec, resolve_strategy(spec))
@@ -98,8 +102,16 @@ class PlannerServer:
         return self.core.generation
 
     # -- helpers ------------------------------------------------------------------------
-    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
-        wire.send(self.sock, kind, meta, arrays, route=[identity])
+    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> bool:
+        """Send without blocking; a peer that vanished or stopped reading is logged and counted
+        (mixplane_wire_bad_messages_total{reason="undeliverable"}), never fatal."""
+        try:
+            wire.send(self.sock, kind, meta, arrays, route=[identity], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH (ROUTER_MANDATORY: unknown peer) or EAGAIN (its queue is full)
+            self.m.bad_messages.labels("planner", "undeliverable").inc()
+            log.warning("%s to %r not delivered: %s", kind.name, identity, e)
+            return False
 
     @property
     def all_constructors(self) -> bool:
@@ -168,11 +180,16 @@ class PlannerServer:
             if msg.get("session", int) != self.session:
                 return
             key = (msg.get("source", int), msg.get("replica", int))
+            if self.loaders.get(key) != identity:  # only the registered loader may fill its window
+                raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
             try:
                 self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
             except (KeyError, WindowError) as e:
                 raise WireError(f"LOADER_META: {e}") from None
         elif k == Kind.NEED_STEPS:
+            if not any(c.identity == identity for c in self.constructors.values()):
+                # an unknown peer's low 'through' would cap planning (need_through follows the slowest)
+                raise WireError("NEED_STEPS from a peer that is not a registered constructor")
             if msg.get("session", int) == self.session:
                 self.need_by[identity] = max(self.need_by.get(identity, -1), msg.get("through", int))
                 # pull model: plan what the most advanced constructor needs, but no further than
