@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(fn=cmd_status)
 
-    up = sub.add_parser("update", help="change mixture weights from a given step")
+    up = sub.add_parser("update", help="change mixture weights from a given step until the next scheduled phase (or the anneal)")
     up.add_argument("--planner", required=True)
     up.add_argument("--step", type=int, required=True)
     up.add_argument("--weight", action="append", default=[], metavar="SOURCE=W")

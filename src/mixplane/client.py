@@ -2,7 +2,7 @@
 
     from mixplane.client import MixtureLoader
     loader = MixtureLoader()                 # planner endpoint and rank from the environment (torchrun)
-    for batch in loader:                     # input_ids, labels, position_ids, cu_seqlens, source_ids, step, lr_scale, ...
+    for batch in loader:                     # input_ids, labels, position_ids, cu_seqlens, source_ids, step, lr_scale, phase, generation, ...
         ...
     state = loader.state_dict()              # save with the model checkpoint
     loader.load_state_dict(state)            # resume exactly: same batches, no repeats, no gaps
@@ -290,6 +290,9 @@ class MixtureLoader:
         out["step"] = torch.tensor(step, dtype=torch.int64)
         out["lr_scale"] = torch.tensor(float(msg.get("lr_scale", (int, float))), dtype=torch.float64)
         out["phase"] = torch.tensor(msg.get("phase", int), dtype=torch.int64)
+        gen = msg.meta.get("generation")  # which runtime mixture update is in force (0: the spec as written)
+        if isinstance(gen, int) and not isinstance(gen, bool):
+            out["generation"] = torch.tensor(gen, dtype=torch.int64)
         if isinstance(msg.meta.get("seq_len"), int):
             out["seq_len"] = torch.tensor(msg.meta["seq_len"], dtype=torch.int64)
         out["meta_only"] = torch.tensor(meta_only)

@@ -178,7 +178,7 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
     names = spec.source_names()
     src = batch["source_ids"]
     out = {
-        "step": step, "rank": rank, "coords": coords.as_dict(), "phase": plan.layout.phase, "lr_scale": plan.layout.lr_scale,
+        "step": step, "rank": rank, "coords": coords.as_dict(), "phase": plan.layout.phase, "lr_scale": plan.layout.lr_scale, "generation": plan.layout.generation,
         "digest": digest, "journal_digest": journaled[step].get("digest"), "digest_match": journaled[step].get("digest") == digest,
         "tokens_by_source": {n: int((src == i).sum()) for i, n in enumerate(names)},
         "segments": [{"source": names[int(s)], "key": int(k), "start": int(st), "len": int(ln), "row": int(r)}

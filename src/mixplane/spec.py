@@ -360,7 +360,8 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
         check_weights(m.anneal.weights, f"{p}mixture.anneal.weights")
         if not _positive_finite(m.anneal.lr_scale):
             out.append(Problem(f"{p}mixture.anneal.lr_scale", f"lr_scale must be a finite number > 0, got {m.anneal.lr_scale}"))
-        if sum(w for k, w in m.anneal.weights.items() if k in known) <= 0:
+        merged = {**base, **{k: v for k, v in m.anneal.weights.items() if k in known}}  # unnamed keep their base weight
+        if sum(merged.values()) <= 0:
             out.append(Problem(f"{p}mixture.anneal.weights", "weights must have a positive sum"))
 
     b = spec.batch
@@ -438,6 +439,9 @@ def place_tree_problems(overrides: Any, modules: list[str], path: str) -> list[P
         return [Problem(path, f"expected a mapping with keys {', '.join(PLACE_TREE_KEYS)}")]
     out = [Problem(f"{path}.{k}", f"unknown key {k!r} (allowed: {', '.join(PLACE_TREE_KEYS)})")
            for k in overrides if k not in PLACE_TREE_KEYS]
+    bc = overrides.get("broadcast", ())
+    if not isinstance(bc, (list, tuple)) or any(str(a).lower() != "tp" for a in bc):
+        out.append(Problem(f"{path}.broadcast", f"only ['tp'] can be broadcast by the trainer (got {bc!r})"))
     per_mod = overrides.get("modules") or {}
     if not isinstance(per_mod, dict):
         return out + [Problem(f"{path}.modules", "expected a mapping of module name to {order, rank_map}")]

@@ -398,11 +398,12 @@ def test_runtime_mixture_update_takes_effect_at_its_step_and_replays(token_sourc
             step = int(b["step"])
             # a runtime update keeps the spec's phase id (0: no phases); its lr_scale shows where it starts
             assert int(b["phase"]) == 0 and float(b["lr_scale"]) == (0.5 if step >= 12 else 1.0)
+            assert int(b["generation"]) == (1 if step >= 12 else 0)  # the update is named by its generation
             if step >= 12:
                 tok += np.bincount(b["source_ids"][b["source_ids"] >= 0], minlength=3)
     assert np.allclose(tok / tok.sum(), np.array([0.1, 0.3, 0.6]), atol=0.01)
     out = replay_step(spec, step=20, rank=1, run_dir=str(tmp_path / "run"))
-    assert out["digest_match"] and out["phase"] == 0 and out["lr_scale"] == 0.5
+    assert out["digest_match"] and out["phase"] == 0 and out["lr_scale"] == 0.5 and out["generation"] == 1
 
 
 def test_ranks_resuming_at_different_times_restart_delivery_once(token_sources, tmp_path, monkeypatch):

@@ -148,8 +148,18 @@ def test_phases_and_anneal_exclusive(good):
 
 
 def test_anneal_needs_positive_weights(good):
-    good["mixture"]["anneal"] = {"start_step": 20, "weights": {"b": 0}}
+    names = [s["name"] for s in good["sources"]]
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {n: 0 for n in names}}
     assert "mixture.anneal.weights: weights must have a positive sum" in problems(good)
+    # sources the anneal does not name keep their base weight (seed 002), so zeroing one is fine
+    good["mixture"]["anneal"] = {"start_step": 20, "weights": {names[1]: 0}}
+    assert problems(good) == []
+
+
+def test_place_tree_broadcast_is_tp_only(good):
+    good["strategy"]["options"] = {"place_tree": {"broadcast": ["tp", "pp"]}}
+    assert problems(good) == ["strategy.options.place_tree.broadcast: only ['tp'] can be broadcast by the trainer "
+                              "(got ['tp', 'pp'])"]
 
 
 def test_seq_len_positive(good):
