@@ -22,7 +22,7 @@ def _index_cache(tmp_path, monkeypatch):
 
 
 def spec(d, mode="page"):
-    return SourceSpec(name="bad", uri=d, columns=["text", "row"], kind="tokens", shuffle=mode)
+    return SourceSpec(name="bad", uri=d, columns=["text", "row"], kind="text", shuffle=mode)
 
 
 def good_source(tmp_path, **kw):
@@ -179,3 +179,36 @@ def test_file_changed_after_indexing_is_quarantined_not_misread(tmp_path):
     n_pages = len(s.index.files[2].pages["text"].unit_off)
     assert s.quarantine.pages_total == n_pages  # every page of the changed file, each counted once
     assert "changed since it was indexed" in s.quarantine.messages()[0]
+
+
+def test_odd_first_file_does_not_set_the_schema(tmp_path):
+    """Only part-00 has another type: it is the one quarantined, not every correct file after it."""
+    d, paths, table = good_source(tmp_path)
+    t0 = pq.read_table(paths[0])
+    pq.write_table(t0.set_column(t0.column_names.index("row"), "row", t0.column("row").cast(pa.int32())), paths[0])
+    s, _ = check_serves_rest(d, table, _file_rows(paths, 0), whole_files=True)
+    assert s.quarantine.counts()["by_kind"] == {"type_mismatch": 1}
+    assert paths[0] in s.quarantine.messages()[0] and "differ" in s.quarantine.messages()[0]
+
+
+def test_file_whose_type_the_kind_cannot_read_is_quarantined_even_if_first_or_most(tmp_path):
+    """A kind check comes before the majority: two of three files hold token ids as strings."""
+    d = str(tmp_path / "src")
+    os.makedirs(d)
+    for k, ids in enumerate((["1 2", "3"], [[1, 2], [3]], ["4", "5 6"])):
+        typ = pa.string() if isinstance(ids[0], str) else pa.list_(pa.int32())
+        pq.write_table(pa.table({"ids": pa.array(ids, typ)}), os.path.join(d, f"part-{k:02d}.parquet"))
+    s = open_stream(SourceSpec(name="tok", uri=d, columns=["ids"], kind="tokens"), seed=0, buffer_rows=10)
+    assert [os.path.basename(f.path) for f in s.index.files] == ["part-01.parquet"]
+    assert s.quarantine.counts()["by_kind"] == {"type_mismatch": 2}
+    assert all("kind tokens reads list<integer>" in m for m in s.quarantine.messages())
+    assert sorted(s.take(2).columns["ids"].to_pylist()) == [[1, 2], [3]]
+
+
+def test_kind_accepts_the_types_its_transform_reads():
+    ok = {"text": [pa.string(), pa.large_string(), pa.binary()],
+          "tokens": [pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.binary(), pa.large_binary()]}
+    bad = {"text": [pa.int64(), pa.list_(pa.int32())], "tokens": [pa.string(), pa.list_(pa.float32()), pa.int32()]}
+    assert all(pi.kind_accepts(k, 0, t) is None for k, ts in ok.items() for t in ts)
+    assert all(pi.kind_accepts(k, 0, t) is not None for k, ts in bad.items() for t in ts)
+    assert pi.kind_accepts("tokens", 1, pa.float64()) is None  # extra projected columns: any type

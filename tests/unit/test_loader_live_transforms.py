@@ -33,7 +33,7 @@ def _write(d, k, n, start):
 def test_live_source_joins_new_files_and_blocks_when_dry(tmp_path, caplog):
     d = str(tmp_path)
     _write(d, 5, 300, 0)
-    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="tokens", live=True)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="text", live=True)
     s = open_stream(src, seed=0, buffer_rows=100, poll_s=0.05, status_every_s=0.0)
     r = s.take(300)
     assert sorted(r.columns["row"].to_pylist()) == list(range(300))
@@ -61,7 +61,7 @@ def test_live_source_joins_new_files_and_blocks_when_dry(tmp_path, caplog):
 
 def test_live_source_may_start_empty(tmp_path):
     d = str(tmp_path)
-    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text"], kind="tokens", live=True)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text"], kind="text", live=True)
     s = open_stream(src, seed=0, poll_s=0.05)
     assert len(s.take(5, timeout=0.1)) == 0 and s.dry
     _write(d, 0, 50, 0)
@@ -104,7 +104,7 @@ def test_dry_live_source_lists_storage_at_most_once_per_poll_interval(tmp_path, 
     clock, listings = clock_and_listings
     d = str(tmp_path)
     _write(d, 0, 40, 0)
-    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="tokens", live=True)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="text", live=True)
     s = open_stream(src, seed=0, poll_s=2.0, status_every_s=1e9)
     assert len(s.take(40)) == 40 and len(listings) == 1  # the listing at open
     # a loader's poll loop on the dry source: take(timeout=0.2) every 50 ms for 10 s
@@ -131,7 +131,7 @@ def test_loader_window_waits_on_a_dry_live_source_instead_of_asking_again(tmp_pa
     clock, listings = clock_and_listings
     d = str(tmp_path)
     _write(d, 0, 20, 0)
-    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="tokens", live=True)
+    src = SourceSpec(name="live", uri=os.path.join(d, "*.parquet"), columns=["text", "row"], kind="text", live=True)
     stream = open_stream(src, seed=0, poll_s=2.0, status_every_s=1e9)
 
     def transform(raw):

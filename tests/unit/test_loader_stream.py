@@ -31,7 +31,7 @@ def src(tmp_path_factory):
 
 
 def spec(d, mode="page", columns=("text", "ids", "row"), **kw):
-    return SourceSpec(name="src", uri=d, columns=list(columns), kind="tokens", shuffle=mode, **kw)
+    return SourceSpec(name="src", uri=d, columns=list(columns), kind="tokens" if columns[0] == "ids" else "text", shuffle=mode, **kw)
 
 
 def rows_of(r):

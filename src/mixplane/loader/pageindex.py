@@ -272,6 +272,43 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
     return fi
 
 
+def _signature(cols: list[ColumnInfo]) -> list[tuple]:
+    return [c.signature() for c in cols]
+
+
+def reference_signature(sigs: list) -> object:
+    """The most common signature; ties go to the earliest."""
+    counts: dict = {}
+    for sg in sigs:
+        counts[repr(sg)] = counts.get(repr(sg), 0) + 1
+    best = max(counts.values())
+    return next(sg for sg in sigs if counts[repr(sg)] == best)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def kind_accepts(kind: str, position: int, t: pa.DataType) -> str | None:
+    """None if a source of ``kind`` can read type ``t`` at projected column ``position``, else what it reads.
+    text: string/binary; tokens: list<integer> or binary; image_text: [binary image (or a struct with
+    a ``bytes`` field), text caption]. Extra projected columns may have any type."""
+    if kind == "text" and position == 0 and not _is_text(t):
+        return "string, large_string or binary"
+    if kind == "tokens" and position == 0:
+        binary = pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+        ints = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+        if not (binary or ints):
+            return "list<integer> or binary token ids"
+    if kind == "image_text" and position == 0:
+        struct_bytes = pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+        if not (pa.types.is_binary(t) or pa.types.is_large_binary(t) or struct_bytes):
+            return "binary image bytes (or a struct with a 'bytes' field)"
+    if kind == "image_text" and position == 1 and not _is_text(t):
+        return "string, large_string or binary captions"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # the source
 
@@ -283,20 +320,39 @@ class SourceIndex:
     u's first row. Files listed here are the readable ones; files that failed are in ``bad_files``
     (they hold no rows)."""
 
-    def __init__(self, columns: list[str]):
+    def __init__(self, columns: list[str], kind: str | None = None):
         self.columns = list(columns)
+        self.kind = kind  # the source kind whose transform reads these columns (None: any type)
         self.files: list[FileIndex] = []
         self.bad_files: dict[str, ParquetError] = {}
         self.col_info: list[ColumnInfo] | None = None
         self._rebuild()
 
     # -- building --
+    def check_kind(self, fi: FileIndex) -> None:
+        """Raise SchemaMismatchError if the source's kind cannot read a projected column of ``fi``."""
+        if self.kind is None:
+            return
+        for c in fi.columns:
+            want = kind_accepts(self.kind, self.columns.index(c.name), c.arrow_type)
+            if want is not None:
+                raise SchemaMismatchError(f"column {c.name!r} is {c.arrow_type}; kind {self.kind} reads {want}", file=fi.path)
+
+    def choose_schema(self, candidates: list[FileIndex]) -> None:
+        """Set the source's column types, if not yet set, to the most common among ``candidates``
+        (ties: the first in path order), so one odd file cannot make every other file a mismatch."""
+        if self.col_info is None and candidates:
+            sigs = [_signature(fi.columns) for fi in candidates]
+            ref = reference_signature(sigs)
+            self.col_info = candidates[sigs.index(ref)].columns
+
     def add(self, fi: FileIndex) -> None:
-        """Append one file (rows and units continue after the existing ones)."""
-        sig = [c.signature() for c in fi.columns]
+        """Append one file (rows and units continue after the existing ones); the first file sets the
+        column types unless :meth:`choose_schema` did."""
+        self.check_kind(fi)
         if self.col_info is None:
             self.col_info = fi.columns
-        elif sig != [c.signature() for c in self.col_info]:
+        elif _signature(fi.columns) != _signature(self.col_info):
             want = ", ".join(f"{c.name}: {c.arrow_type}" for c in self.col_info)
             have = ", ".join(f"{c.name}: {c.arrow_type}" for c in fi.columns)
             raise SchemaMismatchError(f"column types ({have}) differ from the source's ({want})", file=fi.path)
@@ -443,17 +499,29 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
+
+    def bad(path: str, e: ParquetError) -> None:
+        idx.bad_files[path] = e
+        if on_bad is not None:
+            on_bad(e)
+
+    readable: list[FileIndex] = []
     for i, path in enumerate(paths):
         size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
         mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
         try:
             fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
                                     cache_dir=cache_dir)
+            idx.check_kind(fi)
+            readable.append(fi)
+        except ParquetError as e:
+            bad(path, e)
+    idx.choose_schema(readable)  # the majority's types, not whichever file sorts first
+    for fi in readable:
+        try:
             idx.add(fi)
         except ParquetError as e:
-            idx.bad_files[path] = e
-            if on_bad is not None:
-                on_bad(e)
+            bad(fi.path, e)
     idx.finish()
     return idx
 

@@ -138,7 +138,7 @@ class SourceStream:
         # live sources list their storage at most once per poll_s (monotonic clock)
         self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
         self.files = files or list_source_files(source.uri)
-        self.index = SourceIndex(self.columns)
+        self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self.segments: list[_Segment] = []
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
@@ -652,7 +652,7 @@ class SourceStream:
             if have == segs:
                 return
         # rebuild the index in the recorded segment order
-        self.index = SourceIndex(self.columns)
+        self.index = SourceIndex(self.columns, self.source.kind)
         self.segments = []
         self._known = {}
         sizes = dict(zip(self.files.paths, self.files.sizes))
