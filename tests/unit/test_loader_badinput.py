@@ -212,3 +212,61 @@ def test_kind_accepts_the_types_its_transform_reads():
     assert all(pi.kind_accepts(k, 0, t) is None for k, ts in ok.items() for t in ts)
     assert all(pi.kind_accepts(k, 0, t) is not None for k, ts in bad.items() for t in ts)
     assert pi.kind_accepts("tokens", 1, pa.float64()) is None  # extra projected columns: any type
+
+
+def _chunk_units(idx, col, file_k, rg):
+    """(unit range, rows) of column ``col``'s chunk for row group ``rg`` of file ``file_k``."""
+    a = idx.cols[col]
+    c = int(np.flatnonzero((a["chunk_file"] == file_k) & (a["chunk_rg"] == rg))[0])
+    r0 = int(a["chunk_row_start"][c])
+    return (int(a["chunk_first_unit"][c]), int(a["chunk_first_unit"][c + 1])), list(range(r0, r0 + int(a["chunk_rows"][c])))
+
+
+@pytest.mark.parametrize("col", ["text", "row"])
+def test_corrupt_header_without_offset_index_loses_only_its_row_group(tmp_path, col):
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=3, rows=1200, page_index=False)  # 3 row groups a file
+    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    (u0, u1), lost = _chunk_units(idx, col, 1, 1)
+    assert u1 - u0 >= 2  # corrupt the second page's header: the chunk's first page was fine
+    primary_pages = int(idx.primary["unit_pages"][slice(*_chunk_units(idx, "text", 1, 1)[0])].sum())
+    with open(paths[1], "r+b") as f:
+        f.seek(int(idx.cols[col]["unit_off"][u0 + 1]))
+        f.write(b"\x0f" * 6)  # field type 15: not valid thrift
+    s, _ = check_serves_rest(d, table, lost)  # file 1's other row groups are still served
+    q = s.quarantine.counts()
+    assert q["files"] == 0 and q["by_kind"] == {"corrupt_page": 1} and len(s.index.files) == 3
+    e = s.quarantine.entries[0]
+    assert (e.file, e.row_group, e.column, e.page) == (paths[1], 1, col, 1)
+    assert paths[1] in e.message and "row group 1" in e.message and "page 1" in e.message
+    if col == "row":  # the first column's pages of that row group are known exactly
+        assert q["pages"] == primary_pages
+    else:  # estimated from the pages scanned before the bad header: at least those and the bad one
+        assert 2 <= q["pages"] <= 2 * primary_pages
+
+
+def test_quarantined_pages_count_the_pages_lost(tmp_path):
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=3, rows=1200)
+    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    file_pages = [int(idx.primary["unit_pages"][idx.primary["file_first_unit"][k]:idx.primary["file_first_unit"][k + 1]].sum())
+                  for k in range(3)]
+    t2 = pq.read_table(paths[2])  # a whole file of another type: all its pages are lost
+    pq.write_table(t2.set_column(t2.column_names.index("row"), "row", t2.column("row").cast(pa.string())), paths[2],
+                   data_page_size=2048, row_group_size=500, write_batch_size=50, use_dictionary=False)
+    s = open_stream(spec(d), seed=0, buffer_rows=100)
+    assert s.quarantine.counts()["pages"] == file_pages[2] > 1
+    # missing column: the footer is read, its row groups (at least a page each) are counted
+    pq.write_table(t2.drop_columns(["text"]), paths[2], row_group_size=500)
+    s = open_stream(spec(str(d)), seed=0, buffer_rows=100, cache_dir=None)
+    assert s.quarantine.counts()["pages"] == pq.ParquetFile(paths[2]).metadata.num_row_groups > 1
+    # rowgroup mode: a bad page loses its whole row-group chunk, every page of it counted
+    os.remove(paths[2])
+    (u0, u1), lost = _chunk_units(idx, "text", 0, 1)
+    with open(paths[0], "r+b") as f:
+        f.seek(int(idx.primary["unit_off"][u0]) + int(idx.primary["unit_len"][u0]) - 8)
+        f.write(b"\x00" * 8)
+    s = open_stream(spec(d, "rowgroup"), seed=0, buffer_rows=100)
+    s.take(sum(pq.ParquetFile(p).metadata.num_rows for p in paths[:2]) - len(lost))
+    q = s.quarantine.counts()
+    assert q["units"] == 1 and q["pages"] == int(idx.primary["unit_pages"][u0:u1].sum()) == u1 - u0 > 1

@@ -23,7 +23,7 @@ import os
 import tempfile
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -78,6 +78,13 @@ class FileIndex:
     rg_rows: np.ndarray  # int64
     columns: list[ColumnInfo]
     pages: dict[str, ColumnPages]
+    # column chunks whose page headers could not be scanned: each holds one placeholder unit (unit_len 0)
+    # covering its row group, so the file's other row groups stay readable (never saved in a sidecar)
+    bad_chunks: list[ParquetError] = field(default_factory=list)
+
+    def num_pages(self) -> int:
+        """Data pages of the first projected column (what a lost file costs the quarantine count)."""
+        return int(self.pages[self.columns[0].name].unit_pages.sum()) if self.columns else 0
 
 
 def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
@@ -114,8 +121,10 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
                 break
             except ThriftError as e:
                 if probe >= end - pos or probe >= 1 << 20:
-                    raise CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
-                                           column=col.name, page=k) from None
+                    err = CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
+                                           column=col.name, page=k)
+                    err.scanned_bytes = pos - start  # lets the caller estimate the chunk's pages
+                    raise err from None
                 probe = min(probe * 8, end - pos)
         total = h.header_len + h.compressed_size
         if pos + total > end:
@@ -151,10 +160,22 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
             np.array(pages, np.int64))
 
 
+def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
+    """Unit table of a column chunk that could not be scanned: one unit of all its rows and no bytes
+    (unit_len 0 marks it; reading it raises). Its pages: those scanned before the bad header plus the
+    bad one, or the chunk's bytes over their mean size when larger (an estimate: the rest is unknown)."""
+    seen = int(err.page or 0) + 1
+    pages = max(seen, int(round(chunk.total_compressed_size / max(getattr(err, "scanned_bytes", 0) / seen, 1)))
+                if getattr(err, "scanned_bytes", 0) else seen)
+    one = lambda v: np.array([v], np.int64)  # noqa: E731
+    return 0, 0, one(chunk.start), one(0), one(rg_rows), one(min(pages, np.iinfo(np.int16).max))
+
+
 def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats | None = None,
                size: int | None = None, mtime_ns: int = 0) -> FileIndex:
     """Build the index of one file (raises ParquetError naming what is wrong)."""
     reader = RangeReader(path, filesystem, stats)
+    meta = None
     try:
         meta = pr.read_file_meta(reader)
         if meta.num_rows == 0 or not meta.row_groups:
@@ -164,6 +185,7 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
         if rg_rows.sum() != meta.num_rows or np.any(rg_rows < 0):
             raise CorruptFileError(f"row groups hold {int(rg_rows.sum())} rows, footer says {meta.num_rows}", file=path)
         pages: dict[str, ColumnPages] = {}
+        bad_chunks: list[ParquetError] = []
         for col in cols:
             rgs, codecs, doffs, dlens, firsts, raws = [], [], [], [], [0], []
             uo, ul, ur, up = [], [], [], []
@@ -176,7 +198,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 if chunk.codec not in (pr.UNCOMPRESSED, pr.SNAPPY, pr.GZIP, pr.BROTLI, pr.ZSTD, pr.LZ4_RAW):
                     raise pr.UnsupportedError(f"codec {pr.CODEC_NAMES[chunk.codec] if 0 <= chunk.codec < 8 else chunk.codec}"
                                               " is not supported", file=path, row_group=ri, column=col.name)
-                doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                try:
+                    doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                except CorruptPageError as e:  # lose this row group's chunk, not the file
+                    bad_chunks.append(e)
+                    doff, dlen, off, ln, rows, npg = _placeholder(chunk, rg.num_rows, e)
                 if rows.sum() != rg.num_rows:
                     raise CorruptFileError(f"pages hold {int(rows.sum())} rows, the row group {rg.num_rows}",
                                            file=path, row_group=ri, column=col.name)
@@ -194,8 +220,15 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 chunk_first_unit=np.array(firsts, np.int64), chunk_raw_len=np.array(raws, np.int64),
                 unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
                 unit_rows=cat(ur, np.int32), unit_pages=cat(up, np.int16))
+        if bad_chunks and {e.row_group for e in bad_chunks} >= {i for i, rg in enumerate(meta.row_groups) if rg.num_rows}:
+            raise bad_chunks[0]  # nothing readable left: the file as a whole is bad
         return FileIndex(path=path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
-                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages)
+                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages, bad_chunks=bad_chunks)
+    except ParquetError as e:
+        if meta is not None and not hasattr(e, "pages_lost"):
+            # pages of a whole file lost: the footer does not count pages; each non-empty row group holds at least one
+            e.pages_lost = max(1, sum(1 for rg in meta.row_groups if rg.num_rows))
+        raise
     finally:
         reader.close()
 
@@ -264,7 +297,7 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
         if fi is not None:
             return fi
     fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
-    if side:
+    if side and not fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
         try:
             _save_sidecar(fi, side)
         except OSError as e:
@@ -493,9 +526,11 @@ class SourceIndex:
 
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
-                       on_bad=None, index: SourceIndex | None = None) -> SourceIndex:
+                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
-    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows."""
+    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
+    (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
+    could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder)."""
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
@@ -512,16 +547,23 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
         try:
             fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
                                     cache_dir=cache_dir)
-            idx.check_kind(fi)
             readable.append(fi)
+            idx.check_kind(fi)
         except ParquetError as e:
+            if readable and readable[-1].path == path:
+                e.pages_lost = readable.pop().num_pages()
             bad(path, e)
     idx.choose_schema(readable)  # the majority's types, not whichever file sorts first
     for fi in readable:
         try:
             idx.add(fi)
         except ParquetError as e:
+            e.pages_lost = fi.num_pages()
             bad(fi.path, e)
+            continue
+        for e in fi.bad_chunks:
+            if on_bad_chunk is not None:
+                on_bad_chunk(e)
     idx.finish()
     return idx
 
@@ -606,6 +648,9 @@ class SourceReader:
         """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
         the rows at ``select`` (ascending indices within the units) when given."""
         a = self.index.cols[col.name]
+        if not a["unit_len"][u0:u1].all():
+            raise CorruptPageError("column chunk was quarantined when indexed (corrupt page header)",
+                                   **self.index.where(col.name, chunk, u0))
         off = int(a["unit_off"][u0])
         end = int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1])
         rows = int(a["unit_rows"][u0:u1].sum())
