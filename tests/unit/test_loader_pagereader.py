@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.loader_testdata import mixed_table
+from mixplane.loader import pageindex as pi
 from mixplane.loader import pagereader as pr
 from mixplane.loader import thrift
 
@@ -215,3 +216,37 @@ def test_dictionary_page_read_only_for_dictionary_encoded_pages(tmp_path):
     first = rd.read_rows(0, 0, int(idx.unit_rows[0]), (0, 1))["t"]  # dictionary-encoded: needs it
     assert first.to_pylist() == words[: int(idx.unit_rows[0])] and rd._dicts.nbytes > 0
     rd.close()
+
+
+def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path):
+    """A dictionary-encoded list<int32> column of many row groups whose decoded dictionaries exceed
+    the old fixed 8 MB cache: each dictionary page is read once however the pages are visited."""
+    rng = np.random.default_rng(0)
+    n_rg, rows, distinct = 48, 2000, 48_000  # ~190 KB of decoded int32 dictionary per chunk, ~9 MB in all
+    toks = [rng.choice(np.arange(g * distinct, (g + 1) * distinct, dtype=np.int32), (rows, 30)) for g in range(n_rg)]
+    vals = np.concatenate(toks).reshape(-1)
+    arr = pa.ListArray.from_arrays(pa.array(np.arange(0, len(vals) + 1, 30, dtype=np.int32)), pa.array(vals))
+    path = str(tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"t": arr}), path, row_group_size=rows, use_dictionary=True, data_page_size=64 << 10,
+                   dictionary_pagesize_limit=4 << 20)
+    idx = pi.build_source_index([path], ["t"], cache_dir=None)
+    a = idx.primary
+    with_dict = int((a["chunk_dict_len"] > 0).sum())
+    assert with_dict == n_rg and int(np.diff(a["chunk_first_unit"]).min()) >= 2
+    r = pi.SourceReader(idx)
+    order = rng.permutation(idx.num_units)
+    for _ in range(2):  # two epochs of random page order
+        for u in order.tolist():
+            c = int(idx.chunk_of_units([u])[0])
+            r.read_units(idx.col_info[0], c, u, u + 1)
+    assert r.dict_reads == with_dict
+    # a reader given a small budget re-reads (the count is what it claims)
+    small = pi.SourceReader(idx, dict_cache_bytes=1 << 20)
+    for u in order[:200].tolist():
+        small.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
+    assert small.dict_reads > len({int(c) for c in idx.chunk_of_units(order[:200])})
+    want = pq.read_table(path).column("t").combine_chunks()
+    u = int(order[0])
+    got = r.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
+    r0 = int(idx.unit_row_start[u])
+    assert got.equals(want.slice(r0, len(got)))

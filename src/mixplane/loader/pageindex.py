@@ -599,18 +599,35 @@ class _LRU:
         self.nbytes = 0
 
 
+DICT_CACHE_MIN = 8 << 20  # decoded-dictionary cache of a reader, at least (bytes)
+DICT_CACHE_MAX = 512 << 20  # and at most: a source of huge dictionaries re-reads some instead
+DICT_EXPANSION = 4  # decoded bytes per byte of a dictionary page, assumed when sizing the cache
+
+
+def dict_cache_budget(index: SourceIndex) -> int:
+    """Bytes to keep every chunk's decoded dictionary of the source (page mode visits chunks in random
+    order, so anything less re-reads dictionary pages), within [DICT_CACHE_MIN, DICT_CACHE_MAX]."""
+    pages = sum(int(np.sum(a["chunk_dict_len"], dtype=np.int64)) for a in index.cols.values())
+    return int(min(DICT_CACHE_MAX, max(DICT_CACHE_MIN, DICT_EXPANSION * pages)))
+
+
 class SourceReader:
     """Reads rows of an indexed source by page: positional reads of just the pages that hold them
     (plus a chunk's dictionary page when a dictionary-encoded page of it is read: decoded once and
-    kept in a small LRU)."""
+    kept in an LRU by bytes, by default large enough for every dictionary of the source —
+    :func:`dict_cache_budget`, re-sized as a live source grows). ``dict_reads`` counts dictionary
+    pages read."""
 
     def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
-                 dict_cache_bytes: int = 8 << 20, max_open_files: int = 64):
+                 dict_cache_bytes: int | None = None, max_open_files: int = 64):
         self.index = index
         self.fs = filesystem
         self.stats = stats if stats is not None else IOStats()
         self.verify_crc = verify_crc
-        self._dicts = _LRU(dict_cache_bytes)
+        self._auto_dict_budget = dict_cache_bytes is None
+        self._dicts = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
+        self.dict_reads = 0
+        self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
         self._readers: OrderedDict[int, RangeReader] = OrderedDict()
         self._max_open = max_open_files
 
@@ -640,7 +657,11 @@ class SourceReader:
         if dlen == 0:
             return None
         buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
+        self.dict_reads += 1
         d = pr.read_dictionary(col, buf, int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
+        if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
+            self._budget_chunks = len(a["chunk_rg"])
+            self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
         self._dicts.put(key, d, d.nbytes)
         return d
 
