@@ -222,8 +222,8 @@ def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path)
     """A dictionary-encoded list<int32> column of many row groups whose decoded dictionaries exceed
     the old fixed 8 MB cache: each dictionary page is read once however the pages are visited."""
     rng = np.random.default_rng(0)
-    n_rg, rows, distinct = 48, 2000, 48_000  # ~190 KB of decoded int32 dictionary per chunk, ~9 MB in all
-    toks = [rng.choice(np.arange(g * distinct, (g + 1) * distinct, dtype=np.int32), (rows, 30)) for g in range(n_rg)]
+    n_rg, rows, distinct = 48, 1600, 48_000  # 192 KB of decoded int32 dictionary per chunk, ~9 MB in all
+    toks = [g * distinct + rng.permutation(distinct).astype(np.int32) for g in range(n_rg)]  # each id once
     vals = np.concatenate(toks).reshape(-1)
     arr = pa.ListArray.from_arrays(pa.array(np.arange(0, len(vals) + 1, 30, dtype=np.int32)), pa.array(vals))
     path = str(tmp_path / "dict.parquet")
