@@ -250,3 +250,38 @@ def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path)
     got = r.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
     r0 = int(idx.unit_row_start[u])
     assert got.equals(want.slice(r0, len(got)))
+
+
+def _plain_byte_array_reference(buf, pos, end, n, select=None):
+    """The former per-value loop (kept here as the reference the vectorised decoder must match)."""
+    starts, p = [], pos
+    for _ in range(n):
+        if p > end - 4:
+            raise ValueError("BYTE_ARRAY data ends early")
+        starts.append(p)
+        p += 4 + int.from_bytes(buf[p : p + 4], "little")
+    if p > end:
+        raise ValueError("BYTE_ARRAY value runs past the end of the page")
+    vals = [bytes(buf[q + 4 : q + 4 + int.from_bytes(buf[q : q + 4], "little")]) for q in starts]
+    if select is not None:
+        vals = [vals[i] for i in select]
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in vals], dtype=np.int64)]).astype(np.int64)
+    return offsets, np.frombuffer(b"".join(vals), np.uint8)
+
+
+@pytest.mark.parametrize("mean_len", [0, 3, 40, 3000])
+def test_plain_byte_array_matches_the_reference_loop(mean_len):
+    rng = np.random.default_rng(mean_len)
+    n = int(rng.integers(1, 3000))
+    vals = [rng.bytes(int(rng.integers(0, 2 * mean_len + 1))) for _ in range(n)]
+    body = b"".join(len(v).to_bytes(4, "little") + v for v in vals)
+    buf, pos = b"junk" + body + b"tail", 4  # values inside a larger buffer
+    sel = np.sort(rng.choice(n, max(1, n // 3), replace=False))
+    for s in (None, sel):
+        want = _plain_byte_array_reference(buf, pos, pos + len(body), n, s)
+        got = pr._plain_byte_array(buf, pos, pos + len(body), n, s)
+        assert got[0].dtype == np.int64 and (got[0] == want[0]).all() and (got[1] == want[1]).all()
+    with pytest.raises(ValueError):  # the last value runs past the page
+        pr._plain_byte_array(buf, pos, pos + len(body) - 1, n)
+    with pytest.raises(ValueError):  # fewer values than the header says
+        pr._plain_byte_array(buf, pos, pos + len(body), n + 1)
