@@ -6,8 +6,11 @@ headers. Each file's index is cached in a small sidecar keyed by file identity (
 mtime), so a restart or a new replica does not rescan.
 
 The unit of shuffling is a *page of the first projected column* (a run of pages when a list row
-straddles pages in files without an OffsetIndex). Global unit number -> (file, chunk, page) is a
-layered binary search (Algorithm 1): file-level unit offsets, then chunk-level offsets.
+straddles pages in files without an OffsetIndex). Global unit number -> (file, chunk, page) is one
+binary search over the source's chunk-level unit offsets (:meth:`SourceIndex.chunk_of_units`, what
+the reader and the stream use): chunks are stored file by file, so the chunk gives the file.
+YOUMU's layered search (Algorithm 1: file-level offsets, then the file's chunk offsets) reaches the
+same chunk in two steps; :meth:`SourceIndex.locate` returns all three coordinates.
 Rows are numbered across the source: files in order (sorted by path), rows in file order.
 
 Memory: the index holds a few numpy arrays, about 24 bytes per page of each projected column
@@ -467,24 +470,14 @@ class SourceIndex:
         return self.primary["chunk_rows"]
 
     def locate(self, units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Layered binary search (YOUMU Alg. 1): global unit -> (file, chunk, unit within chunk).
-
-        First the file (file-level unit offsets), then the chunk among that file's chunks
-        (chunk-level offsets), then the page by subtraction. Vectorised over ``units``."""
+        """Global unit -> (file, chunk, unit within chunk), vectorised over ``units``: the chunk by
+        :meth:`chunk_of_units` (what the reader uses), the file from the chunk table."""
         u = np.asarray(units, dtype=np.int64)
         if len(u) and (u.min() < 0 or u.max() >= self.num_units):
             raise IndexError(f"unit out of range [0, {self.num_units})")
         p = self.primary
-        f = np.searchsorted(p["file_first_unit"], u, side="right") - 1
-        # chunks of file f are a contiguous block of the chunk table; search only within it
-        cf = np.searchsorted(p["chunk_file"], f, side="left")
-        cl = np.searchsorted(p["chunk_file"], f, side="right")
-        c = np.empty_like(u)
-        for fi in np.unique(f):  # one search per distinct file
-            m = f == fi
-            lo, hi = int(cf[m][0]), int(cl[m][0])
-            c[m] = lo + np.searchsorted(p["chunk_first_unit"][lo : hi + 1], u[m], side="right") - 1
-        return f, c, u - p["chunk_first_unit"][c]
+        c = self.chunk_of_units(u)
+        return p["chunk_file"][c].astype(np.int64), c, u - p["chunk_first_unit"][c]
 
     def unit_of_rows(self, rows) -> np.ndarray:
         return np.searchsorted(self.unit_row_start, np.asarray(rows, np.int64), side="right") - 1
