@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import cramjam
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from mixplane.loader import thrift as th
 from mixplane.loader.thrift import ThriftError, read_struct
 
 MAGIC = b"PAR1"
@@ -622,12 +624,10 @@ def decode_hybrid(buf, pos: int, end: int, bit_width: int, count: int) -> np.nda
 def _plain_page_file(body, n: int) -> bytes:
     """A minimal Parquet file of one REQUIRED BYTE_ARRAY column holding ``body`` (PLAIN values) as
     its only data page: lets Arrow's C++ reader follow the length chain instead of a Python loop."""
-    from mixplane.loader import thrift as th
-
     size = len(body)
     h = th.CompactWriter()
     h.struct([(1, th.I32, DATA_PAGE), (2, th.I32, size), (3, th.I32, size),
-              (5, th.STRUCT, [(1, th.I32, n), (2, th.I32, PLAIN), (3, th.I32, 3), (4, th.I32, 3)])])
+              (5, th.STRUCT, [(1, th.I32, n), (2, th.I32, PLAIN), (3, th.I32, RLE), (4, th.I32, RLE)])])
     page_off = 4
     total = len(h.out) + size
     m = th.CompactWriter()
@@ -639,7 +639,7 @@ def _plain_page_file(body, n: int) -> bytes:
               (3, th.I64, n),
               (4, th.LIST, (th.STRUCT, [[(1, th.LIST, (th.STRUCT, [[(2, th.I64, page_off), (3, th.STRUCT, chunk_meta)]])),
                                          (2, th.I64, total), (3, th.I64, n)]]))])
-    return b"".join([b"PAR1", bytes(h.out), body, bytes(m.out), struct.pack("<I", len(m.out)), b"PAR1"])
+    return b"".join([MAGIC, bytes(h.out), body, bytes(m.out), struct.pack("<I", len(m.out)), MAGIC])
 
 
 def _plain_byte_array(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -650,8 +650,6 @@ def _plain_byte_array(buf, pos: int, end: int, n: int, select: np.ndarray | None
         return np.zeros(1, np.int64), np.zeros(0, np.uint8)
     if end - pos < 4 * n:
         raise ValueError(f"BYTE_ARRAY data has {end - pos} bytes for {n} values")
-    import pyarrow.parquet as pq
-
     body = memoryview(buf)[pos:end]
     try:
         arr = pq.ParquetFile(pa.BufferReader(_plain_page_file(body, n))).read().column(0).combine_chunks()
