@@ -22,7 +22,7 @@ def _index_cache(tmp_path, monkeypatch):
 
 
 def spec(d, mode="page"):
-    return SourceSpec(name="bad", uri=d, columns=["text", "row"], kind="tokens", shuffle=mode)
+    return SourceSpec(name="bad", uri=d, columns=["text", "row"], kind="text", shuffle=mode)
 
 
 def good_source(tmp_path, **kw):
@@ -179,3 +179,94 @@ def test_file_changed_after_indexing_is_quarantined_not_misread(tmp_path):
     n_pages = len(s.index.files[2].pages["text"].unit_off)
     assert s.quarantine.pages_total == n_pages  # every page of the changed file, each counted once
     assert "changed since it was indexed" in s.quarantine.messages()[0]
+
+
+def test_odd_first_file_does_not_set_the_schema(tmp_path):
+    """Only part-00 has another type: it is the one quarantined, not every correct file after it."""
+    d, paths, table = good_source(tmp_path)
+    t0 = pq.read_table(paths[0])
+    pq.write_table(t0.set_column(t0.column_names.index("row"), "row", t0.column("row").cast(pa.int32())), paths[0])
+    s, _ = check_serves_rest(d, table, _file_rows(paths, 0), whole_files=True)
+    assert s.quarantine.counts()["by_kind"] == {"type_mismatch": 1}
+    assert paths[0] in s.quarantine.messages()[0] and "differ" in s.quarantine.messages()[0]
+
+
+def test_file_whose_type_the_kind_cannot_read_is_quarantined_even_if_first_or_most(tmp_path):
+    """A kind check comes before the majority: two of three files hold token ids as strings."""
+    d = str(tmp_path / "src")
+    os.makedirs(d)
+    for k, ids in enumerate((["1 2", "3"], [[1, 2], [3]], ["4", "5 6"])):
+        typ = pa.string() if isinstance(ids[0], str) else pa.list_(pa.int32())
+        pq.write_table(pa.table({"ids": pa.array(ids, typ)}), os.path.join(d, f"part-{k:02d}.parquet"))
+    s = open_stream(SourceSpec(name="tok", uri=d, columns=["ids"], kind="tokens"), seed=0, buffer_rows=10)
+    assert [os.path.basename(f.path) for f in s.index.files] == ["part-01.parquet"]
+    assert s.quarantine.counts()["by_kind"] == {"type_mismatch": 2}
+    assert all("kind tokens reads list<integer>" in m for m in s.quarantine.messages())
+    assert sorted(s.take(2).columns["ids"].to_pylist()) == [[1, 2], [3]]
+
+
+def test_kind_accepts_the_types_its_transform_reads():
+    ok = {"text": [pa.string(), pa.large_string(), pa.binary()],
+          "tokens": [pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.binary(), pa.large_binary()]}
+    bad = {"text": [pa.int64(), pa.list_(pa.int32())], "tokens": [pa.string(), pa.list_(pa.float32()), pa.int32()]}
+    assert all(pi.kind_accepts(k, 0, t) is None for k, ts in ok.items() for t in ts)
+    assert all(pi.kind_accepts(k, 0, t) is not None for k, ts in bad.items() for t in ts)
+    assert pi.kind_accepts("tokens", 1, pa.float64()) is None  # extra projected columns: any type
+
+
+def _chunk_units(idx, col, file_k, rg):
+    """(unit range, rows) of column ``col``'s chunk for row group ``rg`` of file ``file_k``."""
+    a = idx.cols[col]
+    c = int(np.flatnonzero((a["chunk_file"] == file_k) & (a["chunk_rg"] == rg))[0])
+    r0 = int(a["chunk_row_start"][c])
+    return (int(a["chunk_first_unit"][c]), int(a["chunk_first_unit"][c + 1])), list(range(r0, r0 + int(a["chunk_rows"][c])))
+
+
+@pytest.mark.parametrize("col", ["text", "row"])
+def test_corrupt_header_without_offset_index_loses_only_its_row_group(tmp_path, col):
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=3, rows=1200, page_index=False)  # 3 row groups a file
+    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    (u0, u1), lost = _chunk_units(idx, col, 1, 1)
+    assert u1 - u0 >= 2  # corrupt the second page's header: the chunk's first page was fine
+    primary_pages = int(idx.primary["unit_pages"][slice(*_chunk_units(idx, "text", 1, 1)[0])].sum())
+    with open(paths[1], "r+b") as f:
+        f.seek(int(idx.cols[col]["unit_off"][u0 + 1]))
+        f.write(b"\x0f" * 6)  # field type 15: not valid thrift
+    s, _ = check_serves_rest(d, table, lost)  # file 1's other row groups are still served
+    q = s.quarantine.counts()
+    assert q["files"] == 0 and q["by_kind"] == {"corrupt_page": 1} and len(s.index.files) == 3
+    e = s.quarantine.entries[0]
+    assert (e.file, e.row_group, e.column, e.page) == (paths[1], 1, col, 1)
+    assert paths[1] in e.message and "row group 1" in e.message and "page 1" in e.message
+    if col == "row":  # the first column's pages of that row group are known exactly
+        assert q["pages"] == primary_pages
+    else:  # estimated from the pages scanned before the bad header: at least those and the bad one
+        assert 2 <= q["pages"] <= 2 * primary_pages
+
+
+def test_quarantined_pages_count_the_pages_lost(tmp_path):
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=3, rows=1200)
+    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    file_pages = [int(idx.primary["unit_pages"][idx.primary["file_first_unit"][k]:idx.primary["file_first_unit"][k + 1]].sum())
+                  for k in range(3)]
+    t2 = pq.read_table(paths[2])  # a whole file of another type: all its pages are lost
+    pq.write_table(t2.set_column(t2.column_names.index("row"), "row", t2.column("row").cast(pa.string())), paths[2],
+                   data_page_size=2048, row_group_size=500, write_batch_size=50, use_dictionary=False)
+    s = open_stream(spec(d), seed=0, buffer_rows=100)
+    assert s.quarantine.counts()["pages"] == file_pages[2] > 1
+    # missing column: the footer is read, its row groups (at least a page each) are counted
+    pq.write_table(t2.drop_columns(["text"]), paths[2], row_group_size=500)
+    s = open_stream(spec(str(d)), seed=0, buffer_rows=100, cache_dir=None)
+    assert s.quarantine.counts()["pages"] == pq.ParquetFile(paths[2]).metadata.num_row_groups > 1
+    # rowgroup mode: a bad page loses its whole row-group chunk, every page of it counted
+    os.remove(paths[2])
+    (u0, u1), lost = _chunk_units(idx, "text", 0, 1)
+    with open(paths[0], "r+b") as f:
+        f.seek(int(idx.primary["unit_off"][u0]) + int(idx.primary["unit_len"][u0]) - 8)
+        f.write(b"\x00" * 8)
+    s = open_stream(spec(d, "rowgroup"), seed=0, buffer_rows=100)
+    s.take(sum(pq.ParquetFile(p).metadata.num_rows for p in paths[:2]) - len(lost))
+    q = s.quarantine.counts()
+    assert q["units"] == 1 and q["pages"] == int(idx.primary["unit_pages"][u0:u1].sum()) == u1 - u0 > 1

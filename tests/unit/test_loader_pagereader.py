@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.loader_testdata import mixed_table
+from mixplane.loader import pageindex as pi
 from mixplane.loader import pagereader as pr
 from mixplane.loader import thrift
 
@@ -215,3 +216,72 @@ def test_dictionary_page_read_only_for_dictionary_encoded_pages(tmp_path):
     first = rd.read_rows(0, 0, int(idx.unit_rows[0]), (0, 1))["t"]  # dictionary-encoded: needs it
     assert first.to_pylist() == words[: int(idx.unit_rows[0])] and rd._dicts.nbytes > 0
     rd.close()
+
+
+def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path):
+    """A dictionary-encoded list<int32> column of many row groups whose decoded dictionaries exceed
+    the old fixed 8 MB cache: each dictionary page is read once however the pages are visited."""
+    rng = np.random.default_rng(0)
+    n_rg, rows, distinct = 48, 1600, 48_000  # 192 KB of decoded int32 dictionary per chunk, ~9 MB in all
+    toks = [g * distinct + rng.permutation(distinct).astype(np.int32) for g in range(n_rg)]  # each id once
+    vals = np.concatenate(toks).reshape(-1)
+    arr = pa.ListArray.from_arrays(pa.array(np.arange(0, len(vals) + 1, 30, dtype=np.int32)), pa.array(vals))
+    path = str(tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"t": arr}), path, row_group_size=rows, use_dictionary=True, data_page_size=64 << 10,
+                   dictionary_pagesize_limit=4 << 20)
+    idx = pi.build_source_index([path], ["t"], cache_dir=None)
+    a = idx.primary
+    with_dict = int((a["chunk_dict_len"] > 0).sum())
+    assert with_dict == n_rg and int(np.diff(a["chunk_first_unit"]).min()) >= 2
+    r = pi.SourceReader(idx)
+    order = rng.permutation(idx.num_units)
+    for _ in range(2):  # two epochs of random page order
+        for u in order.tolist():
+            c = int(idx.chunk_of_units([u])[0])
+            r.read_units(idx.col_info[0], c, u, u + 1)
+    assert r.dict_reads == with_dict
+    # a reader given a small budget re-reads (the count is what it claims)
+    small = pi.SourceReader(idx, dict_cache_bytes=1 << 20)
+    for u in order[:200].tolist():
+        small.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
+    assert small.dict_reads > len({int(c) for c in idx.chunk_of_units(order[:200])})
+    want = pq.read_table(path).column("t").combine_chunks()
+    u = int(order[0])
+    got = r.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
+    r0 = int(idx.unit_row_start[u])
+    assert got.equals(want.slice(r0, len(got)))
+
+
+def _plain_byte_array_reference(buf, pos, end, n, select=None):
+    """The former per-value loop (kept here as the reference the vectorised decoder must match)."""
+    starts, p = [], pos
+    for _ in range(n):
+        if p > end - 4:
+            raise ValueError("BYTE_ARRAY data ends early")
+        starts.append(p)
+        p += 4 + int.from_bytes(buf[p : p + 4], "little")
+    if p > end:
+        raise ValueError("BYTE_ARRAY value runs past the end of the page")
+    vals = [bytes(buf[q + 4 : q + 4 + int.from_bytes(buf[q : q + 4], "little")]) for q in starts]
+    if select is not None:
+        vals = [vals[i] for i in select]
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in vals], dtype=np.int64)]).astype(np.int64)
+    return offsets, np.frombuffer(b"".join(vals), np.uint8)
+
+
+@pytest.mark.parametrize("mean_len", [0, 3, 40, 3000])
+def test_plain_byte_array_matches_the_reference_loop(mean_len):
+    rng = np.random.default_rng(mean_len)
+    n = int(rng.integers(1, 3000))
+    vals = [rng.bytes(int(rng.integers(0, 2 * mean_len + 1))) for _ in range(n)]
+    body = b"".join(len(v).to_bytes(4, "little") + v for v in vals)
+    buf, pos = b"junk" + body + b"tail", 4  # values inside a larger buffer
+    sel = np.sort(rng.choice(n, max(1, n // 3), replace=False))
+    for s in (None, sel):
+        want = _plain_byte_array_reference(buf, pos, pos + len(body), n, s)
+        got = pr._plain_byte_array(buf, pos, pos + len(body), n, s)
+        assert got[0].dtype == np.int64 and (got[0] == want[0]).all() and (got[1] == want[1]).all()
+    with pytest.raises(ValueError):  # the last value runs past the page
+        pr._plain_byte_array(buf, pos, pos + len(body) - 1, n)
+    with pytest.raises(ValueError):  # fewer values than the header says
+        pr._plain_byte_array(buf, pos, pos + len(body), n + 1)

@@ -115,3 +115,40 @@ def test_a_constructor_that_takes_nothing_does_not_block_the_loader(tmp_path):
     finally:
         server.close()
         ctx.term()
+
+
+def _gauge(m, name: str, source: str) -> float | None:
+    return m.registry.get_sample_value(name, {"source": source})
+
+
+def test_dry_live_source_sets_the_dry_gauge_until_new_files_arrive(tmp_path):
+    import time
+
+    from tests.conftest import write_token_source
+
+    live = tmp_path / "live"
+    write_token_source(live, rows=20, files=1, mean_len=8, seed=1)  # far less than the window wants
+    spec = parse_spec({
+        "name": "dry", "sources": [{"name": "fresh", "uri": str(live / "*.parquet"), "kind": "tokens",
+                                    "columns": ["tokens"], "live": True}],
+        "batch": {"sequences": 2, "seq_len": 64, "microbatches": 1},
+        "topology": {"modules": {"backbone": {"dp": 1}}}, "runtime": {"window": 64, "metrics": False},
+    })
+    server = LoaderServer(spec, 0, 0, "tcp://127.0.0.1:9")  # never connected: the test drives _fill by hand
+    try:
+        server.welcomed = True
+        server.window.seek({"low": 0})
+        assert server._fill()
+        assert len(server.window.buffer) == 20 and server.stream.dry
+        assert _gauge(server.m, "mixplane_loader_dry", "fresh") == 1.0
+        write_token_source(tmp_path / "more", rows=100, files=1, mean_len=8, seed=2)
+        (tmp_path / "more" / "part-000.parquet").rename(live / "part-001.parquet")  # appears atomically
+        server.stream.next_rescan_at = time.monotonic()  # the next listing is due (poll_s 2 s in production)
+        deadline = time.monotonic() + 5
+        while server.stream.dry and time.monotonic() < deadline:
+            time.sleep(0.06)  # the poll loop's next turns, after the listing interval
+            server._fill()
+        assert not server.stream.dry and len(server.window.buffer) == 64  # filled from the new file
+        assert _gauge(server.m, "mixplane_loader_dry", "fresh") == 0.0
+    finally:
+        server.close()

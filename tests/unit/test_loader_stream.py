@@ -31,7 +31,7 @@ def src(tmp_path_factory):
 
 
 def spec(d, mode="page", columns=("text", "ids", "row"), **kw):
-    return SourceSpec(name="src", uri=d, columns=list(columns), kind="tokens", shuffle=mode, **kw)
+    return SourceSpec(name="src", uri=d, columns=list(columns), kind="tokens" if columns[0] == "ids" else "text", shuffle=mode, **kw)
 
 
 def rows_of(r):
@@ -56,7 +56,7 @@ def test_index_from_offset_index_equals_header_scan(tmp_path):
         assert (np.diff(fb.pages[c].unit_off) == fb.pages[c].unit_len[:-1]).sum() >= len(fb.pages[c].unit_off) - 3
 
 
-def test_layered_binary_search_matches_brute_force(src):
+def test_locate_matches_brute_force(src):
     d, paths, _ = src
     idx = pi.build_source_index(paths, ["ids", "text"], cache_dir=None)
     p = idx.primary

@@ -6,8 +6,11 @@ headers. Each file's index is cached in a small sidecar keyed by file identity (
 mtime), so a restart or a new replica does not rescan.
 
 The unit of shuffling is a *page of the first projected column* (a run of pages when a list row
-straddles pages in files without an OffsetIndex). Global unit number -> (file, chunk, page) is a
-layered binary search (Algorithm 1): file-level unit offsets, then chunk-level offsets.
+straddles pages in files without an OffsetIndex). Global unit number -> (file, chunk, page) is one
+binary search over the source's chunk-level unit offsets (:meth:`SourceIndex.chunk_of_units`, what
+the reader and the stream use): chunks are stored file by file, so the chunk gives the file.
+YOUMU's layered search (Algorithm 1: file-level offsets, then the file's chunk offsets) reaches the
+same chunk in two steps; :meth:`SourceIndex.locate` returns all three coordinates.
 Rows are numbered across the source: files in order (sorted by path), rows in file order.
 
 Memory: the index holds a few numpy arrays, about 24 bytes per page of each projected column
@@ -23,7 +26,7 @@ import os
 import tempfile
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -78,6 +81,13 @@ class FileIndex:
     rg_rows: np.ndarray  # int64
     columns: list[ColumnInfo]
     pages: dict[str, ColumnPages]
+    # column chunks whose page headers could not be scanned: each holds one placeholder unit (unit_len 0)
+    # covering its row group, so the file's other row groups stay readable (never saved in a sidecar)
+    bad_chunks: list[ParquetError] = field(default_factory=list)
+
+    def num_pages(self) -> int:
+        """Data pages of the first projected column (what a lost file costs the quarantine count)."""
+        return int(self.pages[self.columns[0].name].unit_pages.sum()) if self.columns else 0
 
 
 def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
@@ -114,8 +124,10 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
                 break
             except ThriftError as e:
                 if probe >= end - pos or probe >= 1 << 20:
-                    raise CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
-                                           column=col.name, page=k) from None
+                    err = CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
+                                           column=col.name, page=k)
+                    err.scanned_bytes = pos - start  # lets the caller estimate the chunk's pages
+                    raise err from None
                 probe = min(probe * 8, end - pos)
         total = h.header_len + h.compressed_size
         if pos + total > end:
@@ -151,10 +163,22 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
             np.array(pages, np.int64))
 
 
+def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
+    """Unit table of a column chunk that could not be scanned: one unit of all its rows and no bytes
+    (unit_len 0 marks it; reading it raises). Its pages: those scanned before the bad header plus the
+    bad one, or the chunk's bytes over their mean size when larger (an estimate: the rest is unknown)."""
+    seen = int(err.page or 0) + 1
+    pages = max(seen, int(round(chunk.total_compressed_size / max(getattr(err, "scanned_bytes", 0) / seen, 1)))
+                if getattr(err, "scanned_bytes", 0) else seen)
+    one = lambda v: np.array([v], np.int64)  # noqa: E731
+    return 0, 0, one(chunk.start), one(0), one(rg_rows), one(min(pages, np.iinfo(np.int16).max))
+
+
 def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats | None = None,
                size: int | None = None, mtime_ns: int = 0) -> FileIndex:
     """Build the index of one file (raises ParquetError naming what is wrong)."""
     reader = RangeReader(path, filesystem, stats)
+    meta = None
     try:
         meta = pr.read_file_meta(reader)
         if meta.num_rows == 0 or not meta.row_groups:
@@ -164,6 +188,7 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
         if rg_rows.sum() != meta.num_rows or np.any(rg_rows < 0):
             raise CorruptFileError(f"row groups hold {int(rg_rows.sum())} rows, footer says {meta.num_rows}", file=path)
         pages: dict[str, ColumnPages] = {}
+        bad_chunks: list[ParquetError] = []
         for col in cols:
             rgs, codecs, doffs, dlens, firsts, raws = [], [], [], [], [0], []
             uo, ul, ur, up = [], [], [], []
@@ -176,7 +201,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 if chunk.codec not in (pr.UNCOMPRESSED, pr.SNAPPY, pr.GZIP, pr.BROTLI, pr.ZSTD, pr.LZ4_RAW):
                     raise pr.UnsupportedError(f"codec {pr.CODEC_NAMES[chunk.codec] if 0 <= chunk.codec < 8 else chunk.codec}"
                                               " is not supported", file=path, row_group=ri, column=col.name)
-                doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                try:
+                    doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                except CorruptPageError as e:  # lose this row group's chunk, not the file
+                    bad_chunks.append(e)
+                    doff, dlen, off, ln, rows, npg = _placeholder(chunk, rg.num_rows, e)
                 if rows.sum() != rg.num_rows:
                     raise CorruptFileError(f"pages hold {int(rows.sum())} rows, the row group {rg.num_rows}",
                                            file=path, row_group=ri, column=col.name)
@@ -194,8 +223,15 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 chunk_first_unit=np.array(firsts, np.int64), chunk_raw_len=np.array(raws, np.int64),
                 unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
                 unit_rows=cat(ur, np.int32), unit_pages=cat(up, np.int16))
+        if bad_chunks and {e.row_group for e in bad_chunks} >= {i for i, rg in enumerate(meta.row_groups) if rg.num_rows}:
+            raise bad_chunks[0]  # nothing readable left: the file as a whole is bad
         return FileIndex(path=path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
-                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages)
+                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages, bad_chunks=bad_chunks)
+    except ParquetError as e:
+        if meta is not None and not hasattr(e, "pages_lost"):
+            # pages of a whole file lost: the footer does not count pages; each non-empty row group holds at least one
+            e.pages_lost = max(1, sum(1 for rg in meta.row_groups if rg.num_rows))
+        raise
     finally:
         reader.close()
 
@@ -264,12 +300,49 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
         if fi is not None:
             return fi
     fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
-    if side:
+    if side and not fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
         try:
             _save_sidecar(fi, side)
         except OSError as e:
             log.debug("cannot write page-index sidecar %s: %s", side, e)
     return fi
+
+
+def _signature(cols: list[ColumnInfo]) -> list[tuple]:
+    return [c.signature() for c in cols]
+
+
+def reference_signature(sigs: list) -> object:
+    """The most common signature; ties go to the earliest."""
+    counts: dict = {}
+    for sg in sigs:
+        counts[repr(sg)] = counts.get(repr(sg), 0) + 1
+    best = max(counts.values())
+    return next(sg for sg in sigs if counts[repr(sg)] == best)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def kind_accepts(kind: str, position: int, t: pa.DataType) -> str | None:
+    """None if a source of ``kind`` can read type ``t`` at projected column ``position``, else what it reads.
+    text: string/binary; tokens: list<integer> or binary; image_text: [binary image (or a struct with
+    a ``bytes`` field), text caption]. Extra projected columns may have any type."""
+    if kind == "text" and position == 0 and not _is_text(t):
+        return "string, large_string or binary"
+    if kind == "tokens" and position == 0:
+        binary = pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+        ints = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+        if not (binary or ints):
+            return "list<integer> or binary token ids"
+    if kind == "image_text" and position == 0:
+        struct_bytes = pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+        if not (pa.types.is_binary(t) or pa.types.is_large_binary(t) or struct_bytes):
+            return "binary image bytes (or a struct with a 'bytes' field)"
+    if kind == "image_text" and position == 1 and not _is_text(t):
+        return "string, large_string or binary captions"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,20 +356,39 @@ class SourceIndex:
     u's first row. Files listed here are the readable ones; files that failed are in ``bad_files``
     (they hold no rows)."""
 
-    def __init__(self, columns: list[str]):
+    def __init__(self, columns: list[str], kind: str | None = None):
         self.columns = list(columns)
+        self.kind = kind  # the source kind whose transform reads these columns (None: any type)
         self.files: list[FileIndex] = []
         self.bad_files: dict[str, ParquetError] = {}
         self.col_info: list[ColumnInfo] | None = None
         self._rebuild()
 
     # -- building --
+    def check_kind(self, fi: FileIndex) -> None:
+        """Raise SchemaMismatchError if the source's kind cannot read a projected column of ``fi``."""
+        if self.kind is None:
+            return
+        for c in fi.columns:
+            want = kind_accepts(self.kind, self.columns.index(c.name), c.arrow_type)
+            if want is not None:
+                raise SchemaMismatchError(f"column {c.name!r} is {c.arrow_type}; kind {self.kind} reads {want}", file=fi.path)
+
+    def choose_schema(self, candidates: list[FileIndex]) -> None:
+        """Set the source's column types, if not yet set, to the most common among ``candidates``
+        (ties: the first in path order), so one odd file cannot make every other file a mismatch."""
+        if self.col_info is None and candidates:
+            sigs = [_signature(fi.columns) for fi in candidates]
+            ref = reference_signature(sigs)
+            self.col_info = candidates[sigs.index(ref)].columns
+
     def add(self, fi: FileIndex) -> None:
-        """Append one file (rows and units continue after the existing ones)."""
-        sig = [c.signature() for c in fi.columns]
+        """Append one file (rows and units continue after the existing ones); the first file sets the
+        column types unless :meth:`choose_schema` did."""
+        self.check_kind(fi)
         if self.col_info is None:
             self.col_info = fi.columns
-        elif sig != [c.signature() for c in self.col_info]:
+        elif _signature(fi.columns) != _signature(self.col_info):
             want = ", ".join(f"{c.name}: {c.arrow_type}" for c in self.col_info)
             have = ", ".join(f"{c.name}: {c.arrow_type}" for c in fi.columns)
             raise SchemaMismatchError(f"column types ({have}) differ from the source's ({want})", file=fi.path)
@@ -378,24 +470,14 @@ class SourceIndex:
         return self.primary["chunk_rows"]
 
     def locate(self, units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Layered binary search (YOUMU Alg. 1): global unit -> (file, chunk, unit within chunk).
-
-        First the file (file-level unit offsets), then the chunk among that file's chunks
-        (chunk-level offsets), then the page by subtraction. Vectorised over ``units``."""
+        """Global unit -> (file, chunk, unit within chunk), vectorised over ``units``: the chunk by
+        :meth:`chunk_of_units` (what the reader uses), the file from the chunk table."""
         u = np.asarray(units, dtype=np.int64)
         if len(u) and (u.min() < 0 or u.max() >= self.num_units):
             raise IndexError(f"unit out of range [0, {self.num_units})")
         p = self.primary
-        f = np.searchsorted(p["file_first_unit"], u, side="right") - 1
-        # chunks of file f are a contiguous block of the chunk table; search only within it
-        cf = np.searchsorted(p["chunk_file"], f, side="left")
-        cl = np.searchsorted(p["chunk_file"], f, side="right")
-        c = np.empty_like(u)
-        for fi in np.unique(f):  # one search per distinct file
-            m = f == fi
-            lo, hi = int(cf[m][0]), int(cl[m][0])
-            c[m] = lo + np.searchsorted(p["chunk_first_unit"][lo : hi + 1], u[m], side="right") - 1
-        return f, c, u - p["chunk_first_unit"][c]
+        c = self.chunk_of_units(u)
+        return p["chunk_file"][c].astype(np.int64), c, u - p["chunk_first_unit"][c]
 
     def unit_of_rows(self, rows) -> np.ndarray:
         return np.searchsorted(self.unit_row_start, np.asarray(rows, np.int64), side="right") - 1
@@ -437,23 +519,44 @@ class SourceIndex:
 
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
-                       on_bad=None, index: SourceIndex | None = None) -> SourceIndex:
+                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
-    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows."""
+    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
+    (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
+    could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder)."""
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
+
+    def bad(path: str, e: ParquetError) -> None:
+        idx.bad_files[path] = e
+        if on_bad is not None:
+            on_bad(e)
+
+    readable: list[FileIndex] = []
     for i, path in enumerate(paths):
         size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
         mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
         try:
             fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
                                     cache_dir=cache_dir)
+            readable.append(fi)
+            idx.check_kind(fi)
+        except ParquetError as e:
+            if readable and readable[-1].path == path:
+                e.pages_lost = readable.pop().num_pages()
+            bad(path, e)
+    idx.choose_schema(readable)  # the majority's types, not whichever file sorts first
+    for fi in readable:
+        try:
             idx.add(fi)
         except ParquetError as e:
-            idx.bad_files[path] = e
-            if on_bad is not None:
-                on_bad(e)
+            e.pages_lost = fi.num_pages()
+            bad(fi.path, e)
+            continue
+        for e in fi.bad_chunks:
+            if on_bad_chunk is not None:
+                on_bad_chunk(e)
     idx.finish()
     return idx
 
@@ -489,18 +592,35 @@ class _LRU:
         self.nbytes = 0
 
 
+DICT_CACHE_MIN = 8 << 20  # decoded-dictionary cache of a reader, at least (bytes)
+DICT_CACHE_MAX = 512 << 20  # and at most: a source of huge dictionaries re-reads some instead
+DICT_EXPANSION = 4  # decoded bytes per byte of a dictionary page, assumed when sizing the cache
+
+
+def dict_cache_budget(index: SourceIndex) -> int:
+    """Bytes to keep every chunk's decoded dictionary of the source (page mode visits chunks in random
+    order, so anything less re-reads dictionary pages), within [DICT_CACHE_MIN, DICT_CACHE_MAX]."""
+    pages = sum(int(np.sum(a["chunk_dict_len"], dtype=np.int64)) for a in index.cols.values())
+    return int(min(DICT_CACHE_MAX, max(DICT_CACHE_MIN, DICT_EXPANSION * pages)))
+
+
 class SourceReader:
     """Reads rows of an indexed source by page: positional reads of just the pages that hold them
     (plus a chunk's dictionary page when a dictionary-encoded page of it is read: decoded once and
-    kept in a small LRU)."""
+    kept in an LRU by bytes, by default large enough for every dictionary of the source —
+    :func:`dict_cache_budget`, re-sized as a live source grows). ``dict_reads`` counts dictionary
+    pages read."""
 
     def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
-                 dict_cache_bytes: int = 8 << 20, max_open_files: int = 64):
+                 dict_cache_bytes: int | None = None, max_open_files: int = 64):
         self.index = index
         self.fs = filesystem
         self.stats = stats if stats is not None else IOStats()
         self.verify_crc = verify_crc
-        self._dicts = _LRU(dict_cache_bytes)
+        self._auto_dict_budget = dict_cache_bytes is None
+        self._dicts = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
+        self.dict_reads = 0
+        self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
         self._readers: OrderedDict[int, RangeReader] = OrderedDict()
         self._max_open = max_open_files
 
@@ -530,7 +650,11 @@ class SourceReader:
         if dlen == 0:
             return None
         buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
+        self.dict_reads += 1
         d = pr.read_dictionary(col, buf, int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
+        if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
+            self._budget_chunks = len(a["chunk_rg"])
+            self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
         self._dicts.put(key, d, d.nbytes)
         return d
 
@@ -538,6 +662,9 @@ class SourceReader:
         """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
         the rows at ``select`` (ascending indices within the units) when given."""
         a = self.index.cols[col.name]
+        if not a["unit_len"][u0:u1].all():
+            raise CorruptPageError("column chunk was quarantined when indexed (corrupt page header)",
+                                   **self.index.where(col.name, chunk, u0))
         off = int(a["unit_off"][u0])
         end = int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1])
         rows = int(a["unit_rows"][u0:u1].sum())

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import cramjam
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from mixplane.loader import thrift as th
 from mixplane.loader.thrift import ThriftError, read_struct
 
 MAGIC = b"PAR1"
@@ -619,37 +621,52 @@ def decode_hybrid(buf, pos: int, end: int, bit_width: int, count: int) -> np.nda
 # values
 
 
+def _plain_page_file(body, n: int) -> bytes:
+    """A minimal Parquet file of one REQUIRED BYTE_ARRAY column holding ``body`` (PLAIN values) as
+    its only data page: lets Arrow's C++ reader follow the length chain instead of a Python loop."""
+    size = len(body)
+    h = th.CompactWriter()
+    h.struct([(1, th.I32, DATA_PAGE), (2, th.I32, size), (3, th.I32, size),
+              (5, th.STRUCT, [(1, th.I32, n), (2, th.I32, PLAIN), (3, th.I32, RLE), (4, th.I32, RLE)])])
+    page_off = 4
+    total = len(h.out) + size
+    m = th.CompactWriter()
+    chunk_meta = [(1, th.I32, BYTE_ARRAY), (2, th.LIST, (th.I32, [PLAIN])), (3, th.LIST, (th.BINARY, ["v"])),
+                  (4, th.I32, UNCOMPRESSED), (5, th.I64, n), (6, th.I64, total), (7, th.I64, total), (9, th.I64, page_off)]
+    m.struct([(1, th.I32, 1),
+              (2, th.LIST, (th.STRUCT, [[(4, th.BINARY, "s"), (5, th.I32, 1)],
+                                        [(1, th.I32, BYTE_ARRAY), (3, th.I32, 0), (4, th.BINARY, "v")]])),
+              (3, th.I64, n),
+              (4, th.LIST, (th.STRUCT, [[(1, th.LIST, (th.STRUCT, [[(2, th.I64, page_off), (3, th.STRUCT, chunk_meta)]])),
+                                         (2, th.I64, total), (3, th.I64, n)]]))])
+    return b"".join([MAGIC, bytes(h.out), body, bytes(m.out), struct.pack("<I", len(m.out)), MAGIC])
+
+
 def _plain_byte_array(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (int64, n+1) and the concatenated bytes (uint8) of n PLAIN BYTE_ARRAY values
-    (only of the values at ``select``, ascending indices, when given)."""
-    starts = [0] * n
-    p = pos
-    u32 = _u32
-    limit = end - 4
-    for i in range(n):  # one step per value: follows the length chain (cannot be vectorised in numpy)
-        if p > limit:
-            raise ValueError(f"BYTE_ARRAY data ends after {i} of {n} values")
-        starts[i] = p
-        p += 4 + u32(buf, p)[0]
-    if p > end:
-        raise ValueError("BYTE_ARRAY value runs past the end of the page")
-    a = np.frombuffer(buf, dtype=np.uint8, count=p - pos, offset=pos)
-    st = np.array(starts, dtype=np.int64) - pos
-    lens = np.empty(n, np.int64)
-    if n:
-        lens[:-1] = st[1:] - st[:-1] - 4
-        lens[-1] = (p - pos) - st[-1] - 4
-    if select is not None:  # copy just the selected values' bytes
+    (only of the values at ``select``, ascending indices, when given). Each value's offset depends
+    on the previous length, so no numpy pass finds them; Arrow's reader does, on a one-page file."""
+    if n == 0:
+        return np.zeros(1, np.int64), np.zeros(0, np.uint8)
+    if end - pos < 4 * n:
+        raise ValueError(f"BYTE_ARRAY data has {end - pos} bytes for {n} values")
+    body = memoryview(buf)[pos:end]
+    try:
+        arr = pq.ParquetFile(pa.BufferReader(_plain_page_file(body, n))).read().column(0).combine_chunks()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"BYTE_ARRAY data does not hold {n} values ({e})") from None
+    if len(arr) != n:
+        raise ValueError(f"BYTE_ARRAY data holds {len(arr)} of {n} values")
+    if select is not None:
         sel = np.asarray(select, np.int64)
         if len(sel) and (sel[0] < 0 or sel[-1] >= n):
             raise IndexError("row selection outside the page")
-        ls = lens[sel]
-        offsets = np.zeros(len(sel) + 1, np.int64)
-        np.cumsum(ls, out=offsets[1:])
-        mv = memoryview(buf)
-        data = np.frombuffer(b"".join([mv[starts[i] + 4 : starts[i] + 4 + ln] for i, ln in zip(sel.tolist(), ls.tolist())]),
-                             np.uint8)
-        return offsets, data
+        arr = arr.take(pa.array(sel, pa.int64()))
+    bufs = arr.buffers()
+    offs = np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4).astype(np.int64)
+    data = np.frombuffer(bufs[2], np.uint8, int(offs[-1] - offs[0]), int(offs[0])) if bufs[2] is not None \
+        else np.zeros(0, np.uint8)
+    return offs - offs[0], data
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
     if n == 0:

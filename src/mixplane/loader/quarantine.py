@@ -18,7 +18,11 @@ class QuarantineEntry:
     row_group: int | None
     column: str | None
     page: int | None
-    pages: int  # data pages skipped (0 when a whole file was skipped before its pages were known)
+    # data pages of the first projected column lost: a page (run); every page of a row-group chunk; a
+    # whole file's pages from its index, else (footer read, columns not) one per row group, else 1;
+    # a chunk whose headers could not be scanned: exact when another column's chunk was bad, else an
+    # estimate from the pages scanned before the bad header; 0 for a sample
+    pages: int
     message: str
 
 

@@ -138,9 +138,10 @@ class SourceStream:
         # live sources list their storage at most once per poll_s (monotonic clock)
         self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
         self.files = files or list_source_files(source.uri)
-        self.index = SourceIndex(self.columns)
+        self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self.segments: list[_Segment] = []
+        self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
         if buffer_bytes is not None and self.index.num_rows:
             # a memory budget, not only a row count: a buffer of long documents stays bounded
@@ -154,7 +155,6 @@ class SourceStream:
                 raise StreamError(f"source {self.name!r}: {self.index.num_units} pages cannot be split into "
                                   f"{self.num_partitions} partitions")
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
-        self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._cache: dict[int, dict[str, pa.Array]] = {}  # unit (page, page part, chunk) -> decoded rows
         self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
         self._held: dict[int, int] = {}  # unit -> rows its cached data holds, after compaction
@@ -182,11 +182,14 @@ class SourceStream:
         before = len(self.index.files)
 
         def on_bad(err: ParquetError) -> None:
-            self.quarantine.add(err, pages=1, whole_file=True)
+            self.quarantine.add(err, pages=getattr(err, "pages_lost", 1), whole_file=True)
 
+        bad_chunks: list[ParquetError] = []
         build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new], mtimes=[t[2] for t in new],
                            filesystem=self.files.filesystem, stats=self.stats, cache_dir=self._cache_dir,
-                           on_bad=on_bad, index=self.index)
+                           on_bad=on_bad, on_bad_chunk=bad_chunks.append, index=self.index)
+        for err in bad_chunks:
+            self._quarantine_chunk(err)
         if self.live:
             # a file that failed may still be being written: try it again when it changes
             for p in list(self.index.bad_files):
@@ -198,6 +201,18 @@ class SourceStream:
         self._split_pages(seg)
         self.segments.append(seg)
         return True
+
+    def _quarantine_chunk(self, err: ParquetError) -> None:
+        """A column chunk found unreadable while indexing: its row group's primary units (pages, or
+        the chunk in rowgroup mode) are marked bad before any read, and counted once, as the pages of
+        the first column they hold."""
+        idx = self.index
+        fi = next(i for i, f in enumerate(idx.files) if f.path == err.file)
+        p = idx.primary
+        c = int(np.flatnonzero((p["chunk_file"] == fi) & (p["chunk_rg"] == err.row_group))[0])
+        u0, u1 = int(p["chunk_first_unit"][c]), int(p["chunk_first_unit"][c + 1])
+        self._bad_units.update([c] if self.mode == "rowgroup" else range(u0, u1))
+        self.quarantine.add(err, pages=int(p["unit_pages"][u0:u1].sum()))
 
     def _split_pages(self, seg: _Segment) -> None:
         """Page mode: parts per page of a new segment, from the segment's own files only (so a
@@ -467,8 +482,11 @@ class SourceStream:
             select = np.arange(u % self._layout.stride, n, m, dtype=np.int64) if m > 1 else None
             return self.reader.read_rows(c, r0, r0 + n, (p, p + 1), select)
         except ParquetError as e:
-            pages = int(idx.primary["unit_pages"][p]) if self.mode != "rowgroup" else 1
-            self.quarantine.add(e, pages=pages)
+            a = idx.primary
+            # pages of the first column lost: the page (run), or every page of the row-group chunk
+            u0, u1 = (int(a["chunk_first_unit"][p]), int(a["chunk_first_unit"][p + 1])) if self.mode == "rowgroup" \
+                else (p, p + 1)
+            self.quarantine.add(e, pages=int(a["unit_pages"][u0:u1].sum()))
             self._bad_units.add(p)
             return None
 
@@ -515,8 +533,10 @@ class SourceStream:
             d = datas[0]
             sel = int64_array(gl)
             return good, {c: [d[c].take(sel)] for c in self.columns}
-        # rows from many units (page, row): one-row slices, concatenated once per take(); no
-        # per-unit take and no reordering copy
+        # rows from many units (page, row): zero-copy one-row slices, concatenated once per take().
+        # Measured on pyarrow 26 (64 rows from 64 units of 5000 strings / 500 token lists): slices
+        # 0.04-0.05 ms; a ChunkedArray.take over the units 0.8-2.9 ms (it concatenates every unit);
+        # one take per unit plus a reordering take 0.4-0.55 ms. The slice list is the cheapest gather.
         gl = gl.tolist()
         return good, {c: [datas[j][c].slice(r, 1) for j, r in zip(gi.tolist(), gl)] for c in self.columns}
 
@@ -652,8 +672,9 @@ class SourceStream:
             if have == segs:
                 return
         # rebuild the index in the recorded segment order
-        self.index = SourceIndex(self.columns)
+        self.index = SourceIndex(self.columns, self.source.kind)
         self.segments = []
+        self._bad_units = set()
         self._known = {}
         sizes = dict(zip(self.files.paths, self.files.sizes))
         mt = dict(zip(self.files.paths, self.files.mtimes_ns))

@@ -139,7 +139,8 @@ def read_struct(buf: bytes | bytearray | memoryview, pos: int = 0, end: int | No
     return s, r.pos
 
 
-# ---- writer (used by tests to build corrupt or unusual files, and by nothing on the hot path) ----
+# ---- writer (tests build corrupt or unusual files with it; pagereader wraps a PLAIN BYTE_ARRAY page in a
+# one-page file for Arrow to decode: a few small structs per page) ----
 
 class CompactWriter:
     def __init__(self) -> None:

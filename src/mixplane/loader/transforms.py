@@ -11,9 +11,13 @@
   by patch, row-major, each patch p*p*3 RGB), ``image_grid`` its (h_patches, w_patches).
 
 Per-sample metadata the planner sees before any payload moves: ``ntokens`` and ``npatches`` (the
-key and source travel with the RawSamples). A sample whose image cannot be decoded is emptied
-(ntokens 0, so the loader drops it) and counted in ``transform.quarantine.units_total`` (one per
-bad sample read, for the loader's metrics); it never delivers garbage and never stops the loader.
+key and source travel with the RawSamples). A bad sample — an image that cannot be decoded, a
+binary token row that is not whole int32 values, a null token item, an id outside int32, text that
+is not UTF-8 — is emptied (ntokens 0, so the loader drops it) and counted in
+``transform.quarantine.units_total`` (one per bad sample read, for the loader's metrics); the good
+rows of its batch are delivered unchanged. A batch is converted whole; only when that fails are its
+rows checked one by one to find the bad ones (the error path, never the common one). A column of a
+type the kind cannot read at all is a configuration error and still raises TransformError.
 """
 
 from __future__ import annotations
@@ -117,10 +121,10 @@ def _ragged_from_list_array(arr: pa.Array, what: str = "tokens") -> Ragged:
     if arr.null_count:
         arr = arr.fill_null(pa.scalar([], type=t))
     offsets = np.asarray(arr.offsets, dtype=np.int64)
-    vals_arr = arr.values
+    vals_arr = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))  # .values ignores a slice
     if vals_arr.null_count:
         raise TransformError(f"{what}: token lists contain nulls")
-    values = vals_arr.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    values = vals_arr.to_numpy(zero_copy_only=False)
     if values.dtype != np.int32:
         if len(values) and (values.min() < 0 or values.max() > np.iinfo(np.int32).max):
             raise TransformError(f"{what}: token ids outside int32")
@@ -155,6 +159,73 @@ def _texts(arr: pa.Array, what: str) -> list[str]:
         else:
             raise TransformError(f"{what}: column is {t}, expected text")
     return arr.fill_null("").to_pylist()
+
+
+def _check_token_type(arr, what: str) -> None:
+    """Column-level check (a wrong type is a configuration error, not a bad row)."""
+    t = arr.type
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        raise TransformError(f"{what}: expected a list<int> or binary column of token ids, got {t}")
+    if not pa.types.is_integer(t.value_type):
+        raise TransformError(f"{what}: token list items are {t.value_type}, expected integers")
+
+
+def _check_text_type(arr, what: str) -> None:
+    t = arr.type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or pa.types.is_null(t)):
+        raise TransformError(f"{what}: column is {t}, expected text")
+
+
+ROW_ERRORS = (ValueError, pa.ArrowException, OverflowError)  # TransformError is a ValueError
+
+
+def _bad_rows(convert: Callable, arr: pa.Array) -> dict[int, str]:
+    """Rows of ``arr`` that ``convert`` rejects, with why: one row at a time (only after the whole
+    batch failed, so the common path stays vectorised)."""
+    bad: dict[int, str] = {}
+    for i in range(len(arr)):
+        try:
+            convert(arr.slice(i, 1))
+        except ROW_ERRORS as e:
+            bad[i] = str(e)
+    return bad
+
+
+def _convert_isolating(convert: Callable, arr: pa.Array) -> tuple[object, np.ndarray, dict[int, str]]:
+    """(convert(good rows), mask of good rows, {bad row: why}). The whole batch first; if that
+    fails, find the bad rows and convert the others in one call."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    try:
+        return convert(arr), np.ones(len(arr), bool), {}
+    except ROW_ERRORS:
+        bad = _bad_rows(convert, arr)
+        if not bad:
+            raise  # not a row's fault (e.g. the batch as a whole): let the caller see it
+    keep = np.ones(len(arr), bool)
+    keep[list(bad)] = False
+    return convert(arr.filter(pa.array(keep))), keep, bad
+
+
+def _scatter(rg: Ragged, keep: np.ndarray) -> Ragged:
+    """Items of ``rg`` at the True slots of ``keep``, empty items elsewhere (vectorised)."""
+    if keep.all():
+        return rg
+    lens = np.zeros(len(keep), np.int64)
+    lens[keep] = rg.lengths
+    offsets = np.zeros(len(keep) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return Ragged(rg.values, offsets)
+
+
+def _quarantine_rows(quarantine: QuarantineLog, raw: RawSamples, bad: dict[int, str], what: str, kind: str,
+                     column: str) -> None:
+    for i, why in bad.items():
+        key = int(raw.keys[i])
+        quarantine.add(_SampleError(f"{what}: sample key {key}: {why}", key, kind, column), pages=0)
 
 
 ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds the tokenizer's transient memory
@@ -236,9 +307,13 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
         what = f"source {source.name!r}, column {col!r}"
 
         def tokens_passthrough(raw: RawSamples) -> TransformedSamples:
-            rg = _ragged_from_list_array(raw.columns[col], what)
+            arr = raw.columns[col]
+            _check_token_type(arr, what)
+            rg, keep, bad = _convert_isolating(lambda a: _ragged_from_list_array(a, what), arr)
             if eos is not None:
                 rg = append_value(rg, eos)
+            rg = _scatter(rg, keep)
+            _quarantine_rows(quarantine, raw, bad, what, "bad_tokens", col)
             n = rg.lengths.astype(np.int32)
             return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
 
@@ -252,9 +327,14 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
         what = f"source {source.name!r}, column {col!r}"
 
         def tokenize(raw: RawSamples) -> TransformedSamples:
-            rg = _encode(tok, _texts(raw.columns[col], what))
+            arr = raw.columns[col]
+            _check_text_type(arr, what)
+            texts, keep, bad = _convert_isolating(lambda a: _texts(a, what), arr)
+            rg = _encode(tok, texts)
             if eos is not None:
                 rg = append_value(rg, eos)
+            rg = _scatter(rg, keep)
+            _quarantine_rows(quarantine, raw, bad, what, "bad_text", col)
             n = rg.lengths.astype(np.int32)
             return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
 
@@ -274,24 +354,30 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
 
         def image_text(raw: RawSamples) -> TransformedSamples:
             n = len(raw)
-            caps = _encode(tok, _texts(raw.columns[cap_col], f"{what}, column {cap_col!r}")) if tok is not None else \
-                Ragged(np.zeros(0, np.int32), np.zeros(n + 1, np.int64))
+            cap_what = f"{what}, column {cap_col!r}"
+            _check_text_type(raw.columns[cap_col], cap_what)
+            texts, cap_ok, bad_caps = _convert_isolating(lambda a: _texts(a, cap_what), raw.columns[cap_col])
+            caps = _encode(tok, texts) if tok is not None else \
+                Ragged(np.zeros(0, np.int32), np.zeros(int(cap_ok.sum()) + 1, np.int64))
             if eos is not None:
                 caps = append_value(caps, eos)
+            caps = _scatter(caps, cap_ok)
+            _quarantine_rows(quarantine, raw, bad_caps, cap_what, "bad_text", cap_col)
             imgs = _image_bytes(raw.columns[img_col], f"{what}, column {img_col!r}")
             grid = np.zeros((n, 2), np.int32)
             pix: list[np.ndarray] = []
-            bad = np.zeros(n, bool)
+            bad = ~cap_ok  # a caption that is not text empties its sample too
             for i, b in enumerate(imgs):  # image decoding is per image by nature (Pillow)
-                if b is None:
+                if b is None or bad[i]:
                     pix.append(np.zeros(0, np.uint8))
                     continue
                 try:
                     flat, hp, wp = image_to_patches(b, p, max_side, multiple)
                 except Exception as e:  # PIL raises many types for corrupt data
                     bad[i] = True
-                    quarantine.add(_SampleError(f"{what}: sample key {int(raw.keys[i])}: undecodable image ({e})",
-                                                int(raw.keys[i])), pages=0)
+                    quarantine.add(_SampleError(f"{what}, column {img_col!r}: sample key {int(raw.keys[i])}: "
+                                                f"undecodable image ({e})", int(raw.keys[i]), "bad_image", img_col),
+                                   pages=0)
                     pix.append(np.zeros(0, np.uint8))
                     continue
                 grid[i] = (hp, wp)
@@ -318,10 +404,13 @@ def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamp
 
 
 class _SampleError(ValueError):
-    kind = "bad_image"
-    unit = "sample"
-    file = row_group = column = None
+    """A bad sample for the QuarantineLog: kind (bad_image, bad_tokens, bad_text), column, sample key."""
 
-    def __init__(self, message: str, key: int):
+    unit = "sample"
+    file = row_group = None
+
+    def __init__(self, message: str, key: int, kind: str = "bad_image", column: str | None = None):
         super().__init__(message)
+        self.kind = kind
+        self.column = column
         self.page = key  # the sample key identifies the quarantined unit
