@@ -238,7 +238,7 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
         from mixplane.samples import key_row
         from mixplane.spec import SourceSpec
 
-        src = SourceSpec(name="bench", uri=data_dir, columns=["text"], kind="tokens", shuffle=mode,
+        src = SourceSpec(name="bench", uri=data_dir, columns=["text"], kind="text", shuffle=mode,
                          shuffle_buffer_mb=None)  # the same 10,000-row buffer as HF streaming
         s = open_stream(src, seed=0, buffer_rows=buffer_rows)
         open_s = time.perf_counter() - t_open

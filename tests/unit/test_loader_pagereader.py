@@ -270,9 +270,10 @@ def _plain_byte_array_reference(buf, pos, end, n, select=None):
 
 
 @pytest.mark.parametrize("mean_len", [0, 3, 40, 3000])
-def test_plain_byte_array_matches_the_reference_loop(mean_len):
+@pytest.mark.parametrize("few", [True, False])  # both decoders: the short loop and Arrow's reader
+def test_plain_byte_array_matches_the_reference_loop(mean_len, few):
     rng = np.random.default_rng(mean_len)
-    n = int(rng.integers(1, 3000))
+    n = int(rng.integers(1, pr.PLAIN_LOOP_MAX_VALUES)) if few else int(rng.integers(pr.PLAIN_LOOP_MAX_VALUES + 1, 3000))
     vals = [rng.bytes(int(rng.integers(0, 2 * mean_len + 1))) for _ in range(n)]
     body = b"".join(len(v).to_bytes(4, "little") + v for v in vals)
     buf, pos = b"junk" + body + b"tail", 4  # values inside a larger buffer

@@ -642,10 +642,70 @@ def _plain_page_file(body, n: int) -> bytes:
     return b"".join([MAGIC, bytes(h.out), body, bytes(m.out), struct.pack("<I", len(m.out)), MAGIC])
 
 
+PLAIN_LOOP_MAX_VALUES = 1024  # pages with fewer values (e.g. ~1 KB+ texts in a 1 MB page) follow the chain in Python
+
+
 def _plain_byte_array(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (int64, n+1) and the concatenated bytes (uint8) of n PLAIN BYTE_ARRAY values
     (only of the values at ``select``, ascending indices, when given). Each value's offset depends
-    on the previous length, so no numpy pass finds them; Arrow's reader does, on a one-page file."""
+    on the previous length, so no numpy pass finds them: a page of many values goes through Arrow's
+    reader on a one-page file, a page of few values through a short loop (bounded per page)."""
+    if n <= PLAIN_LOOP_MAX_VALUES:
+        return _plain_byte_array_loop(buf, pos, end, n, select)
+    return _plain_byte_array_arrow(buf, pos, end, n, select)
+
+
+def _plain_byte_array_loop(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`_plain_byte_array` for pages of few (long) values: one step per value along the length chain,
+    then one copy of just the wanted bytes — cheaper there than the C++ reader's per-page setup and
+    its copy of the whole page."""
+    starts = [0] * n
+    p = pos
+    u32 = _u32
+    limit = end - 4
+    for i in range(n):  # one step per value: follows the length chain (cannot be vectorised in numpy)
+        if p > limit:
+            raise ValueError(f"BYTE_ARRAY data ends after {i} of {n} values")
+        starts[i] = p
+        p += 4 + u32(buf, p)[0]
+    if p > end:
+        raise ValueError("BYTE_ARRAY value runs past the end of the page")
+    a = np.frombuffer(buf, dtype=np.uint8, count=p - pos, offset=pos)
+    st = np.array(starts, dtype=np.int64) - pos
+    lens = np.empty(n, np.int64)
+    if n:
+        lens[:-1] = st[1:] - st[:-1] - 4
+        lens[-1] = (p - pos) - st[-1] - 4
+    if select is not None:  # copy just the selected values' bytes
+        sel = np.asarray(select, np.int64)
+        if len(sel) and (sel[0] < 0 or sel[-1] >= n):
+            raise IndexError("row selection outside the page")
+        ls = lens[sel]
+        offsets = np.zeros(len(sel) + 1, np.int64)
+        np.cumsum(ls, out=offsets[1:])
+        mv = memoryview(buf)
+        data = np.frombuffer(b"".join([mv[starts[i] + 4 : starts[i] + 4 + ln] for i, ln in zip(sel.tolist(), ls.tolist())]),
+                             np.uint8)
+        return offsets, data
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if n == 0:
+        return offsets, np.zeros(0, np.uint8)
+    if n * 64 <= p - pos:
+        # long values (text): copy each value's bytes in one memcpy, skipping the length prefixes
+        mv = memoryview(buf)
+        data = np.frombuffer(b"".join([mv[q + 4 : q + 4 + ln] for q, ln in zip(starts, lens.tolist())]), np.uint8)
+    else:
+        # short values: one vectorised pass with a mask of the prefix bytes
+        keep = np.ones(p - pos, bool)
+        keep[(st[:, None] + np.arange(4)).ravel()] = False
+        data = np.frombuffer(_alloc(int(offsets[-1])), np.uint8)
+        np.compress(keep, a, out=data)
+    return offsets, data
+
+
+def _plain_byte_array_arrow(buf, pos: int, end: int, n: int, select: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`_plain_byte_array` for pages of many values: Arrow's C++ reader follows the length chain."""
     if n == 0:
         return np.zeros(1, np.int64), np.zeros(0, np.uint8)
     if end - pos < 4 * n:
