@@ -727,21 +727,6 @@ def _plain_byte_array_arrow(buf, pos: int, end: int, n: int, select: np.ndarray 
     data = np.frombuffer(bufs[2], np.uint8, int(offs[-1] - offs[0]), int(offs[0])) if bufs[2] is not None \
         else np.zeros(0, np.uint8)
     return offs - offs[0], data
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    if n == 0:
-        return offsets, np.zeros(0, np.uint8)
-    if n * 64 <= p - pos:
-        # long values (text): copy each value's bytes in one memcpy, skipping the length prefixes
-        mv = memoryview(buf)
-        data = np.frombuffer(b"".join([mv[q + 4 : q + 4 + ln] for q, ln in zip(starts, lens.tolist())]), np.uint8)
-    else:
-        # short values: one vectorised pass with a mask of the prefix bytes
-        keep = np.ones(p - pos, bool)
-        keep[(st[:, None] + np.arange(4)).ravel()] = False
-        data = np.frombuffer(_alloc(int(offsets[-1])), np.uint8)
-        np.compress(keep, a, out=data)
-    return offsets, data
 
 
 def _binary_array(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | None, string: bool) -> pa.Array:
