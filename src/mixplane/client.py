@@ -185,6 +185,11 @@ class MixtureLoader:
         p.connect(self.planner_endpoint)
         self._planner = p
         route = self._request(p, Kind.ROUTE, {"rank": self.rank}, "route")
+        world = route.meta.get("world_size")
+        if self.world_size is not None and isinstance(world, int) and world != self.world_size:
+            # a smaller torchrun world would silently train on part of every global batch
+            raise DeliveryError(f"rank {self.rank}: WORLD_SIZE is {self.world_size} but the mixture served by "
+                                f"{self.planner_endpoint} has a topology of {world} ranks")
         resume = self._resume_cursor
         if resume is None and self._from_start:
             resume = route.meta.get("initial_cursor")  # a state saved before the first step: restart at step 0

@@ -110,3 +110,28 @@ def test_restored_window_cursor_keeps_partial_progress():
     assert w.cursor()["partial"] == {"16": 32}
     w.add(np.array([16, 17]), np.array([1, 2]), np.array([35, 10]), np.zeros(2, np.int64))
     assert w.cursor()["partial"] == {"16": 32} and w.unconsumed_tokens == 13
+
+
+def test_a_world_size_other_than_the_topology_is_refused():
+    """torchrun with fewer ranks than the mixture's topology would train on part of every batch."""
+    import threading
+
+    ctx = zmq.Context()
+    try:
+        planner, ep = _fake_planner(ctx)
+
+        def answer():
+            if planner.poll(3000):
+                route, _ = wire.recv(planner, routed=True)
+                wire.send(planner, Kind.ROUTE_REPLY, {"endpoint": "tcp://127.0.0.1:9", "coords": {"rank": 0},
+                                                      "sources": ["a"], "start_step": 0, "world_size": 8}, route=route)
+
+        t = threading.Thread(target=answer)
+        t.start()
+        l = MixtureLoader(ep, rank=1, world_size=4, timeout_s=3, context=ctx)
+        with pytest.raises(DeliveryError, match=f"WORLD_SIZE is 4 but the mixture served by {ep} has a topology of 8 ranks"):
+            next(l)
+        t.join()
+        l.close()
+    finally:
+        ctx.destroy(linger=0)

@@ -132,7 +132,7 @@ class PlannerServer:
         ci = next(i for i, g in enumerate(self.groups) if rank in g)
         c = self.constructors[ci]
         self._send(identity, Kind.ROUTE_REPLY, {
-            "constructor": ci, "endpoint": c.client_endpoint, "session": self.session,
+            "constructor": ci, "endpoint": c.client_endpoint, "session": self.session, "world_size": self.spec.world_size,
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "start_step": int(self.session_start["step"]),
