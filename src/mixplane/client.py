@@ -8,7 +8,8 @@
     loader.load_state_dict(state)            # resume exactly: same batches, no repeats, no gaps
 
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
-checked against WORLD_SIZE; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
+checked against WORLD_SIZE and the mixture's topology — or ``coords={"dp": .., "pp": .., "cp": .., "tp": ..}``,
+the rank's backbone mesh position, which the planner maps to its global rank; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
 ``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
 interval of both sockets, default 2, 0 disables); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
 MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
@@ -124,14 +125,18 @@ class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
                  timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
                  curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
-                 heartbeat_s: float | None = None, encoder_group: Any = None):
+                 heartbeat_s: float | None = None, encoder_group: Any = None, coords: dict[str, int] | None = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
+        if coords is not None and rank is not None:
+            raise ValueError("pass rank= or coords=, not both")
+        # explicit backbone coordinates {dp, pp, cp, tp}: the planner maps them to the global rank on connect
+        self.requested_coords = dict(coords) if coords is not None else None
         r = rank if rank is not None else _env_int("RANK", _env_int("MIXPLANE_RANK", 0))
-        self.rank = int(r if r is not None else 0)
+        self.rank = -1 if coords is not None else int(r if r is not None else 0)
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
-        if self.world_size is not None and not 0 <= self.rank < self.world_size:
+        if coords is None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside WORLD_SIZE {self.world_size}")
         self.local_rank = _env_int("LOCAL_RANK")
         pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH", 2)
@@ -184,7 +189,10 @@ class MixtureLoader:
         p = self._socket()
         p.connect(self.planner_endpoint)
         self._planner = p
-        route = self._request(p, Kind.ROUTE, {"rank": self.rank}, "route")
+        ask = {"rank": self.rank} if self.requested_coords is None else {"coords": self.requested_coords}
+        route = self._request(p, Kind.ROUTE, ask, "route")
+        if self.requested_coords is not None:
+            self.rank = route.get("rank", int)
         world = route.meta.get("world_size")
         if self.world_size is not None and isinstance(world, int) and world != self.world_size:
             # a smaller torchrun world would silently train on part of every global batch

@@ -356,6 +356,21 @@ def backbone_coords(spec: DataMixtureSpec, rank: int) -> RankCoords:
     return place_tree(spec).backbone.coords_of(rank)
 
 
+def backbone_rank(spec: DataMixtureSpec, coords: Any) -> int:
+    """The global rank at explicit backbone coordinates {dp, pp, cp, tp} (unnamed axes: 0), for
+    clients configured by their mesh position instead of RANK; ValueError naming what is wrong."""
+    if not isinstance(coords, dict):
+        raise ValueError(f"coordinates must be a mapping of {', '.join(AXES)}, got {type(coords).__name__}")
+    mesh = place_tree(spec).backbone
+    bad = [k for k in coords if k not in AXES]
+    if bad:
+        raise ValueError(f"unknown coordinate(s) {', '.join(map(str, bad))} (axes: {', '.join(AXES)})")
+    for a, v in coords.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < mesh.sizes[a]:
+            raise ValueError(f"coordinate {a}={v!r} outside 0..{mesh.sizes[a] - 1}")
+    return int(mesh.rank_of(**{a: int(v) for a, v in coords.items()}))
+
+
 def constructor_groups(spec: DataMixtureSpec) -> list[list[int]]:
     """Global ranks served by each Data Constructor (one per DP group, or one per node)."""
     return place_tree(spec).constructor_groups()

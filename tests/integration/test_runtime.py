@@ -481,3 +481,26 @@ def test_a_request_far_in_the_future_is_refused_not_planned(token_sources, tmp_p
         assert rt.status()["planned_through"] < 100
         got = fetch(rt.planner_endpoint, 2, 3)  # and the run is fine
         assert [int(b["step"]) for b in got[1]] == [0, 1, 2]
+
+
+def test_client_configured_by_mesh_coordinates(token_sources, tmp_path):
+    """coords={dp, pp, cp, tp} instead of RANK: the planner maps them to the global rank; bad ones are refused."""
+    from mixplane.client import DeliveryError
+    from mixplane.topology import backbone_rank
+
+    spec = parse_spec(token_mixture(token_sources["root"]))
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        want = backbone_rank(spec, {"dp": 1})
+        by_rank = MixtureLoader(rt.planner_endpoint, rank=want, timeout_s=60, max_steps=2)
+        by_coords = MixtureLoader(rt.planner_endpoint, coords={"dp": 1}, timeout_s=60, max_steps=2)
+        a, b = list(by_rank), list(by_coords)
+        assert by_coords.rank == want and by_coords.coords["dp"] == 1
+        assert len(a) == len(b) == 2 and all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
+        by_rank.close()
+        by_coords.close()
+        bad = MixtureLoader(rt.planner_endpoint, coords={"dp": 5}, timeout_s=20, max_steps=1)
+        with pytest.raises(DeliveryError, match=r"route refused .*coordinate dp=5 outside 0\.\.1"):
+            next(bad)
+        bad.close()
+    with pytest.raises(ValueError, match="rank= or coords="):
+        MixtureLoader("tcp://127.0.0.1:9", rank=0, coords={"dp": 0})

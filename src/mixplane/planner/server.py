@@ -24,7 +24,7 @@ from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
-from mixplane.topology import backbone_coords, constructor_groups, dp_ranks_of_group
+from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.planner")
@@ -133,6 +133,7 @@ class PlannerServer:
         c = self.constructors[ci]
         self._send(identity, Kind.ROUTE_REPLY, {
             "constructor": ci, "endpoint": c.client_endpoint, "session": self.session, "world_size": self.spec.world_size,
+            "rank": rank,
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "start_step": int(self.session_start["step"]),
@@ -196,7 +197,14 @@ class PlannerServer:
                 # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
                 self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
         elif k == Kind.ROUTE:
-            rank = msg.get("rank", int)
+            if "coords" in msg.meta:  # a client configured by its mesh position
+                try:
+                    rank = backbone_rank(self.spec, msg.meta["coords"])
+                except ValueError as e:
+                    self._send(identity, Kind.ERROR, {"error": f"route: {e}"})
+                    return
+            else:
+                rank = msg.get("rank", int)
             if self.all_constructors:
                 self._route_reply(identity, rank)
             else:
