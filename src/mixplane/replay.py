@@ -24,7 +24,7 @@ from mixplane.loader.window import LoaderWindow
 from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
 from mixplane.planner.journal import read_journal, replan
 from mixplane.runtime import default_run_dir
-from mixplane.spec import DataMixtureSpec
+from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.topology import backbone_coords
 
 LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
@@ -93,7 +93,7 @@ class ReplayLoaders:
             stream, transform = self.opener(spec, w.source, w.replica)
             live = bool(getattr(spec.sources[w.source], "live", False))
             lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
-                              read_timeout=LIVE_READ_TIMEOUT if live else None)
+                              read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec))
         self._windows[key] = (w, lw)
         return lw
 

@@ -85,7 +85,7 @@ class BatchSpec(_Model):
     seq_len: int = Field(..., description="Tokens per packed row.")
     microbatches: int = Field(1, ge=1, description="Microbatches per data-parallel rank per step.")
     packing: Literal["best_fit", "next_fit", "none"] = Field("best_fit", description="How documents are packed into rows.")
-    overlong: Literal["split", "truncate"] = Field("split", description="Documents longer than seq_len are split into chunks or truncated.")
+    overlong: Literal["split", "truncate", "drop"] = Field("split", description="Documents longer than seq_len are split into chunks, truncated, or dropped (by the loader, before the planner sees them; counted in `mixplane_loader_dropped_overlong_total`).")
     pad_id: int = Field(0, ge=0, description="Token id used for padding (labels are -100 there).")
 
 
@@ -202,6 +202,11 @@ class DataMixtureSpec(_Model):
         r = self.runtime
         tokens = r.window_tokens if r.window_tokens is not None else max(2 * self.tokens_per_step // self.sources[source].replicas, 2 * self.batch.seq_len)
         return min(r.window, r.window_max), tokens, r.window_max
+
+
+def overlong_limit(spec: "DataMixtureSpec") -> int | None:
+    """Token count above which loaders drop a sample (batch.overlong == 'drop'), else None."""
+    return spec.batch.seq_len if spec.batch.overlong == "drop" else None
 
 
 def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:

@@ -504,3 +504,36 @@ def test_client_configured_by_mesh_coordinates(token_sources, tmp_path):
         bad.close()
     with pytest.raises(ValueError, match="rank= or coords="):
         MixtureLoader("tcp://127.0.0.1:9", rank=0, coords={"dp": 0})
+
+
+def test_overlong_drop_leaves_long_documents_out_and_counts_them(tmp_path):
+    """batch.overlong: drop — no delivered span comes from a document longer than seq_len, every
+    delivered document is whole, and the loader counts what it dropped; replay agrees."""
+    import urllib.request
+
+    from mixplane.replay import replay_step
+
+    docs = write_token_source(tmp_path / "d", rows=600, files=1, mean_len=60, seed=21)
+    S = 128
+    assert sum(len(d) > S for d in docs) > 20  # the source has plenty of over-long documents
+    spec = parse_spec({
+        "name": "drop", "sources": [{"name": "d", "uri": str(tmp_path / "d"), "kind": "tokens", "columns": ["tokens"]}],
+        "batch": {"sequences": 4, "seq_len": S, "microbatches": 1, "overlong": "drop"},
+        "topology": {"modules": {"backbone": {"dp": 2}}}, "runtime": {"window": 16},
+    })
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        got = fetch(rt.planner_endpoint, 2, 10)
+        port = rt.endpoints()["components"]["loader-d-0"]["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    delivered = 0
+    for r in (0, 1):
+        for b in got[r]:
+            for k, st, ln in zip(b["segment_key"], b["segment_start"], b["segment_len"]):
+                doc = docs[int(key_row(k))]
+                assert len(doc) <= S and int(st) == 0 and int(ln) == len(doc)
+                delivered += 1
+    assert delivered > 20
+    line = next(l for l in text.splitlines() if l.startswith('mixplane_loader_dropped_overlong_total{source="d"}'))
+    assert float(line.split()[-1]) >= 1
+    out = replay_step(spec, step=7, rank=1, run_dir=str(tmp_path / "run"))
+    assert out["digest_match"]

@@ -19,7 +19,7 @@ from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.loader.window import LoaderWindow
-from mixplane.spec import DataMixtureSpec
+from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
@@ -47,9 +47,10 @@ class LoaderServer:
         self.constructor_endpoints: list[str] = []
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
-                                   read_timeout=0.2 if self.source.live else None)
+                                   read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec))
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
+        self._dropped_seen = 0
         self._last_status_line = 0.0
         self.session = -1
         self.welcomed = False
@@ -102,6 +103,10 @@ class LoaderServer:
         if q > self._quarantined_seen:
             self.m.loader_quarantined_pages.labels(self.source.name).inc(q - self._quarantined_seen)
             self._quarantined_seen = q
+        dropped = self.window.dropped_overlong
+        if dropped > self._dropped_seen:
+            self.m.loader_dropped_overlong.labels(self.source.name).inc(dropped - self._dropped_seen)
+            self._dropped_seen = dropped
         tq = getattr(self.window.transform, "quarantine", None)
         bad = tq.units_total if tq is not None else 0
         if bad > self._bad_samples_seen:

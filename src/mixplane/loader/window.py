@@ -50,7 +50,8 @@ class Announcement:
 
 class LoaderWindow:
     def __init__(self, stream: Any, transform: Callable, bounds: tuple[int, int, int],
-                 on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None):
+                 on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None,
+                 drop_longer_than: int | None = None):
         self.stream = stream
         self.read_timeout = read_timeout  # live sources: give control back while dry
         self.stalled = False
@@ -62,6 +63,9 @@ class LoaderWindow:
         self.skip: set[int] = set()
         self.partial: dict[int, int] = {}
         self.on_read = on_read
+        # batch.overlong == 'drop' (spec.overlong_limit): longer samples are never announced, like empty ones
+        self.drop_longer_than = drop_longer_than
+        self.dropped_overlong = 0
         # read-ahead beyond the window (invisible to the planner): refills after a step are then
         # announced at once instead of waiting for the tokenizer, so loaders overlap with planning
         self.read_ahead_tokens = self.min_tokens
@@ -123,6 +127,9 @@ class LoaderWindow:
                 self.skip.discard(p)
                 continue
             if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
+                continue
+            if self.drop_longer_than is not None and out.ntokens[i] > self.drop_longer_than:
+                self.dropped_overlong += 1
                 continue
             self.staged_tokens += int(out.ntokens[i])
             self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
