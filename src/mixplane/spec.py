@@ -12,7 +12,6 @@ returns every problem with its field path, so `mixplane validate` can list them 
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
@@ -414,15 +413,17 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
     st = spec.strategy.name
     if ":" in st:
         mod, _, fn = st.rpartition(":")
-        if mod.endswith(".py"):  # a strategy file (relative paths resolve against the spec file)
-            if not os.path.isfile(os.path.expanduser(mod)):
-                out.append(Problem(f"{p}strategy.name", f"no such strategy file: {mod}"))
+        if mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):  # relative paths resolve against the spec file
+            out.append(Problem(f"{p}strategy.name", f"no such strategy file: {mod}"))
         else:
+            # load it as the planner will, and bind its options: an import error, a missing function or an
+            # option the function does not take is reported here, not when the planner starts
+            from mixplane.planner.strategies import StrategyError, bind_options, load_callable
+
             try:
-                if not callable(getattr(importlib.import_module(mod), fn)):
-                    out.append(Problem(f"{p}strategy.name", f"{st} is not callable"))
-            except (ImportError, AttributeError) as e:
-                out.append(Problem(f"{p}strategy.name", f"cannot import {st}: {e}"))
+                bind_options(load_callable(st), dict(spec.strategy.options), st)
+            except StrategyError as e:
+                out.append(Problem(f"{p}strategy.name", str(e)))
     elif st not in builtin_strategy_names():
         out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(builtin_strategy_names())}; or package.module:function)"))
 

@@ -254,7 +254,25 @@ def test_unknown_strategy(good):
     good["strategy"] = {"name": "magic"}
     assert any(p.startswith("strategy.name: unknown strategy 'magic'") for p in problems(good))
     good["strategy"] = {"name": "nonexistent_pkg.mod:fn"}
-    assert any(p.startswith("strategy.name: cannot import nonexistent_pkg.mod:fn") for p in problems(good))
+    assert any(p.startswith("strategy.name: strategy 'nonexistent_pkg.mod:fn': cannot import: ModuleNotFoundError")
+               for p in problems(good))
+
+
+def test_user_strategy_files_are_loaded_as_the_planner_loads_them(good, tmp_path):
+    """A strategy file that does not import, lacks the function, or does not take the spec's options is a
+    validation problem naming strategy.name — not a traceback when the planner starts."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def plan(ctx:\n")  # SyntaxError
+    ok = tmp_path / "ok.py"
+    ok.write_text("def plan(ctx, method='greedy'):\n    return ctx.graph().plan()\n")
+    good["strategy"] = {"name": f"{broken}:plan"}
+    assert any(p.startswith(f"strategy.name: strategy '{broken}:plan': cannot import: SyntaxError") for p in problems(good))
+    good["strategy"] = {"name": f"{ok}:missing"}
+    assert any(p.startswith(f"strategy.name: strategy '{ok}:missing': cannot import: AttributeError") for p in problems(good))
+    good["strategy"] = {"name": f"{ok}:plan", "options": {"methd": "kk"}}
+    assert problems(good) == [f"strategy.name: strategy '{ok}:plan' does not accept option(s) methd (it takes: method)"]
+    good["strategy"] = {"name": f"{ok}:plan", "options": {"method": "karmarkar_karp"}}
+    assert problems(good) == []
 
 
 def test_type_errors_name_the_field(good):

@@ -77,8 +77,8 @@ def load_callable(name: str, base_dir: str | os.PathLike | None = None) -> Calla
         else:
             module = importlib.import_module(mod)
         obj = getattr(module, fn)
-    except (ImportError, AttributeError, FileNotFoundError, OSError) as e:
-        raise StrategyError(f"strategy {name!r}: cannot import: {e}") from None
+    except Exception as e:  # noqa: BLE001 - user code may raise anything at import (SyntaxError, ...)
+        raise StrategyError(f"strategy {name!r}: cannot import: {type(e).__name__}: {e}") from None
     if not callable(obj):
         raise StrategyError(f"strategy {name!r} is not callable")
     return obj
