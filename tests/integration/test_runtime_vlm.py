@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from mixplane.client import MixtureLoader
-from mixplane.constructor.multimodal import rowmajor_to_windows
+from mixplane.layout import segment_offsets
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
-from tests.integration.test_transport_multimodal import P, _images, _tokenizer
+from tests.integration.test_transport_multimodal import P, _images, _tokenizer, expected_patches
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,16 +46,12 @@ def test_images_reach_the_rank_that_encodes_them(tmp_path):
                 ids, idx = b["input_ids"], b["image_token_index"]
                 assert np.array_equal(ids == img_id, idx >= 0)
                 rows, lens = b["segment_row"].astype(np.int64), b["segment_len"].astype(np.int64)
-                csum = np.cumsum(lens)
-                first = np.searchsorted(rows, rows, side="left")
-                offs = csum - lens - np.where(first > 0, csum[first - 1], 0)
+                offs = segment_offsets(rows, lens)
                 for r, key, start, ln, o in zip(rows, b["segment_key"], b["segment_start"], lens, offs):
                     if start != 0:
                         continue
-                    a = arrays[int(key) & ((1 << 40) - 1)]
-                    gh, gw = a.shape[0] // P, a.shape[1] // P
-                    expect = a.reshape(gh, P, gw, P, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)[rowmajor_to_windows((gh, gw), 1)]
-                    k = min(gh * gw, int(ln))
+                    expect = expected_patches(arrays[int(key) & ((1 << 40) - 1)])
+                    k = min(len(expect), int(ln))
                     seg_idx = idx[r, o : o + k]
                     np.testing.assert_array_equal(gathered[seg_idx], expect[:k])
                     owner = int(np.searchsorted(np.cumsum([len(x["pixel_patches"]) for x in batches]), seg_idx[0], side="right"))

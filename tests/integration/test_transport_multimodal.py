@@ -12,6 +12,7 @@ import pytest
 
 from mixplane.client import MixtureLoader
 from mixplane.constructor.multimodal import rowmajor_to_windows
+from mixplane.layout import segment_offsets
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 
@@ -28,6 +29,14 @@ def _tokenizer(path):
                             trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|endoftext|>", "<|image|>"]))
     tok.save(str(path))
     return tok
+
+
+def expected_patches(a: np.ndarray, merge: int = 1) -> np.ndarray:
+    """An image's patches as the trainer's encoder sees them: cut row-major, reordered into merge
+    windows, ``merge`` patches per merged token (one row per token)."""
+    gh, gw = a.shape[0] // P, a.shape[1] // P
+    patches = a.reshape(gh, P, gw, P, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)
+    return patches[rowmajor_to_windows((gh, gw), merge)].reshape(gh * gw // merge, -1)
 
 
 def _images(n, rng, unit=P):
@@ -81,17 +90,12 @@ def test_image_patches_and_fused_layout_end_to_end(tmp_path, merge):
                 seen_images += len(b["image_ids"])
                 # each placeholder points at the right patch of the right image (image first, then caption)
                 rows, lens = b["segment_row"].astype(np.int64), b["segment_len"].astype(np.int64)
-                csum = np.cumsum(lens)
-                first = np.searchsorted(rows, rows, side="left")
-                offs = csum - lens - np.where(first > 0, csum[first - 1], 0)
+                offs = segment_offsets(rows, lens)
                 for r, key, start, ln, o in zip(rows, b["segment_key"], b["segment_start"], lens, offs):
-                    a = arrays[int(key) & ((1 << 40) - 1)]
-                    gh, gw = a.shape[0] // P, a.shape[1] // P
-                    expect = a.reshape(gh, P, gw, P, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)
-                    expect = expect[rowmajor_to_windows((gh, gw), merge)].reshape(gh * gw // merge, -1)
+                    expect = expected_patches(arrays[int(key) & ((1 << 40) - 1)], merge)  # one row per merged token
                     seg_ids, seg_idx = ids[r, o:o + ln], idx[r, o:o + ln]
                     if start == 0:
-                        k = min(gh * gw // merge, int(ln))
+                        k = min(len(expect), int(ln))
                         assert np.all(seg_ids[:k] == img_id) and not np.any(seg_ids[k:] == img_id)
                         np.testing.assert_array_equal(merged[seg_idx[:k]], expect[:k])
                         checked += k

@@ -11,19 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from mixplane.client import MixtureLoader
-from mixplane.constructor.multimodal import ENCODER_FIELDS, rowmajor_to_windows
+from mixplane.constructor.multimodal import ENCODER_FIELDS
+from mixplane.layout import segment_offsets
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
-from tests.integration.test_transport_multimodal import P, _images, _tokenizer
+from tests.integration.test_transport_multimodal import P, _images, _tokenizer, expected_patches
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 4
 SCALARS = ("step", "lr_scale", "phase", "seq_len", "meta_only", "encoder_meta_only", "encoder_leader")
-
-
-def _expected_patches(a: np.ndarray) -> np.ndarray:
-    gh, gw = a.shape[0] // P, a.shape[1] // P
-    return a.reshape(gh, P, gw, P, 3).transpose(0, 2, 1, 3, 4).reshape(gh * gw, -1)[rowmajor_to_windows((gh, gw), 1)]
 
 
 def _after_broadcasts(batches: list[dict], tp: int) -> list[dict]:
@@ -85,13 +81,11 @@ def test_images_with_tp2_reach_their_encoder_and_skip_the_tp_broadcast(tmp_path,
                 ids, idx = b["input_ids"], b["image_token_index"]
                 assert np.array_equal(ids == img_id, idx >= 0)
                 rows, lens = b["segment_row"].astype(np.int64), b["segment_len"].astype(np.int64)
-                csum = np.cumsum(lens)
-                first = np.searchsorted(rows, rows, side="left")
-                offs = csum - lens - np.where(first > 0, csum[first - 1], 0)
+                offs = segment_offsets(rows, lens)
                 for row, key, start, ln, o in zip(rows, b["segment_key"], b["segment_start"], lens, offs):
                     if start != 0:
                         continue
-                    expect = _expected_patches(arrays[int(key) & ((1 << 40) - 1)])
+                    expect = expected_patches(arrays[int(key) & ((1 << 40) - 1)])
                     k = min(len(expect), int(ln))
                     np.testing.assert_array_equal(gathered[idx[row, o:o + k]], expect[:k])
         for l in loaders:

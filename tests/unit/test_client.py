@@ -38,6 +38,20 @@ def _fake_planner(ctx, constructor_ep=None):
     return s, f"tcp://127.0.0.1:{port}"
 
 
+def _answer_route(planner, meta: dict):
+    """A thread that answers the next ROUTE at the fake planner with `meta` (bounded wait)."""
+    import threading
+
+    def answer():
+        if planner.poll(3000):
+            route, _ = wire.recv(planner, routed=True)
+            wire.send(planner, Kind.ROUTE_REPLY, meta, route=route)
+
+    t = threading.Thread(target=answer)
+    t.start()
+    return t
+
+
 def test_timeouts_name_the_endpoint():
     ctx = zmq.Context()
     try:
@@ -54,16 +68,7 @@ def test_timeouts_name_the_endpoint():
         cport = silent.bind_to_random_port("tcp://127.0.0.1")
         cep = f"tcp://127.0.0.1:{cport}"
         l = MixtureLoader(ep, rank=0, timeout_s=0.5, context=ctx)
-        import threading
-
-        def answer():
-            if planner.poll(3000):
-                route, _ = wire.recv(planner, routed=True)
-                wire.send(planner, Kind.ROUTE_REPLY, {"endpoint": cep, "coords": {"rank": 0}, "sources": ["a"],
-                                                      "start_step": 0}, route=route)
-
-        t = threading.Thread(target=answer)
-        t.start()
+        t = _answer_route(planner, {"endpoint": cep, "coords": {"rank": 0}, "sources": ["a"], "start_step": 0})
         with pytest.raises(DeliveryError, match=f"step 0 not delivered by constructor {cep} within 0.5s"):
             next(l)
         t.join()
@@ -114,20 +119,11 @@ def test_restored_window_cursor_keeps_partial_progress():
 
 def test_a_world_size_other_than_the_topology_is_refused():
     """torchrun with fewer ranks than the mixture's topology would train on part of every batch."""
-    import threading
-
     ctx = zmq.Context()
     try:
         planner, ep = _fake_planner(ctx)
-
-        def answer():
-            if planner.poll(3000):
-                route, _ = wire.recv(planner, routed=True)
-                wire.send(planner, Kind.ROUTE_REPLY, {"endpoint": "tcp://127.0.0.1:9", "coords": {"rank": 0},
-                                                      "sources": ["a"], "start_step": 0, "world_size": 8}, route=route)
-
-        t = threading.Thread(target=answer)
-        t.start()
+        t = _answer_route(planner, {"endpoint": "tcp://127.0.0.1:9", "coords": {"rank": 0}, "sources": ["a"],
+                                    "start_step": 0, "world_size": 8})
         l = MixtureLoader(ep, rank=1, world_size=4, timeout_s=3, context=ctx)
         with pytest.raises(DeliveryError, match=f"WORLD_SIZE is 4 but the mixture served by {ep} has a topology of 8 ranks"):
             next(l)
