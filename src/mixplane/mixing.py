@@ -26,6 +26,7 @@ its own accounting at its start step.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,14 +242,17 @@ class DeficitSampler:
             self.unit_max = 0.0
 
     def pick(self, probs: np.ndarray, eligible: np.ndarray, unit: float = 1.0, *,
-             sizes: np.ndarray | None = None, scale: float | None = None) -> int:
-        """Index of the next source, or -1 if none is eligible (reference implementation; the planner's
-        select() inlines the sizes form).
+             sizes: np.ndarray | None = None, scale: float | None = None, fallback: bool = True) -> int:
+        """Index of the next source, or -1 if none is eligible (the reference rule; the planner's
+        select() runs the sizes form incrementally through `EDFQueue`, which a property test checks
+        against this method pick for pick).
 
         sizes given (what each source's next sample adds; the planner knows them): the EDF rule with
         L = scale (default: the largest size seen in the segment). Else unit > 0: samples of `unit`
         each, Tijdeman's rule (within 1 - 1/(2k-2) units). Else (unit == 0, sizes unknown until
         after the pick): the largest deficit (ahead by less than one document).
+        fallback=False: -1 when no eligible source is released (the planner then ends the step
+        rather than let a source run ahead); True: the largest deficit among the eligible.
         """
         probs = np.asarray(probs, dtype=np.float64)
         mask = np.asarray(eligible, dtype=bool) & (probs > 0)
@@ -269,8 +273,11 @@ class DeficitSampler:
         released = mask & (r + l - probs * (T + l) <= delta + 1e-9 * L)
         if released.any():
             with np.errstate(divide="ignore", over="ignore"):
-                deadline = np.where(released, (r + delta) / np.where(probs > 0, probs, 1.0), np.inf)
+                inv_p = np.where(probs > 0, 1.0 / np.where(probs > 0, probs, 1.0), 0.0)
+                deadline = np.where(released, (r + delta) * inv_p, np.inf)
             return int(np.argmin(deadline))  # ties -> lowest index: deterministic
+        if not fallback:
+            return -1
         return int(np.argmax(np.where(mask, probs * (T + l) - r, -np.inf)))
 
     def record(self, source: int, amount: float) -> None:
@@ -290,3 +297,90 @@ class DeficitSampler:
         self.segment_start = int(state["segment_start"])
         self.realized = realized
         self.unit_max = float(state.get("unit_max", 0.0))
+
+
+class EDFQueue:
+    """`DeficitSampler.pick(probs, eligible, sizes=..., scale=L, fallback=False)`, incrementally.
+
+    The planner picks once per placed piece (tens of thousands of times a step) among up to
+    thousands of sources; re-evaluating every source per pick is O(sources) each time. Here a
+    source's state changes only when it is picked or its next size changes, and the total T only
+    grows, so a source that is released stays released until it changes: released sources wait in
+    a heap by deadline, the others in a heap by the (approximate) T at which they will be released,
+    and the exact release test is the one `pick` evaluates, so the picks are the same, ties included
+    (lowest index). `realized` / `total` are the segment's counters, updated by `record`.
+    """
+
+    def __init__(self, probs: np.ndarray, realized: np.ndarray, scale: float):
+        self.probs = [float(x) for x in probs]
+        self.inv_p = [1.0 / x if x > 0 else 0.0 for x in self.probs]
+        self.realized = [float(x) for x in realized]
+        self.total = float(np.asarray(realized, dtype=np.float64).sum())
+        self.scale = float(scale)
+        self.delta = slack(sum(1 for x in self.probs if x > 0)) * self.scale
+        self.limit = self.delta + 1e-9 * self.scale
+        n = len(self.probs)
+        self.size = [0.0] * n
+        self.version = [0] * n
+        self.active = [False] * n
+        self.count = 0
+        self._ready: list[tuple[float, int, int]] = []  # (deadline, source, version)
+        self._wait: list[tuple[float, int, int]] = []  # (approximate release total, source, version)
+        self._near: list[int] = []  # popped from _wait, not yet released by the exact test
+
+    def _released(self, i: int) -> bool:
+        li = self.size[i]
+        return self.realized[i] + li - self.probs[i] * (self.total + li) <= self.limit
+
+    def set(self, i: int, size: float) -> None:
+        """Source i is eligible and its next piece adds `size` (its probability must be > 0)."""
+        self.version[i] += 1
+        if not self.active[i]:
+            self.active[i] = True
+            self.count += 1
+        self.size[i] = size
+        v = self.version[i]
+        if self._released(i):
+            heapq.heappush(self._ready, ((self.realized[i] + self.delta) * self.inv_p[i], i, v))
+        else:
+            at = (self.realized[i] + size - self.limit) * self.inv_p[i] - size
+            heapq.heappush(self._wait, (at, i, v))
+
+    def remove(self, i: int) -> None:
+        """Source i has no candidate left this step."""
+        if self.active[i]:
+            self.active[i] = False
+            self.count -= 1
+            self.version[i] += 1
+
+    def record(self, i: int, amount: float) -> None:
+        self.realized[i] += amount
+        self.total += amount
+
+    def pick(self) -> int:
+        """The eligible released source with the earliest deadline (lowest index on ties), or -1."""
+        T = self.total
+        wait, ready, version = self._wait, self._ready, self.version
+        if self._near:
+            near, self._near = self._near, []
+            for i in near:
+                if self.active[i] and self._released(i):
+                    heapq.heappush(ready, ((self.realized[i] + self.delta) * self.inv_p[i], i, version[i]))
+                elif self.active[i]:
+                    self._near.append(i)
+        if wait:
+            margin = T + 1e-9 * (abs(T) + self.scale + 1.0)
+            while wait and wait[0][0] <= margin + 1e-9 * abs(wait[0][0]):
+                _, i, v = heapq.heappop(wait)
+                if v != version[i]:
+                    continue
+                if self._released(i):
+                    heapq.heappush(ready, ((self.realized[i] + self.delta) * self.inv_p[i], i, v))
+                else:
+                    self._near.append(i)
+        while ready:
+            _, i, v = ready[0]
+            if v == version[i]:
+                return i
+            heapq.heappop(ready)
+        return -1

@@ -17,7 +17,7 @@ import numpy as np
 
 from mixplane.constructor.packing import OnlinePacker
 from mixplane.layout import StepLayout
-from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
+from mixplane.mixing import DeficitSampler, EDFQueue, MixturePoint, MixtureSchedule, apply_temperature, insert_segment
 from mixplane.spec import DataMixtureSpec, window_full
 from mixplane.topology import ClientPlaceTree
 
@@ -407,12 +407,38 @@ class StepPlanner:
         for w, d in zip(self.windows, snap[1]):
             w.done = d.copy()
 
+    def candidates(self, exclude: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every window sample as (window index, entry index) grouped by source, each source's in
+        (stream position, replica) order, and the per-source offsets into them ([n_sources + 1]).
+        `exclude`: (source, key) pairs left out."""
+        ws = [w for w in self.windows if len(w)]
+        n = self.n_sources
+        if not ws:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(n + 1, np.int64)
+        lens = np.array([len(w) for w in ws], np.int64)
+        wi = np.repeat(np.array([i for i, w in enumerate(self.windows) if len(w)], np.int64), lens)
+        first = np.repeat(np.cumsum(lens) - lens, lens)
+        ei = np.arange(len(wi), dtype=np.int64) - first
+        src = np.repeat(np.array([w.source for w in ws], np.int64), lens)
+        rep = np.repeat(np.array([w.replica for w in ws], np.int64), lens)
+        pos = np.concatenate([w.pos for w in ws])
+        o = np.lexsort((rep, pos, src))
+        wi, ei, src = wi[o], ei[o], src[o]
+        if exclude:
+            excl = {(int(a), int(b)) for a, b in exclude}
+            key = np.concatenate([w.key for w in ws])[o]
+            keep = np.array([(s, k) not in excl for s, k in zip(src.tolist(), key.tolist())], dtype=bool)
+            wi, ei, src = wi[keep], ei[keep], src[keep]
+        offsets = np.searchsorted(src, np.arange(n + 1)).astype(np.int64)
+        return wi, ei, offsets
+
     def select(self, step: int, point: MixturePoint, exclude: Any = None) -> Pieces:
         """Mix and pack: choose token spans by deficit and place them best-fit into the step's rows.
 
-        The source picked next is always the one furthest behind its share (DeficitSampler's rule,
-        inlined here for speed); its oldest window sample that still fits somewhere is placed.
-        `exclude`: (source, key) pairs that must not be picked this step.
+        The source picked next is the mixing sampler's (`DeficitSampler.pick` with sizes and
+        fallback=False, run incrementally by `EDFQueue`): the released source furthest behind its
+        share; its oldest window sample that still fits somewhere is placed. When no source is
+        released the step ends. `exclude`: (source, key) pairs that must not be picked this step.
         """
         spec = self.spec
         S = spec.batch.seq_len
@@ -421,79 +447,56 @@ class StepPlanner:
         truncate = spec.batch.overlong == "truncate"
         self.sampler.enter(point)
         n = self.n_sources
-        excl = {(int(a), int(b)) for a, b in exclude} if exclude else None
-        # candidates per source: (window index, entry index), in (stream position, replica) order
-        cw: list[list[int]] = [[] for _ in range(n)]
-        ce: list[list[int]] = [[] for _ in range(n)]
-        parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
-        for wi, w in enumerate(self.windows):
-            if len(w):
-                m = len(w)
-                parts[w.source].append((w.pos, np.full(m, w.replica), np.full(m, wi), np.arange(m)))
-        for si in range(n):
-            if not parts[si]:
-                continue
-            pos = np.concatenate([p[0] for p in parts[si]])
-            rep = np.concatenate([p[1] for p in parts[si]])
-            wis = np.concatenate([p[2] for p in parts[si]])
-            eis = np.concatenate([p[3] for p in parts[si]])
-            o = np.lexsort((rep, pos))
-            wis, eis = wis[o], eis[o]
-            if excl:
-                keep = np.array([(si, int(self.windows[a].key[b])) not in excl for a, b in zip(wis, eis)], dtype=bool)
-                wis, eis = wis[keep], eis[keep]
-            cw[si] = wis.tolist()
-            ce[si] = eis.tolist()
-        ptr = [0] * n
-        counts = [len(c) for c in cw]
-        probs = [float(x) for x in point.probs]
-        inv_p = [1.0 / x if x > 0 else 0.0 for x in probs]
-        realized = [float(x) for x in self.sampler.realized]
-        total = float(self.sampler.realized.sum())
-        active = [i for i in range(n) if counts[i] > 0 and probs[i] > 0]
-        unit_samples = self.unit_samples
         windows = self.windows
+        cwi, cei, off = self.candidates(exclude)
+        # flat candidate metadata (python lists: the loop below reads them one at a time)
+        nz = [w for w in windows if len(w)]
+        base = np.zeros(len(windows) + 1, np.int64)
+        np.cumsum([len(w) for w in windows], out=base[1:])
+        flat = base[cwi] + cei  # index into the concatenation of all windows
+        if nz:
+            all_tok = np.concatenate([w.tokens for w in nz])
+            all_done = np.concatenate([w.done for w in nz])
+            c_tok = all_tok[flat].tolist()
+            c_done = all_done[flat].tolist()
+            rem_max = int((all_tok - all_done).max())
+        else:
+            c_tok, c_done, rem_max = [], [], 0
+        start_of = off.tolist()
+        ptr = start_of[:-1]
+        end = start_of[1:]
+        probs = [float(x) for x in point.probs]
+        unit_samples = self.unit_samples
 
-        def size_of(i: int) -> float:
-            w = windows[cw[i][ptr[i]]]
-            ei = ce[i][ptr[i]]
-            d = int(w.done[ei])
+        def size_of(k: int) -> float:
+            d = c_done[k]
             if unit_samples:
                 return 1.0 if d == 0 else 0.0
-            rem = int(w.tokens[ei]) - d
+            rem = c_tok[k] - d
             return float(rem if rem < S else S)
 
         # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
         if unit_samples:
             L = 1.0
         else:
-            big = [int(min(S, int((w.tokens - w.done).max()))) for w in windows if len(w)]
-            L = max(self.sampler.unit_max, float(max(big)) if big else 1.0)
+            big = min(S, rem_max) if nz else 0
+            L = max(self.sampler.unit_max, float(big) if nz else 1.0)
             self.sampler.unit_max = L
-        dL = slack(sum(1 for x in probs if x > 0)) * L
-        tol = 1e-9 * L
-        lsz = [size_of(i) if counts[i] > 0 else 0.0 for i in range(n)]
+        q = EDFQueue(point.probs, self.sampler.realized, L)
+        lim = q.limit
+        for i in range(n):
+            if ptr[i] < end[i] and probs[i] > 0:
+                q.set(i, size_of(ptr[i]))
         # sources with a target share but no candidate left this step (window exhausted or nothing fits)
-        starved = [i for i in range(n) if probs[i] > 0 and counts[i] == 0]
+        starved = [i for i in range(n) if probs[i] > 0 and ptr[i] >= end[i]]
+        realized = q.realized
+        o_cand: list[int] = []
         o_bin: list[int] = []
-        o_src: list[int] = []
-        o_key: list[int] = []
         o_start: list[int] = []
         o_len: list[int] = []
-        o_patch: list[int] = []
-        o_rep: list[int] = []
-        o_pos: list[int] = []
-        while active and packer.largest_gap > 0:
-            # earliest deadline among released sources (DeficitSampler.pick, inlined)
-            best = -1
-            bd = np.inf
-            for i in active:
-                li = lsz[i]
-                if realized[i] + li - probs[i] * (total + li) <= dL + tol:
-                    d = (realized[i] + dL) * inv_p[i]
-                    if d < bd:
-                        bd = d
-                        best = i
+        place = packer.place
+        while q.count and packer.largest_gap > 0:
+            best = q.pick()
             if best < 0:
                 # every source that could still place something is a full sample ahead: the ones behind
                 # have nothing that fits; end the step rather than drift
@@ -501,54 +504,60 @@ class StepPlanner:
             if starved:
                 # a source with nothing left that fits may not fall a sample behind: rather end the step
                 # here (its rows keep some padding) and let it catch up first thing next step
-                li = lsz[best]
-                if any(probs[i] * (total + li) - realized[i] > dL + tol for i in starved):
+                x = q.total + q.size[best]
+                if any(probs[i] * x - realized[i] > lim for i in starved):
                     break
             k = ptr[best]
-            wi = cw[best][k]
-            ei = ce[best][k]
-            w = windows[wi]
-            start = int(w.done[ei])
-            tokens = int(w.tokens[ei])
+            start = c_done[k]
+            tokens = c_tok[k]
             remaining = tokens - start
             piece = remaining if remaining < S else S
-            row = packer.place(piece)
+            row = place(piece)
             if row < 0:
                 ptr[best] = k + 1  # does not fit this step; stays in the window for the next
-                if k + 1 >= counts[best]:
-                    active.remove(best)
+                if k + 1 >= end[best]:
+                    q.remove(best)
                     starved.append(best)
                 else:
-                    lsz[best] = size_of(best)
+                    q.set(best, size_of(k + 1))
                 continue
+            o_cand.append(k)
             o_bin.append(row)
-            o_src.append(best)
-            o_key.append(int(w.key[ei]))
             o_start.append(start)
             o_len.append(piece)
-            o_patch.append(int(w.patches[ei]) if start == 0 else 0)
-            o_rep.append(w.replica)
-            o_pos.append(int(w.pos[ei]))
             done = tokens if truncate else start + piece
-            w.done[ei] = done
+            c_done[k] = done
             if unit_samples:
                 if start == 0:  # a sample counts once, at its first piece
-                    realized[best] += 1.0
-                    total += 1.0
+                    q.record(best, 1.0)
             else:
-                realized[best] += piece
-                total += piece
+                q.record(best, piece)
             if done >= tokens:
                 ptr[best] = k + 1
-                if k + 1 >= counts[best]:
-                    active.remove(best)
+                if k + 1 >= end[best]:
+                    q.remove(best)
                     starved.append(best)
                     continue
-            lsz[best] = size_of(best)
+            q.set(best, size_of(ptr[best]))
         self.sampler.realized[:] = realized
-        return Pieces(np.asarray(o_bin, np.int64), np.asarray(o_src, np.int16), np.asarray(o_key, np.int64),
-                      np.asarray(o_start, np.int64), np.asarray(o_len, np.int64), np.asarray(o_patch, np.int64),
-                      np.asarray(o_rep, np.int64), np.asarray(o_pos, np.int64))
+        cand = np.asarray(o_cand, np.int64)
+        start_a = np.asarray(o_start, np.int64)
+        at = flat[cand]
+        if len(cand):
+            # write the consumption back into the windows (a piece's last write is its sample's final state)
+            all_done[at] = np.asarray(c_done, np.int64)[cand]
+            for w, lo, hi in zip(windows, base[:-1].tolist(), base[1:].tolist()):
+                if hi > lo:
+                    w.done = all_done[lo:hi]
+            key = np.concatenate([w.key for w in nz])[at]
+            patches = np.concatenate([w.patches for w in nz])[at]
+            pos = np.concatenate([w.pos for w in nz])[at]
+            rep = np.repeat(np.array([w.replica for w in windows], np.int64), np.diff(base))[at]
+        else:
+            key = patches = pos = rep = np.zeros(0, np.int64)
+        src = (np.searchsorted(off, cand, side="right") - 1).astype(np.int16)
+        patches = np.where(start_a == 0, patches, 0).astype(np.int64)
+        return Pieces(np.asarray(o_bin, np.int64), src, key, start_a, np.asarray(o_len, np.int64), patches, rep, pos)
 
     def _point_for(self, schedule: Any, step: int, default: MixturePoint) -> MixturePoint:
         if schedule is None:
