@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mixplane demo --dir .mixplane/demo-data
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -q
 
 test-unit: $(STAMP)

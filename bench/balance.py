@@ -219,7 +219,7 @@ def make_spec(gpus: int, bs: int, seq: int, dist: str):
                        {"window": bs * world + 1, "window_tokens": 1, "window_max": 1 << 22, "metrics": False})}
     if not packed and dist != "coyo":
         doc["runtime"]["window"] = bs * mesh["dp"] + 1
-    return parse_spec(doc, check_files=False)
+    return parse_spec(doc)
 
 
 # ---- simulation ----------------------------------------------------------------------------------

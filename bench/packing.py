@@ -29,7 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from mixplane.constructor.packing import OnlinePacker, packing_report_chunks, split_overlong  # noqa: E402
+from mixplane.planner.packing import OnlinePacker, packing_report_chunks, split_overlong  # noqa: E402
 
 
 def doc_lengths(data: Path, max_docs: int | None) -> dict[str, np.ndarray]:

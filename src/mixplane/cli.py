@@ -20,11 +20,12 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def _load(path: str, check_files: bool = True):
+def _load(path: str):
+    from mixplane.checks import default_checks
     from mixplane.spec import SpecError, load_spec
 
     try:
-        return load_spec(path, check_files=check_files)
+        return load_spec(path, checks=default_checks())
     except SpecError as e:
         for p in e.problems:
             print(f"{e.origin}: {p}", file=sys.stderr)
@@ -48,12 +49,14 @@ def _on_sigterm(server: Any) -> None:
 # ---- commands ---------------------------------------------------------------------------
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from mixplane.checks import default_checks
     from mixplane.spec import SpecError, load_spec
 
+    checks = default_checks(files=not args.no_files)
     bad = 0
     for f in args.files:
         try:
-            load_spec(f, check_files=not args.no_files)
+            load_spec(f, checks=checks)
         except SpecError as e:
             for p in e.problems:
                 print(f"{e.origin}: {p}")

@@ -19,7 +19,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,6 +29,12 @@ AXES = ("tp", "cp", "dp", "pp")
 # keys of the ClientPlaceTree override `strategy.options.place_tree` (see ClientPlaceTree.from_spec)
 PLACE_TREE_KEYS = ("order", "modules", "rank_map", "constructors", "broadcast", "ranks_per_node", "function")
 PLACE_TREE_MODULE_KEYS = ("order", "rank_map")
+# the one list of each: the planner's strategy table and packer take their names from here
+BUILTIN_STRATEGIES = ("vanilla", "llm_balance", "vlm_balance")
+PackingPolicy = Literal["best_fit", "next_fit", "none"]
+OverlongPolicy = Literal["split", "truncate", "drop"]
+PACKING_POLICIES: tuple[str, ...] = typing.get_args(PackingPolicy)
+OVERLONG_POLICIES: tuple[str, ...] = typing.get_args(OverlongPolicy)
 
 
 class _Model(BaseModel):
@@ -83,8 +89,8 @@ class BatchSpec(_Model):
     tokens: int | None = Field(None, ge=1, description="Global batch in tokens per step (a multiple of seq_len); exclusive with `sequences`.")
     seq_len: int = Field(..., description="Tokens per packed row.")
     microbatches: int = Field(1, ge=1, description="Microbatches per data-parallel rank per step.")
-    packing: Literal["best_fit", "next_fit", "none"] = Field("best_fit", description="How documents are packed into rows.")
-    overlong: Literal["split", "truncate", "drop"] = Field("split", description="Documents longer than seq_len are split into chunks, truncated, or dropped (by the loader, before the planner sees them; counted in `mixplane_loader_dropped_overlong_total`).")
+    packing: PackingPolicy = Field("best_fit", description="How documents are packed into rows.")
+    overlong: OverlongPolicy = Field("split", description="Documents longer than seq_len are split into chunks, truncated, or dropped (by the loader, before the planner sees them; counted in `mixplane_loader_dropped_overlong_total`).")
     pad_id: int = Field(0, ge=0, description="Token id used for padding (labels are -100 there).")
 
 
@@ -133,7 +139,7 @@ class ModelDims(_Model):
 
 
 class StrategySpec(_Model):
-    name: str = Field("llm_balance", description="Built-in strategy (vanilla, llm_balance, vlm_balance), `package.module:function`, or `path/to/file.py:function` (relative to the spec file).")
+    name: str = Field("llm_balance", description=f"Built-in strategy ({', '.join(BUILTIN_STRATEGIES)}), `package.module:function`, or `path/to/file.py:function` (relative to the spec file).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the strategy.")
 
 
@@ -222,6 +228,11 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
+Checker = Callable[["DataMixtureSpec"], list[Problem]]
+"""A check that needs storage or user code (source files, a strategy's import): the caller passes it in,
+so this module imports neither. Paths in its problems are relative to the spec (no `spec.` prefix)."""
+
+
 class SpecError(ValueError):
     """An invalid DataMixture; `problems` lists every rule it breaks."""
 
@@ -257,8 +268,11 @@ def unwrap_document(doc: Any) -> tuple[dict[str, Any], str]:
     return doc, ""
 
 
-def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, check_files: bool = True, origin: str = "<spec>") -> DataMixtureSpec:
-    """Build and fully validate a spec; relative paths resolve against base_dir. Raises SpecError."""
+def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, origin: str = "<spec>",
+               checks: Sequence[Checker] = ()) -> DataMixtureSpec:
+    """Build and fully validate a spec; relative paths resolve against base_dir. Raises SpecError.
+
+    `checks` add what this pure module cannot see (files, user code): see mixplane.checks."""
     try:
         raw, prefix = unwrap_document(doc)
     except SpecError as e:  # root-level problems name the file too
@@ -270,13 +284,13 @@ def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, check_fil
         raise SpecError(problems, origin) from None
     if base_dir is not None:
         spec = resolve_paths(spec, Path(base_dir))
-    problems = semantic_problems(spec, check_files=check_files, prefix=prefix)
+    problems = semantic_problems(spec, prefix=prefix, checks=checks)
     if problems:
         raise SpecError(problems, origin)
     return spec
 
 
-def load_spec(path: str | os.PathLike, *, check_files: bool = True) -> DataMixtureSpec:
+def load_spec(path: str | os.PathLike, *, checks: Sequence[Checker] = ()) -> DataMixtureSpec:
     """Read and validate a spec file; problems name the file exactly as the caller spelt it."""
     origin = os.fspath(path)  # Path() would turn ./x.yaml into x.yaml
     path = Path(path)
@@ -288,7 +302,7 @@ def load_spec(path: str | os.PathLike, *, check_files: bool = True) -> DataMixtu
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "<file>"
         raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}")], origin) from None
-    return parse_spec(doc, base_dir=path.parent, check_files=check_files, origin=origin)
+    return parse_spec(doc, base_dir=path.parent, origin=origin, checks=checks)
 
 
 def _is_uri(s: str) -> bool:
@@ -311,8 +325,8 @@ def resolve_paths(spec: DataMixtureSpec, base: Path) -> DataMixtureSpec:
     return spec.model_copy(update=update)
 
 
-def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix: str = "") -> list[Problem]:
-    """Every cross-field rule, each reported with the path of the field to fix."""
+def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequence[Checker] = ()) -> list[Problem]:
+    """Every cross-field rule, each reported with the path of the field to fix, then the problems `checks` find."""
     p = (prefix + ".") if prefix else ""
     out: list[Problem] = []
     names = spec.source_names()
@@ -413,22 +427,14 @@ def semantic_problems(spec: DataMixtureSpec, *, check_files: bool = True, prefix
     st = spec.strategy.name
     if ":" in st:
         mod, _, fn = st.rpartition(":")
-        if mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):  # relative paths resolve against the spec file
-            out.append(Problem(f"{p}strategy.name", f"no such strategy file: {mod}"))
-        else:
-            # load it as the planner will, and bind its options: an import error, a missing function or an
-            # option the function does not take is reported here, not when the planner starts
-            from mixplane.planner.strategies import StrategyError, bind_options, load_callable
+        if not mod or not fn:
+            out.append(Problem(f"{p}strategy.name", f"strategy {st!r}: expected package.module:function or file.py:function"))
+        # whether user code imports and takes its options is a check the shell passes in (mixplane.checks)
+    elif st not in BUILTIN_STRATEGIES:
+        out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(BUILTIN_STRATEGIES)}; or package.module:function)"))
 
-            try:
-                bind_options(load_callable(st), dict(spec.strategy.options), st)
-            except StrategyError as e:
-                out.append(Problem(f"{p}strategy.name", str(e)))
-    elif st not in builtin_strategy_names():
-        out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(builtin_strategy_names())}; or package.module:function)"))
-
-    if check_files:
-        out.extend(_file_problems(spec, p))
+    for check in checks:
+        out.extend(Problem(f"{p}{q.path}", q.message) for q in check(spec))
     return out
 
 
@@ -459,37 +465,6 @@ def place_tree_problems(overrides: Any, modules: list[str], path: str) -> list[P
             continue
         out.extend(Problem(f"{path}.modules.{name}.{k}", f"unknown key {k!r} (allowed: {', '.join(PLACE_TREE_MODULE_KEYS)})")
                    for k in o if k not in PLACE_TREE_MODULE_KEYS)
-    return out
-
-
-def builtin_strategy_names() -> list[str]:
-    return ["vanilla", "llm_balance", "vlm_balance"]
-
-
-def _file_problems(spec: DataMixtureSpec, p: str) -> list[Problem]:
-    from mixplane.loader.files import SourceFilesError, list_source_files, read_schema_names
-
-    out: list[Problem] = []
-    for i, s in enumerate(spec.sources):
-        if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
-            out.append(Problem(f"{p}sources[{i}].tokenizer", f"no such file: {s.tokenizer}"))
-        try:
-            files = list_source_files(s.uri)
-        except SourceFilesError as e:
-            out.append(Problem(f"{p}sources[{i}].uri", str(e)))
-            continue
-        if not files.paths:
-            if not s.live:
-                out.append(Problem(f"{p}sources[{i}].uri", f"matches no Parquet file: {s.uri}"))
-            continue
-        try:
-            have = read_schema_names(files, files.paths[0])
-        except SourceFilesError as e:
-            out.append(Problem(f"{p}sources[{i}].uri", str(e)))
-            continue
-        for j, c in enumerate(s.columns):
-            if c not in have:
-                out.append(Problem(f"{p}sources[{i}].columns[{j}]", f"column {c!r} not in {files.paths[0]} (has: {', '.join(have)})"))
     return out
 
 

@@ -47,7 +47,7 @@ def make_spec(*, sources: int = 3, weights: dict[str, float] | None = None, seq_
            "runtime": {"window": window, "constructors": constructors}}
     if model:
         doc["model"] = model
-    return parse_spec(doc, check_files=False)
+    return parse_spec(doc)
 
 
 def sample_meta(source: int, replica: int, pos: np.ndarray, seq_len: int, *, heavy: bool = True,

@@ -18,7 +18,7 @@ def _spec():
     return parse_spec({"name": "views", "batch": {"sequences": 2, "seq_len": 8},
                        "sources": [{"name": "s", "uri": "/nonexistent/s", "kind": "tokens"}],
                        "topology": {"modules": {"backbone": {"dp": 1, "pp": 3, "tp": 2}}},
-                       "runtime": {"metrics": False}}, check_files=False)
+                       "runtime": {"metrics": False}})
 
 
 def _step(broadcast: tuple[str, ...]) -> StepState:

@@ -15,5 +15,5 @@ def test_there_are_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_is_valid(path):
-    spec = load_spec(path, check_files=False)
+    spec = load_spec(path)
     assert spec.sources and spec.tokens_per_step > 0

@@ -17,7 +17,7 @@ def spec_with(mixture: dict, names=("web", "code", "books")):
     return parse_spec({
         "sources": [{"name": n, "uri": f"/nowhere/{n}", "kind": "tokens", "columns": ["t"]} for n in names],
         "mixture": mixture, "batch": {"sequences": 4, "seq_len": 128}, "strategy": {"name": "vanilla"},
-    }, check_files=False)
+    })
 
 
 def test_temperature_matches_kempnerforge():

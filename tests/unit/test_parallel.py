@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mixplane.constructor.packing import pack_documents
+from mixplane.planner.packing import pack_documents
 from mixplane.constructor.parallel import (META_ONLY, causal_work, cp_merge, cp_split, document_zigzag_index,
                                            group_views, position_ids_from_cu_seqlens, pp_filter, rank_view,
                                            tp_receives, zigzag_chunks, zigzag_index)

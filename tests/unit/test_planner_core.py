@@ -21,7 +21,7 @@ def make_spec(**batch):
         "batch": {"sequences": 8, "seq_len": 256, "microbatches": 2, **batch},
         "topology": {"modules": {"backbone": {"dp": 2}}}, "strategy": {"name": "vanilla"},
         "runtime": {"window": 16},
-    }, check_files=False)
+    })
 
 
 def sample_len(source: int, pos: int) -> int:

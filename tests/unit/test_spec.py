@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mixplane.checks import default_checks
 from mixplane.spec import SpecError, load_spec, parse_spec, reference_markdown
 from tests.conftest import token_mixture
 
 
-def problems(doc: dict, **kw) -> list[str]:
+def problems(doc: dict, files: bool = True) -> list[str]:
+    """Every problem `mixplane validate` reports (files=False: --no-files)."""
     try:
-        parse_spec(doc, **kw)
+        parse_spec(doc, checks=default_checks(files))
     except SpecError as e:
         return [str(p) for p in e.problems]
     return []
@@ -183,7 +185,7 @@ def test_batch_divides_into_ranks_and_microbatches(good):
 def test_world_size_consistent_between_modules(good):
     good["topology"] = {"modules": {"backbone": {"dp": 2, "tp": 2}, "encoder": {"dp": 2}}}
     good["sources"][0]["kind"] = "image_text"
-    out = problems(good, check_files=False)
+    out = problems(good, files=False)
     assert "topology.modules.encoder: world size 2 (dp*pp*cp*tp) differs from module 'backbone' (4)" in out
 
 
@@ -398,7 +400,7 @@ def test_readme_quickstart_mixture_is_valid():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
     assert len(blocks) == 1
-    spec = parse_spec(yaml.safe_load(blocks[0]), check_files=False)
+    spec = parse_spec(yaml.safe_load(blocks[0]))
     _, bb = spec.topology.backbone()
     assert (bb.tp, bb.pp, bb.cp) == (1, 1, 1) and spec.world_size == bb.dp
     assert "tp_group=" in readme and "meta_only" in readme

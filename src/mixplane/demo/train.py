@@ -120,7 +120,7 @@ def trainer_main(result_path: str, steps: int, spec_path: str) -> int:
     torch.manual_seed(0)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    spec = load_spec(spec_path, check_files=False)
+    spec = load_spec(spec_path)
     names = spec.source_names()
     n_src = len(names)
     schedule = MixtureSchedule(spec)
@@ -307,6 +307,7 @@ def run_demo(data_dir: Path, *, steps: int = 200, ranks: int = 2, quick: bool = 
 
 
 def _run_demo(data_dir: Path, *, steps: int, ranks: int, quick: bool, max_mb: float | None) -> int:
+    from mixplane.checks import default_checks
     from mixplane.demo.data import ensure_demo_data
     from mixplane.runtime import EmbeddedRuntime
     from mixplane.spec import load_spec
@@ -321,7 +322,7 @@ def _run_demo(data_dir: Path, *, steps: int, ranks: int, quick: bool, max_mb: fl
     if ensure_demo_data(data_dir, max_mb=max_mb):
         print("mixplane demo: built the demo data (Python stdlib, man pages, Debian docs)", flush=True)
     spec_path = write_demo_mixture(data_dir, steps, ranks)
-    spec = load_spec(spec_path)
+    spec = load_spec(spec_path, checks=default_checks())
     run_dir = data_dir.parent / "demo-run"
     print(f"mixplane demo: {len(spec.sources)} sources, {ranks} ranks, {steps} steps, phase change at step {steps // 2}", flush=True)
     with EmbeddedRuntime(spec, run_dir) as rt:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mixplane.constructor.packing import OnlinePacker
+from mixplane.planner.packing import OnlinePacker
 from mixplane.layout import StepLayout
 from mixplane.mixing import DeficitSampler, EDFQueue, MixturePoint, MixtureSchedule, apply_temperature, insert_segment
 from mixplane.spec import DataMixtureSpec, window_full

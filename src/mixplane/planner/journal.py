@@ -220,7 +220,7 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
     if step < 0:
         raise JournalError(f"step {step}: steps start at 0")
     rp = locate(records, step)
-    spec = parse_spec(rp.spec, check_files=False)
+    spec = parse_spec(rp.spec)
     planner = StepPlanner(spec, strategy or resolve_strategy(spec, base_dir), rp.generation)
     planner.restore(rp.anchor["cursor"])
     journaled: dict[int, dict[str, Any]] = {}
@@ -237,7 +237,7 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
                 planner.update_mixture(r["weights"], int(r["effective_step"]), int(r["generation"]),
                                        r.get("lr_scale"), r.get("temperature"))
         elif ev == "spec":
-            new = parse_spec(r["spec"], check_files=False)
+            new = parse_spec(r["spec"])
             if r.get("mode", "rebase") == "reconfigure":
                 planner.reconfigure(new, int(r["generation"]))
                 planner.strategy = strategy or resolve_strategy(new, base_dir)

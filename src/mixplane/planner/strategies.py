@@ -20,7 +20,7 @@ from mixplane.layout import StepLayout
 from mixplane.planner.core import PlanContext, Strategy, vanilla_strategy
 from mixplane.planner.cost import backbone_cost, encoder_cost
 from mixplane.planner.dgraph import DGraph
-from mixplane.spec import DataMixtureSpec
+from mixplane.spec import BUILTIN_STRATEGIES, DataMixtureSpec
 
 TREE_OPTIONS = ("place_tree",)
 
@@ -47,11 +47,8 @@ def vlm_balance(ctx: PlanContext, method: str = "greedy", level: str = "inter", 
     return g.plan()
 
 
-BUILTIN: dict[str, Callable[..., StepLayout]] = {
-    "vanilla": vanilla_strategy,
-    "llm_balance": llm_balance,
-    "vlm_balance": vlm_balance,
-}
+# names from the spec's one list (validation knows them without importing the planner), functions in its order
+BUILTIN: dict[str, Callable[..., StepLayout]] = dict(zip(BUILTIN_STRATEGIES, (vanilla_strategy, llm_balance, vlm_balance), strict=True))
 
 
 class StrategyError(ValueError):

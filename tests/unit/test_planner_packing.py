@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mixplane.constructor.packing import (OnlinePacker, assign_rows, pack_documents, pack_lengths,
+from mixplane.planner.packing import (OnlinePacker, assign_rows, pack_documents, pack_lengths,
                                           packing_report_chunks, split_overlong)
 
 lengths_st = st.lists(st.integers(0, 300), min_size=0, max_size=120)

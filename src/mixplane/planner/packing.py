@@ -1,4 +1,4 @@
-"""Packing documents into fixed-length rows (pure logic: no sockets, no processes).
+"""Packing documents into fixed-length rows: a planner decision (pure logic: no sockets, no processes).
 
 Two ways in:
 
@@ -29,9 +29,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from mixplane.layout import segment_offsets
-
-PACKING_POLICIES = ("best_fit", "next_fit", "none")
-OVERLONG_POLICIES = ("split", "truncate", "drop")
+from mixplane.spec import OVERLONG_POLICIES, PACKING_POLICIES  # the one list of each (spec fields use them)
 
 
 def _check_policy(policy: str) -> None:

@@ -1,0 +1,68 @@
+"""Validation checks that need storage or user code, passed into spec validation by the shells.
+
+`mixplane.spec` is pure: it never lists storage nor imports user code. The CLI (and the operator, the
+demo) hand these checkers to :func:`mixplane.spec.load_spec` / :func:`~mixplane.spec.parse_spec`:
+
+* :func:`strategy_problems` loads a user strategy as the planner will and binds its options;
+* :func:`source_file_problems` lists each source's files, opens them and checks columns and tokenizer.
+
+Problem paths are relative to the spec; validation adds the `spec.` prefix of a resource.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mixplane.loader.files import SourceFilesError, list_source_files, read_schema_names
+from mixplane.planner.strategies import StrategyError, bind_options, load_callable
+from mixplane.spec import Checker, DataMixtureSpec, Problem
+
+
+def _is_uri(s: str) -> bool:
+    return "://" in s
+
+
+def strategy_problems(spec: DataMixtureSpec) -> list[Problem]:
+    """A user strategy that does not import, lacks its function or refuses its options (planner start-up, earlier)."""
+    st = spec.strategy.name
+    mod, sep, fn = st.rpartition(":")
+    if not sep or not mod or not fn:
+        return []  # built-in names and malformed names are spec rules
+    if mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):  # relative paths resolve against the spec file
+        return [Problem("strategy.name", f"no such strategy file: {mod}")]
+    try:
+        bind_options(load_callable(st), dict(spec.strategy.options), st)
+    except StrategyError as e:
+        return [Problem("strategy.name", str(e))]
+    return []
+
+
+def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
+    """Every source lists files, the first one opens as Parquet and has the columns; tokenizers exist."""
+    out: list[Problem] = []
+    for i, s in enumerate(spec.sources):
+        if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
+            out.append(Problem(f"sources[{i}].tokenizer", f"no such file: {s.tokenizer}"))
+        try:
+            files = list_source_files(s.uri)
+        except SourceFilesError as e:
+            out.append(Problem(f"sources[{i}].uri", str(e)))
+            continue
+        if not files.paths:
+            if not s.live:
+                out.append(Problem(f"sources[{i}].uri", f"matches no Parquet file: {s.uri}"))
+            continue
+        try:
+            have = read_schema_names(files, files.paths[0])
+        except SourceFilesError as e:
+            out.append(Problem(f"sources[{i}].uri", str(e)))
+            continue
+        for j, c in enumerate(s.columns):
+            if c not in have:
+                out.append(Problem(f"sources[{i}].columns[{j}]", f"column {c!r} not in {files.paths[0]} (has: {', '.join(have)})"))
+    return out
+
+
+def default_checks(files: bool = True) -> list[Checker]:
+    """What `mixplane validate` and `mixplane run` check beyond the spec itself (`files=False`: --no-files)."""
+    return [strategy_problems, source_file_problems] if files else [strategy_problems]
