@@ -253,6 +253,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from mixplane.profile import profile_spec
+
+    spec = _load(args.file)
+    try:
+        out = profile_spec(spec, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s)
+    except (ValueError, OSError) as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     try:
         from mixplane.operator.main import run_operator
@@ -315,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--temperature", type=float, help="mixture temperature from --step on (finite, > 0)")
     up.add_argument("--timeout", type=float, default=5.0)
     up.set_defaults(fn=cmd_update)
+
+    pf = sub.add_parser("profile", help="measure each source's loader cost: CPU s/token and memory per partition (JSON)")
+    pf.add_argument("file")
+    pf.add_argument("--max-rows", type=int, default=2048, help="rows read per source")
+    pf.add_argument("--max-cpu-s", type=float, default=1.0, help="CPU seconds spent per source at most")
+    pf.add_argument("--out", help="also write the JSON here")
+    pf.set_defaults(fn=cmd_profile)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator")
     op.add_argument("--namespace")

@@ -1,0 +1,313 @@
+"""Source auto-partitioning (MegaScale-Data §5.1): profiled costs + the mixture -> loader partitions and pods.
+
+Pure: numbers in, a plan out; no Kubernetes client, no file access. The operator and `mixplane profile`
+feed it; the manifest builders render its pods.
+
+The model. Serving source ``s`` at ``t`` trainer tokens per second with share ``w_s`` of the tokens costs
+``w_s * t * cpu_s_per_token`` cores. A *partition* (the spec's ``replicas``) is a disjoint slice of the
+source read by one Source Loader; one loader process runs on one thread (`TOKENIZERS_PARALLELISM=false`),
+so a partition can use at most ``pod_cpu`` cores. Hence, for the peak share a source has anywhere in the
+schedule:
+
+1. **Partitions** (data-parallel degree): ``ceil(peak cores x headroom / pod_cpu)``, within
+   ``[1, min(max_per_source, max_partitions)]`` (w_src). They are fixed for the run: changing them
+   reshuffles the source's data split.
+2. **Pods** (per segment of the schedule): partitions are sorted by source cost, expensive first (the seed's
+   source clustering), and packed first-fit-decreasing into loader pods of at most ``pod_cpu`` cores and
+   ``max_per_pod`` partitions (w_actor). Cheap, small sources share pods (the old ``sources_per_loader``
+   generalised); expensive ones get pods of their own. When memory is tight, pods are packed fuller
+   (every pod costs an interpreter, ``pod_base_memory``) until the plan fits or cannot.
+3. **Resources**: each pod requests what its partitions need at that segment's weights, x ``headroom``,
+   rounded up to ``cpu_quantum``; memory is the partitions' footprint plus ``pod_base_memory``.
+
+Because partitions are sized for the peak but pod CPU for the segment, supply covers demand at every step
+and idle CPU stays near ``headroom - 1``. Moving a partition to another pod between segments needs the
+data-plane handoff (issue 11); until then a move restarts the loaders involved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+MIB = 1 << 20
+
+
+class PartitionError(ValueError):
+    """The mixture cannot be served within the budget; the message names the source, segment and resource."""
+
+
+@dataclass(frozen=True)
+class SourceCost:
+    """What one source costs to serve: measured by `mixplane profile`, never guessed."""
+
+    name: str
+    cpu_s_per_token: float  # CPU seconds per delivered token (page read + decode + transform)
+    memory_per_partition: int  # bytes one Source Loader of this source holds (buffers + file access state)
+    max_partitions: int = 1 << 20  # data-parallel bound (e.g. row groups or files of the source)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cpu_s_per_token) and self.cpu_s_per_token >= 0):
+            raise PartitionError(f"source {self.name}: cpu_s_per_token must be a finite number >= 0, got {self.cpu_s_per_token}")
+        if self.memory_per_partition < 0:
+            raise PartitionError(f"source {self.name}: memory_per_partition must be >= 0, got {self.memory_per_partition}")
+        if self.max_partitions < 1:
+            raise PartitionError(f"source {self.name}: max_partitions must be >= 1, got {self.max_partitions}")
+
+
+@dataclass(frozen=True)
+class LoaderBudget:
+    """Cluster resources left for loaders (after planner and constructors)."""
+
+    cpu: float  # cores
+    memory: int  # bytes
+
+
+@dataclass(frozen=True)
+class PartitionBounds:
+    max_per_source: int = 64  # w_src: partitions of one source
+    max_per_pod: int = 16  # w_actor: partitions one loader pod hosts
+    pod_cpu: float = 1.0  # cores one loader pod (one single-threaded process) can use
+    pod_base_memory: int = 256 * MIB  # interpreter, libraries, sockets of one loader process
+    headroom: float = 1.05  # supply / demand a plan aims at
+    cpu_quantum: float = 0.01  # CPU requests are multiples of this (10m)
+    min_pod_cpu: float = 0.05  # a pod of idle partitions still polls its sockets
+    small_source_cpu: float = 0.5  # sources needing fewer cores than this share pods with other small ones
+
+    def __post_init__(self) -> None:
+        if self.max_per_source < 1 or self.max_per_pod < 1:
+            raise PartitionError("partition bounds: max_per_source and max_per_pod must be >= 1")
+        if not self.pod_cpu > 0 or not self.headroom >= 1.0 or not self.cpu_quantum > 0:
+            raise PartitionError("partition bounds: pod_cpu > 0, headroom >= 1 and cpu_quantum > 0 are required")
+
+
+@dataclass(frozen=True)
+class LoaderPod:
+    """One loader pod: a process hosting these (source, partition) pairs with these resources."""
+
+    name: str
+    members: tuple[tuple[str, int], ...]
+    cpu: float  # cores requested
+    memory: int  # bytes requested
+    source_demand: tuple[tuple[str, float], ...]  # cores each hosted source needs here (without headroom)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s for s, _ in self.members))
+
+    @property
+    def demand_cpu(self) -> float:
+        return sum(d for _, d in self.source_demand)
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """Loader pods for one mixture (one segment of the schedule)."""
+
+    weights: Mapping[str, float]  # token shares the pods were sized for
+    pods: tuple[LoaderPod, ...]
+
+    @property
+    def cpu(self) -> float:
+        return sum(p.cpu for p in self.pods)
+
+    @property
+    def memory(self) -> int:
+        return sum(p.memory for p in self.pods)
+
+    def source_cpu(self) -> dict[str, float]:
+        """Cores each source gets: a pod's CPU is shared by its sources in proportion to their demand."""
+        out: dict[str, float] = {}
+        for p in self.pods:
+            total = p.demand_cpu
+            for s, d in p.source_demand:
+                out[s] = out.get(s, 0.0) + p.cpu * (d / total if total > 0 else 1.0 / len(p.source_demand))
+        return out
+
+    def pods_of(self, source: str) -> list[LoaderPod]:
+        return [p for p in self.pods if source in p.sources]
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """The whole answer: partitions per source (spec `replicas`) and the pods of every schedule segment."""
+
+    partitions: Mapping[str, int]
+    costs: Mapping[str, SourceCost]
+    tokens_per_s: float
+    segments: tuple[tuple[int, PodPlan], ...]  # (start step, pods) in step order
+
+    def pods_at(self, step: int) -> PodPlan:
+        cur = self.segments[0][1]
+        for start, plan in self.segments:
+            if start <= step:
+                cur = plan
+        return cur
+
+    def supply_tokens_per_s(self, step: int) -> dict[str, float]:
+        """Tokens per second each source's pods can deliver at `step` (cores / cost per token)."""
+        cpu = self.pods_at(step).source_cpu()
+        return {s: (cpu.get(s, 0.0) / c.cpu_s_per_token if c.cpu_s_per_token > 0 else math.inf) for s, c in self.costs.items()}
+
+
+def source_cores(cost: SourceCost, share: float, tokens_per_s: float) -> float:
+    """Cores a source needs to deliver `share` of `tokens_per_s` trainer tokens."""
+    return share * tokens_per_s * cost.cpu_s_per_token
+
+
+def partition_counts(costs: Sequence[SourceCost], peak_shares: Mapping[str, float], tokens_per_s: float,
+                     bounds: PartitionBounds) -> dict[str, int]:
+    """Partitions per source: enough that no partition needs more than one pod's CPU at the source's peak."""
+    out: dict[str, int] = {}
+    for c in costs:
+        need = source_cores(c, peak_shares.get(c.name, 0.0), tokens_per_s) * bounds.headroom
+        cap = min(bounds.max_per_source, c.max_partitions)
+        n = max(1, math.ceil(need / bounds.pod_cpu - 1e-9))
+        if n > cap:
+            raise PartitionError(f"source {c.name}: needs {need:.2f} cores at its peak share {peak_shares.get(c.name, 0.0):.3f}, "
+                                 f"more than {cap} partitions x {bounds.pod_cpu:g} cores (w_src {bounds.max_per_source}, "
+                                 f"data-parallel bound {c.max_partitions})")
+        out[c.name] = n
+    return out
+
+
+def _round_up(x: float, q: float) -> float:
+    return round(math.ceil(x / q - 1e-9) * q, 6)
+
+
+def _pod_name(members: Sequence[tuple[str, int]]) -> str:
+    srcs = list(dict.fromkeys(s for s, _ in members))
+    if len(srcs) == 1:
+        reps = [r for _, r in members]
+        lo, hi = min(reps), max(reps)
+        return f"{srcs[0]}-{lo}" if lo == hi else f"{srcs[0]}-{lo}-{hi}"
+    s0, r0 = members[0]
+    return f"{s0}-{r0}-g{len(members)}"
+
+
+def pack_pods(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Mapping[str, float], tokens_per_s: float,
+              bounds: PartitionBounds, budget: LoaderBudget | None = None, *, what: str = "mixture") -> PodPlan:
+    """Group partitions into loader pods for one mixture.
+
+    By default a source that needs at least `bounds.small_source_cpu` cores gets pods of its own (seed §5.3:
+    dedicated loaders keep feeding stable when weights diverge); smaller sources share pods. When that does
+    not fit the memory budget, every source may share (fewer pods, fewer interpreters)."""
+    plan = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=False)
+    if budget is not None and plan.memory > budget.memory:
+        mixed = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=True)
+        if mixed.memory > budget.memory:
+            raise PartitionError(f"{what}: loaders need {mixed.memory / MIB:.0f} MiB in {len(mixed.pods)} pods even with "
+                                 f"sources sharing pods (w_actor {bounds.max_per_pod}), budget {budget.memory / MIB:.0f} MiB")
+        plan = mixed
+    if budget is not None and plan.cpu > budget.cpu + 1e-9:
+        raise PartitionError(f"{what}: loaders need {plan.cpu:.2f} cores, budget {budget.cpu:g} cores")
+    return plan
+
+
+def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Mapping[str, float], tokens_per_s: float,
+          bounds: PartitionBounds, *, mixed: bool) -> PodPlan:
+    order = {c.name: i for i, c in enumerate(costs)}
+    by_name = {c.name: c for c in costs}
+    groups: dict[str, list[tuple[float, float, str, int]]] = {}  # packing group -> (cost, demand, source, partition)
+    for c in costs:
+        n = partitions[c.name]
+        total = source_cores(c, shares.get(c.name, 0.0), tokens_per_s)
+        key = "" if mixed or total * bounds.headroom < bounds.small_source_cpu else c.name
+        groups.setdefault(key, []).extend((c.cpu_s_per_token, total / n, c.name, r) for r in range(n))
+    pods: list[LoaderPod] = []
+    for key in sorted(groups, key=lambda k: (k == "", min(order[i[2]] for i in groups[k]))):
+        items = groups[key]
+        # clustering: expensive sources first, partitions of one source together, bigger demand first
+        items.sort(key=lambda t: (-t[0], -t[1], order[t[2]], t[3]))
+        bins: list[dict] = []
+        for _, d, s, r in items:
+            dh = d * bounds.headroom
+            for b in bins:
+                if len(b["members"]) < bounds.max_per_pod and b["load"] + dh <= bounds.pod_cpu + 1e-9:
+                    break
+            else:
+                b = {"members": [], "load": 0.0, "demand": {}}
+                bins.append(b)
+            b["members"].append((s, r))
+            b["load"] += dh
+            b["demand"][s] = b["demand"].get(s, 0.0) + d
+        for b in bins:
+            members = tuple(sorted(b["members"], key=lambda m: (order[m[0]], m[1])))
+            cpu = max(bounds.min_pod_cpu, _round_up(b["load"], bounds.cpu_quantum))
+            mem = bounds.pod_base_memory + sum(by_name[s].memory_per_partition for s, _ in members)
+            demand = tuple(sorted(b["demand"].items(), key=lambda x: order[x[0]]))
+            pods.append(LoaderPod(_pod_name(members), members, cpu, int(math.ceil(mem / MIB) * MIB), demand))
+    seen: dict[str, int] = {}
+    for i, p in enumerate(pods):
+        k = seen.get(p.name, -1) + 1
+        seen[p.name] = k
+        if k:
+            pods[i] = LoaderPod(f"{p.name}-{k}", p.members, p.cpu, p.memory, p.source_demand)
+    return PodPlan(dict(shares), tuple(pods))
+
+
+def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Mapping[str, float]]], tokens_per_s: float,
+                   budget: LoaderBudget, bounds: PartitionBounds = PartitionBounds()) -> PartitionPlan:
+    """The plan for a whole schedule: `schedule` is (start step, token share per source) per segment."""
+    if not costs:
+        raise PartitionError("no sources to partition")
+    if not schedule:
+        raise PartitionError("the schedule has no segment")
+    if not (math.isfinite(tokens_per_s) and tokens_per_s > 0):
+        raise PartitionError(f"tokens_per_s must be a finite number > 0, got {tokens_per_s}")
+    names = [c.name for c in costs]
+    for start, shares in schedule:
+        unknown = sorted(set(shares) - set(names))
+        if unknown:
+            raise PartitionError(f"segment at step {start}: unknown source(s) {', '.join(unknown)}")
+    peak = {n: max(float(sh.get(n, 0.0)) for _, sh in schedule) for n in names}
+    parts = partition_counts(costs, peak, tokens_per_s, bounds)
+    memory_floor = sum(parts[c.name] * c.memory_per_partition for c in costs)
+    if memory_floor > budget.memory:
+        worst = max(costs, key=lambda c: parts[c.name] * c.memory_per_partition)
+        raise PartitionError(f"partitions alone need {memory_floor / MIB:.0f} MiB, budget {budget.memory / MIB:.0f} MiB "
+                             f"(largest: source {worst.name}, {parts[worst.name]} x {worst.memory_per_partition / MIB:.0f} MiB)")
+    segs = tuple((int(start), pack_pods(costs, parts, shares, tokens_per_s, bounds, budget, what=f"segment at step {start}"))
+                 for start, shares in sorted(schedule, key=lambda x: x[0]))
+    return PartitionPlan(parts, {c.name: c for c in costs}, tokens_per_s, segs)
+
+
+def idle_fraction(plan: PodPlan, demand_cores: float) -> float:
+    """Share of the pods' requested CPU not needed to meet `demand_cores`."""
+    return 0.0 if plan.cpu <= 0 else max(0.0, 1.0 - demand_cores / plan.cpu)
+
+
+def schedule_shares(names: Sequence[str], segments: Iterable[tuple[int, Sequence[float]]]) -> list[tuple[int, dict[str, float]]]:
+    """(start step, probabilities) pairs -> the shares `auto_partition` takes."""
+    return [(int(start), {n: float(p) for n, p in zip(names, probs)}) for start, probs in segments]
+
+
+def spec_schedule(spec: "DataMixtureSpec", mean_tokens: Mapping[str, float] | None = None) -> list[tuple[int, dict[str, float]]]:
+    """Token shares per schedule segment of a spec (phases, anneal, temperature applied).
+
+    With `mixture.unit: samples` the weights count samples; `mean_tokens` (tokens per sample, from the
+    profile) turns them into token shares, which is what loader CPU follows."""
+    from mixplane.mixing import MixtureSchedule
+
+    sched = MixtureSchedule(spec)
+    names = sched.names
+    out = []
+    for seg in sched.segments:
+        probs = [float(p) for p in sched.at(seg.start_step).probs]
+        if spec.mixture.unit == "samples" and mean_tokens:
+            probs = [p * float(mean_tokens.get(n, 1.0)) for p, n in zip(probs, names)]
+            total = sum(probs) or 1.0
+            probs = [p / total for p in probs]
+        out.append((int(seg.start_step), dict(zip(names, probs))))
+    return out
+
+
+def with_partitions(spec: "DataMixtureSpec", partitions: Mapping[str, int]) -> "DataMixtureSpec":
+    """The spec with each source's `replicas` set to its planned partitions (what loaders and planner read)."""
+    sources = [s.model_copy(update={"replicas": int(partitions.get(s.name, s.replicas))}) for s in spec.sources]
+    return spec.model_copy(update={"sources": sources})
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mixplane.spec import DataMixtureSpec

@@ -1,0 +1,172 @@
+"""Mixture-driven scaling (MegaScale-Data §5.2): the policy the operator's timer runs. Pure, no I/O.
+
+Every interval the operator reports an :class:`Observation` (the planner's step and trainer token rate
+from STATUS, the sources the planner waited for, the delivered token rate per source). The policy
+projects each source's demand over the next `lookahead_steps` steps of the schedule (cores = share x
+tokens/s x cost per token, taking the largest share the lookahead sees, so capacity arrives before a
+phase does), keeps a moving average over `window` intervals, and when a source's average stays above
+its allocation (scale up) or below `down_ratio` of it (scale down, idle reclaim) for `consecutive`
+intervals, re-targets that source. The new allocation is packed into pods with the auto-partitioner's
+packer, so the decision is a :class:`PodPlan` the builders render (pods added, removed, resized).
+
+Partitions stay fixed: scaling changes how many pods host a source's partitions and their CPU. A
+partition that changes pods restarts its Source Loader from the planner's cursor; moving it without
+that restart needs the data-plane handoff of loader failover (issue 11).
+
+Measured throughput corrects the profile: when the planner waited for a source during an interval, its
+loaders were saturated, so delivered tokens/s over allocated cores is that source's real cost; the
+policy raises its cost estimate to it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from mixplane.operator.autopartition import LoaderBudget, PartitionBounds, PodPlan, SourceCost, pack_pods
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    lookahead_steps: int = 20  # N: schedule steps ahead whose demand counts
+    window: int = 3  # moving average over this many intervals
+    consecutive: int = 2  # K: intervals a threshold must stay crossed
+    down_ratio: float = 0.75  # scale down when the average needs less than this share of the allocation
+    cost_correction: float = 0.5  # weight of a saturated measurement in the cost estimate (EMA)
+
+    def __post_init__(self) -> None:
+        if self.lookahead_steps < 0 or self.window < 1 or self.consecutive < 1 or not 0 < self.down_ratio < 1:
+            raise ValueError("scaling: lookahead_steps >= 0, window >= 1, consecutive >= 1 and 0 < down_ratio < 1 are required")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one interval saw, from the planner's STATUS and the loaders' metrics."""
+
+    step: int  # planned_through
+    tokens_per_s: float  # trainer consumption
+    waiting: frozenset[str] = frozenset()  # sources the planner waited for
+    delivered_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    source: str
+    direction: str  # "up" | "down"
+    from_cores: float
+    to_cores: float
+    interval: int
+
+
+def _shares_at(segments: Sequence[tuple[int, Mapping[str, float]]], step: int) -> Mapping[str, float]:
+    cur = segments[0][1]
+    for start, shares in segments:
+        if start <= step:
+            cur = shares
+    return cur
+
+
+def projected_shares(segments: Sequence[tuple[int, Mapping[str, float]]], step: int, lookahead: int) -> dict[str, float]:
+    """Largest share each source has in steps [step, step + lookahead] of the schedule."""
+    out = dict(_shares_at(segments, step))
+    for start, shares in segments:
+        if step < start <= step + lookahead:
+            for k, v in shares.items():
+                out[k] = max(out.get(k, 0.0), v)
+    return out
+
+
+class MixtureScaler:
+    """Holds the allocation per source (in cores) and moves it when the projected demand says so."""
+
+    def __init__(self, costs: Sequence[SourceCost], partitions: Mapping[str, int],
+                 segments: Sequence[tuple[int, Mapping[str, float]]], initial_shares: Mapping[str, float], tokens_per_s: float,
+                 *, bounds: PartitionBounds = PartitionBounds(), budget: LoaderBudget | None = None,
+                 config: ScalingConfig = ScalingConfig()):
+        self.costs = {c.name: c for c in costs}
+        self.order = [c.name for c in costs]
+        self.partitions = dict(partitions)
+        self.segments = sorted(((int(s), dict(sh)) for s, sh in segments), key=lambda x: x[0])
+        self.bounds, self.budget, self.config = bounds, budget, config
+        self.tokens_per_s = float(tokens_per_s)
+        self.alloc = {n: self.cores(n, float(initial_shares.get(n, 0.0))) for n in self.order}  # cores the pods serve
+        self.history: dict[str, deque[float]] = {n: deque(maxlen=config.window) for n in self.order}
+        self.above = {n: 0 for n in self.order}
+        self.below = {n: 0 for n in self.order}
+        self.interval = 0
+        self.decisions: list[Decision] = []
+        self.plan = self._pack()
+
+    def set_schedule(self, segments: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """A mixture update (kubectl patch of weights or phases) changes what is projected from now on."""
+        self.segments = sorted(((int(s), dict(sh)) for s, sh in segments), key=lambda x: x[0])
+
+    def cores(self, name: str, share: float, tokens_per_s: float | None = None) -> float:
+        return share * (self.tokens_per_s if tokens_per_s is None else tokens_per_s) * self.costs[name].cpu_s_per_token
+
+    def allocated_cores(self) -> dict[str, float]:
+        """Cores each source's pods are sized for (before headroom)."""
+        return dict(self.alloc)
+
+    def _pack(self) -> PodPlan:
+        # pack_pods sizes by share x tokens/s x cost; express each allocation in those terms
+        shares = {n: (self.alloc[n] / (self.tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0)
+                  for n, c in self.costs.items()}
+        return pack_pods(list(self.costs.values()), self.partitions, shares, self.tokens_per_s, self.bounds,
+                         self.budget, what=f"scaling interval {self.interval}")
+
+    def _correct_costs(self, obs: Observation) -> None:
+        """A saturated source delivered what its cores can: cost = cores / delivered tokens."""
+        a = self.config.cost_correction
+        for n in obs.waiting:
+            rate = obs.delivered_tokens_per_s.get(n, 0.0)
+            if n not in self.costs or rate <= 0:
+                continue
+            cores = self.plan.source_cpu().get(n, 0.0)
+            measured = cores / rate
+            c = self.costs[n]
+            if measured > c.cpu_s_per_token:
+                new = (1 - a) * c.cpu_s_per_token + a * measured
+                self.costs[n] = SourceCost(c.name, new, c.memory_per_partition, c.max_partitions)
+                self.above[n] = max(self.above[n], self.config.consecutive - 1)  # act on the next crossing
+
+    def observe(self, obs: Observation) -> list[Decision]:
+        """One timer interval; returns the decisions taken (and `self.plan` is the pods to run)."""
+        self.interval += 1
+        if math.isfinite(obs.tokens_per_s) and obs.tokens_per_s > 0:
+            self.tokens_per_s = float(obs.tokens_per_s)
+        self._correct_costs(obs)
+        proj = projected_shares(self.segments, obs.step, self.config.lookahead_steps)
+        out: list[Decision] = []
+        for n in self.order:
+            h = self.history[n]
+            h.append(self.cores(n, float(proj.get(n, 0.0))))
+            avg = sum(h) / len(h)
+            have = self.alloc[n]
+            if avg > have * (1 + 1e-9) + 1e-12:
+                self.above[n] += 1
+                self.below[n] = 0
+            elif avg < have * self.config.down_ratio:
+                self.below[n] += 1
+                self.above[n] = 0
+            else:
+                self.above[n] = self.below[n] = 0
+            if self.above[n] < self.config.consecutive and self.below[n] < self.config.consecutive:
+                continue
+            # the largest of the projections that crossed: the lookahead already looks forward, and a scale
+            # down (to 0: the source's pods are reclaimed) never goes below what the last K intervals needed
+            new = max(list(h)[-self.config.consecutive:])
+            if abs(new - have) > 1e-12:
+                out.append(Decision(n, "up" if new > have else "down", have, new, self.interval))
+                self.alloc[n] = new
+            self.above[n] = self.below[n] = 0
+        if out:
+            self.plan = self._pack()
+            self.decisions.extend(out)
+        return out
+
+    def supply_tokens_per_s(self) -> dict[str, float]:
+        cpu = self.plan.source_cpu()
+        return {n: (cpu.get(n, 0.0) / c.cpu_s_per_token if c.cpu_s_per_token > 0 else math.inf) for n, c in self.costs.items()}

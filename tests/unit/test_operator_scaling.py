@@ -1,0 +1,96 @@
+"""Mixture-driven scaling (seed 001 §5.2): follows the schedule within K intervals, reclaims idle pods."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixplane.operator.autopartition import MIB, SourceCost, auto_partition, LoaderBudget
+from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig, projected_shares
+
+DEMO = [(0, {"code": 0.2, "man": 0.3, "docs": 0.5}), (100, {"code": 0.6, "man": 0.3, "docs": 0.1})]
+COSTS = [SourceCost("code", 1.5e-6, 48 * MIB), SourceCost("man", 1.5e-6, 32 * MIB), SourceCost("docs", 1.4e-6, 32 * MIB)]
+TPS = 2_000_000.0
+EVERY = 10  # steps per timer interval
+
+
+def demo_scaler(**cfg):
+    plan = auto_partition(COSTS, DEMO, TPS, LoaderBudget(64, 1 << 40))
+    return MixtureScaler(COSTS, plan.partitions, DEMO, DEMO[0][1], TPS, config=ScalingConfig(**cfg))
+
+
+def test_projection_looks_ahead_for_the_largest_share():
+    assert projected_shares(DEMO, 70, 20) == DEMO[0][1]
+    assert projected_shares(DEMO, 80, 20) == {"code": 0.6, "man": 0.3, "docs": 0.5}
+    assert projected_shares(DEMO, 100, 20) == DEMO[1][1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_demo_phase_change_is_followed_within_k_intervals_and_supply_never_falls_short(k):
+    sc = demo_scaler(lookahead_steps=20, window=3, consecutive=k)
+    up_at = down_at = None
+    for i in range(1, 25):
+        step = i * EVERY
+        for d in sc.observe(Observation(step=step, tokens_per_s=TPS)):
+            if d.source == "code" and d.direction == "up":
+                up_at = step
+            if d.source == "docs" and d.direction == "down":
+                down_at = step
+        shares = DEMO[1][1] if step >= 100 else DEMO[0][1]
+        supply = sc.supply_tokens_per_s()
+        for name, share in shares.items():  # capacity arrives before the phase and leaves after it
+            assert supply[name] >= share * TPS * (1 - 1e-9), (step, name)
+    # the lookahead first sees the phase at step 80; K crossings later code has its cores
+    assert up_at is not None and up_at <= 80 + (k - 1) * EVERY
+    assert down_at is not None and 100 <= down_at <= 100 + (k - 1) * EVERY + EVERY
+    alloc = sc.allocated_cores()
+    assert alloc["code"] == pytest.approx(0.6 * TPS * 1.5e-6)
+    assert alloc["docs"] == pytest.approx(0.1 * TPS * 1.4e-6)
+    assert [d.source for d in sc.decisions].count("man") == 0  # a source whose weight holds is left alone
+
+
+def test_no_decision_before_k_consecutive_crossings():
+    sc = demo_scaler(lookahead_steps=0, window=1, consecutive=3)
+    assert sc.observe(Observation(100, TPS)) == []
+    assert sc.observe(Observation(110, TPS)) == []
+    got = sc.observe(Observation(120, TPS))
+    assert {(d.source, d.direction) for d in got} == {("code", "up"), ("docs", "down")}
+
+
+def test_a_source_going_to_zero_has_its_pods_reclaimed():
+    sched = [(0, {"a": 0.5, "b": 0.5}), (50, {"a": 1.0, "b": 0.0})]
+    costs = [SourceCost("a", 1e-5, 10 * MIB), SourceCost("b", 1e-5, 10 * MIB)]
+    plan = auto_partition(costs, sched, 300_000, LoaderBudget(64, 1 << 40))
+    assert plan.partitions["b"] == 2
+    sc = MixtureScaler(costs, plan.partitions, sched, sched[0][1], 300_000, config=ScalingConfig(lookahead_steps=0, window=1, consecutive=2))
+    before = sc.plan.pods_of("b")
+    assert sum(p.cpu for p in before) >= 0.5 * 300_000 * 1e-5
+    for step in (50, 60):
+        sc.observe(Observation(step, 300_000))
+    after = sc.plan.pods_of("b")
+    assert sc.allocated_cores()["b"] == 0.0
+    assert len(after) < len(before) and sum(p.cpu for p in after) < 0.1 * sum(p.cpu for p in before)
+    assert sorted(m for p in sc.plan.pods for m in p.members if m[0] == "b") == [("b", r) for r in range(plan.partitions["b"])]
+
+
+def test_a_saturated_source_corrects_its_cost_and_scales_up():
+    costs = [SourceCost("a", 1e-6, 10 * MIB)]
+    sc = MixtureScaler(costs, {"a": 2}, [(0, {"a": 1.0})], {"a": 1.0}, 500_000, config=ScalingConfig(consecutive=2))
+    cores = sum(p.cpu for p in sc.plan.pods)
+    # the planner waited for `a`, which delivered only half of what the profile promised per core
+    delivered = cores / 2e-6
+    d = sc.observe(Observation(10, 500_000, frozenset({"a"}), {"a": delivered}))
+    assert sc.costs["a"].cpu_s_per_token > 1e-6
+    assert [x.direction for x in d] == ["up"]
+    assert sum(p.cpu for p in sc.plan.pods) > cores
+
+
+def test_a_patched_schedule_is_followed():
+    sc = demo_scaler(lookahead_steps=0, window=1, consecutive=1)
+    sc.set_schedule([(0, DEMO[0][1]), (30, {"code": 0.1, "man": 0.1, "docs": 0.8})])
+    d = sc.observe(Observation(30, TPS))
+    assert {(x.source, x.direction) for x in d} == {("docs", "up"), ("code", "down"), ("man", "down")}
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="consecutive"):
+        ScalingConfig(consecutive=0)
