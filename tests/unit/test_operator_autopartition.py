@@ -106,7 +106,7 @@ def test_spec_schedule_follows_phases_and_replicas_are_written_back():
                                  {"name": "b", "uri": "/y", "kind": "tokens", "columns": ["t"]}],
         "mixture": {"weights": {"a": 1, "b": 3}, "phases": [{"start_step": 50, "weights": {"a": 3}}]},
         "batch": {"sequences": 4, "seq_len": 16},
-    }, check_files=False)
+    })
     sched = spec_schedule(spec)
     assert [s for s, _ in sched] == [0, 50]
     assert sched[0][1] == pytest.approx({"a": 0.25, "b": 0.75})

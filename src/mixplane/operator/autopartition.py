@@ -100,6 +100,11 @@ class LoaderPod:
     def demand_cpu(self) -> float:
         return sum(d for _, d in self.source_demand)
 
+    @property
+    def idle(self) -> bool:
+        """No hosted source has weight: the pod need not run (0 replicas)."""
+        return self.demand_cpu <= 0
+
 
 @dataclass(frozen=True)
 class PodPlan:
@@ -110,11 +115,12 @@ class PodPlan:
 
     @property
     def cpu(self) -> float:
-        return sum(p.cpu for p in self.pods)
+        """Cores of the pods that run (idle pods run 0 replicas)."""
+        return sum(p.cpu for p in self.pods if not p.idle)
 
     @property
     def memory(self) -> int:
-        return sum(p.memory for p in self.pods)
+        return sum(p.memory for p in self.pods if not p.idle)
 
     def source_cpu(self) -> dict[str, float]:
         """Cores each source gets: a pod's CPU is shared by its sources in proportion to their demand."""
@@ -122,6 +128,9 @@ class PodPlan:
         for p in self.pods:
             total = p.demand_cpu
             for s, d in p.source_demand:
+                if p.idle:
+                    out.setdefault(s, 0.0)
+                    continue
                 out[s] = out.get(s, 0.0) + p.cpu * (d / total if total > 0 else 1.0 / len(p.source_demand))
         return out
 
@@ -213,10 +222,12 @@ def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Ma
     for c in costs:
         n = partitions[c.name]
         total = source_cores(c, shares.get(c.name, 0.0), tokens_per_s)
-        key = "" if mixed or total * bounds.headroom < bounds.small_source_cpu else c.name
+        # a source without weight needs no running loader (the planner does not wait for it): its partitions
+        # go to pods of their own, which the builders run with 0 replicas until the weight comes back
+        key = "~idle" if total <= 0 else "" if mixed or total * bounds.headroom < bounds.small_source_cpu else c.name
         groups.setdefault(key, []).extend((c.cpu_s_per_token, total / n, c.name, r) for r in range(n))
     pods: list[LoaderPod] = []
-    for key in sorted(groups, key=lambda k: (k == "", min(order[i[2]] for i in groups[k]))):
+    for key in sorted(groups, key=lambda k: (k == "~idle", k == "", min(order[i[2]] for i in groups[k]))):
         items = groups[key]
         # clustering: expensive sources first, partitions of one source together, bigger demand first
         items.sort(key=lambda t: (-t[0], -t[1], order[t[2]], t[3]))
