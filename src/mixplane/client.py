@@ -39,7 +39,7 @@ import torch
 import zmq
 
 from mixplane import wire
-from mixplane.constructor.multimodal import ENCODER_FIELDS
+from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1

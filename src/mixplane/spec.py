@@ -214,11 +214,6 @@ def overlong_limit(spec: "DataMixtureSpec") -> int | None:
     return spec.batch.seq_len if spec.batch.overlong == "drop" else None
 
 
-def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:
-    """The one predicate loaders and planner share, so both agree on a window's exact content."""
-    return samples >= max_samples or (samples >= min_samples and unconsumed_tokens >= min_tokens)
-
-
 @dataclass(frozen=True)
 class Problem:
     path: str

@@ -27,10 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from mixplane.layout import segment_offsets
+from mixplane.protocol import ENCODER_FIELDS  # noqa: F401 - the STEP_DATA schema owns the field list
 
 IGNORE_INDEX = -100
-# the per-rank encoder batch: delivered to the rank that encodes it, never part of a TP broadcast
-ENCODER_FIELDS = ("pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids")
 
 
 # ------------------------------------------------------------------------------------------ images

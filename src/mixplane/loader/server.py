@@ -19,6 +19,7 @@ from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.loader.window import LoaderWindow
+from mixplane.protocol import WindowCursor
 from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.wire import Kind, WireError
 
@@ -70,6 +71,7 @@ class LoaderServer:
 
     def _on_welcome(self, msg: wire.Message) -> None:
         endpoints = msg.get("constructors", list)
+        cursor = self._cursor(msg)  # validated before the old session's sockets go
         for s in self.pushers:
             s.close(0)
         self.pushers = []
@@ -80,13 +82,19 @@ class LoaderServer:
             wire.configure_socket(s, sndhwm=64, linger_ms=1000, heartbeat_s=self.spec.runtime.heartbeat_s)
             self.security.client(s).connect(ep)
             self.pushers.append(s)
-        self._seek(msg.get("session", int), msg.get("cursor", dict))
+        self._seek(msg.get("session", int), cursor)
         self.welcomed = True
 
-    def _seek(self, session: int, cursor: dict[str, Any]) -> None:
+    def _cursor(self, msg: wire.Message) -> WindowCursor:
+        try:
+            return WindowCursor.parse(msg.get("cursor", dict))
+        except ValueError as e:
+            raise WireError(f"{msg.kind.name}: {e}") from None
+
+    def _seek(self, session: int, cursor: WindowCursor) -> None:
         self.session = session
         self.window.seek(cursor)
-        log.info("%s: session %d from position %d", self.name, session, cursor["low"])
+        log.info("%s: session %d from position %d", self.name, session, cursor.low)
 
     def _on_read(self, samples: int, tokens: int, seconds: float) -> None:
         self.m.loader_read_seconds.observe(seconds)
@@ -213,7 +221,7 @@ class LoaderServer:
         elif msg.kind == Kind.PLAN_LOADER:
             self._on_plan(msg)
         elif msg.kind == Kind.SEEK:
-            self._seek(msg.get("session", int), msg.get("cursor", dict))
+            self._seek(msg.get("session", int), self._cursor(msg))
         elif msg.kind == Kind.SHUTDOWN:
             self.stopped = True
         elif msg.kind == Kind.HEARTBEAT:

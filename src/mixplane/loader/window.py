@@ -3,7 +3,7 @@
 Shared by the loader server and by offline replay (`mixplane replay`, journal checks), so both
 announce exactly the same samples for the same cursor: read in order from the deterministic
 stream, skip what the cursor says was consumed, and stop at the shortest prefix that satisfies
-`spec.window_full`.
+`protocol.window_full`.
 
 A window over a dry live source *waits*: while the stream's next listing of its storage is not
 due (`SourceStream.seconds_to_rescan`), `full` is true and the loader's poll loop sleeps on its
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mixplane.spec import window_full
+from mixplane.protocol import WindowCursor, window_full
 
 CHUNK = 64  # most samples read and transformed at a time
 MIN_CHUNK = 8  # fewest (amortises the per-read cost of the stream and the tokenizer call)
@@ -77,7 +77,7 @@ class LoaderWindow:
 
     @property
     def complete(self) -> bool:
-        """The shared predicate (`spec.window_full`): the planner's window of this replica is full."""
+        """The shared predicate (`protocol.window_full`): the planner's window of this replica is full."""
         return window_full(len(self.buffer), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.max_samples)
 
     @property
@@ -93,16 +93,18 @@ class LoaderWindow:
         """Nothing to announce now: the window is complete, or its live source is dry and waiting."""
         return self.complete or self.waiting
 
-    def seek(self, cursor: dict[str, Any]) -> None:
-        """Start over from a planner cursor: low position, consumed positions, partial progress."""
+    def seek(self, cursor: dict[str, Any] | WindowCursor) -> None:
+        """Start over from a planner cursor: low position, consumed positions, partial progress.
+        The cursor is validated (protocol.WindowCursor.parse, ValueError) before anything changes."""
+        c = cursor if isinstance(cursor, WindowCursor) else WindowCursor.parse(cursor)
         self.buffer.clear()
         self.staged.clear()
         self.staged_tokens = 0
         self.unconsumed_tokens = 0
         self.stalled = False
-        self.skip = {int(p) for p in cursor.get("skip", [])}
-        self.partial = {int(p): int(d) for p, d in cursor.get("partial", {}).items()}
-        self.stream.seek(int(cursor["low"]))
+        self.skip = set(c.skip)
+        self.partial = dict(c.partial)
+        self.stream.seek(c.low)
 
     def chunk_for(self, tokens: int, samples: int = 0) -> int:
         """Samples to read for about `tokens` more tokens (and at least `samples` more samples)."""

@@ -18,7 +18,8 @@ import numpy as np
 from mixplane.planner.packing import OnlinePacker
 from mixplane.layout import StepLayout
 from mixplane.mixing import DeficitSampler, EDFQueue, MixturePoint, MixtureSchedule, apply_temperature, insert_segment
-from mixplane.spec import DataMixtureSpec, window_full
+from mixplane.protocol import WindowCursor, window_full
+from mixplane.spec import DataMixtureSpec
 from mixplane.topology import ClientPlaceTree
 
 
@@ -115,23 +116,13 @@ class ReplicaWindow:
         partial = {str(p): d for p, d in sorted(self.restored_done.items())}
         nz = np.flatnonzero(self.done > 0)
         partial.update(zip(map(str, self.pos[nz].tolist()), self.done[nz].tolist()))
-        return {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}
+        return {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}  # protocol.WindowCursor.to_json
 
     @staticmethod
     def parse_cursor(cur: Any) -> tuple[int, set[int], dict[int, int]]:
-        """(low, skip, partial) of a window cursor; ValueError naming what is wrong."""
-        try:
-            low = int(cur["low"])
-            skip = {int(p) for p in cur.get("skip", [])}
-            partial = cur.get("partial", {})
-            if not isinstance(partial, dict):
-                raise TypeError("partial is not a mapping")
-            done = {int(p): int(d) for p, d in partial.items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"window cursor is malformed ({e})") from None
-        if low < 0 or any(p < low for p in skip) or any(d <= 0 for d in done.values()):
-            raise ValueError("window cursor is inconsistent (negative or out-of-range positions)")
-        return low, skip, done
+        """(low, skip, partial) of a window cursor (protocol.WindowCursor.parse); ValueError naming what is wrong."""
+        c = WindowCursor.parse(cur)
+        return c.low, set(c.skip), dict(c.partial)
 
     def restore(self, cur: dict[str, Any]) -> None:
         low, skip, done = self.parse_cursor(cur)

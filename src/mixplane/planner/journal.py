@@ -42,7 +42,7 @@ DEFAULT_EVERY = 100
 WindowFiller = Callable[[StepPlanner], None]
 """The loaders' side of a replay: ``fill(planner)`` announces into every one of ``planner.windows``
 exactly what that replica's Source Loader would announce now (the shortest unconsumed stream prefix
-that makes ``spec.window_full`` true), given what the planner has consumed so far — also after the
+that makes ``protocol.window_full`` true), given what the planner has consumed so far — also after the
 planner was restored from a cursor. The planner only defines it: ``mixplane.replay.ReplayLoaders``
 implements it over the real sources with the loaders' own ``LoaderWindow``; tests use synthetic
 streams through the same class."""

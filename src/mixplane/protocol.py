@@ -1,0 +1,178 @@
+"""What the components say to each other, as one pure module both ends import.
+
+- payload schemas: the meta fields (with types) and arrays each message kind must carry, checked once
+  by the component base before a handler runs (:func:`check`), so a handler can trust them;
+- the field lists shared by sender and receiver (the STEP_DATA encoder batch, SAMPLES image arrays);
+- the loader window cursor ``{low, next, skip, partial}`` (:class:`WindowCursor`) with the one
+  validating parser the planner and the loaders use, and :func:`window_full`, the predicate that
+  makes both agree on a window's exact content;
+- who may send what: the role table of every message kind (:data:`ALLOWED_ROLES`).
+
+No sockets, no processes: this module only describes messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mixplane.wire.framing import Kind, Message, WireError
+
+# ---------------------------------------------------------------------------------------------- field lists
+#: STEP_DATA arrays of the encoder batch (per rank; never part of a TP broadcast of the backbone's tensors)
+ENCODER_FIELDS = ("pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids")
+#: SAMPLES arrays of the token spans and (image_text sources) of the pixels of the sample's image
+SAMPLES_ARRAYS = ("key", "start", "len", "offsets", "values")
+SAMPLES_IMAGE_ARRAYS = ("img_key", "img_grid", "img_offsets", "img_values")
+#: PLAN_LOADER arrays (planner.routing.Instructions)
+PLAN_LOADER_ARRAYS = ("pos", "start", "len", "dest", "retire", "img")
+#: LOADER_META arrays
+LOADER_META_ARRAYS = ("pos", "key", "tokens", "patches")
+#: STEP_DATA meta keys every reply carries
+STEP_DATA_FIELDS = ("step", "rank", "phase", "lr_scale", "generation", "session", "microbatches", "seq_len",
+                    "cursor_after", "meta_only", "coords")
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+@dataclass(frozen=True)
+class Schema:
+    """Required meta fields (name -> accepted types) and arrays of one message kind."""
+
+    fields: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+    arrays: tuple[str, ...] = ()
+
+
+_NUM = (int, float)
+SCHEMAS: dict[Kind, Schema] = {
+    Kind.HELLO: Schema({"role": str}),
+    Kind.WELCOME: Schema({"session": int}),
+    Kind.HEARTBEAT: Schema(),
+    Kind.LOADER_META: Schema({"session": int, "source": int, "replica": int}, LOADER_META_ARRAYS),
+    Kind.PLAN_LOADER: Schema({"session": int, "step": int}, PLAN_LOADER_ARRAYS),
+    Kind.PLAN_CONSTRUCTOR: Schema({"session": int}),
+    Kind.SAMPLES: Schema({"session": int, "step": int, "source": int}, SAMPLES_ARRAYS),
+    Kind.NEED_STEPS: Schema({"session": int, "through": int}),
+    Kind.GET_STEP: Schema({"step": int, "rank": int}),
+    Kind.STEP_DATA: Schema({"step": int, "phase": int, "lr_scale": _NUM}),
+    Kind.ROUTE: Schema(),
+    Kind.ROUTE_REPLY: Schema({"endpoint": str, "coords": dict, "sources": list}),
+    Kind.RESUME: Schema({"cursor": dict}),
+    Kind.SEEK: Schema({"session": int, "cursor": dict}),
+    Kind.STATUS: Schema(),
+    Kind.STATUS_REPLY: Schema(),
+    Kind.UPDATE_MIXTURE: Schema({"weights": dict, "effective_step": int}),
+    Kind.ACK: Schema(),
+    Kind.ERROR: Schema(),
+    Kind.SHUTDOWN: Schema(),
+    Kind.RESET: Schema({"session": int, "start_step": int}),
+}
+
+
+def check(msg: Message) -> Message:
+    """Raise WireError naming the first required field or array `msg` lacks (or carries with a wrong type)."""
+    schema = SCHEMAS.get(msg.kind)
+    if schema is None:
+        raise WireError(f"{msg.kind.name}: no schema")
+    for name, typ in schema.fields.items():
+        msg.get(name, typ)
+    for name in schema.arrays:
+        msg.array(name)
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------- window cursor
+@dataclass(frozen=True)
+class WindowCursor:
+    """Where a loader replica's window stands: every position below ``low`` is consumed, ``next`` is
+    the first position the planner has not seen, ``skip`` the consumed positions in between and
+    ``partial`` the tokens already delivered of partly consumed samples (position -> tokens)."""
+
+    low: int
+    next: int
+    skip: frozenset[int] = frozenset()
+    partial: Mapping[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, cur: Any) -> "WindowCursor":
+        """The one validating parser (planner restore, loader seek); ValueError naming what is wrong."""
+        try:
+            if not isinstance(cur, Mapping):
+                raise TypeError(f"a cursor is a mapping, not {type(cur).__name__}")
+            low = _int(cur["low"], "low")
+            nxt = _int(cur.get("next", low), "next")
+            skip_in = cur.get("skip", [])
+            if not isinstance(skip_in, (list, tuple, set, frozenset)):
+                raise TypeError("skip is not a list")
+            skip = frozenset(_int(p, "skip") for p in skip_in)
+            partial_in = cur.get("partial", {})
+            if not isinstance(partial_in, Mapping):
+                raise TypeError("partial is not a mapping")
+            partial = {_int(p, "partial position"): _int(d, "partial tokens") for p, d in partial_in.items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"window cursor is malformed ({e})") from None
+        if low < 0 or any(p < low for p in skip) or any(d <= 0 for d in partial.values()):
+            raise ValueError("window cursor is inconsistent (negative or out-of-range positions)")
+        if nxt < low:
+            raise ValueError(f"window cursor is inconsistent (next {nxt} < low {low})")
+        return cls(low, nxt, skip, partial)
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire / journal form (JSON object keys are strings)."""
+        return {"low": self.low, "next": self.next, "skip": sorted(self.skip),
+                "partial": {str(p): int(d) for p, d in sorted(self.partial.items())}}
+
+
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool):
+        raise TypeError(f"{what} is a boolean")
+    if isinstance(v, str):  # JSON object keys (partial positions) are strings
+        return int(v)
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError(f"{what} {v} is not an integer")
+    return int(v)
+
+
+def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:
+    """The one predicate loaders and planner share, so both agree on a window's exact content."""
+    return samples >= max_samples or (samples >= min_samples and unconsumed_tokens >= min_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- roles
+#: authenticated roles (the ZAP User-Id of a CURVE peer) and the role of a peer without CURVE
+COMPONENT, CLIENT, ADMIN, ANONYMOUS = "component", "client", "admin", "anonymous"
+ROLES = (COMPONENT, CLIENT, ADMIN, ANONYMOUS)
+#: kinds that change what a run does (stop it, change its mixture, rewind or reset delivery)
+CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET})
+_ANY = frozenset(ROLES)
+#: which roles may send each kind; control kinds never include ANONYMOUS (see :func:`allowed`)
+ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
+    **{k: _ANY for k in Kind},
+    Kind.SHUTDOWN: frozenset({COMPONENT, ADMIN}),
+    Kind.UPDATE_MIXTURE: frozenset({COMPONENT, ADMIN}),
+    Kind.RESUME: frozenset({COMPONENT, CLIENT, ADMIN}),  # a trainer resuming from its state_dict
+    Kind.SEEK: frozenset({COMPONENT, ADMIN}),
+    Kind.RESET: frozenset({COMPONENT, ADMIN}),
+    # the data plane's own messages come from components only once peers are authenticated
+    Kind.HELLO: frozenset({COMPONENT, ADMIN, ANONYMOUS}),
+    Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),
+    Kind.NEED_STEPS: frozenset({COMPONENT, ANONYMOUS}),
+    Kind.SAMPLES: frozenset({COMPONENT, ANONYMOUS}),
+}
+
+
+def allowed(kind: Kind, role: str, *, open_run: bool = False) -> bool:
+    """Whether a peer in `role` may send `kind`. An anonymous peer (no CURVE) may send control kinds
+    only in a run the spec opened on purpose (``runtime.security: open``)."""
+    if role == ANONYMOUS and kind in CONTROL_KINDS:
+        return open_run
+    return role in ALLOWED_ROLES.get(kind, frozenset())
+
+
+def role_of_key_name(stem: str) -> str:
+    """The role of a key file `<stem>.key`: the role names themselves, `server` (the key pair every
+    component shares) -> component, anything else an authenticated client without control rights."""
+    if stem in (COMPONENT, CLIENT, ADMIN):
+        return stem
+    if stem == "server":
+        return COMPONENT
+    return CLIENT
