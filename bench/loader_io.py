@@ -285,7 +285,7 @@ def _page_memory(s, base_mb: float, row_bytes: float) -> dict:
     """Where a page-mode stream's memory goes, at the end of the run (MB)."""
     rss = _rss_mb()
     sim = s._plan_obj.sim
-    arena = s._arena.resident_bytes / 2**20
+    arena = s.cache.arena.resident_bytes / 2**20
     dicts = s.reader._dicts.nbytes / 2**20
     buffer = sim.size * row_bytes / 2**20
     return {
@@ -293,13 +293,13 @@ def _page_memory(s, base_mb: float, row_bytes: float) -> dict:
         "base_mb": round(base_mb, 1),  # interpreter + libraries + index, before reading
         "buffer_mb": round(buffer, 1),  # inherent: rows in the shuffle buffer x mean decoded row
         "slab_overhead_mb": round(arena - buffer, 1),  # the two below
-        "slab_delivered_mb": round(s._arena.used_bytes / 2**20 - buffer, 1),  # rows delivered, not yet compacted away
-        "slab_unused_mb": round(arena - s._arena.used_bytes / 2**20, 1),  # slab tails, rest of the newest, spare slabs
+        "slab_delivered_mb": round(s.cache.arena.used_bytes / 2**20 - buffer, 1),  # rows delivered, not yet compacted away
+        "slab_unused_mb": round(arena - s.cache.arena.used_bytes / 2**20, 1),  # slab tails, rest of the newest, spare slabs
         "dictionaries_mb": round(dicts, 1),
         "other_mb": round(rss - base_mb - arena - dicts, 1),  # allocator slack, transient buffers, Python objects
         "index_mb": round(s.index.nbytes / 2**20, 3),
         "buffer_rows": int(sim.size),
-        "slab_bytes_written_per_row_byte": round(s._arena.copied_bytes / max(1.0, s.position * row_bytes), 2),
+        "slab_bytes_written_per_row_byte": round(s.cache.arena.copied_bytes / max(1.0, s.position * row_bytes), 2),
     }
 
 

@@ -288,14 +288,14 @@ def test_page_mode_holds_only_buffered_rows(src):
     for _ in range(80):
         s.take(50)
         sim = s._plan_obj.sim
-        live = float(row_bytes[sim.buf[: sim.size]].sum()) + 64 * 5 * len(s._cache)  # + buffer alignment
-        unit_max = max([unit_max] + [nb for _, nb in s._arena_units()])
-        worst = max(worst, s._arena.resident_bytes - live / SLAB_LIVE_RATIO / (1 - unit_max / slab))
+        live = float(row_bytes[sim.buf[: sim.size]].sum()) + 64 * 5 * len(s.cache)  # + buffer alignment
+        unit_max = max([unit_max] + [nb for _, nb in s.cache.arena_units()])
+        worst = max(worst, s.cache.arena.resident_bytes - live / SLAB_LIVE_RATIO / (1 - unit_max / slab))
     # memory held: the buffered rows' bytes / ratio (a slab's unused tail is less than one unit),
     # plus the newest slab and the spare ones
-    assert worst <= (1 + s._arena._max_spares) * slab
-    assert not s._arena._pending  # nothing points into emptied slabs once take() has returned
-    assert s._arena.copied_bytes < 8 * float(row_bytes.sum())
+    assert worst <= (1 + s.cache.arena._max_spares) * slab
+    assert not s.cache.arena._pending  # nothing points into emptied slabs once take() has returned
+    assert s.cache.arena.copied_bytes < 8 * float(row_bytes.sum())
 
 
 def test_page_mode_reads_each_page_once_per_part(src):

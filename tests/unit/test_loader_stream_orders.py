@@ -33,3 +33,17 @@ def test_order_equals_the_recorded_order(sources, name):
     assert got["first_keys"] == want["first_keys"]
     assert got["n"] == want["n"]
     assert got["sha256"] == want["sha256"], f"{name}: the delivered sequence (keys, positions or data) changed"
+
+
+def test_one_policy_per_shuffle_mode_of_the_spec():
+    import typing
+
+    from mixplane.loader.policies import POLICIES, OrderKey, policy_for
+    from mixplane.spec import SourceSpec
+
+    modes = typing.get_args(SourceSpec.model_fields["shuffle"].annotation)
+    assert sorted(POLICIES) == sorted(modes)
+    for m in modes:
+        assert policy_for(m, OrderKey(1, "s")).mode == m
+    with pytest.raises(ValueError, match="unknown shuffle mode 'zigzag'"):
+        policy_for("zigzag", OrderKey(1, "s"))

@@ -43,6 +43,11 @@ come and go in random order; the units of a slab whose rows still to come fill n
 :data:`SLAB_LIVE_RATIO` of it are compacted to those rows and moved to the newest slab, so the
 memory held stays within 1 / SLAB_LIVE_RATIO of the buffer's own rows (plus one slab).
 Dictionary pages are read only for pages that are dictionary-encoded.
+
+Layout of the code: each shuffle mode is a policy object (:mod:`policies`: plan, epoch rows,
+layout, load), the decoded units sit in a cache beside the arena (:mod:`unitcache`: slabs and
+compaction for page mode, an LRU for row mode), and this class is orchestration plus state:
+files and segments, epochs and positions, seek, take, resume.
 """
 
 from __future__ import annotations
@@ -54,14 +59,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from mixplane.loader.arena import RowArena
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
-from mixplane.loader.pageindex import SourceIndex, SourceReader, _LRU, build_source_index
+from mixplane.loader.pageindex import SourceIndex, SourceReader, build_source_index
 from mixplane.loader.pagereader import IOStats, ParquetError, int64_array
-from mixplane.loader.quarantine import QuarantineLog
-from mixplane.loader.shuffle import (
-    PageParts, PagePlan, RowPlan, SequentialPlan, epoch_rng, key_of, stratified_permutation,
+from mixplane.loader.policies import (
+    MAX_PAGE_READS, MIN_PART_ROWS, READ_BUDGET, OrderKey, Segment, policy_for,
 )
+from mixplane.loader.quarantine import QuarantineLog
+from mixplane.loader.shuffle import EpochPlan, PageParts, epoch_rng
+from mixplane.loader.unitcache import SLAB_LIVE_RATIO
 from mixplane.samples import make_key
 from mixplane.spec import SourceSpec
 
@@ -69,12 +75,9 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: stratified page order and page splits
 DEFAULT_BUFFER_ROWS = 10_000
 MIN_BUFFER_ROWS = 64
-READ_BUDGET = 1.0  # page mode: compressed bytes read per decoded byte delivered, when page_reads is automatic
-MAX_PAGE_READS = 4  # page mode: parts a page may be split into (reads of one page per epoch)
-MIN_PART_ROWS = 4  # a page is split only into parts of at least this many rows
-SLAB_LIVE_RATIO = 0.75  # relocate the units of a slab once its rows still to come fill no more than this share of it
 
-__all__ = ["RawSamples", "SourceStream", "open_stream", "epoch_rng", "DEFAULT_BUFFER_ROWS"]
+__all__ = ["RawSamples", "SourceStream", "open_stream", "epoch_rng", "DEFAULT_BUFFER_ROWS", "MAX_PAGE_READS",
+           "MIN_PART_ROWS", "READ_BUDGET", "SLAB_LIVE_RATIO"]
 
 
 @dataclass
@@ -91,22 +94,6 @@ class RawSamples:
 
 class StreamError(ValueError):
     """A stream that cannot be opened or continued; the message names the source."""
-
-
-@dataclass
-class _Segment:
-    """A run of files read as one epoch-like unit (all files for a finite source; one discovery
-    batch for a live source)."""
-
-    unit_lo: int
-    unit_hi: int
-    chunk_lo: int
-    chunk_hi: int
-    row_lo: int
-    row_hi: int
-    paths: list[str]
-    page_reads: int = 1  # page mode: parts per page (at most)
-    rows_per_unit: int = 1  # page mode: mean rows of a part (YOUMU's #rowPage)
 
 
 class SourceStream:
@@ -131,6 +118,8 @@ class SourceStream:
         self.page_reads = None if page_reads is None else int(page_reads)
         self._parts = np.zeros(0, np.int8)  # page mode: parts of each page (unit)
         self.row_block = int(row_block)
+        self.policy = policy_for(self.mode, OrderKey(self.seed, self.name, self.partition, self.num_partitions),
+                                 page_reads=self.page_reads, row_block=self.row_block)
         self.poll_s, self.status_every_s = poll_s, status_every_s
         self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
         self.stats = stats if stats is not None else IOStats()
@@ -140,7 +129,7 @@ class SourceStream:
         self.files = files or list_source_files(source.uri)
         self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
         self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
         if buffer_bytes is not None and self.index.num_rows:
@@ -151,16 +140,12 @@ class SourceStream:
             if self.index.num_rows == 0:
                 why = "; ".join(str(e) for e in self.index.bad_files.values()) or "no Parquet files"
                 raise StreamError(f"source {self.name!r}: no readable rows in {source.uri} ({why})")
-            if self.index.num_units < self.num_partitions and self.mode != "row":
+            if self.index.num_units < self.num_partitions and self.policy.needs_units_per_partition:
                 raise StreamError(f"source {self.name!r}: {self.index.num_units} pages cannot be split into "
                                   f"{self.num_partitions} partitions")
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
-        self._cache: dict[int, dict[str, pa.Array]] = {}  # unit (page, page part, chunk) -> decoded rows
-        self._maps: dict[int, np.ndarray] = {}  # unit -> row-in-unit to row-in-cached-data, after compaction
-        self._held: dict[int, int] = {}  # unit -> rows its cached data holds, after compaction
-        self._arena = RowArena(slab_bytes)  # page mode: memory of the cached units
+        self.cache = self.policy.make_cache(slab_bytes, row_cache_bytes)  # decoded units with rows to come
         self._layout = PageParts(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        self._lru = _LRU(row_cache_bytes)
         self._base_epoch, self._base_pos = 0, 0
         self.dry = False
         self._dry_since: float | None = None
@@ -196,7 +181,7 @@ class SourceStream:
                 self.index.bad_files.pop(p)
         if len(self.index.files) == before or self.index.num_rows == r0:
             return False
-        seg = _Segment(u0, self.index.num_units, c0, self.index.num_chunks, r0, self.index.num_rows,
+        seg = Segment(u0, self.index.num_units, c0, self.index.num_chunks, r0, self.index.num_rows,
                        [f.path for f in self.index.files[before:]])
         self._split_pages(seg)
         self.segments.append(seg)
@@ -211,24 +196,15 @@ class SourceStream:
         p = idx.primary
         c = int(np.flatnonzero((p["chunk_file"] == fi) & (p["chunk_rg"] == err.row_group))[0])
         u0, u1 = int(p["chunk_first_unit"][c]), int(p["chunk_first_unit"][c + 1])
-        self._bad_units.update([c] if self.mode == "rowgroup" else range(u0, u1))
+        self._bad_units.update(self.policy.bad_units_of_chunk(c, u0, u1))
         self.quarantine.add(err, pages=int(p["unit_pages"][u0:u1].sum()))
 
-    def _split_pages(self, seg: _Segment) -> None:
-        """Page mode: parts per page of a new segment, from the segment's own files only (so a
-        replay that knows more files plans this segment the same way)."""
+    def _split_pages(self, seg: Segment) -> None:
+        """Parts per page of a new segment (page mode splits pages), from the segment's own files
+        only (so a replay that knows more files plans this segment the same way)."""
         idx = self.index
         rows = idx.unit_rows[seg.unit_lo : seg.unit_hi].astype(np.int64)
-        reads = 1
-        if self.mode == "page":
-            if self.page_reads is not None:
-                reads = self.page_reads
-            else:
-                p = idx.primary
-                comp = float(p["unit_len"][seg.unit_lo : seg.unit_hi].sum() + p["chunk_dict_len"][seg.chunk_lo : seg.chunk_hi].sum())
-                raw = float(p["chunk_raw_len"][seg.chunk_lo : seg.chunk_hi].sum())
-                ratio = comp / raw if raw > 0 else 1.0
-                reads = int(min(MAX_PAGE_READS, max(1, np.floor(READ_BUDGET / max(ratio, 1e-6)))))
+        reads = self.policy.reads_per_page(idx, seg)
         parts = np.clip(rows // MIN_PART_ROWS, 1, reads)
         seg.page_reads = reads
         units = int(parts.sum())
@@ -253,7 +229,7 @@ class SourceStream:
             return False
         return self._add_files(list(f.paths), list(f.sizes), list(f.mtimes_ns))
 
-    def _segment(self, epoch: int) -> _Segment | None:
+    def _segment(self, epoch: int) -> Segment | None:
         if not self.live:
             return self.segments[0] if self.segments else None
         return self.segments[epoch] if epoch < len(self.segments) else None
@@ -261,89 +237,34 @@ class SourceStream:
     # ------------------------------------------------------------------------------------------
     # epochs
 
-    def _plan(self, epoch: int):
+    def _plan(self, epoch: int) -> EpochPlan | None:
         seg = self._segment(epoch)
         if seg is None:
             return None
-        idx, p, N = self.index, self.partition, self.num_partitions
-        name = self.name
-        if self.mode == "row":
-            key = key_of(self.seed, name, epoch, 7)
-            return RowPlan(seg.row_lo, seg.row_hi - seg.row_lo, key, p, N, self.row_block)
-        if self.mode == "rowgroup":
-            chunks = np.arange(seg.chunk_lo, seg.chunk_hi, dtype=np.int64)
-            order = chunks[epoch_rng(self.seed, name, epoch, 3).permutation(len(chunks))][p::N]
-            seed, e = self.seed, epoch
-
-            def within(c: int, n: int) -> np.ndarray:
-                return epoch_rng(seed, name, e, 4, c).permutation(n).astype(np.int64)
-
-            return SequentialPlan(order, idx.chunk_row_start, idx.chunk_rows, within)
-        units = np.arange(seg.unit_lo, seg.unit_hi, dtype=np.int64)
-        if self.mode == "sequential":
-            return SequentialPlan(units[p::N], idx.unit_row_start, idx.unit_rows)
-        mine = self._page_units(epoch, seg)
-        order = mine[stratified_permutation(len(mine), epoch_rng(self.seed, name, epoch, 5, p, N))]
-        return PagePlan(order, idx.unit_row_start, idx.unit_rows, epoch_rng(self.seed, name, epoch, 2, p, N),
-                        buffer_rows=self.buffer_rows, rows_per_page=seg.rows_per_unit, parts=self._parts)
-
-    def _page_layout(self) -> PageParts:
-        return PageParts(self.index.unit_row_start, self.index.unit_rows, self._parts)
-
-    def _page_units(self, epoch: int, seg: _Segment) -> np.ndarray:
-        """Page mode: this partition's units (page parts) of the segment, in stored order. The
-        partitions take every N-th unit of one uniform permutation of the segment's units."""
-        units = self._page_layout().units_of(np.arange(seg.unit_lo, seg.unit_hi, dtype=np.int64))
-        if self.num_partitions == 1:
-            return units
-        perm = epoch_rng(self.seed, self.name, epoch, 1).permutation(len(units))
-        return np.sort(units[perm[self.partition :: self.num_partitions]])
+        return self.policy.plan(self.index, seg, epoch, self._parts, self.buffer_rows)
 
     def _epoch_rows(self, epoch: int) -> int:
         seg = self._segment(epoch)
         if seg is None:
             return 0
-        p, N, idx = self.partition, self.num_partitions, self.index
-        if self.mode == "row":
-            n = seg.row_hi - seg.row_lo
-            return max(0, (n - p + N - 1) // N)
-        if self.mode == "rowgroup":
-            nch = seg.chunk_hi - seg.chunk_lo
-            if N == 1:
-                return seg.row_hi - seg.row_lo
-            perm = epoch_rng(self.seed, self.name, epoch, 3).permutation(nch)[p::N] + seg.chunk_lo
-            return int(idx.chunk_rows[perm].sum())
-        if N == 1:
-            return seg.row_hi - seg.row_lo
-        nu = seg.unit_hi - seg.unit_lo
-        if self.mode == "sequential":
-            return int(idx.unit_rows[seg.unit_lo + np.arange(p, nu, N)].sum())
-        return int(self._page_layout().size(self._page_units(epoch, seg)).sum())
+        return self.policy.epoch_rows(self.index, seg, epoch, self._parts)
 
     def _set_epoch(self, epoch: int, start: int) -> None:
         self._epoch = epoch
         self._epoch_start = start
         self._plan_obj = self._plan(epoch)
         self._epoch_len = self._plan_obj.rows if self._plan_obj is not None else 0
-        if self.mode == "rowgroup":
-            self._layout = PageParts(self.index.chunk_row_start, self.index.chunk_rows)
-        elif isinstance(self._plan_obj, PagePlan):
-            self._layout = self._plan_obj.layout
-        else:
-            self._layout = PageParts(self.index.unit_row_start, self.index.unit_rows)
+        self._layout = self.policy.layout(self.index, self._plan_obj)
         self._block = np.zeros(0, np.int64)
         self._block_done: list[int] = []
         self._block_start = start
         self._off = 0
         self._epoch_delivered = 0
-        self._cache.clear()
-        self._maps.clear()
-        self._held.clear()
-        self._arena.clear()
+        self.cache.new_epoch()
 
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
-        self._free(self._block_done)
+        self.cache.free(self._block_done)
         self._block_start += len(self._block)
         self._off = 0
         nb = self._plan_obj.next_block() if self._plan_obj is not None else None
@@ -352,69 +273,6 @@ class SourceStream:
             return False
         self._block, self._block_done = nb
         return True
-
-    def _free(self, units: list[int]) -> None:
-        for u in units:
-            self._cache.pop(u, None)
-            self._maps.pop(u, None)
-            self._held.pop(u, None)
-            self._arena.release(u)
-
-    def _maybe_compact(self) -> None:
-        """Move the units of mostly dead slabs, cut to the rows still to be delivered, into the
-        newest slab. With ratio r every relocated byte frees at least (1 - r) / r bytes, so each
-        decoded byte is copied at most about r / (1 - r) more times; and every slab but the newest
-        is more than r full of rows still to come."""
-        sim = self._plan_obj.sim
-        lay = self._layout
-        held, left = self._held, sim.left
-        live = {}
-        for u, nb in self._arena_units():
-            h = held.get(u)
-            if h is None:
-                h = int(lay.size(u))
-            live[u] = nb * left.get(u, 0) / max(h, 1)
-        victims = sorted(u for u in self._arena.sparse_slabs(live, SLAB_LIVE_RATIO) if u in self._cache)
-        if not victims:
-            return
-        owner, ids = sim.owner[: sim.size], sim.buf[: sim.size]
-        sel = np.isin(owner, victims)
-        own, rid = owner[sel], ids[sel]
-        # rows of the current block not yet taken are still to be delivered too
-        blk = self._block[self._off :]
-        bu, bl = lay.unit_and_local(blk)
-        bsel = np.isin(bu, victims)
-        _, rl = lay.unit_and_local(rid)
-        own = np.concatenate([own, bu[bsel]])
-        loc = np.concatenate([rl, bl[bsel]])
-        order = np.lexsort((loc, own))
-        own, loc = own[order], loc[order]
-        bounds = np.searchsorted(own, np.array(victims + [np.iinfo(np.int64).max], np.int64))
-        for i, u in enumerate(victims):
-            local = loc[bounds[i] : bounds[i + 1]]
-            if not len(local):  # every row delivered: nothing to keep
-                self._cache.pop(u, None)
-                self._maps.pop(u, None)
-                held.pop(u, None)
-                self._arena.release(u)
-                continue
-            old = self._maps.get(u)
-            cur = old[local] if old is not None else local
-            m = np.full(int(lay.size(u)), -1, np.int64)
-            m[local] = np.arange(len(local))
-            idx = int64_array(cur)
-            cut = {c: a.take(idx) for c, a in self._cache[u].items()}
-            self._arena.release(u)
-            self._cache[u] = self._arena.store(u, cut)
-            self._maps[u] = m
-            held[u] = len(local)
-        self._arena.reclaim()
-
-    def _arena_units(self):
-        for u in self._cache:
-            sid = self._arena.slab_of(u)
-            if sid is not None:
-                yield u, self._arena._slabs[sid].units[u]
 
     @property
     def position(self) -> int:
@@ -450,10 +308,8 @@ class SourceStream:
                 continue
             e, start = e + 1, start + n
         self._set_epoch(e, start)
-        if self.mode == "row" and self._plan_obj is not None:
-            k = (position - start) // self._plan_obj.block
-            self._plan_obj.skip_blocks(k)
-            self._block_start = start + k * self._plan_obj.block
+        if self._plan_obj is not None:
+            self._block_start = start + self.policy.skip_to(self._plan_obj, position - start)
         while self.position + (len(self._block) - self._off) <= position:
             if not self._next_block():
                 break
@@ -467,48 +323,20 @@ class SourceStream:
         return u // self._layout.stride
 
     def _load(self, u: int) -> dict[str, pa.Array] | None:
-        idx = self.index
-        p = self._primary(u)
         try:
-            if self.mode == "rowgroup":
-                r0 = int(idx.chunk_row_start[p])
-                a = idx.primary["chunk_first_unit"]
-                return self.reader.read_rows(p, r0, r0 + int(idx.chunk_rows[p]), (int(a[p]), int(a[p + 1])))
-            r0 = int(idx.unit_row_start[p])
-            n = int(idx.unit_rows[p])
-            c = int(idx.chunk_of_units([p])[0])
-            m = int(self._layout.parts[p])
-            # one part of a split page: decode only its rows
-            select = np.arange(u % self._layout.stride, n, m, dtype=np.int64) if m > 1 else None
-            return self.reader.read_rows(c, r0, r0 + n, (p, p + 1), select)
+            return self.policy.load(self.reader, self.index, self._layout, u)
         except ParquetError as e:
-            a = idx.primary
+            p = self._primary(u)
             # pages of the first column lost: the page (run), or every page of the row-group chunk
-            u0, u1 = (int(a["chunk_first_unit"][p]), int(a["chunk_first_unit"][p + 1])) if self.mode == "rowgroup" \
-                else (p, p + 1)
-            self.quarantine.add(e, pages=int(a["unit_pages"][u0:u1].sum()))
+            u0, u1 = self.policy.pages_of(self.index, p)
+            self.quarantine.add(e, pages=int(self.index.primary["unit_pages"][u0:u1].sum()))
             self._bad_units.add(p)
             return None
 
-    def _get(self, u: int):
+    def _get(self, u: int) -> dict[str, pa.Array] | None:
         if self._primary(u) in self._bad_units:
             return None
-        if self.mode == "row":
-            hit = self._lru.get(u)
-            if hit is not None:
-                return hit[0]
-            d = self._load(u)
-            if d is not None:
-                self._lru.put(u, d, sum(a.nbytes for a in d.values()))
-            return d
-        d = self._cache.get(u)
-        if d is None:
-            d = self._load(u)
-            if d is not None:
-                if self.mode == "page":
-                    d = self._arena.store(u, {c: _compact(a) for c, a in d.items()})
-                self._cache[u] = d
-        return d
+        return self.cache.get(u, self._load)
 
     def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, list[pa.Array]]]:
         """Data of the given source rows: (mask of rows delivered, per column the pieces that hold
@@ -520,14 +348,7 @@ class SourceStream:
         good = ok_u[inv]
         if not good.any():
             return good, {c: [] for c in self.columns}
-        if self._maps:
-            for j, u in enumerate(uniq.tolist()):
-                m = self._maps.get(u)
-                if m is not None:
-                    sel = inv == j
-                    local[sel] = m[local[sel]]
-            if (local[good] < 0).any():
-                raise AssertionError("compacted unit lost a row that is still to be delivered")
+        self.cache.remap(uniq, inv, local)  # rows of compacted units moved
         gi, gl = inv[good], local[good]
         if len(uniq) == 1:  # a whole block from one unit (sequential, rowgroup): one take
             d = datas[0]
@@ -543,9 +364,8 @@ class SourceStream:
     def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
         """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds)."""
         n = int(n)
-        if self.mode == "page" and self._plan_obj is not None and self._cache:
-            # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
-            self._maybe_compact()
+        # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
+        self.cache.before_take(self._plan_obj, self._layout, self._block[self._off :])
         keys, poss, parts = [], [], {c: [] for c in self.columns}
         got = 0
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -574,7 +394,7 @@ class SourceStream:
         # always a copy: the pieces may be views of cached units (slab memory)
         out = RawSamples(np.concatenate(keys), np.concatenate(poss), {c: pa.concat_arrays(v) for c, v in parts.items()})
         del parts, cols
-        self._arena.reclaim()  # slabs emptied during this take() once its pieces are gone
+        self.cache.after_take()  # slabs emptied during this take() once its pieces are gone
         return out
 
     def _col_type(self, c: str) -> pa.DataType:
@@ -617,8 +437,8 @@ class SourceStream:
                 "index_bytes": self.index.nbytes, "index_bytes_per_page": self.index.bytes_per_page,
                 "bytes_read": self.stats.bytes_read, "reads": self.stats.reads, "live": self.live, "dry": self.dry,
                 "dry_seconds": (time.monotonic() - self._dry_since) if self._dry_since is not None else 0.0,
-                "quarantined": self.quarantine.counts(), "buffered_pages": len(self._cache),
-                "slab_bytes": self._arena.resident_bytes}
+                "quarantined": self.quarantine.counts(), "buffered_pages": len(self.cache),
+                "slab_bytes": self.cache.resident_bytes}
 
     def status_line(self) -> str:
         s = self.status()
@@ -676,6 +496,7 @@ class SourceStream:
         self.segments = []
         self._bad_units = set()
         self._known = {}
+        self.cache.clear()  # units are numbered by the index being rebuilt
         sizes = dict(zip(self.files.paths, self.files.sizes))
         mt = dict(zip(self.files.paths, self.files.mtimes_ns))
         cur = list_source_files(self.source.uri)
@@ -693,24 +514,13 @@ class SourceStream:
 
     def close(self) -> None:
         self.reader.close()
-        self._cache.clear()
-        self._maps.clear()
-        self._held.clear()
-        self._arena.clear()
-        self._lru.clear()
+        self.cache.clear()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _compact(a: pa.Array) -> pa.Array:
-    """``a`` on buffers of its own size (a slice of a larger decoded run is copied out)."""
-    if a.offset or a.get_total_buffer_size() > 1.25 * a.nbytes + 4096:
-        return a.take(int64_array(np.arange(len(a))))
-    return a
 
 
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
