@@ -369,8 +369,9 @@ class EDFQueue:
                 elif self.active[i]:
                     self._near.append(i)
         if wait:
-            margin = T + 1e-9 * (abs(T) + self.scale + 1.0)
-            while wait and wait[0][0] <= margin + 1e-9 * abs(wait[0][0]):
+            # the heap key is approximate; the exact test decides (T >= 0; rounding is far below the margin)
+            margin = T + 1e-9 * (T + self.scale + 1.0)
+            while wait and wait[0][0] <= margin:
                 _, i, v = heapq.heappop(wait)
                 if v != version[i]:
                     continue

@@ -104,3 +104,16 @@ def test_select_with_exclusions_and_remix_matches_the_former_loop():
     b = old.select(0, pt, keys)
     assert np.array_equal(a.key, b.key) and np.array_equal(a.bin, b.bin) and np.array_equal(a.start, b.start)
     assert not set(zip(a.source.tolist(), a.key.tolist())) & set(keys)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 40), st.sampled_from([1, 7, 64, 256]), st.lists(st.integers(-2, 300), max_size=400))
+def test_best_fit_rows_place_like_the_online_packer(rows, seq_len, lengths):
+    from mixplane.constructor.packing import OnlinePacker
+    from mixplane.planner.core import BestFitRows
+
+    a, b = OnlinePacker(rows, seq_len, "best_fit"), BestFitRows(rows, seq_len)
+    for n in lengths:
+        assert a.largest_gap == b.largest_gap
+        assert a.place(n) == b.place(n)
+    assert a.largest_gap == b.largest_gap

@@ -10,6 +10,8 @@ client's `state_dict()` carries.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -264,6 +266,68 @@ class StepPlan:
     stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
 
 
+class BestFitRows:
+    """OnlinePacker(rows, seq_len, "best_fit") for the planner's loop: the same rows for the same pieces
+    (the fullest row that still has room, the lowest row among equals), with the rows bucketed by free
+    tokens (a heap of rows per free value, the distinct values in a sorted list), so `largest_gap` is
+    a lookup and a placement a bisect over at most seq_len + 1 values plus two heap operations."""
+
+    def __init__(self, rows: int, seq_len: int):
+        if rows < 0 or seq_len <= 0:
+            raise ValueError(f"rows={rows} and seq_len={seq_len} must be >= 0 and > 0")
+        self.seq_len = seq_len
+        self.values: list[int] = [seq_len] if rows else []  # distinct free values, ascending
+        self.rows_at: dict[int, list[int]] = {seq_len: list(range(rows))} if rows else {}
+
+    @property
+    def largest_gap(self) -> int:
+        return self.values[-1] if self.values else 0
+
+    def place(self, length: int) -> int:
+        """Row the piece went to, or -1 if it fits nowhere (nothing changes then)."""
+        values = self.values
+        if length <= 0 or not values or length > values[-1]:
+            return -1
+        j = bisect.bisect_left(values, length)
+        free = values[j]
+        heap = self.rows_at[free]
+        row = heapq.heappop(heap)
+        if not heap:
+            del values[j]
+            del self.rows_at[free]
+        left = free - length
+        if left > 0:
+            h = self.rows_at.get(left)
+            if h is None:
+                self.rows_at[left] = [row]
+                bisect.insort(values, left)
+            else:
+                heapq.heappush(h, row)
+        return row
+
+
+class Starved:
+    """Sources with a share but no candidate left this step, ordered by the total at which each would
+    fall a sample behind (r_i < p_i x - limit), so asking whether any would is O(1) while none is near
+    (their counters no longer change this step). The exact test is the one the sampler uses."""
+
+    def __init__(self, probs: list[float], realized: list[float], limit: float):
+        self.probs, self.realized, self.limit = probs, realized, limit
+        self.items: list[tuple[float, int]] = []
+
+    def add(self, i: int) -> None:
+        bisect.insort(self.items, ((self.realized[i] + self.limit) / self.probs[i], i))
+
+    def behind(self, x: float) -> bool:
+        """Would any of them be more than `limit` behind its share of a total x?"""
+        for at, i in self.items:
+            if at > x + 1e-9 * (abs(x) + abs(at) + 1.0):
+                return False
+            if self.probs[i] * x - self.realized[i] > self.limit:
+                return True
+        return False
+
+
 class StepPlanner:
     """Plans steps in order from full windows; holds the sampler and the windows."""
 
@@ -434,7 +498,8 @@ class StepPlanner:
         spec = self.spec
         S = spec.batch.seq_len
         R = spec.rows_per_step
-        packer = OnlinePacker(R, S, spec.batch.packing)
+        packer: OnlinePacker | BestFitRows = (BestFitRows(R, S) if spec.batch.packing == "best_fit"
+                                               else OnlinePacker(R, S, spec.batch.packing))
         truncate = spec.batch.overlong == "truncate"
         self.sampler.enter(point)
         n = self.n_sources
@@ -479,7 +544,10 @@ class StepPlanner:
             if ptr[i] < end[i] and probs[i] > 0:
                 q.set(i, size_of(ptr[i]))
         # sources with a target share but no candidate left this step (window exhausted or nothing fits)
-        starved = [i for i in range(n) if probs[i] > 0 and ptr[i] >= end[i]]
+        starved = Starved(probs, q.realized, lim)
+        for i in range(n):
+            if probs[i] > 0 and ptr[i] >= end[i]:
+                starved.add(i)
         realized = q.realized
         o_cand: list[int] = []
         o_bin: list[int] = []
@@ -492,12 +560,10 @@ class StepPlanner:
                 # every source that could still place something is a full sample ahead: the ones behind
                 # have nothing that fits; end the step rather than drift
                 break
-            if starved:
+            if starved.items and starved.behind(q.total + q.size[best]):
                 # a source with nothing left that fits may not fall a sample behind: rather end the step
                 # here (its rows keep some padding) and let it catch up first thing next step
-                x = q.total + q.size[best]
-                if any(probs[i] * x - realized[i] > lim for i in starved):
-                    break
+                break
             k = ptr[best]
             start = c_done[k]
             tokens = c_tok[k]
@@ -508,7 +574,7 @@ class StepPlanner:
                 ptr[best] = k + 1  # does not fit this step; stays in the window for the next
                 if k + 1 >= end[best]:
                     q.remove(best)
-                    starved.append(best)
+                    starved.add(best)
                 else:
                     q.set(best, size_of(k + 1))
                 continue
@@ -527,7 +593,7 @@ class StepPlanner:
                 ptr[best] = k + 1
                 if k + 1 >= end[best]:
                     q.remove(best)
-                    starved.append(best)
+                    starved.add(best)
                     continue
             q.set(best, size_of(ptr[best]))
         self.sampler.realized[:] = realized
