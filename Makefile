@@ -14,15 +14,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# the CPU build of torch that lies on these machines; must come before anything that depends on torch
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,k8s,bench]'
+	$(PY) -m pip install --quiet -e '.[torch,test,k8s,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/mixplane demo --dir .mixplane/demo-data
 
+# static checks first (seconds), then every test
 test: $(STAMP)
+	$(PY) -m ruff check src
 	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
 	$(PY) -m pytest tests -q
 
 test-unit: $(STAMP)

@@ -117,7 +117,7 @@ class StepLayout:
         lr = meta.get("lr_scale", 1.0)
         if not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError("layout: field 'lr_scale' is invalid")
-        parts = {}
+        parts: dict[str, Any] = {}
         for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
             a = arrays.get(name)
             if a is None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mixplane.spec import DataMixtureSpec, effective_base_weights
+from mixplane.spec import AnnealSpec, DataMixtureSpec, PhaseSpec, effective_base_weights
 
 
 def apply_temperature(weights: np.ndarray, temperature: float) -> np.ndarray:
@@ -112,7 +112,7 @@ class MixtureSchedule:
         self.base = tuple(base[n] for n in self.names)
         segs = [Segment(0, self.base, 1.0, 0, generation, "base")]
         m = spec.mixture
-        phases = list(m.phases)
+        phases: list[PhaseSpec | AnnealSpec] = list(m.phases)
         if m.anneal is not None:
             phases = [m.anneal]
         for i, ph in enumerate(phases):

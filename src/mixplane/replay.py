@@ -18,8 +18,8 @@ import numpy as np
 
 from mixplane.constructor.collate import SpanStore, materialize_rank
 from mixplane.layout import layout_digest
-from mixplane.loader.stream import open_stream
-from mixplane.loader.transforms import make_transform
+from mixplane.loader.stream import SourceStream, open_stream
+from mixplane.loader.transforms import Transform, make_transform
 from mixplane.loader.window import LoaderWindow
 from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
 from mixplane.planner.journal import read_journal, replan
@@ -30,14 +30,14 @@ from mixplane.topology import backbone_coords
 LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
 
 # (spec, source index, replica) -> (stream, transform) of that loader replica
-ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[Any, Callable]]
+ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[SourceStream, Transform]]
 
 
 class ReplayError(RuntimeError):
     pass
 
 
-def open_replica(spec: DataMixtureSpec, source_index: int, replica: int) -> tuple[Any, Callable]:
+def open_replica(spec: DataMixtureSpec, source_index: int, replica: int) -> tuple[SourceStream, Transform]:
     """The stream and transform a Source Loader of this replica reads with (as `loader.server` opens them)."""
     src = spec.sources[source_index]
     stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
@@ -186,6 +186,6 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
                                                 batch["segment_len"], batch["segment_row"])],
     }
     if save:
-        np.savez(save, **batch)
+        np.savez(save, **batch)  # type: ignore[arg-type]  # numpy stubs: **kwds could be allow_pickle
         out["saved"] = save
     return out

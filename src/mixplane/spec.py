@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 AXES = ("tp", "cp", "dp", "pp")
+Axis = Literal["tp", "cp", "dp", "pp"]
 # keys of the ClientPlaceTree override `strategy.options.place_tree` (see ClientPlaceTree.from_spec)
 PLACE_TREE_KEYS = ("order", "modules", "rank_map", "constructors", "broadcast", "ranks_per_node", "function")
 PLACE_TREE_MODULE_KEYS = ("order", "rank_map")
@@ -111,7 +112,7 @@ class ModuleSpec(_Model):
 
 class TopologySpec(_Model):
     modules: dict[str, ModuleSpec] = Field(default_factory=lambda: {"backbone": ModuleSpec()}, description="Modules with their own parallelism over one world, e.g. backbone {dp,pp,cp,tp} and encoder {dp}.")
-    order: list[Literal["tp", "cp", "dp", "pp"]] = Field(default_factory=lambda: list(AXES), description="Rank order of the axes, fastest-varying first (Megatron: tp, cp, dp, pp).")
+    order: list[Axis] = Field(default_factory=lambda: typing.cast("list[Axis]", list(AXES)), description="Rank order of the axes, fastest-varying first (Megatron: tp, cp, dp, pp).")
     ranks_per_node: int = Field(8, ge=1, description="GPU ranks per node (for per-node constructors and sidecars).")
 
     def backbone(self) -> tuple[str, ModuleSpec]:

@@ -155,7 +155,7 @@ class SpanStore:
         return self.values()[int(begin[0]):int(begin[0] + length[0])]
 
     def __contains__(self, address: object) -> bool:
-        return isinstance(address, tuple) and len(address) == 3 and self.get(address) is not None  # type: ignore[arg-type]
+        return isinstance(address, tuple) and len(address) == 3 and self.get(address) is not None
 
     def __len__(self) -> int:
         """Distinct addresses held."""
@@ -243,7 +243,7 @@ def materialize_rank(layout: StepLayout, dp_local: int, spans: SpanStore, pad_id
     base = np.concatenate([begin, np.full(len(pad_rows), nv, np.int64)])[order]
     cu = np.append(at, R * S)  # the segments tile the rows: their starts, then the end
     # positions restart at 0 in every segment: ones, minus each segment's length at the next start, summed
-    position_ids = np.ones(R * S, np.int64)
+    position_ids: np.ndarray = np.ones(R * S, np.int64)
     position_ids[at[1:]] = 1 - size[:-1]
     position_ids[0] = 0
     np.cumsum(position_ids, out=position_ids)

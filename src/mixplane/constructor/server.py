@@ -146,7 +146,7 @@ class ConstructorServer:
         self.planned_seen = start_step - 1
         self.last_request.clear()
         # requests of the old session cannot be answered any more; clients re-request
-        for ident, step, rank, _ in self.pending:
+        for ident, step, _rank, _ in self.pending:
             self._to_client(ident, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
                                                 "retry": True})
         self.pending.clear()

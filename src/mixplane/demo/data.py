@@ -241,7 +241,9 @@ def build_image_pairs(out: Path, *, max_images: int = 2000, min_bytes: int = 204
         if os.path.isdir(root):
             found.extend(_walk((root,), lambda p: p.lower().endswith(IMAGE_SUFFIXES)))
     found = sorted(set(found), key=lambda p: (hashlib.sha1(p.encode()).hexdigest(), p))
-    images, captions, seen = [], [], set()
+    images: list[bytes] = []
+    captions: list[str] = []
+    seen: set[str] = set()
     for p in found:
         if len(images) >= max_images:
             break

@@ -191,14 +191,14 @@ def trainer_main(result_path: str, steps: int, spec_path: str) -> int:
             sel = ph == p
             idx = torch.nonzero(sel).flatten()
             first, last = int(idx.min()), int(idx.max())
-            tok = stats[sel, :n_src].sum(0)
+            tok_p = stats[sel, :n_src].sum(0)
             lsum = stats[sel, n_src : 2 * n_src].sum(0)
             lcnt = stats[sel, 2 * n_src : 3 * n_src].sum(0)
             target = schedule.at(first).probs
             phases.append({
                 "phase": p, "first_step": first, "last_step": last,
-                "sources": {names[i]: {"target": float(target[i]), "realized": float(tok[i] / tok.sum()),
-                                       "tokens": int(tok[i]), "loss": float(lsum[i] / max(lcnt[i], 1))}
+                "sources": {names[i]: {"target": float(target[i]), "realized": float(tok_p[i] / tok_p.sum()),
+                                       "tokens": int(tok_p[i]), "loss": float(lsum[i] / lcnt[i].clamp(min=1))}
                             for i in range(n_src)},
             })
         real_tokens = float(stats[:, :n_src].sum())

@@ -54,6 +54,10 @@ class TransformedSamples:
     patch_size: int = 0
 
 
+# a source's transform: raw rows of the stream -> token/image samples (make_transform builds one per source)
+Transform = Callable[[RawSamples], TransformedSamples]
+
+
 class TransformError(ValueError):
     """A column that cannot be turned into tokens (wrong type, bad token bytes); names the source and column."""
 
@@ -296,7 +300,7 @@ def _image_bytes(arr: pa.Array, what: str) -> list[bytes | None]:
     return arr.to_pylist()
 
 
-def make_transform(source: SourceSpec) -> Callable[[RawSamples], TransformedSamples]:
+def make_transform(source: SourceSpec) -> Transform:
     tok = load_tokenizer(source.tokenizer) if source.tokenizer else None
     eos = eos_id(tok) if (tok is not None and source.append_eos) else None
     # bad samples: keys are new every epoch, so the log remembers only the most recent ones

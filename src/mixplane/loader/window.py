@@ -15,11 +15,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from mixplane.protocol import WindowCursor, window_full
+
+if TYPE_CHECKING:  # the window reads any stream and transform of these shapes; no import at run time
+    from mixplane.loader.stream import SourceStream
+    from mixplane.loader.transforms import Transform
 
 CHUNK = 64  # most samples read and transformed at a time
 MIN_CHUNK = 8  # fewest (amortises the per-read cost of the stream and the tokenizer call)
@@ -49,7 +53,7 @@ class Announcement:
 
 
 class LoaderWindow:
-    def __init__(self, stream: Any, transform: Callable, bounds: tuple[int, int, int],
+    def __init__(self, stream: SourceStream, transform: Transform, bounds: tuple[int, int, int],
                  on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None,
                  drop_longer_than: int | None = None):
         self.stream = stream

@@ -48,7 +48,8 @@ class OnlinePacker:
         self.seq_len = seq_len
         self.policy = policy
         self.free = np.full(rows, seq_len, dtype=np.int64)
-        self._by_free = SortedList((seq_len, r) for r in range(rows)) if policy == "best_fit" else None
+        # (free, row) of every row with room: best fit only (empty for the other policies)
+        self._by_free = SortedList((seq_len, r) for r in range(rows)) if policy == "best_fit" else SortedList()
         self._current = 0  # next_fit / none: the open row
 
     @property

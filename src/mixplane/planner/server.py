@@ -369,7 +369,7 @@ class PlannerServer:
             self.close()
 
     def close(self) -> None:
-        for key, ident in self.loaders.items():
+        for ident in self.loaders.values():
             try:
                 self._send(ident, Kind.SHUTDOWN)
             except zmq.ZMQError:

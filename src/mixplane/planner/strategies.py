@@ -85,7 +85,7 @@ def bind_options(fn: Callable[..., StepLayout], options: dict[str, Any], name: s
     """A one-argument strategy: fn(ctx, **options), checked against fn's signature now."""
     opts = {k: v for k, v in options.items() if k not in TREE_OPTIONS}
     if not opts:
-        return fn  # type: ignore[return-value]
+        return fn
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
