@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mixplane.constructor.packing import OnlinePacker
+from mixplane.planner.packing import OnlinePacker
 from mixplane.mixing import MixturePoint, slack
 from mixplane.planner.core import Pieces, StepPlanner
 
