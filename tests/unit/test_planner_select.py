@@ -109,7 +109,7 @@ def test_select_with_exclusions_and_remix_matches_the_former_loop():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 40), st.sampled_from([1, 7, 64, 256]), st.lists(st.integers(-2, 300), max_size=400))
 def test_best_fit_rows_place_like_the_online_packer(rows, seq_len, lengths):
-    from mixplane.constructor.packing import OnlinePacker
+    from mixplane.planner.packing import OnlinePacker
     from mixplane.planner.core import BestFitRows
 
     a, b = OnlinePacker(rows, seq_len, "best_fit"), BestFitRows(rows, seq_len)
