@@ -88,4 +88,17 @@ def open_parquet(files: SourceFiles, path: str) -> pq.ParquetFile:
 
 
 def read_schema_names(files: SourceFiles, path: str) -> list[str]:
-    return list(open_parquet(files, path).schema_arrow.names)
+    """Column names a source may project: the top-level columns and, for structs, ``a.b`` paths to
+    their fields (what the page reader resolves)."""
+    import pyarrow as pa
+
+    out: list[str] = []
+
+    def walk(prefix: str, t) -> None:
+        for f in t:
+            out.append(prefix + f.name)
+            if pa.types.is_struct(f.type):
+                walk(prefix + f.name + ".", f.type)
+
+    walk("", open_parquet(files, path).schema_arrow)
+    return out

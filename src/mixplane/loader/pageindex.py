@@ -19,6 +19,7 @@ plus ~40 bytes per column chunk (:attr:`SourceIndex.bytes_per_page`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ from mixplane.loader.pagereader import (
 from mixplane.loader.thrift import ThriftError
 
 log = logging.getLogger(__name__)
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 _HEADER_PROBE = 256
 
 
@@ -248,7 +249,8 @@ def _save_sidecar(fi: FileIndex, file: str) -> None:
     arrays: dict[str, np.ndarray] = {"rg_rows": fi.rg_rows}
     meta = {"version": INDEX_VERSION, "path": fi.path, "size": fi.size, "mtime_ns": fi.mtime_ns, "num_rows": fi.num_rows,
             "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type, "type_length": c.type_length,
-                         "max_def": c.max_def, "max_rep": c.max_rep, "list_def": c.list_def, "item_def": c.item_def}
+                         "max_def": c.max_def, "max_rep": c.max_rep, "list_def": c.list_def, "item_def": c.item_def,
+                         "leaf_schema": c.leaf_schema.hex(), "struct_depth": c.struct_depth}
                         for c in fi.columns]}
     schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
                        + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
@@ -282,6 +284,7 @@ def _load_sidecar(file: str, path: str, size: int, mtime_ns: int, columns: list[
             schema = pa.ipc.read_schema(pa.py_buffer(bytes(z["schema"])))
             cols, pages = [], {}
             for i, c in enumerate(meta["columns"]):
+                c = dict(c, leaf_schema=bytes.fromhex(c["leaf_schema"]))
                 cols.append(ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type, **c))
                 pages[c["name"]] = ColumnPages(**{f: z[f"{i}.{f}"] for f in ColumnPages.FIELDS})
             return FileIndex(path=path, size=size, mtime_ns=mtime_ns, num_rows=meta["num_rows"], rg_rows=z["rg_rows"],
@@ -308,8 +311,9 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
     return fi
 
 
-def _signature(cols: list[ColumnInfo]) -> list[tuple]:
-    return [c.signature() for c in cols]
+def _signature(cols: list[ColumnInfo]) -> list[str]:
+    """What a file delivers, for the majority vote on the source's types."""
+    return [str(c.arrow_type) for c in cols]
 
 
 def reference_signature(sigs: list) -> object:
@@ -319,6 +323,31 @@ def reference_signature(sigs: list) -> object:
         counts[repr(sg)] = counts.get(repr(sg), 0) + 1
     best = max(counts.values())
     return next(sg for sg in sigs if counts[repr(sg)] == best)
+
+
+_STRINGS = (pa.types.is_string, pa.types.is_large_string)
+_BINARIES = (pa.types.is_binary, pa.types.is_large_binary)
+_LISTS = (pa.types.is_list, pa.types.is_large_list)
+
+
+def unifiable(have: pa.DataType, want: pa.DataType) -> bool:
+    """Whether a file's column of type ``have`` can be delivered as the source's ``want``: the same
+    values in another physical width or offset size (string / large_string, binary / large_binary,
+    int32 / int64, list / large_list of such; list field names and nullability aside), as different
+    writers store one dataset."""
+    if have == want:
+        return True
+    for family in (_STRINGS, _BINARIES, _LISTS):
+        if any(f(have) for f in family) and any(f(want) for f in family):
+            return family is not _LISTS or unifiable(have.value_type, want.value_type)
+    if pa.types.is_integer(have) and pa.types.is_integer(want):
+        return pa.types.is_signed_integer(have) == pa.types.is_signed_integer(want)
+    if pa.types.is_floating(have) and pa.types.is_floating(want):
+        return have.bit_width <= want.bit_width
+    if pa.types.is_struct(have) and pa.types.is_struct(want):
+        return [f.name for f in have] == [f.name for f in want] and all(
+            unifiable(a.type, b.type) for a, b in zip(have, want))
+    return False
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -362,6 +391,7 @@ class SourceIndex:
         self.files: list[FileIndex] = []
         self.bad_files: dict[str, ParquetError] = {}
         self.col_info: list[ColumnInfo] | None = None
+        self._file_cols: dict[tuple[int, str], ColumnInfo] = {}
         self._rebuild()
 
     # -- building --
@@ -388,11 +418,24 @@ class SourceIndex:
         self.check_kind(fi)
         if self.col_info is None:
             self.col_info = fi.columns
-        elif _signature(fi.columns) != _signature(self.col_info):
+        elif not all(unifiable(h.arrow_type, w.arrow_type) for h, w in zip(fi.columns, self.col_info)):
             want = ", ".join(f"{c.name}: {c.arrow_type}" for c in self.col_info)
             have = ", ".join(f"{c.name}: {c.arrow_type}" for c in fi.columns)
             raise SchemaMismatchError(f"column types ({have}) differ from the source's ({want})", file=fi.path)
         self.files.append(fi)
+
+    def file_column(self, file_i: int, name: str) -> ColumnInfo:
+        """How to decode column ``name`` of file ``file_i``: the file's own layout (physical type,
+        levels), delivered as the source's type (a file of large_string or int64 token ids among
+        files of string / int32 is cast on read, not refused)."""
+        key = (file_i, name)
+        c = self._file_cols.get(key)
+        if c is None:
+            own = next(x for x in self.files[file_i].columns if x.name == name)
+            want = self.col_info[self.columns.index(name)].arrow_type if self.col_info else own.arrow_type
+            c = own if own.arrow_type == want else dataclasses.replace(own, arrow_type=want)
+            self._file_cols[key] = c
+        return c
 
     def finish(self) -> None:
         self._rebuild()
@@ -651,7 +694,8 @@ class SourceReader:
             return None
         buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
         self.dict_reads += 1
-        d = pr.read_dictionary(col, buf, int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
+        d = pr.read_dictionary(self.index.file_column(int(a["chunk_file"][chunk]), col.name), buf,
+                               int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
         if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
             self._budget_chunks = len(a["chunk_rg"])
             self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
@@ -662,6 +706,7 @@ class SourceReader:
         """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
         the rows at ``select`` (ascending indices within the units) when given."""
         a = self.index.cols[col.name]
+        col = self.index.file_column(int(a["chunk_file"][chunk]), col.name)
         if not a["unit_len"][u0:u1].all():
             raise CorruptPageError("column chunk was quarantined when indexed (corrupt page header)",
                                    **self.index.where(col.name, chunk, u0))

@@ -1,15 +1,18 @@
 """Read Parquet data pages directly: footer and page headers (our own Thrift compact reader),
 decompression (cramjam), and decoding with numpy — no pyarrow reader, no per-row Python loop.
 
-Covers what training data uses: data pages v1 and v2; PLAIN and dictionary (PLAIN_DICTIONARY /
-RLE_DICTIONARY) encodings; RLE / bit-packed hybrid definition and repetition levels; nulls; flat
-columns of every physical type but INT96; and one level of list (``list<int32>`` token columns,
-legacy two-level lists too). Codecs: none, SNAPPY, GZIP, ZSTD, BROTLI, LZ4_RAW. Page CRCs are
-checked when the writer stored them. Anything else raises an error that names the file, row
-group, column and page, so the caller can quarantine exactly that unit.
+The numpy path covers what training data mostly holds: data pages v1 and v2; PLAIN and dictionary
+(PLAIN_DICTIONARY / RLE_DICTIONARY) encodings; RLE / bit-packed hybrid levels; nulls; flat columns
+of every physical type but INT96, fields of structs (``meta.url``) and one level of list
+(``list<int32>`` token columns, legacy two-level lists too). Every other page — DELTA_BINARY_PACKED,
+DELTA_LENGTH_BYTE_ARRAY, DELTA_BYTE_ARRAY, BYTE_STREAM_SPLIT (what Spark's, DuckDB's and pyarrow's
+v2 writers produce), and lists of lists — is handed as stored to Arrow's own decoders in a one-page
+in-memory file (:func:`arrow_decode_page`). Codecs: none, SNAPPY, GZIP, ZSTD, BROTLI, LZ4_RAW. Page
+CRCs are checked when the writer stored them. Anything else raises an error that names the file,
+row group, column and page, so the caller can quarantine exactly that unit.
 
-The one loop that is not vectorised walks the 4-byte length prefixes of PLAIN BYTE_ARRAY values
-(one step per value, not per byte); everything else is numpy or Arrow C++.
+The one loop that is not vectorised walks the 4-byte length prefixes of PLAIN BYTE_ARRAY values of
+pages of few values (one step per value, not per byte); everything else is numpy or Arrow C++.
 """
 
 from __future__ import annotations
@@ -230,10 +233,20 @@ class ColumnInfo:
     item_def: int  # def level at which a list item exists; only for lists
     value_type: pa.DataType  # arrow type of the decoded leaf values (before list wrapping)
     arrow_type: pa.DataType  # type delivered to users
+    # the leaf's schema path as a Thrift list of SchemaElements (root, ancestors with one child each,
+    # leaf): what a one-page file needs for Arrow's decoders to read a page (:func:`arrow_decode_page`)
+    leaf_schema: bytes = b""
+    struct_depth: int = 0  # struct levels above the leaf (``meta.url``: 1), unwrapped after Arrow's read
 
     @property
     def is_list(self) -> bool:
         return self.max_rep > 0
+
+    @property
+    def native(self) -> bool:
+        """Whether numpy decodes this column's pages (flat or one level of list); deeper nesting
+        (lists of lists) always goes through Arrow's decoders."""
+        return self.max_rep <= 1
 
     def signature(self) -> tuple:
         return (self.physical_type, self.type_length, self.max_def, self.max_rep, str(self.arrow_type))
@@ -346,51 +359,110 @@ def _natural_type(node: SchemaNode) -> pa.DataType:
     raise UnsupportedError(f"physical type {TYPE_NAMES[pt] if pt is not None and 0 <= pt < 8 else pt} is not supported")
 
 
-def resolve_columns(meta: FileMeta, names: list[str]) -> list[ColumnInfo]:
-    """Map top-level column names to their leaves; raise for a missing or unsupported column."""
-    out = []
+def _find_column(meta: FileMeta, name: str) -> tuple[list[SchemaNode], list[int]]:
+    """Schema nodes from the top-level column down to ``name`` (a top-level name, or a dotted path to a
+    field of a struct: ``meta.url``) and the leaf indexes under it; raises MissingColumnError."""
     tops = {c.name: c for c in meta.schema.children}
-    for name in names:
-        if name not in tops:
+    parts = [name] if name in tops else name.split(".")
+    chain, n = [], meta.schema
+    for part in parts:
+        nxt = next((c for c in n.children if c.name == part), None)
+        if nxt is None:
             raise MissingColumnError(f"no column {name!r} (has: {', '.join(tops)})", file=meta.path, column=name)
-        idx = [i for i, (p, *_rest) in enumerate(meta.leaves) if p[0] == name]
+        chain.append(nxt)
+        n = nxt
+    prefix = tuple(c.name for c in chain)
+    return chain, [i for i, (p, *_rest) in enumerate(meta.leaves) if p[: len(prefix)] == prefix]
+
+
+def _leaf_schema(chain: list[SchemaNode], string: bool) -> bytes:
+    """Thrift list<SchemaElement> of root -> chain (one child each): the schema of a one-leaf file.
+    The leaf keeps only its physical type (and UTF8 for strings), so Arrow decodes it to
+    :func:`_natural_type`, the type the numpy path produces; groups keep LIST / MAP annotations."""
+    w = th.CompactWriter()
+    elems = [[(4, th.BINARY, "schema"), (5, th.I32, 1)]]
+    for nd in chain:
+        if nd.children:
+            f = [(3, th.I32, nd.repetition), (4, th.BINARY, nd.name), (5, th.I32, 1)]
+            if nd.converted_type in (1, 2, 3):  # MAP, MAP_KEY_VALUE, LIST
+                f.append((6, th.I32, nd.converted_type))
+        else:
+            f = [(1, th.I32, nd.physical_type)]
+            if nd.physical_type == FIXED_LEN_BYTE_ARRAY:
+                f.append((2, th.I32, nd.type_length or 0))
+            f += [(3, th.I32, nd.repetition), (4, th.BINARY, nd.name)]
+            if string:
+                f.append((6, th.I32, 0))
+        elems.append(f)
+    w._value(th.LIST, (th.STRUCT, elems))
+    return bytes(w.out)
+
+
+def _arrow_field_type(schema: pa.Schema | None, name: str) -> pa.DataType | None:
+    """The type the writer's ARROW:schema gives column ``name`` (a dotted path walks struct fields)."""
+    if schema is None:
+        return None
+    if name in schema.names:
+        t = schema.field(name).type
+    else:
+        parts = name.split(".")
+        if parts[0] not in schema.names:
+            return None
+        t = schema.field(parts[0]).type
+        for part in parts[1:]:
+            if not pa.types.is_struct(t) or t.get_field_index(part) < 0:
+                return None
+            t = t.field(t.get_field_index(part)).type
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def resolve_columns(meta: FileMeta, names: list[str]) -> list[ColumnInfo]:
+    """Map column names (top-level, or ``a.b`` for a field of a struct) to their leaves; raise for a
+    missing or unsupported column."""
+    out = []
+    for name in names:
+        chain, idx = _find_column(meta, name)
         if len(idx) != 1:
-            raise UnsupportedError(f"column {name!r} is a struct or map with {len(idx)} leaves; only primitive and "
-                                   f"list-of-primitive columns are read", file=meta.path, column=name)
+            raise UnsupportedError(f"column {name!r} is a struct or map with {len(idx)} leaves; name one field "
+                                   f"(e.g. {name}.{meta.leaves[idx[0]][0][len(chain)] if idx else 'field'})",
+                                   file=meta.path, column=name)
         leaf_i = idx[0]
         path, node, max_def, max_rep = meta.leaves[leaf_i]
-        if max_rep > 1:
-            raise UnsupportedError(f"column {name!r} is a nested list (repetition depth {max_rep})", file=meta.path, column=name)
-        # nodes along the path (top-level first)
-        chain, n = [], meta.schema
+        # nodes along the whole leaf path (top-level first)
+        full, n = [], meta.schema
         for part in path:
             n = next(c for c in n.children if c.name == part)
-            chain.append(n)
+            full.append(n)
+        # leading struct levels (plain groups) are unwrapped; below the first list every group must be
+        # part of a list's structure (one child), so the column reads as a (nested) list of the leaf
+        struct_depth = 0
+        for nd in full[:-1]:
+            if nd.repetition == REPEATED or nd.converted_type in (1, 2, 3):
+                break
+            struct_depth += 1
+        if any(len(nd.children) != 1 for nd in full[struct_depth:-1]):
+            raise UnsupportedError(f"column {name!r} holds a struct inside a list; only lists of one value are read",
+                                   file=meta.path, column=name)
         list_def = item_def = 0
-        if max_rep == 1:
+        if max_rep >= 1:
             d = 0
-            for nd in chain:
+            for nd in full:
                 if nd.repetition == REPEATED:
                     list_def, item_def = d, d + 1
                     break
                 d += nd.repetition != REQUIRED
-        elif len(chain) > 1:
-            raise UnsupportedError(f"column {name!r} is a struct; only primitive and list columns are read",
-                                   file=meta.path, column=name)
         try:
             value_type = _natural_type(node)
         except UnsupportedError as e:
             raise UnsupportedError(e.detail, file=meta.path, column=name) from None
-        natural = pa.list_(value_type) if max_rep else value_type
-        arrow_type = natural
-        if meta.arrow_schema is not None and name in meta.arrow_schema.names:
-            t = meta.arrow_schema.field(name).type
-            if pa.types.is_dictionary(t):
-                t = t.value_type
-            arrow_type = t
+        natural = value_type
+        for _ in range(max_rep):
+            natural = pa.list_(natural)
+        arrow_type = _arrow_field_type(meta.arrow_schema, name) or natural
         out.append(ColumnInfo(name=name, leaf=leaf_i, physical_type=node.physical_type, type_length=node.type_length or 0,
                               max_def=max_def, max_rep=max_rep, list_def=list_def, item_def=item_def,
-                              value_type=value_type, arrow_type=arrow_type))
+                              value_type=value_type, arrow_type=arrow_type,
+                              leaf_schema=_leaf_schema(full, pa.types.is_string(value_type)), struct_depth=struct_depth))
     return out
 
 
@@ -773,12 +845,19 @@ def decode_plain(col: ColumnInfo, buf, pos: int, end: int, n: int, select: np.nd
 
 @dataclass
 class Dictionary:
-    values: object  # numpy array (fixed width) or pa.Array (byte arrays)
+    values: object  # numpy array (fixed width) or pa.Array (byte arrays); None when only ``raw`` is kept
     size: int
     nbytes: int
+    raw: bytes | None = None  # the page as stored (header included): columns decoded by Arrow need it
 
 
-def decode_dictionary_page(col: ColumnInfo, header: PageHeader, body) -> Dictionary:
+def decode_dictionary_page(col: ColumnInfo, header: PageHeader, body, raw=None) -> Dictionary:
+    """Decoded dictionary values; for a column Arrow decodes (:attr:`ColumnInfo.native` false) only
+    the stored page ``raw`` (header included), which Arrow reads with the data pages."""
+    if not col.native:
+        if raw is None:
+            raise ValueError("dictionary page of a nested column without its stored bytes")
+        return Dictionary(None, header.num_values, len(raw), bytes(raw))
     if header.encoding not in (PLAIN, PLAIN_DICTIONARY):
         raise UnsupportedError(f"dictionary page encoding {ENCODING_NAMES.get(header.encoding, header.encoding)}")
     n = header.num_values
@@ -841,6 +920,8 @@ def _dict_to_arrow(col: ColumnInfo, d: Dictionary, idx: np.ndarray, valid: np.nd
 
 
 def _finish_type(arr: pa.Array, target: pa.DataType) -> pa.Array:
+    """``arr`` as the delivered type: a view when only the logical type differs, else a cast that
+    refuses lossy conversions (a file's int64 token ids cast to a source's int32 must all fit)."""
     if arr.type == target:
         return arr
     try:
@@ -849,7 +930,15 @@ def _finish_type(arr: pa.Array, target: pa.DataType) -> pa.Array:
             return arr.view(target)
     except (ValueError, pa.ArrowInvalid, NotImplementedError):
         pass
-    return arr.cast(target, safe=False)
+    narrowing = pa.types.is_integer(_innermost(target)) and pa.types.is_integer(_innermost(arr.type)) \
+        and _innermost(target).bit_width < _innermost(arr.type).bit_width
+    return arr.cast(target, safe=narrowing)
+
+
+def _innermost(t: pa.DataType) -> pa.DataType:
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -990,6 +1079,58 @@ def decode_data_page(col: ColumnInfo, header: PageHeader, raw, codec: int, dicti
     return arr if select is None else arr.take(int64_array(select))
 
 
+def _native_encoding(col: ColumnInfo, encoding: int) -> bool:
+    return encoding in (PLAIN, PLAIN_DICTIONARY, RLE_DICTIONARY) or (encoding == RLE and col.physical_type == BOOLEAN)
+
+
+def page_rows(col: ColumnInfo, header: PageHeader, raw, codec: int) -> int:
+    """Rows a data page holds (a v1 page of a list column counts its repetition levels equal to 0)."""
+    if header.type == DATA_PAGE_V2 and header.num_rows is not None:
+        return int(header.num_rows)
+    return count_rows_v1(col, header, raw, codec)
+
+
+def arrow_decode_page(col: ColumnInfo, page, codec: int, dictionary: Dictionary | None, rows: int) -> pa.Array:
+    """Decode one stored data page (``page``: header + body, as in the file) with Arrow's own C++
+    decoders: the page (after its stored dictionary page, if any) goes into a one-page in-memory
+    file whose schema is the column's leaf path (:attr:`ColumnInfo.leaf_schema`). Serves what the
+    numpy path does not: DELTA_BINARY_PACKED, DELTA_LENGTH_BYTE_ARRAY, DELTA_BYTE_ARRAY,
+    BYTE_STREAM_SPLIT and any other encoding Arrow knows, and lists of lists."""
+    h = parse_page_header(page, 0)
+    prefix = dictionary.raw if dictionary is not None and dictionary.raw is not None else b""
+    if h.encoding in (PLAIN_DICTIONARY, RLE_DICTIONARY) and not prefix:
+        raise ValueError("dictionary-encoded page but the column chunk has no dictionary page")
+    total = len(prefix) + len(page)
+    leaf_path = _leaf_path_names(col.leaf_schema)
+    chunk_meta = [(1, th.I32, col.physical_type),
+                  (2, th.LIST, (th.I32, sorted({h.encoding, RLE} | ({PLAIN, RLE_DICTIONARY} if prefix else set())))),
+                  (3, th.LIST, (th.BINARY, leaf_path)), (4, th.I32, codec), (5, th.I64, h.num_values),
+                  (6, th.I64, max(total, len(prefix) + h.header_len + h.uncompressed_size)), (7, th.I64, total),
+                  (9, th.I64, 4 + len(prefix))]
+    if prefix:
+        chunk_meta.append((11, th.I64, 4))
+    m = th.CompactWriter()
+    m.struct([(1, th.I32, 1), (2, th.LIST, col.leaf_schema), (3, th.I64, rows),
+              (4, th.LIST, (th.STRUCT, [[(1, th.LIST, (th.STRUCT, [[(2, th.I64, 4), (3, th.STRUCT, chunk_meta)]])),
+                                         (2, th.I64, total), (3, th.I64, rows)]]))])
+    f = b"".join([MAGIC, prefix, bytes(page), bytes(m.out), struct.pack("<I", len(m.out)), MAGIC])
+    try:
+        arr = pq.ParquetFile(pa.BufferReader(f), pre_buffer=False).read(use_threads=False).column(0).combine_chunks()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"Arrow cannot decode the {ENCODING_NAMES.get(h.encoding, h.encoding)} page ({e})") from None
+    if len(arr) != rows:
+        raise ValueError(f"page decoded to {len(arr)} rows, expected {rows}")
+    for _ in range(col.struct_depth):  # meta.url: the struct's one field, null where the struct is
+        arr = arr.flatten()[0]
+    return _finish_type(arr, col.arrow_type)
+
+
+def _leaf_path_names(leaf_schema: bytes) -> list[bytes]:
+    r = th.CompactReader(leaf_schema)
+    elems = r.list(0)
+    return [e[4] for e in elems[1:]]
+
+
 def count_rows_v1(col: ColumnInfo, header: PageHeader, raw, codec: int) -> int:
     """Rows in a page: what the header says, or (v1 pages of list columns) rep levels equal to 0."""
     if header.type == DATA_PAGE_V2:
@@ -1034,6 +1175,8 @@ def read_dictionary(col: ColumnInfo, buf: bytes, codec: int, *, verify_crc: bool
         raise ValueError("dictionary page runs past the bytes read")
     if verify_crc:
         check_crc(h, raw)
+    if not col.native:
+        return decode_dictionary_page(col, h, None, raw=memoryview(buf)[: h.header_len + h.compressed_size])
     return decode_dictionary_page(col, h, decompress(codec, raw, h.uncompressed_size))
 
 
@@ -1060,12 +1203,17 @@ def decode_page_run(col: ColumnInfo, buf: bytes, codec: int, dictionary, *,
         if verify_crc:
             check_crc(h, raw)
         if h.type == DICTIONARY_PAGE:
-            dictionary = decode_dictionary_page(col, h, decompress(codec, raw, h.uncompressed_size))
+            dictionary = decode_dictionary_page(col, h, None if not col.native else decompress(codec, raw, h.uncompressed_size),
+                                                raw=mv[pos:body_end])
         elif h.type in (DATA_PAGE, DATA_PAGE_V2):
             if callable(dictionary) and h.encoding in (PLAIN_DICTIONARY, RLE_DICTIONARY):
                 dictionary = dictionary()
             d = None if callable(dictionary) else dictionary
-            if select is not None and not out and body_end == end and not col.is_list:
+            if not col.native or not _native_encoding(col, h.encoding):
+                n_rows = page_rows(col, h, raw, codec)
+                arr = arrow_decode_page(col, mv[pos:body_end], codec, d, n_rows)
+                rows += n_rows
+            elif select is not None and not out and body_end == end and not col.is_list:
                 # the run is this one page: select while decoding (a non-list page has one value per row)
                 arr = decode_data_page(col, h, raw, codec, d, select)
                 rows += h.num_values

@@ -139,8 +139,8 @@ def read_struct(buf: bytes | bytearray | memoryview, pos: int = 0, end: int | No
     return s, r.pos
 
 
-# ---- writer (tests build corrupt or unusual files with it; pagereader wraps a PLAIN BYTE_ARRAY page in a
-# one-page file for Arrow to decode: a few small structs per page) ----
+# ---- writer (tests build corrupt or unusual files with it; pagereader wraps a page in a one-page file for
+# Arrow to decode: a few small structs per page) ----
 
 class CompactWriter:
     def __init__(self) -> None:
@@ -186,6 +186,8 @@ class CompactWriter:
             self.struct(v)
         elif ctype in (TRUE, FALSE):
             pass
+        elif ctype == LIST and isinstance(v, (bytes, bytearray)):
+            self.out += v  # a list encoded before (e.g. a column's one-leaf schema)
         elif ctype == LIST:
             et, items = v
             n = len(items)
