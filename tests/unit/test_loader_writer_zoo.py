@@ -8,13 +8,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.unit.writer_zoo import ALL_COLUMNS, FLAT_COLUMNS, WRITERS, reference_columns, write_zoo
 from mixplane.loader import pageindex as pi
 from mixplane.loader import pagereader as pr
 from mixplane.loader.files import list_source_files, read_schema_names
 from mixplane.loader.stream import open_stream
 from mixplane.samples import key_epoch
 from mixplane.spec import SourceSpec
+from tests.unit.writer_zoo import (
+    ALL_COLUMNS,
+    FLAT_COLUMNS,
+    WRITERS,
+    reference_columns,
+    write_zoo,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -66,8 +72,8 @@ def test_zoo_covers_every_encoding_and_both_page_versions(zoo):
 
 @pytest.mark.parametrize("writer", [w[0] for w in WRITERS])
 def test_every_zoo_file_decodes_equal_to_pyarrow(zoo, writer):
-    name, path, cols, table = next(z for z in zoo if z[0] == writer)
-    got, idx = _read_all(path, cols)
+    _, path, cols, table = next(z for z in zoo if z[0] == writer)
+    got, _ = _read_all(path, cols)
     exp = reference_columns(path, cols)
     for c in cols:
         assert got[c].type == exp[c].type, (writer, c)
@@ -78,7 +84,7 @@ def test_every_zoo_file_decodes_equal_to_pyarrow(zoo, writer):
 
 
 def test_nested_columns_are_the_written_values(zoo):
-    name, path, cols, table = zoo[3]  # pyarrow, DELTA encodings in data pages v2
+    _, path, cols, table = zoo[3]  # pyarrow, DELTA encodings in data pages v2
     got, _ = _read_all(path, cols)
     meta = table.column("meta").combine_chunks()
     assert got["meta.url"].to_pylist() == [None if m is None else m["url"] for m in meta.to_pylist()]
