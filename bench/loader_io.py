@@ -348,7 +348,7 @@ def main() -> None:
 
     # the page index sidecars are built once here (its cost is reported), as a loader's first start does
     os.environ.setdefault("MIXPLANE_INDEX_CACHE", os.path.join(data, ".pageindex"))
-    from mixplane.loader.pageindex import build_source_index
+    from mixplane.loader.indexscan import build_source_index
 
     ti = time.time()
     idx = build_source_index(man["paths"], ["text"])

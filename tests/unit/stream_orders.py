@@ -49,8 +49,8 @@ def make_sources(root: str) -> dict[str, str]:
     out["dict"] = d
     d = os.path.join(root, "bad")
     paths, _ = write_source(d, nfiles=3, rows=400)
-    from mixplane.loader import pageindex as pi
-    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    from mixplane.loader import indexscan as scan
+    idx = scan.build_source_index(paths, ["text", "row"], cache_dir=None)
     u = int(idx.primary["file_first_unit"][0]) + 2
     off, ln = int(idx.primary["unit_off"][u]), int(idx.primary["unit_len"][u])
     with open(paths[0], "r+b") as f:  # a page whose body is corrupt: its slots stay empty

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.unit.loader_testdata import text_table, write_source
+from mixplane.loader import indexscan as scan
 from mixplane.loader import pageindex as pi
 from mixplane.loader.pagereader import parse_page_header
 from mixplane.loader.stream import StreamError, open_stream
@@ -116,7 +117,7 @@ def test_source_with_nothing_readable_fails_at_open_naming_the_problem(tmp_path)
 
 
 def _page_of(paths, file_k, unit_k):
-    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    idx = scan.build_source_index(paths, ["text", "row"], cache_dir=None)
     u = int(idx.primary["file_first_unit"][file_k]) + unit_k
     r0 = int(idx.unit_row_start[u])
     return idx, u, int(idx.primary["unit_off"][u]), int(idx.primary["unit_len"][u]), list(range(r0, r0 + int(idx.unit_rows[u])))
@@ -227,7 +228,7 @@ def _chunk_units(idx, col, file_k, rg):
 def test_corrupt_header_without_offset_index_loses_only_its_row_group(tmp_path, col):
     d = str(tmp_path / "src")
     paths, table = write_source(d, nfiles=3, rows=1200, page_index=False)  # 3 row groups a file
-    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    idx = scan.build_source_index(paths, ["text", "row"], cache_dir=None)
     (u0, u1), lost = _chunk_units(idx, col, 1, 1)
     assert u1 - u0 >= 2  # corrupt the second page's header: the chunk's first page was fine
     primary_pages = int(idx.primary["unit_pages"][slice(*_chunk_units(idx, "text", 1, 1)[0])].sum())
@@ -249,7 +250,7 @@ def test_corrupt_header_without_offset_index_loses_only_its_row_group(tmp_path, 
 def test_quarantined_pages_count_the_pages_lost(tmp_path):
     d = str(tmp_path / "src")
     paths, table = write_source(d, nfiles=3, rows=1200)
-    idx = pi.build_source_index(paths, ["text", "row"], cache_dir=None)
+    idx = scan.build_source_index(paths, ["text", "row"], cache_dir=None)
     file_pages = [int(idx.primary["unit_pages"][idx.primary["file_first_unit"][k]:idx.primary["file_first_unit"][k + 1]].sum())
                   for k in range(3)]
     t2 = pq.read_table(paths[2])  # a whole file of another type: all its pages are lost

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.loader_testdata import mixed_table
-from mixplane.loader import pageindex as pi
+from mixplane.loader import indexscan as scan
+from mixplane.loader import sourcereader as sr
 from mixplane.loader import pagereader as pr
 from mixplane.loader import thrift
 
@@ -199,15 +200,16 @@ def test_selected_rows_of_a_page_equal_taking_them(tmp_path, dictionary, version
 def test_dictionary_page_read_only_for_dictionary_encoded_pages(tmp_path):
     """A chunk whose dictionary filled up falls back to PLAIN: reading a PLAIN page of it does not
     read (or keep) the dictionary page."""
-    from mixplane.loader import pageindex as pi
+    from mixplane.loader import indexscan as scan
+    from mixplane.loader import sourcereader as sr
     words = [f"w{i:06d}" + "x" * 200 for i in range(4000)]  # all distinct: the dictionary overflows
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"t": words}), path, use_dictionary=True, dictionary_pagesize_limit=64 << 10,
                    data_page_size=16 << 10, write_page_index=True)
-    idx = pi.build_source_index([path], ["t"], cache_dir=None)
+    idx = scan.build_source_index([path], ["t"], cache_dir=None)
     assert int(idx.primary["chunk_dict_len"][0]) > 0
     stats = pr.IOStats()
-    rd = pi.SourceReader(idx, stats=stats)
+    rd = sr.SourceReader(idx, stats=stats)
     last = idx.num_units - 1  # a PLAIN page after the fallback
     r0 = int(idx.unit_row_start[last])
     got = rd.read_rows(0, r0, r0 + int(idx.unit_rows[last]), (last, last + 1))["t"]
@@ -229,11 +231,11 @@ def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path)
     path = str(tmp_path / "dict.parquet")
     pq.write_table(pa.table({"t": arr}), path, row_group_size=rows, use_dictionary=True, data_page_size=64 << 10,
                    dictionary_pagesize_limit=4 << 20)
-    idx = pi.build_source_index([path], ["t"], cache_dir=None)
+    idx = scan.build_source_index([path], ["t"], cache_dir=None)
     a = idx.primary
     with_dict = int((a["chunk_dict_len"] > 0).sum())
     assert with_dict == n_rg and int(np.diff(a["chunk_first_unit"]).min()) >= 2
-    r = pi.SourceReader(idx)
+    r = sr.SourceReader(idx)
     order = rng.permutation(idx.num_units)
     for _ in range(2):  # two epochs of random page order
         for u in order.tolist():
@@ -241,7 +243,7 @@ def test_dictionary_pages_are_read_once_per_chunk_in_random_page_order(tmp_path)
             r.read_units(idx.col_info[0], c, u, u + 1)
     assert r.dict_reads == with_dict
     # a reader given a small budget re-reads (the count is what it claims)
-    small = pi.SourceReader(idx, dict_cache_bytes=1 << 20)
+    small = sr.SourceReader(idx, dict_cache_bytes=1 << 20)
     for u in order[:200].tolist():
         small.read_units(idx.col_info[0], int(idx.chunk_of_units([u])[0]), u, u + 1)
     assert small.dict_reads > len({int(c) for c in idx.chunk_of_units(order[:200])})

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 
 from tests.unit.loader_testdata import write_source
-from mixplane.loader import pageindex as pi
+from mixplane.loader import indexscan as scan
+from mixplane.loader import sourcereader as sr
 from mixplane.loader.pagereader import IOStats
 from mixplane.loader.shuffle import BufferShuffle, FeistelPermutation, PageParts, stratified_permutation
 from mixplane.loader.stream import SLAB_LIVE_RATIO, MAX_PAGE_READS, READ_BUDGET, open_stream
@@ -47,8 +48,8 @@ def test_index_from_offset_index_equals_header_scan(tmp_path):
     a, b = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
     pq.write_table(t, a, data_page_size=1024, row_group_size=700, write_page_index=True)
     pq.write_table(t, b, data_page_size=1024, row_group_size=700, write_page_index=False)
-    fa = pi.index_file(a, ["ids", "text"])
-    fb = pi.index_file(b, ["ids", "text"])
+    fa = scan.index_file(a, ["ids", "text"])
+    fb = scan.index_file(b, ["ids", "text"])
     for c in ("ids", "text"):
         assert (fa.pages[c].unit_rows == fb.pages[c].unit_rows).all()
         assert len(fa.pages[c].unit_off) == len(fb.pages[c].unit_off)
@@ -58,7 +59,7 @@ def test_index_from_offset_index_equals_header_scan(tmp_path):
 
 def test_locate_matches_brute_force(src):
     d, paths, _ = src
-    idx = pi.build_source_index(paths, ["ids", "text"], cache_dir=None)
+    idx = scan.build_source_index(paths, ["ids", "text"], cache_dir=None)
     p = idx.primary
     u = np.arange(idx.num_units)
     f, c, k = idx.locate(u)
@@ -75,8 +76,8 @@ def test_locate_matches_brute_force(src):
 def test_units_read_equal_the_rows_of_the_source(tmp_path, dictionary):
     paths, table = write_source(str(tmp_path), nfiles=2, rows=700, page_index=[False, True], dictionary=dictionary,
                                 version="2.0", compression="zstd")
-    idx = pi.build_source_index(paths, ["text", "ids", "row"], cache_dir=None)
-    rd = pi.SourceReader(idx)
+    idx = scan.build_source_index(paths, ["text", "ids", "row"], cache_dir=None)
+    rd = sr.SourceReader(idx)
     rng = np.random.default_rng(0)
     for u in rng.choice(idx.num_units, min(40, idx.num_units), replace=False):
         c = int(idx.chunk_of_units([u])[0])
@@ -92,10 +93,10 @@ def test_sidecar_reused_and_invalidated(src, tmp_path):
     d, paths, _ = src
     cache = str(tmp_path / "side")
     s1 = IOStats()
-    i1 = pi.build_source_index(paths, ["ids"], cache_dir=cache, stats=s1)
+    i1 = scan.build_source_index(paths, ["ids"], cache_dir=cache, stats=s1)
     assert s1.bytes_read > 0 and len(os.listdir(cache)) == len(paths)
     s2 = IOStats()
-    i2 = pi.build_source_index(paths, ["ids"], cache_dir=cache, stats=s2)
+    i2 = scan.build_source_index(paths, ["ids"], cache_dir=cache, stats=s2)
     assert s2.bytes_read == 0  # nothing read: every file came from its sidecar
     assert (i1.unit_row_start == i2.unit_row_start).all() and i1.fingerprint() == i2.fingerprint()
     # a damaged sidecar is rebuilt, not trusted
@@ -103,13 +104,13 @@ def test_sidecar_reused_and_invalidated(src, tmp_path):
         with open(os.path.join(cache, f), "wb") as fh:
             fh.write(b"garbage")
     s3 = IOStats()
-    i3 = pi.build_source_index(paths, ["ids"], cache_dir=cache, stats=s3)
+    i3 = scan.build_source_index(paths, ["ids"], cache_dir=cache, stats=s3)
     assert s3.bytes_read > 0 and (i3.unit_rows == i1.unit_rows).all()
     # a changed file (new mtime) is re-indexed
     st = os.stat(paths[0])
     os.utime(paths[0], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     s4 = IOStats()
-    pi.build_source_index(paths, ["ids"], cache_dir=cache, stats=s4)
+    scan.build_source_index(paths, ["ids"], cache_dir=cache, stats=s4)
     assert 0 < s4.bytes_read
 
 
@@ -300,7 +301,7 @@ def test_page_mode_holds_only_buffered_rows(src):
 
 def test_page_mode_reads_each_page_once_per_part(src):
     d, paths, table = src
-    fis = [pi.index_file(p, ["text"]).pages["text"] for p in paths]
+    fis = [scan.index_file(p, ["text"]).pages["text"] for p in paths]
     data = sum(int(f.unit_len.sum()) + int(f.chunk_dict_len.sum()) for f in fis)
     raw = sum(int(f.chunk_raw_len.sum()) for f in fis)
     for reads in (1, 2, None):

@@ -8,7 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mixplane.loader import pageindex as pi
+from mixplane.loader import indexscan as scan
+
+from mixplane.loader import sourcereader as sr
 from mixplane.loader import pagereader as pr
 from mixplane.loader.files import list_source_files, read_schema_names
 from mixplane.loader.stream import open_stream
@@ -40,9 +42,9 @@ def _encodings(path):
 
 def _read_all(path, columns):
     """Every row of a file through the index and the page reader (unit by unit, as the loader reads)."""
-    idx = pi.build_source_index([path], columns, cache_dir=None)
+    idx = scan.build_source_index([path], columns, cache_dir=None)
     assert not idx.bad_files, idx.bad_files
-    r = pi.SourceReader(idx)
+    r = sr.SourceReader(idx)
     try:
         parts = {c: [] for c in columns}
         for ch in range(idx.num_chunks):
@@ -108,7 +110,7 @@ def test_zoo_is_one_source(zoo, tmp_path, mode):
     d = str(tmp_path / "src")
     os.makedirs(d)
     ref = {}
-    for name, path, cols, _ in zoo:
+    for _, path, cols, _ in zoo:
         if cols == ALL_COLUMNS:
             os.link(path, os.path.join(d, os.path.basename(path)))
             ref[path] = reference_columns(path, ALL_COLUMNS)

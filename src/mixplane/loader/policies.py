@@ -28,7 +28,8 @@ from mixplane.loader.shuffle import (
 from mixplane.loader.unitcache import ArenaCache, LRUCache, PlainCache, UnitCache
 
 if TYPE_CHECKING:
-    from mixplane.loader.pageindex import SourceIndex, SourceReader
+    from mixplane.loader.pageindex import SourceIndex
+    from mixplane.loader.sourcereader import SourceReader
 
 READ_BUDGET = 1.0  # page mode: compressed bytes read per decoded byte delivered, when page_reads is automatic
 MAX_PAGE_READS = 4  # page mode: parts a page may be split into (reads of one page per epoch)

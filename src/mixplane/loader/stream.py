@@ -60,7 +60,9 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
-from mixplane.loader.pageindex import SourceIndex, SourceReader, build_source_index
+from mixplane.loader.indexscan import build_source_index
+from mixplane.loader.pageindex import SourceIndex
+from mixplane.loader.sourcereader import SourceReader
 from mixplane.loader.pagereader import IOStats, ParquetError, int64_array
 from mixplane.loader.policies import (
     MAX_PAGE_READS, MIN_PART_ROWS, READ_BUDGET, OrderKey, Segment, policy_for,

@@ -1,0 +1,227 @@
+"""Building a source's page index: each file's footer, then its OffsetIndexes when the writer stored
+them, else one scan of the page headers (a small positional read per page); a file's index comes from
+its sidecar (:mod:`mixplane.loader.sidecar`) when one matches the file's identity."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from mixplane.loader import pagereader as pr
+from mixplane.loader.pageindex import ColumnPages, FileIndex, SourceIndex
+from mixplane.loader.pagereader import (
+    ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader,
+)
+from mixplane.loader.sidecar import default_cache_dir, load_sidecar, save_sidecar, sidecar_path
+from mixplane.loader.thrift import ThriftError
+
+log = logging.getLogger(__name__)
+_HEADER_PROBE = 256
+
+
+def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
+    """Unit table of one column chunk: OffsetIndex when present, else a header scan."""
+    path = reader.path
+    start, end = chunk.start, chunk.start + chunk.total_compressed_size
+    if start < 4 or end > reader.size - 8:
+        raise CorruptFileError(f"column chunk [{start}, {end}) lies outside the file", file=path, row_group=rg, column=col.name)
+    dict_off = dict_len = 0
+    oi = None
+    try:
+        oi = pr.read_offset_index(reader, chunk)
+    except (ThriftError, KeyError, TypeError) as e:
+        log.warning("%s: row group %d, column %r: unreadable OffsetIndex (%s); scanning page headers", path, rg, col.name, e)
+        oi = None
+    if oi is not None and len(oi[0]):
+        off, size, first = oi
+        if (np.any(np.diff(off) <= 0) or off[0] < start or off[-1] + size[-1] > end or np.any(size <= 0)
+                or first[0] != 0 or np.any(np.diff(first) < 0) or first[-1] >= max(rg_rows, 1)):
+            raise CorruptFileError("OffsetIndex does not match the column chunk", file=path, row_group=rg, column=col.name)
+        rows = np.diff(np.append(first, rg_rows))
+        if off[0] > start:
+            dict_off, dict_len = start, int(off[0] - start)
+        return dict_off, dict_len, off.astype(np.int64), size.astype(np.int64), rows.astype(np.int64), np.ones(len(off), np.int64)
+    # scan headers: one small positional read per page (plus the level bytes of v1 list pages)
+    offs, lens, rows, pages = [], [], [], []
+    pos, k = start, 0
+    while pos < end:
+        probe = min(_HEADER_PROBE, end - pos)
+        while True:
+            buf = reader.read_at(pos, probe)
+            try:
+                h = pr.parse_page_header(buf, 0)
+                break
+            except ThriftError as e:
+                if probe >= end - pos or probe >= 1 << 20:
+                    err = CorruptPageError(f"corrupt page header at byte {pos}: {e}", file=path, row_group=rg,
+                                           column=col.name, page=k)
+                    err.scanned_bytes = pos - start  # lets the caller estimate the chunk's pages
+                    raise err from None
+                probe = min(probe * 8, end - pos)
+        total = h.header_len + h.compressed_size
+        if pos + total > end:
+            raise CorruptPageError(f"page at byte {pos} runs past its column chunk", file=path, row_group=rg, column=col.name, page=k)
+        if h.type == pr.DICTIONARY_PAGE:
+            if offs:
+                raise CorruptPageError("dictionary page after data pages", file=path, row_group=rg, column=col.name, page=k)
+            dict_off, dict_len = pos, total
+        elif h.type in (pr.DATA_PAGE, pr.DATA_PAGE_V2):
+            nrows = h.num_values
+            cont = False
+            if col.max_rep and (h.type == pr.DATA_PAGE or h.num_rows is None):
+                body = reader.read_at(pos + h.header_len, h.compressed_size)
+                try:
+                    nrows = pr.count_rows_v1(col, h, body, chunk.codec)
+                    cont = pr.first_rep_level(col, h, body, chunk.codec) != 0
+                except (ValueError, ParquetError) as e:
+                    raise CorruptPageError(f"cannot count rows: {e}", file=path, row_group=rg, column=col.name, page=k) from None
+            elif h.type == pr.DATA_PAGE_V2:
+                nrows = h.num_rows
+            if cont and offs:  # this page continues the previous row: merge into the previous unit
+                lens[-1] += total
+                rows[-1] += nrows
+                pages[-1] += 1
+            else:
+                offs.append(pos)
+                lens.append(total)
+                rows.append(nrows)
+                pages.append(1)
+            k += 1
+        pos += total
+    return (dict_off, dict_len, np.array(offs, np.int64), np.array(lens, np.int64), np.array(rows, np.int64),
+            np.array(pages, np.int64))
+
+
+def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
+    """Unit table of a column chunk that could not be scanned: one unit of all its rows and no bytes
+    (unit_len 0 marks it; reading it raises). Its pages: those scanned before the bad header plus the
+    bad one, or the chunk's bytes over their mean size when larger (an estimate: the rest is unknown)."""
+    seen = int(err.page or 0) + 1
+    pages = max(seen, int(round(chunk.total_compressed_size / max(getattr(err, "scanned_bytes", 0) / seen, 1)))
+                if getattr(err, "scanned_bytes", 0) else seen)
+    one = lambda v: np.array([v], np.int64)  # noqa: E731
+    return 0, 0, one(chunk.start), one(0), one(rg_rows), one(min(pages, np.iinfo(np.int16).max))
+
+
+def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats | None = None,
+               size: int | None = None, mtime_ns: int = 0) -> FileIndex:
+    """Build the index of one file (raises ParquetError naming what is wrong)."""
+    reader = RangeReader(path, filesystem, stats)
+    meta = None
+    try:
+        meta = pr.read_file_meta(reader)
+        if meta.num_rows == 0 or not meta.row_groups:
+            raise pr.EmptyFileError("file has no rows", file=path)
+        cols = pr.resolve_columns(meta, columns)
+        rg_rows = np.array([rg.num_rows for rg in meta.row_groups], np.int64)
+        if rg_rows.sum() != meta.num_rows or np.any(rg_rows < 0):
+            raise CorruptFileError(f"row groups hold {int(rg_rows.sum())} rows, footer says {meta.num_rows}", file=path)
+        pages: dict[str, ColumnPages] = {}
+        bad_chunks: list[ParquetError] = []
+        for col in cols:
+            rgs, codecs, doffs, dlens, firsts, raws = [], [], [], [], [0], []
+            uo, ul, ur, up = [], [], [], []
+            for ri, rg in enumerate(meta.row_groups):
+                if rg.num_rows == 0:
+                    continue
+                chunk = rg.columns[col.leaf]
+                if chunk.physical_type != col.physical_type:
+                    raise CorruptFileError("column chunk type differs from the schema", file=path, row_group=ri, column=col.name)
+                if chunk.codec not in (pr.UNCOMPRESSED, pr.SNAPPY, pr.GZIP, pr.BROTLI, pr.ZSTD, pr.LZ4_RAW):
+                    raise pr.UnsupportedError(f"codec {pr.CODEC_NAMES[chunk.codec] if 0 <= chunk.codec < 8 else chunk.codec}"
+                                              " is not supported", file=path, row_group=ri, column=col.name)
+                try:
+                    doff, dlen, off, ln, rows, npg = _scan_chunk(reader, col, chunk, ri, rg.num_rows)
+                except CorruptPageError as e:  # lose this row group's chunk, not the file
+                    bad_chunks.append(e)
+                    doff, dlen, off, ln, rows, npg = _placeholder(chunk, rg.num_rows, e)
+                if rows.sum() != rg.num_rows:
+                    raise CorruptFileError(f"pages hold {int(rows.sum())} rows, the row group {rg.num_rows}",
+                                           file=path, row_group=ri, column=col.name)
+                rgs.append(ri)
+                codecs.append(chunk.codec)
+                doffs.append(doff)
+                dlens.append(dlen)
+                raws.append(chunk.total_uncompressed_size)
+                firsts.append(firsts[-1] + len(off))
+                uo.append(off), ul.append(ln), ur.append(rows), up.append(npg)
+            cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+            pages[col.name] = ColumnPages(
+                chunk_rg=np.array(rgs, np.int32), chunk_codec=np.array(codecs, np.int8),
+                chunk_dict_off=np.array(doffs, np.int64), chunk_dict_len=np.array(dlens, np.int32),
+                chunk_first_unit=np.array(firsts, np.int64), chunk_raw_len=np.array(raws, np.int64),
+                unit_off=cat(uo, np.int64), unit_len=cat(ul, np.int32),
+                unit_rows=cat(ur, np.int32), unit_pages=cat(up, np.int16))
+        if bad_chunks and {e.row_group for e in bad_chunks} >= {i for i, rg in enumerate(meta.row_groups) if rg.num_rows}:
+            raise bad_chunks[0]  # nothing readable left: the file as a whole is bad
+        return FileIndex(path=path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
+                         num_rows=int(meta.num_rows), rg_rows=rg_rows, columns=cols, pages=pages, bad_chunks=bad_chunks)
+    except ParquetError as e:
+        if meta is not None and not hasattr(e, "pages_lost"):
+            # pages of a whole file lost: the footer does not count pages; each non-empty row group holds at least one
+            e.pages_lost = max(1, sum(1 for rg in meta.row_groups if rg.num_rows))
+        raise
+    finally:
+        reader.close()
+
+
+def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
+                       stats: IOStats | None = None, cache_dir: str | None = None) -> FileIndex:
+    side = sidecar_path(cache_dir, path, size, mtime_ns, columns) if cache_dir else None
+    if side and os.path.exists(side):
+        fi = load_sidecar(side, path, size, mtime_ns, columns)
+        if fi is not None:
+            return fi
+    fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
+    if side and not fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
+        try:
+            save_sidecar(fi, side)
+        except OSError as e:
+            log.debug("cannot write page-index sidecar %s: %s", side, e)
+    return fi
+
+
+def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
+                       stats: IOStats | None = None, cache_dir: str | None = "default",
+                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None) -> SourceIndex:
+    """Index files in the given order (append to ``index`` if given). A file that cannot be
+    indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
+    (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
+    could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder)."""
+    if cache_dir == "default":
+        cache_dir = default_cache_dir()
+    idx = index if index is not None else SourceIndex(columns)
+
+    def bad(path: str, e: ParquetError) -> None:
+        idx.bad_files[path] = e
+        if on_bad is not None:
+            on_bad(e)
+
+    readable: list[FileIndex] = []
+    for i, path in enumerate(paths):
+        size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
+        mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
+        try:
+            fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
+                                    cache_dir=cache_dir)
+            readable.append(fi)
+            idx.check_kind(fi)
+        except ParquetError as e:
+            if readable and readable[-1].path == path:
+                e.pages_lost = readable.pop().num_pages()
+            bad(path, e)
+    idx.choose_schema(readable)  # the majority's types, not whichever file sorts first
+    for fi in readable:
+        try:
+            idx.add(fi)
+        except ParquetError as e:
+            e.pages_lost = fi.num_pages()
+            bad(fi.path, e)
+            continue
+        for e in fi.bad_chunks:
+            if on_bad_chunk is not None:
+                on_bad_chunk(e)
+    idx.finish()
+    return idx

@@ -1,0 +1,82 @@
+"""The page-index sidecar cache: one small .npz per file keyed by its identity (path, size, mtime,
+projected columns), so a restart or a new replica does not rescan. A damaged or stale sidecar is
+never fatal: it is ignored and rebuilt."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+
+import numpy as np
+import pyarrow as pa
+
+from mixplane.loader.pageindex import ColumnPages, FileIndex
+from mixplane.loader.pagereader import ColumnInfo
+
+INDEX_VERSION = 3
+
+
+def default_cache_dir() -> str | None:
+    d = os.environ.get("MIXPLANE_INDEX_CACHE")
+    if d is not None:
+        return d or None  # empty string disables the sidecar cache
+    return os.path.join(os.path.expanduser("~"), ".cache", "mixplane", "pageindex")
+
+
+def sidecar_path(cache_dir: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
+    key = f"v{INDEX_VERSION}|{path}|{size}|{mtime_ns}|{','.join(columns)}"
+    h = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"{os.path.basename(path)[:60]}.{h}.npz")
+
+
+def save_sidecar(fi: FileIndex, file: str) -> None:
+    arrays: dict[str, np.ndarray] = {"rg_rows": fi.rg_rows}
+    meta = {"version": INDEX_VERSION, "path": fi.path, "size": fi.size, "mtime_ns": fi.mtime_ns, "num_rows": fi.num_rows,
+            "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type, "type_length": c.type_length,
+                         "max_def": c.max_def, "max_rep": c.max_rep, "list_def": c.list_def, "item_def": c.item_def,
+                         "leaf_schema": c.leaf_schema.hex(), "struct_depth": c.struct_depth}
+                        for c in fi.columns]}
+    schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
+                       + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
+    arrays["schema"] = np.frombuffer(schema.serialize().to_pybytes(), np.uint8)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    for i, c in enumerate(fi.columns):
+        cp = fi.pages[c.name]
+        for f in ColumnPages.FIELDS:
+            arrays[f"{i}.{f}"] = getattr(cp, f)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_sidecar(file: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> FileIndex | None:
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if (meta["version"] != INDEX_VERSION or meta["path"] != path or meta["size"] != size
+                    or meta["mtime_ns"] != mtime_ns or [c["name"] for c in meta["columns"]] != list(columns)):
+                return None
+            schema = pa.ipc.read_schema(pa.py_buffer(bytes(z["schema"])))
+            cols, pages = [], {}
+            for i, c in enumerate(meta["columns"]):
+                c = dict(c, leaf_schema=bytes.fromhex(c["leaf_schema"]))
+                cols.append(ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type, **c))
+                pages[c["name"]] = ColumnPages(**{f: z[f"{i}.{f}"] for f in ColumnPages.FIELDS})
+            return FileIndex(path=path, size=size, mtime_ns=mtime_ns, num_rows=meta["num_rows"], rg_rows=z["rg_rows"],
+                             columns=cols, pages=pages)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, pa.ArrowException, zlib.error):
+        return None
+    except Exception:  # a damaged sidecar is never fatal: rebuild it
+        return None

@@ -1,0 +1,173 @@
+"""Reading rows of an indexed source by page: positional reads of just the pages that hold them, a
+chunk's dictionary page decoded once and kept in a byte-bounded LRU."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pyarrow as pa
+
+from mixplane.loader import pagereader as pr
+from mixplane.loader.pageindex import SourceIndex
+from mixplane.loader.pagereader import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
+from mixplane.loader.thrift import ThriftError
+
+
+class _LRU:
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.items: OrderedDict = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key):
+        v = self.items.get(key)
+        if v is not None:
+            self.items.move_to_end(key)
+        return v
+
+    def put(self, key, value, nbytes: int) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        self.items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget and len(self.items) > 1:
+            _, (_, nb) = self.items.popitem(last=False)
+            self.nbytes -= nb
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+
+DICT_CACHE_MIN = 8 << 20  # decoded-dictionary cache of a reader, at least (bytes)
+DICT_CACHE_MAX = 512 << 20  # and at most: a source of huge dictionaries re-reads some instead
+DICT_EXPANSION = 4  # decoded bytes per byte of a dictionary page, assumed when sizing the cache
+
+
+def dict_cache_budget(index: SourceIndex) -> int:
+    """Bytes to keep every chunk's decoded dictionary of the source (page mode visits chunks in random
+    order, so anything less re-reads dictionary pages), within [DICT_CACHE_MIN, DICT_CACHE_MAX]."""
+    pages = sum(int(np.sum(a["chunk_dict_len"], dtype=np.int64)) for a in index.cols.values())
+    return int(min(DICT_CACHE_MAX, max(DICT_CACHE_MIN, DICT_EXPANSION * pages)))
+
+
+class SourceReader:
+    """Reads rows of an indexed source by page: positional reads of just the pages that hold them
+    (plus a chunk's dictionary page when a dictionary-encoded page of it is read: decoded once and
+    kept in an LRU by bytes, by default large enough for every dictionary of the source —
+    :func:`dict_cache_budget`, re-sized as a live source grows). ``dict_reads`` counts dictionary
+    pages read."""
+
+    def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
+                 dict_cache_bytes: int | None = None, max_open_files: int = 64):
+        self.index = index
+        self.fs = filesystem
+        self.stats = stats if stats is not None else IOStats()
+        self.verify_crc = verify_crc
+        self._auto_dict_budget = dict_cache_bytes is None
+        self._dicts = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
+        self.dict_reads = 0
+        self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
+        self._readers: OrderedDict[int, RangeReader] = OrderedDict()
+        self._max_open = max_open_files
+
+    def _reader(self, file_i: int) -> RangeReader:
+        r = self._readers.get(file_i)
+        if r is None:
+            f = self.index.files[file_i]
+            r = RangeReader(f.path, self.fs, self.stats)
+            if r.size != f.size:
+                r.close()
+                raise CorruptFileError(f"file changed since it was indexed ({f.size} -> {r.size} bytes)", file=f.path)
+            self._readers[file_i] = r
+            while len(self._readers) > self._max_open:
+                _, old = self._readers.popitem(last=False)
+                old.close()
+        else:
+            self._readers.move_to_end(file_i)
+        return r
+
+    def _dictionary(self, col: ColumnInfo, chunk: int):
+        a = self.index.cols[col.name]
+        key = (col.name, chunk)
+        hit = self._dicts.get(key)
+        if hit is not None:
+            return hit[0]
+        dlen = int(a["chunk_dict_len"][chunk])
+        if dlen == 0:
+            return None
+        buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
+        self.dict_reads += 1
+        d = pr.read_dictionary(self.index.file_column(int(a["chunk_file"][chunk]), col.name), buf,
+                               int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
+        if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
+            self._budget_chunks = len(a["chunk_rg"])
+            self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
+        self._dicts.put(key, d, d.nbytes)
+        return d
+
+    def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int, select: np.ndarray | None = None) -> pa.Array:
+        """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
+        the rows at ``select`` (ascending indices within the units) when given."""
+        a = self.index.cols[col.name]
+        col = self.index.file_column(int(a["chunk_file"][chunk]), col.name)
+        if not a["unit_len"][u0:u1].all():
+            raise CorruptPageError("column chunk was quarantined when indexed (corrupt page header)",
+                                   **self.index.where(col.name, chunk, u0))
+        off = int(a["unit_off"][u0])
+        end = int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1])
+        rows = int(a["unit_rows"][u0:u1].sum())
+        codec = int(a["chunk_codec"][chunk])
+        try:
+            buf = self._reader(int(a["chunk_file"][chunk])).read_at(off, end - off)
+            dictionary = (lambda: self._dictionary(col, chunk)) if int(a["chunk_dict_len"][chunk]) else None
+            arrs = pr.decode_page_run(col, buf, codec, dictionary, verify_crc=self.verify_crc, expect_rows=rows,
+                                      select=select)
+            out = arrs[0] if len(arrs) == 1 else pa.concat_arrays(arrs)
+            if pa.types.is_string(out.type) or pa.types.is_large_string(out.type):
+                out.validate(full=True)  # invalid UTF-8 means corrupt bytes slipped past the checks
+            return out
+        except ParquetError as e:
+            w = self.index.where(col.name, chunk, u0)
+            if e.row_group is None or e.page is None:  # add the unit's whereabouts
+                raise type(e)(e.detail, **w) from None
+            raise
+        except (ValueError, ThriftError, pa.ArrowException, IndexError, OverflowError) as e:
+            w = self.index.where(col.name, chunk, u0)
+            raise CorruptPageError(f"cannot decode ({type(e).__name__}: {e})", **w) from None
+
+    def read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None,
+                  select: np.ndarray | None = None) -> dict[str, pa.Array]:
+        """Rows [row0, row1) (source row numbers, all inside ``chunk``) of every projected column;
+        with ``select`` (ascending indices into that range) only those rows.
+
+        ``units`` gives the primary column's unit range when the caller knows it (it is decoded
+        selecting the rows as it goes); other columns read the pages that cover the row range,
+        slice them and take the selected rows."""
+        out: dict[str, pa.Array] = {}
+        for ci, col in enumerate(self.index.col_info):
+            a = self.index.cols[col.name]
+            if ci == 0 and units is not None:
+                u0, u1 = units
+                lo = int(a["unit_row_start"][u0])
+            else:
+                c0, c1 = int(a["chunk_first_unit"][chunk]), int(a["chunk_first_unit"][chunk + 1])
+                starts = a["unit_row_start"][c0:c1]
+                u0 = c0 + int(np.searchsorted(starts, row0, side="right")) - 1
+                u1 = c0 + int(np.searchsorted(starts, row1, side="left"))
+                lo = int(a["unit_row_start"][u0])
+            if ci == 0 and units is not None and select is not None:
+                out[col.name] = self.read_units(col, chunk, u0, u1, select)
+                continue
+            arr = self.read_units(col, chunk, u0, u1)
+            arr = arr.slice(row0 - lo, row1 - row0) if (row0 != lo or len(arr) != row1 - row0) else arr
+            out[col.name] = arr if select is None else arr.take(pr.int64_array(select))
+        return out
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._dicts.clear()
