@@ -18,6 +18,9 @@ from mixplane.planner.strategies import StrategyError, bind_options, load_callab
 from mixplane.spec import Checker, DataMixtureSpec, Problem
 
 
+OPEN_TRIES = 64  # files of one source opened to find a readable one (a footer read each)
+
+
 def _is_uri(s: str) -> bool:
     return "://" in s
 
@@ -38,7 +41,7 @@ def strategy_problems(spec: DataMixtureSpec) -> list[Problem]:
 
 
 def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
-    """Every source lists files, the first one opens as Parquet and has the columns; tokenizers exist."""
+    """Every source lists files, one of them opens as Parquet and has the columns; tokenizers exist."""
     out: list[Problem] = []
     for i, s in enumerate(spec.sources):
         if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
@@ -52,14 +55,23 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
             if not s.live:
                 out.append(Problem(f"sources[{i}].uri", f"matches no Parquet file: {s.uri}"))
             continue
-        try:
-            have = read_schema_names(files, files.paths[0])
-        except SourceFilesError as e:
-            out.append(Problem(f"sources[{i}].uri", str(e)))
+        first, have, errors = None, [], []
+        for path in files.paths[:OPEN_TRIES]:  # the loader quarantines unreadable files; none readable cannot run
+            try:
+                have = read_schema_names(files, path)
+            except SourceFilesError as e:
+                errors.append(str(e))
+                continue
+            first = path
+            break
+        if first is None:
+            tried = len(errors)
+            what = f"its {tried} file(s)" if tried == len(files.paths) else f"the first {tried} of its {len(files.paths)} files"
+            out.append(Problem(f"sources[{i}].uri", f"no readable Parquet file among {what}; first: {errors[0]}"))
             continue
         for j, c in enumerate(s.columns):
             if c not in have:
-                out.append(Problem(f"sources[{i}].columns[{j}]", f"column {c!r} not in {files.paths[0]} (has: {', '.join(have)})"))
+                out.append(Problem(f"sources[{i}].columns[{j}]", f"column {c!r} not in {first} (has: {', '.join(have)})"))
     return out
 
 

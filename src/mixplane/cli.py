@@ -61,6 +61,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             for p in e.problems:
                 print(f"{e.origin}: {p}")
             bad += 1
+        except Exception as e:  # noqa: BLE001 - validate never tracebacks; a bug in a check is named, not thrown
+            print(f"{f}: <file>: cannot validate ({type(e).__name__}: {e})")
+            bad += 1
         else:
             if not args.quiet:
                 print(f"{f}: valid", file=sys.stderr)

@@ -12,6 +12,7 @@ returns every problem with its field path, so `mixplane validate` can list them 
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -37,15 +38,35 @@ OverlongPolicy = Literal["split", "truncate", "drop"]
 PACKING_POLICIES: tuple[str, ...] = typing.get_args(PackingPolicy)
 OVERLONG_POLICIES: tuple[str, ...] = typing.get_args(OverlongPolicy)
 
+# Bounds on what would exhaust a machine (processes, memory, CPU) long before it could run: a spec past one is
+# refused with the bound in the message. Generous against the largest runs measured (bench/plan_scale.py).
+MAX_SOURCES = 4096
+MAX_REPLICAS = 1024  # Source Loader replicas of one source
+MAX_COMPONENT_PROCESSES = 8192  # loader processes + Data Constructors of one mixture
+MAX_WORLD = 1 << 20  # GPU ranks
+MAX_STEP_SEQUENCES = 1 << 24
+MAX_SEQ_LEN = 1 << 24
+MAX_STEP_TOKENS = 1 << 40
+MAX_WINDOW = 1 << 22  # samples in one loader replica's window
+MAX_SHUFFLE_BUFFER = 10_000_000  # rows
+MAX_SHUFFLE_BUFFER_MB = 65536.0
+MAX_IMAGE_SIDE = 16384
+MAX_AHEAD_STEPS = 1 << 16
+MAX_PHASES = 10_000
+# the spec file itself: size, YAML nesting and YAML values after aliases are expanded
+MAX_SPEC_BYTES = 4 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_VALUES = 250_000
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 class ImageSpec(_Model):
-    patch_size: int = Field(14, ge=1, description="Side of one square image patch in pixels.")
-    max_side: int = Field(896, ge=1, description="Longer image side is resized down to at most this many pixels.")
-    merge: int = Field(1, ge=1, description="Patches merged into one backbone token (e.g. 4 for 2x2 merging).")
+    patch_size: int = Field(14, ge=1, le=MAX_IMAGE_SIDE, description="Side of one square image patch in pixels.")
+    max_side: int = Field(896, ge=1, le=MAX_IMAGE_SIDE, description="Longer image side is resized down to at most this many pixels.")
+    merge: int = Field(1, ge=1, le=1024, description="Patches merged into one backbone token (e.g. 4 for 2x2 merging).")
     image_token_id: int | None = Field(None, description="Placeholder token id for image positions; default: the tokenizer's `<|image|>` token, else vocab size - 1.")
 
 
@@ -58,9 +79,9 @@ class SourceSpec(_Model):
     append_eos: bool = Field(True, description="Append the tokenizer's end-of-text token to every document.")
     live: bool = Field(False, description="New files matching `uri` join while running; a dry source blocks instead of failing.")
     shuffle: Literal["page", "row", "rowgroup", "sequential"] = Field("page", description="Read order: page-level shuffle (default), full row shuffle, or baselines.")
-    replicas: int = Field(1, ge=1, description="Source Loader replicas that partition this source disjointly.")
-    shuffle_buffer: int = Field(10000, ge=1, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
-    shuffle_buffer_mb: float | None = Field(32.0, gt=0, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
+    replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Source Loader replicas that partition this source disjointly.")
+    shuffle_buffer: int = Field(10000, ge=1, le=MAX_SHUFFLE_BUFFER, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
+    shuffle_buffer_mb: float | None = Field(32.0, gt=0, le=MAX_SHUFFLE_BUFFER_MB, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
 
 
@@ -80,16 +101,16 @@ class MixtureSpec(_Model):
     weights: dict[str, float] = Field(default_factory=dict, description="Base weights by source name; empty means equal weights.")
     temperature: float = Field(1.0, description="p_i ∝ w_i^(1/T); T > 1 flattens the mixture (KempnerForge semantics).")
     unit: Literal["tokens", "samples"] = Field("tokens", description="Whether weights are fractions of tokens or of samples.")
-    phases: list[PhaseSpec] = Field(default_factory=list, description="Step-triggered weight changes (curriculum). A runtime mixture update lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
+    phases: list[PhaseSpec] = Field(default_factory=list, max_length=MAX_PHASES, description="Step-triggered weight changes (curriculum). A runtime mixture update lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
     anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
     seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
 
 
 class BatchSpec(_Model):
-    sequences: int | None = Field(None, ge=1, description="Global batch in sequences (packed rows of seq_len) per step.")
-    tokens: int | None = Field(None, ge=1, description="Global batch in tokens per step (a multiple of seq_len); exclusive with `sequences`.")
-    seq_len: int = Field(..., description="Tokens per packed row.")
-    microbatches: int = Field(1, ge=1, description="Microbatches per data-parallel rank per step.")
+    sequences: int | None = Field(None, ge=1, le=MAX_STEP_SEQUENCES, description="Global batch in sequences (packed rows of seq_len) per step.")
+    tokens: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS, description="Global batch in tokens per step (a multiple of seq_len); exclusive with `sequences`.")
+    seq_len: int = Field(..., le=MAX_SEQ_LEN, description="Tokens per packed row.")
+    microbatches: int = Field(1, ge=1, le=MAX_STEP_SEQUENCES, description="Microbatches per data-parallel rank per step.")
     packing: PackingPolicy = Field("best_fit", description="How documents are packed into rows.")
     overlong: OverlongPolicy = Field("split", description="Documents longer than seq_len are split into chunks, truncated, or dropped (by the loader, before the planner sees them; counted in `mixplane_loader_dropped_overlong_total`).")
     pad_id: int = Field(0, ge=0, description="Token id used for padding (labels are -100 there).")
@@ -97,10 +118,10 @@ class BatchSpec(_Model):
 
 class ModuleSpec(_Model):
     role: Literal["backbone", "encoder"] | None = Field(None, description="What the module consumes; default from its name (`encoder` else backbone).")
-    dp: int = Field(1, ge=1, description="Data-parallel size.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel stages.")
-    cp: int = Field(1, ge=1, description="Context-parallel size.")
-    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+    dp: int = Field(1, ge=1, le=MAX_WORLD, description="Data-parallel size.")
+    pp: int = Field(1, ge=1, le=MAX_WORLD, description="Pipeline-parallel stages.")
+    cp: int = Field(1, ge=1, le=MAX_WORLD, description="Context-parallel size.")
+    tp: int = Field(1, ge=1, le=MAX_WORLD, description="Tensor-parallel size.")
 
     @property
     def world(self) -> int:
@@ -113,7 +134,7 @@ class ModuleSpec(_Model):
 class TopologySpec(_Model):
     modules: dict[str, ModuleSpec] = Field(default_factory=lambda: {"backbone": ModuleSpec()}, description="Modules with their own parallelism over one world, e.g. backbone {dp,pp,cp,tp} and encoder {dp}.")
     order: list[Axis] = Field(default_factory=lambda: typing.cast("list[Axis]", list(AXES)), description="Rank order of the axes, fastest-varying first (Megatron: tp, cp, dp, pp).")
-    ranks_per_node: int = Field(8, ge=1, description="GPU ranks per node (for per-node constructors and sidecars).")
+    ranks_per_node: int = Field(8, ge=1, le=1024, description="GPU ranks per node (for per-node constructors and sidecars).")
 
     def backbone(self) -> tuple[str, ModuleSpec]:
         for name, m in self.modules.items():
@@ -153,13 +174,13 @@ class RuntimeSpec(_Model):
     host: str = Field("127.0.0.1", description="Interface the embedded runtime binds to.")
     planner_port: int = Field(0, ge=0, le=65535, description="Planner port; 0 picks a free one.")
     metrics: bool = Field(True, description="Serve Prometheus /metrics from every component.")
-    window: int = Field(32, ge=1, description="Samples per loader replica the planner sees at least (its read-ahead window; window_tokens usually decides).")
-    window_tokens: int | None = Field(None, ge=1, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
-    window_max: int = Field(65536, ge=1, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
-    prefetch_steps: int = Field(2, ge=0, description="Steps a constructor prepares ahead of its slowest client.")
-    max_lead_steps: int = Field(32, ge=1, description="Steps the planner may run ahead of the slowest running constructor.")
+    window: int = Field(32, ge=1, le=MAX_WINDOW, description="Samples per loader replica the planner sees at least (its read-ahead window; window_tokens usually decides).")
+    window_tokens: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
+    window_max: int = Field(65536, ge=1, le=MAX_WINDOW, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
+    prefetch_steps: int = Field(2, ge=0, le=MAX_AHEAD_STEPS, description="Steps a constructor prepares ahead of its slowest client.")
+    max_lead_steps: int = Field(32, ge=1, le=MAX_AHEAD_STEPS, description="Steps the planner may run ahead of the slowest running constructor.")
     constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
-    sources_per_loader: int = Field(1, ge=1, description="Source Loaders hosted by one loader process (source grouping: hundreds of small sources need not cost an interpreter each).")
+    sources_per_loader: int = Field(1, ge=1, le=MAX_SOURCES, description="Source Loaders hosted by one loader process (source grouping: hundreds of small sources need not cost an interpreter each).")
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
     step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor.")
     heartbeat_s: float = Field(2.0, gt=0, description="Heartbeat interval between components.")
@@ -170,7 +191,7 @@ class RuntimeSpec(_Model):
 
 class DataMixtureSpec(_Model):
     name: str = Field("mixture", pattern=NAME_PATTERN, description="Name of the mixture (run directory, metrics label).")
-    sources: list[SourceSpec] = Field(..., min_length=1, description="The data sources.")
+    sources: list[SourceSpec] = Field(..., min_length=1, max_length=MAX_SOURCES, description="The data sources.")
     mixture: MixtureSpec = Field(default_factory=MixtureSpec, description="How sources are mixed over steps.")
     batch: BatchSpec = Field(..., description="What one training step consumes.")
     topology: TopologySpec = Field(default_factory=TopologySpec, description="The trainer's parallelism.")
@@ -256,8 +277,11 @@ def unwrap_document(doc: Any) -> tuple[dict[str, Any], str]:
     if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
         if doc.get("kind") not in (None, "DataMixture"):
             raise SpecError([Problem("kind", f"expected DataMixture, got {doc.get('kind')!r}")])
+        if not isinstance(doc["spec"] or {}, dict):
+            raise SpecError([Problem("spec", f"expected a mapping, got a {type(doc['spec']).__name__}")])
         spec = dict(doc["spec"] or {})
-        name = (doc.get("metadata") or {}).get("name")
+        meta = doc.get("metadata")
+        name = meta.get("name") if isinstance(meta, dict) else None
         if name and "name" not in spec:
             spec["name"] = name
         return spec, "spec"
@@ -268,37 +292,154 @@ def parse_spec(doc: Any, *, base_dir: str | os.PathLike | None = None, origin: s
                checks: Sequence[Checker] = ()) -> DataMixtureSpec:
     """Build and fully validate a spec; relative paths resolve against base_dir. Raises SpecError.
 
-    `checks` add what this pure module cannot see (files, user code): see mixplane.checks."""
+    Every problem is reported at once: when fields have the wrong shape, the cross-field rules and
+    `checks` still run on the rest (the bad fields set back to their defaults), so a NaN weight is
+    reported beside `batch.sequences: 0`. `checks` add what this pure module cannot see (files, user
+    code): see mixplane.checks."""
     try:
         raw, prefix = unwrap_document(doc)
     except SpecError as e:  # root-level problems name the file too
         raise SpecError(e.problems, origin) from None
-    try:
-        spec = DataMixtureSpec.model_validate(raw)
-    except ValidationError as e:
-        problems = [Problem(_loc_to_path(prefix, tuple(err["loc"])), err["msg"]) for err in e.errors()]
-        raise SpecError(problems, origin) from None
-    if base_dir is not None:
-        spec = resolve_paths(spec, Path(base_dir))
-    problems = semantic_problems(spec, prefix=prefix, checks=checks)
-    if problems:
+    spec, structural = _model_or_partial(raw, prefix)
+    problems = list(structural)
+    if spec is not None:
+        if base_dir is not None:
+            spec = resolve_paths(spec, Path(base_dir))
+        semantic = semantic_problems(spec, prefix=prefix, checks=checks)
+        # a rule about a field whose value was set aside would only echo the structural problem
+        problems += [q for q in semantic if not any(_related(q.path, s.path) for s in structural)]
+    if problems or spec is None:
         raise SpecError(problems, origin)
     return spec
+
+
+def _model_or_partial(raw: dict[str, Any], prefix: str) -> tuple[DataMixtureSpec | None, list[Problem]]:
+    """The validated model and no problems; or the shape problems and the model of the rest (None if there is none)."""
+    try:
+        return DataMixtureSpec.model_validate(raw), []
+    except ValidationError as e:
+        problems = [Problem(_loc_to_path(prefix, tuple(err["loc"])), err["msg"]) for err in e.errors()]
+        errors = e.errors()
+    partial: Any = copy.deepcopy(raw)  # bounded: load_spec refuses alias bombs before this
+    for _ in range(4):  # a removed field can uncover another (its default may be what was wrong)
+        if not all(_remove(partial, tuple(err["loc"])) for err in errors):
+            return None, problems
+        try:
+            return DataMixtureSpec.model_validate(partial), problems
+        except ValidationError as e:
+            errors = e.errors()
+    return None, problems
+
+
+def _remove(doc: Any, loc: tuple) -> bool:
+    """Remove the mapping entry that holds `loc` (a list item takes its whole list); False if there is none."""
+    node, key, at = doc, None, None
+    for item in loc:
+        if isinstance(node, dict) and item in node:
+            at, key, node = node, item, node[item]
+        elif isinstance(node, list) and isinstance(item, int) and 0 <= item < len(node):
+            node = node[item]  # removing the item would renumber its siblings: the list's entry goes instead
+        else:
+            break
+    if at is None or key is None:
+        return False
+    del at[key]
+    return True
+
+
+def _related(a: str, b: str) -> bool:
+    """One path is the other or inside it (`batch` and `batch.sequences`, `sources[0]` and `sources[0].uri`)."""
+    short, long = sorted((a, b), key=len)
+    return long == short or long.startswith(short + ".") or long.startswith(short + "[")
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with a nesting bound (deep nesting would exhaust Python's stack)."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _expanded_values(node: yaml.Node, limit: int) -> int:
+    """Values the document holds once its aliases are expanded (an alias bomb is small on disk, huge in memory)."""
+    memo: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:  # recursion depth is bounded by MAX_YAML_DEPTH
+        k = id(n)
+        if k in memo:
+            return memo[k]
+        memo[k] = limit + 1  # a node that contains itself is unbounded
+        if isinstance(n, yaml.SequenceNode):
+            total = 1 + sum(size(c) for c in n.value)
+        elif isinstance(n, yaml.MappingNode):
+            total = 1 + sum(size(a) + size(b) for a, b in n.value)
+        else:
+            total = 1
+        memo[k] = min(total, limit + 1)
+        return memo[k]
+
+    return size(node)
+
+
+def read_spec_document(path: str | os.PathLike, origin: str | None = None) -> Any:
+    """The YAML document of a spec file, within the bounds of MAX_SPEC_BYTES / _YAML_DEPTH / _YAML_VALUES.
+
+    Anything else (unreadable, binary, not UTF-8, not YAML, too big, too deep, an alias bomb) is a SpecError."""
+    origin = os.fspath(path) if origin is None else origin
+
+    def fail(where: str, message: str) -> SpecError:
+        return SpecError([Problem(where, " ".join(message.split()))], origin)  # one line per problem
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise fail("<file>", f"cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise fail("<file>", f"larger than the bound of {MAX_SPEC_BYTES} bytes for a DataMixture file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise fail(f"line {line}", f"not UTF-8 text (byte 0x{data[e.start]:02x}); a DataMixture is a UTF-8 YAML file") from None
+    loader = None
+    try:
+        loader = _BoundedLoader(text)  # refuses control characters already
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_values(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+            raise fail("<file>", f"expands to more than the bound of {MAX_YAML_VALUES} YAML values (aliases repeat what they name)")
+        return loader.construct_document(node)
+    except SpecError:
+        raise
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "<file>"
+        raise fail(where, f"not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except (ValueError, TypeError, RecursionError) as e:  # e.g. an integer of more digits than Python converts
+        raise fail("<file>", f"not a usable YAML document: {type(e).__name__}: {e}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def load_spec(path: str | os.PathLike, *, checks: Sequence[Checker] = ()) -> DataMixtureSpec:
     """Read and validate a spec file; problems name the file exactly as the caller spelt it."""
     origin = os.fspath(path)  # Path() would turn ./x.yaml into x.yaml
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise SpecError([Problem("<file>", f"cannot read: {e.strerror}")], origin) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "<file>"
-        raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}")], origin) from None
-    return parse_spec(doc, base_dir=path.parent, origin=origin, checks=checks)
+    doc = read_spec_document(path, origin)
+    return parse_spec(doc, base_dir=Path(path).parent, origin=origin, checks=checks)
 
 
 def _is_uri(s: str) -> bool:
@@ -411,6 +552,8 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
                 out.append(Problem(f"{p}batch", f"{rows} sequences per step do not divide into dp ({bb.dp}) x microbatches ({b.microbatches})"))
             if bb.cp > 1 and b.seq_len % (2 * bb.cp):
                 out.append(Problem(f"{p}batch.seq_len", f"seq_len ({b.seq_len}) must be a multiple of 2 x cp ({2 * bb.cp}) for the zig-zag split"))
+        if len(backbones) == 1:
+            out.extend(_process_problems(spec, backbones[0], p))
         if encoders and not any(s.kind == "image_text" for s in spec.sources):
             out.append(Problem(f"{p}topology.modules.{encoders[0]}", "an encoder module needs at least one image_text source"))
 
@@ -432,6 +575,20 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
     for check in checks:
         out.extend(Problem(f"{p}{q.path}", q.message) for q in check(spec))
     return out
+
+
+def _process_problems(spec: DataMixtureSpec, backbone: str, p: str) -> list[Problem]:
+    """Ranks and component processes past the bounds: a typo (dp: 100000) must not start a machine-filling run."""
+    bb, r = spec.topology.modules[backbone], spec.runtime
+    if bb.world > MAX_WORLD:
+        return [Problem(f"{p}topology.modules.{backbone}", f"world size {bb.world} (dp*pp*cp*tp) is more than the bound of {MAX_WORLD} ranks")]
+    loaders = -(-sum(s.replicas for s in spec.sources) // r.sources_per_loader)
+    constructors = bb.dp if r.constructors == "per_dp_group" else -(-bb.world // spec.topology.ranks_per_node)
+    if loaders + constructors > MAX_COMPONENT_PROCESSES:
+        return [Problem(f"{p}sources", f"{loaders} loader processes + {constructors} Data Constructors are more than the bound of "
+                        f"{MAX_COMPONENT_PROCESSES} component processes (fewer replicas, a larger runtime.sources_per_loader, "
+                        "or runtime.constructors: per_node)")]
+    return []
 
 
 def _positive_finite(x: float) -> bool:
