@@ -66,7 +66,6 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.planner.core import PlanContext, StepPlanner, vanilla_strategy  # noqa: E402
-from mixplane.spec import window_full  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402

@@ -171,7 +171,7 @@ def make_spec(gpus: int, n_sources: int, sequences: int, streams: Streams):
            "strategy": {"name": "vlm_balance"},
            "runtime": {"window": 32, "window_tokens": int(2 * tokens_per_step * p.max()) + SEQ,
                        "window_max": 1 << 20, "metrics": False}}
-    return parse_spec(doc, check_files=False)
+    return parse_spec(doc)
 
 
 # ---- one configuration ---------------------------------------------------------------------------
@@ -244,12 +244,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         lay = plan.layout
         cursor_after = planner.cursor()
         p = plan.pieces
-        retired = np.zeros(len(p), np.uint8)
-        for w in planner.windows:
-            mine = (p.source == w.source) & (p.replica == w.replica)
-            if mine.any():
-                q = p.pos[mine]
-                retired[mine] = (q < w.low) | np.isin(q, np.fromiter(w.skip, np.int64, len(w.skip)))
+        retired = planner.retired(p)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout)
         subs = [(ci, dps, lay.select_ranks(dps)) for ci, dps in cons]
         t_route = clock() - t0

@@ -139,3 +139,26 @@ def test_future_step_is_planned_ahead_from_the_last_cursor(tmp_path):
         fill(pl)
         last = pl.plan()
     assert layout_digest(replan(path, 12, loaders()).layout) == layout_digest(last.layout)
+
+
+def test_many_sources_keep_step_records_small_and_replay_from_deflated_checkpoints(tmp_path):
+    """Beyond 64 sources a step record carries totals (per-source counts go to the next checkpoint's
+    interval) and large checkpoint cursors are stored deflated; replay reads them as before."""
+    spec = make_spec(sources=80, rows=32, seq_len=256, dp=2, microbatches=2, window=4)
+    path = tmp_path / "journal.jsonl"
+    plans = record_run(path, steps=12, every=5, spec=spec)
+    raw = [json.loads(line) for line in open(path)]
+    assert all("cursor_z" in r and "cursor" not in r for r in raw if r["event"] == "checkpoint")
+    steps = [r for r in raw if r["event"] == "step"]
+    assert all("tokens" not in r and len(json.dumps(r)) < 300 for r in steps)
+    assert [r["tokens_total"] for r in steps] == [int(plans[s].tokens_by_source.sum()) for s in range(12)]
+    recs = read_journal(path)
+    ck = [r for r in recs if r["event"] == "checkpoint"]
+    assert [r["step"] for r in ck] == [0, 5, 10] and ck[1]["cursor"] == plans[5].cursor_before
+    assert "interval" not in ck[0]
+    for r in ck[1:]:
+        lo, hi = r["interval"]["from"], r["step"]
+        assert r["interval"]["tokens"] == [int(x) for x in sum(plans[s].tokens_by_source for s in range(lo, hi))]
+        assert r["interval"]["samples"] == [int(x) for x in sum(plans[s].samples_by_source for s in range(lo, hi))]
+    p = replan(path, 11, loaders())
+    assert layout_digest(p.layout) == layout_digest(plans[11].layout)

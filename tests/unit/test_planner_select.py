@@ -117,3 +117,23 @@ def test_best_fit_rows_place_like_the_online_packer(rows, seq_len, lengths):
         assert a.largest_gap == b.largest_gap
         assert a.place(n) == b.place(n)
     assert a.largest_gap == b.largest_gap
+
+
+def test_retired_flags_match_a_per_window_check():
+    """A piece's sample is retired when it left its window with the plan: below the window's low mark
+    or among its consumed positions above it (several replicas, split documents, skips)."""
+    planner = StepPlanner(make_spec(sources=4, replicas=3, rows=8, seq_len=128, window=8,
+                                    weights={"s0": 1, "s1": 2, "s2": 1, "s3": 1}))
+    seen_skip = seen_kept = False
+    for _ in range(8):
+        fill(planner)
+        p = planner.plan().pieces
+        want = np.zeros(len(p), np.uint8)
+        for w in planner.windows:
+            mine = (p.source == w.source) & (p.replica == w.replica)
+            q = p.pos[mine]
+            want[mine] = (q < w.low) | np.isin(q, np.array(sorted(w.skip), np.int64))
+            seen_skip |= bool(w.skip)
+        seen_kept |= bool((want == 0).any())
+        assert np.array_equal(planner.retired(p), want)
+    assert seen_skip and seen_kept  # both kinds of consumed positions and unfinished samples occurred

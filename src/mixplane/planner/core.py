@@ -377,6 +377,23 @@ class StepPlanner:
             d["replicas"] += 1
         return out
 
+    def retired(self, pieces: Pieces) -> np.ndarray:
+        """uint8 per piece: its sample left its window with the last plan (fully consumed), so the loader
+        may drop it after sending. One vectorised pass over all windows (was one mask per window)."""
+        n = len(pieces)
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        first = np.zeros(self.n_sources, np.int64)  # windows are listed source by source, replicas in order
+        np.cumsum([s.replicas for s in self.spec.sources[:-1]], out=first[1:])
+        wi = first[pieces.source.astype(np.int64)] + pieces.replica
+        low = np.array([w.low for w in self.windows], np.int64)
+        out = pieces.pos < low[wi]
+        skips = [(i, w.skip) for i, w in enumerate(self.windows) if w.skip]
+        if skips:
+            code = np.concatenate([np.fromiter(sk, np.int64, len(sk)) + (i << 40) for i, sk in skips])
+            out |= np.isin((wi << 40) + pieces.pos, code)
+        return out.astype(np.uint8)
+
     # -- runtime changes ----------------------------------------------------------------
     def update_mixture(self, weights: dict[str, float], effective_step: int, generation: int,
                        lr_scale: float | None = None, temperature: float | None = None) -> dict[str, Any]:

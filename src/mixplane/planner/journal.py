@@ -6,9 +6,13 @@ counters and the mixture schedule. So the journal does not store plans; it store
 
 * ``open``       — when a planner (re)starts: format version, the full spec of the running
                    generation, the checkpoint interval and the cursor it starts from;
-* ``checkpoint`` — the cursor before every ``every``-th step (default 100);
+* ``checkpoint`` — the cursor before every ``every``-th step (default 100); a cursor above 4 kB is
+                   stored deflated (``cursor_z``, base64 of zlib JSON); with more than 64 sources it
+                   also carries the per-source tokens / samples summed over the steps since the last
+                   checkpoint (``interval``);
 * ``step``       — per planned step, ~150 bytes: generation, phase, lr_scale, per-source tokens and
-                   samples, and a digest of the StepLayout (to verify a replay bit for bit);
+                   samples (up to 64 sources; beyond, their totals: a step record stays ~200 bytes
+                   at 1,024 sources), and a digest of the StepLayout (to verify a replay bit for bit);
 * ``update``     — a runtime mixture change: new weights, effective step, the step planned last when
                    it arrived, the resulting schedule segment;
 * ``spec``       — a new spec generation adopted from a step on (topology / batch changes);
@@ -25,8 +29,10 @@ differs, naming it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +44,17 @@ from mixplane.spec import DataMixtureSpec
 
 VERSION = 1
 DEFAULT_EVERY = 100
+INLINE_SOURCES = 64  # step records list per-source tokens / samples up to this many sources
+ZIP_CURSOR_BYTES = 4096  # checkpoint cursors larger than this are stored deflated (cursor_z)
+
+
+def _cursor_field(cursor: dict[str, Any]) -> dict[str, Any]:
+    """{"cursor": ...}, or {"cursor_z": base64(zlib(json))} when large (1,024 sources: ~100 kB -> ~30 kB),
+    so a checkpoint every 100 steps costs a few hundred bytes per step; read_journal inflates it."""
+    text = _dump(cursor)
+    if len(text) <= ZIP_CURSOR_BYTES:
+        return {"cursor": cursor}
+    return {"cursor_z": base64.b64encode(zlib.compress(text.encode(), 6)).decode("ascii")}
 
 WindowFiller = Callable[[StepPlanner], None]
 """The loaders' side of a replay: ``fill(planner)`` announces into every one of ``planner.windows``
@@ -81,6 +98,10 @@ class Journal:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._f = open(self.path, "a", encoding="utf-8")
         self._session = 0
+        # many sources: per-source counts summed from the last checkpoint on (written with the next one)
+        self._since: int | None = None
+        self._tokens: list[int] = []
+        self._samples: list[int] = []
 
     def _write(self, rec: dict[str, Any]) -> None:
         self._f.write(_dump(rec) + "\n")
@@ -94,12 +115,27 @@ class Journal:
 
     def step(self, plan: StepPlan) -> None:
         lay = plan.layout
+        tok = [int(x) for x in plan.tokens_by_source]
+        smp = [int(x) for x in plan.samples_by_source]
+        inline = len(tok) <= INLINE_SOURCES
         if lay.step % self.every == 0:
-            self._write({"event": "checkpoint", "step": lay.step, "session": self._session, "cursor": plan.cursor_before})
-        self._write({"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,
-                     "phase": lay.phase, "lr_scale": lay.lr_scale, "digest": layout_digest(lay),
-                     "tokens": [int(x) for x in plan.tokens_by_source],
-                     "samples": [int(x) for x in plan.samples_by_source]})
+            rec: dict[str, Any] = {"event": "checkpoint", "step": lay.step, "session": self._session}
+            if not inline and self._since is not None:
+                rec["interval"] = {"from": self._since, "tokens": self._tokens, "samples": self._samples}
+            rec.update(_cursor_field(plan.cursor_before))
+            self._write(rec)
+            self._since, self._tokens, self._samples = lay.step, [0] * len(tok), [0] * len(smp)
+        step = {"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,
+                "phase": lay.phase, "lr_scale": lay.lr_scale, "digest": layout_digest(lay)}
+        if inline:
+            step.update(tokens=tok, samples=smp)
+        else:  # per-source counts go to the next checkpoint's interval (a step record stays ~200 bytes)
+            step.update(tokens_total=sum(tok), samples_total=sum(smp))
+            if self._since is None:
+                self._since, self._tokens, self._samples = lay.step, [0] * len(tok), [0] * len(smp)
+            self._tokens = [a + b for a, b in zip(self._tokens, tok)]
+            self._samples = [a + b for a, b in zip(self._samples, smp)]
+        self._write(step)
 
     def update(self, event: dict[str, Any]) -> None:
         """A runtime mixture update, as returned by StepPlanner.update_mixture."""
@@ -155,6 +191,11 @@ def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:
                 rec = {"event": "legacy_step", **rec}
             else:
                 raise JournalError(f"{path}:{i + 1}: record without an event")
+        if "cursor_z" in rec:
+            try:
+                rec["cursor"] = json.loads(zlib.decompress(base64.b64decode(rec.pop("cursor_z"))))
+            except (ValueError, zlib.error) as e:
+                raise JournalError(f"{path}:{i + 1}: compressed cursor cannot be read ({e})") from None
         if rec["event"] == "open" and int(rec.get("v", VERSION)) > VERSION:
             raise JournalError(f"{path}:{i + 1}: journal format v{rec['v']} is newer than this mixplane (v{VERSION})")
         out.append(rec)

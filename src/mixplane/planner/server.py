@@ -289,12 +289,7 @@ class PlannerServer:
         cursor_after = self.core.cursor()
         # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
-        retired = np.zeros(len(p), np.uint8)
-        for w in self.core.windows:
-            mine = (p.source == w.source) & (p.replica == w.replica)
-            if mine.any():
-                q = p.pos[mine]
-                retired[mine] = (q < w.low) | np.isin(q, np.fromiter(w.skip, np.int64, len(w.skip)))
+        retired = self.core.retired(p)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
                                          self._dp_fanout, self._rank_fanout)
         for key, ins in per_loader.items():
