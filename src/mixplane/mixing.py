@@ -139,10 +139,6 @@ class MixtureSchedule:
         return MixturePoint(apply_temperature(np.array(s.weights), t), s.phase, s.lr_scale,
                             s.generation, s.start_step)
 
-    def target_counts(self, segment_start: int, total: float) -> np.ndarray:
-        """What each source should have contributed after `total` units placed in a segment."""
-        return self.at(segment_start).probs * total
-
     def update(self, weights: dict[str, float], effective_step: int, generation: int,
                lr_scale: float | None = None, *, planned_through: int = -1,
                temperature: float | None = None) -> Segment:

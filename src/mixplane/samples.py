@@ -1,7 +1,8 @@
-"""Columnar sample metadata and ragged payloads shared by loaders, planner and constructors.
+"""Sample keys and ragged arrays of the Source Loaders.
 
-The planner only ever sees :class:`SampleTable` (ids and sizes); payloads travel as
-:class:`Ragged` arrays straight from loaders to constructors.
+A sample is named by (source, key), the key unique per (epoch, row) of its source (:func:`make_key`),
+so a repeat is detectable. :class:`Ragged` holds a batch of variable-length samples (token ids,
+patch pixels) as one flat buffer plus offsets; the loader sends those buffers as they are.
 """
 
 from __future__ import annotations
@@ -25,47 +26,6 @@ def key_epoch(key: int | np.ndarray) -> int | np.ndarray:
 
 def key_row(key: int | np.ndarray) -> int | np.ndarray:
     return np.asarray(key, dtype=np.int64) & ROW_MASK
-
-
-@dataclass
-class SampleTable:
-    """Metadata of candidate samples: what the planner balances and mixes on."""
-
-    source: np.ndarray  # int16, index of the source in spec order
-    key: np.ndarray  # int64, unique within the source (see make_key)
-    tokens: np.ndarray  # int32, backbone tokens (text tokens + image placeholder tokens)
-    patches: np.ndarray  # int32, encoder patches (0 for text-only samples)
-
-    def __post_init__(self) -> None:
-        self.source = np.ascontiguousarray(self.source, dtype=np.int16)
-        self.key = np.ascontiguousarray(self.key, dtype=np.int64)
-        self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
-        self.patches = np.ascontiguousarray(self.patches, dtype=np.int32)
-        n = len(self.key)
-        if not (len(self.source) == len(self.tokens) == len(self.patches) == n):
-            raise ValueError("SampleTable columns differ in length")
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    @classmethod
-    def empty(cls) -> "SampleTable":
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z, z)
-
-    @classmethod
-    def concat(cls, tables: list["SampleTable"]) -> "SampleTable":
-        if not tables:
-            return cls.empty()
-        return cls(
-            np.concatenate([t.source for t in tables]),
-            np.concatenate([t.key for t in tables]),
-            np.concatenate([t.tokens for t in tables]),
-            np.concatenate([t.patches for t in tables]),
-        )
-
-    def take(self, idx: np.ndarray) -> "SampleTable":
-        return SampleTable(self.source[idx], self.key[idx], self.tokens[idx], self.patches[idx])
 
 
 @dataclass

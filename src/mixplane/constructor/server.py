@@ -239,7 +239,7 @@ class ConstructorServer:
             b = materialize_rank(st.layout, dp_local, st.spans, self.spec.batch.pad_id)  # type: ignore[arg-type]
             lay = st.layout
             if lay is not None and len(lay.img_key):
-                self._attach_images(b, lay, coords.dp, st)
+                self._attach_images(b, lay)
             st.batches[dp_local] = b
             self.m.constructor_build_seconds.observe(time.perf_counter() - t0)
             self.m.constructor_steps.inc()
@@ -286,7 +286,7 @@ class ConstructorServer:
             raise ValueError(f"step {lay.step}: image sources of one step must share image.merge, patch_size and placeholder")
         return merge, token_id, p * p * 3
 
-    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, dp_rank: int, st: StepState) -> None:
+    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout) -> None:
         merge, token_id, _ = self._image_settings(lay)
         fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
                    world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)

@@ -3,8 +3,9 @@
 Each source keeps its own :class:`~mixplane.loader.server.LoaderServer` state (planner socket,
 window, stream, pushers) — to the planner they are separate loaders — but they share one process,
 one ZeroMQ context and one poll loop, so a job with hundreds of small sources does not pay a Python
-interpreter per source. The partitioner decides the grouping; `mixplane.runtime` / pods host a
-group with the loader command (one code path: allocator and tokenizer settings included)::
+interpreter per source. `runtime.sources_per_loader` (or the operator's auto-partitioner) decides the
+grouping; `mixplane.runtime` / pods host a group with the loader command (one code path: allocator and
+tokenizer settings included)::
 
     mixplane loader --spec SPEC.json --planner EP --sources a,b,c[:replica] [--ready-file F]
 """

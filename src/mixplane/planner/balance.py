@@ -390,7 +390,6 @@ def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray
         counter += 1
     _, _, vals, members = heap[0]
     out_bin: dict[int, int] = {}
-    free_bins = iter(range(k))
     pinned = {}
     for si, mem in enumerate(members):
         pins = [-1 - x for x in mem if x < 0]
@@ -579,18 +578,16 @@ def _assign_in_groups(costs: np.ndarray, item_group: np.ndarray, bin_group: np.n
         else:
             out = _kk_equal(costs, everything, n_bins, init)
         return refine_swaps(costs, out, n_bins) if init is None else out
-    if equal_count:
-        if method == "greedy" or not single:
-            if method == "karmarkar_karp":
-                # KK per group (groups are small when group_size is used)
-                for g in range(int(bin_group.max()) + 1):
-                    its = everything[item_group == g]
-                    bins = np.nonzero(bin_group == g)[0]
-                    out[its] = bins[_kk_equal(costs, its, len(bins), None if init is None else init[bins])]
-                return out
-            _lpt_rounds(costs, everything, item_group, bin_group, loads, out)
+    if equal_count:  # several groups (one group returned above)
+        if method == "karmarkar_karp":
+            # KK per group (groups are small when group_size is used)
+            for g in range(int(bin_group.max()) + 1):
+                its = everything[item_group == g]
+                bins = np.nonzero(bin_group == g)[0]
+                out[its] = bins[_kk_equal(costs, its, len(bins), None if init is None else init[bins])]
             return out
-        return _kk_equal(costs, everything, n_bins, init)
+        _lpt_rounds(costs, everything, item_group, bin_group, loads, out)
+        return out
     # free count: big items by the method, small ones water-fill
     n_groups = int(bin_group.max()) + 1
     tot = np.bincount(item_group, weights=costs, minlength=n_groups) + np.bincount(bin_group, weights=loads, minlength=n_groups)
