@@ -1,53 +1,12 @@
-"""A source partition as a deterministic, infinite, seekable stream of rows.
+"""A source partition as a deterministic, infinite, seekable stream of rows (`SourceStream`).
 
-Contract (used by the loader server and, through the same `LoaderWindow`, by `mixplane replay`):
-
-* The stream emits the rows of one partition of a source, epoch after epoch. Epoch e's order is a
-  pure function of (seed, source name, e, partition, num_partitions) and the source's files.
-* ``position`` counts row *slots* since the start of epoch 0; ``seek(p)`` makes the next
-  ``take`` return exactly what an unbroken stream would have returned at slot p. Seeking only
-  replays the order on integer ids (no data is read or decoded for skipped rows).
-* Every row carries a key ``make_key(epoch, row)`` where ``row`` is its index in the source
-  (files sorted by path, rows in file order), so repeats within an epoch are detectable.
-* ``take(n)`` returns n rows and their slot positions. Positions are consecutive unless a
-  quarantined unit (a page that failed its CRC, could not be decoded, ...) sat in between: its
-  rows are skipped, never emitted, and their slots stay empty. Keeping the slots makes the order
-  independent of *when* a bad page was found, so seek and resume stay exact.
-
-Shuffle modes (``SourceSpec.shuffle``): ``page`` (default; random pages + YOUMU's aggressive
-buffer shuffle), ``row`` (full shuffle), ``rowgroup`` and ``sequential`` (baselines).
-
-Live sources (``SourceSpec.live``) are read once: the files found at open form segment 0; files
-that appear later under the uri form the next segments, each shuffled on its own. A live
-source that has run dry blocks in ``take`` (or returns early after ``timeout``), logs a status line
-and exposes ``dry`` / ``status()`` for metrics, instead of failing. It lists its storage (a
-directory glob, an S3 LIST, ...) at most once per ``poll_s``: ``take(timeout=...)`` returns at once
-when the next listing is not due within the timeout, and ``seconds_to_rescan()`` says when it is.
-
-Page mode in detail (``SourceSpec.shuffle == "page"``): the pages of a partition are read in a
-stratified random order (:func:`shuffle.stratified_permutation`: the first pages of an epoch are
-spread over the whole source, not clustered by chance), and each page may be split into
-``page_reads`` interleaved parts that are read separately — the page is read and decoded once per
-part, and only that part's rows join the shuffle buffer, so the buffer holds rows of
-``page_reads`` times as many pages. By default ``page_reads`` is the largest number (at most
-:data:`MAX_PAGE_READS`) that keeps the bytes read per delivered byte within
-:data:`READ_BUDGET`, from the source's compression ratio in the file footers. Both decisions
-are fixed per segment of files, so the order stays a pure function of (seed, epoch).
-
-Memory of a page-mode stream: its index (:attr:`SourceIndex.bytes_per_page`), the buffer's row
-ids, and the decoded rows of the units (pages or parts) that still have rows in the shuffle
-buffer, as Arrow arrays — never a row group or file. A unit is read when its first row is
-delivered and dropped when its last row is. Its arrays live in fixed-size slabs
-(:class:`arena.RowArena`) rather than on the general heap, which would fragment under units that
-come and go in random order; the units of a slab whose rows still to come fill no more than
-:data:`SLAB_LIVE_RATIO` of it are compacted to those rows and moved to the newest slab, so the
-memory held stays within 1 / SLAB_LIVE_RATIO of the buffer's own rows (plus one slab).
-Dictionary pages are read only for pages that are dictionary-encoded.
-
-Layout of the code: each shuffle mode is a policy object (:mod:`policies`: plan, epoch rows,
-layout, load), the decoded units sit in a cache beside the arena (:mod:`unitcache`: slabs and
-compaction for page mode, an LRU for row mode), and this class is orchestration plus state:
-files and segments, epochs and positions, seek, take, resume.
+Epoch e's order is a pure function of (seed, source name, e, partition, num_partitions) and the
+source's files; ``seek(p)`` makes the next ``take`` return exactly what an unbroken stream would have
+returned at slot p; every row carries ``make_key(epoch, row)``; quarantined units leave their slots
+empty. Each shuffle mode is a policy object (:mod:`policies`), decoded units sit in a cache beside the
+arena (:mod:`unitcache`); this class is orchestration plus state: files and segments, epochs and
+positions, seek, take, resume. The full contract, live sources, page mode and its memory bound:
+docs/loader.md.
 """
 
 from __future__ import annotations

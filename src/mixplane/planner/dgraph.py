@@ -11,38 +11,9 @@ primitive, how they are to be distributed over the ClientPlaceTree:
     layout = g.plan()                              # the StepLayout constructors materialise
 
 Nodes are *pieces*: token spans of samples (a document longer than seq_len is split into pieces,
-each its own attention segment). `mix` packs them into the step's rows (best fit); those packed
-rows are the "microbatch contents" that `balance` then moves around.
-
-`balance(level=...)`:
-
-* ``inter`` — across microbatches: rows are dealt to buckets (every bucket gets exactly its
-  rows_per_rank rows) and, inside a bucket, to microbatch bins (rows_per_microbatch each), so that
-  bucket totals and bin costs are even. This is the paper's conservative mode (§7.5).
-* ``intra`` — inside a microbatch: documents are re-ordered within each row so that the zig-zag
-  context-parallel shards carry equal attention cost (nothing to do when cp = 1).
-* ``both`` — intra, then inter.
-
-``keep_global_batch=True`` keeps every packed row's set of samples as `mix` formed it (only whole
-rows move, documents only change places inside their row). ``False`` lets balance first re-pack
-the step's samples into rows with even row costs (`balance.pack_balanced`); if that re-packing
-cannot place every sample, the step keeps mix's packing. Either way every selected piece lands in
-the layout exactly once — the planner checks it.
-
-`distribute(axis)` on text: the buckets are always the DP replicas (rows are dealt to DP replicas
-only; hybrid DP x CP consumers are not implemented). The axis chooses the row cost model: 'DP' — a
-row costs the sum of its pieces; 'CP' (and 'WORLD', which behaves the same on text) — with cp > 1 a
-row costs its busiest zig-zag CP shard x cp, since a CP group works on a row in lock-step, so
-balance evens what the busiest CP rank carries. On the image graph 'WORLD' makes every distinct
-consumer of the image module a bucket — for an encoder declared {dp: world} that is every rank.
-`group_size` balances within groups of that many buckets.
-
-The image graph (`g.images()`) is built from the same buffer with different metadata (patch
-counts) and decides which encoder rank encodes each image (`img_rank` = that rank's global id).
-
-Low-level hooks for custom policies: `nodes()`, `summary_buffer()`, `row_costs()`,
-`assign_rows(row_of_bin)`, `set_rows(row_of_piece, within_row_key)`, `set_image_ranks(ranks)`,
-`on(event, fn)` callbacks ('cost', 'balance', 'plan') and `plan_raw(...)`.
+each its own attention segment); `mix` packs them into the step's rows, which `balance` moves
+around. What each primitive does (balance levels, keep_global_batch, the axes of distribute, the
+image graph, the low-level hooks for custom policies): docs/planner.md, "DGraph in ten lines".
 """
 
 from __future__ import annotations
