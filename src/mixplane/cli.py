@@ -39,6 +39,15 @@ def _load_resolved(path: str):
     return DataMixtureSpec.model_validate_json(Path(path).read_text())
 
 
+def _component_spec(args: argparse.Namespace):
+    """The resolved spec of a component, with the key directory its launch plan gave it (--curve-dir)."""
+    spec = _load_resolved(args.spec)
+    if getattr(args, "curve_dir", None):
+        curve = spec.runtime.curve.model_copy(update={"enabled": True, "key_dir": args.curve_dir})
+        spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"curve": curve})})
+    return spec
+
+
 def _on_sigterm(server: Any) -> None:
     def stop(*_: object) -> None:
         server.stopped = True
@@ -72,10 +81,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_planner(args: argparse.Namespace) -> int:
     from mixplane.planner.server import PlannerServer
-    from mixplane.runtime import write_ready
+    from mixplane.control import write_ready
 
-    spec = _load_resolved(args.spec)
-    srv = PlannerServer(spec, args.bind, run_dir=args.run_dir)
+    spec = _component_spec(args)
+    srv = PlannerServer(spec, args.bind, run_dir=args.run_dir, metrics_port=args.metrics_port)
     _on_sigterm(srv)
     write_ready(args.ready_file, {"endpoint": srv.endpoint, "metrics_port": srv.metrics_port})
     srv.run()
@@ -84,10 +93,11 @@ def cmd_planner(args: argparse.Namespace) -> int:
 
 def cmd_constructor(args: argparse.Namespace) -> int:
     from mixplane.constructor.server import ConstructorServer
-    from mixplane.runtime import write_ready
+    from mixplane.control import write_ready
 
-    spec = _load_resolved(args.spec)
-    srv = ConstructorServer(spec, args.index, args.planner, host=args.host or spec.runtime.host)
+    spec = _component_spec(args)
+    srv = ConstructorServer(spec, args.index, args.planner, host=args.host or spec.runtime.host, metrics_port=args.metrics_port,
+                            ports=(args.data_port, args.client_port), advertise_host=args.advertise_host)
     _on_sigterm(srv)
     write_ready(args.ready_file, {"data_endpoint": srv.data_endpoint, "client_endpoint": srv.client_endpoint,
                                   "metrics_port": srv.metrics_port})
@@ -104,9 +114,9 @@ def cmd_loader(args: argparse.Namespace) -> int:
 
     logging.getLogger("mixplane.loader").info("allocator: %s", configure_allocator())
     from mixplane.loader.server import LoaderServer
-    from mixplane.runtime import write_ready
+    from mixplane.control import write_ready
 
-    spec = _load_resolved(args.spec)
+    spec = _component_spec(args)
     if args.sources:  # a source group: several Source Loaders in this process
         from mixplane.loader.group import SourceGroup, parse_members
 
@@ -118,7 +128,7 @@ def cmd_loader(args: argparse.Namespace) -> int:
         return 0
     if not args.source:
         raise SystemExit("mixplane loader: give --source NAME [--replica R] or --sources NAME[:R],...")
-    srv = LoaderServer(spec, spec.source_index(args.source), args.replica, args.planner)
+    srv = LoaderServer(spec, spec.source_index(args.source), args.replica, args.planner, metrics_port=args.metrics_port)
     _on_sigterm(srv)
     write_ready(args.ready_file, {"metrics_port": srv.metrics_port, "source": args.source, "replica": args.replica})
     srv.run()
@@ -182,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from mixplane.runtime import request
+    from mixplane.control import request
     from mixplane.wire import Kind
 
     print(json.dumps(request(args.planner, Kind.STATUS, {}, args.timeout), indent=1))
@@ -217,7 +227,7 @@ def update_message(weights: list[str], step: int, lr_scale: float | None = None,
 
 
 def cmd_update(args: argparse.Namespace) -> int:
-    from mixplane.runtime import request
+    from mixplane.control import request
     from mixplane.wire import Kind
 
     try:
@@ -251,7 +261,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from mixplane.replay import replay_step
 
     spec = _load(args.file)
-    out = replay_step(spec, step=args.step, rank=args.rank, run_dir=args.run_dir, save=args.out)
+    out = replay_step(spec, step=args.step, rank=args.rank, run_dir=args.run_dir, save=args.out, journal=args.journal)
     print(json.dumps(out, indent=1))
     return 0
 
@@ -319,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--rank", type=int, required=True)
     rp.add_argument("--run-dir")
     rp.add_argument("--out", help="save the batch as .npz")
+    rp.add_argument("--journal", help="replay from this journal (e.g. an earlier run's, kept in RUN_DIR/journals/)")
     rp.set_defaults(fn=cmd_replay)
 
     st = sub.add_parser("status", help="progress of a running mixture")
@@ -350,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=f"run one {name} (used by the runtime and by pods)")
         c.add_argument("--spec", required=True, help="resolved spec (JSON) written by the runtime or the operator")
         c.add_argument("--ready-file")
+        c.add_argument("--curve-dir", help="CURVE key directory (role key pairs); overrides the spec's runtime.curve")
+        c.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one)")
         if name == "planner":
             c.add_argument("--bind", default="tcp://127.0.0.1:*")
             c.add_argument("--run-dir")
@@ -357,7 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--planner", required=True)
         if name == "constructor":
             c.add_argument("--index", type=int, required=True)
-            c.add_argument("--host")
+            c.add_argument("--host", help="interface to bind (default: the spec's runtime.host)")
+            c.add_argument("--data-port", type=int, default=0, help="port of the loaders' data socket (0: a free one)")
+            c.add_argument("--client-port", type=int, default=0, help="port of the trainer clients' socket (0: a free one)")
+            c.add_argument("--advertise-host", help="address announced to peers instead of the bound one (a pod IP)")
         if name == "loader":
             c.add_argument("--source")
             c.add_argument("--replica", type=int, default=0)

@@ -22,8 +22,8 @@ from mixplane.loader.stream import SourceStream, open_stream
 from mixplane.loader.transforms import Transform, make_transform
 from mixplane.loader.window import LoaderWindow
 from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
-from mixplane.planner.journal import read_journal, replan
-from mixplane.runtime import default_run_dir
+from mixplane.planner.journal import archived, read_journal, replan
+from mixplane.control import default_run_dir
 from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.topology import backbone_coords
 
@@ -162,14 +162,19 @@ def fetch_spans(loaders: ReplayLoaders, plan: StepPlan) -> SpanStore:
     return store
 
 
-def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | None = None, save: str | None = None) -> dict[str, Any]:
+def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | None = None, save: str | None = None,
+                journal: str | None = None) -> dict[str, Any]:
+    """journal: a journal file (e.g. one an earlier run left in `<run_dir>/journals/`); default the run
+    dir's current `journal.jsonl`."""
     rd = Path(run_dir) if run_dir else default_run_dir(spec)
-    path = rd / "journal.jsonl"
+    path = Path(journal) if journal else rd / "journal.jsonl"
     if not path.exists():
         raise ReplayError(f"no journal at {path}")
     journaled = {int(r["step"]): r for r in read_journal(path) if r.get("event") == "step"}
     if step not in journaled:
-        raise ReplayError(f"step {step} is not in {path} (journaled: {min(journaled, default=0)}..{max(journaled, default=-1)})")
+        older = archived(rd / "journal.jsonl") if not journal else []
+        hint = f"; earlier runs' journals (--journal): {', '.join(older)}" if older else ""
+        raise ReplayError(f"step {step} is not in {path} (journaled: {min(journaled, default=0)}..{max(journaled, default=-1)}){hint}")
     coords = backbone_coords(spec, rank)
     with ReplayLoaders() as loaders:
         plan = replan(path, step, loaders)  # raises ReplayMismatch naming the first step that differs

@@ -1,7 +1,9 @@
-"""The embedded runtime: every component of one mixture as a local process, talking ZeroMQ.
+"""The embedded runtime: the launch plan of one mixture as supervised local processes.
 
-The same component entrypoints (`mixplane planner|loader|constructor`) run in pods; here they
-are children of this process, die with it (PR_SET_PDEATHSIG), and stop on SIGTERM/SIGINT.
+`mixplane.launch` decides which components run with which arguments (the operator renders the same
+plan into pods); this module only starts them as children of this process, waits for their ready
+files, notices when one dies and stops them all. Children die with this process (PR_SET_PDEATHSIG)
+and stop on SIGTERM/SIGINT. Requests to the running planner live in `mixplane.control`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from mixplane import wire
+from mixplane.control import ENDPOINTS_FILE, default_run_dir, read_ready, request
+from mixplane.planner import journal
+from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan
 from mixplane.spec import DataMixtureSpec
-from mixplane.topology import constructor_groups
 from mixplane.wire import Kind
 
 log = logging.getLogger("mixplane.runtime")
@@ -43,17 +45,7 @@ class Child:
     proc: subprocess.Popen
     ready_file: Path
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def loader_groups(spec: DataMixtureSpec) -> list[list[tuple[str, int]]]:
-    """(source, replica) pairs hosted together, `runtime.sources_per_loader` per process, in spec order."""
-    pairs = [(s.name, r) for s in spec.sources for r in range(s.replicas)]
-    n = spec.runtime.sources_per_loader
-    return [pairs[i : i + n] for i in range(0, len(pairs), n)]
-
-
-def default_run_dir(spec: DataMixtureSpec) -> Path:
-    return Path(spec.runtime.run_dir or os.path.join(".mixplane", spec.name)).resolve()
+    component: Component | None = None
 
 
 class EmbeddedRuntime:
@@ -69,60 +61,56 @@ class EmbeddedRuntime:
         self.planner_endpoint: str | None = None
 
     # -- start ----------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> Child:
-        ready = self.run_dir / "ready" / f"{name}.json"
+    def target(self) -> LaunchTarget:
+        return LaunchTarget.local(self.spec, str(self.run_dir))
+
+    def plan(self) -> LaunchPlan:
+        """What `start` runs (the planner endpoint is filled in once the planner announced it)."""
+        return launch_plan(self.spec, self.target())
+
+    def _spawn(self, comp: Component) -> Child:
+        ready = Path(comp.ready_file)
         ready.unlink(missing_ok=True)
-        logf = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        cmd = [self.python, "-m", "mixplane.cli", "--log-level", self.log_level, *args, "--ready-file", str(ready)]
+        logf = open(self.run_dir / "logs" / f"{comp.name}.log", "ab")
+        cmd = [self.python, "-m", "mixplane.cli", "--log-level", self.log_level, *comp.args]
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                preexec_fn=_die_with_parent, env={**os.environ, **comp.env})
         logf.close()
-        c = Child(name, proc, ready)
+        c = Child(comp.name, proc, ready, component=comp)
         self.children.append(c)
         return c
 
     def _wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for c in children:
-            while not c.ready_file.exists():
+            while (info := read_ready(c.ready_file)) is None:
                 if c.proc.poll() is not None:
                     tail = (self.run_dir / "logs" / f"{c.name}.log").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} while starting:\n{tail}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{c.name} not ready after {READY_TIMEOUT_S:.0f}s (log: {self.run_dir / 'logs' / (c.name + '.log')})")
                 time.sleep(0.02)
-            c.info = json.loads(c.ready_file.read_text())
+            c.info = info
 
     def start(self) -> "EmbeddedRuntime":
         for sub in ("ready", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "journal.jsonl").unlink(missing_ok=True)
+        # the planner journal of an earlier run in this directory is kept (journals/), never deleted
+        kept = journal.rotate(self.run_dir / "journal.jsonl")
+        if kept:
+            log.info("previous journal kept as %s", kept)
         if self.spec.runtime.curve.enabled and self.spec.runtime.curve.key_dir:
             wire.ensure_keys(self.spec.runtime.curve.key_dir)  # server + client key pairs, once
-        spec_file = self.run_dir / "spec.json"
-        spec_file.write_text(self.spec.model_dump_json(indent=1))
+        plan = self.plan()
+        Path(plan.target.spec_file).write_text(self.spec.model_dump_json(indent=1))
         try:
-            host = self.spec.runtime.host
-            planner = self._spawn("planner", ["planner", "--spec", str(spec_file),
-                                              "--bind", f"tcp://{host}:{self.spec.runtime.planner_port or '*'}",
-                                              "--run-dir", str(self.run_dir)])
+            planner = self._spawn(plan.planner)
             self._wait_ready([planner])
             self.planner_endpoint = planner.info["endpoint"]
-            rest = []
-            for i in range(len(constructor_groups(self.spec))):
-                rest.append(self._spawn(f"constructor-{i}", ["constructor", "--spec", str(spec_file), "--index", str(i),
-                                                             "--planner", self.planner_endpoint]))
-            for group in loader_groups(self.spec):
-                if len(group) == 1:
-                    name, r = group[0]
-                    rest.append(self._spawn(f"loader-{name}-{r}", ["loader", "--spec", str(spec_file), "--source", name,
-                                                                   "--replica", str(r), "--planner", self.planner_endpoint]))
-                else:
-                    members = ",".join(f"{n}:{r}" for n, r in group)
-                    rest.append(self._spawn(f"loaders-{group[0][0]}-{group[0][1]}+{len(group) - 1}",
-                                            ["loader", "--spec", str(spec_file), "--sources", members, "--planner", self.planner_endpoint]))
+            plan = plan.with_planner(self.planner_endpoint)
+            rest = [self._spawn(c) for c in plan.components if c.role != "planner"]
             self._wait_ready(rest)
-            (self.run_dir / "endpoints.json").write_text(json.dumps(self.endpoints(), indent=1))
+            (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
         except BaseException:
             self.stop()
             raise
@@ -160,33 +148,3 @@ class EmbeddedRuntime:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def request(endpoint: str, kind: Kind, meta: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
-    """One request/reply with the planner (status, mixture updates); raises on timeout or error.
-
-    `curve`: the spec's runtime.curve, when the planner requires CURVE."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    wire.Security(ctx, curve).client(s)
-    try:
-        s.connect(endpoint)
-        wire.send(s, kind, meta)
-        if not s.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"no answer from the planner at {endpoint} within {timeout_s:.0f}s")
-        _, msg = wire.recv(s)
-        if msg.kind == Kind.ERROR:
-            raise RuntimeError(str(msg.meta.get("error")))
-        return msg.meta
-    finally:
-        s.close(0)
-
-
-def write_ready(path: str | None, info: dict[str, Any]) -> None:
-    """Atomically announce a component's endpoints to whoever started it."""
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({**info, "pid": os.getpid()}, f)
-    os.replace(tmp, path)

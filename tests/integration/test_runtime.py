@@ -447,7 +447,7 @@ def test_source_grouping_delivers_the_same_batches(token_sources, tmp_path):
 
 
 def test_a_malformed_resume_is_refused_and_the_run_goes_on(token_sources, tmp_path):
-    from mixplane.runtime import request
+    from mixplane.control import request
     from mixplane.wire import Kind
 
     spec = parse_spec(token_mixture(token_sources["root"]))

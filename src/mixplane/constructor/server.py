@@ -76,9 +76,15 @@ class StepState:
         return not self.missing_spans and not self.need_images
 
 
+def wire_advertised(bound: str, host: str | None) -> str:
+    """`tcp://0.0.0.0:PORT` as `tcp://HOST:PORT` when an advertised host is given."""
+    return bound if not host else f"tcp://{host}:{bound.rsplit(':', 1)[1]}"
+
+
 class ConstructorServer:
     def __init__(self, spec: DataMixtureSpec, index: int, planner_endpoint: str, *, host: str = "127.0.0.1",
-                 context: zmq.Context | None = None, metrics_port: int | None = 0):
+                 context: zmq.Context | None = None, metrics_port: int | None = 0, ports: tuple[int, int] = (0, 0),
+                 advertise_host: str | None = None):
         self.spec = spec
         self.index = index
         self.name = f"constructor:{index}"
@@ -92,16 +98,18 @@ class ConstructorServer:
         self.security.client(self.planner).connect(planner_endpoint)
         self.data = self.ctx.socket(zmq.PULL)
         wire.configure_socket(self.data, rcvhwm=256, heartbeat_s=hb)
-        self.security.server(self.data).bind(f"tcp://{host}:0")
+        self.security.server(self.data).bind(f"tcp://{host}:{ports[0]}")
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
         wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
                               heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True)
-        self.security.server(self.clients).bind(f"tcp://{host}:0")
-        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.client_endpoint = self.clients.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.security.server(self.clients).bind(f"tcp://{host}:{ports[1]}")
+        # what peers connect to (announced to the planner): the bound address, or advertise_host (a pod's IP
+        # when binding 0.0.0.0) with the bound port
+        self.data_endpoint = wire_advertised(self.data.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
+        self.client_endpoint = wire_advertised(self.clients.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self.session = -1
         self.ranks: list[int] = []
         self.dp_ranks: list[int] = []

@@ -4,7 +4,7 @@ Each source keeps its own :class:`~mixplane.loader.server.LoaderServer` state (p
 window, stream, pushers) — to the planner they are separate loaders — but they share one process,
 one ZeroMQ context and one poll loop, so a job with hundreds of small sources does not pay a Python
 interpreter per source. `runtime.sources_per_loader` (or the operator's auto-partitioner) decides the
-grouping; `mixplane.runtime` / pods host a group with the loader command (one code path: allocator and
+grouping; `mixplane.launch` plans a group (the runtime / pods host it) with the loader command (one code path: allocator and
 tokenizer settings included)::
 
     mixplane loader --spec SPEC.json --planner EP --sources a,b,c[:replica] [--ready-file F]

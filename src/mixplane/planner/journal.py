@@ -167,6 +167,39 @@ class Journal:
         self.close()
 
 
+ARCHIVE_DIR = "journals"
+
+
+def rotate(path: str | os.PathLike, *, now: float | None = None) -> str | None:
+    """Move a previous run's journal to `journals/<UTC start>.jsonl` beside it, so a new run starts a
+    fresh file without losing the old record (replay and recovery read it). Returns where it went
+    (None: nothing to keep). Never overwrites: a name taken gets a `-<n>` suffix."""
+    import time
+
+    src = os.fspath(path)
+    if not os.path.exists(src) or os.path.getsize(src) == 0:
+        return None
+    d = os.path.join(os.path.dirname(os.path.abspath(src)), ARCHIVE_DIR)
+    os.makedirs(d, exist_ok=True)
+    stem = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.path.getmtime(src) if now is None else now))
+    dst = os.path.join(d, f"{stem}.jsonl")
+    n = 1
+    while os.path.exists(dst):
+        dst = os.path.join(d, f"{stem}-{n}.jsonl")
+        n += 1
+    os.replace(src, dst)
+    return dst
+
+
+def archived(path: str | os.PathLike) -> list[str]:
+    """The journals `rotate` kept beside `path`, oldest first."""
+    d = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), ARCHIVE_DIR)
+    if not os.path.isdir(d):
+        return []
+    files = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl")]
+    return sorted(files, key=lambda f: (os.path.getmtime(f), f))
+
+
 def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records; a torn last line (crash while writing) is ignored, any other bad line is an error."""
     path = os.fspath(path)

@@ -1,0 +1,134 @@
+"""Talking to a running mixture from outside its data path: control requests and the ready-file protocol.
+
+* control requests (status, mixture updates, resume) to a planner, with CURVE when the run is secured:
+  the CLI (`mixplane status|update`), the embedded runtime and tests use them, as the `admin` role;
+* ready files: a component atomically writes its endpoints to `--ready-file` once it serves, and
+  whoever started it (the runtime) reads them;
+* `default_run_dir`: where a mixture's endpoints, logs, keys and journal live unless the spec says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from mixplane import wire
+from mixplane.spec import DataMixtureSpec
+from mixplane.wire import Kind
+
+ADMIN_ROLE = "admin"
+KEYS_SUBDIR = "keys"
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def default_run_dir(spec: DataMixtureSpec) -> Path:
+    return Path(spec.runtime.run_dir or os.path.join(".mixplane", spec.name)).resolve()
+
+
+# ------------------------------------------------------------------------------------------ ready files
+def write_ready(path: str | None, info: dict[str, Any]) -> None:
+    """Atomically announce a component's endpoints to whoever started it."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**info, "pid": os.getpid()}, f)
+    os.replace(tmp, path)
+
+
+def read_ready(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A component's announcement, or None while it is not ready (the file appears whole: see write_ready)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------ control client
+@dataclass(frozen=True)
+class ControlCurve:
+    """CURVE settings of a control client: the run's key directory and the key pair to present."""
+
+    key_dir: str
+    role: str = ADMIN_ROLE
+
+    @property
+    def enabled(self) -> bool:  # the shape wire.Security reads (like the spec's runtime.curve)
+        return True
+
+    def key_name(self) -> str:
+        """The role's key pair; `server` for key directories made before roles existed (no `admin` pair)."""
+        if (Path(self.key_dir) / f"{self.role}{wire.SECRET_SUFFIX}").exists():
+            return self.role
+        return "server"
+
+
+def control_curve(key_dir: str | os.PathLike | None = None, *, run_dir: str | os.PathLike | None = None,
+                  spec: DataMixtureSpec | None = None) -> ControlCurve | None:
+    """Which keys a control request uses: an explicit key dir, else $MIXPLANE_CURVE_DIR, else the run
+    dir's `keys/`, else the spec's `runtime.curve` (when enabled); None: no CURVE (an open run)."""
+    if key_dir:
+        return ControlCurve(os.fspath(key_dir))
+    if os.environ.get("MIXPLANE_CURVE_DIR"):
+        return ControlCurve(os.environ["MIXPLANE_CURVE_DIR"])
+    if run_dir is not None and (Path(run_dir) / KEYS_SUBDIR / f"server{wire.PUBLIC_SUFFIX}").exists():
+        return ControlCurve(str(Path(run_dir) / KEYS_SUBDIR))
+    if spec is not None and spec.runtime.curve.enabled and spec.runtime.curve.key_dir:
+        return ControlCurve(spec.runtime.curve.key_dir)
+    return None
+
+
+def planner_endpoint_of(run_dir: str | os.PathLike) -> str:
+    """The planner endpoint a running embedded runtime wrote to `<run_dir>/endpoints.json`."""
+    p = Path(run_dir) / ENDPOINTS_FILE
+    try:
+        ep = json.loads(p.read_text()).get("planner")
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"{p}: no running mixture here ({e})") from None
+    if not isinstance(ep, str):
+        raise ValueError(f"{p}: no planner endpoint")
+    return ep
+
+
+def request(endpoint: str, kind: Kind, meta: dict[str, Any], timeout_s: float = 5.0, *,
+            curve: Any = None) -> dict[str, Any]:
+    """One request/reply with the planner (status, mixture updates, resume); raises on timeout or error.
+
+    curve: a ControlCurve (key dir + role), or the spec's runtime.curve (connects with the `server`
+    pair, as components do), or None for an open planner."""
+    ctx: zmq.Context = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        if isinstance(curve, ControlCurve):
+            wire.Security(ctx, curve, name=curve.key_name()).client(s)
+        else:
+            wire.Security(ctx, curve).client(s)
+        s.connect(endpoint)
+        wire.send(s, kind, meta)
+        if not s.poll(int(timeout_s * 1000)):
+            hint = "" if curve is not None else " (a secured run needs its keys: --curve-dir / MIXPLANE_CURVE_DIR / --run-dir)"
+            raise TimeoutError(f"no answer from the planner at {endpoint} within {timeout_s:g}s{hint}")
+        _, msg = wire.recv(s)
+        if msg.kind == Kind.ERROR:
+            raise RuntimeError(str(msg.meta.get("error")))
+        return msg.meta
+    finally:
+        s.close(0)
+
+
+def status(endpoint: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    return request(endpoint, Kind.STATUS, {}, timeout_s, curve=curve)
+
+
+def update_mixture(endpoint: str, meta: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    return request(endpoint, Kind.UPDATE_MIXTURE, meta, timeout_s, curve=curve)
+
+
+def resume(endpoint: str, cursor: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    return request(endpoint, Kind.RESUME, {"cursor": cursor}, timeout_s, curve=curve)
