@@ -18,7 +18,7 @@ image graph, the low-level hooks for custom policies): docs/planner.md, "DGraph 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -26,6 +26,10 @@ from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
 from mixplane.planner.cost import CostFn, TransformerFlops
 from mixplane.spec import AXES
+
+if TYPE_CHECKING:  # core imports this module (lazily); the types only
+    from mixplane.planner.core import PlanContext
+    from mixplane.topology import ClientPlaceTree
 
 LEVELS = ("inter", "intra", "both")
 BROADCAST_DIMS = ("tp",)  # the broadcasts constructors and the client implement
@@ -38,7 +42,7 @@ class DGraphError(ValueError):
 class DGraph:
     """One step's samples and the orchestration decisions taken on them."""
 
-    def __init__(self, ctx: Any, *, kind: str = "text", parent: "DGraph | None" = None):
+    def __init__(self, ctx: PlanContext, *, kind: str = "text", parent: "DGraph | None" = None):
         if kind not in ("text", "image"):
             raise DGraphError(f"unknown DGraph kind {kind!r}")
         self.ctx = ctx
@@ -385,7 +389,7 @@ class DGraph:
 
 # ---- helpers ------------------------------------------------------------------------------------------
 
-def build_layout(ctx: Any, row_of_piece: np.ndarray, within_row_key: np.ndarray | None = None,
+def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.ndarray | None = None,
                  img_rank: np.ndarray | None = None) -> StepLayout:
     """StepLayout from one global row per piece; `img_rank` lists, for the image pieces in piece order
     (patches > 0), the global rank that encodes them (default: vanilla placement)."""
@@ -409,7 +413,7 @@ def build_layout(ctx: Any, row_of_piece: np.ndarray, within_row_key: np.ndarray 
     )
 
 
-def vanilla_image_ranks(tree: Any, image_rows: np.ndarray, rows_per_rank: int) -> np.ndarray:
+def vanilla_image_ranks(tree: ClientPlaceTree, image_rows: np.ndarray, rows_per_rank: int) -> np.ndarray:
     """No balancing: images of backbone DP replica d go round-robin (in the given order) to d's own
     image-module consumers."""
     image_rows = np.asarray(image_rows, dtype=np.int64)
