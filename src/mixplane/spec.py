@@ -57,6 +57,24 @@ MAX_PHASES = 10_000
 MAX_SPEC_BYTES = 4 << 20
 MAX_YAML_DEPTH = 64
 MAX_YAML_VALUES = 250_000
+_BOUNDED = {  # what each bound applies to (docs/spec-reference.md)
+    "MAX_SOURCES": "`sources` (count), `runtime.sources_per_loader`",
+    "MAX_REPLICAS": "`sources[].replicas`",
+    "MAX_COMPONENT_PROCESSES": "loader processes + Data Constructors of the mixture",
+    "MAX_WORLD": "`topology.modules.*` dp, pp, cp, tp, and their product",
+    "MAX_STEP_SEQUENCES": "`batch.sequences`, `batch.microbatches`",
+    "MAX_SEQ_LEN": "`batch.seq_len`",
+    "MAX_STEP_TOKENS": "`batch.tokens`, `runtime.window_tokens`",
+    "MAX_WINDOW": "`runtime.window`, `runtime.window_max` (samples)",
+    "MAX_SHUFFLE_BUFFER": "`sources[].shuffle_buffer` (rows)",
+    "MAX_SHUFFLE_BUFFER_MB": "`sources[].shuffle_buffer_mb`",
+    "MAX_IMAGE_SIDE": "`sources[].image.max_side`, `sources[].image.patch_size` (pixels)",
+    "MAX_AHEAD_STEPS": "`runtime.prefetch_steps`, `runtime.max_lead_steps`",
+    "MAX_PHASES": "`mixture.phases` (count)",
+    "MAX_SPEC_BYTES": "the spec file (bytes)",
+    "MAX_YAML_DEPTH": "YAML nesting (levels)",
+    "MAX_YAML_VALUES": "YAML values once aliases are expanded",
+}
 
 
 class _Model(BaseModel):
@@ -659,6 +677,10 @@ def reference_markdown() -> str:
             walk(cand, sub)
 
     walk(DataMixtureSpec, "")
+    lines += ["## Bounds", "", "A spec past one of these is refused (`mixplane validate`: exit 2, the bound in the message): "
+              "each would exhaust a machine long before it could run.", "", "| bound | value |", "|---|---|"]
+    lines[-2:] = ["| what | bound | constant |", "|---|---|---|"]
+    lines += [f"| {what} | {globals()[k]:,} | `{k}` |" for k, what in _BOUNDED.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -152,3 +152,10 @@ def test_a_source_without_a_readable_file(token_sources, tmp_path, capsys):
     # one readable file is enough: the loader quarantines the others
     shutil.copy(next((token_sources["root"] / "b").glob("*.parquet")), junk / "c.parquet")
     assert validate(capsys, str(f), "-q")[0] == 0
+
+
+def test_every_bound_is_in_the_reference():
+    names = {k for k in vars(S) if k.startswith("MAX_")}
+    assert names == set(S._BOUNDED)
+    ref = S.reference_markdown()
+    assert all(f"`{k}`" in ref for k in names)
