@@ -101,6 +101,9 @@ class SourceSpec(_Model):
     shuffle_buffer: int = Field(10000, ge=1, le=MAX_SHUFFLE_BUFFER, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
     shuffle_buffer_mb: float | None = Field(32.0, gt=0, le=MAX_SHUFFLE_BUFFER_MB, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
+    max_doc_bytes: int = Field(1 << 20, ge=1, description="Longest document (UTF-8 bytes of a text or caption) a loader tokenizes; checked before tokenizing, so one giant row cannot exhaust the loader's memory or stall delivery.")
+    max_doc_tokens: int = Field(1 << 20, ge=1, description="Most tokens one document may carry (after tokenizing, EOS included); a multiple of seq_len keeps the planner's chunks of a cut document whole.")
+    overlong_doc: Literal["truncate", "drop"] = Field("truncate", description="A document over max_doc_bytes / max_doc_tokens keeps its first bounded piece (cut at a space) or is dropped; both counted (`mixplane_loader_dropped_overlong_total` for drops).")
 
 
 class PhaseSpec(_Model):

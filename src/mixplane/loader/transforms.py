@@ -18,6 +18,14 @@ is not UTF-8 — is emptied (ntokens 0, so the loader drops it) and counted in
 rows of its batch are delivered unchanged. A batch is converted whole; only when that fails are its
 rows checked one by one to find the bad ones (the error path, never the common one). A column of a
 type the kind cannot read at all is a configuration error and still raises TransformError.
+
+Bounded documents (``sources[].max_doc_bytes`` / ``max_doc_tokens`` / ``overlong_doc``): a text (or
+caption) longer than max_doc_bytes is cut *before* it is tokenized — its first max_doc_bytes,
+ending at a space where there is one, or nothing under ``drop`` — read straight from the Arrow
+buffer, so a giant row never becomes a giant Python string or a giant tokenizer call. Texts over
+:data:`ENCODE_BATCH_CHARS` are tokenized in pieces cut at spaces (the tokenizer's memory grows with
+its input). A document with more than max_doc_tokens tokens keeps its first max_doc_tokens (or is
+dropped). ``TransformedSamples.overlong`` marks the documents cut or dropped; the window counts them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import itertools
 
 import io
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +48,7 @@ from mixplane.samples import Ragged
 from mixplane.spec import SourceSpec
 from mixplane.tokens import resolve_image_token_id
 
+log = logging.getLogger(__name__)
 SAMPLE_QUARANTINE_ENTRIES = 100  # bad-sample records a transform keeps (the last ones)
 SAMPLE_QUARANTINE_SEEN = 4096  # recent bad-sample keys remembered, so a re-read after a seek counts once
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -52,6 +62,7 @@ class TransformedSamples:
     npatches: np.ndarray  # int32
     image_grid: np.ndarray | None = None  # int32 (n, 2): (h_patches, w_patches); (0, 0) without image
     patch_size: int = 0
+    overlong: np.ndarray | None = None  # bool: the document was over max_doc_bytes / max_doc_tokens (cut or dropped)
 
 
 # a source's transform: raw rows of the stream -> token/image samples (make_transform builds one per source)
@@ -165,6 +176,101 @@ def _texts(arr: pa.Array, what: str) -> list[str]:
     return arr.fill_null("").to_pylist()
 
 
+@dataclass(frozen=True)
+class DocBounds:
+    """Per-source document limits (spec fields max_doc_bytes, max_doc_tokens, overlong_doc)."""
+
+    max_bytes: int
+    max_tokens: int
+    policy: str = "truncate"  # or "drop"
+
+    @classmethod
+    def of(cls, source: SourceSpec) -> "DocBounds":
+        return cls(int(source.max_doc_bytes), int(source.max_doc_tokens), str(source.overlong_doc))
+
+
+CUT_LOOKBACK = 4096  # bytes searched back from a limit for a space to cut at
+
+
+def cut_point(data: memoryview | bytes, limit: int) -> int:
+    """Where to cut UTF-8 ``data`` to at most ``limit`` bytes: before the last space in the final
+    CUT_LOOKBACK bytes (whitespace-splitting tokenizers then produce the same tokens as for the
+    whole text), else at the last character boundary."""
+    if len(data) <= limit:
+        return len(data)
+    lo = max(0, limit - CUT_LOOKBACK)
+    tail = bytes(data[lo : limit + 1])
+    sp = tail.rfind(b" ")
+    if sp > 0:
+        return lo + sp
+    cut = limit
+    while cut > 0 and (data[cut] & 0xC0) == 0x80:  # inside a multi-byte character
+        cut -= 1
+    return cut
+
+
+def _bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, np.ndarray]:
+    """``arr`` with every value over ``max_bytes`` replaced by its first piece (``truncate``) or by an
+    empty value (``drop``), and the mask of those rows. Lengths come from the offsets; only the kept
+    bytes of an over-long value are copied."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    over = np.zeros(len(arr), bool)
+    t = arr.type
+    if pa.types.is_null(t) or not len(arr):
+        return arr, over
+    lengths = pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    over = lengths > max_bytes
+    if not over.any():
+        return arr, over
+    parts: list[pa.Array] = []
+    last = 0
+    for i in np.flatnonzero(over).tolist():
+        parts.append(arr.slice(last, i - last))
+        piece = b""
+        if policy != "drop":
+            buf = memoryview(arr[i].as_buffer())
+            piece = bytes(buf[: cut_point(buf, max_bytes)])
+        try:
+            parts.append(pa.array([piece], pa.binary()).cast(t))
+        except pa.ArrowInvalid:  # not UTF-8 where it was cut: nothing of it is kept
+            parts.append(pa.array([b""], pa.binary()).cast(t))
+        last = i + 1
+    parts.append(arr.slice(last))
+    return pa.concat_arrays([p for p in parts if len(p)] or [arr.slice(0, 0)]), over
+
+
+def _prefixes(rg: Ragged, lengths: np.ndarray) -> Ragged:
+    """The first ``lengths[i]`` (<= the item's length) values of every item (vectorised)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    idx = np.repeat(rg.offsets[:-1] - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
+    return Ragged(rg.values[idx], offsets)
+
+
+def _cap_tokens(rg: Ragged, max_tokens: int, policy: str) -> tuple[Ragged, np.ndarray]:
+    """Items longer than ``max_tokens`` cut to their first max_tokens (or emptied under ``drop``)."""
+    lens = rg.lengths
+    over = lens > max_tokens
+    if not over.any():
+        return rg, over
+    return _prefixes(rg, np.where(over, 0 if policy == "drop" else max_tokens, lens)), over
+
+
+class _OverlongLog:
+    """Rate-limited log of documents over their source's bounds (the first few, then every 1000th)."""
+
+    def __init__(self, what: str):
+        self.what, self.count = what, 0
+
+    def note(self, raw: RawSamples, rows: np.ndarray, why: str, policy: str) -> None:
+        for i in np.flatnonzero(rows).tolist():
+            self.count += 1
+            if self.count <= 10 or self.count % 1000 == 0:
+                log.warning("%s: sample key %d: document over %s (%s; %d so far)", self.what, int(raw.keys[i]), why,
+                            "dropped" if policy == "drop" else "cut to its first piece", self.count)
+
+
 def _check_token_type(arr, what: str) -> None:
     """Column-level check (a wrong type is a configuration error, not a bad row)."""
     t = arr.type
@@ -235,9 +341,34 @@ def _quarantine_rows(quarantine: QuarantineLog, raw: RawSamples, bad: dict[int, 
 ENCODE_BATCH_CHARS = 1 << 20  # text per tokenizer call: bounds the tokenizer's transient memory
 
 
+def _split_text(text: str, n: int) -> list[str]:
+    """``text`` in pieces of at most ``n`` characters, cut before a space where there is one."""
+    out, i = [], 0
+    while len(text) - i > n:
+        j = text.rfind(" ", i + max(1, n - CUT_LOOKBACK), i + n)
+        j = j if j > i else i + n
+        out.append(text[i:j])
+        i = j
+    out.append(text[i:])
+    return out
+
+
 def _encode(tok, texts: list[str]) -> Ragged:
     """Batched tokenizer calls of at most ~1 MB of text each (a tokenizer's intermediate state is tens
-    of bytes per token, so a batch of long documents would otherwise spike the loader's memory)."""
+    of bytes per token, so a batch of long documents would otherwise spike the loader's memory); a
+    longer text is tokenized in pieces cut at spaces and its ids concatenated."""
+    if any(len(t) > ENCODE_BATCH_CHARS for t in texts):
+        pieces: list[str] = []
+        owner: list[int] = []
+        for k, t in enumerate(texts):
+            ps = _split_text(t, ENCODE_BATCH_CHARS) if len(t) > ENCODE_BATCH_CHARS else [t]
+            pieces.extend(ps)
+            owner.extend([k] * len(ps))
+        rg = _encode(tok, pieces)
+        lens = np.bincount(np.asarray(owner, np.int64), weights=rg.lengths, minlength=len(texts)).astype(np.int64)
+        offsets = np.zeros(len(texts) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return Ragged(rg.values, offsets)  # pieces are in document order: values concatenate per document
     ids: list[list[int]] = []
     i = 0
     while i < len(texts):
@@ -305,6 +436,8 @@ def make_transform(source: SourceSpec) -> Transform:
     eos = eos_id(tok) if (tok is not None and source.append_eos) else None
     # bad samples: keys are new every epoch, so the log remembers only the most recent ones
     quarantine = QuarantineLog(source.name, max_entries=SAMPLE_QUARANTINE_ENTRIES, max_seen=SAMPLE_QUARANTINE_SEEN)
+    bounds = DocBounds.of(source)
+    overlong_log = _OverlongLog(f"source {source.name!r}")
 
     if source.kind == "tokens":
         col = source.columns[0]
@@ -317,9 +450,11 @@ def make_transform(source: SourceSpec) -> Transform:
             if eos is not None:
                 rg = append_value(rg, eos)
             rg = _scatter(rg, keep)
+            rg, over = _cap_tokens(rg, bounds.max_tokens, bounds.policy)
+            overlong_log.note(raw, over, f"max_doc_tokens={bounds.max_tokens}", bounds.policy)
             _quarantine_rows(quarantine, raw, bad, what, "bad_tokens", col)
             n = rg.lengths.astype(np.int32)
-            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
+            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=over)
 
         tokens_passthrough.quarantine = quarantine  # type: ignore[attr-defined]
         return tokens_passthrough
@@ -333,14 +468,20 @@ def make_transform(source: SourceSpec) -> Transform:
         def tokenize(raw: RawSamples) -> TransformedSamples:
             arr = raw.columns[col]
             _check_text_type(arr, what)
+            arr, big = _bound_texts(arr, bounds.max_bytes, bounds.policy)  # before any text is tokenized
+            overlong_log.note(raw, big, f"max_doc_bytes={bounds.max_bytes}", bounds.policy)
             texts, keep, bad = _convert_isolating(lambda a: _texts(a, what), arr)
             rg = _encode(tok, texts)
             if eos is not None:
                 rg = append_value(rg, eos)
             rg = _scatter(rg, keep)
+            if bounds.policy == "drop" and big.any():  # an emptied text still got its EOS
+                rg = _prefixes(rg, np.where(big, 0, rg.lengths))
+            rg, many = _cap_tokens(rg, bounds.max_tokens, bounds.policy)
+            overlong_log.note(raw, many & ~big, f"max_doc_tokens={bounds.max_tokens}", bounds.policy)
             _quarantine_rows(quarantine, raw, bad, what, "bad_text", col)
             n = rg.lengths.astype(np.int32)
-            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32))
+            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=big | many)
 
         tokenize.quarantine = quarantine  # type: ignore[attr-defined]
         return tokenize
@@ -360,7 +501,9 @@ def make_transform(source: SourceSpec) -> Transform:
             n = len(raw)
             cap_what = f"{what}, column {cap_col!r}"
             _check_text_type(raw.columns[cap_col], cap_what)
-            texts, cap_ok, bad_caps = _convert_isolating(lambda a: _texts(a, cap_what), raw.columns[cap_col])
+            caps_arr, big = _bound_texts(raw.columns[cap_col], bounds.max_bytes, "truncate")  # a caption is cut, never drops its image
+            overlong_log.note(raw, big, f"max_doc_bytes={bounds.max_bytes} (caption)", "truncate")
+            texts, cap_ok, bad_caps = _convert_isolating(lambda a: _texts(a, cap_what), caps_arr)
             caps = _encode(tok, texts) if tok is not None else \
                 Ragged(np.zeros(0, np.int32), np.zeros(int(cap_ok.sum()) + 1, np.int64))
             if eos is not None:

@@ -69,7 +69,8 @@ class LoaderWindow:
         self.on_read = on_read
         # batch.overlong == 'drop' (spec.overlong_limit): longer samples are never announced, like empty ones
         self.drop_longer_than = drop_longer_than
-        self.dropped_overlong = 0
+        self.dropped_overlong = 0  # and documents over their source's max_doc_bytes / max_doc_tokens dropped
+        self.cut_overlong = 0  # documents over those bounds cut to their first piece (overlong_doc: truncate)
         # read-ahead beyond the window (invisible to the planner): refills after a step are then
         # announced at once instead of waiting for the tokenizer, so loaders overlap with planning
         self.read_ahead_tokens = self.min_tokens
@@ -132,8 +133,11 @@ class LoaderWindow:
             if p in self.skip:  # consumed before the cursor was taken
                 self.skip.discard(p)
                 continue
+            over = out.overlong is not None and bool(out.overlong[i])
             if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
+                self.dropped_overlong += over
                 continue
+            self.cut_overlong += over
             if self.drop_longer_than is not None and out.ntokens[i] > self.drop_longer_than:
                 self.dropped_overlong += 1
                 continue
