@@ -84,6 +84,38 @@ def test_source_stream_resumes_exactly(small, mode, partition, num_partitions):
         total=3 * per_epoch, midpoints=[1, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch + 2])
 
 
+def test_live_source_stream_resumes_exactly_across_a_new_segment(tmp_path):
+    """A live source: two files at open (segment 0), a third found when they run out (segment 1);
+    a state from either segment restores the same segments and continues the same order."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    from mixplane.loader.files import SourceFiles
+
+    d = str(tmp_path / "live")
+    paths, table = write_source(d, nfiles=3, rows=100, page_size=512, row_group_size=60)
+    first = sum(len(t) for t in [table.slice(0, 100), table.slice(100, 137)])  # rows of the first two files
+    spec = SourceSpec(name="live", uri=d, columns=["text", "row"], kind="text", live=True)
+    st = [os.stat(p) for p in paths[:2]]
+    at_open = SourceFiles(d, pafs.LocalFileSystem(), paths[:2], [x.st_size for x in st], [x.st_mtime_ns for x in st])
+
+    def make():
+        return open_stream(spec, seed=2, buffer_rows=40, cache_dir=None, files=at_open, poll_s=0.0)
+
+    def next_item(s):
+        r = s.take(23, timeout=5)
+        return (r.keys.tolist(), r.positions.tolist(), r.columns["row"].to_pylist())
+
+    ref = check_save_load_state(
+        Resumable(make=make, next_item=next_item, save=lambda s: s.state_dict(), load=lambda s, st: s.load_state_dict(st),
+                  close=lambda s: s.close(), epoch_of=lambda item: {int(p >= first) for p in item[1]}),
+        total=17, midpoints=[1, 5, 10, 11, 12, 15])
+    rows = [r for item in ref for r in item[2]]
+    assert sorted(rows[:first]) == list(range(first))  # segment 0 is the first two files, once
+    assert len(set(rows)) == len(rows) == 17 * 23
+
+
 # ---------------------------------------------------------------- LoaderWindow
 
 
