@@ -291,6 +291,18 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run_operator(namespace=args.namespace)
 
 
+def cmd_crd(args: argparse.Namespace) -> int:
+    from mixplane.operator.crd import crd_yaml
+
+    text = crd_yaml()
+    if not args.out:
+        sys.stdout.write(text)
+    for out in args.out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixplane", description="Disaggregated multisource data plane for foundation-model training.")
     p.add_argument("--log-level", default="WARNING")
@@ -356,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     op = sub.add_parser("operator", help="run the Kubernetes operator")
     op.add_argument("--namespace")
     op.set_defaults(fn=cmd_operator)
+
+    cr = sub.add_parser("crd", help="print the DataMixture CustomResourceDefinition (generated from the spec model)")
+    cr.add_argument("--out", action="append", default=[], metavar="FILE", help="write it to FILE instead (repeatable)")
+    cr.set_defaults(fn=cmd_crd)
 
     for name, fn in (("planner", cmd_planner), ("constructor", cmd_constructor), ("loader", cmd_loader)):
         c = sub.add_parser(name, help=f"run one {name} (used by the runtime and by pods)")

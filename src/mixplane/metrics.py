@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -44,6 +51,10 @@ class Metrics:
     constructor_bytes_sent: Counter
     constructor_pending_steps: Gauge
     constructor_client_wait_seconds: Histogram
+    # planner (appended)
+    rank_imbalance: Gauge
+    # every component: which one this endpoint is (join key for process_* metrics on dashboards)
+    component_info: Gauge
 
 
 def make_metrics(component: str) -> Metrics:
@@ -90,7 +101,11 @@ def make_metrics(component: str) -> Metrics:
         constructor_bytes_sent=c("mixplane_constructor_bytes_sent_total", "Bytes delivered to clients"),
         constructor_pending_steps=g("mixplane_constructor_pending_steps", "Steps planned but not yet complete"),
         constructor_client_wait_seconds=h("mixplane_constructor_client_wait_seconds", "How long a client request waited for its step"),
+        rank_imbalance=g("mixplane_planner_rank_imbalance", "Balancer's cost imbalance across ranks of the last step (max / mean, 1 = perfect)", ["part"]),
+        component_info=g("mixplane_component_info", "1 per component endpoint; joins process_* metrics to the component", lbl),
     )
+    m.component_info.labels(component).set(1)
+    ProcessCollector(registry=r)  # process_resident_memory_bytes etc.: memory per component on the dashboard
     return m
 
 

@@ -210,6 +210,13 @@ class RuntimeSpec(_Model):
     curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
 
 
+class KubernetesSpec(_Model):
+    """How the operator deploys the mixture in a cluster (ignored by the embedded runtime)."""
+
+    placement: Literal["remote", "sidecar"] = Field("remote", description="Where Source Loaders run: loader pods of their own (remote), or loader containers injected into the trainer pods labelled `mixplane.io/mixture: <name>` (sidecar; remote pods only for what sidecars cannot hold).")
+    image: str | None = Field(None, description="Container image of the components; default: the operator's own image.")
+
+
 class DataMixtureSpec(_Model):
     name: str = Field("mixture", pattern=NAME_PATTERN, description="Name of the mixture (run directory, metrics label).")
     sources: list[SourceSpec] = Field(..., min_length=1, max_length=MAX_SOURCES, description="The data sources.")
@@ -219,6 +226,7 @@ class DataMixtureSpec(_Model):
     model: dict[str, ModelDims] = Field(default_factory=dict, description="Model dimensions by module name (for cost models).")
     strategy: StrategySpec = Field(default_factory=StrategySpec, description="Planning strategy.")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Ports, buffers, timeouts.")
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="Cluster deployment (operator only).")
 
     # ---- derived values used everywhere ----
     def source_names(self) -> list[str]:

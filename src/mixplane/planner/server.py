@@ -320,6 +320,9 @@ class PlannerServer:
             self.m.realized_fraction.labels(n).set(float(realized[i] / total) if total else 0.0)
         for w in self.core.windows:
             self.m.window_samples.labels(self.names[w.source], str(w.replica)).set(len(w))
+        for part, st in (plan.stats or {}).items():  # the balancer's result, per part (text, image)
+            if isinstance(st, dict) and "imbalance_after" in st:
+                self.m.rank_imbalance.labels(part).set(float(st["imbalance_after"]))
         self.state.tokens_planned += int(tok.sum())
 
     def status(self) -> dict[str, Any]:

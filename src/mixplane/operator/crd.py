@@ -1,0 +1,233 @@
+"""The DataMixture CustomResourceDefinition, generated from the spec model (one source of truth).
+
+Pure: the pydantic model in, a CRD manifest out. `mixplane crd` prints it; `crds/` and the Helm chart's
+`crds/` hold the generated file and a test fails when they drift from the model.
+
+The model's JSON schema is turned into a Kubernetes *structural* schema: `$ref`s inlined, `X | None` as
+`nullable`, `dict[str, Any]` as preserved unknown fields, numeric bounds in OpenAPI 3.0 form, and every
+default (also those from `default_factory`) written so the API server fills them in. Cross-field rules the
+schema cannot express are checked by the validating webhook (`mixplane.operator.webhooks`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic_core import to_jsonable_python
+
+from mixplane.spec import DataMixtureSpec
+
+GROUP = "mixplane.io"
+VERSION = "v1alpha1"
+KIND = "DataMixture"
+PLURAL = "datamixtures"
+SINGULAR = "datamixture"
+SHORT_NAMES = ["dmix"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+API_VERSION = f"{GROUP}/{VERSION}"
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+PHASES = ("Pending", "Profiling", "Running", "Updating", "Degraded", "Failed")
+# spec fields whose model default must not be written by the API server: `name` defaults to metadata.name
+NO_SERVER_DEFAULT = {"name"}
+
+
+# ---- status: the operator writes it, the CRD's status schema comes from it ----
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class Condition(_Status):
+    type: Literal["Ready", "Progressing", "Degraded"] = Field(..., description="Ready: every component is up; Progressing: children or a mixture update are being rolled out; Degraded: a component is failing.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="Condition status.")
+    reason: str = Field("", description="One CamelCase word saying why.")
+    message: str = Field("", description="Human-readable detail.")
+    lastTransitionTime: str | None = Field(None, description="When status last changed (RFC 3339).")
+    observedGeneration: int | None = Field(None, ge=0, description="metadata.generation the condition was computed for.")
+
+
+class SourceProfile(_Status):
+    cpuSecondsPerToken: float = Field(..., ge=0, description="Measured CPU seconds per delivered token (`mixplane profile`).")
+    memoryPerPartition: int = Field(..., ge=0, description="Measured bytes one Source Loader of this source holds.")
+    meanTokens: float | None = Field(None, ge=0, description="Mean tokens per sample in the profiled pages.")
+
+
+class SourceStatus(_Status):
+    name: str = Field(..., description="Source name.")
+    targetWeight: float | None = Field(None, ge=0, description="Target share of tokens (or samples) in the current phase.")
+    realisedWeight: float | None = Field(None, ge=0, description="Realised share in the current phase, from the planner.")
+    partitions: int | None = Field(None, ge=0, description="Partitions (Source Loader replicas) of the source.")
+    loaderPods: int | None = Field(None, ge=0, description="Loader pods currently hosting its partitions.")
+    profile: SourceProfile | None = Field(None, description="Profiled cost, kept so a restart does not re-profile.")
+
+
+class MixtureUpdateStatus(_Status):
+    generation: int = Field(..., ge=0, description="metadata.generation of the change.")
+    effectiveStep: int = Field(..., ge=0, description="First step planned with the new mixture.")
+    weights: dict[str, float] = Field(default_factory=dict, description="Weights in force from effectiveStep on.")
+
+
+class MixtureStatus(_Status):
+    """What the operator reports; `model_dump(by_alias=True, exclude_none=True)` is a valid status patch."""
+
+    phase: Literal["Pending", "Profiling", "Running", "Updating", "Degraded", "Failed"] | None = Field(None, description="Lifecycle phase.")
+    observedGeneration: int | None = Field(None, ge=0, description="metadata.generation last acted on.")
+    plannerEndpoint: str | None = Field(None, description="Where trainers reach the planner (tcp://SERVICE:PORT); MIXPLANE_PLANNER.")
+    step: int | None = Field(None, ge=0, description="Last planned step.")
+    sourceCount: int | None = Field(None, ge=0, description="Number of sources.")
+    loaderPods: int | None = Field(None, ge=0, description="Loader pods in total.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+    sources: list[SourceStatus] = Field(default_factory=list, description="Per source: target and realised weight, partitions, loader pods, profile.")
+    updates: list[MixtureUpdateStatus] = Field(default_factory=list, description="Live mixture updates and the step each took effect at.")
+
+
+# ---- pydantic JSON schema -> Kubernetes structural schema ----
+
+class _FactoryDefaults(GenerateJsonSchema):
+    """Also write defaults that come from `default_factory` (pydantic leaves them out)."""
+
+    def get_default_value(self, schema: Any) -> Any:
+        if "default" in schema:
+            return schema["default"]
+        factory = schema.get("default_factory")
+        if factory is None or schema.get("default_factory_takes_data"):
+            return NoDefault
+        return _minimal_default(factory())
+
+
+def _minimal_default(value: Any) -> Any:
+    """A model default becomes `{}`: the API server then fills in the nested defaults itself."""
+    if isinstance(value, BaseModel):
+        return {}
+    if isinstance(value, dict):
+        return {k: _minimal_default(v) for k, v in value.items()}
+    return to_jsonable_python(value)
+
+
+def _strip_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One pydantic JSON-schema node as an OpenAPI v3.0 structural schema node."""
+    node = dict(schema)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
+        node = {**target, **node}  # the field's own description/default win over the model's
+    node.pop("title", None)
+    if "anyOf" in node:
+        options = node.pop("anyOf")
+        non_null = [o for o in options if o.get("type") != "null"]
+        if len(non_null) != 1:
+            raise ValueError(f"cannot express union {options!r} in a structural schema")
+        inner = structural(non_null[0], defs)
+        node = {**inner, **{k: v for k, v in node.items() if k not in inner or k in ("description", "default")}}
+        if len(non_null) < len(options):
+            node["nullable"] = True
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node and not isinstance(node[bound], bool):
+            node[plain] = node.pop(bound)
+            node[bound] = True
+    if "default" in node:
+        d = _strip_none(_minimal_default(node["default"]))
+        if d is None:
+            node.pop("default")
+        else:
+            node["default"] = d
+    t = node.get("type")
+    if t == "object" or "properties" in node or "additionalProperties" in node:
+        node["type"] = "object"
+        props = node.get("properties")
+        extra = node.pop("additionalProperties", None)
+        if props is not None:
+            node["properties"] = {k: structural(v, defs) for k, v in props.items()}
+        elif isinstance(extra, dict) and extra:
+            node["additionalProperties"] = structural(extra, defs)
+        else:  # dict[str, Any]: free-form, kept as written
+            node["x-kubernetes-preserve-unknown-fields"] = True
+    if t == "array" and "items" in node:
+        node["items"] = structural(node["items"], defs)
+    return node
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = DataMixtureSpec.model_json_schema(schema_generator=_FactoryDefaults)
+    defs = raw.pop("$defs", {})
+    out = structural(raw, defs)
+    for name in NO_SERVER_DEFAULT:
+        out["properties"][name].pop("default", None)
+    return out
+
+
+def status_schema() -> dict[str, Any]:
+    raw = MixtureStatus.model_json_schema(schema_generator=_FactoryDefaults)
+    defs = raw.pop("$defs", {})
+    out = _drop_defaults(structural(raw, defs))
+    # kopf keeps its own progress and handler results under status too: unknown fields are kept
+    out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _drop_defaults(node: Any) -> Any:
+    """The operator owns status: the API server must not invent any of it."""
+    if isinstance(node, dict):
+        return {k: _drop_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_drop_defaults(v) for v in node]
+    return node
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition (apiextensions.k8s.io/v1) of DataMixture."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "mixplane"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": list(SHORT_NAMES), "categories": ["mixplane"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+                    {"name": "Sources", "type": "integer", "jsonPath": ".status.sourceCount"},
+                    {"name": "Loaders", "type": "integer", "jsonPath": ".status.loaderPods"},
+                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A DataMixture: sources, how to mix them over steps, the batch and the trainer's parallelism (mixplane).",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated from src/mixplane/spec.py by `mixplane crd` (src/mixplane/operator/crd.py). Do not edit.\n"
+    return header + yaml.safe_dump(copy.deepcopy(crd_manifest()), sort_keys=False, width=120, allow_unicode=True)

@@ -1,0 +1,201 @@
+"""Admission webhooks of the operator, as pure functions (objects in, decisions and patches out).
+
+Validating (DataMixture): cross-field rules the CRD schema cannot express. It reuses the spec's own
+validation (`mixplane.spec.parse_spec`), so the API server answers with the same `field.path: message`
+texts as `mixplane validate`, only files and user code are not looked at: they live on the cluster's
+volumes and in the component image, not in the operator.
+
+Mutating (Pod): a pod labelled ``mixplane.io/mixture: <name>`` gets the planner endpoint, the trainer's
+CURVE client key (mounted from the mixture's Secret) and, when the mixture asks for sidecar placement, the
+loader containers the operator placed on it. The trainer then needs nothing but ``MixtureLoader()``.
+
+kopf wiring (the handlers stay thin)::
+
+    @kopf.on.validate("mixplane.io", "v1alpha1", "datamixtures")
+    def check(body, **_):
+        if problems := review_mixture(body):
+            raise kopf.AdmissionError("; ".join(problems), code=422)
+
+    @kopf.on.mutate("", "v1", "pods", labels={MIXTURE_LABEL: kopf.PRESENT})
+    def inject(body, patch, **_):
+        patch.update(pod_merge_patch(body, inject_pod(body, Injection(...))))
+
+Plain AdmissionReview v1 servers use :func:`validate_review` and :func:`mutate_review`.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixplane.spec import SpecError, parse_spec
+
+MIXTURE_LABEL = "mixplane.io/mixture"
+INJECTED_ANNOTATION = "mixplane.io/injected"
+KEY_MOUNT = "/var/run/mixplane/keys"
+KEY_VOLUME = "mixplane-keys"
+# the trainer gets its own key pair and the servers' public key, never a component's secret key
+CLIENT_KEY_ITEMS = ("client.key", "client.key_secret", "server.key")
+_USER_CODE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_FILE_CODE = re.compile(r"^.+\.py:[A-Za-z_]\w*$")
+
+
+# ---- validating: DataMixture ----
+
+def review_mixture(obj: Mapping[str, Any]) -> list[str]:
+    """Every problem of a DataMixture object as `spec.field.path: message`; empty when it is valid."""
+    doc = copy.deepcopy(dict(obj))
+    spec = doc.get("spec")
+    strategy_problem: str | None = None
+    if isinstance(spec, dict) and isinstance(spec.get("strategy"), dict):
+        name = spec["strategy"].get("name")
+        if isinstance(name, str) and ":" in name:
+            # user code is imported by the planner in its own pod, never by the operator: check the form only
+            if not (_USER_CODE.match(name) or _FILE_CODE.match(name)):
+                strategy_problem = f"spec.strategy.name: {name!r} is not package.module:function or path/file.py:function"
+            spec["strategy"] = {**spec["strategy"], "name": "vanilla", "options": {}}
+    try:
+        parse_spec(doc, check_files=False)
+    except SpecError as e:
+        problems = [str(p) for p in e.problems]
+    else:
+        problems = []
+    if strategy_problem:
+        problems.append(strategy_problem)
+    return problems
+
+
+def admission_response(review: Mapping[str, Any], allowed: bool, message: str = "",
+                       patch: Sequence[Mapping[str, Any]] | None = None, code: int = 422) -> dict[str, Any]:
+    """The AdmissionReview answer to `review` (admission.k8s.io/v1)."""
+    request = review.get("request") or {}
+    response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": allowed}
+    if not allowed:
+        response["status"] = {"code": code, "reason": "Invalid", "message": message}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(list(patch)).encode()).decode()
+    return {"apiVersion": review.get("apiVersion", "admission.k8s.io/v1"), "kind": "AdmissionReview", "response": response}
+
+
+def validate_review(review: Mapping[str, Any]) -> dict[str, Any]:
+    """AdmissionReview of a DataMixture CREATE/UPDATE in, allow/deny (with every problem) out."""
+    request = review.get("request") or {}
+    obj = request.get("object")
+    if request.get("operation") == "DELETE" or not isinstance(obj, dict):
+        return admission_response(review, True)
+    problems = review_mixture(obj)
+    return admission_response(review, not problems, "; ".join(problems))
+
+
+# ---- mutating: trainer pods ----
+
+@dataclass(frozen=True)
+class Injection:
+    """What a labelled trainer pod receives; the operator fills it from the mixture and its children."""
+
+    mixture: str
+    planner: str  # tcp://<planner service>.<namespace>.svc:<port>
+    secret_name: str  # the mixture's CURVE key Secret
+    key_items: tuple[str, ...] = CLIENT_KEY_ITEMS
+    sidecars: tuple[dict[str, Any], ...] = ()  # loader containers placed on this pod (sidecar placement)
+    volumes: tuple[dict[str, Any], ...] = ()  # volumes those containers mount (spec ConfigMap, data)
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+
+def mixture_of(pod: Mapping[str, Any]) -> str | None:
+    """The mixture a pod asks for (its `mixplane.io/mixture` label), or None."""
+    labels = ((pod.get("metadata") or {}).get("labels")) or {}
+    name = labels.get(MIXTURE_LABEL)
+    return str(name) if name else None
+
+
+def inject_pod(pod: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
+    """The pod with mixplane injected. Idempotent: an injected pod comes back unchanged; env the user set wins."""
+    new = copy.deepcopy(dict(pod))
+    meta = new.setdefault("metadata", {})
+    annotations = meta.get("annotations") or {}
+    if annotations.get(INJECTED_ANNOTATION):
+        return new
+    spec = new.setdefault("spec", {})
+    env = [("MIXPLANE_PLANNER", inj.planner), ("MIXPLANE_MIXTURE", inj.mixture),
+           ("MIXPLANE_CURVE_DIR", KEY_MOUNT), ("MIXPLANE_CURVE_NAME", "client"), *inj.extra_env]
+    containers = []
+    for c in spec.get("containers") or []:
+        c = dict(c)
+        have = {e.get("name") for e in c.get("env") or []}
+        c["env"] = list(c.get("env") or []) + [{"name": k, "value": v} for k, v in env if k not in have]
+        mounts = list(c.get("volumeMounts") or [])
+        if not any(m.get("name") == KEY_VOLUME for m in mounts):
+            mounts.append({"name": KEY_VOLUME, "mountPath": KEY_MOUNT, "readOnly": True})
+        c["volumeMounts"] = mounts
+        containers.append(c)
+    taken = {c.get("name") for c in containers}
+    for s in inj.sidecars:
+        if s.get("name") in taken:
+            raise ValueError(f"pod {meta.get('name') or meta.get('generateName') or '?'}: container name {s.get('name')!r} already used")
+        containers.append(copy.deepcopy(s))
+        taken.add(s.get("name"))
+    spec["containers"] = containers
+    volumes = list(spec.get("volumes") or [])
+    have_vol = {v.get("name") for v in volumes}
+    key_volume = {"name": KEY_VOLUME, "secret": {"secretName": inj.secret_name, "defaultMode": 0o440,
+                                                  "items": [{"key": k, "path": k} for k in inj.key_items]}}
+    for v in (key_volume, *inj.volumes):
+        if v["name"] not in have_vol:
+            volumes.append(copy.deepcopy(v))
+            have_vol.add(v["name"])
+    spec["volumes"] = volumes
+    meta["annotations"] = {**annotations, INJECTED_ANNOTATION: inj.mixture}
+    return new
+
+
+_PATCHED = (("metadata", "annotations"), ("spec", "containers"), ("spec", "volumes"))
+
+
+def pod_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSON Patch (RFC 6902) turning `old` into `new` on the fields inject_pod changes."""
+    ops: list[dict[str, Any]] = []
+    for parent, key in _PATCHED:
+        before = (old.get(parent) or {}).get(key)
+        after = (new.get(parent) or {}).get(key)
+        if after == before:
+            continue
+        ops.append({"op": "add" if before is None else "replace", "path": f"/{parent}/{key}", "value": after})
+    return ops
+
+
+def pod_merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The same change as a merge-style dict (what kopf's `patch` object takes)."""
+    out: dict[str, Any] = {}
+    for parent, key in _PATCHED:
+        after = (new.get(parent) or {}).get(key)
+        if after != (old.get(parent) or {}).get(key):
+            out.setdefault(parent, {})[key] = after
+    return out
+
+
+def mutate_review(review: Mapping[str, Any], resolve: Callable[[str, str], Injection | None]) -> dict[str, Any]:
+    """AdmissionReview of a Pod CREATE in, a JSON patch out. `resolve(mixture, namespace)` says what to inject
+    (None: no such mixture, the pod is refused with a message naming the label)."""
+    request = review.get("request") or {}
+    pod = request.get("object")
+    if request.get("operation") != "CREATE" or not isinstance(pod, dict):
+        return admission_response(review, True)
+    name = mixture_of(pod)
+    if name is None:
+        return admission_response(review, True)
+    namespace = request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
+    inj = resolve(name, namespace)
+    if inj is None:
+        return admission_response(review, False, f"metadata.labels.{MIXTURE_LABEL}: no DataMixture {name!r} in namespace {namespace!r}", code=404)
+    try:
+        new = inject_pod(pod, inj)
+    except ValueError as e:
+        return admission_response(review, False, f"spec.containers: {e}")
+    return admission_response(review, True, patch=pod_patch(pod, new))

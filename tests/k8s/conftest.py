@@ -1,0 +1,34 @@
+"""Fixtures of the k8s tier: one real control plane per test session (see tests/k8s/cluster.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from tests.k8s.cluster import Cluster
+
+_ns_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    """etcd + kube-apiserver + kube-controller-manager on 127.0.0.1 (binaries built by scripts/k8s/build.sh if missing)."""
+    c = Cluster.start(tmp_path_factory.mktemp("k8s"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture()
+def k8s_namespace(k8s_cluster: Cluster, request) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards (without waiting for its finalizers)."""
+    base = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())[:40].strip("-")
+    name = f"t{next(_ns_counter)}-{base}".rstrip("-")
+    k8s_cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        k8s_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -1,0 +1,123 @@
+"""Admission webhook logic: the same `field.path: message` texts as `mixplane validate`; pod injection."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from mixplane.operator.webhooks import (
+    INJECTED_ANNOTATION,
+    KEY_MOUNT,
+    Injection,
+    inject_pod,
+    mutate_review,
+    pod_merge_patch,
+    pod_patch,
+    review_mixture,
+    validate_review,
+)
+
+
+def mixture(**spec_overrides) -> dict:
+    spec = {"sources": [{"name": "web", "uri": "/data/web", "kind": "tokens", "columns": ["tokens"]},
+                        {"name": "code", "uri": "/data/code", "kind": "tokens", "columns": ["tokens"]}],
+            "mixture": {"weights": {"web": 0.7, "code": 0.3}},
+            "batch": {"sequences": 8, "seq_len": 256},
+            "topology": {"modules": {"backbone": {"dp": 2}}}}
+    spec.update(spec_overrides)
+    return {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture", "metadata": {"name": "demo", "namespace": "ml"},
+            "spec": spec}
+
+
+def review(obj, operation="CREATE", uid="u-1"):
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": uid, "operation": operation, "object": obj, "namespace": "ml"}}
+
+
+def test_valid_mixture_has_no_problems():
+    assert review_mixture(mixture()) == []
+    out = validate_review(review(mixture()))
+    assert out["response"] == {"uid": "u-1", "allowed": True}
+
+
+def test_cross_field_problems_use_the_spec_texts_with_spec_prefix():
+    bad = mixture(mixture={"weights": {"web": 1.0, "video": 2.0}}, batch={"sequences": 7, "seq_len": 256})
+    probs = review_mixture(bad)
+    assert "spec.mixture.weights.video: unknown source 'video' (sources: web, code)" in probs
+    assert any(p.startswith("spec.batch: 7 sequences per step do not divide into dp (2)") for p in probs)
+    out = validate_review(review(bad, uid="abc"))["response"]
+    assert out["allowed"] is False and out["uid"] == "abc" and out["status"]["code"] == 422
+    assert "spec.mixture.weights.video: unknown source" in out["status"]["message"]
+
+
+def test_shape_problems_and_delete():
+    probs = review_mixture(mixture(batch={"sequences": 8}))
+    assert probs == ["spec.batch.seq_len: Field required"]
+    assert validate_review(review(mixture(batch={}), operation="DELETE"))["response"]["allowed"] is True
+
+
+def test_user_strategy_is_checked_for_form_but_never_imported():
+    # importing would run code in the operator: a module that does not exist here is fine...
+    assert review_mixture(mixture(strategy={"name": "my_company.strategies:plan", "options": {"k": 1}})) == []
+    # ...a malformed reference is not
+    probs = review_mixture(mixture(strategy={"name": "not a module:fn"}))
+    assert probs == ["spec.strategy.name: 'not a module:fn' is not package.module:function or path/file.py:function"]
+    assert review_mixture(mixture(strategy={"name": "nope"}))[0].startswith("spec.strategy.name: unknown strategy 'nope'")
+
+
+def trainer_pod(**labels):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "trainer-0", "labels": {"mixplane.io/mixture": "demo", **labels}},
+            "spec": {"containers": [{"name": "train", "image": "trainer:1",
+                                     "env": [{"name": "MIXPLANE_PLANNER", "value": "tcp://mine:1"}]},
+                                    {"name": "logger", "image": "log:1"}]}}
+
+
+INJ = Injection(mixture="demo", planner="tcp://demo-planner.ml.svc:5555", secret_name="demo-curve")
+
+
+def env_of(c):
+    return {e["name"]: e["value"] for e in c.get("env", [])}
+
+
+def test_inject_env_keys_and_idempotence():
+    pod = trainer_pod()
+    new = inject_pod(pod, INJ)
+    train, logger = new["spec"]["containers"]
+    assert env_of(train)["MIXPLANE_PLANNER"] == "tcp://mine:1", "what the user set wins"
+    assert env_of(logger)["MIXPLANE_PLANNER"] == INJ.planner
+    assert env_of(logger)["MIXPLANE_CURVE_DIR"] == KEY_MOUNT and env_of(logger)["MIXPLANE_CURVE_NAME"] == "client"
+    assert {"name": "mixplane-keys", "mountPath": KEY_MOUNT, "readOnly": True} in train["volumeMounts"]
+    (vol,) = new["spec"]["volumes"]
+    assert vol["secret"]["secretName"] == "demo-curve"
+    assert [i["key"] for i in vol["secret"]["items"]] == ["client.key", "client.key_secret", "server.key"]
+    assert new["metadata"]["annotations"][INJECTED_ANNOTATION] == "demo"
+    assert pod["spec"]["containers"][1].get("env") is None, "input not modified"
+    assert inject_pod(new, INJ) == new and pod_patch(new, inject_pod(new, INJ)) == []
+
+
+def test_sidecar_loaders_and_patch_forms():
+    side = {"name": "loader-web-0", "image": "mixplane:0.1.0", "args": ["loader", "--source", "web"]}
+    cfg = {"name": "spec", "configMap": {"name": "demo-spec"}}
+    inj = Injection(mixture="demo", planner="tcp://p:1", secret_name="s", sidecars=(side,), volumes=(cfg,))
+    pod = trainer_pod()
+    new = inject_pod(pod, inj)
+    assert [c["name"] for c in new["spec"]["containers"]] == ["train", "logger", "loader-web-0"]
+    assert [v["name"] for v in new["spec"]["volumes"]] == ["mixplane-keys", "spec"]
+    ops = pod_patch(pod, new)
+    assert {o["path"]: o["op"] for o in ops} == {"/metadata/annotations": "add", "/spec/containers": "replace",
+                                                  "/spec/volumes": "add"}
+    merged = pod_merge_patch(pod, new)
+    assert merged["spec"]["containers"] == new["spec"]["containers"] and merged["metadata"]["annotations"]
+
+
+def test_mutate_review():
+    out = mutate_review(review(trainer_pod()), lambda name, ns: INJ if (name, ns) == ("demo", "ml") else None)["response"]
+    assert out["allowed"] is True and out["patchType"] == "JSONPatch"
+    ops = json.loads(base64.b64decode(out["patch"]))
+    assert any(o["path"] == "/spec/volumes" for o in ops)
+    refused = mutate_review(review(trainer_pod()), lambda name, ns: None)["response"]
+    assert refused["allowed"] is False and "metadata.labels.mixplane.io/mixture: no DataMixture 'demo'" in refused["status"]["message"]
+    unlabelled = trainer_pod()
+    del unlabelled["metadata"]["labels"]["mixplane.io/mixture"]
+    assert mutate_review(review(unlabelled), lambda n, s: INJ)["response"] == {"uid": "u-1", "allowed": True}
