@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-unit test-integration bench-quick clean venv
+.PHONY: demo test test-unit test-integration test-k8s k8s-tools crds bench-quick clean venv
 
 venv: $(STAMP)
 
@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mixplane demo --dir .mixplane/demo-data
 
 # static checks first (seconds), then every test
-test: $(STAMP)
+test: $(STAMP) k8s-tools
 	$(PY) -m ruff check src
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
@@ -33,6 +33,19 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration -q
+
+# etcd, kube-apiserver + kube-controller-manager 1.20.2 (built from Debian's source package, cached in
+# ~/.cache/mixplane/k8s-1.20.2; ~7 min cold), kubectl and prometheus for tests/k8s (apt-get: needs root, as CI is)
+k8s-tools:
+	bash scripts/k8s/build.sh
+
+test-k8s: $(STAMP) k8s-tools
+	$(PY) -m pytest tests/k8s -q
+
+# regenerate what is generated from the spec model and the metrics
+crds: $(STAMP)
+	$(VENV)/bin/mixplane crd --out crds/datamixtures.mixplane.io.yaml --out charts/mixplane/crds/datamixtures.mixplane.io.yaml
+	$(PY) -m mixplane.operator.dashboard > charts/mixplane/dashboards/mixplane.json
 
 bench-quick: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done

@@ -60,8 +60,8 @@ def test_user_strategy_is_checked_for_form_but_never_imported():
     # importing would run code in the operator: a module that does not exist here is fine...
     assert review_mixture(mixture(strategy={"name": "my_company.strategies:plan", "options": {"k": 1}})) == []
     # ...a malformed reference is not
-    probs = review_mixture(mixture(strategy={"name": "not a module:fn"}))
-    assert probs == ["spec.strategy.name: 'not a module:fn' is not package.module:function or path/file.py:function"]
+    probs = review_mixture(mixture(strategy={"name": ":plan"}))
+    assert probs == ["spec.strategy.name: strategy ':plan': expected package.module:function or file.py:function"]
     assert review_mixture(mixture(strategy={"name": "nope"}))[0].startswith("spec.strategy.name: unknown strategy 'nope'")
 
 
