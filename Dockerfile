@@ -1,5 +1,6 @@
 # mixplane: one image for `mixplane operator` and every component (`mixplane planner|loader|constructor`).
 # Build: docker build -t mixplane:0.1.0 .   (multi-stage: the build tools stay in the first stage)
+# No torch: it is the trainer client's extra (mixplane[torch]); operator and components do without it.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -9,8 +10,6 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/mixplane \
  && /opt/mixplane/bin/pip install --no-cache-dir pip==25.3 setuptools==80.9.0 wheel==0.45.1
-# the CPU build of torch first (the trainer-side client needs it; components import it lazily)
-RUN /opt/mixplane/bin/pip install --no-cache-dir torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY src ./src
 RUN /opt/mixplane/bin/pip install --no-cache-dir --no-build-isolation ".[k8s]" \
