@@ -167,7 +167,7 @@ class RowArena:
     def sparse_slabs(self, live: dict[int, float], ratio: float) -> list[int]:
         """Units to relocate: those in (non-head) slabs whose live bytes (``live``: unit -> bytes of
         its rows still to be delivered) are at most ``ratio`` of the bytes written to the slab."""
-        out = []
+        out: list[int] = []
         for sid, slab in self._slabs.items():
             if sid == self._head or not slab.units:
                 continue

@@ -18,6 +18,7 @@ together cover the source in every epoch, whatever N is — N may change at an e
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
 import numpy as np
 
@@ -121,7 +122,7 @@ class BufferShuffle:
         self.B = max(1, int(buffer_rows))
         self.K = max(1, int(rows_per_page))
         self.rng = rng
-        max_rows = int(self.layout.size(self.units).max()) if len(self.units) else 0
+        max_rows = int(np.max(self.layout.size(self.units))) if len(self.units) else 0
         self.buf = np.empty(self.B + max_rows + self.K, np.int64)  # row ids
         self.owner = np.empty_like(self.buf)  # unit of each buffered row
         self.size = 0
@@ -245,7 +246,7 @@ class PagePlan(EpochPlan):
         self.sim = BufferShuffle(order, starts, rows, buffer_rows=buffer_rows, rows_per_page=rows_per_page, rng=rng,
                                  parts=parts)
         self.layout = self.sim.layout
-        self.rows = int(self.layout.size(order).sum())
+        self.rows = int(np.sum(self.layout.size(order)))
 
     def next_block(self):
         return self.sim.next_block()
@@ -254,7 +255,8 @@ class PagePlan(EpochPlan):
 class SequentialPlan(EpochPlan):
     """Units in the given order, rows in order; one block per unit."""
 
-    def __init__(self, order: np.ndarray, starts: np.ndarray, rows: np.ndarray, within: "callable | None" = None):
+    def __init__(self, order: np.ndarray, starts: np.ndarray, rows: np.ndarray,
+                 within: Callable[[int, int], np.ndarray] | None = None):
         self.order = np.asarray(order, np.int64)
         self.starts, self.urows = starts, rows
         self.rows = int(rows[self.order].sum())

@@ -155,6 +155,7 @@ class SourceStream:
         idx = self.index
         fi = next(i for i, f in enumerate(idx.files) if f.path == err.file)
         p = idx.primary
+        assert p is not None  # a chunk was indexed
         c = int(np.flatnonzero((p["chunk_file"] == fi) & (p["chunk_rg"] == err.row_group))[0])
         u0, u1 = int(p["chunk_first_unit"][c]), int(p["chunk_first_unit"][c + 1])
         self._bad_units.update(self.policy.bad_units_of_chunk(c, u0, u1))
@@ -290,7 +291,9 @@ class SourceStream:
             p = self._primary(u)
             # pages of the first column lost: the page (run), or every page of the row-group chunk
             u0, u1 = self.policy.pages_of(self.index, p)
-            self.quarantine.add(e, pages=int(self.index.primary["unit_pages"][u0:u1].sum()))
+            primary = self.index.primary
+            assert primary is not None  # a unit was read
+            self.quarantine.add(e, pages=int(primary["unit_pages"][u0:u1].sum()))
             self._bad_units.add(p)
             return None
 
@@ -313,6 +316,7 @@ class SourceStream:
         gi, gl = inv[good], local[good]
         if len(uniq) == 1:  # a whole block from one unit (sequential, rowgroup): one take
             d = datas[0]
+            assert d is not None  # its rows are good
             sel = int64_array(gl)
             return good, {c: [d[c].take(sel)] for c in self.columns}
         # rows from many units (page, row): zero-copy one-row slices, concatenated once per take().
@@ -327,7 +331,9 @@ class SourceStream:
         n = int(n)
         # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
         self.cache.before_take(self._plan_obj, self._layout, self._block[self._off :])
-        keys, poss, parts = [], [], {c: [] for c in self.columns}
+        keys: list[np.ndarray] = []
+        poss: list[np.ndarray] = []
+        parts: dict[str, list[pa.Array]] = {c: [] for c in self.columns}
         got = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while got < n:
@@ -343,7 +349,7 @@ class SourceStream:
             self._off += want
             k = int(good.sum())
             if k:
-                keys.append(make_key(0 if self.live else self._epoch, rows[good]))
+                keys.append(np.asarray(make_key(0 if self.live else self._epoch, rows[good])))
                 poss.append(pos[good])
                 for c in self.columns:
                     parts[c].extend(cols[c])

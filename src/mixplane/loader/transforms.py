@@ -36,7 +36,7 @@ import io
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +49,7 @@ from mixplane.spec import SourceSpec
 from mixplane.tokens import resolve_image_token_id
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 SAMPLE_QUARANTINE_ENTRIES = 100  # bad-sample records a transform keeps (the last ones)
 SAMPLE_QUARANTINE_SEEN = 4096  # recent bad-sample keys remembered, so a re-read after a seek counts once
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -304,7 +305,7 @@ def _bad_rows(convert: Callable, arr: pa.Array) -> dict[int, str]:
     return bad
 
 
-def _convert_isolating(convert: Callable, arr: pa.Array) -> tuple[object, np.ndarray, dict[int, str]]:
+def _convert_isolating(convert: Callable[[pa.Array], R], arr: pa.Array) -> tuple[R, np.ndarray, dict[int, str]]:
     """(convert(good rows), mask of good rows, {bad row: why}). The whole batch first; if that
     fails, find the bad rows and convert the others in one call."""
     if isinstance(arr, pa.ChunkedArray):
@@ -402,8 +403,9 @@ def image_to_patches(data: bytes, patch: int, max_side: int, multiple: int = 1) 
     """Decode, resize, cut into patches: (flattened uint8 patches, h_patches, w_patches)."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as im:
-        im.draft("RGB", (max_side, max_side))  # JPEG: decode at reduced size when much larger
+    with Image.open(io.BytesIO(data)) as f:
+        f.draft("RGB", (max_side, max_side))  # JPEG: decode at reduced size when much larger
+        im: Image.Image = f
         if im.mode == "P" and "transparency" in im.info:
             im = im.convert("RGBA")  # palette transparency goes through RGBA (as Pillow asks)
         im = im.convert("RGB")

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from mixplane.loader.arena import RowArena
 from mixplane.loader.pagereader import int64_array
-from mixplane.loader.shuffle import EpochPlan, PageParts
+from mixplane.loader.shuffle import EpochPlan, PageParts, PagePlan
 
 SLAB_LIVE_RATIO = 0.75  # relocate the units of a slab once its rows still to come fill no more than this share of it
 
@@ -190,9 +190,9 @@ class ArenaCache(UnitCache):
         every relocated byte frees at least (1 - r) / r bytes, so each decoded byte is copied at most
         about r / (1 - r) more times; and every slab but the newest is more than r full of rows still
         to come."""
-        if plan is None or not self.units:
+        if not isinstance(plan, PagePlan) or not self.units:
             return
-        sim = plan.sim  # type: ignore[attr-defined]  # page mode plans are PagePlans
+        sim = plan.sim
         held, left = self.held, sim.left
         live = {}
         for u, nb in self.arena_units():
