@@ -11,7 +11,8 @@ import pytest
 
 from mixplane.loader import transforms as tr
 from mixplane.loader.stream import RawSamples, open_stream
-from mixplane.loader.transforms import cut_point, make_transform
+from mixplane.loader.bounds import cut_point
+from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
 from mixplane.spec import SourceSpec, SpecError, parse_spec
 
@@ -132,3 +133,21 @@ def test_spec_bounds_have_safe_defaults_and_are_validated():
         parse_spec(doc)
     msg = str(e.value)
     assert "sources[0].max_doc_tokens" in msg and "sources[0].overlong_doc" in msg
+
+
+def test_stream_keeps_only_the_bound_of_a_giant_text_and_the_transform_result_is_unchanged(tok_path, tmp_path):
+    texts = [words(5, i) for i in range(50)]
+    texts[7] = "δ" + words(4000, 7)  # ~24 KB, a two-byte character first
+    pq.write_table(pa.table({"text": texts}), tmp_path / "s.parquet")
+    for policy in ("truncate", "drop"):
+        src = SourceSpec(name="t", uri=str(tmp_path), tokenizer=tok_path, shuffle="sequential", max_doc_bytes=999,
+                         overlong_doc=policy)
+        r = open_stream(src, seed=0, cache_dir=None).take(50)
+        got = r.columns["text"].to_pylist()
+        assert 999 < len(got[7].encode()) <= 999 + 4 and texts[7].startswith(got[7])  # cut on load, past the bound
+        assert got[:7] + got[8:] == texts[:7] + texts[8:]
+        f = make_transform(src)
+        whole = f(raw(texts))  # the transform on the uncut column
+        out = f(r)
+        assert out.overlong.tolist() == whole.overlong.tolist() == [i == 7 for i in range(50)]
+        assert [out.tokens[i].tolist() for i in range(50)] == [whole.tokens[i].tolist() for i in range(50)]

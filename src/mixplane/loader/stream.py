@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from mixplane.loader.bounds import bound_texts
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
 from mixplane.loader.indexscan import build_source_index
 from mixplane.loader.pageindex import SourceIndex
@@ -106,6 +107,10 @@ class SourceStream:
                                   f"{self.num_partitions} partitions")
         self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
         self.cache = self.policy.make_cache(slab_bytes, row_cache_bytes)  # decoded units with rows to come
+        # text columns a transform tokenizes (kind text: the text; image_text: the caption), bounded on load
+        text_cols = {"text": self.columns[:1], "image_text": self.columns[1:2]}.get(source.kind, [])
+        self._text_columns = [c for c in text_cols if c in self.columns]
+        self._text_cap = int(source.max_doc_bytes) + 4  # > max_doc_bytes once cut back to a character boundary
         self._layout = PageParts(np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._base_epoch, self._base_pos = 0, 0
         self.dry = False
@@ -286,7 +291,7 @@ class SourceStream:
 
     def _load(self, u: int) -> dict[str, pa.Array] | None:
         try:
-            return self.policy.load(self.reader, self.index, self._layout, u)
+            d = self.policy.load(self.reader, self.index, self._layout, u)
         except ParquetError as e:
             p = self._primary(u)
             # pages of the first column lost: the page (run), or every page of the row-group chunk
@@ -296,6 +301,12 @@ class SourceStream:
             self.quarantine.add(e, pages=int(primary["unit_pages"][u0:u1].sum()))
             self._bad_units.add(p)
             return None
+        for c in self._text_columns:
+            # a giant text value is cut here, right after its page is decoded: past this point (cache,
+            # arena, take, transform) it costs its bound, not its size. The transform still sees it
+            # over max_doc_bytes (a few bytes are kept past it) and cuts or drops and counts it.
+            d[c] = bound_texts(d[c], self._text_cap, "prefix")[0]
+        return d
 
     def _get(self, u: int) -> dict[str, pa.Array] | None:
         if self._primary(u) in self._bad_units:

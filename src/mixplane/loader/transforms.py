@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts
 from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.stream import RawSamples
 from mixplane.samples import Ragged
@@ -188,57 +189,6 @@ class DocBounds:
     @classmethod
     def of(cls, source: SourceSpec) -> "DocBounds":
         return cls(int(source.max_doc_bytes), int(source.max_doc_tokens), str(source.overlong_doc))
-
-
-CUT_LOOKBACK = 4096  # bytes searched back from a limit for a space to cut at
-
-
-def cut_point(data: memoryview | bytes, limit: int) -> int:
-    """Where to cut UTF-8 ``data`` to at most ``limit`` bytes: before the last space in the final
-    CUT_LOOKBACK bytes (whitespace-splitting tokenizers then produce the same tokens as for the
-    whole text), else at the last character boundary."""
-    if len(data) <= limit:
-        return len(data)
-    lo = max(0, limit - CUT_LOOKBACK)
-    tail = bytes(data[lo : limit + 1])
-    sp = tail.rfind(b" ")
-    if sp > 0:
-        return lo + sp
-    cut = limit
-    while cut > 0 and (data[cut] & 0xC0) == 0x80:  # inside a multi-byte character
-        cut -= 1
-    return cut
-
-
-def _bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, np.ndarray]:
-    """``arr`` with every value over ``max_bytes`` replaced by its first piece (``truncate``) or by an
-    empty value (``drop``), and the mask of those rows. Lengths come from the offsets; only the kept
-    bytes of an over-long value are copied."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    over = np.zeros(len(arr), bool)
-    t = arr.type
-    if pa.types.is_null(t) or not len(arr):
-        return arr, over
-    lengths = pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-    over = lengths > max_bytes
-    if not over.any():
-        return arr, over
-    parts: list[pa.Array] = []
-    last = 0
-    for i in np.flatnonzero(over).tolist():
-        parts.append(arr.slice(last, i - last))
-        piece = b""
-        if policy != "drop":
-            buf = memoryview(arr[i].as_buffer())
-            piece = bytes(buf[: cut_point(buf, max_bytes)])
-        try:
-            parts.append(pa.array([piece], pa.binary()).cast(t))
-        except pa.ArrowInvalid:  # not UTF-8 where it was cut: nothing of it is kept
-            parts.append(pa.array([b""], pa.binary()).cast(t))
-        last = i + 1
-    parts.append(arr.slice(last))
-    return pa.concat_arrays([p for p in parts if len(p)] or [arr.slice(0, 0)]), over
 
 
 def _prefixes(rg: Ragged, lengths: np.ndarray) -> Ragged:
@@ -470,7 +420,7 @@ def make_transform(source: SourceSpec) -> Transform:
         def tokenize(raw: RawSamples) -> TransformedSamples:
             arr = raw.columns[col]
             _check_text_type(arr, what)
-            arr, big = _bound_texts(arr, bounds.max_bytes, bounds.policy)  # before any text is tokenized
+            arr, big = bound_texts(arr, bounds.max_bytes, bounds.policy)  # before any text is tokenized
             overlong_log.note(raw, big, f"max_doc_bytes={bounds.max_bytes}", bounds.policy)
             texts, keep, bad = _convert_isolating(lambda a: _texts(a, what), arr)
             rg = _encode(tok, texts)
@@ -503,7 +453,7 @@ def make_transform(source: SourceSpec) -> Transform:
             n = len(raw)
             cap_what = f"{what}, column {cap_col!r}"
             _check_text_type(raw.columns[cap_col], cap_what)
-            caps_arr, big = _bound_texts(raw.columns[cap_col], bounds.max_bytes, "truncate")  # a caption is cut, never drops its image
+            caps_arr, big = bound_texts(raw.columns[cap_col], bounds.max_bytes, "truncate")  # a caption is cut, never drops its image
             overlong_log.note(raw, big, f"max_doc_bytes={bounds.max_bytes} (caption)", "truncate")
             texts, cap_ok, bad_caps = _convert_isolating(lambda a: _texts(a, cap_what), caps_arr)
             caps = _encode(tok, texts) if tok is not None else \
