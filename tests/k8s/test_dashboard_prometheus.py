@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import yaml
 
@@ -48,6 +49,9 @@ def _read_components(proc: subprocess.Popen, timeout: float) -> tuple[str, dict[
     raise AssertionError(f"mixplane run did not start (exit {proc.poll()}); planner={planner} ports={ports}")
 
 
+PANELS_BY_TITLE = {p.title: p for p in PANELS}
+
+
 def _query(prom: str, expr: str) -> list[dict]:
     url = f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -62,8 +66,14 @@ def _finite(result: list[dict]) -> list[dict]:
 
 def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path):
     prom_bin = binaries(("prometheus",))["prometheus"]
-    doc = token_mixture(token_sources["root"], strategy={"name": "llm_balance"},
-                        runtime={"window": 64, "metrics": True})
+    # source c with one unreadable file: its pages are quarantined, so that panel shows real counts
+    root = tmp_path / "sources"
+    for n in ("a", "b", "c"):
+        shutil.copytree(token_sources["root"] / n, root / n)
+    bad = sorted((root / "c").glob("*.parquet"))[-1]
+    with open(bad, "r+b") as f:
+        f.truncate(os.path.getsize(bad) // 2)
+    doc = token_mixture(root, strategy={"name": "llm_balance"}, runtime={"window": 64, "metrics": True})
     spec_file = tmp_path / "mixture.yaml"
     spec_file.write_text(yaml.safe_dump(doc))
     run = subprocess.Popen([sys.executable, "-m", "mixplane.cli", "run", str(spec_file), "--run-dir", str(tmp_path / "run"),
@@ -101,36 +111,41 @@ def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path)
             t.start()
 
         exprs = [q.expr for p in PANELS for q in p.queries]
-        results: dict[str, list[dict]] = {}
+
+        def check(results: dict[str, list[dict]]) -> None:
+            empty = [f"{p.title}: {q.expr}" for p in PANELS for q in p.queries if not results.get(q.expr)]
+            assert not empty, "panels without data:\n" + "\n".join(empty)
+
+            def series(title: str, i: int = 0) -> dict[str, float]:
+                return {s["metric"].get("source", s["metric"].get("part", "")): float(s["value"][1])
+                        for s in results[PANELS_BY_TITLE[title].queries[i].expr]}
+
+            assert set(series("Tokens read per source")) == {"a", "b", "c"}
+            assert set(series("Tokens planned per source")) == {"a", "b", "c"}
+            assert all(v > 0 for v in series("Tokens planned per source").values())
+            target = series("Realised vs target weight", 1)
+            assert set(target) == {"a", "b", "c"} and all(abs(target[k] - v) < 1e-9 for k, v in {"a": 0.5, "b": 0.3, "c": 0.2}.items())
+            assert series("Source Loaders per source") == {"a": 1.0, "b": 1.0, "c": 1.0}
+            assert all(v >= 1.0 for v in series("Rank imbalance").values())
+            quarantined = series("Quarantined pages")
+            assert quarantined["c"] > 0 and quarantined["a"] == quarantined["b"] == 0, quarantined
+            mem = results[PANELS_BY_TITLE["Memory per component"].queries[0].expr]
+            assert {s["metric"]["component"] for s in mem} == {"planner", "loader", "constructor"}
+            assert all(float(s["value"][1]) > 10e6 for s in mem)
+
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        while True:
             assert not errors, errors
             try:
                 results = {e: _finite(_query(base, e)) for e in exprs}
-            except OSError:  # Prometheus still starting
-                time.sleep(1)
-                continue
-            if all(results.values()):
+                check(results)
                 break
-            time.sleep(2)
-        empty = [f"{p.title}: {q.expr}" for p in PANELS for q in p.queries if not results.get(q.expr)]
-        assert not empty, "panels without data:\n" + "\n".join(empty) + f"\nprometheus log: {(tmp_path / 'prometheus.log').read_text()[-2000:]}"
-
-        by_title = {p.title: p for p in PANELS}
-
-        def series(title: str, i: int = 0) -> dict[str, float]:
-            return {s["metric"].get("source", s["metric"].get("part", "")): float(s["value"][1])
-                    for s in results[by_title[title].queries[i].expr]}
-
-        assert set(series("Tokens read per source")) == {"a", "b", "c"}
-        assert all(v > 0 for v in series("Tokens planned per source").values())
-        target = series("Realised vs target weight", 1)
-        assert target == {"a": 0.5, "b": 0.3, "c": 0.2} or all(abs(target[k] - v) < 1e-9 for k, v in {"a": 0.5, "b": 0.3, "c": 0.2}.items())
-        assert series("Source Loaders per source") == {"a": 1.0, "b": 1.0, "c": 1.0}
-        assert all(v >= 1.0 for v in series("Rank imbalance").values())
-        mem = results[by_title["Memory per component"].queries[0].expr]
-        assert {s["metric"]["component"] for s in mem} == {"planner", "loader", "constructor"}
-        assert all(float(s["value"][1]) > 10e6 for s in mem)
+            except (OSError, AssertionError):  # Prometheus still starting, or not every series scraped yet
+                if time.monotonic() > deadline:
+                    log = (tmp_path / "prometheus.log").read_text()[-2000:]
+                    print(f"prometheus log: {log}")
+                    raise
+                time.sleep(2)
     finally:
         stop.set()
         for t in threads:

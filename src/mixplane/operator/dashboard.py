@@ -53,11 +53,11 @@ PANELS: tuple[Panel, ...] = (
         Query("max by (part) (mixplane_planner_rank_imbalance)", "{{part}}"),),
         "The balancer's max / mean cost across ranks of the last step (1 = perfectly balanced)."),
     Panel("Quarantined pages", "short", (
-        Query(f"sum by (source) (increase(mixplane_loader_quarantined_pages_total[5m])) or {_ZERO_PER_SOURCE}", "{{source}}"),),
-        "Bad pages, row groups or files skipped in the last 5 minutes."),
+        Query(f"sum by (source) (mixplane_loader_quarantined_pages_total) or {_ZERO_PER_SOURCE}", "{{source}}"),),
+        "Bad pages, row groups or files skipped since the loaders started (most are found when a file is opened)."),
     Panel("Quarantined samples", "short", (
-        Query(f"sum by (source) (increase(mixplane_loader_quarantined_samples_total[5m])) or {_ZERO_PER_SOURCE}", "{{source}}"),),
-        "Samples a transform could not decode (e.g. a broken image) in the last 5 minutes."),
+        Query(f"sum by (source) (mixplane_loader_quarantined_samples_total) or {_ZERO_PER_SOURCE}", "{{source}}"),),
+        "Samples a transform could not decode (e.g. a broken image) since the loaders started."),
     Panel("Memory per component", "bytes", (
         Query("max by (component, instance) (process_resident_memory_bytes"
               " * on (instance, job) group_left (component) mixplane_component_info)", "{{component}} {{instance}}"),),
