@@ -53,6 +53,22 @@ def test_lint_reports_a_broken_chart(tmp_path):
     assert report["errors"], "the lint really runs templates"
 
 
+def test_values_schema_refuses_typos_and_bad_values():
+    report = helm.lint(str(CHART), {"webhok": {"port": 9443}, "operator": {"replicas": 2, "logLevel": "LOUD"}},
+                       strict=True, kube_version=KUBE)
+    text = " ".join(report["errors"])
+    assert "additional properties 'webhok' not allowed" in text
+    assert "/operator/replicas" in text and "/operator/logLevel" in text
+
+
+def test_operator_network_policy_admits_only_the_webhook_port():
+    (np_,) = by_kind(render({}), "NetworkPolicy")
+    assert np_["spec"]["policyTypes"] == ["Ingress"]
+    assert np_["spec"]["ingress"] == [{"ports": [{"port": 9443, "protocol": "TCP"}]}]
+    (dep,) = by_kind(render({}), "Deployment")
+    assert np_["spec"]["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_crd_and_dashboard_ship_in_the_chart():
     assert (CHART / "crds" / f"{CRD_NAME}.yaml").read_text() == crd_yaml()
     cm = by_kind(render({}), "ConfigMap")
