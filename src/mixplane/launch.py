@@ -199,8 +199,12 @@ def _common(target: LaunchTarget, name: str, *, fixed_metrics: bool = True) -> t
     return args, ready
 
 
-def launch_plan(spec: DataMixtureSpec, target: LaunchTarget) -> LaunchPlan:
-    """Planner, one constructor per constructor group, one loader process per loader group."""
+def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
+                loaders: list[list[tuple[str, int]]] | None = None) -> LaunchPlan:
+    """Planner, one constructor per constructor group, one loader process per loader group.
+
+    `loaders`: the (source, replica) pairs each loader process hosts, when something else decided them
+    (the operator's auto-partitioner); default `runtime.sources_per_loader` per process in spec order."""
     env = {"PYTHONUNBUFFERED": "1"}
     planner_ep = target.planner_endpoint or PLANNER_PLACEHOLDER
     ports_metrics = {"metrics": target.metrics_port} if spec.runtime.metrics else {}
@@ -230,7 +234,7 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget) -> LaunchPlan:
                                ranks=tuple(int(r) for r in ranks), resources=_constructor_resources(spec, len(groups)),
                                ready_file=ready))
 
-    for group in loader_groups(spec):
+    for group in (loader_groups(spec) if loaders is None else [list(g) for g in loaders]):
         name = loader_name(group)
         common, ready = _common(target, name, fixed_metrics=len(group) == 1)
         if len(group) == 1:
