@@ -24,10 +24,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from mixplane.operator.autopartition import LoaderBudget, auto_partition, idle_fraction, spec_schedule  # noqa: E402
-from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig  # noqa: E402
-from mixplane.profile import costs_from_profile, profile_spec  # noqa: E402
-from mixplane.spec import load_spec, parse_spec  # noqa: E402
+from mixplane.operator.autopartition import (
+    LoaderBudget,
+    auto_partition,
+    idle_fraction,
+    spec_schedule,
+)
+from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig
+from mixplane.profile import costs_from_profile, profile_spec
+from mixplane.spec import load_spec, parse_spec
 
 
 def demo_spec(cache: Path):
@@ -71,7 +76,7 @@ def simulate(name: str, spec, tokens_per_s: float, rows: int, budget: LoaderBudg
             print(f"{start:>4}-{end - 1:<7}{n:<8}{share:7.3f}{demand:15,.0f}{supply[n]:15,.0f}{min(cover, 99):7.2f}  {names}")
         demand_cores = sum(shares[c.name] * tokens_per_s * c.cpu_s_per_token for c in costs)
         print(f"{'':12}{'cpu':<8} requested {pods.cpu:.2f} cores, needed {demand_cores:.2f}, idle {100 * idle_fraction(pods, demand_cores):.1f} %")
-    for step in range(0, last):  # every step of the schedule
+    for step in range(last):  # every step of the schedule
         shares = [sh for s, sh in sched if s <= step][-1]
         supply = plan.supply_tokens_per_s(step)
         for n, share in shares.items():

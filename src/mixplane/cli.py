@@ -303,6 +303,16 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def constructor_index(value: str) -> int:
+    """`--index 3`, or `--index $(POD_NAME)` in a StatefulSet pod (`mix-constructor-3` -> 3)."""
+    import re
+
+    m = re.fullmatch(r"(?:.*-)?(\d+)", value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected an index or a StatefulSet pod name ending in -N, got {value!r}")
+    return int(m.group(1))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixplane", description="Disaggregated multisource data plane for foundation-model training.")
     p.add_argument("--log-level", default="WARNING")
@@ -385,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--planner", required=True)
         if name == "constructor":
-            c.add_argument("--index", type=int, required=True)
+            c.add_argument("--index", type=constructor_index, required=True,
+                           help="constructor index, or a StatefulSet pod name whose ordinal is the index (NAME-3 -> 3)")
             c.add_argument("--host", help="interface to bind (default: the spec's runtime.host)")
             c.add_argument("--data-port", type=int, default=0, help="port of the loaders' data socket (0: a free one)")
             c.add_argument("--client-port", type=int, default=0, help="port of the trainer clients' socket (0: a free one)")

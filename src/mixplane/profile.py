@@ -62,7 +62,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         elif src.shuffle == "row":
             max_parts = int(stream.index.num_rows)
         elif src.shuffle == "rowgroup":
-            max_parts = int(len(stream.index.chunk_rows))
+            max_parts = len(stream.index.chunk_rows)
         else:
             max_parts = int(stream.index.num_units)
     finally:
@@ -76,7 +76,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     window_bytes = min(window_tokens, window_max * tokens / rows) * bytes_per_token
     return {
         "cpu_s_per_token": cpu / tokens,
-        "memory_per_partition": int(math.ceil(buffer_bytes + window_bytes + open_rss)),
+        "memory_per_partition": math.ceil(buffer_bytes + window_bytes + open_rss),
         "max_partitions": max_parts,
         "rows": rows, "tokens": tokens, "patches": patches, "cpu_s": cpu, "open_cpu_s": open_cpu,
         "mean_tokens_per_sample": tokens / rows, "raw_bytes_per_row": per_row, "open_rss_bytes": open_rss,

@@ -9,8 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-WORDS = ("the a data loader reads pages of parquet and tokens flow to every rank while images are decoded "
-         "into patches mixture weights change over steps").split()
+WORDS = ["the", "a", "data", "loader", "reads", "pages", "of", "parquet", "and", "tokens", "flow", "to", "every", "rank", "while", "images", "are", "decoded", "into", "patches", "mixture", "weights", "change", "over", "steps"]
 
 
 def write_tokenizer(path: Path) -> None:

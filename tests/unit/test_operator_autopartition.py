@@ -6,8 +6,17 @@ import math
 
 import pytest
 
-from mixplane.operator.autopartition import (MIB, LoaderBudget, PartitionBounds, PartitionError, SourceCost,
-                                             auto_partition, idle_fraction, spec_schedule, with_partitions)
+from mixplane.operator.autopartition import (
+    MIB,
+    LoaderBudget,
+    PartitionBounds,
+    PartitionError,
+    SourceCost,
+    auto_partition,
+    idle_fraction,
+    spec_schedule,
+    with_partitions,
+)
 from mixplane.spec import parse_spec
 
 BIG = LoaderBudget(cpu=1000.0, memory=1 << 40)

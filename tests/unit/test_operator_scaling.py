@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from mixplane.operator.autopartition import MIB, SourceCost, auto_partition, LoaderBudget
-from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig, projected_shares
+from mixplane.operator.autopartition import (
+    MIB,
+    LoaderBudget,
+    SourceCost,
+    auto_partition,
+)
+from mixplane.operator.scaling import (
+    MixtureScaler,
+    Observation,
+    ScalingConfig,
+    projected_shares,
+)
 
 DEMO = [(0, {"code": 0.2, "man": 0.3, "docs": 0.5}), (100, {"code": 0.6, "man": 0.3, "docs": 0.1})]
 COSTS = [SourceCost("code", 1.5e-6, 48 * MIB), SourceCost("man", 1.5e-6, 32 * MIB), SourceCost("docs", 1.4e-6, 32 * MIB)]

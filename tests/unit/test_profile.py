@@ -8,7 +8,12 @@ import pytest
 import yaml
 
 from mixplane.cli import main
-from mixplane.operator.autopartition import LoaderBudget, PartitionError, auto_partition, spec_schedule
+from mixplane.operator.autopartition import (
+    LoaderBudget,
+    PartitionError,
+    auto_partition,
+    spec_schedule,
+)
 from mixplane.profile import costs_from_profile, profile_spec
 from mixplane.spec import parse_spec
 

@@ -28,8 +28,9 @@ data-plane handoff (issue 11); until then a move restarts the loaders involved.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 MIB = 1 << 20
 
@@ -259,8 +260,13 @@ def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Ma
 
 
 def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Mapping[str, float]]], tokens_per_s: float,
-                   budget: LoaderBudget, bounds: PartitionBounds = PartitionBounds()) -> PartitionPlan:
-    """The plan for a whole schedule: `schedule` is (start step, token share per source) per segment."""
+                   budget: LoaderBudget, bounds: PartitionBounds | None = None,
+                   partitions: Mapping[str, int] | None = None) -> PartitionPlan:
+    """The plan for a whole schedule: `schedule` is (start step, token share per source) per segment.
+
+    `partitions`: the counts a running mixture already has (its sources are split that way; changing the
+    split mid-run would reshuffle the data), used instead of computing them."""
+    bounds = bounds or PartitionBounds()
     if not costs:
         raise PartitionError("no sources to partition")
     if not schedule:
@@ -273,7 +279,10 @@ def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Ma
         if unknown:
             raise PartitionError(f"segment at step {start}: unknown source(s) {', '.join(unknown)}")
     peak = {n: max(float(sh.get(n, 0.0)) for _, sh in schedule) for n in names}
-    parts = partition_counts(costs, peak, tokens_per_s, bounds)
+    if partitions is not None and all(partitions.get(n, 0) >= 1 for n in names):
+        parts = {n: int(partitions[n]) for n in names}
+    else:
+        parts = partition_counts(costs, peak, tokens_per_s, bounds)
     memory_floor = sum(parts[c.name] * c.memory_per_partition for c in costs)
     if memory_floor > budget.memory:
         worst = max(costs, key=lambda c: parts[c.name] * c.memory_per_partition)
@@ -294,7 +303,7 @@ def schedule_shares(names: Sequence[str], segments: Iterable[tuple[int, Sequence
     return [(int(start), {n: float(p) for n, p in zip(names, probs)}) for start, probs in segments]
 
 
-def spec_schedule(spec: "DataMixtureSpec", mean_tokens: Mapping[str, float] | None = None) -> list[tuple[int, dict[str, float]]]:
+def spec_schedule(spec: DataMixtureSpec, mean_tokens: Mapping[str, float] | None = None) -> list[tuple[int, dict[str, float]]]:
     """Token shares per schedule segment of a spec (phases, anneal, temperature applied).
 
     With `mixture.unit: samples` the weights count samples; `mean_tokens` (tokens per sample, from the
@@ -314,7 +323,7 @@ def spec_schedule(spec: "DataMixtureSpec", mean_tokens: Mapping[str, float] | No
     return out
 
 
-def with_partitions(spec: "DataMixtureSpec", partitions: Mapping[str, int]) -> "DataMixtureSpec":
+def with_partitions(spec: DataMixtureSpec, partitions: Mapping[str, int]) -> DataMixtureSpec:
     """The spec with each source's `replicas` set to its planned partitions (what loaders and planner read)."""
     sources = [s.model_copy(update={"replicas": int(partitions.get(s.name, s.replicas))}) for s in spec.sources]
     return spec.model_copy(update={"sources": sources})

@@ -22,10 +22,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
-from mixplane.operator.autopartition import LoaderBudget, PartitionBounds, PodPlan, SourceCost, pack_pods
+from mixplane.operator.autopartition import (
+    LoaderBudget,
+    PartitionBounds,
+    PodPlan,
+    SourceCost,
+    pack_pods,
+)
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,10 @@ class MixtureScaler:
 
     def __init__(self, costs: Sequence[SourceCost], partitions: Mapping[str, int],
                  segments: Sequence[tuple[int, Mapping[str, float]]], initial_shares: Mapping[str, float], tokens_per_s: float,
-                 *, bounds: PartitionBounds = PartitionBounds(), budget: LoaderBudget | None = None,
-                 config: ScalingConfig = ScalingConfig()):
+                 *, bounds: PartitionBounds | None = None, budget: LoaderBudget | None = None,
+                 config: ScalingConfig | None = None):
+        bounds = bounds or PartitionBounds()
+        config = config or ScalingConfig()
         self.costs = {c.name: c for c in costs}
         self.order = [c.name for c in costs]
         self.partitions = dict(partitions)

@@ -1,0 +1,90 @@
+"""The operator's admission endpoint: H6's pure webhook functions (mixplane.operator.webhooks) over HTTPS.
+
+Started by `mixplane operator` when MIXPLANE_WEBHOOK_PORT is set (the Helm chart sets it, with the
+certificate in MIXPLANE_WEBHOOK_CERT_DIR/tls.crt + tls.key and the paths its webhook configurations call):
+    MIXPLANE_WEBHOOK_VALIDATE_PATH (default /validate-datamixture): DataMixture CREATE/UPDATE
+    MIXPLANE_WEBHOOK_MUTATE_PATH   (default /mutate-pod): pods labelled mixplane.io/mixture
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+log = logging.getLogger("mixplane.operator.admission")
+MAX_BODY = 8 << 20
+
+
+def resolver(get_mixture: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+    """(mixture, namespace) -> what a labelled trainer pod gets, or None when there is no such mixture."""
+    from mixplane.operator.builders import ClusterOptions
+    from mixplane.operator.webhooks import Injection
+
+    def resolve(name: str, namespace: str) -> Any:
+        obj = get_mixture(name, namespace)
+        if not obj:
+            return None
+        opts = ClusterOptions(name=name, namespace=namespace, image="")
+        return Injection(mixture=name, planner=opts.planner_endpoint, secret_name=opts.secret_name)
+
+    return resolve
+
+
+def make_server(host: str, port: int, cert_dir: str | None, get_mixture: Callable[[str, str], Any], *,
+                validate_path: str = "/validate-datamixture", mutate_path: str = "/mutate-pod") -> ThreadingHTTPServer:
+    from mixplane.operator.webhooks import mutate_review, validate_review
+
+    resolve = resolver(get_mixture)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            n = int(self.headers.get("Content-Length") or 0)
+            if n <= 0 or n > MAX_BODY:
+                self.send_error(413 if n > MAX_BODY else 400)
+                return
+            try:
+                review = json.loads(self.rfile.read(n))
+                if self.path.split("?")[0] == validate_path:
+                    out = validate_review(review)
+                elif self.path.split("?")[0] == mutate_path:
+                    out = mutate_review(review, resolve)
+                else:
+                    self.send_error(404)
+                    return
+            except Exception as e:  # noqa: BLE001 - a bad review must never take the operator down
+                log.warning("admission review failed: %s", e)
+                self.send_error(400, str(e)[:200])
+                return
+            body = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug(fmt, *args)
+
+    srv = ThreadingHTTPServer((host, port), Handler)
+    if cert_dir:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(os.path.join(cert_dir, "tls.crt"), os.path.join(cert_dir, "tls.key"))
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    return srv
+
+
+def start_from_env(get_mixture: Callable[[str, str], Any]) -> ThreadingHTTPServer | None:
+    port = os.environ.get("MIXPLANE_WEBHOOK_PORT")
+    if not port:
+        return None
+    srv = make_server(os.environ.get("MIXPLANE_WEBHOOK_HOST", "0.0.0.0"), int(port), os.environ.get("MIXPLANE_WEBHOOK_CERT_DIR"),
+                      get_mixture, validate_path=os.environ.get("MIXPLANE_WEBHOOK_VALIDATE_PATH", "/validate-datamixture"),
+                      mutate_path=os.environ.get("MIXPLANE_WEBHOOK_MUTATE_PATH", "/mutate-pod"))
+    threading.Thread(target=srv.serve_forever, name="admission", daemon=True).start()
+    log.info("admission webhooks on port %s", port)
+    return srv

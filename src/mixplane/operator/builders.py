@@ -1,0 +1,399 @@
+"""Manifests of one DataMixture: pure functions from the spec and its launch plan to Kubernetes objects.
+
+The operator renders the same launch plan the embedded runtime starts as processes (mixplane.launch):
+each component's `args` and `env` become a container's args and env, with cluster values in the
+:class:`ClusterOptions` target (fixed ports, 0.0.0.0 binds, the pod IP announced through the downward
+API, the spec from a ConfigMap, CURVE keys from a Secret). Resources come from the auto-partitioner's
+pods (loaders) or the launch plan's estimates (planner, constructors), never empty.
+
+Children of a mixture `m` in its namespace:
+    ServiceAccount m-mixplane         no API rights, no token mounted
+    ConfigMap      m-spec             spec.json: the resolved spec every component reads
+    Secret         m-keys             CURVE key pairs per role (server, component, client, admin)
+    Deployment     m-planner          1 replica, Recreate (one planner per mixture, ever)
+    Service        m-planner          the fixed planner port + metrics
+    StatefulSet    m-constructor      pod ordinal = constructor index; headless Service m-constructors
+    Deployment     m-loader-<group>   one per loader pod of the auto-partitioner (0 replicas when idle)
+    NetworkPolicy  m-components, m-planner, m-constructors
+    PodDisruptionBudget m-planner, m-constructors
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+API_GROUP = "mixplane.io"
+KEY_MOUNT = "/var/run/mixplane/keys"  # the layout the pod webhook mounts into trainers too
+SPEC_MOUNT = "/etc/mixplane/spec"
+RUN_DIR = "/var/run/mixplane/run"
+ROLES = ("server", "component", "client", "admin")
+# what a component pod mounts: its own key pairs, and the public keys of every role it must admit
+COMPONENT_KEY_ITEMS = ("server.key", "server.key_secret", "component.key", "component.key_secret", "client.key", "admin.key")
+LABEL_MIXTURE = "mixplane.io/instance"  # components; trainers carry mixplane.io/mixture (the pod webhook's label)
+LABEL_TRAINER = "mixplane.io/mixture"
+LABEL_ROLE = "mixplane.io/role"
+LABEL_COMPONENT = "mixplane.io/component"
+LABEL_METRICS = "mixplane.io/metrics"
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """Cluster values of one mixture's deployment (the launch target's counterpart)."""
+
+    name: str  # the DataMixture's metadata.name
+    namespace: str
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    planner_port: int = 7000
+    data_port: int = 7001
+    client_port: int = 7002
+    metrics_port: int = 9090
+    run_as_user: int = 10001
+    memory_limit_factor: float = 1.5  # limit = request x this (buffers may briefly double while refilling)
+    command: tuple[str, ...] = ("mixplane",)
+
+    @property
+    def planner_service(self) -> str:
+        return f"{self.name}-planner"
+
+    @property
+    def planner_endpoint(self) -> str:
+        return f"tcp://{self.planner_service}.{self.namespace}.svc:{self.planner_port}"
+
+    @property
+    def secret_name(self) -> str:
+        return f"{self.name}-keys"
+
+    @property
+    def configmap_name(self) -> str:
+        return f"{self.name}-spec"
+
+    @property
+    def service_account(self) -> str:
+        return f"{self.name}-mixplane"
+
+
+def launch_target_kwargs(opts: ClusterOptions) -> dict[str, Any]:
+    """The mixplane.launch.LaunchTarget fields for a cluster (`LaunchTarget(**launch_target_kwargs(o))`)."""
+    return {"run_dir": RUN_DIR, "bind_host": "0.0.0.0", "planner_host": f"{opts.planner_service}.{opts.namespace}.svc",
+            "planner_port": opts.planner_port, "spec_path": f"{SPEC_MOUNT}/spec.json", "key_dir": KEY_MOUNT,
+            "metrics_port": opts.metrics_port, "constructor_ports": (opts.data_port, opts.client_port),
+            "advertise_host": "$(POD_IP)"}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def dns_label(s: str, limit: int = 63) -> str:
+    """A DNS-1123 label; too long names keep a hash of the whole so they stay unique."""
+    out = re.sub(r"[^a-z0-9-]+", "-", s.lower()).strip("-") or "x"
+    if len(out) > limit:
+        h = hashlib.sha1(out.encode()).hexdigest()[:8]
+        out = out[: limit - 9].rstrip("-") + "-" + h
+    return out
+
+
+def labels(opts: ClusterOptions, role: str, component: str | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": "mixplane", "app.kubernetes.io/instance": opts.name,
+           "app.kubernetes.io/component": role, "app.kubernetes.io/managed-by": "mixplane-operator",
+           LABEL_MIXTURE: opts.name, LABEL_ROLE: role}
+    if component is not None:
+        out[LABEL_COMPONENT] = dns_label(component)
+    return out
+
+
+def selector(opts: ClusterOptions, role: str, component: str | None = None) -> dict[str, str]:
+    out = {LABEL_MIXTURE: opts.name, LABEL_ROLE: role}
+    if component is not None:
+        out[LABEL_COMPONENT] = dns_label(component)
+    return out
+
+
+def _meta(opts: ClusterOptions, name: str, role: str, component: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "namespace": opts.namespace, "labels": labels(opts, role, component), **extra}
+
+
+def _quantity_cpu(cores: float) -> str:
+    return f"{max(1, round(cores * 1000))}m"
+
+
+def _quantity_mem(nbytes: int) -> str:
+    return f"{max(1, -(-int(nbytes) // MIB))}Mi"
+
+
+def resources(cpu: float, memory: int, opts: ClusterOptions, *, cpu_limit: float | None = None) -> dict[str, Any]:
+    """Requests from the plan; a memory limit above them; a CPU limit only when given (no throttling else)."""
+    if not (cpu > 0 and memory > 0):
+        raise ValueError(f"resources must be positive, got cpu={cpu} memory={memory}")
+    limits = {"memory": _quantity_mem(int(memory * opts.memory_limit_factor))}
+    if cpu_limit is not None:
+        limits["cpu"] = _quantity_cpu(max(cpu, cpu_limit))
+    return {"requests": {"cpu": _quantity_cpu(cpu), "memory": _quantity_mem(memory)}, "limits": limits}
+
+
+def _security(opts: ClusterOptions) -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": opts.run_as_user, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _env(component: Any) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "MIXPLANE_CURVE_DIR", "value": KEY_MOUNT}]
+    env += [{"name": k, "value": str(v)} for k, v in sorted(component.env.items()) if k not in ("POD_IP", "POD_NAME")]
+    return env
+
+
+def _ports(component: Any) -> list[dict[str, Any]]:
+    return [{"name": n[:15], "containerPort": int(p), "protocol": "TCP"} for n, p in sorted(component.ports.items()) if p]
+
+
+def _volumes(opts: ClusterOptions) -> list[dict[str, Any]]:
+    return [
+        {"name": "spec", "configMap": {"name": opts.configmap_name, "items": [{"key": "spec.json", "path": "spec.json"}]}},
+        {"name": "keys", "secret": {"secretName": opts.secret_name, "defaultMode": 0o400,
+                                    "items": [{"key": k, "path": k} for k in COMPONENT_KEY_ITEMS]}},
+        {"name": "run", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+
+
+_MOUNTS: list[dict[str, Any]] = [{"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
+           {"name": "keys", "mountPath": KEY_MOUNT, "readOnly": True},
+           {"name": "run", "mountPath": RUN_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+
+
+READY_FILE = f"{RUN_DIR}/ready.json"  # in the pod's own emptyDir (no ready/ subdirectory there)
+
+
+def pod_args(args: Sequence[str]) -> list[str]:
+    """The launch plan's args with the ready file where a pod has it (its readiness probe looks there)."""
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a == "--ready-file":
+            out[i + 1] = READY_FILE
+    return out
+
+
+def container(component: Any, opts: ClusterOptions, res: dict[str, Any], args: Sequence[str] | None = None) -> dict[str, Any]:
+    """A launch-plan component as a container: the same command line the embedded runtime runs."""
+    return {"name": component.role, "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
+            "command": list(opts.command), "args": pod_args(component.args if args is None else args),
+            "env": _env(component), "ports": _ports(component), "resources": res,
+            "readinessProbe": {"exec": {"command": ["test", "-f", READY_FILE]}, "periodSeconds": 2, "failureThreshold": 3},
+            "volumeMounts": [dict(m) for m in _MOUNTS], "securityContext": _security(opts)}
+
+
+def pod_template(opts: ClusterOptions, role: str, component_name: str | None, containers: list[dict[str, Any]],
+                 spec_hash: str) -> dict[str, Any]:
+    return {"metadata": {"labels": labels(opts, role, component_name),
+                         "annotations": {f"{API_GROUP}/spec-hash": spec_hash}},
+            "spec": {"serviceAccountName": opts.service_account, "automountServiceAccountToken": False,
+                     "enableServiceLinks": False, "securityContext": {"runAsNonRoot": True, "runAsUser": opts.run_as_user,
+                                                                      "fsGroup": opts.run_as_user},
+                     "containers": containers, "volumes": _volumes(opts), "terminationGracePeriodSeconds": 30}}
+
+
+def spec_json(spec: Any) -> str:
+    return spec.model_dump_json(indent=1)
+
+
+def spec_hash(spec: Any) -> str:
+    """Pods restart when the resolved spec changes (the ConfigMap alone would not restart them), except
+    for the mixture: weights and phases reach the running planner live (UPDATE_MIXTURE), never by a restart."""
+    doc = json.loads(spec_json(spec))
+    doc.pop("mixture", None)
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- objects
+def service_account(opts: ClusterOptions) -> dict[str, Any]:
+    """The components' identity: bound to no Role, and its token is never mounted."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(opts, opts.service_account, "component"),
+            "automountServiceAccountToken": False}
+
+
+def config_map(spec: Any, opts: ClusterOptions) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(opts, opts.configmap_name, "spec"),
+            "data": {"spec.json": spec_json(spec)}}
+
+
+def cert_text(public: str, secret: str | None = None) -> str:
+    """A ZeroMQ certificate file (what mixplane.wire's key loader reads): public, or public + secret."""
+    body = f'metadata\ncurve\n    public-key = "{public}"\n'
+    if secret is not None:
+        body += f'    secret-key = "{secret}"\n'
+    return "#   ****  Generated by the mixplane operator  ****\n" + body
+
+
+def key_secret(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    """CURVE key pairs per role, laid out as a key dir: `<role>.key` (public) and `<role>.key_secret`."""
+    missing = [r for r in ROLES if r not in keys]
+    if missing:
+        raise ValueError(f"CURVE keys missing for role(s) {', '.join(missing)}")
+    data: dict[str, str] = {}
+    for role in ROLES:
+        public, secret = keys[role]
+        data[f"{role}.key"] = cert_text(public)
+        data[f"{role}.key_secret"] = cert_text(public, secret)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(opts, opts.secret_name, "keys"),
+            "stringData": data}
+
+
+def planner_deployment(plan: Any, opts: ClusterOptions, digest: str) -> dict[str, Any]:
+    c = plan.planner
+    res = resources(c.resources.cpu, c.resources.memory_bytes, opts)
+    name = opts.planner_service
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts, name, "planner", "planner"),
+            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # never two planners of one mixture
+                     "selector": {"matchLabels": selector(opts, "planner", "planner")},
+                     "template": pod_template(opts, "planner", "planner", [container(c, opts, res)], digest)}}
+
+
+def planner_service(opts: ClusterOptions) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {**_meta(opts, opts.planner_service, "planner", "planner"),
+                         "labels": {**labels(opts, "planner", "planner"), LABEL_METRICS: "true"}},
+            "spec": {"type": "ClusterIP", "selector": selector(opts, "planner", "planner"),
+                     "ports": [{"name": "planner", "port": opts.planner_port, "targetPort": opts.planner_port, "protocol": "TCP"},
+                               {"name": "metrics", "port": opts.metrics_port, "targetPort": opts.metrics_port, "protocol": "TCP"}]}}
+
+
+def constructor_args(plan: Any, opts: ClusterOptions) -> list[str]:
+    """One template for every constructor: `--index $(POD_NAME)` (the StatefulSet ordinal is the index)."""
+    comps = sorted(plan.of_role("constructor"), key=lambda c: c.index)
+    if not comps:
+        raise ValueError("the launch plan has no constructor")
+
+    def generic(c: Any) -> list[str]:
+        out, it = [], iter(c.args)
+        for a in it:
+            if a == "--index":
+                out += [a, "$(POD_NAME)"]
+                next(it)
+            elif a == "--ready-file":
+                out += [a, READY_FILE]
+                next(it)
+            else:
+                out.append(a)
+        return out
+
+    args = generic(comps[0])
+    for c in comps[1:]:
+        if generic(c) != args:
+            raise ValueError(f"constructors differ in more than their index ({comps[0].name} vs {c.name}); one StatefulSet cannot run them")
+    return args
+
+
+def constructor_statefulset(plan: Any, opts: ClusterOptions, digest: str) -> dict[str, Any]:
+    comps = sorted(plan.of_role("constructor"), key=lambda c: c.index)
+    c = comps[0]
+    res = resources(max(x.resources.cpu for x in comps), max(x.resources.memory_bytes for x in comps), opts)
+    name = f"{opts.name}-constructor"
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(opts, name, "constructor"),
+            "spec": {"replicas": len(comps), "serviceName": f"{opts.name}-constructors", "podManagementPolicy": "Parallel",
+                     "selector": {"matchLabels": selector(opts, "constructor")},
+                     "template": pod_template(opts, "constructor", None,
+                                              [container(c, opts, res, constructor_args(plan, opts))], digest)}}
+
+
+def constructor_service(opts: ClusterOptions) -> dict[str, Any]:
+    """Headless: every constructor pod has its own DNS name (m-constructor-<i>.m-constructors)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {**_meta(opts, f"{opts.name}-constructors", "constructor"),
+                         "labels": {**labels(opts, "constructor"), LABEL_METRICS: "true"}},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(opts, "constructor"),
+                     "ports": [{"name": "data", "port": opts.data_port, "protocol": "TCP"},
+                               {"name": "clients", "port": opts.client_port, "protocol": "TCP"},
+                               {"name": "metrics", "port": opts.metrics_port, "protocol": "TCP"}]}}
+
+
+def loader_deployment_name(opts: ClusterOptions, component: Any) -> str:
+    return dns_label(f"{opts.name}-{component.name}")
+
+
+def loader_deployment(component: Any, opts: ClusterOptions, digest: str, *, cpu: float, memory: int,
+                      replicas: int = 1, cpu_limit: float | None = 1.0) -> dict[str, Any]:
+    """One loader pod group: a process hosting these partitions (0 replicas while none has weight)."""
+    name = loader_deployment_name(opts, component)
+    parts = ",".join(f"{p.source}:{p.replica}" for p in component.partitions)
+    meta = _meta(opts, name, "loader", component.name, annotations={f"{API_GROUP}/partitions": parts})
+    tmpl = pod_template(opts, "loader", component.name, [container(component, opts, resources(cpu, memory, opts, cpu_limit=cpu_limit))], digest)
+    tmpl["metadata"]["annotations"][f"{API_GROUP}/partitions"] = parts
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": int(replicas), "strategy": {"type": "Recreate"},  # a partition is read by one process
+                     "selector": {"matchLabels": selector(opts, "loader", component.name)}, "template": tmpl}}
+
+
+def network_policies(opts: ClusterOptions) -> list[dict[str, Any]]:
+    """Only mixplane components reach loaders and constructors' data port; only this mixture's trainers
+    (and components) reach the planner and the constructors' client port; metrics stay open to scrapers."""
+    comp = {"podSelector": {"matchLabels": {LABEL_MIXTURE: opts.name}}}
+    trainers = {"podSelector": {"matchLabels": {LABEL_TRAINER: opts.name}}}
+    metrics = {"ports": [{"protocol": "TCP", "port": opts.metrics_port}]}
+
+    def np(name: str, role_sel: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(opts, name, "network"),
+                "spec": {"podSelector": role_sel, "policyTypes": ["Ingress"], "ingress": rules}}
+
+    loaders = np(f"{opts.name}-loaders", {"matchLabels": selector(opts, "loader")}, [{"from": [comp]}, metrics])
+    constructors = np(f"{opts.name}-constructors", {"matchLabels": selector(opts, "constructor")}, [
+        {"from": [comp], "ports": [{"protocol": "TCP", "port": opts.data_port}]},
+        {"from": [comp, trainers], "ports": [{"protocol": "TCP", "port": opts.client_port}]}, metrics])
+    planner = np(f"{opts.name}-planner", {"matchLabels": selector(opts, "planner")}, [
+        {"from": [comp, trainers], "ports": [{"protocol": "TCP", "port": opts.planner_port}]}, metrics])
+    return [loaders, constructors, planner]
+
+
+def disruption_budgets(opts: ClusterOptions) -> list[dict[str, Any]]:
+    """A voluntary eviction (node drain) must not take the planner or a constructor while training runs."""
+    return [{"apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget", "metadata": _meta(opts, f"{opts.name}-{role}", role),
+             "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector(opts, role)}}}
+            for role in ("planner", "constructor")]
+
+
+def children(spec: Any, plan: Any, opts: ClusterOptions, keys: Mapping[str, tuple[str, str]],
+             loader_resources: Mapping[str, tuple[float, int, int]] | None = None) -> list[dict[str, Any]]:
+    """Every child object of one mixture.
+
+    `plan`: the mixplane.launch plan of the resolved spec (replicas = the auto-partitioner's partitions,
+    loader groups = its pods); `loader_resources`: per loader component name (cpu cores, memory bytes,
+    replicas) from the auto-partitioner; the launch plan's estimates otherwise."""
+    digest = spec_hash(spec)
+    out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys),
+           planner_deployment(plan, opts, digest), planner_service(opts)]
+    if plan.of_role("constructor"):
+        out += [constructor_statefulset(plan, opts, digest), constructor_service(opts)]
+    for c in plan.of_role("loader"):
+        cpu, mem, replicas = (loader_resources or {}).get(c.name, (c.resources.cpu, c.resources.memory_bytes, 1))
+        out.append(loader_deployment(c, opts, digest, cpu=cpu, memory=mem, replicas=replicas))
+    out += network_policies(opts) + disruption_budgets(opts)
+    return out
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """What kopf.adopt sets: the DataMixture as controller, so deleting it deletes its children."""
+    md = owner["metadata"]
+    return {"apiVersion": owner.get("apiVersion", f"{API_GROUP}/v1alpha1"), "kind": owner.get("kind", "DataMixture"),
+            "name": md["name"], "uid": md["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def manifest_json(objs: list[dict[str, Any]]) -> str:
+    return json.dumps(objs, indent=1, sort_keys=True)
+
+
+def render_mixture(spec: Any, opts: ClusterOptions, pods: Any, partitions: Mapping[str, int],
+                   keys: Mapping[str, tuple[str, str]]) -> tuple[Any, list[dict[str, Any]]]:
+    """The resolved spec (replicas = partitions) and every child object, loader pods from `pods` (a PodPlan)."""
+    from mixplane.launch import LaunchTarget, launch_plan, loader_name
+    from mixplane.operator.autopartition import with_partitions
+
+    resolved = with_partitions(spec, partitions)
+    groups = [list(p.members) for p in pods.pods]
+    plan = launch_plan(resolved, LaunchTarget(**launch_target_kwargs(opts)), loaders=groups)
+    res = {loader_name(list(p.members)): (p.cpu, p.memory, 0 if p.idle else 1) for p in pods.pods}
+    return resolved, children(resolved, plan, opts, keys, res)

@@ -1,0 +1,400 @@
+"""kopf handlers of the DataMixture operator: thin shells around mixplane.operator.reconcile.
+
+They only do I/O: server-side apply of the children the pure functions describe (idempotent: a restart
+re-applies the same objects, nothing is duplicated), status patches, the planner's STATUS and
+UPDATE_MIXTURE. Children carry the DataMixture as controlling owner (kopf.adopt), so deleting the mixture
+lets the API server's garbage collector remove them.
+
+Lifecycle:
+  create / resume / update -> profile (once: kept in status) -> auto-partition -> apply children -> status
+  timer (every SCALE_INTERVAL_S) -> planner STATUS -> scaling policy -> re-apply loader Deployments -> status
+  update of spec.mixture (kubectl patch of weights or phases) -> children re-rendered for the new schedule and
+      UPDATE_MIXTURE at the next step boundary the planner has not planned; status.updates records the step.
+
+A partition that moves to another loader pod restarts its Source Loader from the planner's cursor; a
+move without that restart needs the data-plane handoff of loader failover (issue 11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import kopf
+
+from mixplane.operator.builders import (
+    API_GROUP,
+    LABEL_MIXTURE,
+    LABEL_ROLE,
+    ROLES,
+    ClusterOptions,
+)
+from mixplane.operator.reconcile import (
+    Desired,
+    ReconcileError,
+    costs_of,
+    desired,
+    fallback_profile,
+    inputs_of,
+    profile_from_annotation,
+    profile_from_status,
+    segments_of,
+    spec_of,
+    status_of,
+)
+
+VERSION = "v1alpha1"
+PLURAL = "datamixtures"
+FIELD_MANAGER = "mixplane-operator"
+SCALE_INTERVAL_S = float(os.environ.get("MIXPLANE_SCALE_INTERVAL_S", "30"))
+UPDATE_MARGIN_STEPS = int(os.environ.get("MIXPLANE_UPDATE_MARGIN_STEPS", "2"))
+log = logging.getLogger("mixplane.operator")
+
+_PLURALS = {"ServiceAccount": "serviceaccounts", "ConfigMap": "configmaps", "Secret": "secrets", "Service": "services",
+            "Deployment": "deployments", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies",
+            "PodDisruptionBudget": "poddisruptionbudgets"}
+
+
+# ---------------------------------------------------------------------------------------------- API access
+class KubeError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Kube:
+    """The few REST calls the operator makes, through the kubernetes client's configured ApiClient."""
+
+    def __init__(self, api_client: Any = None):
+        import kubernetes
+
+        if api_client is None:
+            try:
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            api_client = kubernetes.client.ApiClient()
+        self.api = api_client
+
+    @staticmethod
+    def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        p = f"{base}/namespaces/{namespace}/{_PLURALS.get(kind, kind.lower() + 's')}"
+        return p if name is None else f"{p}/{name}"
+
+    def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
+              content_type: str = "application/json") -> Any:
+        """One request; the JSON answer, or KubeError with the server's status and message."""
+        m, url, headers, data, post = self.api.param_serialize(
+            method, path, query_params=query or [], header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body, auth_settings=["BearerToken"])
+        resp = self.api.call_api(m, url, header_params=headers, body=data, post_params=post, _request_timeout=30)
+        raw = resp.read()
+        if not 200 <= resp.status < 300:
+            try:
+                msg = json.loads(raw).get("message", "")
+            except ValueError:
+                msg = raw[:300]
+            raise KubeError(resp.status, f"{method} {path}: {resp.status} {msg}")
+        return json.loads(raw) if raw else {}
+
+    def apply(self, obj: Mapping[str, Any]) -> Any:
+        """Server-side apply: create or converge, owned fields only, idempotent."""
+        md = obj["metadata"]
+        return self._call("PATCH", self.path(obj["apiVersion"], obj["kind"], md["namespace"], md["name"]),
+                          body=json.dumps(obj), query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+                          content_type="application/apply-patch+yaml")
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        try:
+            return self._call("GET", self.path(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Any]:
+        out = self._call("GET", self.path(api_version, kind, namespace), query=[("labelSelector", selector)])
+        return list(out.get("items") or [])
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        try:
+            self._call("DELETE", self.path(api_version, kind, namespace, name), body={"propagationPolicy": "Background"})
+        except KubeError as e:
+            if e.status != 404:
+                raise
+
+
+_KUBE: Kube | None = None
+
+
+def kube() -> Kube:
+    global _KUBE
+    if _KUBE is None:
+        _KUBE = Kube()
+    return _KUBE
+
+
+# ---------------------------------------------------------------------------------------------- keys
+_PUBLIC = re.compile(r'public-key = "([^"]+)"')
+_SECRET = re.compile(r'secret-key = "([^"]+)"')
+
+
+def existing_keys(secret: Mapping[str, Any] | None) -> dict[str, tuple[str, str]] | None:
+    """Key pairs of an existing Secret (never rotated by a reconcile: running pods hold them)."""
+    if not secret:
+        return None
+    data = secret.get("data") or {}
+    out = {}
+    for role in ROLES:
+        raw = data.get(f"{role}.key_secret")
+        if raw is None:
+            return None
+        text = base64.b64decode(raw).decode()
+        pub, sec = _PUBLIC.search(text), _SECRET.search(text)
+        if not pub or not sec:
+            return None
+        out[role] = (pub.group(1), sec.group(1))
+    return out
+
+
+def new_keys() -> dict[str, tuple[str, str]]:
+    import zmq
+
+    out = {}
+    for role in ROLES:
+        pub, sec = zmq.curve_keypair()
+        out[role] = (pub.decode(), sec.decode())
+    return out
+
+
+def admin_key_dir(name: str, namespace: str, keys: Mapping[str, tuple[str, str]]) -> str:
+    """A private key dir (0700) with the admin pair and the server's public key, for control requests."""
+    from mixplane.operator.builders import cert_text
+
+    d = Path(tempfile.gettempdir()) / f"mixplane-operator-{os.getuid()}" / f"{namespace}.{name}"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    (d / "server.key").write_text(cert_text(keys["server"][0]))
+    sec = d / "admin.key_secret"
+    sec.touch(mode=0o600)
+    sec.write_text(cert_text(*keys["admin"]))
+    (d / "admin.key").write_text(cert_text(keys["admin"][0]))
+    return str(d)
+
+
+# ---------------------------------------------------------------------------------------------- planner
+def planner_endpoint(opts: ClusterOptions) -> str:
+    """Where the operator reaches the planner; MIXPLANE_OPERATOR_PLANNER overrides it (a template with
+    {name} and {namespace}, e.g. for an operator outside the cluster network)."""
+    tmpl = os.environ.get("MIXPLANE_OPERATOR_PLANNER")
+    return tmpl.format(name=opts.name, namespace=opts.namespace) if tmpl else opts.planner_endpoint
+
+
+def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], kind: str, meta: dict[str, Any],
+                    timeout_s: float = 3.0) -> dict[str, Any]:
+    from mixplane import control
+
+    curve = control.ControlCurve(admin_key_dir(opts.name, opts.namespace, keys))
+    ep = planner_endpoint(opts)
+    if kind == "status":
+        return control.status(ep, timeout_s, curve=curve)
+    return control.update_mixture(ep, meta, timeout_s, curve=curve)
+
+
+# ---------------------------------------------------------------------------------------------- reconcile
+def options_for(body: Mapping[str, Any]) -> ClusterOptions:
+    md = body["metadata"]
+    image = ((body.get("spec") or {}).get("kubernetes") or {}).get("image") or os.environ.get("MIXPLANE_IMAGE", "mixplane:latest")
+    return ClusterOptions(name=md["name"], namespace=md["namespace"], image=image,
+                          image_pull_policy=os.environ.get("MIXPLANE_IMAGE_PULL_POLICY", "IfNotPresent"))
+
+
+def profile_for(body: Mapping[str, Any], spec: Any, logger: Any) -> dict[str, Any]:
+    """Kept profile, else the annotation's, else measured in-process (sources readable here), else fallback costs."""
+    prof = profile_from_status(body) or profile_from_annotation(body)
+    if prof is not None:
+        return prof
+    try:
+        from mixplane.profile import profile_spec
+
+        return profile_spec(spec, max_rows=512, max_cpu_s=0.5)
+    except Exception as e:  # noqa: BLE001 - the data may live where only loader pods can read it
+        logger.warning(f"profiling in the operator failed ({e}); using fallback costs by kind until a profile is given")
+        return fallback_profile(spec)
+
+
+def apply_children(d: Desired, opts: ClusterOptions) -> None:
+    k = kube()
+    names = set()
+    for obj in d.objects:
+        kopf.adopt(obj, owner=cast(Any, d.owner))  # the DataMixture controls it: deleting the mixture deletes it
+        k.apply(obj)
+        names.add((obj["kind"], obj["metadata"]["name"]))
+    # loader Deployments of an earlier grouping
+    for dep in k.list("apps/v1", "Deployment", opts.namespace, f"{LABEL_MIXTURE}={opts.name},{LABEL_ROLE}=loader"):
+        if ("Deployment", dep["metadata"]["name"]) not in names:
+            k.delete("apps/v1", "Deployment", opts.namespace, dep["metadata"]["name"])
+
+
+def _keys_for(opts: ClusterOptions) -> dict[str, tuple[str, str]]:
+    return existing_keys(kube().get("v1", "Secret", opts.namespace, opts.secret_name)) or new_keys()
+
+
+def _readiness(opts: ClusterOptions) -> tuple[bool, str]:
+    k = kube()
+    missing = []
+    for dep in k.list("apps/v1", "Deployment", opts.namespace, f"{LABEL_MIXTURE}={opts.name}"):
+        want = dep["spec"].get("replicas", 1)
+        if (dep.get("status") or {}).get("readyReplicas", 0) < want:
+            missing.append(dep["metadata"]["name"])
+    for sts in k.list("apps/v1", "StatefulSet", opts.namespace, f"{LABEL_MIXTURE}={opts.name}"):
+        if (sts.get("status") or {}).get("readyReplicas", 0) < sts["spec"].get("replicas", 1):
+            missing.append(sts["metadata"]["name"])
+    return not missing, ", ".join(missing)
+
+
+def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mixture_changed: bool = False,
+              shares: Mapping[str, float] | None = None, planner_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One pass: children and status for the object as it is now."""
+    opts = options_for(body)
+    try:
+        spec = spec_of(body)
+        prof = profile_for(body, spec, logger)
+        keys = _keys_for(opts)
+        step = int(planner_status.get("planned_through", 0)) if planner_status else int((body.get("status") or {}).get("step") or 0)
+        d = desired(body, opts, prof, keys, step=max(0, step), shares=shares)
+    except ReconcileError as e:
+        gen = body["metadata"].get("generation")
+        from mixplane.operator.reconcile import condition
+
+        prev = (body.get("status") or {}).get("conditions") or []
+        patch.status["phase"] = "Failed"
+        patch.status["observedGeneration"] = gen
+        patch.status["conditions"] = [condition("Ready", False, "InvalidMixture", str(e), gen, prev),
+                                      condition("Progressing", False, "InvalidMixture", str(e), gen, prev),
+                                      condition("Degraded", True, "InvalidMixture", str(e), gen, prev)]
+        raise kopf.PermanentError(str(e)) from None
+    apply_children(d, opts)
+    memo["keys"] = keys
+    memo["profile"] = prof
+    ready, waiting = _readiness(opts)
+    fallback = [n for n, p in prof["sources"].items() if p.get("source") == "fallback"]
+    degraded = (True, "FallbackCosts", f"sources not profiled, sized by kind: {', '.join(fallback)}") if fallback else (False, "AsPlanned", "")
+    progressing = (True, "MixtureUpdate", "new mixture rolled out") if mixture_changed else \
+        ((not ready), "RollingOut" if not ready else "Converged", f"waiting for: {waiting}" if waiting else "all children applied")
+    st = status_of(body, d, opts, prof, ready=ready, progressing=progressing, degraded=degraded, planner_status=planner_status)
+    for k, v in st.items():
+        patch.status[k] = v
+    return {"objects": len(d.objects), "partitions": dict(d.plan.partitions)}
+
+
+def _mixture_changed(diff: Any) -> bool:
+    return any(tuple(field[:2]) == ("spec", "mixture") or tuple(field) == ("spec",) for _, field, _, _ in diff or ())
+
+
+def live_update(body: Mapping[str, Any], memo: Any, logger: Any) -> dict[str, Any] | None:
+    """Send the new base weights to the running planner at the first step it has not planned (+ a margin)."""
+    opts = options_for(body)
+    keys = memo.get("keys") or _keys_for(opts)
+    spec = spec_of(body)
+    from mixplane.operator.autopartition import spec_schedule
+
+    try:
+        st = planner_request(opts, keys, "status", {})
+    except (TimeoutError, RuntimeError, OSError) as e:
+        logger.warning(f"planner not reachable for the live update ({e}); pods restart with the new spec instead")
+        return None
+    step = int(st.get("planned_through", -1)) + 1 + UPDATE_MARGIN_STEPS
+    weights = dict(spec_schedule(spec)[0][1]) if not spec.mixture.phases else None
+    point = [sh for s, sh in spec_schedule(spec) if s <= step][-1]
+    meta = {"weights": {k: float(v) for k, v in (weights or point).items()}, "effective_step": step}
+    try:
+        ack = planner_request(opts, keys, "update", meta)
+    except (TimeoutError, RuntimeError) as e:
+        logger.warning(f"mixture update refused by the planner: {e}")
+        return None
+    return {"generation": body["metadata"].get("generation"), "effectiveStep": int(ack.get("effective_step", step)),
+            "weights": meta["weights"]}
+
+
+# ---------------------------------------------------------------------------------------------- kopf wiring
+@kopf.on.startup()
+def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{API_GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 60
+
+
+@kopf.on.resume(API_GROUP, VERSION, PLURAL)
+@kopf.on.create(API_GROUP, VERSION, PLURAL)
+def on_create(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
+    out = reconcile(body, patch, logger, memo)
+    logger.info(f"children applied: {out}")
+
+
+@kopf.on.update(API_GROUP, VERSION, PLURAL)
+def on_update(body: Any, patch: Any, diff: Any, logger: Any, memo: Any, **_: Any) -> None:
+    changed = _mixture_changed(diff)
+    out = reconcile(body, patch, logger, memo, mixture_changed=changed)
+    if changed:
+        upd = live_update(body, memo, logger)
+        if upd is not None:
+            prev = list(((body.get("status") or {}).get("updates")) or [])
+            patch.status["updates"] = (prev + [upd])[-20:]
+            out["effectiveStep"] = upd["effectiveStep"]
+    logger.info(f"children applied: {out}")
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=SCALE_INTERVAL_S, initial_delay=SCALE_INTERVAL_S)
+def on_timer(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
+    """Mixture-driven scaling: planner STATUS -> policy -> loader Deployments re-applied when it decides."""
+    from mixplane.operator.scaling import MixtureScaler, Observation
+
+    opts = options_for(body)
+    keys = memo.get("keys") or _keys_for(opts)
+    try:
+        st = planner_request(opts, keys, "status", {})
+    except (TimeoutError, RuntimeError, OSError) as e:
+        logger.info(f"scaling: planner not reachable ({e})")
+        return
+    spec = spec_of(body)
+    prof = memo.get("profile") or profile_from_status(body) or fallback_profile(spec)
+    costs = costs_of(prof, spec)
+    inp = inputs_of(body)
+    sc = memo.get("scaler")
+    segs = segments_of(spec, prof)
+    if sc is None:
+        parts = {s["name"]: s["partitions"] for s in (body.get("status") or {}).get("sources") or [] if s.get("partitions")}
+        if len(parts) != len(costs):
+            return
+        sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= int(st.get("planned_through", 0))][-1],
+                           inp.tokens_per_s, budget=inp.budget)
+        memo["scaler"] = sc
+    sc.set_schedule(segs)
+    last = memo.get("last_status")
+    memo["last_status"] = (asyncio.get_event_loop().time(), st)
+    tps = inp.tokens_per_s
+    if last is not None:
+        dt = asyncio.get_event_loop().time() - last[0]
+        if dt > 0 and st.get("tokens_planned", 0) > last[1].get("tokens_planned", 0):
+            tps = (st["tokens_planned"] - last[1]["tokens_planned"]) / dt
+    waiting = frozenset(w.split("/")[0] for w in st.get("waiting") or [])
+    decisions = sc.observe(Observation(int(st.get("planned_through", 0)), tps, waiting))
+    if decisions:
+        # the policy's cores, as shares of the rate reconcile sizes pods for
+        shares = {n: (sc.alloc[n] / (inp.tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0) for n, c in sc.costs.items()}
+        logger.info("scaling: " + "; ".join(f"{d.source} {d.direction} {d.from_cores:.2f}->{d.to_cores:.2f} cores" for d in decisions))
+        reconcile(body, patch, logger, memo, shares=shares, planner_status=st)
+    else:
+        patch.status["step"] = max(0, int(st.get("planned_through", 0)))

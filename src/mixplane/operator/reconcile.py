@@ -1,0 +1,224 @@
+"""What one DataMixture should look like in the cluster: pure functions from the object to its children and status.
+
+The kopf handlers (mixplane.operator.handlers) call these and only do the I/O: apply the objects, patch
+the status, ask the planner for STATUS or send UPDATE_MIXTURE.
+
+Operator inputs that are not part of the data plane's spec ride on annotations of the DataMixture:
+    mixplane.io/tokens-per-second   the trainer's consumption (default 1e6), what loaders are sized for
+    mixplane.io/loader-cpu          cores the loaders may use in total (default 64)
+    mixplane.io/loader-memory       bytes the loaders may use in total (default 256 GiB)
+    mixplane.io/profile             a `mixplane profile` JSON, when the operator cannot read the sources itself
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from mixplane.operator.autopartition import (
+    LoaderBudget,
+    PartitionBounds,
+    PartitionPlan,
+    SourceCost,
+    auto_partition,
+    spec_schedule,
+)
+from mixplane.operator.builders import ClusterOptions, owner_reference, render_mixture
+
+ANN_TPS = "mixplane.io/tokens-per-second"
+ANN_CPU = "mixplane.io/loader-cpu"
+ANN_MEMORY = "mixplane.io/loader-memory"
+ANN_PROFILE = "mixplane.io/profile"
+DEFAULT_TPS = 1e6
+DEFAULT_CPU = 64.0
+DEFAULT_MEMORY = 256 << 30
+# used only when a source cannot be profiled (the status says so): cautious, an image costs far more
+FALLBACK_COST = {"text": 2e-6, "tokens": 2e-7, "image_text": 1e-4}
+FALLBACK_MEMORY = 96 << 20
+
+
+class ReconcileError(ValueError):
+    """The object cannot be turned into children; the message names the field or annotation."""
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def spec_of(body: Mapping[str, Any]) -> Any:
+    """The validated spec of a DataMixture object (its name defaults to metadata.name)."""
+    from mixplane.spec import SpecError, parse_spec
+
+    doc = dict(body.get("spec") or {})
+    doc.setdefault("name", body["metadata"]["name"])
+    try:
+        return parse_spec(doc)
+    except SpecError as e:
+        raise ReconcileError("; ".join(f"spec.{p}" for p in e.problems)) from None
+
+
+def _float_annotation(body: Mapping[str, Any], key: str, default: float) -> float:
+    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(key)
+    if raw is None:
+        return default
+    try:
+        x = float(raw)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise ReconcileError(f"metadata.annotations.{key}: expected a number > 0, got {raw!r}")
+    return x
+
+
+@dataclass(frozen=True)
+class Inputs:
+    tokens_per_s: float
+    budget: LoaderBudget
+
+
+def inputs_of(body: Mapping[str, Any]) -> Inputs:
+    return Inputs(_float_annotation(body, ANN_TPS, DEFAULT_TPS),
+                  LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))))
+
+
+# ---- profile: measured once, kept in the status ---------------------------------------------------
+def profile_from_status(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The profile kept in status.sources[*].profile, when every source of the spec has one."""
+    status = body.get("status") or {}
+    if any(c.get("reason") == "FallbackCosts" for c in status.get("conditions") or [] if isinstance(c, dict)):
+        return None  # costs by kind are not a profile: measure again when the sources can be read
+    sources = status.get("sources") or []
+    names = [str(s.get("name")) for s in (body.get("spec") or {}).get("sources") or []]
+    found: dict[str, dict[str, Any]] = {str(s.get("name")): s["profile"] for s in sources if isinstance(s, dict) and s.get("profile")}
+    if not names or any(n not in found for n in names):
+        return None
+    return {"version": 1, "sources": {n: {"cpu_s_per_token": found[n]["cpuSecondsPerToken"],
+                                          "memory_per_partition": found[n]["memoryPerPartition"],
+                                          "mean_tokens_per_sample": found[n].get("meanTokens"),
+                                          "max_partitions": found[n].get("maxPartitions", 1 << 20)} for n in names}}
+
+
+def profile_from_annotation(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_PROFILE)
+    if raw is None:
+        return None
+    try:
+        prof = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ReconcileError(f"metadata.annotations.{ANN_PROFILE}: not JSON ({e})") from None
+    return prof
+
+
+def fallback_profile(spec: Any) -> dict[str, Any]:
+    """Costs by kind for sources that could not be profiled (marked `source: fallback` in the status)."""
+    return {"version": 1, "sources": {s.name: {"cpu_s_per_token": FALLBACK_COST[s.kind], "memory_per_partition": FALLBACK_MEMORY,
+                                               "max_partitions": 1 if s.live else 1 << 20, "source": "fallback"}
+                                      for s in spec.sources}}
+
+
+def costs_of(profile: Mapping[str, Any], spec: Any) -> list[SourceCost]:
+    out = []
+    for s in spec.sources:
+        p = (profile.get("sources") or {}).get(s.name)
+        if p is None:
+            raise ReconcileError(f"profile has no source {s.name!r}")
+        cap = 1 if s.live else int(p.get("max_partitions") or (1 << 20))
+        out.append(SourceCost(s.name, float(p["cpu_s_per_token"]), int(p["memory_per_partition"]), cap))
+    return out
+
+
+# ---- the plan and the children --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Desired:
+    spec: Any  # resolved (replicas = partitions)
+    plan: PartitionPlan
+    step: int
+    objects: list[dict[str, Any]]
+    owner: dict[str, Any]
+
+
+def segments_of(spec: Any, profile: Mapping[str, Any]) -> list[tuple[int, dict[str, float]]]:
+    mean = {n: p.get("mean_tokens_per_sample") or 1.0 for n, p in (profile.get("sources") or {}).items()}
+    return spec_schedule(spec, mean)
+
+
+def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str, Any], keys: Mapping[str, tuple[str, str]],
+            step: int = 0, bounds: PartitionBounds | None = None,
+            shares: Mapping[str, float] | None = None) -> Desired:
+    """Children of the mixture at `step` (the pods of that schedule segment, or of `shares` when the
+    scaling policy decided them), each owned by the DataMixture."""
+    from mixplane.operator.autopartition import pack_pods
+
+    bounds = bounds or PartitionBounds()
+    spec = spec_of(body)
+    inp = inputs_of(body)
+    costs = costs_of(profile, spec)
+    try:
+        kept = {str(s.get("name")): s.get("partitions") for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
+        plan = auto_partition(costs, segments_of(spec, profile), inp.tokens_per_s, inp.budget, bounds,
+                              partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None)
+        pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds, inp.budget)
+    except ValueError as e:
+        raise ReconcileError(str(e)) from None
+    resolved, objs = render_mixture(spec, opts, pods, plan.partitions, keys)
+    owner = owner_reference(body)
+    for o in objs:
+        o["metadata"]["ownerReferences"] = [dict(owner)]
+    return Desired(resolved, plan, step, objs, dict(body))
+
+
+# ---- status -----------------------------------------------------------------------------------------
+def condition(kind: str, ok: bool, reason: str, message: str, generation: int | None,
+              previous: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """One condition; lastTransitionTime moves only when the status flips."""
+    status = "True" if ok else "False"
+    prev = next((c for c in previous if c.get("type") == kind), None)
+    since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now()
+    # never an empty message: a merge patch through kopf turns "" into null, which the schema refuses
+    return {"type": kind, "status": status, "reason": reason, "message": (message or reason)[:1000], "lastTransitionTime": since,
+            "observedGeneration": generation}
+
+
+def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile: Mapping[str, Any], *,
+              ready: bool, progressing: tuple[bool, str, str], degraded: tuple[bool, str, str],
+              planner_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The status patch: conditions, endpoint, step, and per source weights, partitions, pods, profile."""
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = ((body.get("status") or {}).get("conditions")) or []
+    pods = d.plan.pods_at(d.step)
+    step = d.step
+    target = dict(pods.weights)
+    realised: dict[str, float] = {}
+    if planner_status:
+        step = max(0, int(planner_status.get("planned_through", step)))
+        names = list(planner_status.get("sources") or [])
+        target = {n: float(x) for n, x in zip(names, planner_status.get("target") or [])} or target
+        realised = {n: float(x) for n, x in zip(names, planner_status.get("realized_phase") or [])}
+    sources = []
+    for s in d.spec.sources:
+        p = (profile.get("sources") or {}).get(s.name, {})
+        sources.append({
+            "name": s.name, "targetWeight": round(float(target.get(s.name, 0.0)), 6),
+            **({"realisedWeight": round(realised[s.name], 6)} if s.name in realised else {}),
+            "partitions": int(d.plan.partitions[s.name]),
+            "loaderPods": sum(1 for x in pods.pods_of(s.name) if not x.idle),
+            "profile": {"cpuSecondsPerToken": float(p.get("cpu_s_per_token", 0.0)), "memoryPerPartition": int(p.get("memory_per_partition", 0)),
+                        **({"meanTokens": float(p["mean_tokens_per_sample"])} if p.get("mean_tokens_per_sample") else {}),
+                        },
+        })
+    prog_ok, prog_reason, prog_msg = progressing
+    deg_ok, deg_reason, deg_msg = degraded
+    phase = "Degraded" if deg_ok else "Running" if ready else "Pending"
+    return {
+        "phase": phase, "observedGeneration": gen, "plannerEndpoint": opts.planner_endpoint, "step": step,
+        "sourceCount": len(d.spec.sources), "loaderPods": sum(1 for x in pods.pods if not x.idle),
+        "conditions": [condition("Ready", ready, "ComponentsReady" if ready else "ComponentsNotReady",
+                                 "planner, constructors and loaders are ready" if ready else "waiting for component pods", gen, prev),
+                       condition("Progressing", prog_ok, prog_reason, prog_msg, gen, prev),
+                       condition("Degraded", deg_ok, deg_reason, deg_msg, gen, prev)],
+        "sources": sources,
+    }

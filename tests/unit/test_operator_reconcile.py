@@ -1,0 +1,118 @@
+"""From a DataMixture object to owned children and a status; the profile is kept so restarts do not re-profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixplane.operator.builders import ClusterOptions
+from mixplane.operator.reconcile import (
+    ANN_TPS,
+    ReconcileError,
+    desired,
+    fallback_profile,
+    inputs_of,
+    profile_from_status,
+    status_of,
+)
+
+OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
+KEYS = {r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")}
+PROFILE = {"version": 1, "sources": {
+    "text": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 << 20, "max_partitions": 50, "mean_tokens_per_sample": 500.0},
+    "pairs": {"cpu_s_per_token": 6e-5, "memory_per_partition": 60 << 20, "max_partitions": 50, "mean_tokens_per_sample": 80.0}}}
+
+
+def body(**ann):
+    return {
+        "apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "u-1", "generation": 3, "annotations": {ANN_TPS: "40000", **ann}},
+        "spec": {
+            "sources": [{"name": "text", "uri": "s3://b/text", "tokenizer": "/data/tok.json"},
+                        {"name": "pairs", "uri": "s3://b/pairs", "kind": "image_text", "columns": ["image", "caption"],
+                         "tokenizer": "/data/tok.json"}],
+            "mixture": {"weights": {"text": 0.8, "pairs": 0.2}, "phases": [{"start_step": 100, "weights": {"pairs": 0.8}}]},
+            "batch": {"sequences": 8, "seq_len": 512},
+            "topology": {"modules": {"backbone": {"dp": 2}, "encoder": {"dp": 2}}},
+            "strategy": {"name": "vlm_balance"},
+        },
+    }
+
+
+def test_children_are_owned_by_the_mixture_and_sized_by_the_profile():
+    d = desired(body(), OPTS, PROFILE, KEYS)
+    for o in d.objects:
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture", "name": "demo", "uid": "u-1",
+                       "controller": True, "blockOwnerDeletion": True}
+    # from step 100 pairs has 0.8 / (0.8 + 0.8) of the tokens: 0.5 x 40k tokens/s x 60 us = 1.2 cores,
+    # x 1.05 headroom -> 2 partitions of <= 1 core
+    assert dict(d.plan.partitions) == {"text": 1, "pairs": 2}
+    assert [s.replicas for s in d.spec.sources] == [1, 2]
+
+
+def test_status_has_conditions_endpoint_step_and_per_source_fields():
+    b = body()
+    d = desired(b, OPTS, PROFILE, KEYS, step=120)
+    st = status_of(b, d, OPTS, PROFILE, ready=False, progressing=(True, "RollingOut", "x"), degraded=(False, "AsPlanned", ""),
+                   planner_status={"planned_through": 130, "sources": ["text", "pairs"], "target": [0.5, 0.5], "realized_phase": [0.49, 0.51]})
+    assert st["plannerEndpoint"] == "tcp://demo-planner.ml.svc:7000" and st["step"] == 130 and st["observedGeneration"] == 3
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {"Ready": "False", "Progressing": "True", "Degraded": "False"}
+    assert all(c["observedGeneration"] == 3 for c in st["conditions"])
+    pairs = next(s for s in st["sources"] if s["name"] == "pairs")
+    assert pairs["partitions"] == 2 and pairs["realisedWeight"] == 0.51 and pairs["targetWeight"] == 0.5
+    assert pairs["loaderPods"] >= 2 and pairs["profile"]["cpuSecondsPerToken"] == 6e-5
+    # the profile comes back from the status: a restarted operator does not profile again
+    kept = profile_from_status({**b, "status": st})
+    assert kept is not None
+    assert {n: p["cpu_s_per_token"] for n, p in kept["sources"].items()} == {"text": 1.5e-6, "pairs": 6e-5}
+    assert desired({**b, "status": st}, OPTS, kept, KEYS).plan.partitions == d.plan.partitions
+    # a condition keeps its transition time while its status holds
+    again = status_of({**b, "status": st}, d, OPTS, PROFILE, ready=False, progressing=(True, "RollingOut", "x"),
+                      degraded=(False, "AsPlanned", ""))
+    assert again["conditions"][0]["lastTransitionTime"] == st["conditions"][0]["lastTransitionTime"]
+
+
+def test_bad_annotations_and_specs_name_the_field():
+    with pytest.raises(ReconcileError, match=f"metadata.annotations.{ANN_TPS}: expected a number > 0"):
+        inputs_of(body(**{ANN_TPS: "fast"}))
+    b = body()
+    b["spec"]["mixture"]["weights"] = {"nope": 1.0}
+    with pytest.raises(ReconcileError, match=r"spec\.mixture\.weights\.nope: unknown source"):
+        desired(b, OPTS, PROFILE, KEYS)
+
+
+def test_fallback_profile_sizes_images_dearer_than_text():
+    from mixplane.operator.reconcile import spec_of
+
+    prof = fallback_profile(spec_of(body()))
+    assert prof["sources"]["pairs"]["cpu_s_per_token"] > prof["sources"]["text"]["cpu_s_per_token"]
+    assert all(p["source"] == "fallback" for p in prof["sources"].values())
+
+
+def test_partitions_of_a_running_mixture_are_kept_when_weights_change():
+    b = body()
+    d = desired(b, OPTS, PROFILE, KEYS)
+    st = status_of(b, d, OPTS, PROFILE, ready=True, progressing=(False, "Converged", ""), degraded=(False, "AsPlanned", ""))
+    patched = {**b, "status": st}
+    patched["spec"] = {**b["spec"], "mixture": {"weights": {"text": 1.0, "pairs": 0.0}}}
+    d2 = desired(patched, OPTS, PROFILE, KEYS)
+    assert d2.plan.partitions == d.plan.partitions  # the data split stays; pods change
+    pairs_pods = d2.plan.pods_at(0).pods_of("pairs")
+    assert pairs_pods and all(p.idle for p in pairs_pods)
+    # only the mixture changed: pod templates keep their hash, so nothing restarts for a weight change
+    def hashes(objs):
+        return {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["annotations"]["mixplane.io/spec-hash"]
+                for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+    h1, h2 = hashes(d.objects), hashes(d2.objects)
+    assert h1["demo-planner"] == h2["demo-planner"] and h1["demo-constructor"] == h2["demo-constructor"]
+
+
+def test_fallback_costs_are_not_kept_as_a_profile():
+    from mixplane.operator.reconcile import spec_of
+
+    b = body()
+    prof = fallback_profile(spec_of(b))
+    d = desired(b, OPTS, prof, KEYS)
+    st = status_of(b, d, OPTS, prof, ready=False, progressing=(True, "RollingOut", "x"),
+                   degraded=(True, "FallbackCosts", "sources not profiled"))
+    assert profile_from_status({**b, "status": st}) is None
