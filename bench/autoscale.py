@@ -24,15 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from mixplane.operator.autopartition import (
-    LoaderBudget,
-    auto_partition,
-    idle_fraction,
-    spec_schedule,
-)
-from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig
-from mixplane.profile import costs_from_profile, profile_spec
-from mixplane.spec import load_spec, parse_spec
+from mixplane.operator.autopartition import LoaderBudget, auto_partition, idle_fraction, spec_schedule  # noqa: E402
+from mixplane.operator.scaling import MixtureScaler, Observation, ScalingConfig  # noqa: E402
+from mixplane.profile import costs_from_profile, profile_spec  # noqa: E402
+from mixplane.spec import load_spec, parse_spec  # noqa: E402
 
 
 def demo_spec(cache: Path):

@@ -220,7 +220,7 @@ class LocalPods:
                 if "value" in e:
                     env[e["name"]] = e["value"]
 
-            def local(v: str) -> str:
+            def local(v: str, env=env, ports=ports) -> str:
                 v = expand(v, env).replace("0.0.0.0", "127.0.0.1").replace(planner_host, f"127.0.0.1:{self.planner_port}")
                 # one pass, longest mount first, only where a path starts: /tmp must not match inside another path
                 alt = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
