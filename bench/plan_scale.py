@@ -64,6 +64,7 @@ from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal  # noqa: E402
 from mixplane.planner.routing import Fanout, loader_instructions  # noqa: E402
+from mixplane.protocol import CURSOR_ARRAY, cursor_array  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
 from mixplane.topology import constructor_groups, dp_ranks_of_group  # noqa: E402
@@ -253,10 +254,11 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         for key, ins in per_loader.items():
             frames = wire.encode(Kind.PLAN_LOADER, {"session": 0, "step": lay.step}, ins.arrays())
             b_load += sum(memoryview(f).nbytes for f in frames)
+        cursor = cursor_array(cursor_after)
         for ci, dps, sub in subs:
             frames = wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps,
-                                                         "cursor_after": cursor_after, "broadcast": list(plan.broadcast)},
-                                 sub.arrays())
+                                                         "broadcast": list(plan.broadcast)},
+                                 {**sub.arrays(), CURSOR_ARRAY: cursor})
             b_cons += sum(memoryview(f).nbytes for f in frames)
         t_encode = clock() - t0
         size0 = os.path.getsize(jpath)

@@ -342,6 +342,17 @@ class EDFQueue:
             at = (self.realized[i] + size - self.limit) * self.inv_p[i] - size
             heapq.heappush(self._wait, (at, i, v))
 
+    def still_released(self, i: int, size: float) -> bool:
+        """Source i (released, unchanged since) gets next size `size`: if it is still released, record the
+        size and return True (its queue entry stays valid: the deadline does not depend on the size, so
+        pick() would return i again); else False and nothing changes (call `set`)."""
+        li = self.size[i]
+        self.size[i] = size
+        if self._released(i):
+            return True
+        self.size[i] = li
+        return False
+
     def remove(self, i: int) -> None:
         """Source i has no candidate left this step."""
         if self.active[i]:

@@ -13,8 +13,11 @@ No sockets, no processes: this module only describes messages.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import numpy as np
 
 from mixplane.wire.framing import Kind, Message, WireError
 
@@ -176,3 +179,29 @@ def role_of_key_name(stem: str) -> str:
     if stem == "server":
         return COMPONENT
     return CLIENT
+
+
+# ---------------------------------------------------------------------------------------------- plan cursor
+#: PLAN_CONSTRUCTOR carries the cursor after its step as this uint8 array (JSON bytes): the planner
+#: serialises it once per step and every constructor's message references the same buffer, where a
+#: meta field was serialised once per constructor (~100 kB each at 1,024 sources)
+CURSOR_ARRAY = "cursor_after"
+
+
+def cursor_array(cursor: Mapping[str, Any]) -> Any:
+    """The cursor as the uint8 array PLAN_CONSTRUCTOR carries."""
+    return np.frombuffer(json.dumps(cursor, separators=(",", ":")).encode(), np.uint8)
+
+
+def plan_cursor(msg: Message) -> dict[str, Any] | None:
+    """The cursor after a PLAN_CONSTRUCTOR's step: its array, or (older planners) its meta field."""
+    if CURSOR_ARRAY in msg.arrays:
+        try:
+            cur = json.loads(msg.arrays[CURSOR_ARRAY].tobytes())
+        except ValueError as e:
+            raise WireError(f"{msg.kind.name}: array {CURSOR_ARRAY!r} is not a JSON cursor ({e})") from None
+        if not isinstance(cur, dict):
+            raise WireError(f"{msg.kind.name}: array {CURSOR_ARRAY!r} is not a cursor object")
+        return cur
+    cur = msg.meta.get(CURSOR_ARRAY)
+    return cur if isinstance(cur, dict) else None

@@ -20,6 +20,7 @@ from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import make_metrics, serve_metrics
+from mixplane.protocol import plan_cursor
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
 from mixplane.topology import backbone_coords, place_tree
@@ -177,7 +178,7 @@ class ConstructorServer:
             self.planned_seen = max(self.planned_seen, layout.step)
             st = self.steps.setdefault(layout.step, StepState())
             st.expect(layout, self.ranks)
-            st.cursor_after = msg.meta.get("cursor_after")
+            st.cursor_after = plan_cursor(msg)
             bc = msg.meta.get("broadcast", [])
             if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
                 raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")

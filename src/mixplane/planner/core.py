@@ -571,8 +571,12 @@ class StepPlanner:
         o_start: list[int] = []
         o_len: list[int] = []
         place = packer.place
+        again = -1  # a source that must be the next pick (see below): pick() need not search
         while q.count and packer.largest_gap > 0:
-            best = q.pick()
+            if again >= 0:
+                best, again = again, -1
+            else:
+                best = q.pick()
             if best < 0:
                 # every source that could still place something is a full sample ahead: the ones behind
                 # have nothing that fits; end the step rather than drift
@@ -593,7 +597,13 @@ class StepPlanner:
                     q.remove(best)
                     starved.add(best)
                 else:
-                    q.set(best, size_of(k + 1))
+                    size = size_of(k + 1)
+                    if q.still_released(best, size):
+                        # nothing else changed (T neither), so the same source is picked again: its queue
+                        # entry (keyed by its unchanged deadline) stays valid, only its next size changes
+                        again = best
+                    else:
+                        q.set(best, size)
                 continue
             o_cand.append(k)
             o_bin.append(row)

@@ -19,6 +19,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.planner.journal import Journal
+from mixplane.protocol import CURSOR_ARRAY, cursor_array
 from mixplane.planner.routing import Fanout, loader_instructions
 from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
@@ -294,12 +295,13 @@ class PlannerServer:
                                          self._dp_fanout, self._rank_fanout)
         for key, ins in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
+        cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
         for c in self.constructors.values():
             sub = lay.select_ranks(c.dp_ranks)
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
-                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, "cursor_after": cursor_after,
+                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks,
                         "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
-                       sub.arrays())
+                       {**sub.arrays(), CURSOR_ARRAY: cursor})
         # bookkeeping
         if self.journal is not None:
             self.journal.step(plan)
