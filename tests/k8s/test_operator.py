@@ -97,6 +97,12 @@ def get(cluster, *args):
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
+def applied(cluster, ns, name="demo"):
+    """Every child, once the operator has written the status (it does so after applying all of them)."""
+    wait_for("status", lambda: (status_of(cluster, ns, name).get("sources")), 90)
+    return children(cluster, ns, name)
+
+
 def children(cluster, ns, name="demo"):
     out = {}
     for kind in ("deployments", "statefulsets", "services", "configmaps", "secrets", "serviceaccounts",
@@ -118,7 +124,7 @@ def test_a_mixture_becomes_owned_children_that_pass_dry_run_and_a_status(crd, k8
     cluster, ns = crd, k8s_namespace
     with operator(cluster, ns):
         apply(cluster, mixture(ns, data))
-        kids = wait_for("children", lambda: (lambda c: c if len(c) >= 12 else None)(children(cluster, ns)), 90)
+        kids = applied(cluster, ns)
         st = wait_for("status", lambda: (lambda s: s if s.get("sources") else None)(status_of(cluster, ns)), 60)
     owner = get(cluster, "datamixture", "demo", "-n", ns)
     kinds = sorted({k for k, _ in kids})
@@ -153,7 +159,7 @@ def test_restart_creates_no_duplicates_and_delete_collects_every_child(crd, k8s_
     cluster, ns = crd, k8s_namespace
     with operator(cluster, ns):
         apply(cluster, mixture(ns, data))
-        first = wait_for("children", lambda: (lambda c: c if len(c) >= 12 else None)(children(cluster, ns)), 90)
+        first = applied(cluster, ns)
         wait_for("status", lambda: status_of(cluster, ns).get("sources"), 60)
     profiled = {s["name"]: s["profile"] for s in status_of(cluster, ns)["sources"]}
     with operator(cluster, ns) as op:
@@ -256,9 +262,15 @@ class LocalPods:
 def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, data, tmp_path):
     cluster, ns = crd, k8s_namespace
     pods = LocalPods(cluster, ns, tmp_path)
-    with operator(cluster, ns, MIXPLANE_OPERATOR_PLANNER=f"tcp://127.0.0.1:{pods.planner_port}"):
+    health = free_port()
+    with operator(cluster, ns, MIXPLANE_OPERATOR_PLANNER=f"tcp://127.0.0.1:{pods.planner_port}",
+                  MIXPLANE_HEALTH_PORT=str(health), MIXPLANE_HEALTH_HOST="127.0.0.1"):
         apply(cluster, mixture(ns, data))
-        kids = wait_for("children", lambda: (lambda c: c if len(c) >= 12 else None)(children(cluster, ns)), 90)
+        kids = applied(cluster, ns)
+        # the chart's livenessProbe: GET /healthz on MIXPLANE_HEALTH_PORT
+        import urllib.request
+
+        assert urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5).status == 200
         planner_host = f"demo-planner.{ns}.svc:7000"
         try:
             pods.start("demo-planner-0", kids[("Deployment", "demo-planner")]["spec"]["template"], planner_host)
@@ -308,6 +320,9 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
                     os.environ.pop(k, None)
             assert not errors, (errors, pods.dead())
             assert got[0] == got[1] == list(range(6)), (got, pods.dead())
+
+            # the scaling timer reaches the running planner: the status follows its step
+            wait_for("the timer's step", lambda: (status_of(cluster, ns).get("step") or 0) >= 1, 30)
 
             # kubectl patch of the weights: pairs off -> its loader Deployments run 0 replicas, and the
             # running planner takes the new mixture at a step boundary recorded in the status

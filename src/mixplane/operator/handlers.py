@@ -17,13 +17,13 @@ move without that restart needs the data-plane handoff of loader failover (issue
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -378,19 +378,20 @@ def on_timer(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
         parts = {s["name"]: s["partitions"] for s in (body.get("status") or {}).get("sources") or [] if s.get("partitions")}
         if len(parts) != len(costs):
             return
-        sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= int(st.get("planned_through", 0))][-1],
+        now_step = max(0, int(st.get("planned_through", 0)))  # -1 before the first plan
+        sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= now_step][-1],
                            inp.tokens_per_s, budget=inp.budget)
         memo["scaler"] = sc
     sc.set_schedule(segs)
     last = memo.get("last_status")
-    memo["last_status"] = (asyncio.get_event_loop().time(), st)
+    memo["last_status"] = (time.monotonic(), st)
     tps = inp.tokens_per_s
     if last is not None:
-        dt = asyncio.get_event_loop().time() - last[0]
+        dt = time.monotonic() - last[0]
         if dt > 0 and st.get("tokens_planned", 0) > last[1].get("tokens_planned", 0):
             tps = (st["tokens_planned"] - last[1]["tokens_planned"]) / dt
     waiting = frozenset(w.split("/")[0] for w in st.get("waiting") or [])
-    decisions = sc.observe(Observation(int(st.get("planned_through", 0)), tps, waiting))
+    decisions = sc.observe(Observation(max(0, int(st.get("planned_through", 0))), tps, waiting))
     if decisions:
         # the policy's cores, as shares of the rate reconcile sizes pods for
         shares = {n: (sc.alloc[n] / (inp.tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0) for n, c in sc.costs.items()}
