@@ -90,7 +90,8 @@ def scaling_table(sim: dict, tokens_per_s: float, every: int, k: int, lookahead:
                        config=ScalingConfig(lookahead_steps=lookahead, window=3, consecutive=k))
     names = [c.name for c in costs]
     print(f"\n== scaling through the demo's phase change (interval = {every} steps, lookahead {lookahead}, K = {k})")
-    print(f"{'int':>4}{'step':>6}  " + "".join(f"{n + ' share':>12}{n + ' cores':>12}" for n in names) + "  decisions")
+    print(f"{'int':>4}{'step':>6}  " + "".join(f"{n + ' share':>12}{n + ' cores':>12}" for n in names) + f"{'idle %':>8}  decisions")
+    idle_max = 0.0
     first_seen = {}
     acted = {}
     short = 0
@@ -107,12 +108,14 @@ def scaling_table(sim: dict, tokens_per_s: float, every: int, k: int, lookahead:
         alloc = sc.allocated_cores()
         supply = sc.supply_tokens_per_s()
         short += sum(1 for n in names if supply[n] < shares[n] * tokens_per_s * (1 - 1e-9))
-        print(f"{i:>4}{step:>6}  " + "".join(f"{shares[n]:12.2f}{alloc[n]:12.2f}" for n in names) + "  "
+        idle = idle_fraction(sc.plan, sum(shares[c.name] * tokens_per_s * sc.costs[c.name].cpu_s_per_token for c in costs))
+        idle_max = max(idle_max, idle)
+        print(f"{i:>4}{step:>6}  " + "".join(f"{shares[n]:12.2f}{alloc[n]:12.2f}" for n in names) + f"{100 * idle:8.1f}  "
               + "; ".join(f"{d.source} {d.direction} {d.from_cores:.2f}->{d.to_cores:.2f}" for d in decided))
     lag = {n: acted[n] - first_seen[n] + 1 for n in acted if n in first_seen}
     print(f"   intervals from the change being visible (projected rise / actual fall) to the scaling, counting both: {lag} "
           f"(K = {k}); intervals short of supply: {short}")
-    return {"lag_intervals": lag, "k": k, "short_intervals": short}
+    return {"lag_intervals": lag, "k": k, "short_intervals": short, "max_idle": round(idle_max, 4)}
 
 
 def main() -> None:
