@@ -47,7 +47,7 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
         if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
             out.append(Problem(f"sources[{i}].tokenizer", f"no such file: {s.tokenizer}"))
         try:
-            files = list_source_files(s.uri)
+            files = list_source_files(s.uri, endpoint=s.endpoint, region=s.region)
         except SourceFilesError as e:
             out.append(Problem(f"sources[{i}].uri", str(e)))
             continue

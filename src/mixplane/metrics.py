@@ -45,6 +45,11 @@ class Metrics:
     loader_dry: Gauge
     loader_outbox_messages: Gauge
     loader_read_seconds: Histogram
+    loader_remote_requests: Counter
+    loader_remote_bytes: Counter
+    loader_remote_retries: Counter
+    loader_remote_cache_hits: Counter
+    loader_remote_request_seconds: Histogram
     # constructor
     constructor_steps: Counter
     constructor_build_seconds: Histogram
@@ -96,6 +101,12 @@ def make_metrics(component: str) -> Metrics:
         loader_dry=g("mixplane_loader_dry", "1 while a live source has no new data", ["source"]),
         loader_outbox_messages=g("mixplane_loader_outbox_messages", "Sample messages waiting for a constructor to take them", ["source"]),
         loader_read_seconds=h("mixplane_loader_read_seconds", "Time to read and transform one chunk"),
+        loader_remote_requests=c("mixplane_loader_remote_requests_total", "Requests to object storage (ranged GETs, HEADs of opens)", ["source"]),
+        loader_remote_bytes=c("mixplane_loader_remote_bytes_total", "Bytes read from object storage", ["source"]),
+        loader_remote_retries=c("mixplane_loader_remote_retries_total", "Object-storage requests retried (throttling, 5xx, cut transfers, timeouts)", ["source"]),
+        loader_remote_cache_hits=c("mixplane_loader_remote_cache_hits_total", "Remote reads served from the reader's read-ahead / footer caches", ["source"]),
+        loader_remote_request_seconds=Histogram("mixplane_loader_remote_request_seconds", "Latency of one object-storage request",
+                                                ["source"], buckets=_FAST, registry=r),
         constructor_steps=c("mixplane_constructor_steps_total", "Steps materialised"),
         constructor_build_seconds=h("mixplane_constructor_build_seconds", "Time to materialise one step"),
         constructor_bytes_sent=c("mixplane_constructor_bytes_sent_total", "Bytes delivered to clients"),

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from mixplane.loader.remote import RemoteError, s3_filesystem, with_retries
+
 GLOB_CHARS = "*?["
 
 
@@ -30,8 +32,9 @@ def _has_glob(s: str) -> bool:
     return any(c in s for c in GLOB_CHARS)
 
 
-def list_source_files(uri: str) -> SourceFiles:
-    """All Parquet files of a source, sorted by path so every process sees the same order."""
+def list_source_files(uri: str, *, endpoint: str | None = None, region: str | None = None) -> SourceFiles:
+    """All Parquet files of a source, sorted by path so every process sees the same order.
+    ``endpoint`` / ``region``: an S3-compatible endpoint override and region for ``s3://`` uris."""
     if "://" not in uri:
         fs: pafs.FileSystem = pafs.LocalFileSystem()
         path = os.path.expanduser(uri)
@@ -44,37 +47,55 @@ def list_source_files(uri: str) -> SourceFiles:
         else:
             found = []
         found = sorted(os.path.abspath(p) for p in found)
+        infos: list[pafs.FileInfo] = fs.get_file_info(found) if found else []
     else:
-        found, fs = _list_remote(uri)
+        infos, fs = _list_remote(uri, endpoint, region)  # the listing carries sizes and times: no HEAD per object
     out = SourceFiles(uri=uri, filesystem=fs)
-    if found:
-        for info in fs.get_file_info(found):
+    if infos:
+        for info in infos:
             out.paths.append(info.path if "://" in uri else os.path.abspath(info.path))
             out.sizes.append(int(info.size or 0))
             out.mtimes_ns.append(int(info.mtime_ns or 0))
     return out
 
 
-def _list_remote(uri: str) -> tuple[list[str], pafs.FileSystem]:
+def list_source(source) -> SourceFiles:
+    """The files of a SourceSpec (its uri, endpoint and region)."""
+    return list_source_files(source.uri, endpoint=getattr(source, "endpoint", None), region=getattr(source, "region", None))
+
+
+def _list_remote(uri: str, endpoint: str | None = None, region: str | None = None):
     scheme, rest = uri.split("://", 1)
     glob_at = min((rest.find(c) for c in GLOB_CHARS if c in rest), default=-1)
     base = rest if glob_at < 0 else rest[:glob_at].rsplit("/", 1)[0]
     try:
-        fs, base_path = pafs.FileSystem.from_uri(f"{scheme}://{base}")
-        if glob_at >= 0:
-            infos = fs.get_file_info(pafs.FileSelector(base_path, recursive=True))
-            pattern = base_path + rest[len(base):]
-            found = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)]
+        if scheme == "s3":
+            fs: pafs.FileSystem = s3_filesystem(endpoint=endpoint, region=region)
+            base_path = base.rstrip("/")
         else:
+            fs, base_path = pafs.FileSystem.from_uri(f"{scheme}://{base}")
+
+        def listing():
+            if glob_at >= 0:
+                infos = fs.get_file_info(pafs.FileSelector(base_path, recursive=True, allow_not_found=True))
+                pattern = base_path + rest[len(base):]
+                return [i for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)]
             info = fs.get_file_info(base_path)
             if info.type == pafs.FileType.Directory:
                 infos = fs.get_file_info(pafs.FileSelector(base_path, recursive=True))
-                found = [i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
-            else:
-                found = [base_path] if info.type == pafs.FileType.File else []
+                return [i for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
+            return [info] if info.type == pafs.FileType.File else []
+
+        found = with_retries("listing", uri, listing)
+        if not found and scheme in ("s3", "gs"):
+            bucket = base_path.split("/", 1)[0]
+            if with_retries("listing", uri, lambda: fs.get_file_info(bucket)).type == pafs.FileType.NotFound:
+                raise SourceFilesError(f"cannot list {uri}: bucket {bucket!r} does not exist")
+    except RemoteError as e:
+        raise SourceFilesError(f"cannot list {uri}: {e}") from None
     except (OSError, ValueError) as e:
         raise SourceFilesError(f"cannot list {uri}: {e}") from None
-    return sorted(found), fs
+    return sorted(found, key=lambda i: i.path), fs
 
 
 def open_parquet(files: SourceFiles, path: str) -> pq.ParquetFile:

@@ -20,7 +20,10 @@ from __future__ import annotations
 import base64
 import os
 import struct
+import threading
+import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import cramjam
@@ -28,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mixplane.loader import remote
 from mixplane.loader import thrift as th
 from mixplane.loader.thrift import ThriftError, read_struct
 
@@ -114,37 +118,102 @@ def _where(file, rg, col, page) -> str:
 # positional reads
 
 
-@dataclass
 class IOStats:
-    """Bytes and read calls actually issued to storage (shared by all readers of a stream)."""
+    """Bytes and read calls actually issued to storage (shared by all readers of a stream, and by
+    their read-ahead threads). Remote sources also count HTTP requests (each a ranged GET, or the
+    HEAD of an open), retries, reads served from the reader's caches, and request latencies (the
+    last few thousand, drained into the latency histogram by the loader)."""
 
-    bytes_read: int = 0
-    reads: int = 0
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.reads = 0
+        self.requests = 0
+        self.retries = 0
+        self.cache_hits = 0
+        self._latencies: deque[float] = deque(maxlen=4096)
+        self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
-        self.bytes_read += n
-        self.reads += 1
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+
+    def request(self, n: int, seconds: float) -> None:
+        """One remote request of ``n`` bytes that took ``seconds``."""
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+            self.requests += 1
+            self._latencies.append(seconds)
+
+    def retry(self) -> None:
+        with self._lock:
+            self.retries += 1
+
+    def hit(self) -> None:
+        with self._lock:
+            self.cache_hits += 1
+
+    def drain_latencies(self) -> list[float]:
+        with self._lock:
+            out = list(self._latencies)
+            self._latencies.clear()
+        return out
+
+
+def _as_bytes(b) -> bytes:
+    return b if isinstance(b, bytes) else b.to_pybytes()
+
+
+class MissingObjectFileError(ParquetError):
+    """The file (object) is gone: deleted or replaced since it was listed."""
+
+    kind = "missing_object"
 
 
 class RangeReader:
     """Positional reads of one file. Local files use ``os.pread`` (no shared file position, no
-    buffering); other URIs go through ``pyarrow.fs`` ``read_at``. Every read is counted."""
+    buffering); other URIs go through ``pyarrow.fs`` ``read_at``, one ranged request each, with
+    retries (:mod:`mixplane.loader.remote`); a remote file's last ``tail_bytes`` are read in one request
+    the first time any of them is wanted (footer, OffsetIndexes), and :meth:`hold` keeps other spans
+    read in one go. Every read is counted."""
 
-    def __init__(self, path: str, filesystem=None, stats: IOStats | None = None):
+    def __init__(self, path: str, filesystem=None, stats: IOStats | None = None, io: remote.RemoteIO | None = None):
         self.path = path
         self.stats = stats if stats is not None else IOStats()
         self._fd: int | None = None
         self._f = None
-        local = filesystem is None or type(filesystem).__name__ == "LocalFileSystem"
+        self._held: list[tuple[int, bytes]] = []
+        self.io = io or remote.DEFAULTS
+        self.remote = remote.is_remote(filesystem)
+        self.name = remote.object_name(filesystem, path) if self.remote else path
         try:
-            if local:
+            if not self.remote:
                 self._fd = os.open(path, os.O_RDONLY)
                 self.size = os.fstat(self._fd).st_size
             else:
-                self._f = filesystem.open_input_file(path)
+                t0 = time.perf_counter()
+                self._f = remote.with_retries("opening", self.name, lambda: filesystem.open_input_file(path), self.io,
+                                              on_retry=self.stats.retry)
+                self.stats.request(0, time.perf_counter() - t0)
                 self.size = self._f.size()
+        except remote.MissingObjectError as e:
+            raise MissingObjectFileError(str(e), file=path) from None
+        except remote.RemoteError:
+            raise
         except OSError as e:
             raise CorruptFileError(f"cannot open: {e}", file=path) from None
+
+    def hold(self, offset: int, size: int) -> None:
+        """Read [offset, offset + size) in one request and serve later reads inside it from memory."""
+        if self.remote and size > 0 and not self._covered(offset, size):
+            self._held.append((offset, self.read_at(offset, size)))
+
+    def _covered(self, offset: int, size: int) -> bytes | None:
+        for start, data in self._held:
+            if start <= offset and offset + size <= start + len(data):
+                return data[offset - start : offset - start + size]
+        return None
 
     def read_at(self, offset: int, size: int) -> bytes:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -159,9 +228,31 @@ class RangeReader:
                 if not more:
                     raise CorruptFileError(f"file shrank while reading at {offset + len(data)}", file=self.path)
                 data += more
-        else:
-            data = self._f.read_at(size, offset).to_pybytes()
-        self.stats.add(size)
+            self.stats.add(size)
+            return data
+        if self._held:
+            got = self._covered(offset, size)
+            if got is not None:
+                self.stats.hit()
+                return got
+        tail = min(self.size, self.io.tail_bytes)
+        if offset >= self.size - tail and not self._held and size < tail:
+            self._held.append((self.size - tail, self._get(self.size - tail, tail)))
+            return self._covered(offset, size)  # type: ignore[return-value]
+        return self._get(offset, size)
+
+    def _get(self, offset: int, size: int) -> bytes:
+        f = self._f
+        t0 = time.perf_counter()
+        try:
+            data = remote.with_retries(f"reading {size} bytes at {offset}", self.name,
+                                       lambda: _as_bytes(f.read_at(size, offset)), self.io, on_retry=self.stats.retry)
+        except remote.MissingObjectError as e:
+            raise MissingObjectFileError(str(e), file=self.path) from None
+        self.stats.request(size, time.perf_counter() - t0)
+        if len(data) != size:
+            raise CorruptFileError(f"object returned {len(data)} of {size} bytes at {offset}: shorter than when listed",
+                                   file=self.path)
         return data
 
     def close(self) -> None:
@@ -171,6 +262,7 @@ class RangeReader:
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._held = []
 
     def __del__(self):  # pragma: no cover - best effort
         try:
@@ -273,7 +365,7 @@ def read_file_meta(reader: RangeReader) -> FileMeta:
     tail = reader.read_at(size - 8, 8)
     if tail[4:] != MAGIC:
         raise CorruptFileError(f"bad magic at the end ({tail[4:]!r}, expected {MAGIC!r}): truncated or not Parquet", file=path)
-    if reader.read_at(0, 4) != MAGIC:
+    if not reader.remote and reader.read_at(0, 4) != MAGIC:  # (remote: one request saved; the footer is checked)
         raise CorruptFileError("bad magic at the start: not a Parquet file", file=path)
     flen = _u32(tail, 0)[0]
     if flen <= 0 or flen > size - 12:

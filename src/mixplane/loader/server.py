@@ -52,6 +52,7 @@ class LoaderServer:
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
         self._dropped_seen = 0
+        self._remote_seen = (0, 0, 0, 0)  # requests, bytes, retries, cache hits already counted
         self._last_status_line = 0.0
         self.session = -1
         self.welcomed = False
@@ -101,6 +102,21 @@ class LoaderServer:
         self.m.loader_samples_read.labels(self.source.name).inc(samples)
         self.m.loader_tokens.labels(self.source.name).inc(tokens)
 
+    def _remote_metrics(self) -> None:
+        """Object-storage requests, bytes, retries, cache hits and latencies since the last call."""
+        st = self.stream.stats
+        if not st.requests and not st.cache_hits:
+            return
+        now = (st.requests, st.bytes_read, st.retries, st.cache_hits)
+        name = self.source.name
+        for metric, new, old in zip((self.m.loader_remote_requests, self.m.loader_remote_bytes,
+                                     self.m.loader_remote_retries, self.m.loader_remote_cache_hits), now, self._remote_seen):
+            if new > old:
+                metric.labels(name).inc(new - old)
+        self._remote_seen = now
+        for s in st.drain_latencies():
+            self.m.loader_remote_request_seconds.labels(name).observe(s)
+
     def _fill(self) -> bool:
         """Announce samples until the window is full; True if it did work."""
         if not self.welcomed or self.window.full:
@@ -120,6 +136,7 @@ class LoaderServer:
         if bad > self._bad_samples_seen:
             self.m.loader_quarantined_samples.labels(self.source.name).inc(bad - self._bad_samples_seen)
             self._bad_samples_seen = bad
+        self._remote_metrics()
         dry = bool(getattr(self.stream, "dry", False))
         self.m.loader_dry.labels(self.source.name).set(1 if dry else 0)
         if dry and time.monotonic() - self._last_status_line > 30.0:

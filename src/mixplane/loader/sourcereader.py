@@ -9,8 +9,11 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader import pagereader as pr
+from mixplane.loader import remote
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.pagereader import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
+from mixplane.loader.readahead import ReadAhead
+from mixplane.loader.remote import RemoteIO
 from mixplane.loader.thrift import ThriftError
 
 
@@ -61,10 +64,19 @@ class SourceReader:
     pages read."""
 
     def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
-                 dict_cache_bytes: int | None = None, max_open_files: int = 64):
+                 dict_cache_bytes: int | None = None, max_open_files: int = 64, io: RemoteIO | None = None):
         self.index = index
         self.fs = filesystem
+        self.io = io or remote.DEFAULTS
+        # remote sources: pages of the shuffle order fetched ahead (plan_ahead), coalesced, cached
+        self.ahead = ReadAhead(self.io, stats if stats is not None else IOStats(), self._reader) \
+            if remote.is_remote(filesystem) else None
+        self._order: np.ndarray | None = None
+        self._order_pos: dict[int, int] = {}
+        self._scheduled_upto = -1
         self.stats = stats if stats is not None else IOStats()
+        if self.ahead is not None:
+            self.ahead.stats = self.stats
         self.verify_crc = verify_crc
         self._auto_dict_budget = dict_cache_bytes is None
         self._dicts = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
@@ -77,7 +89,7 @@ class SourceReader:
         r = self._readers.get(file_i)
         if r is None:
             f = self.index.files[file_i]
-            r = RangeReader(f.path, self.fs, self.stats)
+            r = RangeReader(f.path, self.fs, self.stats, self.io)
             if r.size != f.size:
                 r.close()
                 raise CorruptFileError(f"file changed since it was indexed ({f.size} -> {r.size} bytes)", file=f.path)
@@ -98,7 +110,7 @@ class SourceReader:
         dlen = int(a["chunk_dict_len"][chunk])
         if dlen == 0:
             return None
-        buf = self._reader(int(a["chunk_file"][chunk])).read_at(int(a["chunk_dict_off"][chunk]), dlen)
+        buf = self._fetch(int(a["chunk_file"][chunk]), int(a["chunk_dict_off"][chunk]), dlen)
         self.dict_reads += 1
         d = pr.read_dictionary(self.index.file_column(int(a["chunk_file"][chunk]), col.name), buf,
                                int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
@@ -107,6 +119,70 @@ class SourceReader:
             self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
         self._dicts.put(key, d, d.nbytes)
         return d
+
+    # -- read-ahead (remote sources) --
+    def plan_ahead(self, pages: np.ndarray) -> None:
+        """The primary pages this reader will be asked for, in order (a page-mode epoch's plan); on a
+        remote source each read then fetches the next ``io.prefetch_pages`` pages' ranges ahead."""
+        if self.ahead is None or self.io.prefetch_pages <= 0:
+            return
+        pages = np.asarray(pages, np.int64)
+        _, first = np.unique(pages, return_index=True)
+        self._order = pages[np.sort(first)]
+        self._order_pos = {int(p): i for i, p in enumerate(self._order)}
+        self._scheduled_upto = -1
+
+    def _page_ranges(self, page: int) -> list[tuple[int, int, int]]:
+        """(file, offset, size) of every projected column's pages for primary page ``page`` (and of the
+        chunk's dictionary pages not decoded yet)."""
+        idx = self.index
+        chunk = int(idx.chunk_of_units([page])[0])
+        p = idx.primary
+        row0 = int(p["unit_row_start"][page])
+        row1 = row0 + int(p["unit_rows"][page])
+        out = []
+        for ci, col in enumerate(idx.col_info or []):
+            a = idx.cols[col.name]
+            f = int(a["chunk_file"][chunk])
+            if ci == 0:
+                u0, u1 = page, page + 1
+            else:
+                c0, c1 = int(a["chunk_first_unit"][chunk]), int(a["chunk_first_unit"][chunk + 1])
+                starts = a["unit_row_start"][c0:c1]
+                u0 = c0 + int(np.searchsorted(starts, row0, side="right")) - 1
+                u1 = c0 + int(np.searchsorted(starts, row1, side="left"))
+            if u1 <= u0 or not a["unit_len"][u0:u1].all():
+                continue
+            off = int(a["unit_off"][u0])
+            out.append((f, off, int(a["unit_off"][u1 - 1]) + int(a["unit_len"][u1 - 1]) - off))
+            dlen = int(a["chunk_dict_len"][chunk])
+            if dlen and self._dicts.get((col.name, chunk)) is None:
+                out.append((f, int(a["chunk_dict_off"][chunk]), dlen))
+        return out
+
+    def _read_ahead_from(self, page: int) -> None:
+        if self.ahead is None or self._order is None:
+            return
+        pos = self._order_pos.get(int(page))
+        if pos is None:
+            return
+        lo = max(pos + 1, self._scheduled_upto + 1)
+        hi = min(len(self._order), pos + 1 + self.io.prefetch_pages)
+        if lo >= hi:
+            return
+        ranges = [r for q in self._order[lo:hi] for r in self._page_ranges(int(q))]
+        if self.ahead.schedule(ranges) or not ranges:
+            self._scheduled_upto = hi - 1
+
+    def _fetch(self, file_i: int, offset: int, size: int) -> bytes:
+        if self.ahead is not None:
+            got = self.ahead.get(file_i, offset, size, timeout=self.io.request_timeout_s * self.io.attempts)
+            if got is not None:
+                return got
+            data = self._reader(file_i).read_at(offset, size)
+            self.ahead.put(file_i, offset, size, data)
+            return data
+        return self._reader(file_i).read_at(offset, size)
 
     def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int, select: np.ndarray | None = None) -> pa.Array:
         """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only
@@ -121,7 +197,7 @@ class SourceReader:
         rows = int(a["unit_rows"][u0:u1].sum())
         codec = int(a["chunk_codec"][chunk])
         try:
-            buf = self._reader(int(a["chunk_file"][chunk])).read_at(off, end - off)
+            buf = self._fetch(int(a["chunk_file"][chunk]), off, end - off)
             dictionary = (lambda: self._dictionary(col, chunk)) if int(a["chunk_dict_len"][chunk]) else None
             arrs = pr.decode_page_run(col, buf, codec, dictionary, verify_crc=self.verify_crc, expect_rows=rows,
                                       select=select)
@@ -146,6 +222,8 @@ class SourceReader:
         ``units`` gives the primary column's unit range when the caller knows it (it is decoded
         selecting the rows as it goes); other columns read the pages that cover the row range,
         slice them and take the selected rows."""
+        if units is not None and self._order is not None:
+            self._read_ahead_from(units[0])
         out: dict[str, pa.Array] = {}
         for ci, col in enumerate(self.index.col_info):
             a = self.index.cols[col.name]
@@ -167,6 +245,8 @@ class SourceReader:
         return out
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         for r in self._readers.values():
             r.close()
         self._readers.clear()

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader.bounds import bound_texts
-from mixplane.loader.files import SourceFiles, SourceFilesError, list_source_files
+from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
 from mixplane.loader.indexscan import build_source_index
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.sourcereader import SourceReader
@@ -88,7 +88,7 @@ class SourceStream:
         self._cache_dir = cache_dir
         # live sources list their storage at most once per poll_s (monotonic clock)
         self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
-        self.files = files or list_source_files(source.uri)
+        self.files = files or list_source(source)
         self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self.segments: list[Segment] = []
@@ -190,7 +190,7 @@ class SourceStream:
             return False
         self.next_rescan_at = now + self.poll_s
         try:
-            f = list_source_files(self.source.uri)
+            f = list_source(self.source)
         except SourceFilesError as e:
             log.warning("source %r: cannot list %s: %s", self.name, self.source.uri, e)
             return False
@@ -222,6 +222,9 @@ class SourceStream:
         self._plan_obj = self._plan(epoch)
         self._epoch_len = self._plan_obj.rows if self._plan_obj is not None else 0
         self._layout = self.policy.layout(self.index, self._plan_obj)
+        order = getattr(self._plan_obj, "order", None)
+        if self.mode == "page" and order is not None:  # remote sources fetch the coming pages ahead
+            self.reader.plan_ahead(self._layout.page(order))
         self._block = np.zeros(0, np.int64)
         self._block_done: list[int] = []
         self._block_start = start
@@ -477,7 +480,7 @@ class SourceStream:
         self.cache.clear()  # units are numbered by the index being rebuilt
         sizes = dict(zip(self.files.paths, self.files.sizes))
         mt = dict(zip(self.files.paths, self.files.mtimes_ns))
-        cur = list_source_files(self.source.uri)
+        cur = list_source(self.source)
         sizes.update(zip(cur.paths, cur.sizes))
         mt.update(zip(cur.paths, cur.mtimes_ns))
         for paths in segs:

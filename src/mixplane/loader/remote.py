@@ -1,0 +1,128 @@
+"""Object storage for sources: the filesystem a source uri names (S3-compatible endpoints with an
+endpoint override and region from the spec; credentials only from the usual places — environment,
+an AWS profile or a credentials file mounted from a Secret, never the spec), ranged reads with
+retries, backoff and timeouts, and errors that name the object.
+
+Failure classes: 404 (missing object or bucket) and 403 (credentials refused) are not retried;
+throttling (503 SlowDown), other 5xx, cut transfers and timeouts are retried with exponential backoff
+and jitter up to ``RemoteIO.attempts``; then :class:`RemoteUnavailableError` names the object and the
+last error. The AWS SDK's own retries are off (one attempt per request), so every retry is ours and
+counted in :class:`~mixplane.loader.pagereader.IOStats`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+
+@dataclass
+class RemoteIO:
+    """Tuning of remote reads (defaults for every remote source of a process)."""
+
+    attempts: int = 6  # tries per request (1 = no retry)
+    backoff_s: float = 0.05  # first retry after ~this, doubling, with jitter
+    backoff_max_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+    # page-mode read-ahead (sourcereader): pages of the shuffle order fetched ahead, coalesced when
+    # closer than coalesce_gap bytes (up to max_request bytes), at most max_inflight requests at once
+    prefetch_pages: int = 32
+    coalesce_gap: int = 64 << 10
+    max_request: int = 8 << 20
+    max_inflight: int = 8
+    cache_bytes: int = 64 << 20  # recently read / prefetched pages kept (bytes)
+    tail_bytes: int = 64 << 10  # one read of a file's last bytes serves its footer and most OffsetIndexes
+
+
+DEFAULTS = RemoteIO()
+
+
+class RemoteError(OSError):
+    """A remote object that cannot be read; the message names it."""
+
+
+class MissingObjectError(RemoteError, FileNotFoundError):
+    """404: the object (or its bucket) does not exist — deleted, or never there."""
+
+
+class AccessDeniedError(RemoteError, PermissionError):
+    """403: the storage refused the credentials (or they lack permission for the object)."""
+
+
+class RemoteUnavailableError(RemoteError):
+    """Retries exhausted on throttling, 5xx, cut transfers or timeouts."""
+
+
+_NOT_FOUND = ("NO_SUCH_KEY", "NO_SUCH_BUCKET", "RESOURCE_NOT_FOUND", "Path does not exist", "HTTP response code: 404")
+_DENIED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_SIGNATURE",
+           "MISSING_AUTHENTICATION_TOKEN", "EXPIRED_TOKEN", "UNRECOGNIZED_CLIENT", "HTTP response code: 403",
+           "AccessDenied", "Forbidden")
+
+
+def classify(err: BaseException) -> str:
+    """'not_found', 'denied' or 'retry' for an error of a remote read."""
+    if isinstance(err, FileNotFoundError):
+        return "not_found"
+    msg = str(err)
+    if any(s in msg for s in _NOT_FOUND):
+        return "not_found"
+    if isinstance(err, PermissionError) or any(s in msg for s in _DENIED):
+        return "denied"
+    return "retry"
+
+
+def backoff(attempt: int, io: RemoteIO, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry ``attempt`` (1 = first retry): exponential, capped, full jitter on half."""
+    base = min(io.backoff_max_s, io.backoff_s * (2 ** (attempt - 1)))
+    return base / 2 + (rng or random).random() * base / 2
+
+
+def is_remote(fs) -> bool:
+    return fs is not None and type(fs).__name__ != "LocalFileSystem"
+
+
+def object_name(fs, path: str) -> str:
+    """``s3://bucket/key`` for messages (pyarrow paths carry no scheme)."""
+    scheme = {"S3FileSystem": "s3", "GcsFileSystem": "gs", "HadoopFileSystem": "hdfs"}.get(type(fs).__name__)
+    return f"{scheme}://{path}" if scheme and "://" not in path else path
+
+
+def with_retries(what: str, name: str, fn, io: RemoteIO = DEFAULTS, on_retry=None):
+    """Run ``fn()`` (one remote request) with our retry policy; raise a RemoteError naming ``name``."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except (OSError, ValueError) as e:  # pyarrow raises OSError (and ArrowInvalid, a ValueError)
+            kind = classify(e)
+            if kind == "not_found":
+                raise MissingObjectError(f"{name}: object not found while {what} (deleted, or the bucket does not "
+                                         f"exist): {e}") from None
+            if kind == "denied":
+                raise AccessDeniedError(f"{name}: access denied while {what}: the storage refused the credentials "
+                                        "(from AWS_ACCESS_KEY_ID / AWS_PROFILE / AWS_SHARED_CREDENTIALS_FILE or "
+                                        f"the pod's mounted Secret): {e}") from None
+            attempt += 1
+            if attempt >= io.attempts:
+                raise RemoteUnavailableError(f"{name}: {what} failed after {attempt} attempts: {e}") from None
+            if on_retry is not None:
+                on_retry()
+            time.sleep(backoff(attempt, io))
+
+
+def s3_filesystem(*, endpoint: str | None = None, region: str | None = None, io: RemoteIO = DEFAULTS) -> pafs.S3FileSystem:
+    """An S3 filesystem with the spec's endpoint override and region; credentials from the default
+    chain (environment, AWS profile / shared credentials file, instance or pod identity)."""
+    kw: dict = {"retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+                "connect_timeout": io.connect_timeout_s, "request_timeout": io.request_timeout_s}
+    if region:
+        kw["region"] = region
+    if endpoint:
+        scheme, _, host = endpoint.rpartition("://")
+        kw["endpoint_override"] = host.rstrip("/")
+        kw["scheme"] = scheme or "https"
+    return pafs.S3FileSystem(**kw)

@@ -1,0 +1,245 @@
+"""Sources on S3: a real S3-compatible server (moto's standalone server) on 127.0.0.1 over HTTP, and a
+proxy in front of it for throttling, refused credentials and latency. Batches equal the local copy's
+in every shuffle mode; every failure class ends in a clear error or a retry, never a hang or wrong data."""
+
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.s3server import Fault, MotoS3, S3Proxy, credentials_env
+from tests.unit.loader_testdata import write_source
+from mixplane.loader import remote
+from mixplane.loader.files import SourceFilesError, list_source
+from mixplane.loader.indexscan import index_file
+from mixplane.loader.pagereader import IOStats
+from mixplane.loader.stream import open_stream
+from mixplane.metrics import make_metrics
+from mixplane.samples import key_epoch
+from mixplane.spec import SourceSpec
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in credentials_env()}
+    os.environ.update(credentials_env())
+    server = MotoS3()
+    local = str(tmp_path_factory.mktemp("local") / "src")
+    paths, table = write_source(local, nfiles=3, rows=700, page_size=4096, row_group_size=400, dictionary=True)
+    server.upload_dir(local, "corpus", "text")
+    try:
+        yield server, local, table
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def _no_index_cache(monkeypatch):
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+
+
+@pytest.fixture
+def proxy(s3):
+    p = S3Proxy(s3[0].endpoint)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def spec(uri, endpoint, mode="page", **kw):
+    return SourceSpec(name="web", uri=uri, columns=["text", "row", "ids"], kind="text", shuffle=mode,
+                      endpoint=endpoint, region="us-east-1", **kw)
+
+
+def take_all(s, n):
+    r = s.take(n)
+    return r.keys.tolist(), {c: r.columns[c] for c in r.columns}
+
+
+@pytest.mark.parametrize("mode", ["page", "row", "rowgroup", "sequential"])
+def test_remote_batches_equal_local(s3, mode):
+    server, local, table = s3
+    n = len(table) + 300  # into the second epoch
+    loc = open_stream(spec(local, None, mode), seed=5, buffer_rows=200)
+    rem = open_stream(spec("s3://corpus/text/*.parquet", server.endpoint, mode), seed=5, buffer_rows=200)
+    assert [os.path.basename(p) for p in rem.files.paths] == [os.path.basename(p) for p in loc.files.paths]
+    k1, c1 = take_all(loc, n)
+    k2, c2 = take_all(rem, n)
+    assert k1 == k2
+    for c in c1:
+        assert c1[c].equals(c2[c]), c
+    assert rem.stats.requests > 0 and loc.stats.requests == 0
+    loc.close()
+    rem.close()
+
+
+def test_index_from_footer_and_offset_indexes_in_few_requests(s3, proxy, tmp_path):
+    server, _, _ = s3
+    rng = np.random.default_rng(0)
+    t = pa.table({"text": [" ".join(map(str, rng.integers(0, 10**9, 40))) for _ in range(20_000)],
+                  "row": np.arange(20_000), "ids": [[i] * 5 for i in range(20_000)]})
+    local = str(tmp_path / "big.parquet")
+    pq.write_table(t, local, data_page_size=4096, row_group_size=5000, write_page_index=True, use_dictionary=False,
+                   write_batch_size=100)
+    fs = server.filesystem()
+    with open(local, "rb") as f, fs.open_output_stream("corpus/big/big.parquet") as o:
+        o.write(f.read())
+    assert os.path.getsize(local) > 4 * remote.DEFAULTS.tail_bytes
+    proxy.reset_counts()
+    fi = index_file("corpus/big/big.parquet", ["text", "row", "ids"], filesystem=server.filesystem(proxy.endpoint),
+                    stats=IOStats())
+    chunks = 4 * 3
+    assert fi.num_pages() > 4 * 40  # every page of every chunk indexed (from the OffsetIndexes)
+    # HEAD (open) + the tail (footer) + at most one read of all OffsetIndexes, not one per chunk (12)
+    assert proxy.requests <= 3 < chunks, proxy.requests
+
+
+def test_read_ahead_coalesces_and_cuts_waiting(s3, proxy, monkeypatch):
+    """Page mode with read-ahead issues fewer requests than one per page and column; same batches."""
+    server, local, table = s3
+    uri = "s3://corpus/text/*.parquet"
+    runs = {}
+    monkeypatch.setattr(remote.DEFAULTS, "tail_bytes", 1024)  # small files: pages are not all inside the tail read
+    for name, pages in (("naive", 0), ("ahead", 32)):
+        monkeypatch.setattr(remote.DEFAULTS, "prefetch_pages", pages)
+        monkeypatch.setattr(remote.DEFAULTS, "coalesce_gap", 0 if pages == 0 else 1 << 20)
+        s = open_stream(spec(uri, proxy.endpoint), seed=1, buffer_rows=100)
+        proxy.reset_counts()
+        runs[name] = (take_all(s, len(table)), proxy.requests, s.stats.cache_hits)
+        s.close()
+    (k0, c0), naive_requests, _ = runs["naive"]
+    (k1, c1), ahead_requests, hits = runs["ahead"]
+    assert k0 == k1 and all(c0[c].equals(c1[c]) for c in c0)
+    assert hits > 0
+    assert ahead_requests < naive_requests, (ahead_requests, naive_requests)
+
+
+def test_live_remote_source_picks_up_new_objects(s3, tmp_path):
+    server, local, table = s3
+    fs = server.filesystem()
+    for name in ("part-00.parquet", "part-01.parquet"):
+        fs.copy_file(f"corpus/text/{name}", f"corpus/live/{name}")
+    s = open_stream(spec("s3://corpus/live/", server.endpoint, live=True), seed=0, buffer_rows=100, poll_s=0.2)
+    first = s.index.num_rows
+    r = s.take(first)
+    assert len(r.keys) == first
+    fs.copy_file("corpus/text/part-02.parquet", "corpus/live/part-02.parquet")
+    deadline = time.monotonic() + 30
+    got = []
+    while time.monotonic() < deadline and len(got) < len(table) - first:
+        got += s.take(len(table) - first - len(got), timeout=0.5).columns["row"].to_pylist()
+    assert sorted(got) == list(range(first, len(table)))  # the new object's rows, each once
+    s.close()
+
+
+def test_missing_bucket_is_named(s3):
+    server, _, _ = s3
+    with pytest.raises(SourceFilesError, match="bucket 'no-such-bucket' does not exist"):
+        list_source(spec("s3://no-such-bucket/text/*.parquet", server.endpoint))
+
+
+def test_object_missing_or_deleted_mid_run_is_quarantined_by_name(s3):
+    server, local, table = s3
+    fs = server.filesystem()
+    for name in ("part-00.parquet", "part-01.parquet", "part-02.parquet"):
+        fs.copy_file(f"corpus/text/{name}", f"corpus/gone/{name}")
+    sp = spec("s3://corpus/gone/*.parquet", server.endpoint)
+    s = open_stream(sp, seed=2, buffer_rows=50)  # indexed: all three objects
+    fs.delete_file("corpus/gone/part-01.parquet")  # deleted mid-run
+    n0 = pq.ParquetFile(os.path.join(local, "part-00.parquet")).metadata.num_rows
+    n1 = pq.ParquetFile(os.path.join(local, "part-01.parquet")).metadata.num_rows
+    r = s.take(len(table) - n1)
+    rows = r.columns["row"].to_pylist()
+    assert (key_epoch(r.keys) == 0).all()
+    assert sorted(rows) == [i for i in range(len(table)) if not n0 <= i < n0 + n1]
+    exp = table.column("text").take(pa.array(rows)).combine_chunks()
+    assert r.columns["text"].equals(exp)
+    msgs = s.quarantine.messages()
+    assert msgs and all("s3://corpus/gone/part-01.parquet" in m and "not found" in m for m in msgs)
+    assert set(s.quarantine.counts()["by_kind"]) == {"missing_object"}
+    s.close()
+    # listed, then gone before it was indexed: the file is quarantined, the rest is served
+    fs.copy_file("corpus/text/part-01.parquet", "corpus/gone/part-01.parquet")
+    files = list_source(sp)
+    fs.delete_file("corpus/gone/part-02.parquet")
+    s = open_stream(sp, seed=2, buffer_rows=50, files=files)
+    assert s.quarantine.counts()["files"] == 1 and "part-02.parquet" in s.quarantine.messages()[0]
+    assert s.index.num_rows == n0 + n1
+    s.close()
+
+
+def test_truncated_object_is_quarantined_rest_served(s3, tmp_path):
+    server, local, table = s3
+    fs = server.filesystem()
+    for name in ("part-00.parquet", "part-02.parquet"):
+        fs.copy_file(f"corpus/text/{name}", f"corpus/trunc/{name}")
+    raw = open(os.path.join(local, "part-01.parquet"), "rb").read()
+    with fs.open_output_stream("corpus/trunc/part-01.parquet") as o:
+        o.write(raw[: len(raw) // 2])
+    s = open_stream(spec("s3://corpus/trunc/*.parquet", server.endpoint), seed=0, buffer_rows=50)
+    assert s.quarantine.counts()["by_kind"] == {"corrupt_file": 1}
+    assert "part-01.parquet" in s.quarantine.messages()[0] and "magic" in s.quarantine.messages()[0]
+    n0 = pq.ParquetFile(os.path.join(local, "part-00.parquet")).metadata.num_rows
+    n2 = pq.ParquetFile(os.path.join(local, "part-02.parquet")).metadata.num_rows
+    r = s.take(n0 + n2)
+    assert (key_epoch(r.keys) == 0).all() and len(set(r.columns["row"].to_pylist())) == n0 + n2
+    s.close()
+
+
+def test_throttling_is_retried_to_the_same_batches(s3, proxy):
+    server, local, table = s3
+    loc = open_stream(spec(local, None), seed=9, buffer_rows=100)
+    k0, c0 = take_all(loc, 600)
+    proxy.inject(Fault(503, count=4, code="SlowDown", match=lambda m, p: m == "GET" and "part-01" in p))
+    proxy.inject(Fault(500, count=2, code="InternalError", match=lambda m, p: m == "GET" and ".parquet" in p))
+    s = open_stream(spec("s3://corpus/text/*.parquet", proxy.endpoint), seed=9, buffer_rows=100)
+    k1, c1 = take_all(s, 600)
+    assert k0 == k1 and all(c0[c].equals(c1[c]) for c in c0)
+    assert s.stats.retries >= 6 and all(f.fired == f.count for f in proxy.faults)
+    assert s.quarantine.counts()["units"] == 0
+    m = make_metrics("loader")  # what the loader server exports from these stats
+    m.loader_remote_retries.labels("web").inc(s.stats.retries)
+    assert m.registry.get_sample_value("mixplane_loader_remote_retries_total", {"source": "web"}) >= 6
+    s.close()
+    loc.close()
+
+
+def test_throttling_that_never_ends_is_a_clear_error_not_a_hang(s3, proxy, monkeypatch):
+    monkeypatch.setattr(remote.DEFAULTS, "attempts", 3)
+    proxy.inject(Fault(503, count=10_000, code="SlowDown", match=lambda m, p: m == "GET" and "list-type" not in p))
+    t0 = time.monotonic()
+    with pytest.raises(remote.RemoteUnavailableError, match=r"s3://corpus/text/part-0\d.parquet.*after 3 attempts"):
+        open_stream(spec("s3://corpus/text/*.parquet", proxy.endpoint), seed=0, buffer_rows=50)
+    assert time.monotonic() - t0 < 30
+
+
+def test_refused_credentials_are_a_clear_error(s3, proxy):
+    proxy.inject(Fault(403, count=10_000, code="InvalidAccessKeyId"))
+    with pytest.raises(SourceFilesError, match="access denied.*credentials"):
+        open_stream(spec("s3://corpus/text/*.parquet", proxy.endpoint), seed=0, buffer_rows=50)
+    proxy.faults.clear()
+    # refused after listing (e.g. a key rotated mid-run): reading stops with the object named
+    s = open_stream(spec("s3://corpus/text/*.parquet", proxy.endpoint), seed=0, buffer_rows=50)
+    s.reader.close()
+    proxy.inject(Fault(403, count=10_000, code="AccessDenied"))
+    with pytest.raises(remote.AccessDeniedError, match=r"s3://corpus/text/part-0\d.parquet: access denied"):
+        s.take(100)
+    s.close()
+
+
+def test_spec_never_holds_credentials():
+    fields = set(SourceSpec.model_fields)
+    assert {"endpoint", "region"} <= fields
+    assert not fields & {"access_key", "secret_key", "secret_access_key", "session_token", "password", "credentials"}
+    assert np.isfinite(remote.backoff(3, remote.DEFAULTS))

@@ -1,0 +1,162 @@
+"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks (moto's standalone server, spoken
+to over HTTP), and a forwarding proxy in front of it that adds latency, caps bandwidth and injects
+faults (503 SlowDown, 403, truncated bodies) — no mocked client anywhere."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pyarrow.fs as pafs
+
+ACCESS_KEY, SECRET_KEY, REGION = "testing-key", "testing-secret", "us-east-1"
+
+
+def credentials_env() -> dict[str, str]:
+    """What a pod or shell would export (the spec never holds credentials)."""
+    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+class MotoS3:
+    """moto's ThreadedMotoServer bound to 127.0.0.1 on a free port."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def filesystem(self, endpoint: str | None = None) -> pafs.S3FileSystem:
+        ep = endpoint or self.endpoint
+        return pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION, scheme="http",
+                                 allow_bucket_creation=True, allow_bucket_deletion=True,
+                                 endpoint_override=ep.split("://", 1)[1])
+
+    def upload_dir(self, local_dir: str, bucket: str, prefix: str) -> list[str]:
+        fs = self.filesystem()
+        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            fs.create_dir(bucket)
+        out = []
+        for name in sorted(os.listdir(local_dir)):
+            src = os.path.join(local_dir, name)
+            if not os.path.isfile(src):
+                continue
+            dst = f"{bucket}/{prefix}/{name}"
+            with open(src, "rb") as f, fs.open_output_stream(dst) as o:
+                o.write(f.read())
+            out.append(dst)
+        return out
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class Fault:
+    """Answer the next ``count`` requests matching ``match(method, path)`` with ``status`` (or cut the
+    body short when ``truncate``)."""
+
+    def __init__(self, status: int = 503, count: int = 1, match: Callable[[str, str], bool] | None = None,
+                 code: str = "SlowDown", truncate: bool = False):
+        self.status, self.count, self.code, self.truncate = status, count, code, truncate
+        self.match = match or (lambda method, path: True)
+        self.fired = 0
+
+
+class S3Proxy:
+    """HTTP proxy on 127.0.0.1 in front of an S3 endpoint: fixed latency per request, optional bandwidth
+    cap, injected faults, and counts of what passed (requests, GET bytes)."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.0, bandwidth_bps: float | None = None):
+        self.upstream = upstream.split("://", 1)[1]
+        self.latency_s, self.bandwidth_bps = latency_s, bandwidth_bps
+        self.faults: list[Fault] = []
+        self.requests = 0
+        self.get_bytes = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                with proxy._lock:
+                    proxy.requests += 1
+                    fault = next((f for f in proxy.faults if f.fired < f.count and f.match(self.command, self.path)), None)
+                    if fault is not None:
+                        fault.fired += 1
+                if proxy.latency_s:
+                    time.sleep(proxy.latency_s)
+                if fault is not None and not fault.truncate:
+                    msg = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
+                           f"<Message>injected by the test proxy</Message></Error>").encode()
+                    self.send_response(fault.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(msg)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.get_bytes += len(data)
+                    if proxy.bandwidth_bps:
+                        time.sleep(len(data) / proxy.bandwidth_bps)
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                        self.send_header(k, v)
+                # a HEAD answer carries the object's length, not the (empty) body's
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data[: len(data) // 2] if fault is not None and fault.truncate else data)
+                    if fault is not None and fault.truncate:
+                        self.close_connection = True
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread.start()
+
+    def inject(self, fault: Fault) -> Fault:
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.requests = 0
+            self.get_bytes = 0
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
