@@ -89,14 +89,14 @@ def clock_and_listings(monkeypatch):
 
     clock = FakeClock()
     listings = []
-    real = stream_mod.list_source_files
+    real = stream_mod.list_source
 
-    def listing(uri):
+    def listing(source):
         listings.append(clock.now)
-        return real(uri)
+        return real(source)
 
     monkeypatch.setattr(stream_mod, "time", clock)
-    monkeypatch.setattr(stream_mod, "list_source_files", listing)
+    monkeypatch.setattr(stream_mod, "list_source", listing)
     return clock, listings
 
 
