@@ -224,7 +224,7 @@ class SourceStream:
         self._layout = self.policy.layout(self.index, self._plan_obj)
         order = getattr(self._plan_obj, "order", None)
         if self.mode == "page" and order is not None and self.reader.ahead is not None:  # remote: fetch coming pages ahead
-            self.reader.plan_ahead(self._layout.page(order))
+            self.reader.plan_ahead(np.asarray(self._layout.page(order)))
         self._block = np.zeros(0, np.int64)
         self._block_done: list[int] = []
         self._block_start = start
