@@ -56,6 +56,7 @@ def worker(args) -> None:
     configure_allocator()
     import pyarrow.compute as pc
 
+    args.mode = args.worker
     for kv in filter(None, args.io.split(",")):
         k, v = kv.split("=")
         setattr(remote.DEFAULTS, k, int(v))
@@ -150,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the small loader_io dataset, one latency, short runs")
     ap.add_argument("--latency-ms", default=None, help="comma-separated latencies (default 20,50; quick: 20)")
+    ap.add_argument("--page-io", default="", help="RemoteIO settings for page mode, e.g. prefetch_pages=64,max_inflight=16")
     ap.add_argument("--bandwidth-mbps", type=float, default=800.0, help="cap per transfer, megabits/s")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--data", default="", help=argparse.SUPPRESS)
@@ -194,7 +196,8 @@ def main() -> None:
                 modes, sweep = {}, {}
                 gaps = [0, 64 << 10, 1 << 20] if not quick else [64 << 10]
                 for gap in gaps:
-                    sweep[gap] = run("page", proxy, data, names, n_total, samples, budget, f"coalesce_gap={gap}")
+                    sweep[gap] = run("page", proxy, data, names, n_total, samples, budget,
+                                     ",".join(filter(None, [f"coalesce_gap={gap}", args.page_io])))
                     print(json.dumps({"latency_ms": lat, "mode": "page", "coalesce_gap": gap, **sweep[gap]}), flush=True)
                 best = max(sweep, key=lambda g: sweep[g]["samples_per_s"])
                 modes["page"] = sweep[best]

@@ -30,11 +30,11 @@ class RemoteIO:
     request_timeout_s: float = 30.0
     # page-mode read-ahead (sourcereader): pages of the shuffle order fetched ahead, coalesced when
     # closer than coalesce_gap bytes (up to max_request bytes), at most max_inflight requests at once
-    prefetch_pages: int = 32
+    prefetch_pages: int = 64
     coalesce_gap: int = 64 << 10
     max_request: int = 8 << 20
-    max_inflight: int = 8
-    cache_bytes: int = 64 << 20  # recently read / prefetched pages kept (bytes)
+    max_inflight: int = 16
+    cache_bytes: int = 128 << 20  # recently read / prefetched pages kept (bytes)
     tail_bytes: int = 64 << 10  # one read of a file's last bytes serves its footer and most OffsetIndexes
 
 
