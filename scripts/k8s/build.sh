@@ -6,6 +6,8 @@
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-1.20.2}"
+HOME="${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}"
+export HOME
 CACHE="${MIXPLANE_K8S_CACHE:-$HOME/.cache/mixplane/k8s-$K8S_VERSION}"
 BIN="$CACHE/bin"
 SRC="$CACHE/src"
@@ -57,12 +59,13 @@ apt_update
 
 mkdir -p "$SRC" "$BIN"
 cd "$SRC"
-srcdir=$(ls -d kubernetes-*/ 2>/dev/null | head -1 || true)
-if [ -z "$srcdir" ]; then
+if [ ! -f .extracted ]; then  # (a run killed mid-extraction leaves no stamp: fetch again)
+  rm -rf kubernetes-* kubernetes_*
   log "apt-get source kubernetes"
   apt-get source -qq kubernetes >/dev/null
-  srcdir=$(ls -d kubernetes-*/ | head -1)
+  touch .extracted
 fi
+srcdir=$(ls -d kubernetes-*/ | head -1)
 srcdir="$SRC/${srcdir%/}"
 log "source: $srcdir"
 
