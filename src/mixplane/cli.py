@@ -288,7 +288,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"mixplane operator: not available ({e})", file=sys.stderr)
         return 1
-    return run_operator(namespace=args.namespace)
+    # the chart's liveness probe: kopf answers GET /healthz on MIXPLANE_HEALTH_PORT
+    health = os.environ.get("MIXPLANE_HEALTH_PORT")
+    return run_operator(namespace=args.namespace, liveness=f"http://0.0.0.0:{int(health)}/healthz" if health else None)
 
 
 def cmd_crd(args: argparse.Namespace) -> int:

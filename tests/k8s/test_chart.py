@@ -97,8 +97,8 @@ def test_rbac_is_least_privilege_and_namespaced_by_default():
     roles = by_kind(ns, "Role")
     cluster_roles = by_kind(ns, "ClusterRole")
     assert len(roles) == 1 and roles[0]["metadata"]["namespace"] == "mixplane-system"
-    # the only cluster-scoped rights of a namespaced install: reading CRDs
-    assert [r["resources"] for cr in cluster_roles for r in cr["rules"]] == [["customresourcedefinitions"]]
+    # the only cluster-scoped rights of a namespaced install: reading CRDs and namespaces (kopf needs both)
+    assert [r["resources"] for cr in cluster_roles for r in cr["rules"]] == [["customresourcedefinitions"], ["namespaces"]]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for cr in cluster_roles for r in cr["rules"])
     wide = render(VARIANTS["cluster-wide"])
     assert not by_kind(wide, "Role") and len(by_kind(wide, "ClusterRole")) == 2
