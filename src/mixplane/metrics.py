@@ -21,6 +21,7 @@ class Metrics:
     registry: CollectorRegistry
     # wire (all components)
     bad_messages: Counter
+    refused: Counter
     # planner
     steps_planned: Counter
     plan_seconds: Histogram
@@ -79,6 +80,8 @@ def make_metrics(component: str) -> Metrics:
     m = Metrics(
         registry=r,
         bad_messages=c("mixplane_wire_bad_messages_total", "Malformed or unexpected messages dropped", lbl + ["reason"]),
+        refused=c("mixplane_wire_refused_total", "Messages refused because the sender's role may not send their kind",
+                  lbl + ["kind", "role"]),
         steps_planned=c("mixplane_planner_steps_planned_total", "Steps planned"),
         plan_seconds=h("mixplane_planner_plan_seconds", "Time to plan one step"),
         planner_step=g("mixplane_planner_step", "Last planned step"),

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from mixplane.wire.framing import Kind, Message, WireError
+from mixplane.wire.framing import HEADER, MAX_META_BYTES, Kind, Message, WireError
 
 # ---------------------------------------------------------------------------------------------- field lists
 #: STEP_DATA arrays of the encoder batch (per rank; never part of a TP broadcast of the backbone's tensors)
@@ -81,6 +81,37 @@ def check(msg: Message) -> Message:
     for name in schema.arrays:
         msg.array(name)
     return msg
+
+
+# ---------------------------------------------------------------------------------------------- size limits
+CONTROL_FRAME_BYTES = 1 << 20  # what a trainer client ever sends a constructor (GET_STEP, HEARTBEAT) fits easily
+
+
+def max_message_bytes(spec: Any, socket: str) -> int:
+    """The largest frame a component's `socket` can legitimately receive under `spec` (ZeroMQ MAXMSGSIZE,
+    which libzmq checks per frame before buffering it): anything larger is garbage or an attack.
+
+    ``planner``: control messages and LOADER_META (8 bytes per window sample); ``data`` (a constructor's
+    SAMPLES): one step's tokens (int32, one label token per span) and the pixels of its images;
+    ``clients`` (a constructor's client socket): small requests only; ``loader`` (from the planner):
+    one step's PLAN_LOADER arrays."""
+    meta = HEADER.size + MAX_META_BYTES + 4
+    tokens = int(spec.tokens_per_step)
+    rows = int(spec.rows_per_step)
+    if socket == "planner":
+        return max(meta, 8 * int(spec.runtime.window_max))
+    if socket == "data":
+        px = 0
+        for src in spec.sources:
+            if getattr(src, "kind", "") == "image_text":
+                img = src.image
+                px = max(px, tokens * int(img.merge) * int(img.patch_size) ** 2 * 3)
+        return max(meta, 8 * (tokens + rows + 1), px + (1 << 20))
+    if socket == "clients":
+        return CONTROL_FRAME_BYTES
+    if socket == "loader":
+        return max(meta, 8 * 4 * (tokens + rows) * max(1, int(spec.world_size)))
+    raise ValueError(f"unknown socket {socket!r}")
 
 
 # ---------------------------------------------------------------------------------------------- window cursor
@@ -156,7 +187,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.SEEK: frozenset({COMPONENT, ADMIN}),
     Kind.RESET: frozenset({COMPONENT, ADMIN}),
     # the data plane's own messages come from components only once peers are authenticated
-    Kind.HELLO: frozenset({COMPONENT, ADMIN, ANONYMOUS}),
+    Kind.HELLO: frozenset({COMPONENT, ANONYMOUS}),
     Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),
     Kind.NEED_STEPS: frozenset({COMPONENT, ANONYMOUS}),
     Kind.SAMPLES: frozenset({COMPONENT, ANONYMOUS}),
@@ -169,16 +200,6 @@ def allowed(kind: Kind, role: str, *, open_run: bool = False) -> bool:
     if role == ANONYMOUS and kind in CONTROL_KINDS:
         return open_run
     return role in ALLOWED_ROLES.get(kind, frozenset())
-
-
-def role_of_key_name(stem: str) -> str:
-    """The role of a key file `<stem>.key`: the role names themselves, `server` (the key pair every
-    component shares) -> component, anything else an authenticated client without control rights."""
-    if stem in (COMPONENT, CLIENT, ADMIN):
-        return stem
-    if stem == "server":
-        return COMPONENT
-    return CLIENT
 
 
 # ---------------------------------------------------------------------------------------------- plan cursor

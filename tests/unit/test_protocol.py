@@ -93,6 +93,6 @@ def test_roles():
     assert a(Kind.RESUME, protocol.CLIENT)
     assert not a(Kind.LOADER_META, protocol.CLIENT)
     assert a(Kind.GET_STEP, protocol.CLIENT) and a(Kind.STATUS, protocol.ANONYMOUS)
-    assert protocol.role_of_key_name("server") == protocol.COMPONENT
-    assert protocol.role_of_key_name("admin") == protocol.ADMIN
-    assert protocol.role_of_key_name("stranger") == protocol.CLIENT
+    assert wire.role_of_key_name("server") == protocol.COMPONENT
+    assert wire.role_of_key_name("admin") == protocol.ADMIN
+    assert wire.role_of_key_name("stranger") == protocol.CLIENT

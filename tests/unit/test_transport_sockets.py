@@ -52,7 +52,7 @@ def test_every_component_socket_has_heartbeats(spec):
             assert _heartbeat(s) == EXPECTED
         assert cons.data.getsockopt(zmq.RCVHWM) == 256
         assert _heartbeat(loader.planner) == EXPECTED
-        loader._on_welcome(wire.Message(Kind.WELCOME, {"session": 0, "constructors": [cons.data_endpoint],
+        loader.handle(wire.Message(Kind.WELCOME, {"session": 0, "constructors": [cons.data_endpoint],
                                                        "cursor": {"low": 0}}))
         assert len(loader.pushers) == 1
         push = loader.pushers[0]

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from mixplane import wire
+from mixplane import protocol, wire
+from mixplane.component import Component
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
-from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.protocol import plan_cursor
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
@@ -82,35 +82,42 @@ def wire_advertised(bound: str, host: str | None) -> str:
     return bound if not host else f"tcp://{host}:{bound.rsplit(':', 1)[1]}"
 
 
-class ConstructorServer:
+class ConstructorServer(Component):
+    component = "constructor"
+
     def __init__(self, spec: DataMixtureSpec, index: int, planner_endpoint: str, *, host: str = "127.0.0.1",
                  context: zmq.Context | None = None, metrics_port: int | None = 0, ports: tuple[int, int] = (0, 0),
                  advertise_host: str | None = None):
-        self.spec = spec
+        super().__init__(spec, f"constructor:{index}", context=context, metrics_port=metrics_port, logger=log)
         self.index = index
-        self.name = f"constructor:{index}"
-        self.ctx = context or zmq.Context.instance()
         # CURVE when runtime.curve is enabled: both bound sockets are servers, the planner link a client
-        self.security = wire.Security(self.ctx, spec.runtime.curve)
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
         hb = spec.runtime.heartbeat_s  # ZMTP heartbeats on every socket: dead peers' pipes are dropped
-        wire.configure_socket(self.planner, heartbeat_s=hb)
+        wire.configure_socket(self.planner, heartbeat_s=hb, max_msgsize=protocol.max_message_bytes(spec, "loader"))
         self.security.client(self.planner).connect(planner_endpoint)
         self.data = self.ctx.socket(zmq.PULL)
-        wire.configure_socket(self.data, rcvhwm=256, heartbeat_s=hb)
+        wire.configure_socket(self.data, rcvhwm=256, heartbeat_s=hb, max_msgsize=protocol.max_message_bytes(spec, "data"))
         self.security.server(self.data).bind(f"tcp://{host}:{ports[0]}")
         self.clients = self.ctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
         wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
-                              heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True)
+                              heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True,
+                              max_msgsize=protocol.max_message_bytes(spec, "clients"))
         self.security.server(self.clients).bind(f"tcp://{host}:{ports[1]}")
         # what peers connect to (announced to the planner): the bound address, or advertise_host (a pod's IP
         # when binding 0.0.0.0) with the bound port
         self.data_endpoint = wire_advertised(self.data.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self.client_endpoint = wire_advertised(self.clients.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
+        self.add_endpoint(self.planner, "planner", {
+            Kind.WELCOME: self._on_welcome, Kind.PLAN_CONSTRUCTOR: self._on_plan, Kind.RESET: self._on_reset,
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ACK: self._ignore})
+        self.add_endpoint(self.data, "data", {Kind.SAMPLES: self._on_samples}, server=True, members=False)
+        self.add_endpoint(self.clients, "client", {Kind.GET_STEP: self._on_get_step, Kind.HEARTBEAT: self._on_client_heartbeat},
+                          routed=True, server=True)
+        self.welcomed = False
         self.session = -1
         self.ranks: list[int] = []
         self.dp_ranks: list[int] = []
@@ -118,15 +125,13 @@ class ConstructorServer:
         self.pending: list[tuple[bytes, int, int, float]] = []  # identity, step, rank, since
         self.asked_through = -1
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
+        # rank -> last step handed to its socket: what releases steps and bounds requests, so requests
+        # from peers that vanish (or claim a rank) cannot make a constructor drop steps a rank still needs
+        self.delivered: dict[int, int] = {}
         self.start_step = 0
         self.released_through = -1
         self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
-        self.stopped = False
-        self.welcomed = False
-        self.m = make_metrics("constructor")
-        self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         self.prefetch = spec.runtime.prefetch_steps
-        self._last_hello = 0.0
         bb = spec.topology.backbone()[1]
         self.cp, self.pp = bb.cp, bb.pp
         # image placeholder id of each image_text source: the rule loaders apply (mixplane.tokens)
@@ -141,10 +146,10 @@ class ConstructorServer:
             raise ValueError(f"{self.name}: batch.seq_len {spec.batch.seq_len} must be a multiple of 2*cp = {2 * self.cp} "
                              "for the zig-zag context-parallel split")
 
-    def _hello(self) -> None:
+    def hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "constructor", "index": self.index, "data_endpoint": self.data_endpoint,
                                              "client_endpoint": self.client_endpoint, "metrics_port": self.metrics_port})
-        self._last_hello = time.monotonic()
+        self.mark_hello()
 
     def _reset(self, session: int, start_step: int) -> None:
         self.session = session
@@ -154,44 +159,49 @@ class ConstructorServer:
         self.released_through = start_step - 1
         self.planned_seen = start_step - 1
         self.last_request.clear()
+        self.delivered.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, _rank, _ in self.pending:
             self._to_client(ident, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
                                                 "retry": True})
         self.pending.clear()
 
-    # -- planner / loader messages ------------------------------------------------------
+    # -- planner / loader messages (one handler per kind; the component base checks schema and role) ------
     def on_planner(self, msg: wire.Message) -> None:
-        k = msg.kind
-        if k == Kind.WELCOME:
-            self.ranks = list(msg.get("ranks", list))
-            self.dp_ranks = list(msg.get("dp_ranks", list))
-            self._reset(msg.get("session", int), msg.get("start_step", int))
-            self.welcomed = True
-        elif k == Kind.PLAN_CONSTRUCTOR:
-            if msg.get("session", int) != self.session:
-                return
-            try:
-                layout = StepLayout.from_parts(msg.meta, msg.arrays)
-            except ValueError as e:
-                raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
-            self.planned_seen = max(self.planned_seen, layout.step)
-            st = self.steps.setdefault(layout.step, StepState())
-            st.expect(layout, self.ranks)
-            st.cursor_after = plan_cursor(msg)
-            bc = msg.meta.get("broadcast", [])
-            if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
-                raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
-            st.broadcast = tuple(a.upper() for a in bc)
-            self.m.constructor_pending_steps.set(sum(1 for s in self.steps.values() if not s.complete))
-        elif k == Kind.RESET:
-            self._reset(msg.get("session", int), msg.get("start_step", int))
-        elif k == Kind.SHUTDOWN:
-            self.stopped = True
-        elif k in (Kind.HEARTBEAT, Kind.ACK):
-            pass
-        else:
-            raise WireError(f"unexpected {k.name} from the planner")
+        """Handle one message from the planner (WireError if bad)."""
+        self.dispatch(self.entry("planner"), b"", msg)
+
+    def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
+        self.ranks = list(msg.get("ranks", list))
+        self.dp_ranks = list(msg.get("dp_ranks", list))
+        self._reset(msg.get("session", int), msg.get("start_step", int))
+        self.welcomed = True
+
+    def _on_plan(self, _: bytes, msg: wire.Message) -> None:
+        if msg.get("session", int) != self.session:
+            return
+        try:
+            layout = StepLayout.from_parts(msg.meta, msg.arrays)
+        except ValueError as e:
+            raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
+        self.planned_seen = max(self.planned_seen, layout.step)
+        st = self.steps.setdefault(layout.step, StepState())
+        st.expect(layout, self.ranks)
+        st.cursor_after = plan_cursor(msg)
+        bc = msg.meta.get("broadcast", [])
+        if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
+            raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
+        st.broadcast = tuple(a.upper() for a in bc)
+        self.m.constructor_pending_steps.set(sum(1 for s in self.steps.values() if not s.complete))
+
+    def _on_reset(self, _: bytes, msg: wire.Message) -> None:
+        self._reset(msg.get("session", int), msg.get("start_step", int))
+
+    def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
+        self.stopped = True
+
+    def _ignore(self, _: bytes, msg: wire.Message) -> None:
+        pass
 
     @property
     def sample_horizon(self) -> int:
@@ -200,8 +210,10 @@ class ConstructorServer:
         return max(self.planned_seen, self.asked_through, self.start_step - 1) + self.spec.runtime.max_lead_steps
 
     def on_samples(self, msg: wire.Message) -> None:
-        if msg.kind != Kind.SAMPLES:
-            raise WireError(f"unexpected {msg.kind.name} on the data socket")
+        """Handle one message of the data socket (WireError if bad)."""
+        self.dispatch(self.entry("data"), b"", msg)
+
+    def _on_samples(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:
             return
         step = msg.get("step", int)
@@ -257,16 +269,8 @@ class ConstructorServer:
     def _to_client(self, ident: bytes, kind: Kind, meta: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> bool | None:
         """Send to one client without blocking: True when sent, None when its queue is full (the
         caller may retry later: backpressure), False when it is gone (logged)."""
-        try:
-            wire.send(self.clients, kind, meta, arrays, route=[ident], flags=zmq.NOBLOCK,
-                      checksum=self.spec.runtime.checksum_payloads if kind in wire.PAYLOAD_KINDS else None)
-            return True
-        except zmq.Again:
-            return None
-        except zmq.ZMQError as e:
-            self.m.bad_messages.labels("constructor", "undeliverable").inc()
-            log.warning("%s: %s to client %r not sent: %s", self.name, kind.name, ident, e)
-            return False
+        return self.send_routed(self.clients, ident, kind, meta, arrays,
+                                checksum=self.spec.runtime.checksum_payloads if kind in wire.PAYLOAD_KINDS else None)
 
     def _view_for(self, st: StepState, rank: int) -> dict[str, Any]:
         """What `rank` receives of its data-parallel batch: each distinct CP / PP / TP view is built once
@@ -347,40 +351,45 @@ class ConstructorServer:
             return False  # the client's queue is full: keep the request, send when it drains
         if not sent:
             return True
+        self.delivered[rank] = max(self.delivered.get(rank, self.start_step - 1), step)
         self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in arrays.values()))
         self.m.constructor_client_wait_seconds.observe(time.monotonic() - since)
         return True
 
     def on_client(self, ident: bytes, msg: wire.Message) -> None:
-        if msg.kind == Kind.GET_STEP:
-            step = msg.get("step", int)
-            rank = msg.get("rank", int)
-            if rank not in self.ranks:
-                self._to_client(ident, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"})
-                return
-            if step <= self.released_through:
-                self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} was already delivered to every rank "
-                                                    f"and released (steps up to {self.released_through}); resume from a "
-                                                    "state_dict to get it again", "step": step})
-                return
-            if step < self.start_step:
-                self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
-                return
-            horizon = max(self.last_request.values(), default=self.start_step - 1) + self.spec.runtime.max_lead_steps
-            if step > horizon:  # clients ask in order: a far-future step is a bug or garbage, not a prefetch
-                self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
-                                                    f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})
-                return
-            self.last_request[rank] = max(self.last_request.get(rank, -1), step)
-            self.pending.append((ident, step, rank, time.monotonic()))
-            want = step + self.prefetch
-            if want > self.asked_through:
-                self.asked_through = want
-                wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want})
-        elif msg.kind == Kind.HEARTBEAT:
-            wire.try_send(self.clients, Kind.HEARTBEAT, {}, route=[ident])
-        else:
-            raise WireError(f"unexpected {msg.kind.name} from a client")
+        """Handle one message from the client `ident` (WireError if bad)."""
+        self.dispatch(self.entry("client"), ident, msg)
+
+    def _on_client_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
+        self._to_client(ident, Kind.HEARTBEAT, {})  # the client may be gone already: counted, never raised
+
+    def _on_get_step(self, ident: bytes, msg: wire.Message) -> None:
+        step = msg.get("step", int)
+        rank = msg.get("rank", int)
+        if rank not in self.ranks:
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"})
+            return
+        if step <= self.released_through:
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} was already delivered to every rank "
+                                                f"and released (steps up to {self.released_through}); resume from a "
+                                                "state_dict to get it again", "step": step})
+            return
+        if step < self.start_step:
+            self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
+            return
+        # a client asks at most prefetch + 1 steps past what it received
+        horizon = (max(self.delivered.values(), default=self.start_step - 1) + self.prefetch + 1
+                   + self.spec.runtime.max_lead_steps)
+        if step > horizon:  # clients ask in order: a far-future step is a bug or garbage, not a prefetch
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
+                                                f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})
+            return
+        self.last_request[rank] = max(self.last_request.get(rank, -1), step)
+        self.pending.append((ident, step, rank, time.monotonic()))
+        want = step + self.prefetch
+        if want > self.asked_through:
+            self.asked_through = want
+            wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want})
 
     def serve_pending(self) -> None:
         still = []
@@ -391,54 +400,17 @@ class ConstructorServer:
             else:
                 still.append((ident, step, rank, since))
         self.pending = still
-        # forget steps every known rank has moved past (a rank asks ahead by at most `prefetch`)
         if self.ranks:
             # every served rank consumes every step: keep a step until the slowest rank has moved past it
-            floor = min(self.last_request.get(r, self.start_step - 1) for r in self.ranks) - self.prefetch - 1
+            # (asked prefetch + 1 steps further) and it was handed to that rank (requests alone can lie)
+            before = self.start_step - 1
+            floor = min(min(self.delivered.get(r, before), self.last_request.get(r, before) - self.prefetch - 1)
+                        for r in self.ranks)
             waiting = {step for _, step, _, _ in self.pending}
             for s in [s for s in self.steps if s < floor and s not in waiting]:
                 del self.steps[s]
                 self.released_through = max(self.released_through, s)
 
     # -- loop ---------------------------------------------------------------------------
-    def run(self, *, max_seconds: float | None = None) -> None:
-        deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        poller = zmq.Poller()
-        for s in (self.planner, self.data, self.clients):
-            poller.register(s, zmq.POLLIN)
-        self._hello()
-        try:
-            while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                events = dict(poller.poll(100))
-                if not self.welcomed and time.monotonic() - self._last_hello > 1.0:
-                    self._hello()
-                for sock, routed, handler in ((self.planner, False, "planner"), (self.data, False, "data"), (self.clients, True, "client")):
-                    if sock not in events:
-                        continue
-                    for _ in range(1000):
-                        try:
-                            route, msg = wire.recv(sock, routed=routed, flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except WireError as e:
-                            self.m.bad_messages.labels("constructor", "decode").inc()
-                            log.warning("%s: dropped a bad %s message: %s", self.name, handler, e)
-                            continue
-                        try:
-                            if handler == "planner":
-                                self.on_planner(msg)
-                            elif handler == "data":
-                                self.on_samples(msg)
-                            else:
-                                self.on_client(route[0], msg)
-                        except WireError as e:
-                            self.m.bad_messages.labels("constructor", "content").inc()
-                            log.warning("%s: dropped a %s message: %s", self.name, handler, e)
-                self.serve_pending()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        for s in (self.planner, self.data, self.clients):
-            s.close(0)
-
+    def tick(self) -> None:
+        self.serve_pending()

@@ -14,10 +14,10 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from mixplane import wire
+from mixplane import protocol, wire
+from mixplane.component import DRAIN_BATCH, Component, Endpoint
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
-from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.loader.window import LoaderWindow
 from mixplane.protocol import WindowCursor
 from mixplane.spec import DataMixtureSpec, overlong_limit
@@ -26,20 +26,25 @@ from mixplane.wire import Kind, WireError
 log = logging.getLogger("mixplane.loader")
 
 
-class LoaderServer:
+class LoaderServer(Component):
+    component = "loader"
+
     def __init__(self, spec: DataMixtureSpec, source_index: int, replica: int, planner_endpoint: str,
                  *, context: zmq.Context | None = None, metrics_port: int | None = 0):
-        self.spec = spec
+        source = spec.sources[source_index]
+        super().__init__(spec, f"loader:{source.name}:{replica}", context=context, metrics_port=metrics_port, logger=log)
         self.si = source_index
-        self.source = spec.sources[source_index]
+        self.source = source
         self.replica = replica
-        self.name = f"loader:{self.source.name}:{replica}"
-        self.ctx = context or zmq.Context.instance()
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
-        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s)
-        self.security = wire.Security(self.ctx, spec.runtime.curve)  # CURVE when configured
-        self.security.client(self.planner).connect(planner_endpoint)
+        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s,
+                              max_msgsize=protocol.max_message_bytes(spec, "loader"))
+        self.security.client(self.planner).connect(planner_endpoint)  # CURVE when configured
+        self.add_endpoint(self.planner, "planner", {
+            Kind.WELCOME: self._on_welcome, Kind.PLAN_LOADER: self._on_plan, Kind.SEEK: self._on_seek,
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore})
+        self.welcomed = False
         self.pushers: list[zmq.Socket] = []
         # per constructor: encoded SAMPLES messages in plan order, sent without blocking as room appears,
         # so a slow or dead constructor stalls only its own queue, never the poll loop (or a source group)
@@ -55,22 +60,17 @@ class LoaderServer:
         self._remote_seen = (0, 0, 0, 0)  # requests, bytes, retries, cache hits already counted
         self._last_status_line = 0.0
         self.session = -1
-        self.welcomed = False
-        self.stopped = False
-        self.m = make_metrics("loader")
-        self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
-        self._last_hello = 0.0
 
     # -- protocol -----------------------------------------------------------------------
     def _send_planner(self, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
         wire.send(self.planner, kind, meta, arrays)
 
-    def _hello(self) -> None:
+    def hello(self) -> None:
         self._send_planner(Kind.HELLO, {"role": "loader", "source": self.si, "replica": self.replica,
                                         "source_name": self.source.name, "metrics_port": self.metrics_port})
-        self._last_hello = time.monotonic()
+        self.mark_hello()
 
-    def _on_welcome(self, msg: wire.Message) -> None:
+    def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
         endpoints = msg.get("constructors", list)
         cursor = self._cursor(msg)  # validated before the old session's sockets go
         for s in self.pushers:
@@ -147,7 +147,7 @@ class LoaderServer:
                                {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
 
-    def _on_plan(self, msg: wire.Message) -> None:
+    def _on_plan(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:
             return  # a plan of an older session: the planner has moved on
         step = msg.get("step", int)
@@ -233,18 +233,17 @@ class LoaderServer:
                 "img_offsets": off, "img_values": np.concatenate(parts)}
 
     def handle(self, msg: wire.Message) -> None:
-        if msg.kind == Kind.WELCOME:
-            self._on_welcome(msg)
-        elif msg.kind == Kind.PLAN_LOADER:
-            self._on_plan(msg)
-        elif msg.kind == Kind.SEEK:
-            self._seek(msg.get("session", int), self._cursor(msg))
-        elif msg.kind == Kind.SHUTDOWN:
-            self.stopped = True
-        elif msg.kind == Kind.HEARTBEAT:
-            pass
-        else:
-            raise WireError(f"unexpected {msg.kind.name} at a loader")
+        """Handle one message from the planner (WireError if bad)."""
+        self.dispatch(self.entry("planner"), b"", msg)
+
+    def _on_seek(self, _: bytes, msg: wire.Message) -> None:
+        self._seek(msg.get("session", int), self._cursor(msg))
+
+    def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
+        self.stopped = True
+
+    def _ignore(self, _: bytes, msg: wire.Message) -> None:
+        pass
 
     @property
     def needs_work(self) -> bool:
@@ -260,22 +259,9 @@ class LoaderServer:
             return self.window.read_ahead()
         return False
 
-    def drain(self) -> None:
+    def drain(self, e: Endpoint | None = None, limit: int = DRAIN_BATCH) -> int:
         """Handle every message waiting from the planner; bad ones are counted and dropped."""
-        for _ in range(1000):
-            try:
-                _, msg = wire.recv(self.planner, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except WireError as e:
-                self.m.bad_messages.labels("loader", "decode").inc()
-                log.warning("%s: dropped a bad message: %s", self.name, e)
-                continue
-            try:
-                self.handle(msg)
-            except WireError as e:
-                self.m.bad_messages.labels("loader", "content").inc()
-                log.error("%s: %s", self.name, e)
+        return super().drain(e or self.entry("planner"), limit)
 
     def run(self, *, max_seconds: float | None = None) -> None:
         serve_loaders([self], lambda: self.stopped, max_seconds=max_seconds)
@@ -283,7 +269,7 @@ class LoaderServer:
     def close(self) -> None:
         for s in self.pushers:
             s.close(0)
-        self.planner.close(0)
+        super().close()
         self.stream.close()
 
 
@@ -298,7 +284,7 @@ def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, m
     for ld in loaders:
         poller.register(ld.planner, zmq.POLLIN)
         by_sock[ld.planner] = ld
-        ld._hello()
+        ld.hello()
     try:
         while not stopped() and (deadline is None or time.monotonic() < deadline):
             live = [ld for ld in loaders if not ld.stopped]
@@ -311,8 +297,8 @@ def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, m
                 by_sock[sock].drain()
             now = time.monotonic()
             for ld in live:
-                if not ld.welcomed and now - ld._last_hello > 1.0:
-                    ld._hello()
+                ld.registration_tick(now)
+                ld.on_liveness(now)
             for ld in live:
                 if ld.outbox_messages:
                     ld.flush()

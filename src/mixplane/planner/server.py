@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from mixplane import wire
+from mixplane import protocol, wire
+from mixplane.component import Component
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, cursor_array
 from mixplane.planner.routing import Fanout, loader_instructions
-from mixplane.metrics import make_metrics, serve_metrics
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
@@ -50,19 +50,25 @@ class PlannerState:
     tokens_planned: int = 0
 
 
-class PlannerServer:
+class PlannerServer(Component):
+    component = "planner"
+
     def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
                  run_dir: str | None = None, metrics_port: int | None = 0):
-        self.spec = spec
-        self.ctx = context or zmq.Context.instance()
+        super().__init__(spec, "planner", context=context, metrics_port=metrics_port, logger=log)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # heartbeats drop dead peers' pipes; a send to a vanished or stuck peer raises (counted, logged)
         # instead of vanishing silently; the high-water mark bounds what one stuck peer can hold
         wire.configure_socket(self.sock, sndhwm=PLANNER_HWM, rcvhwm=PLANNER_HWM, heartbeat_s=spec.runtime.heartbeat_s,
-                              router_mandatory=True)
-        wire.Security(self.ctx, spec.runtime.curve).server(self.sock).bind(endpoint)  # CURVE when configured
+                              router_mandatory=True, max_msgsize=protocol.max_message_bytes(spec, "planner"))
+        self.security.server(self.sock).bind(endpoint)  # CURVE when configured
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.add_endpoint(self.sock, "planner", {
+            Kind.HELLO: self._on_hello, Kind.LOADER_META: self._on_loader_meta, Kind.NEED_STEPS: self._on_need_steps,
+            Kind.ROUTE: self._on_route, Kind.RESUME: self._on_resume, Kind.STATUS: self._on_status,
+            Kind.UPDATE_MIXTURE: self._update, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_heartbeat,
+        }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
         self.constructors: dict[int, ConstructorPeer] = {}
@@ -77,13 +83,10 @@ class PlannerServer:
         self.need_by: dict[bytes, int] = {}  # constructor identity -> the step it needs planned through
         self.names = spec.source_names()
         self.state = PlannerState()
-        self.stopped = False
         self.run_dir = run_dir
         self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
         if self.journal is not None:
             self.journal.open(spec, self.generation, self.session_start, self.session)
-        self.m = make_metrics("planner")
-        self.metrics_port = serve_metrics(self.m, spec.runtime.host, metrics_port) if (spec.runtime.metrics and metrics_port is not None) else None
         dp_to: list[list[int]] = [[] for _ in range(spec.topology.backbone()[1].dp)]
         rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
         for ci, ranks in enumerate(self.groups):
@@ -106,13 +109,7 @@ class PlannerServer:
     def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> bool:
         """Send without blocking; a peer that vanished or stopped reading is logged and counted
         (mixplane_wire_bad_messages_total{reason="undeliverable"}), never fatal."""
-        try:
-            wire.send(self.sock, kind, meta, arrays, route=[identity], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:  # EHOSTUNREACH (ROUTER_MANDATORY: unknown peer) or EAGAIN (its queue is full)
-            self.m.bad_messages.labels("planner", "undeliverable").inc()
-            log.warning("%s to %r not delivered: %s", kind.name, identity, e)
-            return False
+        return self.send_routed(self.sock, identity, kind, meta, arrays) is True
 
     @property
     def all_constructors(self) -> bool:
@@ -142,88 +139,93 @@ class PlannerServer:
             "session_start": self.session_start, "initial_cursor": self.initial_cursor,
         })
 
-    # -- message handling ---------------------------------------------------------------
+    # -- message handling (one handler per kind; the component base checks schema and sender role) ----------
     def handle(self, identity: bytes, msg: wire.Message) -> None:
-        k = msg.kind
-        if k == Kind.HELLO:
-            role = msg.get("role", str)
-            if role == "loader":
-                key = (msg.get("source", int), msg.get("replica", int))
-                try:
-                    self.core.window(*key)
-                except KeyError:
-                    raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
-                self.loaders[key] = identity
-                if self.all_constructors:
-                    self._welcome_loader(key)
-                else:
-                    self.pending_loader_welcome.add(key)
-            elif role == "constructor":
-                ci = msg.get("index", int)
-                if not 0 <= ci < len(self.groups):
-                    raise WireError(f"HELLO from constructor {ci}, but the topology has {len(self.groups)}")
-                ranks = self.groups[ci]
-                self.constructors[ci] = ConstructorPeer(ci, identity, msg.get("data_endpoint", str),
-                                                        msg.get("client_endpoint", str), ranks,
-                                                        dp_ranks_of_group(self.spec, ranks))
-                self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
-                                                    "dp_ranks": self.constructors[ci].dp_ranks,
-                                                    "start_step": int(self.session_start["step"])})
-                if self.all_constructors:
-                    for key in sorted(self.pending_loader_welcome):
-                        self._welcome_loader(key)
-                    self.pending_loader_welcome.clear()
-                    for ident, rank in self.pending_routes:
-                        self._route_reply(ident, rank)
-                    self.pending_routes.clear()
-            else:
-                raise WireError(f"HELLO with unknown role {role!r}")
-        elif k == Kind.LOADER_META:
-            if msg.get("session", int) != self.session:
-                return
+        """Handle one message as if it arrived on the planner socket from `identity` (WireError if bad)."""
+        self.dispatch(self.entry("planner"), identity, msg)
+
+    def _on_hello(self, identity: bytes, msg: wire.Message) -> None:
+        role = msg.get("role", str)
+        if role == "loader":
             key = (msg.get("source", int), msg.get("replica", int))
-            if self.loaders.get(key) != identity:  # only the registered loader may fill its window
-                raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
             try:
-                self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
-            except (KeyError, WindowError) as e:
-                raise WireError(f"LOADER_META: {e}") from None
-        elif k == Kind.NEED_STEPS:
-            if not any(c.identity == identity for c in self.constructors.values()):
-                # an unknown peer's low 'through' would cap planning (need_through follows the slowest)
-                raise WireError("NEED_STEPS from a peer that is not a registered constructor")
-            if msg.get("session", int) == self.session:
-                self.need_by[identity] = max(self.need_by.get(identity, -1), msg.get("through", int))
-                # pull model: plan what the most advanced constructor needs, but no further than
-                # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
-                self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
-        elif k == Kind.ROUTE:
-            if "coords" in msg.meta:  # a client configured by its mesh position
-                try:
-                    rank = backbone_rank(self.spec, msg.meta["coords"])
-                except ValueError as e:
-                    self._send(identity, Kind.ERROR, {"error": f"route: {e}"})
-                    return
-            else:
-                rank = msg.get("rank", int)
+                self.core.window(*key)
+            except KeyError:
+                raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
+            self.loaders[key] = identity
             if self.all_constructors:
-                self._route_reply(identity, rank)
+                self._welcome_loader(key)
             else:
-                self.pending_routes.append((identity, rank))
-        elif k == Kind.RESUME:
-            cursor = msg.get("cursor", dict)
-            attempt = msg.meta.get("attempt")
-            self._resume(identity, cursor, attempt if isinstance(attempt, str) else None)
-        elif k == Kind.STATUS:
-            self._send(identity, Kind.STATUS_REPLY, self.status())
-        elif k == Kind.UPDATE_MIXTURE:
-            self._update(identity, msg)
-        elif k == Kind.SHUTDOWN:
-            self.stopped = True
-        elif k == Kind.HEARTBEAT:
-            pass
+                self.pending_loader_welcome.add(key)
+        elif role == "constructor":
+            ci = msg.get("index", int)
+            if not 0 <= ci < len(self.groups):
+                raise WireError(f"HELLO from constructor {ci}, but the topology has {len(self.groups)}")
+            ranks = self.groups[ci]
+            self.constructors[ci] = ConstructorPeer(ci, identity, msg.get("data_endpoint", str),
+                                                    msg.get("client_endpoint", str), ranks,
+                                                    dp_ranks_of_group(self.spec, ranks))
+            self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
+                                                "dp_ranks": self.constructors[ci].dp_ranks,
+                                                "start_step": int(self.session_start["step"])})
+            if self.all_constructors:
+                for key in sorted(self.pending_loader_welcome):
+                    self._welcome_loader(key)
+                self.pending_loader_welcome.clear()
+                for ident, rank in self.pending_routes:
+                    self._route_reply(ident, rank)
+                self.pending_routes.clear()
         else:
-            raise WireError(f"unexpected {k.name} at the planner")
+            raise WireError(f"HELLO with unknown role {role!r}")
+
+    def _on_loader_meta(self, identity: bytes, msg: wire.Message) -> None:
+        if msg.get("session", int) != self.session:
+            return
+        key = (msg.get("source", int), msg.get("replica", int))
+        if self.loaders.get(key) != identity:  # only the registered loader may fill its window
+            raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
+        try:
+            self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
+        except (KeyError, WindowError) as e:
+            raise WireError(f"LOADER_META: {e}") from None
+
+    def _on_need_steps(self, identity: bytes, msg: wire.Message) -> None:
+        if not any(c.identity == identity for c in self.constructors.values()):
+            # an unknown peer's low 'through' would cap planning (need_through follows the slowest)
+            raise WireError("NEED_STEPS from a peer that is not a registered constructor")
+        if msg.get("session", int) == self.session:
+            self.need_by[identity] = max(self.need_by.get(identity, -1), msg.get("through", int))
+            # pull model: plan what the most advanced constructor needs, but no further than
+            # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
+            self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
+
+    def _on_route(self, identity: bytes, msg: wire.Message) -> None:
+        if "coords" in msg.meta:  # a client configured by its mesh position
+            try:
+                rank = backbone_rank(self.spec, msg.meta["coords"])
+            except ValueError as e:
+                self._send(identity, Kind.ERROR, {"error": f"route: {e}"})
+                return
+        else:
+            rank = msg.get("rank", int)
+        if self.all_constructors:
+            self._route_reply(identity, rank)
+        else:
+            self.pending_routes.append((identity, rank))
+
+    def _on_resume(self, identity: bytes, msg: wire.Message) -> None:
+        cursor = msg.get("cursor", dict)
+        attempt = msg.meta.get("attempt")
+        self._resume(identity, cursor, attempt if isinstance(attempt, str) else None)
+
+    def _on_status(self, identity: bytes, msg: wire.Message) -> None:
+        self._send(identity, Kind.STATUS_REPLY, self.status())
+
+    def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
+        self.stopped = True
+
+    def _on_heartbeat(self, identity: bytes, msg: wire.Message) -> None:
+        pass  # the component base recorded the peer as seen
 
     def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None) -> None:
         same_start = json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
@@ -339,46 +341,18 @@ class PlannerServer:
             "tokens_planned": self.state.tokens_planned, "uptime_s": time.monotonic() - self.state.started,
             "waiting": [f"{self.names[w.source]}/{w.replica}" for w in self.core.waiting_for()],
             "constructors": len(self.constructors), "loaders": len(self.loaders),
+            "peers": self.membership_status(),  # every peer heard from, with seconds since its last message
         }
 
     # -- loop ---------------------------------------------------------------------------
-    def run(self, *, max_seconds: float | None = None) -> None:
-        deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        try:
-            while not self.stopped and (deadline is None or time.monotonic() < deadline):
-                if poller.poll(100):
-                    for _ in range(1000):
-                        try:
-                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(frames) < 2:
-                            self.m.bad_messages.labels("planner", "decode").inc()
-                            continue
-                        identity = frames[0].bytes
-                        try:
-                            msg = wire.decode(frames[1:])
-                            self.handle(identity, msg)
-                        except WireError as e:
-                            self.m.bad_messages.labels("planner", "content").inc()
-                            log.warning("dropped a message from %r: %s", identity, e)
-                self.try_plan()
-        finally:
-            self.close()
+    def tick(self) -> None:
+        self.try_plan()
 
     def close(self) -> None:
         for ident in self.loaders.values():
-            try:
-                self._send(ident, Kind.SHUTDOWN)
-            except zmq.ZMQError:
-                pass
+            self._send(ident, Kind.SHUTDOWN)
         for c in self.constructors.values():
-            try:
-                self._send(c.identity, Kind.SHUTDOWN)
-            except zmq.ZMQError:
-                pass
+            self._send(c.identity, Kind.SHUTDOWN)
         if self.journal is not None:
             self.journal.close()
             self.journal = None

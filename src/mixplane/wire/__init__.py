@@ -25,6 +25,8 @@ from mixplane.wire.curve import (
     load_allowlist,
     load_keys,
     load_public_key,
+    load_roles,
+    role_of_key_name,
 )
 from mixplane.wire.framing import (
     ALLOWED_DTYPES,
@@ -65,6 +67,6 @@ __all__ = [
     "Authenticator", "Backpressure", "CurveKeys", "CurveSetup", "Kind", "Liveness", "Message", "PeerTimeout",
     "Security", "WireError",
     "configure_socket", "curve_client", "curve_server", "decode", "encode", "endpoint_of", "ensure_keys",
-    "generate_keys", "heartbeat", "load_allowlist", "load_keys", "load_public_key", "recv", "recv_timeout",
+    "generate_keys", "heartbeat", "load_allowlist", "load_keys", "load_public_key", "load_roles", "recv", "role_of_key_name", "recv_timeout",
     "send", "send_frames", "try_send", "wants_checksum",
 ]

@@ -77,6 +77,26 @@ def load_public_key(key_dir: str | os.PathLike, name: str) -> bytes:
     return public
 
 
+def role_of_key_name(stem: str) -> str:
+    """The role of a key file `<stem>.key` (the ZAP User-Id of its holder): the role names themselves,
+    `server` (the pair components share) -> component, anything else a client without control rights."""
+    if stem in ("component", "client", "admin"):
+        return stem
+    return "component" if stem == "server" else "client"
+
+
+def load_roles(key_dir: str | os.PathLike) -> dict[bytes, str]:
+    """Public key -> role of every `*.key` in key_dir (the allowlist with the role of each key)."""
+    out: dict[bytes, str] = {}
+    for p in sorted(Path(key_dir).glob(f"*{PUBLIC_SUFFIX}")):
+        public, _ = _read_cert(p)
+        if public is not None:
+            role = role_of_key_name(p.name[: -len(PUBLIC_SUFFIX)])
+            if out.get(public) not in ("admin", "component"):  # one key in two files: the stronger role
+                out[public] = role
+    return out
+
+
 def load_allowlist(key_dir: str | os.PathLike) -> set[bytes]:
     """Every public key (`*.key`) in key_dir: the clients allowed to connect."""
     out = set()
@@ -113,13 +133,18 @@ class Authenticator:
 
     Runs a small thread answering the context's ZAP requests (RFC 27); denied peers never complete
     the handshake, so no message of theirs reaches the server socket. ``allow`` may be updated live.
+    The ZAP User-Id of an admitted peer is its role (``roles``: public key -> role, from the key file
+    names; keys without one are ``client``), which every message of the peer then carries (frame
+    property ``User-Id``) for the component to check against ``protocol.ALLOWED_ROLES``.
     """
 
-    def __init__(self, ctx: Any, allow: Iterable[bytes], *, key_dir: str | os.PathLike | None = None):
+    def __init__(self, ctx: Any, allow: Iterable[bytes], *, key_dir: str | os.PathLike | None = None,
+                 roles: dict[bytes, str] | None = None):
         import zmq
 
         self.ctx = ctx
         self.allow = set(allow)
+        self.roles = dict(roles or {})
         self.key_dir = key_dir  # when set, an unknown key triggers (at most once a second) a re-read of the allowlist
         self._reloaded = 0.0
         self.denied = 0
@@ -151,13 +176,15 @@ class Authenticator:
                 if not ok and self.key_dir is not None and time.monotonic() - self._reloaded > 1.0:
                     self._reloaded = time.monotonic()
                     try:
-                        self.allow = load_allowlist(self.key_dir)
+                        self.roles = load_roles(self.key_dir)
+                        self.allow = set(self.roles)
                     except (OSError, ValueError):
                         pass
                     ok = key in self.allow
             if not ok:
                 self.denied += 1
-            reply = [version, request_id, b"200" if ok else b"400", b"OK" if ok else text, b"", b""]
+            user = self.roles.get(key, "client").encode() if ok else b""
+            reply = [version, request_id, b"200" if ok else b"400", b"OK" if ok else text, user, b""]
             try:
                 self._sock.send_multipart(reply)
             except zmq.ZMQError:
@@ -206,24 +233,30 @@ class Security:
     """Transport security of one component, from the spec's ``runtime.curve`` (a no-op when disabled).
 
     Servers (binding sockets) present the ``server`` key pair and admit only clients whose public key
-    is in the key directory (the allowlist, re-read when an unknown key knocks); components connecting
-    to other components use the ``server`` pair as well (they are trusted), trainer clients their own.
+    is in the key directory (the allowlist, re-read when an unknown key knocks), each with the role its
+    key file names (:func:`role_of_key_name`). Connecting sockets present the ``<role>`` pair when the
+    key directory has one (``component``, ``admin``, ``client``), else the ``server`` pair (which
+    stands for the component role).
     """
 
-    def __init__(self, ctx: Any, curve: Any = None, *, name: str = "server"):
+    def __init__(self, ctx: Any, curve: Any = None, *, name: str = "server", role: str | None = None):
         self.ctx = ctx
         self.enabled = bool(curve is not None and getattr(curve, "enabled", False))
         self.key_dir = getattr(curve, "key_dir", None) if self.enabled else None
         if self.enabled and not self.key_dir:
             raise ValueError("runtime.curve.enabled needs runtime.curve.key_dir")
         self.keys = load_keys(self.key_dir, name) if self.enabled else None
+        self.client_keys = self.keys
+        if self.enabled and role and (Path(self.key_dir) / f"{role}{SECRET_SUFFIX}").exists():  # type: ignore[arg-type]
+            self.client_keys = load_keys(self.key_dir, role)  # type: ignore[arg-type]
         self.server_public = load_public_key(self.key_dir, "server") if self.enabled else None
 
     def _authenticator(self) -> Authenticator:
         with _AUTH_LOCK:  # one ZAP handler per context
             a = _AUTHENTICATORS.get(id(self.ctx))
             if a is None or a.ctx is not self.ctx:
-                a = _AUTHENTICATORS[id(self.ctx)] = Authenticator(self.ctx, load_allowlist(self.key_dir), key_dir=self.key_dir)
+                roles = load_roles(self.key_dir)
+                a = _AUTHENTICATORS[id(self.ctx)] = Authenticator(self.ctx, set(roles), key_dir=self.key_dir, roles=roles)
             return a
 
     def server(self, sock: Any) -> Any:
@@ -234,5 +267,5 @@ class Security:
 
     def client(self, sock: Any) -> Any:
         if self.enabled:
-            curve_client(sock, self.keys, self.server_public)  # type: ignore[arg-type]
+            curve_client(sock, self.client_keys, self.server_public)  # type: ignore[arg-type]
         return sock
