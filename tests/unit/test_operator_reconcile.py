@@ -116,3 +116,20 @@ def test_fallback_costs_are_not_kept_as_a_profile():
     st = status_of(b, d, OPTS, prof, ready=False, progressing=(True, "RollingOut", "x"),
                    degraded=(True, "FallbackCosts", "sources not profiled"))
     assert profile_from_status({**b, "status": st}) is None
+
+
+def test_shares_decided_by_the_scaling_policy_size_the_loader_pods():
+    b = body()
+    scaled = desired(b, OPTS, PROFILE, KEYS, shares={"text": 0.2, "pairs": 0.8})
+    base = desired(b, OPTS, PROFILE, KEYS)
+    assert scaled.plan.partitions == base.plan.partitions  # the policy moves pods, never the data split
+
+    def loader_cpu(d, source):
+        return sum(int(o["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"][:-1])
+                   for o in d.objects if o["kind"] == "Deployment" and o["spec"]["replicas"]
+                   and source in o["metadata"].get("annotations", {}).get("mixplane.io/partitions", ""))
+
+    assert loader_cpu(scaled, "pairs") > loader_cpu(base, "pairs")  # 0.8 of the tokens instead of 0.2
+    off = desired(b, OPTS, PROFILE, KEYS, shares={"text": 1.0, "pairs": 0.0})
+    pairs = [o for o in off.objects if o["kind"] == "Deployment" and "pairs:" in o["metadata"].get("annotations", {}).get("mixplane.io/partitions", "")]
+    assert pairs and all(o["spec"]["replicas"] == 0 for o in pairs)
