@@ -243,3 +243,32 @@ def test_spec_never_holds_credentials():
     assert {"endpoint", "region"} <= fields
     assert not fields & {"access_key", "secret_key", "secret_access_key", "session_token", "password", "credentials"}
     assert np.isfinite(remote.backoff(3, remote.DEFAULTS))
+
+
+def test_loader_server_exports_remote_request_metrics(s3, tmp_path):
+    from mixplane.loader.server import LoaderServer
+    from mixplane.spec import parse_spec
+    from tests.integration.test_transport_multimodal import _tokenizer
+
+    server_s3, _, _ = s3
+    _tokenizer(tmp_path / "tok.json")
+    spec = parse_spec({
+        "name": "remote-metrics",
+        "sources": [{"name": "web", "uri": "s3://corpus/text/*.parquet", "endpoint": server_s3.endpoint,
+                     "region": "us-east-1", "columns": ["text"], "tokenizer": str(tmp_path / "tok.json")}],
+        "batch": {"sequences": 2, "seq_len": 64, "microbatches": 1},
+        "topology": {"modules": {"backbone": {"dp": 1}}},
+        "runtime": {"window": 8, "metrics": False},
+    })
+    server = LoaderServer(spec, 0, 0, "tcp://127.0.0.1:9")  # never connected: the test drives _fill by hand
+    try:
+        server.welcomed = True
+        server.window.seek({"low": 0})
+        assert server._fill()
+        reg = server.m.registry
+        st = server.stream.stats
+        assert reg.get_sample_value("mixplane_loader_remote_requests_total", {"source": "web"}) == st.requests > 0
+        assert reg.get_sample_value("mixplane_loader_remote_bytes_total", {"source": "web"}) == st.bytes_read > 0
+        assert reg.get_sample_value("mixplane_loader_remote_request_seconds_count", {"source": "web"}) > 0
+    finally:
+        server.close()
