@@ -180,7 +180,7 @@ def main() -> None:
     os.environ.update(credentials_env())
     cache = tempfile.mkdtemp(prefix="mixplane-remote-index-")
     os.environ["MIXPLANE_INDEX_CACHE"] = cache  # sidecars: the index is built once per object, as in production
-    server = MotoS3()
+    server = MotoS3(process=True)  # its own process: no shared interpreter lock with the proxy
     t0 = time.time()
     server.upload_dir(data, BUCKET, PREFIX)
     print(json.dumps({"dataset_bytes": man["dataset_bytes"], "rows": n_total, "objects": len(names),

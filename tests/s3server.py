@@ -23,15 +23,43 @@ def credentials_env() -> dict[str, str]:
 
 
 class MotoS3:
-    """moto's ThreadedMotoServer bound to 127.0.0.1 on a free port."""
+    """moto's standalone S3 server bound to 127.0.0.1 on a free port: in a thread of this process
+    (ThreadedMotoServer), or with ``process=True`` as its own ``moto_server`` process (benchmarks:
+    the server then does not share this interpreter's lock with the reader and the proxy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: bool = False) -> None:
+        self._server = self._proc = None
+        if process:
+            import shutil
+            import socket
+            import subprocess
+            import sys
+
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+            self._proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+            self.endpoint = f"http://127.0.0.1:{port}"
+            for _ in range(200):  # up to ~20 s
+                try:
+                    c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                    c.request("GET", "/")
+                    c.getresponse().read()
+                    c.close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
+                self._proc.kill()
+                raise RuntimeError("moto_server did not start")
+            return
         import logging
 
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
@@ -59,7 +87,11 @@ class MotoS3:
         return out
 
     def stop(self) -> None:
-        self._server.stop()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        if self._server is not None:
+            self._server.stop()
 
 
 class Fault:
