@@ -65,6 +65,19 @@ def build(data: str, row_mb: float, rows: int) -> dict:
     return {"path": path, "tokenizer": tok, "rows": rows + 1, "giant_index": rows // 2}
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it does not start at the parent's peak, which
+    a child keeps across fork + exec on Linux, and the parent may have just built the giant row)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker(args) -> None:
     from mixplane.loader.stream import open_stream
     from mixplane.loader.transforms import make_transform
@@ -81,7 +94,7 @@ def worker(args) -> None:
     src = SourceSpec(name="big", uri=args.path, kind="text", tokenizer=args.tokenizer, shuffle=args.shuffle, **extra)
     stream = open_stream(src, seed=0, cache_dir=None)
     window = LoaderWindow(stream, make_transform(src), (32, 16384, 256))
-    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base_mb = _peak_rss_mb()
     t_start = time.perf_counter()
     max_stall = 0.0
     samples = tokens = giant_tokens = 0
@@ -98,7 +111,7 @@ def worker(args) -> None:
             window.retire(p)
         samples += len(a)
         tokens += int(a.tokens.sum())
-    out = {"row_mb": args.row_mb, "shuffle": args.shuffle, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    out = {"row_mb": args.row_mb, "shuffle": args.shuffle, "peak_rss_mb": round(_peak_rss_mb(), 1),
            "base_rss_mb": round(base_mb, 1), "max_stall_s": round(max_stall, 2),
            "total_s": round(time.perf_counter() - t_start, 2), "rows_read": int(stream.position), "samples": samples,
            "tokens": tokens, "giant_tokens": giant_tokens, "dropped_overlong": int(window.dropped_overlong),
