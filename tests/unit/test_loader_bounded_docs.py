@@ -151,3 +151,18 @@ def test_stream_keeps_only_the_bound_of_a_giant_text_and_the_transform_result_is
         out = f(r)
         assert out.overlong.tolist() == whole.overlong.tolist() == [i == 7 for i in range(50)]
         assert [out.tokens[i].tolist() for i in range(50)] == [whole.tokens[i].tolist() for i in range(50)]
+
+
+@pytest.mark.parametrize("typ", [pa.string(), pa.large_string(), pa.binary(), pa.large_binary()])
+def test_value_lengths_and_bounds_on_sliced_arrays_with_nulls(typ):
+    import pyarrow.compute as pc
+
+    from mixplane.loader.bounds import bound_texts, value_lengths
+
+    vals = ["a", None, "bb b" * 50, "", "ccc", None, "d" * 300]
+    arr = pa.array([None if v is None else v.encode() for v in vals], pa.binary()).cast(typ).slice(1, 6)
+    assert value_lengths(arr).tolist() == pc.binary_length(arr).fill_null(0).to_pylist()
+    out, over = bound_texts(arr, 100, "truncate")
+    assert over.tolist() == [False, True, False, False, False, True] and out.null_count == 2
+    assert len(out[1].as_py()) <= 100 and out[5].as_py() == out[5].as_py()[:100]
+    assert out[2].as_py() == arr[2].as_py() and out[3].as_py() == arr[3].as_py()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 CUT_LOOKBACK = 4096  # bytes searched back from a limit for a space to cut at
 
@@ -38,6 +37,25 @@ def char_boundary(data: memoryview | bytes, limit: int) -> int:
     return cut
 
 
+def value_lengths(arr: pa.Array) -> np.ndarray:
+    """Bytes of every value of a string / binary array, from its offsets (no compute kernel: the
+    stream calls this on every unit it loads, and pyarrow.compute alone costs ~30 MB to import)."""
+    t = arr.type
+    if pa.types.is_string(t) or pa.types.is_binary(t):
+        otype: type = np.int32
+    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        otype = np.int64
+    else:  # other layouts (views, dictionaries, fixed size): the kernel
+        import pyarrow.compute as pc
+
+        return pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    buf = arr.buffers()[1]
+    if buf is None or not len(arr):
+        return np.zeros(len(arr), np.int64)
+    item = np.dtype(otype).itemsize
+    return np.diff(np.frombuffer(buf, otype, count=len(arr) + 1, offset=arr.offset * item)).astype(np.int64)
+
+
 def bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, np.ndarray]:
     """``arr`` with every value over ``max_bytes`` replaced by its first piece (``truncate``: ending
     before a space where there is one; ``prefix``: its first max_bytes, to a character boundary) or by
@@ -49,10 +67,13 @@ def bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, n
     t = arr.type
     if pa.types.is_null(t) or not len(arr):
         return arr, over
-    lengths = pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-    over = lengths > max_bytes
+    over = value_lengths(arr) > max_bytes
     if not over.any():
         return arr, over
+    if arr.null_count:  # a null slot's offsets need not be equal
+        over &= np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), bool)
+        if not over.any():
+            return arr, over
     parts: list[pa.Array] = []
     last = 0
     for i in np.flatnonzero(over).tolist():
