@@ -115,7 +115,8 @@ def transform(raw: Rows) -> TransformedSamples:
     return TransformedSamples(Ragged(np.zeros(int(off[-1]), np.int32), off), None, n, np.zeros(len(n), np.int32))
 
 
-def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int, deadline_s: float) -> dict:
+def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int, deadline_s: float,
+              expect_file: str) -> dict:
     spec = parse_spec(doc)
     ctx = zmq.Context()
     socks: dict[zmq.Socket, int] = {}
@@ -152,7 +153,20 @@ def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int,
         c[1] = (c[1] + h) & M64
 
     end = time.monotonic() + deadline_s
-    while len(done) < len(socks) and time.monotonic() < end:
+    expect: dict[str, int] | None = None
+    next_check = 0.0
+
+    def complete() -> bool:
+        """Every peer of this process got as many plans as the planner handed to ZeroMQ for it."""
+        return expect is not None and all(len(received.get(str(i), ())) >= expect.get(f"{role}:{i}", 0)
+                                          for i in socks.values())
+
+    while len(done) < len(socks) and time.monotonic() < end and not complete():
+        if expect is None and time.monotonic() >= next_check:
+            next_check = time.monotonic() + 0.5
+            if os.path.exists(expect_file):
+                with open(expect_file) as f:
+                    expect = json.load(f)
         for s, _ in poller.poll(200):
             i = socks[s]
             while True:
@@ -201,7 +215,7 @@ def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int,
         s.close(0)
     ctx.term()
     return {"role": role, "received": received, "spans": {str(k): v for k, v in spans.items()},
-            "shutdown": len(done), "peers": len(socks), "errors": errors[:20]}
+            "complete": complete(), "peers": len(socks), "errors": errors[:20]}
 
 
 # ---- the planner side ---------------------------------------------------------------------------------
@@ -245,6 +259,7 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
     th = threading.Thread(target=serve, daemon=True)
     th.start()
     doc_file = os.path.join(tmp, "spec.json")
+    expect_file = os.path.join(tmp, "expect.json")
     with open(doc_file, "w") as f:
         json.dump({**doc, "_steps": steps}, f)
     procs = []
@@ -252,32 +267,45 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
         cuts = np.linspace(0, n, k + 1).astype(int)
         for a, b in zip(cuts[:-1], cuts[1:]):
             procs.append(subprocess.Popen([sys.executable, __file__, "--peer", role, "--endpoint", server.endpoint,
-                                           "--range", f"{a}:{b}", "--doc", doc_file, "--timeout", str(timeout_s)],
+                                           "--range", f"{a}:{b}", "--doc", doc_file, "--timeout", str(timeout_s),
+                                           "--expect", expect_file],
                                           stdout=subprocess.PIPE, text=True))
     end = time.monotonic() + timeout_s
+    last = time.monotonic()
     while server.planned_through < steps - 1 and time.monotonic() < end and th.is_alive():
         time.sleep(0.05)
+        if time.monotonic() - last > 15:
+            last = time.monotonic()
+            log(f"  {time.perf_counter() - t_start:.0f} s: {len(server.loaders)} loaders and {len(server.constructors)} "
+                f"constructors registered, planned through step {server.planned_through}")
     planned = server.planned_through + 1
     t_planned = time.perf_counter() - t_start
-    server.stopped = True  # close() sends every peer SHUTDOWN after what it was already sent
-    th.join(timeout=60)
+    time.sleep(0.5)  # the last plans leave the server's loop
+    # the peers stop once they got everything the planner handed to ZeroMQ for them (a server's close()
+    # discards what is still queued: linger 0), then the planner stops
+    ident = {**{f"loader:{k[0]}": v for k, v in server.loaders.items()},
+             **{f"constructor:{c.index}": c.identity for c in server.constructors.values()}}
+    sent = dict(server.sent)
+    per_peer = {name: sum(n for (i, _), n in sent.items() if i == idt) for name, idt in ident.items()}
+    with open(expect_file + ".tmp", "w") as f:
+        json.dump(per_peer, f)
+    os.replace(expect_file + ".tmp", expect_file)
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout_s)
         results.append(json.loads(out.strip().splitlines()[-1]))
-    wall = time.perf_counter() - t_start
     undeliverable = server.m.bad_messages.labels("planner", "undeliverable")._value.get()
     bad = server.m.bad_messages.labels("planner", "content")._value.get()
-    # what arrived against what was sent, per peer and step
-    ident = {**{f"loader:{k[0]}": v for k, v in server.loaders.items()},
-             **{f"constructor:{c.index}": c.identity for c in server.constructors.values()}}
+    server.stopped = True
+    th.join(timeout=60)
+    wall = time.perf_counter() - t_start
     got: dict[tuple[bytes, int], int] = {}
     spans: dict[str, dict[int, list[int]]] = {"loader": {}, "constructor": {}}
     errors: list[str] = []
-    shut = 0
+    complete = 0
     for r in results:
         errors += r["errors"]
-        shut += r["shutdown"]
+        complete += r["peers"] if r["complete"] else 0
         for peer, stp in r["received"].items():
             for s in stp:
                 key = (ident[f"{r['role']}:{peer}"], s)
@@ -289,13 +317,13 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
     cons_steps = {s for (i, s) in got if any(i == c.identity for c in server.constructors.values())}
     every_constructor = all(sum(1 for (i, s) in got if i == c.identity) == planned for c in server.constructors.values())
     matched = spans["loader"] == spans["constructor"] and len(spans["loader"]) == planned
-    ok = (planned == steps and got == server.sent and undeliverable == 0 and bad == 0 and every_constructor
-          and matched and not errors and shut == loaders + constructors and cons_steps == set(range(steps)))
+    ok = (planned == steps and got == sent and undeliverable == 0 and bad == 0 and every_constructor
+          and matched and not errors and complete == loaders + constructors and cons_steps == set(range(steps)))
     return {"loaders": loaders, "constructors": constructors, "peers": loaders + constructors, "steps": planned,
             "ok": bool(ok), "undeliverable": int(undeliverable), "bad_messages": int(bad),
-            "plan_messages": server.plan_messages, "delivered_equals_sent": got == server.sent,
+            "plan_messages": sum(sent.values()), "delivered_equals_sent": got == sent,
             "spans_match": bool(matched), "every_constructor_every_step": bool(every_constructor),
-            "shutdown_acknowledged": shut, "plan_bytes_per_step": int(server.plan_bytes / max(planned, 1)),
+            "peers_complete": complete, "plan_bytes_per_step": int(server.plan_bytes / max(planned, 1)),
             "planner_cpu_ms_per_step": round(cpu.get("planner", float("nan")) * 1e3 / max(planned, 1), 2),
             "planned_in_s": round(t_planned, 2), "wall_s": round(wall, 2), "errors": errors[:5]}
 
@@ -312,13 +340,14 @@ def main() -> None:
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--range", help=argparse.SUPPRESS)
     ap.add_argument("--doc", help=argparse.SUPPRESS)
+    ap.add_argument("--expect", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer:
         lo, hi = (int(x) for x in args.range.split(":"))
         with open(args.doc) as f:
             doc = json.load(f)
         steps = doc.pop("_steps")
-        print(json.dumps(peer_main(args.peer, args.endpoint, lo, hi, doc, steps, args.timeout)))
+        print(json.dumps(peer_main(args.peer, args.endpoint, lo, hi, doc, steps, args.timeout, args.expect)))
         return
     if args.quick:
         args.loaders, args.constructors, args.steps = 128, 64, 20

@@ -15,7 +15,8 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
 * ``layout``   — DGraph.plan (the StepLayout) plus the rest of StepPlanner.plan (cursor before the
                  step, snapshot, validation, coverage check, window compaction);
 * ``route``    — what PlannerServer._dispatch computes before sending: the cursor after the step,
-                 the retire flags, routing.loader_instructions and every constructor's select_ranks;
+                 the retire flags, routing.loader_instructions and every constructor's layout
+                 (routing.constructor_layouts);
 * ``encode``   — wire.encode of every PLAN_LOADER and PLAN_CONSTRUCTOR message (the frames the server
                  hands to ZeroMQ) — bytes counted per kind;
 * ``journal``  — Journal.step into a real journal file (bytes: the file's growth, the every-100-steps
@@ -62,8 +63,8 @@ from mixplane.metrics import make_metrics  # noqa: E402
 from mixplane.planner.core import BestFitRows, PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
-from mixplane.planner.journal import Journal  # noqa: E402
-from mixplane.planner.routing import Fanout, loader_instructions  # noqa: E402
+from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
+from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions  # noqa: E402
 from mixplane.protocol import CURSOR_ARRAY, cursor_array  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
@@ -247,7 +248,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         p = plan.pieces
         retired = planner.retired(p)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout)
-        subs = [(ci, dps, lay.select_ranks(dps)) for ci, dps in cons]
+        subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons], constructor_layouts(lay, [d for _, d in cons])))
         t_route = clock() - t0
         t0 = clock()
         b_load = b_cons = 0
@@ -299,8 +300,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
             f"{info['images']} images); CPU ms: " + " ".join(f"{k} {v[1] * 1e3:.1f}" for k, v in ph.items()))
     journal.close()
     # journal bytes per step: the step records plus the checkpoint every `every` steps, amortised
-    ckpt = len(json.dumps({"event": "checkpoint", "step": 0, "session": 0, "cursor": planner.cursor()},
-                          separators=(",", ":"))) + 1
+    ckpt = len(json.dumps({"event": "checkpoint", "step": 0, "session": 0, **cursor_field(planner.cursor())},
+                          separators=(",", ":"))) + 1  # as Journal writes it (deflated when large)
     j_step = float(np.median(sizes["journal"]))
     ms = lambda v: round(float(v) * 1e3, 2)  # noqa: E731
     wall = {k: np.array([x[0] for x in v]) for k, v in rec.items()}
@@ -351,7 +352,29 @@ def main() -> None:
             f"plan bytes {row['plan_bytes']} journal {row['journal_bytes']} B peers {row['peers']}")
         rows.append(row)
     log(f"done in {time.perf_counter() - t0:.0f} s")
+    for k, v in fit_exponents(rows).items():
+        log(f"step time ~ {k}^b: " + ", ".join(f"{name} b = {b:.2f}" for name, b in v.items()))
     print(json.dumps({"rows": rows}))
+
+
+def fit_exponents(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Least-squares slope of log(step time) against log(GPUs) (sources and sequences fixed) and against
+    log(sources) (GPUs and sequences fixed), for wall and CPU p50; the largest slope over the groups."""
+    out: dict[str, dict[str, float]] = {}
+    for axis, keep in (("gpus", ("sources", "sequences")), ("sources", ("gpus", "sequences"))):
+        res: dict[str, float] = {}
+        for metric in ("step_ms_p50", "step_cpu_ms_p50"):
+            groups: dict[tuple, list[tuple[float, float]]] = {}
+            for r in rows:
+                seq_class = min(SEQUENCES, key=lambda q: abs(q - r["sequences"]))
+                key = tuple(seq_class if k == "sequences" else r[k] for k in keep)
+                groups.setdefault(key, []).append((math.log(r[axis]), math.log(r[metric])))
+            slopes = [float(np.polyfit(*zip(*g), 1)[0]) for g in groups.values() if len({x for x, _ in g}) > 1]
+            if slopes:
+                res[f"{metric} max"] = max(slopes)
+                res[f"{metric} median"] = float(np.median(slopes))
+        out[axis] = res
+    return out
 
 
 if __name__ == "__main__":

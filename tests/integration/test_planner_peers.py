@@ -23,6 +23,6 @@ def test_every_plan_reaches_every_simulated_peer():
     assert row["undeliverable"] == 0 and row["bad_messages"] == 0 and row["errors"] == []
     assert row["delivered_equals_sent"] and row["every_constructor_every_step"]
     assert row["spans_match"]  # loaders were told to send exactly what constructors were told to expect
-    assert row["shutdown_acknowledged"] == 144
+    assert row["peers_complete"] == 144
     assert row["plan_messages"] >= 12 * 48  # every constructor every step, plus the loaders' plans
     assert row["ok"]

@@ -137,3 +137,19 @@ def test_retired_flags_match_a_per_window_check():
         seen_kept |= bool((want == 0).any())
         assert np.array_equal(planner.retired(p), want)
     assert seen_skip and seen_kept  # both kinds of consumed positions and unfinished samples occurred
+
+
+def test_constructor_layouts_are_what_select_ranks_gives_each_constructor():
+    from mixplane.planner.routing import constructor_layouts
+
+    planner = StepPlanner(make_spec(sources=3, rows=24, seq_len=128, dp=6, microbatches=2, encoder=True))
+    fill(planner, images=True)
+    lay = planner.plan().layout
+    groups = [[0], [1, 2], [3], [5, 4], [0, 2, 4], [], [1, 3, 5]]  # consecutive, unordered, gapped, empty
+    for ranks, sub in zip(groups, constructor_layouts(lay, groups)):
+        want = lay.select_ranks(ranks)
+        assert sub.meta() == want.meta()
+        for name, a in want.arrays().items():
+            b = sub.arrays()[name]
+            assert a.dtype == b.dtype and np.array_equal(a, b), (ranks, name)
+    assert sum(len(s.seg_row) for s in constructor_layouts(lay, [[d] for d in range(6)])) == len(lay.seg_row)

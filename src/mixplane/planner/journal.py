@@ -48,7 +48,7 @@ INLINE_SOURCES = 64  # step records list per-source tokens / samples up to this 
 ZIP_CURSOR_BYTES = 4096  # checkpoint cursors larger than this are stored deflated (cursor_z)
 
 
-def _cursor_field(cursor: dict[str, Any]) -> dict[str, Any]:
+def cursor_field(cursor: dict[str, Any]) -> dict[str, Any]:
     """{"cursor": ...}, or {"cursor_z": base64(zlib(json))} when large (1,024 sources: ~100 kB -> ~30 kB),
     so a checkpoint every 100 steps costs a few hundred bytes per step; read_journal inflates it."""
     text = _dump(cursor)
@@ -122,7 +122,7 @@ class Journal:
             rec: dict[str, Any] = {"event": "checkpoint", "step": lay.step, "session": self._session}
             if not inline and self._since is not None:
                 rec["interval"] = {"from": self._since, "tokens": self._tokens, "samples": self._samples}
-            rec.update(_cursor_field(plan.cursor_before))
+            rec.update(cursor_field(plan.cursor_before))
             self._write(rec)
             self._since, self._tokens, self._samples = lay.step, [0] * len(tok), [0] * len(smp)
         step = {"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,

@@ -21,7 +21,7 @@ from mixplane import protocol, wire
 from mixplane.component import Component
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, cursor_array
-from mixplane.planner.routing import Fanout, loader_instructions
+from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
@@ -298,8 +298,8 @@ class PlannerServer(Component):
         for key, ins in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
         cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
-        for c in self.constructors.values():
-            sub = lay.select_ranks(c.dp_ranks)
+        peers = list(self.constructors.values())
+        for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers])):
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
                        {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks,
                         "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
