@@ -280,7 +280,10 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
                 f"constructors registered, planned through step {server.planned_through}")
     planned = server.planned_through + 1
     t_planned = time.perf_counter() - t_start
-    time.sleep(0.5)  # the last plans leave the server's loop
+    n_sent = -1
+    while n_sent != server.plan_messages:  # the last step's plans leave the server's loop
+        n_sent = server.plan_messages
+        time.sleep(1.0)
     # the peers stop once they got everything the planner handed to ZeroMQ for them (a server's close()
     # discards what is still queued: linger 0), then the planner stops
     ident = {**{f"loader:{k[0]}": v for k, v in server.loaders.items()},
@@ -298,6 +301,7 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
     bad = server.m.bad_messages.labels("planner", "content")._value.get()
     server.stopped = True
     th.join(timeout=60)
+    sent = dict(server.sent)  # final: what the planner handed to ZeroMQ for every peer and step
     wall = time.perf_counter() - t_start
     got: dict[tuple[bytes, int], int] = {}
     spans: dict[str, dict[int, list[int]]] = {"loader": {}, "constructor": {}}
