@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections import deque
 from typing import Any, Iterator
 
@@ -252,12 +253,14 @@ class MixtureLoader:
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
         where = f"constructor {self.endpoint}"
+        since = time.time()
         while True:
             if step in self._early:
                 msg = self._early.pop(step)
                 break
             if not self._sock.poll(int(self.timeout_s * 1000)):
-                raise DeliveryError(f"rank {self.rank}: step {step} not delivered by {where} within {self.timeout_s:g}s")
+                raise DeliveryError(f"rank {self.rank}: step {step} not delivered by {where} within {self.timeout_s:g}s "
+                                    f"(waiting since {time.strftime('%H:%M:%S', time.localtime(since))}){self._why_waiting()}")
             try:
                 _, msg = wire.recv(self._sock)
             except WireError as e:
@@ -288,6 +291,23 @@ class MixtureLoader:
         self.next_step = step + 1
         self._cursor = msg.meta.get("cursor_after")
         return self._to_tensors(msg, step)
+
+    def _why_waiting(self, timeout_s: float = 2.0) -> str:
+        """What the planner says the data plane waits for (components gone silent, loader windows not
+        full), for the error of a client that waited in vain; empty when the planner does not answer."""
+        p = self._planner
+        if p is None:
+            return ""
+        try:
+            wire.send(p, Kind.STATUS, {}, flags=zmq.NOBLOCK)
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0 and p.poll(int(left * 1000) + 1):
+                _, msg = wire.recv(p)
+                if msg.kind == Kind.STATUS_REPLY:
+                    return _waiting_text(msg.meta, self.planner_endpoint or "")
+        except (zmq.ZMQError, WireError):
+            pass
+        return f"; the planner at {self.planner_endpoint} did not answer a status request within {timeout_s:g}s"
 
     def _to_tensors(self, msg: wire.Message, step: int) -> dict[str, torch.Tensor]:
         out = {name: _tensor(a) for name, a in msg.arrays.items()}
@@ -372,6 +392,20 @@ class MixtureLoader:
             self.close()
         except Exception:
             pass
+
+
+def _waiting_text(status: dict[str, Any], planner: str) -> str:
+    """'; planner at X: silent: loader:a:0 for 12.3 s; next step waits for loader windows a/0' (or nothing)."""
+    parts = []
+    silent = status.get("silent")
+    if isinstance(silent, dict) and silent:
+        parts.append("silent: " + ", ".join(f"{n} for {s} s" for n, s in silent.items()))
+    waiting = status.get("waiting")
+    if isinstance(waiting, list) and waiting:
+        parts.append("next step waits for loader windows " + ", ".join(map(str, waiting)))
+    if not parts:
+        parts.append(f"planned through step {status.get('planned_through')}, no component silent")
+    return f"; planner at {planner}: " + "; ".join(parts)
 
 
 def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:

@@ -36,6 +36,8 @@ from mixplane.wire import Kind, WireError
 Handler = Callable[[bytes, wire.Message], None]
 DRAIN_BATCH = 1000  # messages taken from one socket before the others (and the component's own work) get a turn
 HELLO_RETRY_S = 1.0
+LIVENESS_MAX_INTERVAL_S = 1.0  # application heartbeats at least this often (runtime.heartbeat_s if smaller)
+LIVENESS_MISSES = 3  # a peer silent for this many intervals is reported silent
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -173,6 +175,9 @@ class Component:
         # anonymous peers may send control kinds only when the spec opens the run on purpose
         self.open_run = getattr(rt, "security", "open") == "open"
         self.members = Membership()
+        # application-level liveness: beat every interval; peers silent past the miss budget are reported
+        self.liveness = wire.Liveness(min(LIVENESS_MAX_INTERVAL_S, float(rt.heartbeat_s)), LIVENESS_MISSES)
+        self.silent: dict[str, float] = {}  # watched peer -> seconds it had been silent when it was found silent
         self.endpoints: list[Endpoint] = []
         self.stopped = False
         self.welcomed = True  # components that register (HELLO) set this False until the planner answers
@@ -287,6 +292,27 @@ class Component:
     # -- hooks ----------------------------------------------------------------------------------------------
     def on_liveness(self, now: float) -> None:
         """Called every loop turn: heartbeats and peer timeouts of the fault-tolerance work plug in here."""
+
+    def watch(self, watched: Mapping[str, str]) -> None:
+        """Check the peers this component depends on (name -> what they are, for the log line): one found
+        silent for longer than the miss budget is logged with its name, counted and listed in
+        :attr:`silent` (STATUS) until it talks again."""
+        budget = self.liveness.misses * self.liveness.interval_s
+        for name, what in watched.items():
+            quiet = self.members.silent_for(name)
+            if quiet is None:
+                continue
+            if quiet > budget:
+                if name not in self.silent:
+                    self.m.liveness_detections.labels(self.component, name).inc()
+                    self.log.warning("%s: %s %s silent for %.1f s (missed %d heartbeats of %.1f s)", self.name, what, name,
+                                     quiet, self.liveness.misses, self.liveness.interval_s)
+                self.silent[name] = quiet
+            elif name in self.silent:
+                self.log.warning("%s: %s %s talks again after %.1f s", self.name, what, name, self.silent.pop(name))
+        for name in [n for n in self.silent if n not in watched]:
+            del self.silent[name]
+        self.m.silent_peers.labels(self.component).set(len(self.silent))
 
     def tick(self) -> None:
         """The component's own work after the sockets were drained (planning, serving pending requests)."""

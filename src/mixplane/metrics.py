@@ -22,6 +22,8 @@ class Metrics:
     # wire (all components)
     bad_messages: Counter
     refused: Counter
+    liveness_detections: Counter
+    silent_peers: Gauge
     # planner
     steps_planned: Counter
     plan_seconds: Histogram
@@ -80,6 +82,9 @@ def make_metrics(component: str) -> Metrics:
     m = Metrics(
         registry=r,
         bad_messages=c("mixplane_wire_bad_messages_total", "Malformed or unexpected messages dropped", lbl + ["reason"]),
+        liveness_detections=c("mixplane_liveness_detections_total", "Peers found silent for longer than the miss budget",
+                              lbl + ["peer"]),
+        silent_peers=g("mixplane_liveness_silent_peers", "Registered peers silent for longer than the miss budget", lbl),
         refused=c("mixplane_wire_refused_total", "Messages refused because the sender's role may not send their kind",
                   lbl + ["kind", "role"]),
         steps_planned=c("mixplane_planner_steps_planned_total", "Steps planned"),

@@ -161,3 +161,45 @@ def test_curve_roles_a_client_key_cannot_control_an_admin_key_can(spec, tmp_path
         admin.close(0)
         planner.close()
         ctx.destroy(0)
+
+
+def test_planner_reports_a_registered_constructor_that_stops_talking(spec):
+    """Application liveness: beats every interval (<= 1 s); a peer silent past 3 intervals is named in
+    STATUS and counted, and leaves the list when it talks again."""
+    spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"heartbeat_s": 0.2})})
+    ctx = zmq.Context()
+    planner = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None)
+    fake = ctx.socket(zmq.DEALER)
+    fake.setsockopt(zmq.IDENTITY, b"constructor:0")
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.connect(planner.endpoint)
+    e = planner.entry("planner")
+
+    def turn(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if e.sock.poll(20):
+                planner.drain(e)
+            planner.on_liveness(time.monotonic())
+
+    try:
+        wire.send(fake, Kind.HELLO, {"role": "constructor", "index": 0, "data_endpoint": "tcp://127.0.0.1:1",
+                                     "client_endpoint": "tcp://127.0.0.1:2"})
+        turn(0.3)
+        assert 0 in planner.constructors and planner.status()["silent"] == {}
+        turn(1.2)  # 3 missed beats of 0.2 s
+        assert list(planner.status()["silent"]) == ["constructor:0"]
+        assert planner.m.registry.get_sample_value("mixplane_liveness_detections_total",
+                                                   {"component": "planner", "peer": "constructor:0"}) == 1
+        beats = 0
+        while fake.poll(0):
+            _, m = wire.recv(fake)
+            beats += m.kind == Kind.HEARTBEAT
+        assert beats >= 4  # the planner beat to its constructor every interval
+        wire.send(fake, Kind.HEARTBEAT, {})
+        turn(0.3)
+        assert planner.status()["silent"] == {}
+    finally:
+        fake.close(0)
+        planner.close()
+        ctx.destroy(0)

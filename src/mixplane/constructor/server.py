@@ -203,6 +203,12 @@ class ConstructorServer(Component):
     def _ignore(self, _: bytes, msg: wire.Message) -> None:
         pass
 
+    def on_liveness(self, now: float) -> None:
+        """Beat to the planner each interval (once registered) and report it when it goes silent."""
+        if self.welcomed and self.liveness.due():
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()})
+            self.watch({"planner": "planner"})
+
     @property
     def sample_horizon(self) -> int:
         """The last step SAMPLES may be for: the planner plans at most max_lead_steps past what the

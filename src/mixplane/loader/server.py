@@ -245,6 +245,12 @@ class LoaderServer(Component):
     def _ignore(self, _: bytes, msg: wire.Message) -> None:
         pass
 
+    def on_liveness(self, now: float) -> None:
+        """Beat to the planner each interval (once registered) and report it when it goes silent."""
+        if self.welcomed and self.liveness.due():
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()})
+            self.watch({"planner": "planner"})
+
     @property
     def needs_work(self) -> bool:
         return self.welcomed and (not self.window.full or self.window.wants_read_ahead)

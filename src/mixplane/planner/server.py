@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from mixplane import protocol, wire
-from mixplane.component import Component
+from mixplane.component import Component, peer_name
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, cursor_array
 from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions
@@ -341,10 +341,22 @@ class PlannerServer(Component):
             "tokens_planned": self.state.tokens_planned, "uptime_s": time.monotonic() - self.state.started,
             "waiting": [f"{self.names[w.source]}/{w.replica}" for w in self.core.waiting_for()],
             "constructors": len(self.constructors), "loaders": len(self.loaders),
-            "peers": self.membership_status(),  # every peer heard from, with seconds since its last message
+            "peers": self.membership_status(),
+            # registered components silent past the liveness miss budget: name -> seconds silent
+            "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
         }
 
     # -- loop ---------------------------------------------------------------------------
+    def on_liveness(self, now: float) -> None:
+        """Beat to every registered loader and constructor each interval; report the ones gone silent."""
+        if not self.liveness.due():
+            return
+        peers = {ident: "loader" for ident in self.loaders.values()}
+        peers.update({c.identity: "constructor" for c in self.constructors.values()})
+        for ident in peers:
+            self._send(ident, Kind.HEARTBEAT, {"t": time.time()})
+        self.watch({peer_name(i): what for i, what in peers.items()})
+
     def tick(self) -> None:
         self.try_plan()
 
