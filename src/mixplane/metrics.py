@@ -61,6 +61,10 @@ class Metrics:
     constructor_client_wait_seconds: Histogram
     # planner (appended)
     rank_imbalance: Gauge
+    # fault tolerance (appended): loader restarts seen by the planner, steps resent, duplicate payloads dropped
+    loader_rejoins: Counter
+    replayed_steps: Counter
+    constructor_duplicate_samples: Counter
     # every component: which one this endpoint is (join key for process_* metrics on dashboards)
     component_info: Gauge
 
@@ -121,6 +125,10 @@ def make_metrics(component: str) -> Metrics:
         constructor_pending_steps=g("mixplane_constructor_pending_steps", "Steps planned but not yet complete"),
         constructor_client_wait_seconds=h("mixplane_constructor_client_wait_seconds", "How long a client request waited for its step"),
         rank_imbalance=g("mixplane_planner_rank_imbalance", "Balancer's cost imbalance across ranks of the last step (max / mean, 1 = perfect)", ["part"]),
+        loader_rejoins=c("mixplane_planner_loader_rejoins_total", "Loaders that said HELLO again (restarted)", ["loader"]),
+        replayed_steps=c("mixplane_planner_replayed_steps_total", "Planned steps a restarted loader was told to send again"),
+        constructor_duplicate_samples=c("mixplane_constructor_duplicate_samples_total",
+                                        "SAMPLES messages of a (step, loader) already held, dropped (loader restarts)"),
         component_info=g("mixplane_component_info", "1 per component endpoint; joins process_* metrics to the component", lbl),
     )
     m.component_info.labels(component).set(1)

@@ -51,6 +51,9 @@ class StepState:
     # spans still missing, as (source, key, start) arrays; set when the layout arrives
     need_spans: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0, np.int64),) * 3
     need_images: set[tuple[int, int]] = field(default_factory=set)
+    # (source, replica) of every SAMPLES message held: a loader sends one per (step, constructor), and a
+    # restarted loader sends again what may not have arrived, so a second one is a duplicate
+    senders: set[tuple[int, int]] = field(default_factory=set)
 
     def expect(self, layout: StepLayout, ranks: list[int]) -> None:
         """What must arrive before the step can be built: every span of the layout, and the pixels
@@ -236,6 +239,14 @@ class ConstructorServer(Component):
             raise WireError(f"SAMPLES for step {step}: inconsistent arrays")
         st = self.steps.setdefault(step, StepState())
         source = msg.get("source", int)
+        replica = msg.meta.get("replica", -1)
+        if not isinstance(replica, int):
+            raise WireError(f"SAMPLES for step {step}: field 'replica' must be an integer")
+        sender = (source, replica)
+        if sender in st.senders:
+            self.m.constructor_duplicate_samples.inc()
+            return
+        st.senders.add(sender)
         if "img_key" in msg.arrays:
             self._store_images(st, source, msg)
         st.spans.add(source, keys, starts, offsets, values)
@@ -395,7 +406,16 @@ class ConstructorServer(Component):
         want = step + self.prefetch
         if want > self.asked_through:
             self.asked_through = want
-            wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want})
+            wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want,
+                                                      "complete_through": self.complete_through})
+
+    @property
+    def complete_through(self) -> int:
+        """Every step up to this one holds all its spans here (or was released): no loader needs to resend it."""
+        s = self.released_through
+        while (st := self.steps.get(s + 1)) is not None and st.complete:
+            s += 1
+        return s
 
     def serve_pending(self) -> None:
         still = []

@@ -60,6 +60,9 @@ class LoaderServer(Component):
         self._remote_seen = (0, 0, 0, 0)  # requests, bytes, retries, cache hits already counted
         self._last_status_line = 0.0
         self.session = -1
+        # after a restart: re-reading the stream to resend the spans of steps planned before (no announcements
+        # until the planner's SEEK to the window's cursor ends the replay)
+        self.replaying = False
 
     # -- protocol -----------------------------------------------------------------------
     def _send_planner(self, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -84,6 +87,7 @@ class LoaderServer(Component):
             self.security.client(s).connect(ep)
             self.pushers.append(s)
         self._seek(msg.get("session", int), cursor)
+        self.replaying = "replay_through" in msg.meta
         self.welcomed = True
 
     def _cursor(self, msg: wire.Message) -> WindowCursor:
@@ -119,7 +123,7 @@ class LoaderServer(Component):
 
     def _fill(self) -> bool:
         """Announce samples until the window is full; True if it did work."""
-        if not self.welcomed or self.window.full:
+        if not self.welcomed or self.replaying or self.window.full:
             return False
         a = self.window.fill()
         self.m.loader_buffer_samples.labels(self.source.name).set(len(self.window.buffer))
@@ -158,6 +162,8 @@ class LoaderServer(Component):
             raise WireError("PLAN_LOADER: arrays differ in length")
         if n and (dest.min() < 0 or dest.max() >= len(self.pushers)):
             raise WireError(f"PLAN_LOADER: constructor index out of range at step {step}")
+        if self.replaying:  # resent steps: read the stream forward to the planned samples, announcing nothing
+            self.window.ensure(np.unique(pos).tolist())
         missing = [int(q) for q in np.unique(pos) if int(q) not in self.window.buffer]
         if missing:  # checked before anything is sent: a step goes out whole or not at all
             raise WireError(f"step {step}: planned sample at position {missing[0]} is not in the window")
@@ -238,6 +244,9 @@ class LoaderServer(Component):
 
     def _on_seek(self, _: bytes, msg: wire.Message) -> None:
         self._seek(msg.get("session", int), self._cursor(msg))
+        if self.replaying:
+            self.replaying = False
+            log.warning("%s: resent the spans of the steps planned before its restart", self.name)
 
     def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
         self.stopped = True
@@ -253,11 +262,11 @@ class LoaderServer(Component):
 
     @property
     def needs_work(self) -> bool:
-        return self.welcomed and (not self.window.full or self.window.wants_read_ahead)
+        return self.welcomed and not self.replaying and (not self.window.full or self.window.wants_read_ahead)
 
     def work(self, idle: bool) -> bool:
         """One unit of background work: refill the window (critical path), else read ahead when idle."""
-        if not self.welcomed:
+        if not self.welcomed or self.replaying:
             return False
         if not self.window.full:
             return self._fill()
@@ -308,7 +317,7 @@ def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, m
             for ld in live:
                 if ld.outbox_messages:
                     ld.flush()
-            refills = [ld for ld in live if ld.welcomed and not ld.window.full]
+            refills = [ld for ld in live if ld.welcomed and not ld.replaying and not ld.window.full]
             for ld in refills:
                 ld.work(idle=False)
             if not refills and not events:

@@ -167,6 +167,27 @@ class LoaderWindow:
         return Announcement(np.array([b.pos for b in new], np.int64), np.array([b.key for b in new], np.int64),
                             np.array([len(b.tokens) for b in new], np.int32), np.array([b.npatches for b in new], np.int32))
 
+    def ensure(self, positions: list[int]) -> None:
+        """Replay after a restart: move samples into the buffer, reading the stream forward and announcing
+        nothing, until every one of `positions` is there (or the stream has passed them / stays dry)."""
+        want = {int(p) for p in positions} - self.buffer.keys()
+        if not want:
+            return
+        last = max(want)
+        while want:
+            if not self.staged:
+                self._read(CHUNK)
+                if self.stalled:
+                    return
+                continue
+            b = self.staged.popleft()
+            self.staged_tokens -= len(b.tokens)
+            self.buffer[b.pos] = b
+            self.unconsumed_tokens += len(b.tokens) - b.done
+            want.discard(b.pos)
+            if b.pos >= last:
+                return
+
     @property
     def wants_read_ahead(self) -> bool:
         return self.staged_tokens < self.read_ahead_tokens and not self.stalled

@@ -19,6 +19,7 @@ import zmq
 
 from mixplane import protocol, wire
 from mixplane.component import Component, peer_name
+from mixplane.planner.inflight import InFlight
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, cursor_array
 from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions
@@ -81,6 +82,11 @@ class PlannerServer(Component):
         self.initial_cursor: dict[str, Any] = json.loads(json.dumps(self.session_start))
         self.need_through = -1
         self.need_by: dict[bytes, int] = {}  # constructor identity -> the step it needs planned through
+        # loader restart: the instructions of steps some constructor may still miss, resent to a loader that
+        # says HELLO again; forgotten once every constructor reports them complete (bounded)
+        self.complete_by: dict[bytes, int] = {}  # constructor identity -> every step up to it complete there
+        lead = spec.runtime.max_lead_steps + 2 * spec.runtime.prefetch_steps + 2
+        self.inflight = InFlight(max_steps=4 * lead + 64)
         self.names = spec.source_names()
         self.state = PlannerState()
         self.run_dir = run_dir
@@ -121,7 +127,23 @@ class PlannerServer(Component):
         # the window restarts from its cursor: the loader re-sends every unconsumed sample
         cur = w.cursor()
         w.restore(cur)
-        self._send(self.loaders[key], Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": cur})
+        ident = self.loaders[key]
+        replay = self.inflight.for_loader(key)
+        if not replay:
+            self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": cur})
+            return
+        # a (re)started loader first re-reads its stream from the lowest position of the steps planned but
+        # not yet complete at every constructor and sends their spans again (constructors drop what they
+        # hold), then seeks to the window's cursor and announces the rest as usual
+        low = InFlight.low_position(replay)
+        self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": {"low": low, "next": low},
+                                         "replay_through": replay[-1][0]})
+        for step, ins in replay:
+            self._send(ident, Kind.PLAN_LOADER, {"session": self.session, "step": step, "replay": True}, ins.arrays())
+        self._send(ident, Kind.SEEK, {"session": self.session, "cursor": cur})
+        self.m.replayed_steps.inc(len(replay))
+        log.warning("loader %s/%d: resending the spans of %d planned step(s) %d..%d from position %d",
+                    self.names[key[0]], key[1], len(replay), replay[0][0], replay[-1][0], low)
 
     def _route_reply(self, identity: bytes, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:
@@ -152,6 +174,9 @@ class PlannerServer(Component):
                 self.core.window(*key)
             except KeyError:
                 raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
+            if key in self.loaders and key not in self.pending_loader_welcome:  # a restarted loader (or a HELLO retry): counted and named
+                self.m.loader_rejoins.labels(f"{self.names[key[0]]}/{key[1]}").inc()
+                log.warning("loader %s/%d said HELLO again (restart?): welcoming it back", self.names[key[0]], key[1])
             self.loaders[key] = identity
             if self.all_constructors:
                 self._welcome_loader(key)
@@ -198,6 +223,11 @@ class PlannerServer(Component):
             # pull model: plan what the most advanced constructor needs, but no further than
             # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
             self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
+            done = msg.meta.get("complete_through")
+            if isinstance(done, int):
+                self.complete_by[identity] = max(self.complete_by.get(identity, -1), done)
+                if self.all_constructors and all(c.identity in self.complete_by for c in self.constructors.values()):
+                    self.inflight.release(min(self.complete_by[c.identity] for c in self.constructors.values()))
 
     def _on_route(self, identity: bytes, msg: wire.Message) -> None:
         if "coords" in msg.meta:  # a client configured by its mesh position
@@ -246,6 +276,8 @@ class PlannerServer(Component):
         self.session_attempt = attempt
         self.need_through = -1
         self.need_by.clear()
+        self.complete_by.clear()
+        self.inflight.clear()
         for key, ident in self.loaders.items():
             self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
         for c in self.constructors.values():
@@ -297,6 +329,11 @@ class PlannerServer(Component):
                                          self._dp_fanout, self._rank_fanout)
         for key, ins in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
+        overflowed = self.inflight.overflowed
+        self.inflight.record(step, per_loader)
+        if self.inflight.overflowed > overflowed:
+            log.warning("step %d: planned steps kept for loader restarts exceed %d; the oldest is forgotten before "
+                        "every constructor confirmed it", step, self.inflight.max_steps)
         cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
         peers = list(self.constructors.values())
         for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers])):

@@ -1,0 +1,52 @@
+"""Plans a loader may have to send again (issue 11, loader restart).
+
+A loader's spans of a planned step live only in its memory (and its outbox) until every constructor
+holds them; a loader killed in between takes them along. The planner keeps, per loader replica, the
+PLAN_LOADER instructions of every step some constructor may not have received in full, and forgets a
+step once every constructor reported it complete (``complete_through`` of NEED_STEPS). A restarted
+loader re-reads its stream from the lowest position these steps name and sends exactly their spans
+again; constructors drop a (step, loader) message they already hold. Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mixplane.planner.routing import Instructions
+
+LoaderKey = tuple[int, int]  # (source, replica)
+
+
+@dataclass
+class InFlight:
+    """Instructions of the steps not yet complete at every constructor, oldest first, bounded."""
+
+    max_steps: int
+    steps: deque[tuple[int, dict[LoaderKey, Instructions]]] = field(default_factory=deque)
+    overflowed: int = 0  # steps forgotten before every constructor confirmed them (a restart then loses them)
+
+    def record(self, step: int, per_loader: dict[LoaderKey, Instructions]) -> None:
+        if self.steps and step <= self.steps[-1][0]:
+            raise ValueError(f"step {step} recorded after step {self.steps[-1][0]}")
+        self.steps.append((step, per_loader))
+        while len(self.steps) > self.max_steps:
+            self.steps.popleft()
+            self.overflowed += 1
+
+    def release(self, through: int) -> None:
+        """Every constructor holds every span of the steps up to `through`: no loader resends them."""
+        while self.steps and self.steps[0][0] <= through:
+            self.steps.popleft()
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def for_loader(self, key: LoaderKey) -> list[tuple[int, Instructions]]:
+        """(step, instructions) this loader replica must send again after a restart, in plan order."""
+        return [(s, per[key]) for s, per in self.steps if key in per and len(per[key].pos)]
+
+    @staticmethod
+    def low_position(replay: list[tuple[int, Instructions]]) -> int:
+        """The stream position a restarted loader re-reads from: the lowest one these steps name."""
+        return min(int(ins.pos.min()) for _, ins in replay)
