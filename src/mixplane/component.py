@@ -255,27 +255,33 @@ class Component:
 
     # -- sending --------------------------------------------------------------------------------------------
     def send_routed(self, sock: Any, identity: bytes, kind: Kind, meta: Mapping[str, Any] | None = None,
-                    arrays: Mapping[str, np.ndarray] | None = None, *, checksum: bool | None = None) -> bool | None:
+                    arrays: Mapping[str, np.ndarray] | None = None, *, checksum: bool | None = None,
+                    quiet: bool = False) -> bool | None:
         """Send to one peer of a ROUTER without blocking: True when sent, None when its queue is full
         (the caller may retry: backpressure), False when it cannot be delivered (gone, unknown, any
-        other transport error): counted as undeliverable and logged at a bounded rate, never raised."""
+        other transport error): counted as undeliverable and logged at a bounded rate, never raised.
+        ``quiet``: a liveness beat, whose loss is what liveness measures, is not counted as a bad message."""
         try:
             wire.send(sock, kind, meta, arrays, route=[identity], flags=zmq.NOBLOCK, checksum=checksum)
             return True
         except zmq.Again:
             return None
         except zmq.ZMQError as err:  # EHOSTUNREACH (ROUTER_MANDATORY), ENOTSOCK, ETERM, ...
-            self.bad("undeliverable", "%s to %s not delivered: %s", kind.name, peer_name(identity), err)
+            if not quiet:
+                self.bad("undeliverable", "%s to %s not delivered: %s", kind.name, peer_name(identity), err)
             return False
 
     def send_direct(self, sock: Any, kind: Kind, meta: Mapping[str, Any] | None = None,
-                    arrays: Mapping[str, np.ndarray] | None = None, *, checksum: bool | None = None) -> bool:
-        """Send on a connected DEALER / PUSH socket without blocking; False (counted) when it cannot go now."""
+                    arrays: Mapping[str, np.ndarray] | None = None, *, checksum: bool | None = None,
+                    quiet: bool = False) -> bool:
+        """Send on a connected DEALER / PUSH socket without blocking; False (counted unless ``quiet``) when
+        it cannot go now."""
         try:
             wire.send(sock, kind, meta, arrays, flags=zmq.NOBLOCK, checksum=checksum)
             return True
         except zmq.ZMQError as err:
-            self.bad("undeliverable", "%s not sent: %s", kind.name, err)
+            if not quiet:
+                self.bad("undeliverable", "%s not sent: %s", kind.name, err)
             return False
 
     # -- registration ---------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ class ConstructorServer(Component):
     def on_liveness(self, now: float) -> None:
         """Beat to the planner each interval (once registered) and report it when it goes silent."""
         if self.welcomed and self.liveness.due():
-            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()})
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
             self.watch({"planner": "planner"})
 
     @property
