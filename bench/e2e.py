@@ -11,8 +11,11 @@ delivered (non-padding tokens, all ranks, from the first request to the last bat
 per million tokens over every process involved (ranks, workers, data-plane components), and the
 peak of the summed RSS of all those processes (sampled every 50 ms).
 
-    python bench/e2e.py [--quick] [--steps N] [--repeats K]
+    python bench/e2e.py [--quick] [--steps N] [--repeats K] [--security secure|open|both]
 Each side runs K times, interleaved; the figures are medians. Last stdout line: {"mixplane": {...}, "baseline": {...}, "throughput_ratio": .., "memory_ratio": ..}
+mixplane runs with the runtime's default (`runtime.security: secure`: CURVE on every socket, keys per role);
+`--security open` measures the open configuration instead, `both` runs the two interleaved and adds
+"mixplane_open" and "secure_cost" (open / secure tokens/s and secure / open CPU per Mtok).
 """
 
 from __future__ import annotations
@@ -189,7 +192,7 @@ def summarize(results: list[dict], extra_cpu: float, peak_rss: int) -> dict:
             "rss_mb": round(peak_rss / 2**20, 1), "tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 2)}
 
 
-def bench_mixplane(data: Path, steps: int, tmp: Path) -> dict:
+def bench_mixplane(data: Path, steps: int, tmp: Path, security: str = "secure") -> dict:
     import psutil
 
     from mixplane.runtime import EmbeddedRuntime
@@ -202,7 +205,7 @@ def bench_mixplane(data: Path, steps: int, tmp: Path) -> dict:
         "batch": {"sequences": RANKS * ROWS, "seq_len": SEQ, "microbatches": 1, "pad_id": 1},
         "topology": {"modules": {"backbone": {"dp": RANKS}}, "ranks_per_node": 8},
         "strategy": {"name": "llm_balance"},
-        "runtime": {"constructors": "per_node", "prefetch_steps": 3, "metrics": False},
+        "runtime": {"constructors": "per_node", "prefetch_steps": 3, "metrics": False, "security": security},
     })
     with EmbeddedRuntime(spec, tmp / "mixplane-run") as rt:
         comps = [psutil.Process(c.proc.pid) for c in rt.children]
@@ -241,6 +244,7 @@ def main() -> None:
     ap.add_argument("--role")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--out")
+    ap.add_argument("--security", choices=("secure", "open", "both"), default="secure")
     args = ap.parse_args()
     if args.role == "mixplane-rank":
         return mixplane_rank(args.rank, args.steps, args.out)
@@ -255,12 +259,15 @@ def main() -> None:
         print(f"building demo data in {data}", file=sys.stderr)
         build_demo_data(data, max_mb=8.0 if args.quick else 24.0)
     repeats = args.repeats or (1 if args.quick else 3)
-    runs: dict[str, list[dict]] = {"mixplane": [], "baseline": []}
+    runs: dict[str, list[dict]] = {"mixplane": [], "baseline": [], "mixplane_open": []}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for i in range(repeats):  # interleaved, so load on the shared machine hits both alike
-            runs["mixplane"].append(bench_mixplane(data, steps, tmp))
-            print(f"mixplane run {i}: {runs['mixplane'][-1]}", file=sys.stderr)
+            runs["mixplane"].append(bench_mixplane(data, steps, tmp, "open" if args.security == "open" else "secure"))
+            print(f"mixplane run {i} ({'open' if args.security == 'open' else 'secure'}): {runs['mixplane'][-1]}", file=sys.stderr)
+            if args.security == "both":
+                runs["mixplane_open"].append(bench_mixplane(data, steps, tmp, "open"))
+                print(f"mixplane run {i} (open): {runs['mixplane_open'][-1]}", file=sys.stderr)
             runs["baseline"].append(bench_baseline(data, steps, tmp))
             print(f"baseline run {i}: {runs['baseline'][-1]}", file=sys.stderr)
     mix, base = median_run(runs["mixplane"]), median_run(runs["baseline"])
@@ -268,7 +275,13 @@ def main() -> None:
            "throughput_ratio": round(mix["tokens_per_s"] / base["tokens_per_s"], 3),
            "memory_ratio": round(base["rss_mb"] / mix["rss_mb"], 3),
            "throughput_ratio_per_run": [round(m["tokens_per_s"] / b["tokens_per_s"], 3)
-                                        for m, b in zip(runs["mixplane"], runs["baseline"])]}
+                                        for m, b in zip(runs["mixplane"], runs["baseline"])],
+           "security": args.security}
+    if runs["mixplane_open"]:
+        op = median_run(runs["mixplane_open"])
+        out["mixplane_open"] = op
+        out["secure_cost"] = {"throughput_open_over_secure": round(op["tokens_per_s"] / mix["tokens_per_s"], 3),
+                              "cpu_per_mtok_secure_over_open": round(mix["cpu_s_per_mtok"] / op["cpu_s_per_mtok"], 3)}
     print(json.dumps(out))
 
 

@@ -6,7 +6,10 @@
   64 MB microbatches (input_ids, labels, position_ids, source_ids, cu_seqlens) from a server process
   speaking the constructor's protocol (ROUTE, GET_STEP -> STEP_DATA, zero-copy frames), over loopback
   TCP; bytes of tensors handed to the caller / wall time, all sizes together.
-* ``gbps_curve``: the same with CURVE encryption and the ZAP allowlist on.
+* ``gbps_curve``: the same with CURVE encryption and the ZAP allowlist on (what a secured run, the
+  embedded runtime's default, pays on its payload sockets).
+* ``gbps_ipc``: the same without CURVE over an ipc:// socket in a 0700 directory (the cheaper path a
+  local run could use for payloads: only the same uid can connect).
 * ``gbps_raw_zmq``: the limit of this machine: raw pyzmq PUSH/PULL of messages of the same sizes with
   zero-copy frames, received as numpy -> torch.
 * ``p50_us`` / ``p99_us``: round trip of a small request and reply (GET_STEP -> 1 KB STEP_DATA with the
@@ -48,7 +51,7 @@ def make_batch(nbytes: int) -> dict[str, np.ndarray]:
             "cu_seqlens": np.arange(0, rows * SEQ + 1, 512, dtype=np.int32)}
 
 
-def serve(endpoint_q, nbytes: int, curve_dir: str | None, seconds: float) -> None:
+def serve(endpoint_q, nbytes: int, curve_dir: str | None, seconds: float, ipc_dir: str | None = None) -> None:
     """Planner + constructor stand-in: answers ROUTE and GET_STEP with a prebuilt batch (zero-copy)."""
     import zmq
 
@@ -60,8 +63,12 @@ def serve(endpoint_q, nbytes: int, curve_dir: str | None, seconds: float) -> Non
         setup = wire.CurveSetup.from_dir(curve_dir, "server")
         auth = wire.Authenticator(ctx, setup.allow)
         wire.curve_server(sock, setup.keys)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    ep = f"tcp://127.0.0.1:{port}"
+    if ipc_dir:
+        ep = f"ipc://{ipc_dir}/bench-{os.getpid()}.sock"
+        sock.bind(ep)
+    else:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        ep = f"tcp://127.0.0.1:{port}"
     endpoint_q.put(ep)
     batch = make_batch(nbytes) if nbytes else {"x": np.zeros(256, np.int32)}
     deadline = time.monotonic() + seconds
@@ -85,10 +92,10 @@ def serve(endpoint_q, nbytes: int, curve_dir: str | None, seconds: float) -> Non
     ctx.term()
 
 
-def start_server(nbytes: int, curve_dir: str | None, seconds: float):
+def start_server(nbytes: int, curve_dir: str | None, seconds: float, ipc_dir: str | None = None):
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    p = ctx.Process(target=serve, args=(q, nbytes, curve_dir, seconds), daemon=True)
+    p = ctx.Process(target=serve, args=(q, nbytes, curve_dir, seconds, ipc_dir), daemon=True)
     p.start()
     return p, q.get(timeout=30)
 
@@ -100,12 +107,12 @@ def stop(p) -> None:
         p.join()
 
 
-def client_throughput(nbytes: int, steps: int, curve_dir: str | None) -> tuple[int, float]:
+def client_throughput(nbytes: int, steps: int, curve_dir: str | None, ipc_dir: str | None = None) -> tuple[int, float]:
     import torch  # noqa: F401
 
     from mixplane.client import MixtureLoader
 
-    p, ep = start_server(nbytes, curve_dir, seconds=300)
+    p, ep = start_server(nbytes, curve_dir, seconds=300, ipc_dir=ipc_dir)
     curve = wire.CurveSetup.from_dir(curve_dir, "client") if curve_dir else None
     warm = 2
     try:
@@ -215,7 +222,8 @@ def main() -> None:
     wire.generate_keys(keydir, "server")
     wire.generate_keys(keydir, "client")
 
-    res: dict[str, dict[int, float]] = {"plain": {}, "raw": {}, "curve": {}}
+    ipc_dir = tempfile.mkdtemp(prefix="mixplane-ipc-")  # mkdtemp: mode 0700
+    res: dict[str, dict[int, float]] = {"plain": {}, "raw": {}, "curve": {}, "ipc": {}}
     tot = {k: [0, 0.0] for k in res}
     rounds = 2 if args.quick else 3
     for size in sizes:
@@ -235,14 +243,19 @@ def main() -> None:
         res["curve"][size] = b / dt / 1e9
         tot["curve"][0] += b
         tot["curve"][1] += dt
+        b, dt = client_throughput(size, nc, None, ipc_dir)
+        res["ipc"][size] = b / dt / 1e9
+        tot["ipc"][0] += b
+        tot["ipc"][1] += dt
         print(json.dumps({"size_mb": size // MB, "gbps_plain": round(res["plain"][size], 3),
-                          "gbps_raw_zmq": round(res["raw"][size], 3), "gbps_curve": round(res["curve"][size], 3)}), flush=True)
+                          "gbps_raw_zmq": round(res["raw"][size], 3), "gbps_curve": round(res["curve"][size], 3),
+                          "gbps_ipc": round(res["ipc"][size], 3)}), flush=True)
     p50, p99 = latency(iters, None)
     c50, c99 = latency(iters // 2, keydir)
     g = {k: tot[k][0] / tot[k][1] / 1e9 for k in tot}
     print(json.dumps({"latency_curve_p50_us": round(c50, 1), "latency_curve_p99_us": round(c99, 1),
                       "plain_over_raw": round(g["plain"] / g["raw"], 3), "latency": "round trip, 1 KB reply"}), flush=True)
-    print(json.dumps({"gbps_plain": round(g["plain"], 3), "gbps_curve": round(g["curve"], 3),
+    print(json.dumps({"gbps_plain": round(g["plain"], 3), "gbps_curve": round(g["curve"], 3), "gbps_ipc": round(g["ipc"], 3),
                       "gbps_raw_zmq": round(g["raw"], 3), "p50_us": round(p50, 1), "p99_us": round(p99, 1)}), flush=True)
 
 

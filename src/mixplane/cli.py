@@ -148,7 +148,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mixplane.runtime import EmbeddedRuntime
 
     spec = _load(args.file)
-    rt = EmbeddedRuntime(spec, args.run_dir, log_level=args.log_level)
+    from mixplane.runtime import ComponentFailed, RestartPolicy
+
+    policy = RestartPolicy(budget=args.restarts) if args.restarts > 0 else None
+    rt = EmbeddedRuntime(spec, args.run_dir, log_level=args.log_level, restart=policy)
     stop = {"flag": False}
 
     def on_signal(*_: object) -> None:
@@ -160,6 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         eps = rt.endpoints()
         print(f"mixplane: mixture {spec.name!r} running; run dir {eps['run_dir']}")
         print(f"  planner      {eps['planner']}   (export MIXPLANE_PLANNER={eps['planner']})")
+        if rt.key_dir:
+            print(f"  keys         {rt.key_dir}   (trainers: export MIXPLANE_CURVE_DIR={rt.key_dir}; "
+                  f"mixplane status|update --run-dir {eps['run_dir']})")
+        else:
+            print("  security     open (runtime.security: open): any local process can control this run")
         for name, info in eps["components"].items():
             extra = " ".join(f"{k}={v}" for k, v in info.items() if k.endswith("endpoint") or k == "metrics_port")
             print(f"  {name:<28} pid {info['pid']:<7} {extra}")
@@ -168,9 +176,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         t_end = None if args.max_seconds is None else time.monotonic() + args.max_seconds
         while not stop["flag"] and (t_end is None or time.monotonic() < t_end):
             time.sleep(1.0)
-            dead = rt.dead()
-            if dead:
-                print(f"mixplane: component(s) exited: {dead}; see {rt.run_dir / 'logs'}", file=sys.stderr)
+            try:
+                for name in rt.supervise():
+                    print(f"mixplane: restarted {name}", file=sys.stderr)
+            except ComponentFailed as e:
+                print(f"mixplane: {e}", file=sys.stderr)
                 return 1
             try:
                 st = rt.status()
@@ -191,11 +201,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from mixplane.control import request
-    from mixplane.wire import Kind
+def _control_target(args: argparse.Namespace) -> tuple[str, Any]:
+    """The planner endpoint and the admin keys of `mixplane status|update`: --planner or the run dir's
+    endpoints.json; keys from --curve-dir, $MIXPLANE_CURVE_DIR or the run dir's keys/."""
+    from mixplane.control import control_curve, planner_endpoint_of
 
-    print(json.dumps(request(args.planner, Kind.STATUS, {}, args.timeout), indent=1))
+    if not args.planner and not args.run_dir:
+        raise SystemExit(f"mixplane {args.command}: give --planner ENDPOINT or --run-dir DIR (printed by `mixplane run`)")
+    try:
+        endpoint = args.planner or planner_endpoint_of(args.run_dir)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"mixplane {args.command}: {e}") from None
+    return endpoint, control_curve(args.curve_dir, run_dir=args.run_dir)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mixplane.control import status
+
+    endpoint, curve = _control_target(args)
+    try:
+        print(json.dumps(status(endpoint, args.timeout, curve=curve), indent=1))
+    except (TimeoutError, RuntimeError) as e:
+        print(f"mixplane status: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -227,17 +255,17 @@ def update_message(weights: list[str], step: int, lr_scale: float | None = None,
 
 
 def cmd_update(args: argparse.Namespace) -> int:
-    from mixplane.control import request
-    from mixplane.wire import Kind
+    from mixplane.control import update_mixture
 
     try:
         meta = update_message(args.weight, args.step, args.lr_scale, args.temperature)
     except ValueError as e:
         print(f"mixplane update: {e}", file=sys.stderr)
         return EXIT_INVALID
+    endpoint, curve = _control_target(args)
     try:
-        print(json.dumps(request(args.planner, Kind.UPDATE_MIXTURE, meta, args.timeout)))
-    except RuntimeError as e:
+        print(json.dumps(update_mixture(endpoint, meta, args.timeout, curve=curve)))
+    except (TimeoutError, RuntimeError) as e:
         print(f"mixplane update: {e}", file=sys.stderr)
         return 1
     return 0
@@ -337,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.add_argument("--run-dir")
     r.add_argument("--max-seconds", type=float)
+    r.add_argument("--restarts", type=int, default=0, help="restart a loader that died, at most N times "
+                   "in 5 minutes (default 0: a dead component stops the run)")
     r.set_defaults(fn=cmd_run)
 
     dm = sub.add_parser("demo", help="train a small GPT on 2 ranks fed by mixplane")
@@ -357,18 +387,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_replay)
 
     st = sub.add_parser("status", help="progress of a running mixture")
-    st.add_argument("--planner", required=True)
+    st.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(fn=cmd_status)
 
     up = sub.add_parser("update", help="change mixture weights from a given step until the next scheduled phase (or the anneal)")
-    up.add_argument("--planner", required=True)
+    up.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
     up.add_argument("--step", type=int, required=True)
     up.add_argument("--weight", action="append", default=[], metavar="SOURCE=W")
     up.add_argument("--lr-scale", type=float, help="learning-rate multiplier from --step on (finite, > 0)")
     up.add_argument("--temperature", type=float, help="mixture temperature from --step on (finite, > 0)")
     up.add_argument("--timeout", type=float, default=5.0)
     up.set_defaults(fn=cmd_update)
+    for c in (st, up):  # a secured run (the default) answers only its admin key
+        c.add_argument("--run-dir", help="the run's directory: planner endpoint and keys (printed by `mixplane run`)")
+        c.add_argument("--curve-dir", help="key directory of a secured run (default: $MIXPLANE_CURVE_DIR, else RUN_DIR/keys)")
 
     pf = sub.add_parser("profile", help="measure each source's loader cost: CPU s/token and memory per partition (JSON)")
     pf.add_argument("file")

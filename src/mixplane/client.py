@@ -10,7 +10,7 @@
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
 checked against WORLD_SIZE and the mixture's topology — or ``coords={"dp": .., "pp": .., "cp": .., "tp": ..}``,
 the rank's backbone mesh position, which the planner maps to its global rank; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
-``timeout_s`` / MIXPLANE_TIMEOUT_S (default 120); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
+``timeout_s`` / MIXPLANE_TIMEOUT_S (default: the mixture's ``runtime.step_timeout_s``, sent by the planner; 120 until then); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
 interval of both sockets, default 2, 0 disables); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
 MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
 knows only the planner's address and asks it which constructor serves its rank.
@@ -30,6 +30,7 @@ and torch). Every message is checked (step, rank, shapes, cu_seqlens) before it 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections import deque
@@ -142,6 +143,8 @@ class MixtureLoader:
         self.local_rank = _env_int("LOCAL_RANK")
         pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH", 2)
         self.prefetch = max(0, int(pf if pf is not None else 2))
+        # the spec's runtime.step_timeout_s (from the planner's route reply) unless set here or in the environment
+        self._timeout_fixed = timeout_s is not None or "MIXPLANE_TIMEOUT_S" in os.environ
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
         self.max_steps = max_steps
         hb = heartbeat_s if heartbeat_s is not None else float(os.environ.get("MIXPLANE_HEARTBEAT_S", "2"))
@@ -194,6 +197,9 @@ class MixtureLoader:
         route = self._request(p, Kind.ROUTE, ask, "route")
         if self.requested_coords is not None:
             self.rank = route.get("rank", int)
+        spec_timeout = route.meta.get("step_timeout_s")
+        if not self._timeout_fixed and isinstance(spec_timeout, (int, float)) and math.isfinite(spec_timeout) and spec_timeout > 0:
+            self.timeout_s = float(spec_timeout)
         world = route.meta.get("world_size")
         if self.world_size is not None and isinstance(world, int) and world != self.world_size:
             # a smaller torchrun world would silently train on part of every global batch

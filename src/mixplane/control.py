@@ -95,12 +95,18 @@ def planner_endpoint_of(run_dir: str | os.PathLike) -> str:
     return ep
 
 
+FROM_ENV: Any = "from-env"
+
+
 def request(endpoint: str, kind: Kind, meta: dict[str, Any], timeout_s: float = 5.0, *,
-            curve: Any = None) -> dict[str, Any]:
+            curve: Any = FROM_ENV) -> dict[str, Any]:
     """One request/reply with the planner (status, mixture updates, resume); raises on timeout or error.
 
     curve: a ControlCurve (key dir + role), or the spec's runtime.curve (connects with the `server`
-    pair, as components do), or None for an open planner."""
+    pair, as components do), None for an open planner; by default the admin key of $MIXPLANE_CURVE_DIR
+    when set (an embedded runtime sets it for its own process while it runs), else none."""
+    if curve is FROM_ENV:
+        curve = control_curve()
     ctx: zmq.Context = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

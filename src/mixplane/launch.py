@@ -63,7 +63,7 @@ class LaunchTarget:
         return f"tcp://{self.planner_host}:{self.planner_port}" if self.planner_port else None
 
     @classmethod
-    def local(cls, spec: DataMixtureSpec, run_dir: str, *, key_dir: str | None = None) -> "LaunchTarget":
+    def local(cls, spec: DataMixtureSpec, run_dir: str, *, key_dir: str | None = None) -> LaunchTarget:
         """The embedded runtime's target: everything on `runtime.host`, the planner on `runtime.planner_port`."""
         h = spec.runtime.host
         return cls(run_dir=run_dir, bind_host=h, planner_host=h, planner_port=spec.runtime.planner_port, key_dir=key_dir)
@@ -139,7 +139,7 @@ class LaunchPlan:
     def needs_planner_endpoint(self) -> bool:
         return any(PLANNER_PLACEHOLDER in c.args for c in self.components)
 
-    def with_planner(self, endpoint: str) -> "LaunchPlan":
+    def with_planner(self, endpoint: str) -> LaunchPlan:
         """The plan with the planner endpoint (announced by the started planner) in every component's args."""
         comps = tuple(replace(c, args=tuple(endpoint if a == PLANNER_PLACEHOLDER else a for a in c.args))
                       for c in self.components)

@@ -21,14 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from mixplane import wire
-from mixplane.control import ENDPOINTS_FILE, default_run_dir, read_ready, request
-from mixplane.planner import journal
+from mixplane.control import (
+    ADMIN_ROLE,
+    ENDPOINTS_FILE,
+    KEYS_SUBDIR,
+    ControlCurve,
+    default_run_dir,
+    read_ready,
+    request,
+)
 from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan
+from mixplane.planner import journal
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
 
 log = logging.getLogger("mixplane.runtime")
 READY_TIMEOUT_S = 120.0
+KEY_ROLES = ("server", "component", "client", "admin")  # binding sockets present `server`; peers their role's pair
+CLIENT_ENV = ("MIXPLANE_CURVE_DIR", "MIXPLANE_CURVE_NAME")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -46,23 +56,127 @@ class Child:
     ready_file: Path
     info: dict[str, Any] = field(default_factory=dict)
     component: Component | None = None
+    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
+    restart_at: float | None = None  # when a restart of this dead child is due
+
+
+class ComponentFailed(RuntimeError):
+    """A component died and is not (or no longer) restarted; names it, its exit code and its log."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a component of an allowed role that died: after `backoff_s`, doubling per recent restart up
+    to `backoff_max_s`, at most `budget` times within `window_s`; then the run fails (ComponentFailed).
+
+    Off by default (`mixplane run --restarts N` turns it on): a restarted loader re-registers and the
+    planner resends what it had planned for it (planner/inflight.py); a constructor or the planner is
+    not restarted (a new constructor binds ports its loaders do not learn)."""
+
+    budget: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+    roles: tuple[str, ...] = ("loader",)  # a restarted constructor binds new ports the loaders do not learn yet
+
+    def delay(self, history: list[float], now: float) -> float | None:
+        """Seconds to wait before the next restart, or None when the budget within the window is spent."""
+        recent = [t for t in history if now - t < self.window_s]
+        if len(recent) >= self.budget:
+            return None
+        return min(self.backoff_max_s, self.backoff_s * (2 ** len(recent)))
 
 
 class EmbeddedRuntime:
     """Start planner, constructors and loaders as processes; `stop()` leaves none behind."""
 
     def __init__(self, spec: DataMixtureSpec, run_dir: str | os.PathLike | None = None, *, python: str | None = None,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", restart: RestartPolicy | None = None):
         self.spec = spec
+        self.restart = restart
         self.run_dir = Path(run_dir).resolve() if run_dir else default_run_dir(spec)
         self.python = python or sys.executable
         self.log_level = log_level
         self.children: list[Child] = []
         self.planner_endpoint: str | None = None
+        self.key_dir = self._key_dir()
+        self._saved_env: dict[str, str | None] | None = None
+
+    def _key_dir(self) -> Path | None:
+        """Where the run's CURVE keys live: the spec's `runtime.curve.key_dir` when given, else (secure by
+        default, or CURVE enabled without a key dir) `<run_dir>/keys`; None for `runtime.security: open`."""
+        curve = self.spec.runtime.curve
+        if curve.enabled and curve.key_dir:
+            return Path(curve.key_dir).resolve()
+        if curve.enabled or self.spec.runtime.security == "secure":
+            return self.run_dir / KEYS_SUBDIR
+        return None
+
+    @property
+    def control_curve(self) -> ControlCurve | None:
+        """The admin identity of this runtime's control requests (None: an open run)."""
+        return ControlCurve(str(self.key_dir), ADMIN_ROLE) if self.key_dir else None
+
+    def curve_setup(self, role: str = "client") -> wire.CurveSetup | None:
+        """A role's CURVE setup for in-process peers (a trainer: `MixtureLoader(curve=rt.curve_setup())`)."""
+        return wire.CurveSetup.from_dir(self.key_dir, role) if self.key_dir else None
+
+    def client_env(self) -> dict[str, str]:
+        """What a trainer process needs to reach this run (`mixplane run` prints it as exports)."""
+        env = {"MIXPLANE_PLANNER": self.planner_endpoint or ""}
+        if self.key_dir:
+            env.update(MIXPLANE_CURVE_DIR=str(self.key_dir), MIXPLANE_CURVE_NAME="client")
+        return env
+
+    def _make_keys(self) -> None:
+        if self.key_dir is None:
+            log.warning("runtime.security is open: any local process that reaches a port of %r can control it "
+                        "(shut it down, change its mixture, rewind it)", self.spec.name)
+            return
+        self.key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.key_dir, 0o700)
+        if not (self.spec.runtime.curve.enabled and self.spec.runtime.curve.key_dir):
+            self._inherit_keys()
+        wire.ensure_keys(self.key_dir, KEY_ROLES)  # once per run dir; secrets are 0600
+
+    def _inherit_keys(self) -> None:
+        """Take the key set $MIXPLANE_CURVE_DIR names when it is complete (another runtime of this process,
+        or the user's own key store): one trainer environment then reaches every local run at once."""
+        src = os.environ.get("MIXPLANE_CURVE_DIR")
+        if not src or self.key_dir is None or Path(src).resolve() == self.key_dir.resolve():
+            return
+        files = [f"{r}{suffix}" for r in KEY_ROLES for suffix in (wire.PUBLIC_SUFFIX, wire.SECRET_SUFFIX)]
+        if not all((Path(src) / f).is_file() for f in files):
+            return
+        for f in files:
+            data = (Path(src) / f).read_bytes()
+            fd = os.open(self.key_dir / f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+        log.info("CURVE keys of this run taken from MIXPLANE_CURVE_DIR=%s", src)
+
+    def _export_client_env(self) -> None:
+        """Trainers started from this process (tests, the demo, benchmarks, torchrun children) find the
+        client key through the environment MixtureLoader reads; restored by stop()."""
+        if self.key_dir is None or self._saved_env is not None:
+            return
+        self._saved_env = {k: os.environ.get(k) for k in CLIENT_ENV}
+        os.environ["MIXPLANE_CURVE_DIR"] = str(self.key_dir)
+        os.environ["MIXPLANE_CURVE_NAME"] = "client"
+
+    def _restore_env(self) -> None:
+        if self._saved_env is None:
+            return
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved_env = None
 
     # -- start ----------------------------------------------------------------------------
     def target(self) -> LaunchTarget:
-        return LaunchTarget.local(self.spec, str(self.run_dir))
+        return LaunchTarget.local(self.spec, str(self.run_dir), key_dir=str(self.key_dir) if self.key_dir else None)
 
     def plan(self) -> LaunchPlan:
         """What `start` runs (the planner endpoint is filled in once the planner announced it)."""
@@ -92,15 +206,15 @@ class EmbeddedRuntime:
                 time.sleep(0.02)
             c.info = info
 
-    def start(self) -> "EmbeddedRuntime":
+    def start(self) -> EmbeddedRuntime:
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sub in ("ready", "logs"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         # the planner journal of an earlier run in this directory is kept (journals/), never deleted
         kept = journal.rotate(self.run_dir / "journal.jsonl")
         if kept:
             log.info("previous journal kept as %s", kept)
-        if self.spec.runtime.curve.enabled and self.spec.runtime.curve.key_dir:
-            wire.ensure_keys(self.spec.runtime.curve.key_dir)  # server + client key pairs, once
+        self._make_keys()
         plan = self.plan()
         Path(plan.target.spec_file).write_text(self.spec.model_dump_json(indent=1))
         try:
@@ -111,6 +225,7 @@ class EmbeddedRuntime:
             rest = [self._spawn(c) for c in plan.components if c.role != "planner"]
             self._wait_ready(rest)
             (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+            self._export_client_env()
         except BaseException:
             self.stop()
             raise
@@ -118,11 +233,12 @@ class EmbeddedRuntime:
 
     def endpoints(self) -> dict[str, Any]:
         return {"planner": self.planner_endpoint, "run_dir": str(self.run_dir),
+                "key_dir": str(self.key_dir) if self.key_dir else None,
                 "components": {c.name: {**c.info, "pid": c.proc.pid} for c in self.children}}
 
     # -- control --------------------------------------------------------------------------
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        return request(self.planner_endpoint or "", Kind.STATUS, {}, timeout_s, curve=self.spec.runtime.curve)
+        return request(self.planner_endpoint or "", Kind.STATUS, {}, timeout_s, curve=self.control_curve)
 
     def alive(self) -> list[str]:
         return [c.name for c in self.children if c.proc.poll() is None]
@@ -130,7 +246,43 @@ class EmbeddedRuntime:
     def dead(self) -> list[tuple[str, int]]:
         return [(c.name, c.proc.returncode) for c in self.children if c.proc.poll() is not None]
 
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Look after the children once (call it every second or so): restart the dead ones the policy
+        allows, once their backoff has passed; returns the names restarted. Raises ComponentFailed for a
+        child that died and may not (or no longer) be restarted."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for i, c in enumerate(self.children):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            log_file = self.run_dir / "logs" / f"{c.name}.log"
+            role = c.component.role if c.component is not None else ""
+            if self.restart is None or role not in self.restart.roles:
+                raise ComponentFailed(f"{c.name} exited with code {code}; see {log_file}")
+            if c.restart_at is None:
+                wait = self.restart.delay(c.restarts, now)
+                if wait is None:
+                    raise ComponentFailed(f"{c.name} exited with code {code} and was restarted {len(c.restarts)} times "
+                                          f"within {self.restart.window_s:g}s (the budget): giving up; see {log_file}")
+                c.restart_at = now + wait
+                log.warning("%s exited with code %s; restarting in %.1fs", c.name, code, wait)
+            if now >= c.restart_at:
+                assert c.component is not None
+                self.children.pop(i)
+                fresh = self._spawn(c.component)  # appended: move it back to its place
+                self.children.remove(fresh)
+                self.children.insert(i, fresh)
+                fresh.restarts = [*c.restarts, now]
+                self._wait_ready([fresh])
+                restarted.append(c.name)
+                log.warning("%s restarted (pid %d, restart %d)", c.name, fresh.proc.pid, len(fresh.restarts))
+        if restarted:
+            (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+        return restarted
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        self._restore_env()
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -142,7 +294,7 @@ class EmbeddedRuntime:
                 c.proc.kill()
                 c.proc.wait(5)
 
-    def __enter__(self) -> "EmbeddedRuntime":
+    def __enter__(self) -> EmbeddedRuntime:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

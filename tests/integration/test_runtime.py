@@ -54,6 +54,17 @@ def fetch(endpoint: str, ranks: int, steps: int, states: dict | None = None, sta
     return out
 
 
+def as_client(sock, rt: EmbeddedRuntime):
+    """Present the run's client key (a secured run, the default, admits no one else): hostile peers in
+    these tests are authenticated trainers, the strongest case for the servers' own message checks."""
+    from mixplane import wire
+
+    setup = rt.curve_setup("client")
+    if setup is not None:
+        wire.curve_client(sock, setup.keys, setup.server_key("server"))
+    return sock
+
+
 @pytest.fixture(scope="module")
 def run_result(token_sources, tmp_path_factory):
     doc = token_mixture(token_sources["root"], mixture={"weights": {"a": 0.5, "b": 0.3, "c": 0.2}, "seed": 7,
@@ -202,7 +213,7 @@ def test_epochs_do_not_repeat_samples(tmp_path):
             assert sum(l for _, l in pieces) == len(docs[r]) and pieces[0][0] == 0
 
 
-def test_cli_run_stops_cleanly_on_sigterm(token_sources, tmp_path):
+def test_cli_run_stops_cleanly_on_sigterm(token_sources, tmp_path, monkeypatch):
     f = tmp_path / "mix.yaml"
     f.write_text(yaml.safe_dump(token_mixture(token_sources["root"])))
     proc = subprocess.Popen([sys.executable, "-m", "mixplane.cli", "run", str(f), "--run-dir", str(tmp_path / "run")],
@@ -212,11 +223,13 @@ def test_cli_run_stops_cleanly_on_sigterm(token_sources, tmp_path):
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         lines.append(line)
-        if "export MIXPLANE_PLANNER=" in line:
+        if "export MIXPLANE_CURVE_DIR=" in line:  # printed after the planner line: a run is secured by default
             break
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) == 1 + 2 + 3, lines  # planner, 2 constructors, 3 loaders
-    endpoint = line.split("export MIXPLANE_PLANNER=")[1].split(")")[0]
+    endpoint = next(ln for ln in lines if "export MIXPLANE_PLANNER=" in ln).split("export MIXPLANE_PLANNER=")[1].split(")")[0]
+    monkeypatch.setenv("MIXPLANE_CURVE_DIR", line.split("export MIXPLANE_CURVE_DIR=")[1].split(";")[0])
+    assert os.environ["MIXPLANE_CURVE_DIR"] == str(tmp_path / "run" / "keys")
     got = fetch(endpoint, 2, 3)
     assert len(got[0]) == 3
     proc.send_signal(signal.SIGTERM)
@@ -239,7 +252,7 @@ def test_garbage_on_sockets_does_not_disturb_delivery(token_sources, tmp_path):
         rng = np.random.default_rng(0)
         targets = [rt.planner_endpoint, rt.endpoints()["components"]["constructor-0"]["client_endpoint"]]
         for ep in targets:
-            s = ctx.socket(zmq.DEALER)
+            s = as_client(ctx.socket(zmq.DEALER), rt)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(ep)
             for _ in range(50):

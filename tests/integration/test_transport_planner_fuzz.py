@@ -16,7 +16,7 @@ from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 from mixplane.wire import Kind
 from tests.conftest import token_mixture
-from tests.integration.test_runtime import fetch
+from tests.integration.test_runtime import as_client, fetch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,7 +60,7 @@ def test_valid_headers_with_random_fields_break_nothing(token_sources, tmp_path)
     with EmbeddedRuntime(spec, tmp_path / "noisy") as rt:
         ctx = zmq.Context.instance()
         rng = np.random.default_rng(4)
-        s = ctx.socket(zmq.DEALER)
+        s = as_client(ctx.socket(zmq.DEALER), rt)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(rt.planner_endpoint)
         for _ in range(400):

@@ -19,6 +19,7 @@ from mixplane.client import MixtureLoader, microbatches
 from mixplane.constructor.parallel import cp_merge, zigzag_index
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
+from tests.integration.test_runtime import as_client
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -273,7 +274,7 @@ def test_fuzzing_the_constructor_sockets_breaks_nothing(parallel_runtime):
     socks = []
     try:
         for ep, typ in ((info["client_endpoint"], zmq.DEALER), (info["data_endpoint"], zmq.PUSH)):
-            s = ctx.socket(typ)
+            s = as_client(ctx.socket(typ), rt)
             s.linger = 0
             s.connect(ep)
             socks.append(s)
@@ -303,7 +304,7 @@ def test_fuzzing_the_constructor_sockets_breaks_nothing(parallel_runtime):
         ctx.destroy(linger=0)
 
 
-def test_curve_end_to_end_with_allowlist(tmp_path):
+def test_curve_end_to_end_with_allowlist(tmp_path, monkeypatch):
     from mixplane import wire
     from mixplane.client import DeliveryError
 
@@ -327,7 +328,9 @@ def test_curve_end_to_end_with_allowlist(tmp_path):
         with pytest.raises(DeliveryError, match=f"no answer to route from the planner at {rt.planner_endpoint}"):
             next(bad)
         bad.close()
-        plain = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=1.0, max_steps=1)
+        with monkeypatch.context() as m:
+            m.delenv("MIXPLANE_CURVE_DIR")  # the runtime exported it for in-process trainers
+            plain = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=1.0, max_steps=1)
         with pytest.raises(DeliveryError, match="no answer to route"):
             next(plain)
         plain.close()

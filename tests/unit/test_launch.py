@@ -8,7 +8,13 @@ from collections import Counter
 import pytest
 
 from mixplane.cli import build_parser
-from mixplane.launch import PLANNER_PLACEHOLDER, LaunchTarget, Partition, launch_plan, loader_groups
+from mixplane.launch import (
+    PLANNER_PLACEHOLDER,
+    LaunchTarget,
+    Partition,
+    launch_plan,
+    loader_groups,
+)
 from mixplane.spec import parse_spec
 from mixplane.topology import constructor_groups
 from tests.conftest import token_mixture

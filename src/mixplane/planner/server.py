@@ -156,6 +156,7 @@ class PlannerServer(Component):
             "rank": rank,
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
+            "step_timeout_s": self.spec.runtime.step_timeout_s,  # the client's wait per step unless it sets its own
             "start_step": int(self.session_start["step"]),
             # lets a client make a resumable state_dict before its first step, and restart from step 0
             "session_start": self.session_start, "initial_cursor": self.initial_cursor,
