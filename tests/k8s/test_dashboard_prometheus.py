@@ -22,6 +22,7 @@ import urllib.request
 import yaml
 
 from mixplane.client import MixtureLoader
+from mixplane.control import KEYS_SUBDIR
 from mixplane.operator.dashboard import PANELS
 from tests.conftest import token_mixture
 from tests.k8s.cluster import binaries, free_port
@@ -64,7 +65,7 @@ def _finite(result: list[dict]) -> list[dict]:
     return [s for s in result if math.isfinite(float(s["value"][1]))]
 
 
-def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path):
+def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path, monkeypatch):
     prom_bin = binaries(("prometheus",))["prometheus"]
     # source c with one unreadable file: its pages are quarantined, so that panel shows real counts
     root = tmp_path / "sources"
@@ -94,6 +95,9 @@ def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path)
                                  f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
         base = f"http://127.0.0.1:{port}"
+
+        # the run is secure by default: trainers present the client key the runtime generated into its run dir
+        monkeypatch.setenv("MIXPLANE_CURVE_DIR", str(tmp_path / "run" / KEYS_SUBDIR))
 
         def consume(rank: int) -> None:
             try:
