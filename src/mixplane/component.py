@@ -353,3 +353,22 @@ class Component:
     def close(self) -> None:
         for e in self.endpoints:
             e.sock.close(0)
+
+
+class PlannerFollower(Component):
+    """A component the planner steers (Source Loaders, Data Constructors): it registers with HELLO, stops on
+    the planner's SHUTDOWN, and beats to the planner so that either side notices the other going silent."""
+
+    planner: Any  # the DEALER to the planner, set by the subclass
+
+    def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
+        self.stopped = True
+
+    def _ignore(self, _: bytes, msg: wire.Message) -> None:
+        pass
+
+    def on_liveness(self, now: float) -> None:
+        """Beat to the planner each interval (once registered) and report it when it goes silent."""
+        if self.welcomed and self.liveness.due():
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
+            self.watch({"planner": "planner"})

@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from mixplane import protocol, wire
-from mixplane.component import Component
+from mixplane.component import PlannerFollower
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
@@ -85,7 +85,7 @@ def wire_advertised(bound: str, host: str | None) -> str:
     return bound if not host else f"tcp://{host}:{bound.rsplit(':', 1)[1]}"
 
 
-class ConstructorServer(Component):
+class ConstructorServer(PlannerFollower):
     component = "constructor"
 
     def __init__(self, spec: DataMixtureSpec, index: int, planner_endpoint: str, *, host: str = "127.0.0.1",
@@ -199,18 +199,6 @@ class ConstructorServer(Component):
 
     def _on_reset(self, _: bytes, msg: wire.Message) -> None:
         self._reset(msg.get("session", int), msg.get("start_step", int))
-
-    def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
-        self.stopped = True
-
-    def _ignore(self, _: bytes, msg: wire.Message) -> None:
-        pass
-
-    def on_liveness(self, now: float) -> None:
-        """Beat to the planner each interval (once registered) and report it when it goes silent."""
-        if self.welcomed and self.liveness.due():
-            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
-            self.watch({"planner": "planner"})
 
     @property
     def sample_horizon(self) -> int:

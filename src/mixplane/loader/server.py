@@ -15,7 +15,7 @@ import numpy as np
 import zmq
 
 from mixplane import protocol, wire
-from mixplane.component import DRAIN_BATCH, Component, Endpoint
+from mixplane.component import DRAIN_BATCH, Endpoint, PlannerFollower
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
@@ -26,7 +26,7 @@ from mixplane.wire import Kind, WireError
 log = logging.getLogger("mixplane.loader")
 
 
-class LoaderServer(Component):
+class LoaderServer(PlannerFollower):
     component = "loader"
 
     def __init__(self, spec: DataMixtureSpec, source_index: int, replica: int, planner_endpoint: str,
@@ -247,18 +247,6 @@ class LoaderServer(Component):
         if self.replaying:
             self.replaying = False
             log.warning("%s: resent the spans of the steps planned before its restart", self.name)
-
-    def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
-        self.stopped = True
-
-    def _ignore(self, _: bytes, msg: wire.Message) -> None:
-        pass
-
-    def on_liveness(self, now: float) -> None:
-        """Beat to the planner each interval (once registered) and report it when it goes silent."""
-        if self.welcomed and self.liveness.due():
-            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
-            self.watch({"planner": "planner"})
 
     @property
     def needs_work(self) -> bool:
