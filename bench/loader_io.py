@@ -219,17 +219,8 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
         open_s = time.perf_counter() - t_open
         r0 = _rchar()
         t0 = time.perf_counter()
-        got = 0
-        while got < samples and (got < need or time.perf_counter() - t0 < budget_s):
-            t = time.perf_counter()
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-            lat.append(time.perf_counter() - t)
-            pos_parts.append(np.asarray(b["id"], np.int64))
-            delivered += sum(len(s.encode()) for s in b["text"])
-            got += len(b["id"])
+        got, delivered = drain_hf_batches(it, lat, pos_parts,
+                                          lambda got: got < samples and (got < need or time.perf_counter() - t0 < budget_s))
         wall = time.perf_counter() - t0
         bytes_read = _rchar() - r0
         stats["allocator"] = alloc
@@ -280,6 +271,23 @@ def run_mode(mode: str, data_dir: str, n_total: int, samples: int, batch: int, b
                      "batch": batch, **stats}
     return out
 
+
+
+def drain_hf_batches(it, lat: list, pos_parts: list, keep_going) -> tuple[int, int]:
+    """Consume an HF streaming iterator while keep_going(samples so far): batch latencies and ids into
+    lat / pos_parts; returns (samples, delivered text bytes). Shared with bench/remote_io.py."""
+    got = delivered = 0
+    while keep_going(got):
+        t = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        lat.append(time.perf_counter() - t)
+        pos_parts.append(np.asarray(b["id"], np.int64))
+        delivered += sum(len(s.encode()) for s in b["text"])
+        got += len(b["id"])
+    return got, delivered
 
 def _page_memory(s, base_mb: float, row_bytes: float) -> dict:
     """Where a page-mode stream's memory goes, at the end of the run (MB)."""

@@ -71,17 +71,11 @@ def worker(args) -> None:
         ds = datasets.load_dataset("parquet", data_files=urls, split="train", streaming=True, columns=["text", "id"])
         ds = ds.reshard().shuffle(seed=0, buffer_size=10_000)
         it = ds.iter(batch_size=args.batch)
+        from loader_io import drain_hf_batches
+
         t0 = time.perf_counter()
-        while got < args.samples and time.perf_counter() - t0 < args.budget:
-            t = time.perf_counter()
-            try:
-                b = next(it)
-            except StopIteration:
-                break
-            lat.append(time.perf_counter() - t)
-            pos_parts.append(np.asarray(b["id"], np.int64))
-            delivered += sum(len(s.encode()) for s in b["text"])
-            got += len(b["id"])
+        got, delivered = drain_hf_batches(it, lat, pos_parts,
+                                          lambda got: got < args.samples and time.perf_counter() - t0 < args.budget)
     else:
         from mixplane.loader.stream import open_stream
         from mixplane.samples import key_row
