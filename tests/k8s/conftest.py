@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from mixplane.operator.crd import CRD_NAME
 from tests.k8s.cluster import Cluster
+from tests.k8s.helpers import CRD
 
 _ns_counter = itertools.count()
 
@@ -32,3 +34,11 @@ def k8s_namespace(k8s_cluster: Cluster, request) -> Iterator[str]:
         yield name
     finally:
         k8s_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def crd(k8s_cluster: Cluster) -> Cluster:
+    """The cluster with the DataMixture CRD from crds/ installed and established."""
+    k8s_cluster.kubectl("apply", "-f", str(CRD))
+    k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    return k8s_cluster

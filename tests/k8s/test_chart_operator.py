@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -24,25 +23,12 @@ import yaml
 
 from mixplane.operator.crd import CRD_NAME
 from tests.k8s.cluster import Cluster, free_port
+from tests.k8s.helpers import sa_kubeconfig, wait_for
 from tests.unit.operator_testdata import write_text_and_images
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "mixplane"
 pytestmark = pytest.mark.timeout(600)
-
-
-def wait_for(what, fn, timeout=90.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except Exception as e:  # noqa: BLE001 - not there yet
-            last = e
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster: Cluster, k8s_namespace: str, tmp_path):
@@ -76,20 +62,7 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     sa_name = dep["spec"]["template"]["spec"]["serviceAccountName"]
 
-    def sa_token() -> str | None:
-        sa = json.loads(c.kubectl("-n", ns, "get", "sa", sa_name, "-o", "json").stdout)
-        if not sa.get("secrets"):
-            return None
-        sec = json.loads(c.kubectl("-n", ns, "get", "secret", sa["secrets"][0]["name"], "-o", "json").stdout)
-        return base64.b64decode(sec["data"]["token"]).decode() if sec.get("data", {}).get("token") else None
-
-    token = wait_for("the chart ServiceAccount's token", sa_token)
-    kubeconfig = tmp_path / "sa-kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": {"server": c.server, "certificate-authority": str(c.ca_file)}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa", "namespace": ns}}]}))
+    kubeconfig = sa_kubeconfig(c, ns, sa_name, tmp_path / "sa-kubeconfig")
 
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {}
@@ -111,7 +84,7 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         probe = container["livenessProbe"]["httpGet"]
         port = {p["name"]: p["containerPort"] for p in container["ports"]}[probe["port"]]
         wait_for("the operator's liveness endpoint", lambda: urllib.request.urlopen(
-            f"http://127.0.0.1:{port}{probe['path']}", timeout=2).status == 200)
+            f"http://127.0.0.1:{port}{probe['path']}", timeout=2).status == 200, 90, 0.5, tolerate=True)
 
         # the API server calls the operator's validating webhook
         data = write_text_and_images(tmp_path / "data", text_rows=300, images=20, side=160)
@@ -125,17 +98,17 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         bad["spec"]["mixture"]["weights"]["video"] = 1.0
         r = wait_for("the operator's webhook to refuse a bad mixture", lambda: (lambda r: r if r.returncode else
                      c.kubectl("-n", ns, "delete", "dmix", "bad", "--wait=false", check=False) and None)(
-            c.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(bad), check=False)))
+            c.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(bad), check=False)), 90, 0.5, tolerate=True)
         assert 'admission webhook "datamixtures.mixplane.io" denied the request' in r.stderr
         assert "spec.mixture.weights.video: unknown source 'video' (sources: text)" in r.stderr
 
         # with the chart's rights only, the operator builds the mixture's children and reports status
         c.kubectl("apply", "-f", "-", input=json.dumps(good))
         deps = wait_for("the operator's Deployments", lambda: json.loads(c.kubectl(
-            "-n", ns, "get", "deployments", "-l", "mixplane.io/instance=demo", "-o", "json").stdout)["items"], timeout=120)
+            "-n", ns, "get", "deployments", "-l", "mixplane.io/instance=demo", "-o", "json").stdout)["items"], 120, 0.5, tolerate=True)
         assert all(d["metadata"]["ownerReferences"][0]["kind"] == "DataMixture" for d in deps)
         wait_for("status", lambda: (json.loads(c.kubectl("-n", ns, "get", "dmix", "demo", "-o", "json").stdout)
-                                    .get("status") or {}).get("conditions"), timeout=120)
+                                    .get("status") or {}).get("conditions"), 120, 0.5, tolerate=True)
 
         # and the pod webhook injects a labelled trainer pod
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {"mixplane.io/mixture": "demo"}},

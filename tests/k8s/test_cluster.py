@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from tests.k8s.cluster import ADVERTISE_ADDRESS, Cluster
-
-
-def _wait(cond, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.k8s.helpers import wait_for
 
 
 def test_token_auth_and_rbac(k8s_cluster: Cluster, k8s_namespace: str):
@@ -38,7 +29,7 @@ def test_token_auth_and_rbac(k8s_cluster: Cluster, k8s_namespace: str):
         secret.update(json.loads(k8s_cluster.kubectl("-n", k8s_namespace, "get", "secret", sa["secrets"][0]["name"], "-o", "json").stdout))
         return bool(secret.get("data", {}).get("token"))
 
-    _wait(token_ready, what="service-account token")
+    wait_for("service-account token", token_ready, 60, 0.3)
     import base64
 
     token = base64.b64decode(secret["data"]["token"]).decode()
@@ -67,9 +58,9 @@ def test_controllers_create_and_garbage_collect(k8s_cluster: Cluster, k8s_namesp
     def pods() -> list[dict]:
         return json.loads(k8s_cluster.kubectl("-n", k8s_namespace, "get", "pods", "-l", "app=web", "-o", "json").stdout)["items"]
 
-    _wait(lambda: len(pods()) == 2, what="deployment -> replicaset -> 2 pods")
+    wait_for("deployment -> replicaset -> 2 pods", lambda: len(pods()) == 2, 60, 0.3)
     assert all(p["status"]["phase"] == "Pending" for p in pods()), "no kubelet: pods stay Pending"
     k8s_cluster.kubectl("-n", k8s_namespace, "delete", "deployment", "web", "--wait=false")
-    _wait(lambda: not pods(), what="garbage collection of the replicaset's pods")
+    wait_for("garbage collection of the replicaset pods", lambda: not pods(), 60, 0.3)
     rs = json.loads(k8s_cluster.kubectl("-n", k8s_namespace, "get", "rs", "-o", "json").stdout)["items"]
     assert rs == []

@@ -37,13 +37,6 @@ def mixture(name: str = "demo", **spec) -> dict:
     return {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture", "metadata": {"name": name}, "spec": body}
 
 
-@pytest.fixture(scope="module")
-def crd(k8s_cluster: Cluster) -> Cluster:
-    k8s_cluster.kubectl("apply", "-f", str(REPO / "crds" / f"{CRD_NAME}.yaml"))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
-    return k8s_cluster
-
-
 def apply(c: Cluster, ns: str, obj: dict, check: bool = True):
     """kubectl apply without its client-side check: what is tested here is what the API server refuses."""
     return c.kubectl("-n", ns, "apply", "--validate=false", "-f", "-", input=json.dumps(obj), check=check)

@@ -1,0 +1,284 @@
+"""Helpers shared by the k8s tier: waiting, kubectl JSON, the operator as a process, pod templates run locally.
+
+There is no kubelet here: pods stay Pending. `LocalPods` reads pod templates the operator created back from the
+API server and runs every container's command, args and env as a local process (volumes from the ConfigMaps /
+Secrets they name, downward-API values 127.0.0.1, each pod's container ports mapped to free local ports as its
+own pod IP would keep them apart): the manifests are proven runnable, not only accepted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.k8s.cluster import Cluster, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "datamixtures.mixplane.io.yaml"
+
+__all__ = ["CRD", "ROOT", "LocalPods", "apply", "applied", "children", "free_port", "get", "operator", "run_trainers",
+           "sa_kubeconfig", "status_of", "trainer_key_dir", "wait_for"]
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.25, *, tolerate: bool = False) -> Any:
+    """fn() until it is truthy (and returns it); `tolerate`: exceptions count as 'not yet'."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except Exception as e:  # noqa: BLE001 - only with tolerate: the thing is not there yet
+            if not tolerate:
+                raise
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def get(cluster: Cluster, *args: str) -> Any:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def apply(cluster: Cluster, obj: Mapping[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+def status_of(cluster: Cluster, ns: str, name: str = "demo") -> dict[str, Any]:
+    return get(cluster, "datamixture", name, "-n", ns).get("status") or {}
+
+
+CHILD_KINDS = ("deployments", "statefulsets", "services", "configmaps", "secrets", "serviceaccounts",
+               "networkpolicies", "poddisruptionbudgets", "persistentvolumeclaims")
+
+
+def children(cluster: Cluster, ns: str, name: str = "demo") -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> object of every child a mixture's operator labelled."""
+    out = {}
+    for kind in CHILD_KINDS:
+        for o in get(cluster, kind, "-n", ns, "-l", f"mixplane.io/instance={name}")["items"]:
+            out[(o["kind"], o["metadata"]["name"])] = o
+    return out
+
+
+def applied(cluster: Cluster, ns: str, name: str = "demo", timeout: float = 90.0) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every child, once the operator has written the status (it does so after applying all of them)."""
+    wait_for("status", lambda: status_of(cluster, ns, name).get("sources"), timeout)
+    return children(cluster, ns, name)
+
+
+@contextmanager
+def operator(cluster: Cluster, namespace: str, *, kubeconfig: str | os.PathLike | None = None,
+             args: list[str] | None = None, **env: str) -> Iterator[subprocess.Popen]:
+    """`mixplane operator --namespace NS` as a child process (what the chart's Deployment runs); `.log_text()`."""
+    path = cluster.workdir / f"operator-{namespace}-{time.monotonic_ns()}.log"
+    log = open(path, "w")  # noqa: SIM115 - the child writes it until the context ends
+    e = {**cluster.env(), "PYTHONPATH": str(ROOT / "src"), "MIXPLANE_IMAGE": "mixplane:test",
+         "MIXPLANE_SCALE_INTERVAL_S": "2", **env}
+    if kubeconfig is not None:
+        e["KUBECONFIG"] = str(kubeconfig)
+    argv = args if args is not None else ["--log-level", "INFO", "operator", "--namespace", namespace]
+    p = subprocess.Popen([sys.executable, "-m", "mixplane.cli", *argv], env=e, stdout=log, stderr=subprocess.STDOUT)
+    p.log_text = lambda: path.read_text(errors="replace")  # type: ignore[attr-defined]
+    try:
+        yield p
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+        log.close()
+
+
+def sa_kubeconfig(cluster: Cluster, ns: str, sa_name: str, path: Path) -> Path:
+    """A kubeconfig holding the token the controller manager minted for ServiceAccount `sa_name` (what its pod mounts)."""
+
+    def token() -> str | None:
+        sa = get(cluster, "-n", ns, "sa", sa_name)
+        if not sa.get("secrets"):
+            return None
+        sec = get(cluster, "-n", ns, "secret", sa["secrets"][0]["name"])
+        return base64.b64decode(sec["data"]["token"]).decode() if (sec.get("data") or {}).get("token") else None
+
+    tok = wait_for(f"the token of ServiceAccount {sa_name}", token, 90, 0.5, tolerate=True)
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca_file)}}],
+        "users": [{"name": "sa", "user": {"token": tok}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa", "namespace": ns}}]}))
+    return path
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args and env values."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+class LocalPods:
+    """Pod templates from the API server run as local processes.
+
+    `ports[(pod, container)]` maps each declared containerPort to the local port the process got (the planner's
+    `planner` port is `planner_port`, so other pods reach it through the planner Service name)."""
+
+    def __init__(self, cluster: Cluster, ns: str, workdir: Path):
+        self.cluster, self.ns, self.workdir = cluster, ns, workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.ports: dict[tuple[str, str], dict[int, int]] = {}
+        self.planner_port = free_port()
+
+    def volumes(self, pod_name: str, spec: Mapping[str, Any], containers: list[Mapping[str, Any]]) -> dict[str, str]:
+        """mountPath -> local dir with the volume's content (what the kubelet would mount)."""
+        vols = {v["name"]: v for v in spec.get("volumes") or []}
+        out = {}
+        for c in containers:
+            for m in c.get("volumeMounts") or []:
+                v = vols[m["name"]]
+                d = self.workdir / pod_name / m["name"]
+                d.mkdir(parents=True, exist_ok=True)
+                if "configMap" in v:
+                    cm = get(self.cluster, "configmap", v["configMap"]["name"], "-n", self.ns)
+                    for it in v["configMap"].get("items") or [{"key": k, "path": k} for k in cm["data"]]:
+                        (d / it["path"]).write_text(cm["data"][it["key"]])
+                elif "secret" in v:
+                    os.chmod(d, 0o700)
+                    sec = get(self.cluster, "secret", v["secret"]["secretName"], "-n", self.ns)
+                    for it in v["secret"].get("items") or [{"key": k, "path": k} for k in sec["data"]]:
+                        f = d / it["path"]
+                        f.write_bytes(base64.b64decode(sec["data"][it["key"]]))
+                        os.chmod(f, 0o600)
+                out[m["mountPath"]] = str(d)
+        return out
+
+    def start(self, pod_name: str, template: Mapping[str, Any], planner_host: str, *,
+              only: Callable[[Mapping[str, Any]], bool] | None = None) -> list[subprocess.Popen]:
+        """Run the template's containers (those `only` accepts; the mixplane ones must run `mixplane`)."""
+        spec = template["spec"]
+        containers = [c for c in spec["containers"] if only is None or only(c)]
+        mounts = self.volumes(pod_name, spec, containers)
+        started = []
+        for c in containers:
+            ports = {p["containerPort"]: (self.planner_port if c["name"] == "planner" and p["name"] == "planner" else free_port())
+                     for p in c.get("ports") or []}
+            self.ports[(pod_name, c["name"])] = ports
+            env = {"POD_IP": "127.0.0.1", "POD_NAME": pod_name}
+            for e in c.get("env") or []:
+                if "value" in e:
+                    env[e["name"]] = e["value"]
+
+            def local(v: str, env: Mapping[str, str] = env, ports: Mapping[int, int] = ports) -> str:
+                v = expand(v, env).replace("0.0.0.0", "127.0.0.1").replace(planner_host, f"127.0.0.1:{self.planner_port}")
+                # one pass, longest mount first, only where a path starts: /tmp must not match inside another path
+                alt = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+                v = re.sub(rf"(?<![\w/.-])({alt})(?=/|$)", lambda m: mounts[m.group(1)], v)
+                for cp, lp in ports.items():
+                    v = re.sub(rf"(?<=:){cp}\b", str(lp), v) if ":" in v else (str(lp) if v == str(cp) else v)
+                return v
+
+            args = [local(a) for a in c["args"]]
+            penv = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **{k: local(v) for k, v in env.items()}}
+            assert c["command"] == ["mixplane"], c["command"]
+            log = open(self.workdir / f"{pod_name}.{c['name']}.log", "w")  # noqa: SIM115 - the child owns it
+            p = subprocess.Popen([sys.executable, "-m", "mixplane.cli", "--log-level", "INFO", *args], env=penv,
+                                 stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            self.procs.append((pod_name, p))
+            started.append(p)
+        return started
+
+    def stop_pod(self, pod_name: str, sig: int = signal.SIGTERM) -> None:
+        """What deleting one pod does: its processes get `sig` (SIGKILL: a node lost)."""
+        for n, p in self.procs:
+            if n == pod_name and p.poll() is None:
+                p.send_signal(sig)
+        for n, p in self.procs:
+            if n == pod_name:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+    def dead(self) -> list[tuple[str, int | None]]:
+        return [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+
+    def logs(self, tail: int = 2000) -> str:
+        return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-tail:]}" for f in sorted(self.workdir.glob("*.log")))
+
+
+def trainer_key_dir(cluster: Cluster, ns: str, secret: str, d: Path) -> Path:
+    """What the pod webhook mounts into a trainer: the client key pair and the servers' public key."""
+    d.mkdir(mode=0o700, exist_ok=True)
+    sec = get(cluster, "secret", secret, "-n", ns)
+    for item in ("client.key", "client.key_secret", "server.key"):
+        (d / item).write_bytes(base64.b64decode(sec["data"][item]))
+        os.chmod(d / item, 0o600)
+    return d
+
+
+def run_trainers(planner: str, key_dir: Path, world_size: int, steps: int, *, timeout: float = 120.0,
+                 keep: Callable[[Mapping[str, Any]], Any] | None = None) -> dict[int, list[Any]]:
+    """`world_size` MixtureLoader ranks (threads) reading `steps` batches each, as trainers with the injected env.
+
+    Returns rank -> what `keep(batch)` gave for each batch (default: the step)."""
+    from mixplane.client import MixtureLoader
+
+    keep = keep or (lambda b: int(b["step"]))
+    env = {"MIXPLANE_PLANNER": planner, "MIXPLANE_CURVE_DIR": str(key_dir), "MIXPLANE_CURVE_NAME": "client",
+           "MIXPLANE_TIMEOUT_S": str(int(timeout / 2))}
+    got: dict[int, list[Any]] = {r: [] for r in range(world_size)}
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            loader = MixtureLoader(rank=rank, world_size=world_size)
+            for batch in loader:
+                got[rank].append(keep(batch))
+                if len(got[rank]) >= steps:
+                    break
+            if hasattr(loader, "close"):
+                loader.close()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if errors:
+        raise AssertionError(f"trainer failed: {errors!r}")
+    return got
