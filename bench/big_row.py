@@ -7,7 +7,7 @@ a fresh process: the loader's peak RSS, the longest time one fill took (a step w
 its data: the delivery stall), and what happened to the giant row (tokens delivered, documents
 cut or dropped). The tokenizer is a byte-level BPE trained here on the normal documents.
 
-Usage: python bench/big_row.py [--quick] [--row-mb 256] [--shuffle sequential|page|...] [--overlong-doc truncate|drop]
+Usage: python bench/big_row.py [--quick] [--row-mb 256] [--shuffle sequential|page|...] [--overlong-doc truncate|drop|split]
        [--max-doc-bytes N] [--max-doc-tokens N]
 The last stdout line is one JSON object:
 {"row_mb": ..., "peak_rss_mb": ..., "max_stall_s": ..., "samples": ..., "tokens": ..., "giant_tokens": ..., ...}
@@ -81,6 +81,7 @@ def _peak_rss_mb() -> float:
 def worker(args) -> None:
     from mixplane.loader.stream import open_stream
     from mixplane.loader.transforms import make_transform
+    from mixplane.loader.split import PIECE_SHIFT, PendingDoc
     from mixplane.loader.window import LoaderWindow
     from mixplane.spec import SourceSpec
 
@@ -99,22 +100,30 @@ def worker(args) -> None:
     max_stall = 0.0
     samples = tokens = giant_tokens = 0
     giant_key = args.giant_index
-    while stream.position < args.rows and time.perf_counter() - t_start < args.budget:
+    pieces = 0
+
+    def pending() -> bool:  # split: pieces of the giant row still to come
+        return any(isinstance(b, PendingDoc) for b in window.staged)
+
+    while (stream.position < args.rows or pending()) and time.perf_counter() - t_start < args.budget:
         t0 = time.perf_counter()
         a = window.fill()
         max_stall = max(max_stall, time.perf_counter() - t0)
         for p in list(window.buffer):
             b = window.buffer[p]
             window.span(p, 0, len(b.tokens))
-            if b.key == giant_key:
+            if b.key == giant_key or (b.key < 0 and (-b.key) & ((1 << PIECE_SHIFT) - 1) == giant_key):
                 giant_tokens += len(b.tokens)
+                pieces += 1
             window.retire(p)
         samples += len(a)
         tokens += int(a.tokens.sum())
     out = {"row_mb": args.row_mb, "shuffle": args.shuffle, "peak_rss_mb": round(_peak_rss_mb(), 1),
            "base_rss_mb": round(base_mb, 1), "max_stall_s": round(max_stall, 2),
            "total_s": round(time.perf_counter() - t_start, 2), "rows_read": int(stream.position), "samples": samples,
-           "tokens": tokens, "giant_tokens": giant_tokens, "dropped_overlong": int(window.dropped_overlong),
+           "tokens": tokens, "giant_tokens": giant_tokens, "giant_pieces": pieces,
+           "dropped_overlong": int(window.dropped_overlong), "cut_overlong": int(window.cut_overlong),
+           "split_overlong": int(window.split_overlong),
            "limits": {k: getattr(src, k, None) for k in ("max_doc_bytes", "max_doc_tokens", "overlong_doc")}}
     print(json.dumps(out), flush=True)
 

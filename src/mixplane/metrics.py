@@ -44,6 +44,7 @@ class Metrics:
     loader_quarantined_pages: Counter
     loader_quarantined_samples: Counter
     loader_dropped_overlong: Counter
+    loader_overlong_docs: Counter
     loader_buffer_samples: Gauge
     loader_dry: Gauge
     loader_outbox_messages: Gauge
@@ -109,6 +110,7 @@ def make_metrics(component: str) -> Metrics:
         loader_quarantined_pages=c("mixplane_loader_quarantined_pages_total", "Bad units (pages, row groups, files) skipped", ["source"]),
         loader_quarantined_samples=c("mixplane_loader_quarantined_samples_total", "Samples a transform could not decode (e.g. a broken image), dropped", ["source"]),
         loader_dropped_overlong=c("mixplane_loader_dropped_overlong_total", "Samples longer than seq_len dropped (batch.overlong: drop)", ["source"]),
+        loader_overlong_docs=c("mixplane_loader_overlong_docs_total", "Documents over sources[].max_doc_bytes / max_doc_tokens, by what was done (cut: first piece kept; split: delivered as several pieces)", ["source", "action"]),
         loader_buffer_samples=g("mixplane_loader_buffer_samples", "Samples held in the read buffer", ["source"]),
         loader_dry=g("mixplane_loader_dry", "1 while a live source has no new data", ["source"]),
         loader_outbox_messages=g("mixplane_loader_outbox_messages", "Sample messages waiting for a constructor to take them", ["source"]),

@@ -103,7 +103,7 @@ class SourceSpec(_Model):
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
     max_doc_bytes: int = Field(1 << 20, ge=1, description="Longest document (UTF-8 bytes of a text or caption) a loader tokenizes; checked before tokenizing, so one giant row cannot exhaust the loader's memory or stall delivery.")
     max_doc_tokens: int = Field(1 << 20, ge=1, description="Most tokens one document may carry (after tokenizing, EOS included); a multiple of seq_len keeps the planner's chunks of a cut document whole.")
-    overlong_doc: Literal["truncate", "drop"] = Field("truncate", description="A document over max_doc_bytes / max_doc_tokens keeps its first bounded piece (cut at a space) or is dropped; both counted (`mixplane_loader_dropped_overlong_total` for drops).")
+    overlong_doc: Literal["truncate", "drop", "split"] = Field("truncate", description="A document over max_doc_bytes / max_doc_tokens keeps its first bounded piece (cut at a space), is dropped, or (split; kinds text and tokens) is delivered whole as consecutive bounded pieces, each tokenized only when the loader needs it (at most 4096 pieces per document); all counted (`mixplane_loader_overlong_docs_total{action}`).")
     endpoint: str | None = Field(None, description="S3-compatible endpoint override for an s3:// uri (e.g. http://minio:9000). Credentials never go in the spec: they come from the environment, an AWS profile or a mounted credentials file (AWS_SHARED_CREDENTIALS_FILE).")
     region: str | None = Field(None, description="Object-storage region for an s3:// uri (default: the environment's / profile's).")
 

@@ -7,6 +7,8 @@ or hands out, so a giant row costs its page read and nothing after it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pyarrow as pa
 
@@ -56,11 +58,12 @@ def value_lengths(arr: pa.Array) -> np.ndarray:
     return np.diff(np.frombuffer(buf, otype, count=len(arr) + 1, offset=arr.offset * item)).astype(np.int64)
 
 
-def bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, np.ndarray]:
+def bound_texts(arr: pa.Array, max_bytes: int, policy: str,
+                cut_at: Callable[[memoryview], int] | None = None) -> tuple[pa.Array, np.ndarray]:
     """``arr`` with every value over ``max_bytes`` replaced by its first piece (``truncate``: ending
-    before a space where there is one; ``prefix``: its first max_bytes, to a character boundary) or by
-    an empty value (``drop``), and the mask of those rows. Lengths come from the offsets; only the kept
-    bytes of an over-long value are copied."""
+    before a space where there is one; ``prefix``: its first max_bytes, to a character boundary;
+    ``cut_at``: where that function says) or by an empty value (``drop``), and the mask of those rows.
+    Lengths come from the offsets; only the kept bytes of an over-long value are copied."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     over = np.zeros(len(arr), bool)
@@ -81,7 +84,8 @@ def bound_texts(arr: pa.Array, max_bytes: int, policy: str) -> tuple[pa.Array, n
         piece = b""
         if policy != "drop":
             buf = memoryview(arr[i].as_buffer())
-            piece = bytes(buf[: (char_boundary if policy == "prefix" else cut_point)(buf, max_bytes)])
+            cut = cut_at(buf) if cut_at is not None else (char_boundary if policy == "prefix" else cut_point)(buf, max_bytes)
+            piece = bytes(buf[:cut])
         try:
             parts.append(pa.array([piece], pa.binary()).cast(t))
         except pa.ArrowInvalid:  # not UTF-8 where it was cut: nothing of it is kept

@@ -135,6 +135,7 @@ class LoaderServer(PlannerFollower):
         if dropped > self._dropped_seen:
             self.m.loader_dropped_overlong.labels(self.source.name).inc(dropped - self._dropped_seen)
             self._dropped_seen = dropped
+        self._overlong_metrics()
         tq = getattr(self.window.transform, "quarantine", None)
         bad = tq.units_total if tq is not None else 0
         if bad > self._bad_samples_seen:
@@ -150,6 +151,15 @@ class LoaderServer(PlannerFollower):
             self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
                                {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
+
+    def _overlong_metrics(self) -> None:
+        """Documents cut or split since the last call (the window counts them; drops are counted above)."""
+        seen = getattr(self, "_overlong_seen", {})
+        for action, n in (("cut", self.window.cut_overlong), ("split", self.window.split_overlong)):
+            if n > seen.get(action, 0):
+                self.m.loader_overlong_docs.labels(self.source.name, action).inc(n - seen.get(action, 0))
+                seen[action] = n
+        self._overlong_seen = seen
 
     def _on_plan(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:

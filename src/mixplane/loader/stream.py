@@ -109,6 +109,8 @@ class SourceStream:
         self.cache = self.policy.make_cache(slab_bytes, row_cache_bytes)  # decoded units with rows to come
         # text columns a transform tokenizes (kind text: the text; image_text: the caption), bounded on load
         text_cols = {"text": self.columns[:1], "image_text": self.columns[1:2]}.get(source.kind, [])
+        if source.kind == "text" and source.overlong_doc == "split":  # every piece of the text is delivered
+            text_cols = []
         self._text_columns = [c for c in text_cols if c in self.columns]
         self._text_cap = int(source.max_doc_bytes) + 4  # > max_doc_bytes once cut back to a character boundary
         self._layout = PageParts(np.zeros(0, np.int64), np.zeros(0, np.int64))

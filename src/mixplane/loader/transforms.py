@@ -42,7 +42,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts
+from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts, value_lengths
+from mixplane.loader.split import SPLIT_PIECE_BYTES, SPLIT_PIECE_TOKENS, SPLIT_SLOTS, PendingDoc, piece_end, piece_limit
 from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.stream import RawSamples
 from mixplane.samples import Ragged
@@ -65,6 +66,7 @@ class TransformedSamples:
     image_grid: np.ndarray | None = None  # int32 (n, 2): (h_patches, w_patches); (0, 0) without image
     patch_size: int = 0
     overlong: np.ndarray | None = None  # bool: the document was over max_doc_bytes / max_doc_tokens (cut or dropped)
+    rest: dict[int, PendingDoc] | None = None  # overlong_doc: split: row -> the rest after its first piece
 
 
 # a source's transform: raw rows of the stream -> token/image samples (make_transform builds one per source)
@@ -184,11 +186,59 @@ class DocBounds:
 
     max_bytes: int
     max_tokens: int
-    policy: str = "truncate"  # or "drop"
+    policy: str = "truncate"  # or "drop" or "split"
 
     @classmethod
     def of(cls, source: SourceSpec) -> "DocBounds":
         return cls(int(source.max_doc_bytes), int(source.max_doc_tokens), str(source.overlong_doc))
+
+    def piece_bytes(self, eos: bool) -> int:
+        """Bytes of one piece under ``split``: max_doc_bytes, and no more than max_doc_tokens (minus the
+        EOS) so that a piece's tokens fit its bound too (a token covers at least one byte in the
+        tokenizers in use; a piece with more tokens than that is cut, and counted)."""
+        return max(1, min(self.max_bytes, self.max_tokens - int(eos)))
+
+
+class Splitter:
+    """The next piece of a split document (:mod:`loader.split`): where it ends (no tokenizing, so
+    pieces a resumed window skips cost nothing) and its tokens (EOS after the last piece only)."""
+
+    def __init__(self, bounds: DocBounds, tok=None, eos: int | None = None):
+        self.bounds, self.tok, self.eos = bounds, tok, eos
+        self.piece_bytes = bounds.piece_bytes(eos is not None)
+
+    def text_limit(self, size: int) -> int:
+        """Bytes per piece of a document of ``size`` bytes."""
+        return piece_limit(size, SPLIT_PIECE_BYTES, self.piece_bytes)
+
+    def token_limit(self, size: int) -> int:
+        return piece_limit(size, SPLIT_PIECE_TOKENS, self.bounds.max_tokens)
+
+    def first_cut(self, buf: memoryview) -> int:
+        """End of a long document's first piece (the transform cuts it before tokenizing)."""
+        return piece_end(buf, 0, self.text_limit(len(buf)))
+
+    def advance(self, doc: PendingDoc) -> tuple[int, bool, bool]:
+        """(end of the next piece, is it the last one, is the rest of the document cut off)."""
+        if doc.text is not None:
+            end = piece_end(doc.text, doc.offset, self.text_limit(doc.size))
+        else:
+            end = min(doc.offset + self.token_limit(doc.size), doc.size)
+        if end >= doc.size:
+            return end, True, False
+        if doc.piece + 1 >= SPLIT_SLOTS:  # the most pieces one row can be announced as
+            return end, True, True
+        return end, False, False
+
+    def tokens(self, doc: PendingDoc, end: int, last: bool) -> np.ndarray:
+        if doc.tokens is not None:
+            return np.array(doc.tokens[doc.offset : end], np.int32)
+        assert doc.text is not None and self.tok is not None
+        text = bytes(doc.text[doc.offset : end]).decode("utf-8", "replace")
+        ids = np.asarray(_encode(self.tok, [text])[0], np.int32)
+        if last and self.eos is not None:
+            ids = np.append(ids, np.int32(self.eos))
+        return ids[: self.bounds.max_tokens]
 
 
 def _prefixes(rg: Ragged, lengths: np.ndarray) -> Ragged:
@@ -219,7 +269,8 @@ class _OverlongLog:
             self.count += 1
             if self.count <= 10 or self.count % 1000 == 0:
                 log.warning("%s: sample key %d: document over %s (%s; %d so far)", self.what, int(raw.keys[i]), why,
-                            "dropped" if policy == "drop" else "cut to its first piece", self.count)
+                            {"drop": "dropped", "split": "split into pieces"}.get(policy, "cut to its first piece"),
+                            self.count)
 
 
 def _check_token_type(arr, what: str) -> None:
@@ -402,13 +453,25 @@ def make_transform(source: SourceSpec) -> Transform:
             if eos is not None:
                 rg = append_value(rg, eos)
             rg = _scatter(rg, keep)
-            rg, over = _cap_tokens(rg, bounds.max_tokens, bounds.policy)
+            whole = rg
+            rg, over = _cap_tokens(rg, bounds.max_tokens, "truncate" if bounds.policy == "split" else bounds.policy)
             overlong_log.note(raw, over, f"max_doc_tokens={bounds.max_tokens}", bounds.policy)
             _quarantine_rows(quarantine, raw, bad, what, "bad_tokens", col)
+            rest = None
+            if bounds.policy == "split" and over.any():  # the rest of each long row, in pieces
+                rest = {}
+                first = rg.lengths.copy()
+                for i in np.flatnonzero(over).tolist():
+                    first[i] = tokens_splitter.token_limit(int(whole.lengths[i]))
+                    rest[i] = PendingDoc(int(raw.positions[i]), int(raw.keys[i]), 1, int(first[i]),
+                                         tokens=np.array(whole[i], np.int32))
+                rg = _prefixes(whole, first)
             n = rg.lengths.astype(np.int32)
-            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=over)
+            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=over, rest=rest)
 
         tokens_passthrough.quarantine = quarantine  # type: ignore[attr-defined]
+        tokens_splitter = Splitter(bounds)
+        tokens_passthrough.splitter = tokens_splitter if bounds.policy == "split" else None  # type: ignore[attr-defined]
         return tokens_passthrough
 
     if source.kind == "text":
@@ -420,22 +483,39 @@ def make_transform(source: SourceSpec) -> Transform:
         def tokenize(raw: RawSamples) -> TransformedSamples:
             arr = raw.columns[col]
             _check_text_type(arr, what)
-            arr, big = bound_texts(arr, bounds.max_bytes, bounds.policy)  # before any text is tokenized
-            overlong_log.note(raw, big, f"max_doc_bytes={bounds.max_bytes}", bounds.policy)
+            if isinstance(arr, pa.ChunkedArray):
+                arr = arr.combine_chunks()
+            whole = arr
+            split = bounds.policy == "split"
+            limit = splitter.piece_bytes if split else bounds.max_bytes
+            # before any text is tokenized (split: the first piece now, the others when the window needs them)
+            arr, big = bound_texts(arr, limit, "truncate" if split else bounds.policy,
+                                   splitter.first_cut if split else None)
+            overlong_log.note(raw, big, f"max_doc_bytes={limit}", bounds.policy)
             texts, keep, bad = _convert_isolating(lambda a: _texts(a, what), arr)
             rg = _encode(tok, texts)
             if eos is not None:
                 rg = append_value(rg, eos)
             rg = _scatter(rg, keep)
+            rest = None
+            if split and big.any():
+                rows = np.flatnonzero(big & keep).tolist()
+                if eos is not None:  # the EOS goes after the document's last piece
+                    rg = _prefixes(rg, rg.lengths - np.isin(np.arange(len(rg)), rows))
+                first = value_lengths(arr)
+                rest = {i: PendingDoc(int(raw.positions[i]), int(raw.keys[i]), 1, int(first[i]),
+                                      text=memoryview(whole[i].as_buffer())) for i in rows}
             if bounds.policy == "drop" and big.any():  # an emptied text still got its EOS
                 rg = _prefixes(rg, np.where(big, 0, rg.lengths))
-            rg, many = _cap_tokens(rg, bounds.max_tokens, bounds.policy)
+            rg, many = _cap_tokens(rg, bounds.max_tokens, "truncate" if split else bounds.policy)
             overlong_log.note(raw, many & ~big, f"max_doc_tokens={bounds.max_tokens}", bounds.policy)
             _quarantine_rows(quarantine, raw, bad, what, "bad_text", col)
             n = rg.lengths.astype(np.int32)
-            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=big | many)
+            return TransformedSamples(rg, None, n, np.zeros(len(n), np.int32), overlong=big | many, rest=rest)
 
+        splitter = Splitter(bounds, tok, eos)
         tokenize.quarantine = quarantine  # type: ignore[attr-defined]
+        tokenize.splitter = splitter if bounds.policy == "split" else None  # type: ignore[attr-defined]
         return tokenize
 
     if source.kind == "image_text":

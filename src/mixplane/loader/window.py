@@ -5,6 +5,10 @@ announce exactly the same samples for the same cursor: read in order from the de
 stream, skip what the cursor says was consumed, and stop at the shortest prefix that satisfies
 `protocol.window_full`.
 
+Under ``overlong_doc: split`` (:mod:`loader.split`) a stream row owns SPLIT_SLOTS window positions,
+one per piece of its document; the pieces after the first wait in ``staged`` as a `PendingDoc` and
+are tokenized one at a time, only when the window (or its read-ahead) needs the next one.
+
 A window over a dry live source *waits*: while the stream's next listing of its storage is not
 due (`SourceStream.seconds_to_rescan`), `full` is true and the loader's poll loop sleeps on its
 sockets instead of asking the stream again; `complete` is the shared predicate alone.
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from mixplane.loader.split import PendingDoc, piece_key, row_of, window_pos
 from mixplane.protocol import WindowCursor, window_full
 
 if TYPE_CHECKING:  # the window reads any stream and transform of these shapes; no import at run time
@@ -62,7 +67,7 @@ class LoaderWindow:
         self.transform = transform
         self.min_samples, self.min_tokens, self.max_samples = bounds
         self.buffer: dict[int, Buffered] = {}  # announced, not yet fully consumed
-        self.staged: deque[Buffered] = deque()  # read and transformed, not yet announced
+        self.staged: deque[Buffered | PendingDoc] = deque()  # read and transformed, not yet announced
         self.unconsumed_tokens = 0
         self.skip: set[int] = set()
         self.partial: dict[int, int] = {}
@@ -71,6 +76,10 @@ class LoaderWindow:
         self.drop_longer_than = drop_longer_than
         self.dropped_overlong = 0  # and documents over their source's max_doc_bytes / max_doc_tokens dropped
         self.cut_overlong = 0  # documents over those bounds cut to their first piece (overlong_doc: truncate)
+        # overlong_doc: split — the transform's splitter makes the pieces; positions are per piece
+        self.splitter = getattr(transform, "splitter", None)
+        self.split_overlong = 0  # documents delivered as several pieces
+        self.low = 0  # the last seek's position: pieces of its row below it were consumed
         # read-ahead beyond the window (invisible to the planner): refills after a step are then
         # announced at once instead of waiting for the tokenizer, so loaders overlap with planning
         self.read_ahead_tokens = self.min_tokens
@@ -109,7 +118,8 @@ class LoaderWindow:
         self.stalled = False
         self.skip = set(c.skip)
         self.partial = dict(c.partial)
-        self.stream.seek(c.low)
+        self.low = c.low
+        self.stream.seek(row_of(c.low) if self.splitter is not None else c.low)
 
     def chunk_for(self, tokens: int, samples: int = 0) -> int:
         """Samples to read for about `tokens` more tokens (and at least `samples` more samples)."""
@@ -128,39 +138,95 @@ class LoaderWindow:
         out = self.transform(raw)
         self._read_samples += len(raw)
         self._read_tokens += int(out.ntokens.sum())
-        for i, p in enumerate(raw.positions):
-            p = int(p)
-            if p in self.skip:  # consumed before the cursor was taken
-                self.skip.discard(p)
-                continue
-            over = out.overlong is not None and bool(out.overlong[i])
-            if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
-                self.dropped_overlong += over
-                continue
-            self.cut_overlong += over
-            if self.drop_longer_than is not None and out.ntokens[i] > self.drop_longer_than:
-                self.dropped_overlong += 1
-                continue
-            self.staged_tokens += int(out.ntokens[i])
-            self.staged.append(Buffered(p, int(raw.keys[i]), out.tokens[i],
-                                        out.patches[i] if out.patches is not None else None,
-                                        int(out.npatches[i]), self.partial.pop(p, 0),
-                                        (int(out.image_grid[i][0]), int(out.image_grid[i][1]))
-                                        if out.image_grid is not None else None))
+        split = self.splitter is not None
+        for i, row in enumerate(raw.positions):
+            p = window_pos(int(row), 0) if split else int(row)
+            rest = out.rest.get(i) if out.rest else None
+            b = self._admit(p, i, raw, out, rest is None)
+            if b is not None:
+                self.staged_tokens += len(b.tokens)
+                self.staged.append(b)
+            if rest is not None:  # its other pieces follow its first, before the next row
+                self.split_overlong += 1
+                self.staged.append(rest)
         if self.on_read is not None:
             self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
+
+    def _admit(self, p: int, i: int, raw, out, whole: bool) -> Buffered | None:
+        """Row ``i`` of a read as a staged sample at position ``p``, or None when it was consumed
+        before the cursor, is empty, or is too long (counted)."""
+        if p in self.skip or p < self.low:  # consumed before the cursor was taken
+            self.skip.discard(p)
+            return None
+        over = whole and out.overlong is not None and bool(out.overlong[i])
+        if out.ntokens[i] <= 0:  # empty documents carry nothing to train on
+            self.dropped_overlong += over
+            return None
+        self.cut_overlong += over
+        if self.drop_longer_than is not None and out.ntokens[i] > self.drop_longer_than:
+            self.dropped_overlong += 1
+            return None
+        return Buffered(p, int(raw.keys[i]), out.tokens[i], out.patches[i] if out.patches is not None else None,
+                        int(out.npatches[i]), self.partial.pop(p, 0),
+                        (int(out.image_grid[i][0]), int(out.image_grid[i][1])) if out.image_grid is not None else None)
+
+    def _next_piece(self, at: int) -> None:
+        """Replace the split document at ``staged[at]`` by its next piece followed by the rest (if any).
+        Pieces the cursor says were consumed are passed over without tokenizing them."""
+        assert self.splitter is not None
+        t0 = time.perf_counter()
+        doc = self.staged[at]
+        assert isinstance(doc, PendingDoc)
+        ntok = 0
+        while True:
+            end, last, cut = self.splitter.advance(doc)
+            p = doc.pos
+            consumed = p in self.skip or p < self.low
+            tokens = None
+            if consumed:
+                self.skip.discard(p)
+            else:
+                tokens = self.splitter.tokens(doc, end, last)
+                if self.drop_longer_than is not None and len(tokens) > self.drop_longer_than:
+                    self.dropped_overlong += 1  # batch.overlong: drop applies to every piece
+                    tokens = None
+            piece = doc.piece
+            doc.offset, doc.piece = end, doc.piece + 1
+            if last:
+                del self.staged[at]
+                self.cut_overlong += cut
+            if tokens is not None and len(tokens):
+                ntok = len(tokens)
+                self.staged_tokens += ntok
+                self.staged.insert(at, Buffered(p, piece_key(doc.key, piece), tokens, None, 0, self.partial.pop(p, 0)))
+                break
+            if last:
+                break
+        if self.on_read is not None:
+            self.on_read(0, ntok, time.perf_counter() - t0)
+
+    def _stage_next(self) -> Buffered | None:
+        """Pop the next staged sample (making the next piece of a split document first); None if nothing is staged."""
+        while self.staged:
+            if isinstance(self.staged[0], PendingDoc):
+                self._next_piece(0)
+                continue
+            b = self.staged.popleft()
+            assert isinstance(b, Buffered)
+            self.staged_tokens -= len(b.tokens)
+            return b
+        return None
 
     def fill(self) -> Announcement:
         """Announce staged samples one by one until the window is exactly complete (or its live source is dry)."""
         new: list[Buffered] = []
         while not self.complete:
-            if not self.staged:
+            b = self._stage_next()
+            if b is None:
                 self._read(self.chunk_for(self.min_tokens - self.unconsumed_tokens, self.min_samples - len(self.buffer)))
                 if self.stalled:  # a dry live source: announce what there is, try again later
                     break
                 continue
-            b = self.staged.popleft()
-            self.staged_tokens -= len(b.tokens)
             self.buffer[b.pos] = b
             self.unconsumed_tokens += len(b.tokens) - b.done
             new.append(b)
@@ -175,13 +241,12 @@ class LoaderWindow:
             return
         last = max(want)
         while want:
-            if not self.staged:
+            b = self._stage_next()
+            if b is None:
                 self._read(CHUNK)
                 if self.stalled:
                     return
                 continue
-            b = self.staged.popleft()
-            self.staged_tokens -= len(b.tokens)
             self.buffer[b.pos] = b
             self.unconsumed_tokens += len(b.tokens) - b.done
             want.discard(b.pos)
@@ -196,6 +261,10 @@ class LoaderWindow:
         """Read and transform one more chunk beyond the window, if the read-ahead budget allows."""
         if not self.wants_read_ahead:
             return False
+        for at, b in enumerate(self.staged):  # the next piece of a split document comes first
+            if isinstance(b, PendingDoc):
+                self._next_piece(at)
+                return True
         self._read(self.chunk_for(self.read_ahead_tokens - self.staged_tokens))
         return not self.stalled
 
