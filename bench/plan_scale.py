@@ -6,10 +6,10 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
 
 * ``ingest``   — the loaders' metadata for the step goes into the windows (ReplicaWindow.add: what the
                  server does on every LOADER_META; the synthetic streams that produce it are not timed);
-* ``mix`` / ``pack`` — StepPlanner.select (DGraph.mix): the mixing sampler picks every piece and the
-                 best-fit packer places it; ``pack`` is the packer's share, measured by placing the
-                 step's pieces again, in the same order, into a fresh BestFitRows (mix = select - pack;
-                 failed placements are not replayed, so pack is a lower bound);
+* ``mix``      — StepPlanner.select (DGraph.mix): the mixing sampler picks every piece and the
+                 best-fit packer places it, one compiled loop (planner/selectloop.py), so mixing and
+                 packing are one phase; the loop's one-off compile (or load from numba's cache) happens
+                 before the first step and is reported as ``jit_s``;
 * ``cost`` / ``balance`` — the built-in strategy's DGraph calls (vlm_balance: backbone rows over DP,
                  images over every encoder rank; greedy, inter), timed between the calls;
 * ``layout``   — DGraph.plan (the StepLayout) plus the rest of StepPlanner.plan (cursor before the
@@ -60,7 +60,8 @@ from balance import LLAMA_12B, VIT_2B, coyo_block  # noqa: E402
 from mixplane import wire  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.metrics import make_metrics  # noqa: E402
-from mixplane.planner.core import BestFitRows, PlanContext, StepPlanner  # noqa: E402
+from mixplane.planner import selectloop  # noqa: E402
+from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
@@ -76,7 +77,7 @@ DP = {1152: 18, 4608: 72, 16384: 256}
 GPUS = (1152, 4608, 16384)
 SOURCES = (16, 256, 1024)
 SEQUENCES = (2048, 8192, 16384)
-PHASES = ("ingest", "mix", "pack", "cost", "balance", "layout", "route", "encode", "journal", "metrics")
+PHASES = ("ingest", "mix", "cost", "balance", "layout", "route", "encode", "journal", "metrics")
 BLOCK = 2048
 IMAGE_EVERY = 8  # 1 source in 8 is image-text
 
@@ -179,6 +180,7 @@ def make_spec(gpus: int, n_sources: int, sequences: int, streams: Streams):
 # ---- one configuration ---------------------------------------------------------------------------
 
 def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: int) -> dict:
+    jit_s = selectloop.warm()
     streams = Streams(n_sources, SEQ)
     spec = make_spec(gpus, n_sources, sequences, streams)
     T: dict[str, np.ndarray] = {}
@@ -234,13 +236,6 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         t0 = clock()
         plan = planner.plan()
         t_plan = clock() - t0
-        # the packer's share of select: the same placements again into a fresh packer
-        packer = BestFitRows(spec.rows_per_step, SEQ)  # select's packer for best_fit
-        lens = plan.pieces.length.tolist()
-        t0 = clock()
-        for n in lens:
-            packer.place(n)
-        t_pack = clock() - t0
         # PlannerServer._dispatch: cursor after, retire flags, loader instructions, constructor layouts
         t0 = clock()
         lay = plan.layout
@@ -284,9 +279,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         for w in planner.windows:
             m.window_samples.labels(names[w.source], str(w.replica)).set(len(w))
         t_metrics = clock() - t0
-        mix = T["select"] - t_pack
         layout = t_plan - T["select"] - T["cost"] - T["balance"]
-        ph = {"ingest": t_ingest, "mix": mix, "pack": t_pack, "cost": T["cost"], "balance": T["balance"],
+        ph = {"ingest": t_ingest, "mix": T["select"], "cost": T["cost"], "balance": T["balance"],
               "layout": layout, "route": t_route, "encode": t_encode, "journal": t_journal, "metrics": t_metrics}
         total_s = sum(ph.values())
         if s >= warmup:
@@ -317,7 +311,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         "plan_bytes": {"loaders": int(np.median(sizes["loaders"])), "constructors": int(np.median(sizes["constructors"]))},
         "journal_bytes": int(round(j_step + ckpt / journal.every)),
         "peers": peers, "loaders": len(planner.windows), "constructors": len(groups),
-        "pieces": info["pieces"], "images": info["images"], "steps": steps,
+        "pieces": info["pieces"], "images": info["images"], "steps": steps, "jit_s": round(jit_s, 3),
     }
 
 

@@ -106,19 +106,6 @@ def test_select_with_exclusions_and_remix_matches_the_former_loop():
     assert not set(zip(a.source.tolist(), a.key.tolist())) & set(keys)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 40), st.sampled_from([1, 7, 64, 256]), st.lists(st.integers(-2, 300), max_size=400))
-def test_best_fit_rows_place_like_the_online_packer(rows, seq_len, lengths):
-    from mixplane.planner.packing import OnlinePacker
-    from mixplane.planner.core import BestFitRows
-
-    a, b = OnlinePacker(rows, seq_len, "best_fit"), BestFitRows(rows, seq_len)
-    for n in lengths:
-        assert a.largest_gap == b.largest_gap
-        assert a.place(n) == b.place(n)
-    assert a.largest_gap == b.largest_gap
-
-
 def test_retired_flags_match_a_per_window_check():
     """A piece's sample is retired when it left its window with the plan: below the window's low mark
     or among its consumed positions above it (several replicas, split documents, skips)."""

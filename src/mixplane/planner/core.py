@@ -10,16 +10,14 @@ client's `state_dict()` carries.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from mixplane.planner.packing import OnlinePacker
+from mixplane.planner import selectloop
 from mixplane.layout import StepLayout
-from mixplane.mixing import DeficitSampler, EDFQueue, MixturePoint, MixtureSchedule, apply_temperature, insert_segment
+from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
 from mixplane.protocol import WindowCursor, window_full
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import ClientPlaceTree
@@ -266,68 +264,6 @@ class StepPlan:
     stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
 
 
-class BestFitRows:
-    """OnlinePacker(rows, seq_len, "best_fit") for the planner's loop: the same rows for the same pieces
-    (the fullest row that still has room, the lowest row among equals), with the rows bucketed by free
-    tokens (a heap of rows per free value, the distinct values in a sorted list), so `largest_gap` is
-    a lookup and a placement a bisect over at most seq_len + 1 values plus two heap operations."""
-
-    def __init__(self, rows: int, seq_len: int):
-        if rows < 0 or seq_len <= 0:
-            raise ValueError(f"rows={rows} and seq_len={seq_len} must be >= 0 and > 0")
-        self.seq_len = seq_len
-        self.values: list[int] = [seq_len] if rows else []  # distinct free values, ascending
-        self.rows_at: dict[int, list[int]] = {seq_len: list(range(rows))} if rows else {}
-
-    @property
-    def largest_gap(self) -> int:
-        return self.values[-1] if self.values else 0
-
-    def place(self, length: int) -> int:
-        """Row the piece went to, or -1 if it fits nowhere (nothing changes then)."""
-        values = self.values
-        if length <= 0 or not values or length > values[-1]:
-            return -1
-        j = bisect.bisect_left(values, length)
-        free = values[j]
-        heap = self.rows_at[free]
-        row = heapq.heappop(heap)
-        if not heap:
-            del values[j]
-            del self.rows_at[free]
-        left = free - length
-        if left > 0:
-            h = self.rows_at.get(left)
-            if h is None:
-                self.rows_at[left] = [row]
-                bisect.insort(values, left)
-            else:
-                heapq.heappush(h, row)
-        return row
-
-
-class Starved:
-    """Sources with a share but no candidate left this step, ordered by the total at which each would
-    fall a sample behind (r_i < p_i x - limit), so asking whether any would is O(1) while none is near
-    (their counters no longer change this step). The exact test is the one the sampler uses."""
-
-    def __init__(self, probs: list[float], realized: list[float], limit: float):
-        self.probs, self.realized, self.limit = probs, realized, limit
-        self.items: list[tuple[float, int]] = []
-
-    def add(self, i: int) -> None:
-        bisect.insort(self.items, ((self.realized[i] + self.limit) / self.probs[i], i))
-
-    def behind(self, x: float) -> bool:
-        """Would any of them be more than `limit` behind its share of a total x?"""
-        for at, i in self.items:
-            if at > x + 1e-9 * (abs(x) + abs(at) + 1.0):
-                return False
-            if self.probs[i] * x - self.realized[i] > self.limit:
-                return True
-        return False
-
-
 class StepPlanner:
     """Plans steps in order from full windows; holds the sampler and the windows."""
 
@@ -511,18 +447,15 @@ class StepPlanner:
         fallback=False, run incrementally by `EDFQueue`): the released source furthest behind its
         share; its oldest window sample that still fits somewhere is placed. When no source is
         released the step ends. `exclude`: (source, key) pairs that must not be picked this step.
+        The pick-and-place loop is compiled (`selectloop`); this method gathers the candidates and
+        writes the consumption back into the windows.
         """
         spec = self.spec
         S = spec.batch.seq_len
         R = spec.rows_per_step
-        packer: OnlinePacker | BestFitRows = (BestFitRows(R, S) if spec.batch.packing == "best_fit"
-                                               else OnlinePacker(R, S, spec.batch.packing))
-        truncate = spec.batch.overlong == "truncate"
         self.sampler.enter(point)
-        n = self.n_sources
         windows = self.windows
         cwi, cei, off = self.candidates(exclude)
-        # flat candidate metadata (python lists: the loop below reads them one at a time)
         nz = [w for w in windows if len(w)]
         base = np.zeros(len(windows) + 1, np.int64)
         np.cumsum([len(w) for w in windows], out=base[1:])
@@ -530,106 +463,29 @@ class StepPlanner:
         if nz:
             all_tok = np.concatenate([w.tokens for w in nz])
             all_done = np.concatenate([w.done for w in nz])
-            c_tok = all_tok[flat].tolist()
-            c_done = all_done[flat].tolist()
+            c_tok = all_tok[flat]
+            c_done = all_done[flat]
             rem_max = int((all_tok - all_done).max())
         else:
-            c_tok, c_done, rem_max = [], [], 0
-        start_of = off.tolist()
-        ptr = start_of[:-1]
-        end = start_of[1:]
-        probs = [float(x) for x in point.probs]
-        unit_samples = self.unit_samples
-
-        def size_of(k: int) -> float:
-            d = c_done[k]
-            if unit_samples:
-                return 1.0 if d == 0 else 0.0
-            rem = c_tok[k] - d
-            return float(rem if rem < S else S)
-
+            c_tok = c_done = np.zeros(0, np.int64)
         # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
-        if unit_samples:
+        if self.unit_samples:
             L = 1.0
         else:
-            big = min(S, rem_max) if nz else 0
-            L = max(self.sampler.unit_max, float(big) if nz else 1.0)
+            L = max(self.sampler.unit_max, float(min(S, rem_max)) if nz else 1.0)
             self.sampler.unit_max = L
-        q = EDFQueue(point.probs, self.sampler.realized, L)
-        lim = q.limit
-        for i in range(n):
-            if ptr[i] < end[i] and probs[i] > 0:
-                q.set(i, size_of(ptr[i]))
-        # sources with a target share but no candidate left this step (window exhausted or nothing fits)
-        starved = Starved(probs, q.realized, lim)
-        for i in range(n):
-            if probs[i] > 0 and ptr[i] >= end[i]:
-                starved.add(i)
-        realized = q.realized
-        o_cand: list[int] = []
-        o_bin: list[int] = []
-        o_start: list[int] = []
-        o_len: list[int] = []
-        place = packer.place
-        again = -1  # a source that must be the next pick (see below): pick() need not search
-        while q.count and packer.largest_gap > 0:
-            if again >= 0:
-                best, again = again, -1
-            else:
-                best = q.pick()
-            if best < 0:
-                # every source that could still place something is a full sample ahead: the ones behind
-                # have nothing that fits; end the step rather than drift
-                break
-            if starved.items and starved.behind(q.total + q.size[best]):
-                # a source with nothing left that fits may not fall a sample behind: rather end the step
-                # here (its rows keep some padding) and let it catch up first thing next step
-                break
-            k = ptr[best]
-            start = c_done[k]
-            tokens = c_tok[k]
-            remaining = tokens - start
-            piece = remaining if remaining < S else S
-            row = place(piece)
-            if row < 0:
-                ptr[best] = k + 1  # does not fit this step; stays in the window for the next
-                if k + 1 >= end[best]:
-                    q.remove(best)
-                    starved.add(best)
-                else:
-                    size = size_of(k + 1)
-                    if q.still_released(best, size):
-                        # nothing else changed (T neither), so the same source is picked again: its queue
-                        # entry (keyed by its unchanged deadline) stays valid, only its next size changes
-                        again = best
-                    else:
-                        q.set(best, size)
-                continue
-            o_cand.append(k)
-            o_bin.append(row)
-            o_start.append(start)
-            o_len.append(piece)
-            done = tokens if truncate else start + piece
-            c_done[k] = done
-            if unit_samples:
-                if start == 0:  # a sample counts once, at its first piece
-                    q.record(best, 1.0)
-            else:
-                q.record(best, piece)
-            if done >= tokens:
-                ptr[best] = k + 1
-                if k + 1 >= end[best]:
-                    q.remove(best)
-                    starved.add(best)
-                    continue
-            q.set(best, size_of(ptr[best]))
+        delta = slack(int((np.asarray(point.probs) > 0).sum())) * L  # as EDFQueue / DeficitSampler.pick
+        realized = self.sampler.realized.astype(np.float64, copy=True)
+        o_cand, o_bin, o_start, o_len = selectloop.run(
+            c_tok, c_done, off, point.probs, realized, L, delta, delta + 1e-9 * L, unit_samples=self.unit_samples,
+            truncate=spec.batch.overlong == "truncate", seq_len=S, rows=R, policy=spec.batch.packing)
         self.sampler.realized[:] = realized
-        cand = np.asarray(o_cand, np.int64)
-        start_a = np.asarray(o_start, np.int64)
+        cand = o_cand
+        start_a = o_start
         at = flat[cand]
         if len(cand):
             # write the consumption back into the windows (a piece's last write is its sample's final state)
-            all_done[at] = np.asarray(c_done, np.int64)[cand]
+            all_done[at] = c_done[cand]
             for w, lo, hi in zip(windows, base[:-1].tolist(), base[1:].tolist()):
                 if hi > lo:
                     w.done = all_done[lo:hi]
@@ -641,7 +497,7 @@ class StepPlanner:
             key = patches = pos = rep = np.zeros(0, np.int64)
         src = (np.searchsorted(off, cand, side="right") - 1).astype(np.int16)
         patches = np.where(start_a == 0, patches, 0).astype(np.int64)
-        return Pieces(np.asarray(o_bin, np.int64), src, key, start_a, np.asarray(o_len, np.int64), patches, rep, pos)
+        return Pieces(o_bin, src, key, start_a, o_len, patches, rep, pos)
 
     def _point_for(self, schedule: Any, step: int, default: MixturePoint) -> MixturePoint:
         if schedule is None:
