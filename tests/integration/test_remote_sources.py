@@ -105,23 +105,27 @@ def test_index_from_footer_and_offset_indexes_in_few_requests(s3, proxy, tmp_pat
     assert proxy.requests <= 3 < chunks, proxy.requests
 
 
-def test_read_ahead_coalesces_and_cuts_waiting(s3, proxy, monkeypatch):
-    """Page mode with read-ahead issues fewer requests than one per page and column; same batches."""
+@pytest.mark.parametrize("mode", ["page", "sequential", "rowgroup", "row"])
+def test_read_ahead_coalesces_and_cuts_waiting(s3, proxy, monkeypatch, mode):
+    """Every mode reads ahead: the same batches as without read-ahead, reads served from what was
+    fetched ahead (none waits for its own round trip), and fewer requests than one per page and column."""
     server, local, table = s3
     uri = "s3://corpus/text/*.parquet"
     runs = {}
     monkeypatch.setattr(remote.DEFAULTS, "tail_bytes", 1024)  # small files: pages are not all inside the tail read
     for name, pages in (("naive", 0), ("ahead", 32)):
         monkeypatch.setattr(remote.DEFAULTS, "prefetch_pages", pages)
+        monkeypatch.setattr(remote.DEFAULTS, "prefetch_chunks", 2 if pages else 0)
         monkeypatch.setattr(remote.DEFAULTS, "coalesce_gap", 0 if pages == 0 else 1 << 20)
-        s = open_stream(spec(uri, proxy.endpoint), seed=1, buffer_rows=100)
+        s = open_stream(spec(uri, proxy.endpoint, mode), seed=1, buffer_rows=100, row_block=64)
         proxy.reset_counts()
-        runs[name] = (take_all(s, len(table)), proxy.requests, s.stats.cache_hits)
+        runs[name] = (take_all(s, len(table) + 50), proxy.requests, s.stats.cache_hits, s.reader.ahead_misses)
         s.close()
-    (k0, c0), naive_requests, _ = runs["naive"]
-    (k1, c1), ahead_requests, hits = runs["ahead"]
+    (k0, c0), naive_requests, _, naive_misses = runs["naive"]
+    (k1, c1), ahead_requests, hits, misses = runs["ahead"]
     assert k0 == k1 and all(c0[c].equals(c1[c]) for c in c0)
-    assert hits > 0
+    assert hits > 0 and naive_misses > 0
+    assert misses == 0, misses
     assert ahead_requests < naive_requests, (ahead_requests, naive_requests)
 
 

@@ -28,13 +28,18 @@ class RemoteIO:
     backoff_max_s: float = 2.0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 30.0
-    # page-mode read-ahead (sourcereader): pages of the shuffle order fetched ahead, coalesced when
-    # closer than coalesce_gap bytes (up to max_request bytes), at most max_inflight requests at once
+    # read-ahead (sourcereader / readahead): the next prefetch_pages pages of the read order (page mode:
+    # beyond those already in the shuffle buffer; rowgroup mode: prefetch_chunks row-group chunks) are
+    # fetched ahead, ranges closer than coalesce_gap bytes merged into one request of at most
+    # max_request bytes (at least min_request when a batch is split over the request slots), at most
+    # max_inflight requests at once, all within cache_bytes of fetched bytes
     prefetch_pages: int = 64
+    prefetch_chunks: int = 2
     coalesce_gap: int = 64 << 10
     max_request: int = 8 << 20
+    min_request: int = 1 << 20
     max_inflight: int = 16
-    cache_bytes: int = 128 << 20  # recently read / prefetched pages kept (bytes)
+    cache_bytes: int = 128 << 20  # recently read / prefetched ranges kept (bytes)
     tail_bytes: int = 64 << 10  # one read of a file's last bytes serves its footer and most OffsetIndexes
 
 

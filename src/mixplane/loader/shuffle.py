@@ -251,6 +251,11 @@ class PagePlan(EpochPlan):
     def next_block(self):
         return self.sim.next_block()
 
+    @property
+    def frontier(self) -> int:
+        """Units of ``order`` that entered the shuffle buffer so far (any of their rows may be drawn next)."""
+        return self.sim.next
+
 
 class SequentialPlan(EpochPlan):
     """Units in the given order, rows in order; one block per unit."""
@@ -274,6 +279,11 @@ class SequentialPlan(EpochPlan):
             return ids, [u]
         return None
 
+    @property
+    def frontier(self) -> int:
+        """Units of ``order`` reached so far (the last of them is being read)."""
+        return self.i
+
 
 class RowPlan(EpochPlan):
     """Full shuffle of rows [row_lo, row_lo + n): position j of partition p is permutation[p + N*j]."""
@@ -293,6 +303,11 @@ class RowPlan(EpochPlan):
         pos = self.p + self.N * np.arange(self.j, j1, dtype=np.int64)
         self.j = j1
         return self.row_lo + self.perm(pos), []
+
+    def peek(self, blocks: int) -> np.ndarray:
+        """Row ids of the next ``blocks`` blocks, without moving on."""
+        j1 = min(self.rows, self.j + max(0, blocks) * self.block)
+        return self.row_lo + self.perm(self.p + self.N * np.arange(self.j, j1, dtype=np.int64))
 
     def skip_blocks(self, k: int) -> None:
         self.j = min(self.rows, self.j + k * self.block)

@@ -3,6 +3,7 @@ chunk's dictionary page decoded once and kept in a byte-bounded LRU."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -71,9 +72,10 @@ class SourceReader:
         # remote sources: pages of the shuffle order fetched ahead (plan_ahead), coalesced, cached
         self.ahead = ReadAhead(self.io, stats if stats is not None else IOStats(), self._reader) \
             if remote.is_remote(filesystem) else None
-        self._order: np.ndarray | None = None
-        self._order_pos: dict[int, int] = {}
-        self._scheduled_upto = -1
+        self._order: np.ndarray | None = None  # read-ahead plan: primary units in the order wanted
+        self._chunks = False
+        self._scheduled_upto = 0
+        self.ahead_misses = 0  # remote reads not served by the read-ahead
         self.stats = stats if stats is not None else IOStats()
         if self.ahead is not None:
             self.ahead.stats = self.stats
@@ -84,22 +86,34 @@ class SourceReader:
         self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
         self._readers: OrderedDict[int, RangeReader] = OrderedDict()
         self._max_open = max_open_files
+        self._open_lock = threading.Lock()
+        self._file_locks: dict[int, threading.Lock] = {}
 
     def _reader(self, file_i: int) -> RangeReader:
-        r = self._readers.get(file_i)
-        if r is None:
+        """The open reader of file ``file_i`` (read-ahead threads open files too: one open per file,
+        others wait for it; an open of another file does not wait)."""
+        with self._open_lock:
+            r = self._readers.get(file_i)
+            if r is not None:
+                self._readers.move_to_end(file_i)
+                return r
+            lock = self._file_locks.setdefault(file_i, threading.Lock())
+        with lock:
+            with self._open_lock:
+                r = self._readers.get(file_i)
+            if r is not None:
+                return r
             f = self.index.files[file_i]
             r = RangeReader(f.path, self.fs, self.stats, self.io)
             if r.size != f.size:
                 r.close()
                 raise CorruptFileError(f"file changed since it was indexed ({f.size} -> {r.size} bytes)", file=f.path)
-            self._readers[file_i] = r
-            while len(self._readers) > self._max_open:
-                _, old = self._readers.popitem(last=False)
-                old.close()
-        else:
-            self._readers.move_to_end(file_i)
-        return r
+            with self._open_lock:
+                self._readers[file_i] = r
+                while len(self._readers) > self._max_open:
+                    _, old = self._readers.popitem(last=False)
+                    old.close()
+            return r
 
     def _dictionary(self, col: ColumnInfo, chunk: int):
         a = self.index.cols[col.name]
@@ -111,6 +125,8 @@ class SourceReader:
         if dlen == 0:
             return None
         buf = self._fetch(int(a["chunk_file"][chunk]), int(a["chunk_dict_off"][chunk]), dlen)
+        if self.ahead is not None:  # decoded once and kept: planned reads of its page are void
+            self.ahead.release(int(a["chunk_file"][chunk]), int(a["chunk_dict_off"][chunk]), dlen)
         self.dict_reads += 1
         d = pr.read_dictionary(self.index.file_column(int(a["chunk_file"][chunk]), col.name), buf,
                                int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
@@ -121,31 +137,57 @@ class SourceReader:
         return d
 
     # -- read-ahead (remote sources) --
-    def plan_ahead(self, pages: np.ndarray) -> None:
-        """The primary pages this reader will be asked for, in order (a page-mode epoch's plan); on a
-        remote source each read then fetches the next ``io.prefetch_pages`` pages' ranges ahead."""
-        if self.ahead is None or self.io.prefetch_pages <= 0:
+    def plan_ahead(self, units: np.ndarray, *, chunks: bool = False) -> None:
+        """The primary units this reader will be asked for, in the order they become wanted (pages; or
+        row-group chunks with ``chunks``), repeats allowed; :meth:`read_ahead` then fetches them ahead.
+        Replaces the previous plan (its planned reads are forgotten, what was fetched stays cached)."""
+        if self.ahead is None:
             return
-        pages = np.asarray(pages, np.int64)
-        _, first = np.unique(pages, return_index=True)
-        self._order = pages[np.sort(first)]
-        self._order_pos = {int(p): i for i, p in enumerate(self._order)}
-        self._scheduled_upto = -1
+        self._order = np.asarray(units, np.int64)
+        self._chunks = chunks
+        self._scheduled_upto = 0
+        self.ahead.unpin_all()
 
-    def _page_ranges(self, page: int) -> list[tuple[int, int, int]]:
-        """(file, offset, size) of every projected column's pages for primary page ``page`` (and of the
-        chunk's dictionary pages not decoded yet)."""
+    def read_ahead(self, frontier: int) -> None:
+        """Units [0, frontier) of the plan may be read now (they are in the shuffle buffer, or the
+        order has reached them): fetch those not fetched yet and the next ``prefetch_pages`` pages
+        (``prefetch_chunks`` chunks), as far as the read-ahead cache has room."""
+        if self.ahead is None or self._order is None:
+            return
+        ahead = self.io.prefetch_chunks if self._chunks else self.io.prefetch_pages
+        if ahead <= 0:
+            return
+        hi = min(len(self._order), int(frontier) + ahead)
+        lo = self._scheduled_upto
+        if lo >= hi:
+            return
+        ranges = self._chunk_ranges if self._chunks else self._page_ranges
+        units = [ranges(int(u)) for u in self._order[lo:hi]]
+        self._scheduled_upto = lo + self.ahead.schedule(units)
+
+    def arrival_order(self, pages: list[int]) -> list[int]:
+        """Indices of ``pages`` (primary pages about to be read) in the order their bytes arrive: those
+        fetched already first, then by the request they wait for — decoding what is here while the rest
+        is still on the wire. Identity order for local sources."""
+        if self.ahead is None or len(pages) < 2:
+            return list(range(len(pages)))
+        rank = [self.ahead.arrival(self._page_ranges(p)) for p in pages]
+        return sorted(range(len(pages)), key=rank.__getitem__)
+
+    def _unit_ranges(self, chunk: int, p0: int, p1: int) -> list[tuple[int, int, int]]:
+        """(file, offset, size) of every projected column's pages holding the rows of primary pages
+        [p0, p1) of ``chunk`` (and of the chunk's dictionary pages not decoded yet): what
+        :meth:`read_rows` will read for them."""
         idx = self.index
-        chunk = int(idx.chunk_of_units([page])[0])
         p = idx.primary
-        row0 = int(p["unit_row_start"][page])
-        row1 = row0 + int(p["unit_rows"][page])
+        row0 = int(p["unit_row_start"][p0])
+        row1 = int(p["unit_row_start"][p1 - 1]) + int(p["unit_rows"][p1 - 1])
         out = []
         for ci, col in enumerate(idx.col_info or []):
             a = idx.cols[col.name]
             f = int(a["chunk_file"][chunk])
             if ci == 0:
-                u0, u1 = page, page + 1
+                u0, u1 = p0, p1
             else:
                 c0, c1 = int(a["chunk_first_unit"][chunk]), int(a["chunk_first_unit"][chunk + 1])
                 starts = a["unit_row_start"][c0:c1]
@@ -160,25 +202,20 @@ class SourceReader:
                 out.append((f, int(a["chunk_dict_off"][chunk]), dlen))
         return out
 
-    def _read_ahead_from(self, page: int) -> None:
-        if self.ahead is None or self._order is None:
-            return
-        pos = self._order_pos.get(int(page))
-        if pos is None:
-            return
-        lo = max(pos + 1, self._scheduled_upto + 1)
-        hi = min(len(self._order), pos + 1 + self.io.prefetch_pages)
-        if lo >= hi:
-            return
-        ranges = [r for q in self._order[lo:hi] for r in self._page_ranges(int(q))]
-        if self.ahead.schedule(ranges) or not ranges:
-            self._scheduled_upto = hi - 1
+    def _page_ranges(self, page: int) -> list[tuple[int, int, int]]:
+        return self._unit_ranges(int(self.index.chunk_of_units([page])[0]), page, page + 1)
+
+    def _chunk_ranges(self, chunk: int) -> list[tuple[int, int, int]]:
+        fu = self.index.primary["chunk_first_unit"]
+        p0, p1 = int(fu[chunk]), int(fu[chunk + 1])
+        return self._unit_ranges(chunk, p0, p1) if p1 > p0 else []
 
     def _fetch(self, file_i: int, offset: int, size: int) -> bytes:
         if self.ahead is not None:
             got = self.ahead.get(file_i, offset, size, timeout=self.io.request_timeout_s * self.io.attempts)
             if got is not None:
                 return got
+            self.ahead_misses += 1  # read now, waiting a round trip
             data = self._reader(file_i).read_at(offset, size)
             self.ahead.put(file_i, offset, size, data)
             return data
@@ -222,8 +259,6 @@ class SourceReader:
         ``units`` gives the primary column's unit range when the caller knows it (it is decoded
         selecting the rows as it goes); other columns read the pages that cover the row range,
         slice them and take the selected rows."""
-        if units is not None and self._order is not None:
-            self._read_ahead_from(units[0])
         out: dict[str, pa.Array] = {}
         for ci, col in enumerate(self.index.col_info):
             a = self.index.cols[col.name]

@@ -224,15 +224,45 @@ class SourceStream:
         self._plan_obj = self._plan(epoch)
         self._epoch_len = self._plan_obj.rows if self._plan_obj is not None else 0
         self._layout = self.policy.layout(self.index, self._plan_obj)
-        order = getattr(self._plan_obj, "order", None)
-        if self.mode == "page" and order is not None and self.reader.ahead is not None:  # remote: fetch coming pages ahead
-            self.reader.plan_ahead(np.asarray(self._layout.page(order)))
+        self._plan_read_ahead()
         self._block = np.zeros(0, np.int64)
         self._block_done: list[int] = []
         self._block_start = start
         self._off = 0
         self._epoch_delivered = 0
         self.cache.new_epoch()
+
+    def _plan_read_ahead(self) -> None:
+        """Remote sources: hand the reader the epoch's read order (page mode: the pages of its units in
+        the order they enter the shuffle buffer; sequential: pages; rowgroup: chunks); row mode plans
+        block by block (:meth:`_read_ahead`)."""
+        self._ahead_at = -1
+        order = getattr(self._plan_obj, "order", None)
+        if self.reader.ahead is None or order is None:
+            return
+        if self.mode == "page":
+            self.reader.plan_ahead(np.asarray(self._layout.page(order)))
+        elif self.mode in ("sequential", "rowgroup"):
+            self.reader.plan_ahead(order, chunks=self.mode == "rowgroup")
+
+    def _read_ahead(self) -> None:
+        """Remote sources, once per block: fetch ahead what the next reads need (called from take,
+        not from seek, so skipped blocks are never fetched)."""
+        plan = self._plan_obj
+        if self.reader.ahead is None or plan is None or self._ahead_at == self._block_start:
+            return
+        self._ahead_at = self._block_start
+        if self.mode != "row":
+            self.reader.read_ahead(getattr(plan, "frontier", 0))
+            return
+        # row mode: the pages of this block's rows not yet taken and of the next block's, first need first
+        rows = np.concatenate([self._block[self._off :], plan.peek(1)])  # type: ignore[attr-defined]
+        pages = np.searchsorted(self.index.unit_row_start, rows, side="right") - 1
+        _, first = np.unique(pages, return_index=True)
+        cached = getattr(self.cache, "items", {})
+        pages = np.array([p for p in pages[np.sort(first)].tolist() if p not in cached], np.int64)
+        self.reader.plan_ahead(pages)
+        self.reader.read_ahead(0)
 
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
@@ -318,12 +348,27 @@ class SourceStream:
             return None
         return self.cache.get(u, self._load)
 
+    def _arrival_order(self, uniq: np.ndarray) -> list[int]:
+        """Order to load the units of one gather in: remote units whose bytes have arrived first."""
+        if self.reader.ahead is None or len(uniq) < 2 or self.mode == "rowgroup":
+            return list(range(len(uniq)))
+        todo = [i for i, u in enumerate(uniq.tolist()) if not self.cache.has(u)]
+        if len(todo) < 2:
+            return list(range(len(uniq)))
+        pages = np.asarray(self._layout.page(uniq[todo])).tolist()
+        first = [todo[j] for j in self.reader.arrival_order(pages)]
+        pending = set(todo)
+        return first + [i for i in range(len(uniq)) if i not in pending]
+
     def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, list[pa.Array]]]:
         """Data of the given source rows: (mask of rows delivered, per column the pieces that hold
         the delivered rows in order; concatenating them gives the column)."""
         units, local = self._layout.unit_and_local(rows)
         uniq, inv = np.unique(units, return_inverse=True)
-        datas = [self._get(int(u)) for u in uniq]
+        datas: list[dict[str, pa.Array] | None] = [None] * len(uniq)
+        # remote sources: decode the units whose bytes are here first (the order of the rows is kept)
+        for i in self._arrival_order(uniq):
+            datas[i] = self._get(int(uniq[i]))
         ok_u = np.array([d is not None for d in datas], bool)
         good = ok_u[inv]
         if not good.any():
@@ -358,6 +403,7 @@ class SourceStream:
                     if not self._advance_epoch(deadline):
                         break
                     continue
+            self._read_ahead()
             want = min(n - got, len(self._block) - self._off)
             rows = self._block[self._off : self._off + want]
             good, cols = self._gather(rows)

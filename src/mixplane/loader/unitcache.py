@@ -36,6 +36,10 @@ class UnitCache:
     def get(self, u: int, load: Loader) -> Unit | None:
         raise NotImplementedError
 
+    def has(self, u: int) -> bool:
+        """Whether unit ``u`` is held (a get would not load it)."""
+        return u in getattr(self, "units", getattr(self, "items", ()))
+
     def remap(self, uniq: np.ndarray, inv: np.ndarray, local: np.ndarray) -> None:
         """Rewrite ``local`` (row within unit uniq[inv]) in place where a unit was compacted."""
 
