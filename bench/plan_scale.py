@@ -242,7 +242,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         cursor_after = planner.cursor()
         p = plan.pieces
         retired = planner.retired(p)
-        per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout)
+        per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
+                                         plan.piece_of_seg)
         subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons], constructor_layouts(lay, [d for _, d in cons])))
         t_route = clock() - t0
         t0 = clock()

@@ -140,3 +140,36 @@ def test_constructor_layouts_are_what_select_ranks_gives_each_constructor():
             b = sub.arrays()[name]
             assert a.dtype == b.dtype and np.array_equal(a, b), (ranks, name)
     assert sum(len(s.seg_row) for s in constructor_layouts(lay, [[d] for d in range(6)])) == len(lay.seg_row)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-2**63, 2**63 - 1) | st.integers(0, 3), st.integers(0, 2),
+                          st.integers(1, 2)), max_size=60), st.integers(0, 2**31 - 1), st.integers(0, 3))
+def test_match_pairs_equal_multisets_and_nothing_else(rows, seed, mutate):
+    """selectloop.match (the coverage check's and routing's alignment) pairs a permutation row for row,
+    and refuses a list with one row replaced (a duplicate of another, or a new row) or one row more."""
+    from mixplane.planner.selectloop import match
+
+    rng = np.random.default_rng(seed)
+    a = tuple(np.array([r[i] for r in rows], np.int64) for i in range(4))
+    perm = rng.permutation(len(rows))
+    b = tuple(x[perm] for x in a)
+    got, bad = match(a, b)
+    assert bad == -1 and got is not None
+    assert all(np.array_equal(x, y[got]) for x, y in zip(a, b))
+    assert sorted(got.tolist()) == list(range(len(rows)))
+    if not rows:
+        return
+    c = [x.copy() for x in b]
+    if mutate == 3:
+        c = [np.concatenate([x, x[:1]]) for x in c]
+    else:
+        j = int(rng.integers(0, len(rows)))
+        other = int(rng.integers(0, len(rows)))
+        if mutate == 0 and other != j:
+            for x in c:
+                x[j] = x[other]  # a duplicate in place of a row
+        else:
+            c[mutate][j] += 7  # a row that is not in a
+    if sorted(map(tuple, np.stack(c, 1).tolist())) != sorted(map(tuple, np.stack(a, 1).tolist())):
+        assert match(a, tuple(c))[0] is None

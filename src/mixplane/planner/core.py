@@ -106,7 +106,8 @@ class ReplicaWindow:
         if new_low != self.low:
             self.skip = {p for p in self.skip if p >= new_low}
             self.low = new_low
-        self.skip.update(int(p) for p in gone if p >= self.low)
+        if len(gone):
+            self.skip.update(gone[gone >= self.low].tolist())
         return gone
 
     def cursor(self) -> dict[str, Any]:
@@ -227,30 +228,41 @@ class CoverageError(RuntimeError):
     """A strategy's layout does not place every selected piece exactly once."""
 
 
-def check_coverage(layout: StepLayout, pieces: Pieces) -> None:
-    """Every selected piece lands in the layout exactly once, whole; every image exactly once."""
+def check_coverage(layout: StepLayout, pieces: Pieces) -> np.ndarray:
+    """Every selected piece lands in the layout exactly once, whole; every image exactly once.
+    Returns the piece of every layout segment (routing uses it to find each span's loader)."""
+    step = layout.step
+    if len(layout.seg_row) != len(pieces):
+        raise CoverageError(f"step {step}: the layout has {len(layout.seg_row)} segments for {len(pieces)} selected pieces")
+    piece_of_seg, _ = selectloop.match((layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len),
+                                       (pieces.source, pieces.key, pieces.start, pieces.length))
+    img = pieces.patches > 0
+    n_img = int(img.sum())
+    if len(layout.img_key) != n_img:
+        raise CoverageError(f"step {step}: the layout lists {len(layout.img_key)} images for {n_img} selected")
+    zero = np.zeros(n_img, np.int64)
+    img_ok, _ = selectloop.match((layout.img_source, layout.img_key, zero, layout.img_patches),
+                                 (pieces.source[img], pieces.key[img], zero, pieces.patches[img]))
+    if piece_of_seg is None or img_ok is None:
+        _coverage_error(layout, pieces)
+    return piece_of_seg  # type: ignore[return-value]
+
+
+def _coverage_error(layout: StepLayout, pieces: Pieces) -> None:
+    """The first difference, in a canonical order (the slow path: only when the check failed)."""
     def canon(src, key, start, length):
         o = np.lexsort((length, start, key, src))
         return np.stack([np.asarray(src, np.int64)[o], np.asarray(key, np.int64)[o],
                          np.asarray(start, np.int64)[o], np.asarray(length, np.int64)[o]])
 
     step = layout.step
-    if len(layout.seg_row) != len(pieces):
-        raise CoverageError(f"step {step}: the layout has {len(layout.seg_row)} segments for {len(pieces)} selected pieces")
     a = canon(layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len)
     b = canon(pieces.source, pieces.key, pieces.start, pieces.length)
     if not np.array_equal(a, b):
         bad = np.nonzero((a != b).any(axis=0))[0][0]
         raise CoverageError(f"step {step}: the layout does not match the selection (first difference: source "
                             f"{b[0, bad]} key {b[1, bad]} start {b[2, bad]})")
-    img = pieces.patches > 0
-    if len(layout.img_key) != int(img.sum()):
-        raise CoverageError(f"step {step}: the layout lists {len(layout.img_key)} images for {int(img.sum())} selected")
-    zero = np.zeros(int(img.sum()), np.int64)
-    a = canon(layout.img_source, layout.img_key, zero, layout.img_patches)
-    b = canon(pieces.source[img], pieces.key[img], zero, pieces.patches[img])
-    if not np.array_equal(a, b):
-        raise CoverageError(f"step {step}: the layout's images do not match the selected images")
+    raise CoverageError(f"step {step}: the layout's images do not match the selected images")
 
 
 @dataclass
@@ -262,6 +274,7 @@ class StepPlan:
     samples_by_source: np.ndarray
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (only coordinate 0 fetches)
     stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
+    piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
 
 
 class StepPlanner:
@@ -284,6 +297,7 @@ class StepPlanner:
         self.tree = ClientPlaceTree.from_spec(spec)
         self.dp = self.tree.backbone.dp
         self.unit_samples = spec.mixture.unit == "samples"
+        self._replicated = any(s.replicas > 1 for s in spec.sources)  # candidates() must merge replicas
 
     def window(self, source: int, replica: int) -> ReplicaWindow:
         try:
@@ -429,12 +443,17 @@ class StepPlanner:
         ei = np.arange(len(wi), dtype=np.int64) - first
         src = np.repeat(np.array([w.source for w in ws], np.int64), lens)
         rep = np.repeat(np.array([w.replica for w in ws], np.int64), lens)
-        pos = np.concatenate([w.pos for w in ws])
-        o = np.lexsort((rep, pos, src))
-        wi, ei, src = wi[o], ei[o], src[o]
+        o = None
+        if self._replicated:
+            pos = np.concatenate([w.pos for w in ws])
+            o = np.lexsort((rep, pos, src))
+            wi, ei, src = wi[o], ei[o], src[o]
+        # else: windows are listed by source and each holds its stream in order: already sorted
         if exclude:
             excl = {(int(a), int(b)) for a, b in exclude}
-            key = np.concatenate([w.key for w in ws])[o]
+            key = np.concatenate([w.key for w in ws])
+            if o is not None:
+                key = key[o]
             keep = np.array([(s, k) not in excl for s, k in zip(src.tolist(), key.tolist())], dtype=bool)
             wi, ei, src = wi[keep], ei[keep], src[keep]
         offsets = np.searchsorted(src, np.arange(n + 1)).astype(np.int64)
@@ -544,7 +563,7 @@ class StepPlanner:
             if not isinstance(layout, StepLayout):
                 raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
             layout.validate()
-            check_coverage(layout, pieces)
+            piece_of_seg = check_coverage(layout, pieces)
         except BaseException:
             self._rollback(snap)
             raise
@@ -554,4 +573,4 @@ class StepPlanner:
         tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
         first = pieces.start == 0
         smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
-        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats)
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg)

@@ -57,24 +57,31 @@ class Instructions:
 
 def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key: np.ndarray, piece_start: np.ndarray,
                         piece_replica: np.ndarray, piece_pos: np.ndarray, retired: np.ndarray,
-                        dp_fanout: Fanout, rank_fanout: Fanout) -> dict[tuple[int, int], Instructions]:
+                        dp_fanout: Fanout, rank_fanout: Fanout,
+                        piece_of_seg: np.ndarray | None = None) -> dict[tuple[int, int], Instructions]:
     """Per (source, replica): what to send to which constructor.
 
     `retired[i]` says piece i's sample leaves its window with this step. Pieces and layout segments
-    are the same spans (the planner checks coverage), matched here by (source, key, start).
+    are the same spans (the planner checks coverage), matched here by (source, key, start) unless
+    `piece_of_seg` (the coverage check's match: the piece of every segment) is given.
     """
     n = len(layout.seg_row)
     if len(piece_source) != n:
         raise ValueError(f"step {layout.step}: {len(piece_source)} pieces for {n} segments")
     # align pieces with segments
-    lo = np.lexsort((layout.seg_start, layout.seg_key, layout.seg_source))
-    po = np.lexsort((piece_start, piece_key, piece_source))
-    replica = np.empty(n, np.int64)
-    pos = np.empty(n, np.int64)
-    ret = np.empty(n, np.uint8)
-    replica[lo] = piece_replica[po]
-    pos[lo] = piece_pos[po]
-    ret[lo] = np.asarray(retired, np.uint8)[po]
+    if piece_of_seg is not None and len(piece_of_seg) == n:
+        replica = np.asarray(piece_replica, np.int64)[piece_of_seg]
+        pos = np.asarray(piece_pos, np.int64)[piece_of_seg]
+        ret = np.asarray(retired, np.uint8)[piece_of_seg]
+    else:
+        lo = np.lexsort((layout.seg_start, layout.seg_key, layout.seg_source))
+        po = np.lexsort((piece_start, piece_key, piece_source))
+        replica = np.empty(n, np.int64)
+        pos = np.empty(n, np.int64)
+        ret = np.empty(n, np.uint8)
+        replica[lo] = piece_replica[po]
+        pos[lo] = piece_pos[po]
+        ret[lo] = np.asarray(retired, np.uint8)[po]
     src = layout.seg_source.astype(np.int64)
     # token spans: one instruction per (segment, constructor of its dp rank)
     seg, dest = dp_fanout.expand(layout.seg_row.astype(np.int64) // layout.rows_per_rank)
@@ -102,9 +109,16 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
         # existing (segment, dest) instructions that can carry the pixels
         code_exist = seg * (1 << 20) + dest
         code_img = img_seg * (1 << 20) + img_dest
-        hit = np.isin(code_exist, code_img)
-        cols["img"][hit] = 1
-        extra = ~np.isin(code_img, code_exist)
+        if len(code_exist) and bool(np.all(code_exist[1:] > code_exist[:-1])):
+            # segments in order, each one's constructors ascending: a bisect per image, not a set
+            at = np.minimum(np.searchsorted(code_exist, code_img), len(code_exist) - 1)
+            found = code_exist[at] == code_img
+            cols["img"][at[found]] = 1
+            extra = ~found
+        else:
+            hit = np.isin(code_exist, code_img)
+            cols["img"][hit] = 1
+            extra = ~np.isin(code_img, code_exist)
         if extra.any():
             e = img_seg[extra]
             add = {"src": src[e], "rep": replica[e], "pos": pos[e], "start": np.zeros(len(e), np.int64),
@@ -112,12 +126,13 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
                    "img": np.ones(len(e), np.uint8)}
             cols = {k: np.concatenate([cols[k], add[k]]) for k in cols}
     # split by loader replica
-    order = np.lexsort((cols["rep"], cols["src"]))
+    key = cols["src"] * (1 << 20) + cols["rep"]
+    order = np.argsort(key, kind="stable")
     cols = {k: v[order] for k, v in cols.items()}
+    key = key[order]
     out: dict[tuple[int, int], Instructions] = {}
     if len(order) == 0:
         return out
-    key = cols["src"] * (1 << 20) + cols["rep"]
     bounds = np.flatnonzero(np.diff(key)) + 1
     for lo_i, hi_i in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(key)]])):
         sl = slice(int(lo_i), int(hi_i))

@@ -490,3 +490,70 @@ def warm() -> float:
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
     _warm_s = time.perf_counter() - t0
     return _warm_s
+
+
+# ---- matching two lists of spans (coverage check, routing) -------------------------------------
+
+@njit(cache=True)
+def _match(a0, a1, a2, a3, b0, b1, b2, b3):
+    """(For every row of a, a distinct row of b with the same 4 fields, -1) -- a bijection -- or (_, the
+    first row of a without a partner). Open addressing over b's rows; equal rows are chained in order."""
+    n = len(a0)
+    m = len(b0)
+    if n != m:
+        return np.full(n, -1, np.int64), -1
+    size = 1
+    while size < 2 * m + 2:
+        size <<= 1
+    mask = size - 1
+    table = np.full(size, -1, np.int64)
+    nxt = np.full(m, -1, np.int64)  # b rows with equal fields chained behind the first
+    tail = np.full(m, -1, np.int64)
+    for j in range(m):
+        h = (np.uint64(b0[j]) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(b1[j]) * np.uint64(0xC2B2AE3D27D4EB4F)) \
+            ^ (np.uint64(b2[j]) * np.uint64(0x165667B19E3779F9)) ^ (np.uint64(b3[j]) * np.uint64(0x27D4EB2F165667C5))
+        h ^= h >> np.uint64(29)
+        s = np.int64(h & np.uint64(mask))
+        while True:
+            t = table[s]
+            if t < 0:
+                table[s] = j
+                tail[j] = j
+                break
+            if b0[t] == b0[j] and b1[t] == b1[j] and b2[t] == b2[j] and b3[t] == b3[j]:
+                nxt[tail[t]] = j
+                tail[t] = j
+                break
+            s = (s + 1) & mask
+    avail = np.arange(m)  # per chain head: the next b row of the chain not yet paired (-1: none)
+    out = np.empty(n, np.int64)
+    for i in range(n):
+        h = (np.uint64(a0[i]) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(a1[i]) * np.uint64(0xC2B2AE3D27D4EB4F)) \
+            ^ (np.uint64(a2[i]) * np.uint64(0x165667B19E3779F9)) ^ (np.uint64(a3[i]) * np.uint64(0x27D4EB2F165667C5))
+        h ^= h >> np.uint64(29)
+        s = np.int64(h & np.uint64(mask))
+        head = -1
+        while True:
+            t = table[s]
+            if t < 0:
+                break
+            if b0[t] == a0[i] and b1[t] == a1[i] and b2[t] == a2[i] and b3[t] == a3[i]:
+                head = t
+                break
+            s = (s + 1) & mask
+        if head < 0 or avail[head] < 0:
+            return out, i
+        t = avail[head]
+        out[i] = t
+        avail[head] = nxt[t]
+    return out, -1
+
+
+def match(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, int]:
+    """(b's row for every row of a, -1) when a and b hold the same rows (4 integer columns each) as
+    multisets, else (None, the first row of a without a partner, or -1 if the lengths differ)."""
+    cols = [np.ascontiguousarray(x, np.int64) for x in (*a, *b)]
+    out, bad = _match(*cols)
+    if bad >= 0 or len(cols[0]) != len(cols[4]):
+        return None, int(bad)
+    return out, -1

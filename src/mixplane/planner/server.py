@@ -327,7 +327,7 @@ class PlannerServer(Component):
         p = plan.pieces
         retired = self.core.retired(p)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
-                                         self._dp_fanout, self._rank_fanout)
+                                         self._dp_fanout, self._rank_fanout, plan.piece_of_seg)
         for key, ins in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
         overflowed = self.inflight.overflowed
