@@ -118,7 +118,7 @@ def make_metrics(component: str) -> Metrics:
         loader_remote_requests=c("mixplane_loader_remote_requests_total", "Requests to object storage (ranged GETs, HEADs of opens)", ["source"]),
         loader_remote_bytes=c("mixplane_loader_remote_bytes_total", "Bytes read from object storage", ["source"]),
         loader_remote_retries=c("mixplane_loader_remote_retries_total", "Object-storage requests retried (throttling, 5xx, cut transfers, timeouts)", ["source"]),
-        loader_remote_cache_hits=c("mixplane_loader_remote_cache_hits_total", "Remote reads served from the reader's read-ahead / footer caches", ["source"]),
+        loader_remote_cache_hits=c("mixplane_loader_remote_cache_hits_total", "Remote reads served from the reader's read-ahead, footer and disk caches", ["source"]),
         loader_remote_request_seconds=Histogram("mixplane_loader_remote_request_seconds", "Latency of one object-storage request",
                                                 ["source"], buckets=_FAST, registry=r),
         constructor_steps=c("mixplane_constructor_steps_total", "Steps materialised"),

@@ -106,6 +106,8 @@ class SourceSpec(_Model):
     overlong_doc: Literal["truncate", "drop", "split"] = Field("truncate", description="A document over max_doc_bytes / max_doc_tokens keeps its first bounded piece (cut at a space), is dropped, or (split; kinds text and tokens) is delivered whole as consecutive bounded pieces, each tokenized only when the loader needs it (at most 4096 pieces per document); all counted (`mixplane_loader_overlong_docs_total{action}`).")
     endpoint: str | None = Field(None, description="S3-compatible endpoint override for an s3:// uri (e.g. http://minio:9000). Credentials never go in the spec: they come from the environment, an AWS profile or a mounted credentials file (AWS_SHARED_CREDENTIALS_FILE).")
     region: str | None = Field(None, description="Object-storage region for an s3:// uri (default: the environment's / profile's).")
+    read_cache_dir: str | None = Field(None, description="Remote uris: a local directory for a disk cache of the byte ranges read (pages, dictionaries), shared by the loaders of a node and kept across restarts; null: memory only.")
+    read_cache_gb: float = Field(10.0, gt=0, description="Size bound of `read_cache_dir` (least recently used ranges evicted beyond it).")
 
 
 class PhaseSpec(_Model):

@@ -276,3 +276,66 @@ def test_loader_server_exports_remote_request_metrics(s3, tmp_path):
         assert reg.get_sample_value("mixplane_loader_remote_request_seconds_count", {"source": "web"}) > 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("mode", ["page", "rowgroup"])
+def test_disk_cache_serves_a_restarted_stream_and_stays_bounded(s3, proxy, tmp_path, mode):
+    """A second stream over the same objects (a restarted loader) reads its pages from the disk cache:
+    no ranged GET of page data, the same batches as the local copy; a damaged cache file is re-read
+    from the server, never served; the cache stays under its bound."""
+    server, local, table = s3
+    cache = tmp_path / "cache"
+    uri = "s3://corpus/text/*.parquet"
+    n = len(table)
+    loc = open_stream(spec(local, None, mode), seed=3, buffer_rows=150)
+    want = take_all(loc, n)
+    loc.close()
+
+    def run():
+        s = open_stream(spec(uri, proxy.endpoint, mode, read_cache_dir=str(cache)), seed=3, buffer_rows=150)
+        proxy.reset_counts()
+        got = take_all(s, n)
+        out = (got, proxy.get_bytes, s.reader.disk)
+        s.close()
+        return out
+
+    (k1, c1), bytes1, disk1 = run()
+    assert disk1 is not None and disk1.writes > 0
+    (k2, c2), bytes2, disk2 = run()
+    assert k1 == k2 == want[0] and all(c1[c].equals(want[1][c]) and c2[c].equals(want[1][c]) for c in c1)
+    assert bytes1 > 50_000 and bytes2 == 0, (bytes1, bytes2)  # no page data over the network the second time
+    assert disk2.hits > 0 and disk2.misses == 0
+    # damage every cached file: the third stream detects it, re-reads from the server, same batches
+    for d in os.scandir(cache):
+        for f in os.scandir(d.path):
+            with open(f.path, "r+b") as fh:
+                fh.seek(0)
+                fh.write(b"\xff\xfe")
+    (k3, c3), bytes3, disk3 = run()
+    assert k3 == want[0] and all(c3[c].equals(want[1][c]) for c in c3)
+    assert disk3.damaged > 0 and bytes3 > 50_000
+    # a bound smaller than the source: the cache never holds more than it
+    small = spec(uri, proxy.endpoint, mode, read_cache_dir=str(tmp_path / "small"), read_cache_gb=30_000 / (1 << 30))
+    s = open_stream(small, seed=3, buffer_rows=150)
+    assert take_all(s, n)[0] == want[0]
+    s.reader.ahead.close()  # let the write-behind finish
+    total = sum(f.stat().st_size for d in os.scandir(tmp_path / "small") for f in os.scandir(d.path))
+    assert 0 < total <= 30_000 and s.reader.disk.evictions > 0
+    s.close()
+
+
+def test_page_index_of_remote_objects_cached_locally(s3, proxy, tmp_path, monkeypatch):
+    """The page index built from an object's footer and OffsetIndexes is kept in the local sidecar cache:
+    a second open of the source lists the bucket and reads nothing else."""
+    server, local, table = s3
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "idx"))
+    opened = []
+    for _ in range(2):
+        proxy.reset_counts()
+        s = open_stream(spec("s3://corpus/text/*.parquet", proxy.endpoint), seed=0, buffer_rows=100)
+        opened.append((proxy.requests, proxy.get_bytes, s.index.num_pages))
+        s.close()
+    (req1, bytes1, pages1), (req2, bytes2, pages2) = opened
+    assert pages1 == pages2 > 0
+    assert req1 > 3 and bytes1 > 0  # listing + per object: HEAD and footer reads
+    assert bytes2 < 2_000 and req2 <= 2, (req2, bytes2)  # the listing only

@@ -170,7 +170,7 @@ class ReadAhead:
                 if data is not None:
                     self.disk_hits += 1
                     self.stats.hit()
-                    self.put(file, offset, size, data)
+                    self.put(file, offset, size, data)  # kept in memory too: other parts of the page
                     return data
             return None
         self._entries.move_to_end(key)
@@ -184,8 +184,15 @@ class ReadAhead:
         out = data[offset - e.start : offset - e.start + size] if (e.start != offset or len(data) != size) else data
         if self.disk is not None and not e.on_disk:
             e.on_disk = True
-            self.disk.put(key, out)
+            self._write_behind(key, out)
         return out
+
+    def _write_behind(self, key: Range, data: bytes) -> None:
+        """Copy a range to the disk cache off the reading thread."""
+        if self._pool is not None:
+            self._pool.submit(self.disk.put, key, data)
+        else:
+            self.disk.put(key, data)
 
     def arrival(self, ranges: list[Range]) -> int:
         """When the ranges will all be here, as a rank: -1 if they are (or nothing is in flight for
@@ -205,8 +212,8 @@ class ReadAhead:
     def put(self, file: int, offset: int, size: int, data: bytes) -> None:
         """Keep a range read directly (the other parts of a split page read it again soon)."""
         key = (file, offset, size)
-        if self.disk is not None:
-            self.disk.put(key, data)
+        if self.disk is not None and not self.disk.has(key):
+            self._write_behind(key, data)
         if key in self._entries or size > self.io.cache_bytes:
             return
         self._evict(size)

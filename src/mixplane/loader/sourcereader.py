@@ -13,6 +13,7 @@ from mixplane.loader import pagereader as pr
 from mixplane.loader import remote
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.pagereader import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
+from mixplane.loader.diskcache import DiskCache
 from mixplane.loader.readahead import ReadAhead
 from mixplane.loader.remote import RemoteIO
 from mixplane.loader.thrift import ThriftError
@@ -65,12 +66,16 @@ class SourceReader:
     pages read."""
 
     def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
-                 dict_cache_bytes: int | None = None, max_open_files: int = 64, io: RemoteIO | None = None):
+                 dict_cache_bytes: int | None = None, max_open_files: int = 64, io: RemoteIO | None = None,
+                 disk_cache: tuple[str, int] | None = None):
         self.index = index
         self.fs = filesystem
         self.io = io or remote.DEFAULTS
-        # remote sources: pages of the shuffle order fetched ahead (plan_ahead), coalesced, cached
-        self.ahead = ReadAhead(self.io, stats if stats is not None else IOStats(), self._reader) \
+        # remote sources: pages of the read order fetched ahead (plan_ahead), coalesced, cached in memory
+        # and, with disk_cache = (directory, max bytes), on local disk
+        self.disk = DiskCache(disk_cache[0], disk_cache[1], self._object_id) \
+            if disk_cache is not None and remote.is_remote(filesystem) else None
+        self.ahead = ReadAhead(self.io, stats if stats is not None else IOStats(), self._reader, self.disk) \
             if remote.is_remote(filesystem) else None
         self._order: np.ndarray | None = None  # read-ahead plan: primary units in the order wanted
         self._chunks = False
@@ -88,6 +93,10 @@ class SourceReader:
         self._max_open = max_open_files
         self._open_lock = threading.Lock()
         self._file_locks: dict[int, threading.Lock] = {}
+
+    def _object_id(self, file_i: int) -> str:
+        f = self.index.files[file_i]
+        return f"{remote.object_name(self.fs, f.path)}|{f.size}|{f.mtime_ns}"
 
     def _reader(self, file_i: int) -> RangeReader:
         """The open reader of file ``file_i`` (read-ahead threads open files too: one open per file,

@@ -12,6 +12,7 @@ docs/loader.md.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -105,7 +106,7 @@ class SourceStream:
             if self.index.num_units < self.num_partitions and self.policy.needs_units_per_partition:
                 raise StreamError(f"source {self.name!r}: {self.index.num_units} pages cannot be split into "
                                   f"{self.num_partitions} partitions")
-        self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc)
+        self.reader = self._new_reader(verify_crc)
         self.cache = self.policy.make_cache(slab_bytes, row_cache_bytes)  # decoded units with rows to come
         # text columns a transform tokenizes (kind text: the text; image_text: the caption), bounded on load
         text_cols = {"text": self.columns[:1], "image_text": self.columns[1:2]}.get(source.kind, [])
@@ -119,6 +120,12 @@ class SourceStream:
         self._dry_since: float | None = None
         self._last_status = 0.0
         self._set_epoch(0, 0)
+
+    def _new_reader(self, verify_crc: bool) -> SourceReader:
+        cache_dir = getattr(self.source, "read_cache_dir", None)
+        disk = None if not cache_dir else (os.path.expanduser(cache_dir), int(self.source.read_cache_gb * (1 << 30)))
+        return SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc,
+                            disk_cache=disk)
 
     # ------------------------------------------------------------------------------------------
     # files and segments
@@ -538,8 +545,7 @@ class SourceStream:
             self._add_files(paths, [sizes[p] for p in paths], [mt[p] for p in paths])
         self._rescan(force=True)
         self.reader.close()
-        self.reader = SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats,
-                                   verify_crc=self.reader.verify_crc)
+        self.reader = self._new_reader(self.reader.verify_crc)
 
     def close(self) -> None:
         self.reader.close()
