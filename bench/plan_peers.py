@@ -11,7 +11,8 @@ a few processes, one DEALER socket each, speaking the real protocol:
 
 Nothing moves payload; the point is the planner's fan-out. Checked at the end (``ok``): every plan
 message the planner sent arrived (per peer, per step: sent == received), the planner counted 0
-undeliverable and 0 bad messages, every constructor got every step, and per step the spans the
+undeliverable and 0 bad messages, every constructor got every step, every peer got the SHUTDOWN the
+planner's close() sends behind the last plans (it lingers until they left), and per step the spans the
 loaders were told to send equal (as a multiset of (source, key, start, len, constructor)) the
 segments the constructors were told to expect. ``planner_cpu_ms_per_step`` is the planner thread's
 CPU time over the run divided by the steps (registration and metadata handling included).
@@ -115,8 +116,7 @@ def transform(raw: Rows) -> TransformedSamples:
     return TransformedSamples(Ragged(np.zeros(int(off[-1]), np.int32), off), None, n, np.zeros(len(n), np.int32))
 
 
-def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int, deadline_s: float,
-              expect_file: str) -> dict:
+def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int, deadline_s: float) -> dict:
     spec = parse_spec(doc)
     ctx = zmq.Context()
     socks: dict[zmq.Socket, int] = {}
@@ -153,20 +153,12 @@ def peer_main(role: str, endpoint: str, lo: int, hi: int, doc: dict, steps: int,
         c[1] = (c[1] + h) & M64
 
     end = time.monotonic() + deadline_s
-    expect: dict[str, int] | None = None
-    next_check = 0.0
 
     def complete() -> bool:
-        """Every peer of this process got as many plans as the planner handed to ZeroMQ for it."""
-        return expect is not None and all(len(received.get(str(i), ())) >= expect.get(f"{role}:{i}", 0)
-                                          for i in socks.values())
+        """Every peer of this process got the planner's SHUTDOWN (it comes after the peer's last plan)."""
+        return len(done) == len(socks)
 
-    while len(done) < len(socks) and time.monotonic() < end and not complete():
-        if expect is None and time.monotonic() >= next_check:
-            next_check = time.monotonic() + 0.5
-            if os.path.exists(expect_file):
-                with open(expect_file) as f:
-                    expect = json.load(f)
+    while not complete() and time.monotonic() < end:
         for s, _ in poller.poll(200):
             i = socks[s]
             while True:
@@ -259,7 +251,6 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
     th = threading.Thread(target=serve, daemon=True)
     th.start()
     doc_file = os.path.join(tmp, "spec.json")
-    expect_file = os.path.join(tmp, "expect.json")
     with open(doc_file, "w") as f:
         json.dump({**doc, "_steps": steps}, f)
     procs = []
@@ -267,8 +258,7 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
         cuts = np.linspace(0, n, k + 1).astype(int)
         for a, b in zip(cuts[:-1], cuts[1:]):
             procs.append(subprocess.Popen([sys.executable, __file__, "--peer", role, "--endpoint", server.endpoint,
-                                           "--range", f"{a}:{b}", "--doc", doc_file, "--timeout", str(timeout_s),
-                                           "--expect", expect_file],
+                                           "--range", f"{a}:{b}", "--doc", doc_file, "--timeout", str(timeout_s)],
                                           stdout=subprocess.PIPE, text=True))
     end = time.monotonic() + timeout_s
     last = time.monotonic()
@@ -280,27 +270,18 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
                 f"constructors registered, planned through step {server.planned_through}")
     planned = server.planned_through + 1
     t_planned = time.perf_counter() - t_start
-    n_sent = -1
-    while n_sent != server.plan_messages:  # the last step's plans leave the server's loop
-        n_sent = server.plan_messages
-        time.sleep(1.0)
-    # the peers stop once they got everything the planner handed to ZeroMQ for them (a server's close()
-    # discards what is still queued: linger 0), then the planner stops
+    # the planner stops: its close() sends every peer SHUTDOWN behind its last plan, and what is still
+    # queued leaves after the socket closed (linger); a peer stops at its SHUTDOWN
     ident = {**{f"loader:{k[0]}": v for k, v in server.loaders.items()},
              **{f"constructor:{c.index}": c.identity for c in server.constructors.values()}}
-    sent = dict(server.sent)
-    per_peer = {name: sum(n for (i, _), n in sent.items() if i == idt) for name, idt in ident.items()}
-    with open(expect_file + ".tmp", "w") as f:
-        json.dump(per_peer, f)
-    os.replace(expect_file + ".tmp", expect_file)
+    server.stopped = True
+    th.join(timeout=60)
+    undeliverable = server.m.bad_messages.labels("planner", "undeliverable")._value.get()
+    bad = server.m.bad_messages.labels("planner", "content")._value.get()
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=timeout_s)
         results.append(json.loads(out.strip().splitlines()[-1]))
-    undeliverable = server.m.bad_messages.labels("planner", "undeliverable")._value.get()
-    bad = server.m.bad_messages.labels("planner", "content")._value.get()
-    server.stopped = True
-    th.join(timeout=60)
     sent = dict(server.sent)  # final: what the planner handed to ZeroMQ for every peer and step
     wall = time.perf_counter() - t_start
     got: dict[tuple[bytes, int], int] = {}
@@ -344,14 +325,13 @@ def main() -> None:
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--range", help=argparse.SUPPRESS)
     ap.add_argument("--doc", help=argparse.SUPPRESS)
-    ap.add_argument("--expect", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer:
         lo, hi = (int(x) for x in args.range.split(":"))
         with open(args.doc) as f:
             doc = json.load(f)
         steps = doc.pop("_steps")
-        print(json.dumps(peer_main(args.peer, args.endpoint, lo, hi, doc, steps, args.timeout, args.expect)))
+        print(json.dumps(peer_main(args.peer, args.endpoint, lo, hi, doc, steps, args.timeout)))
         return
     if args.quick:
         args.loaders, args.constructors, args.steps = 128, 64, 20

@@ -51,6 +51,9 @@ class PlannerState:
     tokens_planned: int = 0
 
 
+CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
+
+
 class PlannerServer(Component):
     component = "planner"
 
@@ -406,4 +409,5 @@ class PlannerServer(Component):
         if self.journal is not None:
             self.journal.close()
             self.journal = None
-        self.sock.close(0)
+        # plans and SHUTDOWNs still queued leave after close (bounded): linger 0 dropped the last steps' plans
+        self.sock.close(linger=CLOSE_LINGER_MS)
