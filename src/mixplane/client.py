@@ -164,6 +164,8 @@ class MixtureLoader:
         self._early: dict[int, wire.Message] = {}
         self._started = False
         self._from_start = False
+        self._rejoined: dict[str, Any] | None = None  # the state this rank rejoined a running session with
+        self._session = -1  # the delivery session this rank last resumed into (stale answers are older)
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
         self.curve = curve
@@ -217,6 +219,11 @@ class MixtureLoader:
             if ack.kind != Kind.ACK:
                 raise DeliveryError(f"rank {self.rank}: unexpected {ack.kind.name} to resume")
             self._cursor = copy.deepcopy(resume)
+            # rejoined the running session (this rank restarted alone): if its constructor released the
+            # step after all, resume again with a rewind (see _rewind)
+            self._rejoined = copy.deepcopy(resume) if ack.meta.get("rejoin") is True else None
+            if isinstance(ack.meta.get("session"), int):
+                self._session = ack.meta["session"]
         elif route.meta.get("start_step") == self.next_step and isinstance(route.meta.get("session_start"), dict):
             self._cursor = copy.deepcopy(route.meta["session_start"])  # state_dict() works before the first step
         self._resume_cursor = None
@@ -272,6 +279,13 @@ class MixtureLoader:
             except WireError as e:
                 raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
             if msg.kind == Kind.ERROR:
+                if msg.meta.get("released") is True:
+                    sess = msg.meta.get("session")
+                    if isinstance(sess, int) and sess < self._session:
+                        continue  # an answer from before this rank's rewind: it asked again since
+                    if self._rejoined is not None:
+                        self._rewind()
+                        continue
                 if msg.meta.get("retry"):
                     # delivery restarted (another rank resumed): ask again for what is in flight
                     pending = list(self._inflight)
@@ -293,10 +307,31 @@ class MixtureLoader:
                 continue  # else a stale answer from before a restart
             break
         check_step_data(msg, step, self.rank, where)
+        self._rejoined = None
         self._inflight.popleft()
         self.next_step = step + 1
         self._cursor = msg.meta.get("cursor_after")
         return self._to_tensors(msg, step)
+
+    def _rewind(self) -> None:
+        """The rank rejoined a running session but its constructor no longer holds its next step: ask the
+        planner to rewind delivery to this rank's state (a new session; every rank re-asks)."""
+        cur, self._rejoined = self._rejoined, None
+        assert self._planner is not None and cur is not None
+        meta: dict[str, Any] = {"cursor": cur, "rank": self.rank, "rewind": True}
+        attempt = resume_attempt()
+        if attempt is not None:
+            meta["attempt"] = attempt
+        ack = self._request(self._planner, Kind.RESUME, meta, "resume (rewind)")
+        if ack.kind != Kind.ACK:
+            raise DeliveryError(f"rank {self.rank}: unexpected {ack.kind.name} to resume")
+        if isinstance(ack.meta.get("session"), int):
+            self._session = ack.meta["session"]
+        pending = list(self._inflight)
+        self._inflight.clear()
+        self._early.clear()
+        for s in pending:
+            self._ask(s)
 
     def _why_waiting(self, timeout_s: float = 2.0) -> str:
         """What the planner says the data plane waits for (components gone silent, loader windows not

@@ -66,6 +66,9 @@ class Metrics:
     loader_rejoins: Counter
     replayed_steps: Counter
     constructor_duplicate_samples: Counter
+    # trainer restarts and elastic resharding (appended)
+    trainer_rejoins: Counter
+    reshards: Counter
     # every component: which one this endpoint is (join key for process_* metrics on dashboards)
     component_info: Gauge
 
@@ -131,6 +134,8 @@ def make_metrics(component: str) -> Metrics:
         replayed_steps=c("mixplane_planner_replayed_steps_total", "Planned steps a restarted loader was told to send again"),
         constructor_duplicate_samples=c("mixplane_constructor_duplicate_samples_total",
                                         "SAMPLES messages of a (step, loader) already held, dropped (loader restarts)"),
+        trainer_rejoins=c("mixplane_planner_trainer_rejoins_total", "Trainer ranks that resumed mid-session from their own state_dict (no rewind)"),
+        reshards=c("mixplane_planner_reshards_total", "Live topology changes (elastic resharding)"),
         component_info=g("mixplane_component_info", "1 per component endpoint; joins process_* metrics to the component", lbl),
     )
     m.component_info.labels(component).set(1)

@@ -68,6 +68,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.ERROR: Schema(),
     Kind.SHUTDOWN: Schema(),
     Kind.RESET: Schema({"session": int, "start_step": int}),
+    Kind.RESHARD: Schema({"topology": dict, "cursor": dict}),
 }
 
 
@@ -176,7 +177,7 @@ def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_toke
 COMPONENT, CLIENT, ADMIN, ANONYMOUS = "component", "client", "admin", "anonymous"
 ROLES = (COMPONENT, CLIENT, ADMIN, ANONYMOUS)
 #: kinds that change what a run does (stop it, change its mixture, rewind or reset delivery)
-CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET})
+CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD})
 _ANY = frozenset(ROLES)
 #: which roles may send each kind; control kinds never include ANONYMOUS (see :func:`allowed`)
 ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
@@ -186,6 +187,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.RESUME: frozenset({COMPONENT, CLIENT, ADMIN}),  # a trainer resuming from its state_dict
     Kind.SEEK: frozenset({COMPONENT, ADMIN}),
     Kind.RESET: frozenset({COMPONENT, ADMIN}),
+    Kind.RESHARD: frozenset({ADMIN}),  # a new trainer topology: the runtime / operator, never a data-plane peer
     # the data plane's own messages come from components only once peers are authenticated
     Kind.HELLO: frozenset({COMPONENT, ANONYMOUS}),
     Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),

@@ -162,6 +162,22 @@ def fetch_spans(loaders: ReplayLoaders, plan: StepPlan) -> SpanStore:
     return store
 
 
+def spec_at(path: str | Path, step: int, default: DataMixtureSpec) -> DataMixtureSpec:
+    """The spec the planner ran `step` with: the journal's (a reshard changes the topology from a step on),
+    with the given spec's fields for what the journal cannot know (it records the resolved spec)."""
+    from mixplane.planner.journal import locate
+    from mixplane.spec import parse_spec
+
+    try:
+        doc = locate(read_journal(path), step).spec
+    except Exception:  # noqa: BLE001 - an older journal without a usable spec record: the given spec
+        return default
+    journaled = parse_spec(doc)
+    if journaled.topology == default.topology:
+        return default
+    return default.model_copy(update={"topology": journaled.topology})
+
+
 def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | None = None, save: str | None = None,
                 journal: str | None = None) -> dict[str, Any]:
     """journal: a journal file (e.g. one an earlier run left in `<run_dir>/journals/`); default the run
@@ -175,6 +191,7 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
         older = archived(rd / "journal.jsonl") if not journal else []
         hint = f"; earlier runs' journals (--journal): {', '.join(older)}" if older else ""
         raise ReplayError(f"step {step} is not in {path} (journaled: {min(journaled, default=0)}..{max(journaled, default=-1)}){hint}")
+    spec = spec_at(path, step, spec)  # the topology in force at that step (elastic resharding)
     coords = backbone_coords(spec, rank)
     with ReplayLoaders() as loaders:
         plan = replan(path, step, loaders)  # raises ReplayMismatch naming the first step that differs

@@ -281,6 +281,54 @@ class EmbeddedRuntime:
             (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
         return restarted
 
+    def reshard(self, topology: dict[str, Any], state: dict[str, Any], *, attempt: str | None = None,
+                timeout_s: float = 30.0) -> dict[str, Any]:
+        """Elastic resharding of the running data plane (issue 11 item 6): the trainer's topology becomes
+        `topology` (a spec `topology` mapping: modules with dp / pp / cp / tp) from the step of `state`
+        (a rank's `MixtureLoader.state_dict()`, or its cursor) on; the global batch stays the same.
+
+        The planner checks and adopts it (journaled), tells the old constructors to stop and rewinds to the
+        state's step; this method then starts the new topology's constructors from its launch plan. The
+        spec file is rewritten, so components restarted later start with the new topology. Trainer ranks
+        of the new world resume with `load_state_dict(state)`; with MIXPLANE_RESUME_ID set to `attempt`
+        their resumes do not replan what was planned since. Returns the planner's answer (step, generation,
+        world_size, constructors, spec)."""
+        from mixplane.spec import DataMixtureSpec as _Spec
+
+        cursor = state.get("cursor") if "windows" not in state else state
+        if not isinstance(cursor, dict):
+            raise ValueError("reshard needs a state_dict (or cursor) saved after the first step")
+        before = list(self.children)
+        old = [c for c in before if c.component is not None and c.component.role == "constructor"]
+        self.children = [c for c in before if c not in old]  # their exit is on purpose, not a failure
+        meta: dict[str, Any] = {"topology": topology, "cursor": cursor}
+        if attempt is not None:
+            meta["attempt"] = attempt
+        try:
+            reply = request(self.planner_endpoint or "", Kind.RESHARD, meta, timeout_s, curve=self.control_curve)
+        except BaseException:
+            self.children = before
+            raise
+        new = _Spec.model_validate(reply["spec"])
+        deadline = time.monotonic() + timeout_s
+        for c in old:  # the planner told them to stop; make sure before their names are reused
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(5)
+        self.spec = new
+        plan = self.plan()
+        tmp = Path(plan.target.spec_file + ".tmp")
+        tmp.write_text(new.model_dump_json(indent=1))
+        os.replace(tmp, plan.target.spec_file)
+        assert self.planner_endpoint is not None
+        fresh = [self._spawn(c) for c in plan.with_planner(self.planner_endpoint).components if c.role == "constructor"]
+        self._wait_ready(fresh)
+        (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+        log.warning("resharded at step %s: %d constructor(s) replaced by %d", reply.get("step"), len(old), len(fresh))
+        return reply
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._restore_env()
         for c in self.children:

@@ -377,7 +377,8 @@ class ConstructorServer(PlannerFollower):
         if step <= self.released_through:
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} was already delivered to every rank "
                                                 f"and released (steps up to {self.released_through}); resume from a "
-                                                "state_dict to get it again", "step": step})
+                                                "state_dict to get it again", "step": step, "released": True,
+                                                "session": self.session})
             return
         if step < self.start_step:
             self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})

@@ -7,6 +7,7 @@ where and each constructor what to build, journals every step, answers status an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -72,6 +73,7 @@ class PlannerServer(Component):
             Kind.HELLO: self._on_hello, Kind.LOADER_META: self._on_loader_meta, Kind.NEED_STEPS: self._on_need_steps,
             Kind.ROUTE: self._on_route, Kind.RESUME: self._on_resume, Kind.STATUS: self._on_status,
             Kind.UPDATE_MIXTURE: self._update, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.RESHARD: self._on_reshard,
         }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
@@ -96,6 +98,14 @@ class PlannerServer(Component):
         self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
         if self.journal is not None:
             self.journal.open(spec, self.generation, self.session_start, self.session)
+        # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
+        # resuming from one of them rejoins the session instead of rewinding every rank; bounded)
+        self.cursor_digests: dict[int, bytes] = {}
+        self._adopt_topology(spec)
+
+    def _adopt_topology(self, spec: DataMixtureSpec) -> None:
+        """Constructor groups and the dp-rank / rank fan-outs of `spec`'s topology (start, reshard)."""
+        self.groups = constructor_groups(spec)
         dp_to: list[list[int]] = [[] for _ in range(spec.topology.backbone()[1].dp)]
         rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
         for ci, ranks in enumerate(self.groups):
@@ -250,7 +260,7 @@ class PlannerServer(Component):
     def _on_resume(self, identity: bytes, msg: wire.Message) -> None:
         cursor = msg.get("cursor", dict)
         attempt = msg.meta.get("attempt")
-        self._resume(identity, cursor, attempt if isinstance(attempt, str) else None)
+        self._resume(identity, cursor, attempt if isinstance(attempt, str) else None, rewind=msg.meta.get("rewind") is True)
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
         self._send(identity, Kind.STATUS_REPLY, self.status())
@@ -261,7 +271,15 @@ class PlannerServer(Component):
     def _on_heartbeat(self, identity: bytes, msg: wire.Message) -> None:
         pass  # the component base recorded the peer as seen
 
-    def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None) -> None:
+    def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None, rewind: bool = False) -> None:
+        if not rewind and self._rejoins(cursor):
+            # one trainer rank restarted from its own state_dict: its constructor still holds the steps it
+            # misses (it keeps a step until every rank it serves moved past it), so nobody rewinds; if the
+            # step is gone after all, the client is told so by its constructor and asks again with rewind
+            self.m.trainer_rejoins.inc()
+            log.warning("a trainer rank resumed at step %d of session %d: rejoining without a rewind", cursor["step"], self.session)
+            self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"]), "rejoin": True})
+            return
         same_start = json.dumps(cursor, sort_keys=True) == json.dumps(self.session_start, sort_keys=True)
         if same_start and ((attempt is not None and attempt == self.session_attempt)
                            or self.planned_through < int(cursor["step"])):
@@ -278,6 +296,7 @@ class PlannerServer(Component):
         self.session += 1
         self.session_start = json.loads(json.dumps(cursor))
         self.session_attempt = attempt
+        self.cursor_digests.clear()
         self.need_through = -1
         self.need_by.clear()
         self.complete_by.clear()
@@ -292,6 +311,78 @@ class PlannerServer(Component):
                 self.journal.update(event)
         log.info("resumed at step %d (session %d)", cursor["step"], self.session)
         self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
+
+    # -- trainer restart and elastic resharding (issue 11 item 6) ------------------------------
+    def _remember_cursor(self, step: int, cursor: np.ndarray) -> None:
+        self.cursor_digests[step] = hashlib.blake2b(cursor.tobytes(), digest_size=16).digest()
+        if len(self.cursor_digests) > max(1024, self.inflight.max_steps):
+            del self.cursor_digests[min(self.cursor_digests)]
+
+    def _rejoins(self, cursor: dict[str, Any]) -> bool:
+        """Whether `cursor` is one this session planned (a rank that restarted mid-session): same bytes as
+        the cursor the constructors handed out before that step."""
+        try:
+            step = int(cursor["step"])
+            got = hashlib.blake2b(cursor_array(cursor).tobytes(), digest_size=16).digest()
+        except (KeyError, TypeError, ValueError):
+            return False
+        return self.cursor_digests.get(step) == got
+
+    def _on_reshard(self, identity: bytes, msg: wire.Message) -> None:
+        """Elastic resharding in a running system: from the cursor's step on, plan for a new topology (DP /
+        TP / PP / CP; the global batch stays what it was). The mixing does not depend on the topology, so
+        the global sequence of samples is the one the old topology would have got, only distributed
+        differently. The planner rewinds to the cursor (a new session), tells the old constructors to stop,
+        waits for the new topology's constructors to register, then welcomes the loaders again (new
+        constructor endpoints, the window's cursor). The journal records the new spec before the rewind,
+        so `mixplane replay` plans every later step with the new topology."""
+        from mixplane.spec import SpecError, parse_spec
+
+        cursor = msg.get("cursor", dict)
+        doc = self.spec.model_dump(mode="json")
+        doc["topology"] = msg.get("topology", dict)
+        try:
+            new = parse_spec(doc, origin="reshard")
+            if (new.rows_per_step, new.batch.seq_len) != (self.spec.rows_per_step, self.spec.batch.seq_len):
+                raise ValueError("the global batch must stay the same")
+            strategy = resolve_strategy(new)
+            step = int(cursor["step"])
+            kept = self.core.restore(cursor, keep_updates=True)  # validates before changing anything
+        except (SpecError, ValueError, KeyError, TypeError) as e:
+            self._send(identity, Kind.ERROR, {"error": f"reshard rejected: {e}"})
+            return
+        old = list(self.constructors.values())
+        generation = self.core.generation + 1
+        self.core.reconfigure(new, generation)
+        self.core.strategy = strategy
+        self.spec = new
+        self._adopt_topology(new)
+        self.session += 1
+        self.session_start = json.loads(json.dumps(cursor))
+        attempt = msg.meta.get("attempt")
+        self.session_attempt = attempt if isinstance(attempt, str) else None
+        self.cursor_digests.clear()
+        self.need_through = -1
+        self.need_by.clear()
+        self.complete_by.clear()
+        self.inflight.clear()
+        self.constructors = {}
+        self.pending_routes = []
+        self.pending_loader_welcome = set(self.loaders)  # welcomed once the new constructors registered
+        for c in old:
+            self._send(c.identity, Kind.SHUTDOWN)
+        if self.journal is not None:
+            self.journal.spec_change(new, generation, step, step - 1, mode="reconfigure")
+            self.journal.resume(cursor, self.session)
+            for event in kept:
+                self.journal.update(event)
+        self.m.reshards.inc()
+        bb = new.topology.backbone()[1]
+        log.warning("resharded at step %d (session %d, generation %d): dp %d pp %d cp %d tp %d, %d constructor(s)",
+                    step, self.session, generation, bb.dp, bb.pp, bb.cp, bb.tp, len(self.groups))
+        self._send(identity, Kind.ACK, {"session": self.session, "step": step, "generation": generation,
+                                        "world_size": new.world_size, "constructors": len(self.groups),
+                                        "spec": new.model_dump(mode="json")})
 
     def _update(self, identity: bytes, msg: wire.Message) -> None:
         weights = msg.get("weights", dict)
@@ -339,6 +430,7 @@ class PlannerServer(Component):
             log.warning("step %d: planned steps kept for loader restarts exceed %d; the oldest is forgotten before "
                         "every constructor confirmed it", step, self.inflight.max_steps)
         cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
+        self._remember_cursor(step + 1, cursor)
         peers = list(self.constructors.values())
         for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers])):
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,

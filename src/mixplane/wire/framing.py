@@ -69,6 +69,7 @@ class Kind(enum.IntEnum):
     ERROR = 19
     SHUTDOWN = 20
     RESET = 21  # planner -> constructor: drop all steps of older sessions
+    RESHARD = 30  # admin -> planner: a new topology (DP/TP/PP/CP) from a step boundary (elastic resharding)
 
 
 # bulk data: checksummed only on request (runtime.checksum_payloads); everything else always

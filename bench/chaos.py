@@ -1,0 +1,400 @@
+"""Chaos benchmark (issue 11 item 9): SIGKILL components at random times and prove nothing changed.
+
+    python bench/chaos.py [--quick] [--steps N] [--kills K] [--roles loader,constructor,planner]
+
+One mixture (3 token sources, 8 x 256-token rows per step) is run twice with the embedded runtime and
+4 trainer ranks, each a process of its own that consumes its steps with a fixed compute time per step:
+
+* reference — no failure;
+* chaos — the same spec, while a seeded schedule SIGKILLs components at random times (by default every
+  role whose restart the runtime supervises: loaders — primaries and shadows when the spec has shadows —,
+  constructors and the planner; `--roles` chooses), restarts one trainer rank from the state_dict it saved
+  (after SIGKILL of its process), and changes DP 4 -> 2 once at a step boundary (live resharding:
+  trainer ranks stop at the boundary, `EmbeddedRuntime.reshard` changes the running data plane, the new
+  world's ranks resume from the state_dict). The reference run does the same DP change without failures.
+
+Every trainer rank writes, per step, the (step, rank) it received, its segments (source, key, start,
+length) and a digest of its tokens, together with its state_dict (one line, so a SIGKILL never separates
+the two). The runs are compared record by record:
+
+* lost — samples (segments) of the reference that the chaos run never delivered;
+* duplicated — samples the chaos run delivered more often than the reference (a (step, rank) committed
+  twice counts too);
+* mismatched_steps — steps where any rank's record differs from the reference;
+* stall — per kill: the longest gap between two consecutive steps any rank received across the kill,
+  minus the reference's median step gap (what the failure cost the trainer); by role, max and p50;
+* ettr — effective training time ratio: reference wall time / chaos wall time.
+
+Then `mixplane replay` rebuilds `--replays` random delivered (step, rank) pairs of the chaos run from
+its journal and compares their tokens with what the rank got (bit for bit).
+
+The last stdout line: {"steps", "kills", "kills_by_role", "lost", "duplicated", "mismatched_steps",
+"max_stall_s", "max_stall_s_by_role", "p50_stall_s", "ettr", "replay_checked", "replay_bit_exact", ...}.
+`--quick`: ~1 minute (few steps, a few kills).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+sys.path.insert(0, str(SRC))
+
+RANKS = 4
+RESHARD_DP = 2
+SEQ = 256
+ROWS = 8
+CACHE = Path(os.environ.get("MIXPLANE_BENCH_CACHE", Path.home() / ".cache" / "mixplane" / "chaos"))
+
+
+# ------------------------------------------------------------------------------------------- data
+def write_sources(root: Path) -> Path:
+    """Three token sources (different document lengths), built once and cached."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = root / ".done"
+    if done.exists():
+        return root
+    for name, rows, files, mean, seed in (("a", 20000, 4, 60, 1), ("b", 12000, 3, 150, 2), ("c", 6000, 2, 400, 3)):
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        lens = np.maximum(1, rng.lognormal(np.log(mean), 0.9, rows).astype(np.int64))
+        docs = [rng.integers(3, 32000, n, dtype=np.int32) for n in lens]
+        per = -(-rows // files)
+        for f in range(files):
+            part = docs[f * per:(f + 1) * per]
+            t = pa.table({"tokens": pa.array(part, type=pa.list_(pa.int32())),
+                          "id": pa.array(np.arange(f * per, f * per + len(part)), pa.int64())})
+            pq.write_table(t, d / f"part-{f:03d}.parquet", row_group_size=500, write_page_index=True)
+    done.write_text("ok")
+    return root
+
+
+def spec_doc(root: Path, *, shadows: int = 0) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": "chaos",
+        "sources": [{"name": n, "uri": str(root / n), "kind": "tokens", "columns": ["tokens"], "shuffle": "rowgroup"}
+                    for n in ("a", "b", "c")],
+        "mixture": {"weights": {"a": 0.5, "b": 0.3, "c": 0.2}, "seed": 11},
+        "batch": {"sequences": ROWS, "seq_len": SEQ, "microbatches": 1},
+        "topology": {"modules": {"backbone": {"dp": RANKS}}},
+        "strategy": {"name": "vanilla"},
+        "runtime": {"window": 64, "metrics": False, "journal_every": 10, "step_timeout_s": 120,
+                    "heartbeat_s": 0.5},
+    }
+    if shadows:
+        doc["runtime"]["shadow_loaders"] = shadows
+    return doc
+
+
+# ------------------------------------------------------------------------------------------- trainer rank
+def trainer(args: argparse.Namespace) -> int:
+    """One trainer rank (a process): consume steps [its state, stop), a record line per step."""
+    from mixplane.client import MixtureLoader
+
+    out = Path(args.out)
+    state = None
+    if out.exists():  # restarted: continue right after the last step this rank committed
+        text = out.read_text()
+        if not text.endswith("\n"):  # a torn last line (killed while writing): not committed, cut it
+            text = text[:text.rfind("\n") + 1]
+            out.write_text(text)
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if lines:
+            state = json.loads(lines[-1])["state"]
+    if state is None and args.state:
+        state = json.loads(Path(args.state).read_text())
+    loader = MixtureLoader(args.planner, rank=args.rank, max_steps=args.stop, timeout_s=120)
+    if state is not None:
+        loader.load_state_dict(state)
+    with open(out, "a") as f:
+        for b in loader:
+            step = int(b["step"])
+            segs = [list(t) for t in zip(*(b[k].tolist() for k in ("segment_source", "segment_key", "segment_start", "segment_len")))]
+            digest = hashlib.blake2b(b["input_ids"].numpy().tobytes(), digest_size=12).hexdigest()
+            f.write(json.dumps({"step": step, "rank": args.rank, "t": time.time(), "segs": segs, "digest": digest,
+                                "state": loader.state_dict()}) + "\n")
+            f.flush()
+            time.sleep(args.compute_s)  # the training step
+    loader.close()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- one run
+class Run:
+    def __init__(self, name: str, spec: Any, work: Path, args: argparse.Namespace, chaos: bool):
+        self.name, self.spec, self.args, self.chaos = name, spec, args, chaos
+        self.dir = work / name
+        self.records = self.dir / "records"
+        self.rng = random.Random(args.seed)
+        self.kills: list[dict[str, Any]] = []
+        self.trainers: dict[int, subprocess.Popen] = {}
+        self.stop_step = args.steps
+        self.reshard_at = args.steps // 2
+        self.rt: Any = None
+
+    def spawn(self, rank: int, stop: int, state: Path | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--planner", self.rt.planner_endpoint,
+               "--rank", str(rank), "--stop", str(stop), "--out", str(self.records / f"rank{rank}-w{self.world}.jsonl"),
+               "--compute-s", str(self.args.compute_s)]
+        if state is not None:
+            cmd += ["--state", str(state)]
+        e = {**os.environ, "PYTHONPATH": str(SRC), **(env or {})}
+        log = open(self.dir / f"trainer-{rank}-w{self.world}.log", "ab")
+        self.trainers[rank] = subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def victims(self) -> list[tuple[str, Any]]:
+        roles = set(self.args.roles.split(","))
+        out = []
+        for c in self.rt.children:
+            if c.component is None or c.proc.poll() is not None:
+                continue
+            role = c.component.role
+            if role == "loader" and "shadow" in c.name:
+                role = "shadow"
+            if role in roles:
+                out.append((role, c))
+        return out
+
+    def committed(self, rank: int) -> int:
+        p = self.records / f"rank{rank}-w{self.world}.jsonl"
+        return len(p.read_text().splitlines()) if p.exists() else 0
+
+    def run(self) -> float:
+        from mixplane.runtime import EmbeddedRuntime, RestartPolicy
+
+        self.records.mkdir(parents=True, exist_ok=True)
+        policy = RestartPolicy(budget=10_000, window_s=3600.0, backoff_s=0.05, backoff_max_s=0.5,
+                               roles=tuple(r for r in ("loader", "constructor", "planner") if r in self.args.supervised))
+        self.rt = EmbeddedRuntime(self.spec, self.dir / "run", restart=policy, log_level="WARNING").start()
+        try:
+            t0 = time.monotonic()
+            self.world = RANKS
+            for r in range(RANKS):
+                self.spawn(r, self.reshard_at)
+            plan = self.kill_plan(t0) if self.chaos else []
+            trainer_kill = self.args.trainer_restart and self.chaos
+            self.phase(plan, trainer_kill, self.reshard_at)
+            # live DP change at the boundary: every rank stopped there; the new world resumes from rank 0's state
+            last = json.loads((self.records / f"rank0-w{self.world}.jsonl").read_text().splitlines()[-1])
+            state_file = self.dir / "reshard-state.json"
+            state_file.write_text(json.dumps(last["state"]))
+            t_r = time.monotonic()
+            self.rt.reshard({"modules": {"backbone": {"dp": RESHARD_DP}}}, last["state"], attempt=f"{self.name}-reshard")
+            self.reshard_s = time.monotonic() - t_r
+            self.world = RESHARD_DP
+            for r in range(RESHARD_DP):
+                self.spawn(r, self.stop_step, state_file, env={"MIXPLANE_RESUME_ID": f"{self.name}-reshard"})
+            self.phase(plan, False, self.stop_step)
+            return time.monotonic() - t0
+        finally:
+            for p in self.trainers.values():
+                if p.poll() is None:
+                    p.kill()
+            self.rt.stop()
+
+    def kill_plan(self, t0: float) -> list[float]:
+        """Kill times, spread over the expected duration (reference wall time when known)."""
+        dur = self.args.expected_s
+        n = self.args.kills
+        return sorted(t0 + 2.0 + self.rng.uniform(0, max(1.0, dur - 6.0)) for _ in range(n))
+
+    def phase(self, plan: list[float], trainer_kill: bool, stop: int) -> None:
+        """Until every trainer of this world finished: kill on schedule, supervise, restart a trainer once."""
+        deadline = time.monotonic() + self.args.timeout_s
+        tk_at = self.rng.randint(stop // 4, max(stop // 4 + 1, stop // 2)) if trainer_kill else None
+        while any(p.poll() is None for p in self.trainers.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: trainers did not finish within {self.args.timeout_s:g}s")
+            for r, p in self.trainers.items():
+                if p.returncode not in (None, 0, -signal.SIGKILL):
+                    raise RuntimeError(f"{self.name}: trainer rank {r} exited with {p.returncode} "
+                                       f"(see {self.dir}/trainer-{r}-w{self.world}.log)")
+            self.rt.supervise()
+            now = time.monotonic()
+            if plan and now >= plan[0] and not self.restarting():
+                plan.pop(0)
+                vs = self.victims()
+                if vs:
+                    role, c = self.rng.choice(vs)
+                    os.kill(c.proc.pid, signal.SIGKILL)
+                    self.kills.append({"role": role, "name": c.name, "t": time.time()})
+            if tk_at is not None and self.committed(1) >= tk_at:
+                p = self.trainers[1]
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+                self.kills.append({"role": "trainer", "name": "rank1", "t": time.time()})
+                self.spawn(1, stop)  # continues from the state_dict in its last record
+                tk_at = None
+            time.sleep(0.05)
+        bad = {r: p.returncode for r, p in self.trainers.items() if p.returncode != 0}
+        if bad:
+            raise RuntimeError(f"{self.name}: trainers failed: {bad}")
+
+    def restarting(self) -> bool:
+        return any(c.restart_at is not None and c.proc.poll() is not None for c in self.rt.children)
+
+
+# ------------------------------------------------------------------------------------------- compare
+def load(run: Run) -> tuple[dict[tuple[int, int, int], dict], int]:
+    """(world, step, rank) -> record (the last one committed), and how many (step, rank) were committed twice."""
+    out: dict[tuple[int, int, int], dict] = {}
+    twice = 0
+    for f in sorted(run.records.glob("rank*-w*.jsonl")):
+        world = int(f.stem.split("-w")[1])
+        for ln in f.read_text().splitlines():
+            try:
+                rec = json.loads(ln)
+            except ValueError:
+                continue
+            key = (world, rec["step"], rec["rank"])
+            if key in out:
+                twice += 1
+            out[key] = rec
+    return out, twice
+
+
+def stalls(run: Run, ref_gap: float) -> list[dict[str, Any]]:
+    times: dict[int, list[float]] = {}
+    recs, _ = load(run)
+    for (w, _step, rank), rec in recs.items():
+        times.setdefault(rank * 10 + w, []).append(rec["t"])
+    for v in times.values():
+        v.sort()
+    out = []
+    for k in run.kills:
+        worst = 0.0
+        for ts in times.values():
+            for a, b in zip(ts, ts[1:]):
+                if a <= k["t"] < b:
+                    worst = max(worst, b - a)
+        out.append({**k, "stall_s": max(0.0, worst - ref_gap)})
+    return out
+
+
+def replay_check(run: Run, recs: dict, n: int, seed: int) -> tuple[int, int, list[str]]:
+    import numpy as np
+
+    from mixplane.replay import replay_step
+
+    rng = random.Random(seed)
+    keys = rng.sample(sorted(recs), min(n, len(recs)))
+    ok, bad = 0, []
+    tmp = run.dir / "replay.npz"
+    for world, step, rank in keys:
+        try:
+            out = replay_step(run.spec, step=step, rank=rank, run_dir=str(run.dir / "run"), save=str(tmp))
+            ids = np.load(tmp)["input_ids"]
+            digest = hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=12).hexdigest()
+            segs = [[s["source"], s["key"], s["start"], s["len"]] for s in out["segments"]]
+            names = run.spec.source_names()
+            rsegs = [[names[a], b, c, d] for a, b, c, d in recs[(world, step, rank)]["segs"]]
+            if digest == recs[(world, step, rank)]["digest"] and segs == rsegs and out["digest_match"]:
+                ok += 1
+            else:
+                bad.append(f"step {step} rank {rank}")
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            bad.append(f"step {step} rank {rank}: {e}")
+    return len(keys), ok, bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="about a minute: 120 steps, 3 kills")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
+    ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
+    ap.add_argument("--supervised", default="loader", help="roles the runtime restarts (comma list)")
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--compute-s", type=float, default=0.05, help="simulated training time per step")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--shadows", type=int, default=0, help="runtime.shadow_loaders of the spec")
+    ap.add_argument("--no-trainer-restart", dest="trainer_restart", action="store_false")
+    ap.add_argument("--timeout-s", type=float, default=7200.0)
+    ap.add_argument("--work", default=None, help="work directory (default: a fresh one under the cache)")
+    # trainer subprocess
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--planner", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--stop", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--state", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "trainer":
+        return trainer(args)
+    if args.quick:
+        args.steps, args.kills, args.replays = min(args.steps, 120), min(args.kills, 3), min(args.replays, 10)
+    # only roles the runtime restarts can be killed without failing the run
+    args.roles = ",".join(r for r in args.roles.split(",")
+                          if r in args.supervised.split(",") or (r == "shadow" and "loader" in args.supervised))
+
+    from mixplane.spec import parse_spec
+
+    work = Path(args.work) if args.work else CACHE / time.strftime("run-%Y%m%dT%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    spec = parse_spec(spec_doc(write_sources(CACHE / "data"), shadows=args.shadows))
+    args.supervised = args.supervised.split(",")
+
+    args.expected_s = 0.0
+    ref = Run("reference", spec, work, args, chaos=False)
+    ref_wall = ref.run()
+    args.expected_s = ref_wall
+    chaos = Run("chaos", spec, work, args, chaos=True)
+    chaos_wall = chaos.run()
+
+    want, _ = load(ref)
+    got, twice = load(chaos)
+    mismatched = sorted({k[1] for k in set(want) | set(got)
+                         if k not in want or k not in got or (want[k]["segs"], want[k]["digest"]) != (got[k]["segs"], got[k]["digest"])})
+    wc = Counter(tuple(s) for r in want.values() for s in r["segs"])
+    gc = Counter(tuple(s) for r in got.values() for s in r["segs"])
+    lost = sum((wc - gc).values())
+    duplicated = sum((gc - wc).values()) + twice
+    gaps = []
+    for rank in range(RANKS):
+        ts = sorted(r["t"] for k, r in want.items() if k[2] == rank)
+        gaps += [b - a for a, b in zip(ts, ts[1:])]
+    ref_gap = statistics.median(gaps) if gaps else 0.0
+    st = stalls(chaos, ref_gap)
+    by_role: dict[str, list[float]] = {}
+    for s in st:
+        by_role.setdefault(s["role"], []).append(s["stall_s"])
+    checked, ok, bad = replay_check(chaos, got, args.replays, args.seed)
+    for b in bad[:5]:
+        print(f"replay mismatch: {b}", file=sys.stderr)
+    all_st = [s["stall_s"] for s in st]
+    print(json.dumps({"kills_detail": [{k: v for k, v in s.items() if k != "t"} for s in st]}))
+    print(json.dumps({
+        "steps": args.steps, "kills": len(chaos.kills), "kills_by_role": dict(Counter(k["role"] for k in chaos.kills)),
+        "lost": lost, "duplicated": duplicated, "mismatched_steps": len(mismatched),
+        "max_stall_s": round(max(all_st, default=0.0), 3),
+        "max_stall_s_by_role": {r: round(max(v), 3) for r, v in by_role.items()},
+        "p50_stall_s": round(statistics.median(all_st), 3) if all_st else 0.0,
+        "ettr": round(ref_wall / chaos_wall, 4),
+        "replay_checked": checked, "replay_bit_exact": ok,
+        "reference_wall_s": round(ref_wall, 2), "chaos_wall_s": round(chaos_wall, 2),
+        "ranks": RANKS, "dp_change": [RANKS, RESHARD_DP, chaos.reshard_at], "compute_s": args.compute_s,
+        "supervised": args.supervised, "shadows": args.shadows,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
