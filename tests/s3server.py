@@ -192,3 +192,143 @@ class S3Proxy:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+class RangeHTTPServer:
+    """A static HTTP server on 127.0.0.1 serving a directory: index pages listing its files (links),
+    HEAD with Content-Length, and ``Range: bytes=a-b`` GETs answered 206 — what object stores and the
+    Hugging Face Hub's resolve URLs offer, enough for fsspec's HTTP filesystem. Counts requests and
+    GET bytes; ``fail_next`` answers that many requests with 503."""
+
+    def __init__(self, root: str):
+        import functools
+        import re
+        from http.server import SimpleHTTPRequestHandler
+
+        server = self
+        self.requests = 0
+        self.get_bytes = 0
+        self.fail_next = 0
+        self._lock = threading.Lock()
+        rng = re.compile(r"bytes=(\d+)-(\d*)$")
+
+        class Handler(SimpleHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _count(self) -> bool:
+                with server._lock:
+                    server.requests += 1
+                    if server.fail_next > 0:
+                        server.fail_next -= 1
+                        fail = True
+                    else:
+                        fail = False
+                if fail:
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                return fail
+
+            def do_HEAD(self):
+                if not self._count():
+                    super().do_HEAD()
+
+            def do_GET(self):
+                if self._count():
+                    return
+                path = self.translate_path(self.path)
+                m = rng.match(self.headers.get("Range", ""))
+                if m is None or not os.path.isfile(path):
+                    super().do_GET()
+                    return
+                size = os.path.getsize(path)
+                start = int(m.group(1))
+                end = min(size - 1, int(m.group(2))) if m.group(2) else size - 1
+                if start >= size or end < start:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    data = f.read(end - start + 1)
+                with server._lock:
+                    server.get_bytes += len(data)
+                self.send_response(206)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=root))
+        self._httpd.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class GcsEmulator:
+    """A GCS-compatible server (the JSON API of ``gcp-storage-emulator``) as its own process on 127.0.0.1
+    (in this process pyarrow's GCS client would wait on the interpreter lock the server needs)."""
+
+    def __init__(self, bucket: str) -> None:
+        import shutil
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or "gcp-storage-emulator"
+        self._proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+                                       "--default-bucket", bucket], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(200):  # up to ~20 s
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                c.request("GET", f"/storage/v1/b/{bucket}")
+                c.getresponse().read()
+                c.close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self._proc.kill()
+        raise RuntimeError("gcp-storage-emulator did not start")
+
+    def filesystem(self, endpoint: str | None = None) -> pafs.GcsFileSystem:
+        import datetime
+
+        ep = endpoint or self.endpoint
+        return pafs.GcsFileSystem(anonymous=True, endpoint_override=ep.split("://", 1)[1], scheme="http",
+                                  retry_time_limit=datetime.timedelta(seconds=1))
+
+    def upload_dir(self, local_dir: str, bucket: str, prefix: str) -> list[str]:
+        fs = self.filesystem()
+        out = []
+        for name in sorted(os.listdir(local_dir)):
+            src = os.path.join(local_dir, name)
+            if os.path.isfile(src):
+                with open(src, "rb") as f, fs.open_output_stream(f"{bucket}/{prefix}/{name}") as o:
+                    o.write(f.read())
+                out.append(f"{bucket}/{prefix}/{name}")
+        return out
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self._proc.kill()
+            self._proc.wait(timeout=10)

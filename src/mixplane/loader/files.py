@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from mixplane.loader.remote import RemoteError, s3_filesystem, with_retries
+from mixplane.loader.remote import RemoteError, fsspec_filesystem, gcs_filesystem, s3_filesystem, with_retries
 
 GLOB_CHARS = "*?["
 
@@ -72,6 +72,16 @@ def _list_remote(uri: str, endpoint: str | None = None, region: str | None = Non
         if scheme == "s3":
             fs: pafs.FileSystem = s3_filesystem(endpoint=endpoint, region=region)
             base_path = base.rstrip("/")
+        elif scheme in ("gs", "gcs"):
+            fs = gcs_filesystem(endpoint=endpoint)
+            base_path = base.rstrip("/")
+        elif scheme in ("hf", "http", "https"):
+            fs = fsspec_filesystem(scheme, endpoint=endpoint)
+            # fsspec's HTTP paths are whole URLs; the Hub's are repo paths (datasets/org/name/...)
+            base_path = (f"{scheme}://{base}" if scheme != "hf" else base).rstrip("/")
+            if scheme != "hf":
+                base = f"{scheme}://{base}"
+                rest = f"{scheme}://{rest}"
         else:
             fs, base_path = pafs.FileSystem.from_uri(f"{scheme}://{base}")
 
@@ -81,13 +91,15 @@ def _list_remote(uri: str, endpoint: str | None = None, region: str | None = Non
                 pattern = base_path + rest[len(base):]
                 return [i for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)]
             info = fs.get_file_info(base_path)
-            if info.type == pafs.FileType.Directory:
+            if info.type == pafs.FileType.Directory or (scheme in ("http", "https") and rest.endswith("/")):
                 infos = fs.get_file_info(pafs.FileSelector(base_path, recursive=True))
                 return [i for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
             return [info] if info.type == pafs.FileType.File else []
 
         found = with_retries("listing", uri, listing)
-        if not found and scheme in ("s3", "gs"):
+        if any(i.size is None for i in found):  # an HTTP index page has links, not sizes: one HEAD each
+            found = with_retries("listing", uri, lambda: fs.get_file_info([i.path for i in found]))
+        if not found and scheme in ("s3", "gs", "gcs"):
             bucket = base_path.split("/", 1)[0]
             if with_retries("listing", uri, lambda: fs.get_file_info(bucket)).type == pafs.FileType.NotFound:
                 raise SourceFilesError(f"cannot list {uri}: bucket {bucket!r} does not exist")

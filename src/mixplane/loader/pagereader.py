@@ -193,7 +193,7 @@ class RangeReader:
                 self.size = os.fstat(self._fd).st_size
             else:
                 t0 = time.perf_counter()
-                self._f = remote.with_retries("opening", self.name, lambda: filesystem.open_input_file(path), self.io,
+                self._f = remote.with_retries("opening", self.name, lambda: remote.open_ranged(filesystem, path), self.io,
                                               on_retry=self.stats.retry)
                 self.stats.request(0, time.perf_counter() - t0)
                 self.size = self._f.size()

@@ -62,10 +62,10 @@ class RemoteUnavailableError(RemoteError):
     """Retries exhausted on throttling, 5xx, cut transfers or timeouts."""
 
 
-_NOT_FOUND = ("NO_SUCH_KEY", "NO_SUCH_BUCKET", "RESOURCE_NOT_FOUND", "Path does not exist", "HTTP response code: 404")
-_DENIED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_SIGNATURE",
+_NOT_FOUND = ("NOT_FOUND:", "NO_SUCH_KEY", "NO_SUCH_BUCKET", "RESOURCE_NOT_FOUND", "Path does not exist", "HTTP response code: 404")
+_DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_SIGNATURE",
            "MISSING_AUTHENTICATION_TOKEN", "EXPIRED_TOKEN", "UNRECOGNIZED_CLIENT", "HTTP response code: 403",
-           "AccessDenied", "Forbidden")
+           "AccessDenied", "Forbidden", "HTTP 401", "HTTP 403")
 
 
 def classify(err: BaseException) -> str:
@@ -90,10 +90,64 @@ def is_remote(fs) -> bool:
     return fs is not None and type(fs).__name__ != "LocalFileSystem"
 
 
+def fsspec_of(fs):
+    """The fsspec filesystem inside a pyarrow ``PyFileSystem(FSSpecHandler(...))``, else None."""
+    handler = getattr(fs, "handler", None)
+    return getattr(handler, "fs", None)
+
+
 def object_name(fs, path: str) -> str:
     """``s3://bucket/key`` for messages (pyarrow paths carry no scheme)."""
     scheme = {"S3FileSystem": "s3", "GcsFileSystem": "gs", "HadoopFileSystem": "hdfs"}.get(type(fs).__name__)
+    inner = fsspec_of(fs)
+    if inner is not None:
+        protocol = inner.protocol
+        scheme = protocol if isinstance(protocol, str) else protocol[0]
     return f"{scheme}://{path}" if scheme and "://" not in path else path
+
+
+class FsspecObject:
+    """A remote object of an fsspec filesystem read by ranges (``cat_file``): stateless and safe to
+    read from several threads at once, unlike a file object (one position, one lock), and without the
+    file object's block read-ahead (the loader plans its own)."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self._size = int(_http_errors(lambda: fs.size(path)))
+
+    def size(self) -> int:
+        return self._size
+
+    def read_at(self, size: int, offset: int) -> bytes:
+        return _http_errors(lambda: self.fs.cat_file(self.path, start=offset, end=offset + size))
+
+    def close(self) -> None:
+        pass
+
+
+def _http_errors(fn):
+    """fsspec's HTTP errors as OSErrors :func:`classify` reads: its ``info`` turns every failed HEAD/GET
+    (a 503 too) into FileNotFoundError, and a failed ranged GET raises aiohttp's ClientResponseError."""
+    try:
+        return fn()
+    except FileNotFoundError as e:
+        status = getattr(e.__cause__, "status", None)
+        if status is None or status == 404:
+            raise
+        raise OSError(f"HTTP {status}: {e.__cause__}") from None
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - aiohttp.ClientResponseError and friends
+        status = getattr(e, "status", None)
+        if status == 404:
+            raise FileNotFoundError(str(e)) from None
+        raise OSError(f"HTTP {status}: {e}" if status is not None else f"{type(e).__name__}: {e}") from None
+
+
+def open_ranged(fs, path: str):
+    """An object opened for ranged reads (``size()``, ``read_at(size, offset)``, ``close()``)."""
+    inner = fsspec_of(fs)
+    return FsspecObject(inner, path) if inner is not None else fs.open_input_file(path)
 
 
 def with_retries(what: str, name: str, fn, io: RemoteIO = DEFAULTS, on_retry=None):
@@ -131,3 +185,36 @@ def s3_filesystem(*, endpoint: str | None = None, region: str | None = None, io:
         kw["endpoint_override"] = host.rstrip("/")
         kw["scheme"] = scheme or "https"
     return pafs.S3FileSystem(**kw)
+
+
+def gcs_filesystem(*, endpoint: str | None = None, io: RemoteIO = DEFAULTS) -> pafs.GcsFileSystem:
+    """Google Cloud Storage (pyarrow's native client) with the spec's endpoint override; credentials from
+    Google's default chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud, workload identity); anonymous with
+    MIXPLANE_GCS_ANONYMOUS=1 (public buckets, emulators). pyarrow's own retries are kept short: ours
+    (:func:`with_retries`) decide."""
+    import datetime
+    import os
+
+    kw: dict = {"retry_time_limit": datetime.timedelta(seconds=1.0)}
+    if os.environ.get("MIXPLANE_GCS_ANONYMOUS", "") not in ("", "0"):
+        kw["anonymous"] = True
+    if endpoint:
+        scheme, _, host = endpoint.rpartition("://")
+        kw["endpoint_override"] = host.rstrip("/")
+        kw["scheme"] = scheme or "https"
+    return pafs.GcsFileSystem(**kw)
+
+
+def fsspec_filesystem(scheme: str, *, endpoint: str | None = None) -> pafs.PyFileSystem:
+    """``hf://`` (huggingface_hub's HfFileSystem; token from HF_TOKEN or the huggingface-cli login, the
+    spec's endpoint as the Hub's address) and ``http(s)://`` (fsspec's HTTP filesystem; listing a uri
+    ending in ``/`` follows the links of its index page) as pyarrow filesystems."""
+    if scheme == "hf":
+        from huggingface_hub import HfFileSystem
+
+        inner = HfFileSystem(endpoint=endpoint) if endpoint else HfFileSystem()
+    else:
+        import fsspec  # type: ignore[import-untyped]
+
+        inner = fsspec.filesystem(scheme)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(inner))
