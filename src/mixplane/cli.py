@@ -113,25 +113,34 @@ def cmd_loader(args: argparse.Namespace) -> int:
     from mixplane.loader.memory import configure_allocator
 
     logging.getLogger("mixplane.loader").info("allocator: %s", configure_allocator())
-    from mixplane.loader.server import LoaderServer
     from mixplane.control import write_ready
+    from mixplane.launch import loader_name
+    from mixplane.loader.group import parse_members
+    from mixplane.loader.host import LoaderHost
 
     spec = _component_spec(args)
-    if args.sources:  # a source group: several Source Loaders in this process
-        from mixplane.loader.group import SourceGroup, parse_members
-
-        group = SourceGroup(spec, parse_members(spec, args.sources), args.planner, metrics=spec.runtime.metrics)
-        _on_sigterm(group)
-        write_ready(args.ready_file, {"sources": args.sources,
-                                      "metrics_ports": {ld.name: ld.metrics_port for ld in group.loaders}})
-        group.run()
-        return 0
-    if not args.source:
-        raise SystemExit("mixplane loader: give --source NAME [--replica R] or --sources NAME[:R],...")
-    srv = LoaderServer(spec, spec.source_index(args.source), args.replica, args.planner, metrics_port=args.metrics_port)
-    _on_sigterm(srv)
-    write_ready(args.ready_file, {"metrics_port": srv.metrics_port, "source": args.source, "replica": args.replica})
-    srv.run()
+    # every loader process is a host of partitions (loader.host): the planner's partition table decides what it
+    # serves; the ones named here are opened at once and asked for (a shadow keeps them warm)
+    if args.sources:
+        members = parse_members(spec, args.sources)
+    elif args.source:
+        members = [(spec.source_index(args.source), args.replica)]
+    elif args.host_name:
+        members = []  # an empty host: it serves what the planner hands it (scaling)
+    else:
+        raise SystemExit("mixplane loader: give --source NAME [--replica R], --sources NAME[:R],... or --host-name NAME")
+    name = args.host_name or loader_name([(spec.sources[si].name, r) for si, r in members])
+    host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, metrics=spec.runtime.metrics,
+                      metrics_port=args.metrics_port if len(members) == 1 else 0)
+    _on_sigterm(host)
+    ready: dict[str, object] = {"host": name, "shadow": args.shadow,
+                                "metrics_ports": {ld.name: ld.metrics_port for ld in host.loaders.values()}}
+    if args.sources:
+        ready["sources"] = args.sources
+    elif args.source:
+        ready.update(source=args.source, replica=args.replica, metrics_port=host.loaders[members[0]].metrics_port)
+    write_ready(args.ready_file, ready)
+    host.run()
     return 0
 
 
@@ -440,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--source")
             c.add_argument("--replica", type=int, default=0)
             c.add_argument("--sources", help="host several: NAME[:REPLICA],... (source grouping)")
+            c.add_argument("--host-name", help="this loader process's name in the planner's partition table (default: "
+                           "from its partitions, as the launch plan names it); alone: an empty host for handoffs")
+            c.add_argument("--shadow", action="store_true", help="a shadow: keep the partitions warm, serve them only "
+                           "when the planner promotes this host (runtime.shadow_loaders)")
         c.set_defaults(fn=fn)
     return p
 

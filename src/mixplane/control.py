@@ -138,3 +138,21 @@ def update_mixture(endpoint: str, meta: dict[str, Any], timeout_s: float = 5.0, 
 
 def resume(endpoint: str, cursor: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
     return request(endpoint, Kind.RESUME, {"cursor": cursor}, timeout_s, curve=curve)
+
+
+# -- partition handoff (issue 11: failover, scaling, rebalancing; planner.partitions) ------------------------
+def handoff(endpoint: str, partition: str, to_host: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    """Move partition "source:replica" to the loader host (process) named `to_host` at the next step boundary.
+
+    Returns ``{"partition", "from", "to", "epoch", "after_step"}`` once the planner has started the handoff (the
+    new host then resends what was planned but not delivered; :func:`partitions` shows when it serves). Raises
+    RuntimeError with the planner's reason (unknown partition or host, host not alive, already there).
+    Needs the admin key (``curve=ControlCurve(key_dir, "admin")``) unless the run is open."""
+    return request(endpoint, Kind.HANDOFF, {"partition": partition, "to": to_host}, timeout_s, curve=curve)
+
+
+def partitions(endpoint: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    """The planner's partition table: ``{"partitions": {"a:0": {"host", "epoch", "shadows"}}, "hosts": {name:
+    {"partitions", "shadows", "alive", "silent_s", "launched_as_shadow"}}, "handoffs": [recent moves]}``."""
+    st = status(endpoint, timeout_s, curve=curve)
+    return {k: st.get(k, {} if k != "handoffs" else []) for k in ("partitions", "hosts", "handoffs")}

@@ -103,6 +103,7 @@ class Component:
     ranks: tuple[int, ...] = ()  # constructors: the global ranks served
     resources: Resources = Resources(1.0, 256 * MiB)
     ready_file: str = ""
+    shadow: bool = False  # loaders: a hot standby of `partitions` (runtime.shadow_loaders), serving nothing until promoted
 
     @property
     def dns_name(self) -> str:
@@ -235,16 +236,24 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
                                ready_file=ready))
 
     for group in (loader_groups(spec) if loaders is None else [list(g) for g in loaders]):
-        name = loader_name(group)
-        common, ready = _common(target, name, fixed_metrics=len(group) == 1)
-        if len(group) == 1:
-            src, r = group[0]
-            which: tuple[str, ...] = ("--source", src, "--replica", str(r))
-        else:
-            which = ("--sources", ",".join(f"{n}:{r}" for n, r in group))
-        comps.append(Component("loader", name, ("loader", *common, *which, "--planner", planner_ep),
-                               env={**env, "TOKENIZERS_PARALLELISM": "false"},
-                               ports=dict(ports_metrics) if len(group) == 1 else {},
-                               partitions=tuple(Partition(n, r) for n, r in group),
-                               resources=_loader_resources(spec, group), ready_file=ready))
+        primary = loader_name(group)
+        # runtime.shadow_loaders hot standbys per group: same partitions, `--shadow` (planner.partitions)
+        for name, shadow in [(primary, False), *((shadow_name(primary, i), True) for i in range(spec.runtime.shadow_loaders))]:
+            common, ready = _common(target, name, fixed_metrics=len(group) == 1)
+            if len(group) == 1:
+                src, r = group[0]
+                which: tuple[str, ...] = ("--source", src, "--replica", str(r))
+            else:
+                which = ("--sources", ",".join(f"{n}:{r}" for n, r in group))
+            which += ("--host-name", name, *(("--shadow",) if shadow else ()))
+            comps.append(Component("loader", name, ("loader", *common, *which, "--planner", planner_ep),
+                                   env={**env, "TOKENIZERS_PARALLELISM": "false"},
+                                   ports=dict(ports_metrics) if len(group) == 1 else {},
+                                   partitions=tuple(Partition(n, r) for n, r in group),
+                                   resources=_loader_resources(spec, group), ready_file=ready, shadow=shadow))
     return LaunchPlan(spec.name, target, tuple(comps))
+
+
+def shadow_name(primary: str, i: int) -> str:
+    """The i-th (0-based) shadow of the loader group named `primary`: `<primary>-shadow<i+1>`."""
+    return f"{primary}-shadow{i + 1}"

@@ -147,3 +147,28 @@ def serve_metrics(m: Metrics, host: str = "127.0.0.1", port: int = 0) -> int:
     """Start /metrics on a background thread; returns the bound port."""
     server, _thread = start_http_server(port, addr=host, registry=m.registry)
     return int(server.server_port)
+
+
+@dataclass
+class HandoffMetrics:
+    """Partition handoff (planner.partitions): moves, promotions, fenced messages, warm windows."""
+
+    handoffs: Counter  # planner: partitions moved, by reason (request, failover, restart)
+    fenced: Counter  # planner / constructor: messages of a partition's older epoch dropped
+    partitions_hosted: Gauge  # loader host: partitions it serves as primary
+    partitions_shadowed: Gauge  # loader host: partitions it keeps warm as a shadow
+    warm_samples: Counter  # loader: samples a seek kept (already read and transformed) instead of reading again
+
+
+def handoff_metrics(m: Metrics) -> HandoffMetrics:
+    """Register the handoff metrics in a component's registry (once per component)."""
+    r = m.registry
+    return HandoffMetrics(
+        handoffs=Counter("mixplane_partition_handoffs_total", "Partitions moved to another loader host", ["reason"], registry=r),
+        fenced=Counter("mixplane_fenced_messages_total",
+                       "Messages of a partition's older epoch (a host that lost it) dropped", ["kind"], registry=r),
+        partitions_hosted=Gauge("mixplane_loader_host_partitions", "Partitions this loader host serves as primary", registry=r),
+        partitions_shadowed=Gauge("mixplane_loader_host_shadows", "Partitions this loader host keeps warm as a shadow", registry=r),
+        warm_samples=Counter("mixplane_loader_warm_samples_total",
+                             "Samples a seek kept from what was already read (shadow promotion, replay)", ["source"], registry=r),
+    )

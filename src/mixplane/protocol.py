@@ -69,6 +69,11 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.SHUTDOWN: Schema(),
     Kind.RESET: Schema({"session": int, "start_step": int}),
     Kind.RESHARD: Schema({"topology": dict, "cursor": dict}),
+    Kind.ADOPT: Schema({"source": int, "replica": int, "epoch": int, "mode": str}),
+    Kind.RELEASE: Schema({"source": int, "replica": int, "epoch": int}),
+    Kind.FOLLOW: Schema({"source": int, "replica": int, "cursor": dict}),
+    Kind.FENCE: Schema({"source": int, "replica": int, "epoch": int}),
+    Kind.HANDOFF: Schema({"partition": str, "to": str}),
 }
 
 
@@ -177,7 +182,8 @@ def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_toke
 COMPONENT, CLIENT, ADMIN, ANONYMOUS = "component", "client", "admin", "anonymous"
 ROLES = (COMPONENT, CLIENT, ADMIN, ANONYMOUS)
 #: kinds that change what a run does (stop it, change its mixture, rewind or reset delivery)
-CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD})
+CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD,
+                           Kind.ADOPT, Kind.RELEASE, Kind.FOLLOW, Kind.FENCE, Kind.HANDOFF})
 _ANY = frozenset(ROLES)
 #: which roles may send each kind; control kinds never include ANONYMOUS (see :func:`allowed`)
 ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
@@ -188,6 +194,12 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.SEEK: frozenset({COMPONENT, ADMIN}),
     Kind.RESET: frozenset({COMPONENT, ADMIN}),
     Kind.RESHARD: frozenset({ADMIN}),  # a new trainer topology: the runtime / operator, never a data-plane peer
+    # partition handoff: the planner steers hosts and constructors; only an operator (admin) moves a partition
+    Kind.ADOPT: frozenset({COMPONENT}),
+    Kind.RELEASE: frozenset({COMPONENT}),
+    Kind.FOLLOW: frozenset({COMPONENT}),
+    Kind.FENCE: frozenset({COMPONENT}),
+    Kind.HANDOFF: frozenset({ADMIN}),
     # the data plane's own messages come from components only once peers are authenticated
     Kind.HELLO: frozenset({COMPONENT, ANONYMOUS}),
     Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),
@@ -202,6 +214,25 @@ def allowed(kind: Kind, role: str, *, open_run: bool = False) -> bool:
     if role == ANONYMOUS and kind in CONTROL_KINDS:
         return open_run
     return role in ALLOWED_ROLES.get(kind, frozenset())
+
+
+# ---------------------------------------------------------------------------------------------- partitions
+def loader_identity(source_name: str, replica: int, epoch: int) -> str:
+    """The planner-facing identity of a partition's loader: the first assignment keeps the plain name
+    (`loader:a:0`), later ones carry their epoch (`loader:a:0@3`), so an old incarnation's socket can
+    never be mistaken for the new one (planner.partitions)."""
+    base = f"loader:{source_name}:{replica}"
+    return base if epoch <= 1 else f"{base}@{epoch}"
+
+
+def host_identity(host: str) -> str:
+    """The planner-facing identity of a loader process's host socket (ADOPT / FOLLOW arrive there)."""
+    return f"host:{host}"
+
+
+def beat_identity(host: str) -> str:
+    """The identity a loader host's liveness thread beats from (planner.hosting watches it)."""
+    return f"beat:{host}"
 
 
 # ---------------------------------------------------------------------------------------------- plan cursor

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixplane import wire
+from mixplane import control, wire
 from mixplane.control import (
     ADMIN_ROLE,
     ENDPOINTS_FILE,
@@ -239,6 +239,14 @@ class EmbeddedRuntime:
     # -- control --------------------------------------------------------------------------
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         return request(self.planner_endpoint or "", Kind.STATUS, {}, timeout_s, curve=self.control_curve)
+
+    def handoff(self, partition: str, to_host: str, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Move a partition ("source:replica") to another loader process at a step boundary (control.handoff)."""
+        return control.handoff(self.planner_endpoint or "", partition, to_host, timeout_s, curve=self.control_curve)
+
+    def partitions(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The planner's partition table: which loader process serves (and shadows) each partition."""
+        return control.partitions(self.planner_endpoint or "", timeout_s, curve=self.control_curve)
 
     def alive(self) -> list[str]:
         return [c.name for c in self.children if c.proc.poll() is None]

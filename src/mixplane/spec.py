@@ -213,6 +213,8 @@ class RuntimeSpec(_Model):
     journal_every: int = Field(100, ge=1, description="The planner journals a full cursor every this many steps (replay starts there).")
     curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
     security: Literal["secure", "open"] = Field("secure", description="`secure`: the embedded runtime generates CURVE keys per role into `<run_dir>/keys` (0700) and every socket admits only them; `open` (on purpose, logged as a warning): no CURVE unless `curve` is enabled, any local process that reaches a port can control the run.")
+    shadow_loaders: int = Field(0, ge=0, le=4, description="Hot-standby loader processes per loader group: each opens the same partitions, follows the primary's cursor and reads ahead without sending; when the primary is silent for `failover_after_s` the planner hands its partitions to a shadow (partition handoff), and the restarted primary becomes the shadow.")
+    failover_after_s: float = Field(1.0, gt=0, le=60, description="A loader host (process) silent this long is taken for dead or hung: a shadow of its partitions is promoted. Hosts beat four times per interval.")
 
 
 class KubernetesSpec(_Model):

@@ -86,8 +86,10 @@ def test_loader_sigkill_mid_run_changes_no_batch(token_sources, tmp_path):
         got = fetch.join()
         assert fresh.proc.poll() is None, "the restarted loader died"
         planner_log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
-    # the kill hit spans in flight: the planner had the restarted loader send planned steps again
-    assert "said HELLO again" in planner_log and "resending the spans of" in planner_log, planner_log[-3000:]
+    # the kill hit spans in flight: the planner had the restarted loader send planned steps again (a restarted
+    # loader host re-adopts its partition under a new epoch: planner.partitions)
+    assert ("said HELLO again" in planner_log or "restart) after step" in planner_log), planner_log[-3000:]
+    assert "resending the spans of" in planner_log, planner_log[-3000:]
     for r in range(RANKS):
         assert [int(b["step"]) for b in got[r]] == list(range(STEPS))
         for step in range(STEPS):

@@ -20,6 +20,7 @@ from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
+from mixplane.metrics import handoff_metrics
 from mixplane.protocol import plan_cursor
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
@@ -116,11 +117,16 @@ class ConstructorServer(PlannerFollower):
         self.client_endpoint = wire_advertised(self.clients.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self.add_endpoint(self.planner, "planner", {
             Kind.WELCOME: self._on_welcome, Kind.PLAN_CONSTRUCTOR: self._on_plan, Kind.RESET: self._on_reset,
-            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ACK: self._ignore})
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ACK: self._ignore,
+            Kind.FENCE: self._on_fence})
         self.add_endpoint(self.data, "data", {Kind.SAMPLES: self._on_samples}, server=True, members=False)
         self.add_endpoint(self.clients, "client", {Kind.GET_STEP: self._on_get_step, Kind.HEARTBEAT: self._on_client_heartbeat},
                           routed=True, server=True)
         self.welcomed = False
+        # partition handoff: the newest epoch of each (source, replica) seen (FENCE, or SAMPLES carrying it);
+        # SAMPLES of an older epoch come from a loader that lost its partition and are dropped
+        self.fences: dict[tuple[int, int], int] = {}
+        self.hm = handoff_metrics(self.m)
         self.session = -1
         self.ranks: list[int] = []
         self.dp_ranks: list[int] = []
@@ -175,6 +181,7 @@ class ConstructorServer(PlannerFollower):
         self.dispatch(self.entry("planner"), b"", msg)
 
     def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
+        self.fences.clear()  # a (re)started planner numbers the epochs of its partition table afresh
         self.ranks = list(msg.get("ranks", list))
         self.dp_ranks = list(msg.get("dp_ranks", list))
         self._reset(msg.get("session", int), msg.get("start_step", int))
@@ -213,6 +220,11 @@ class ConstructorServer(PlannerFollower):
     def _on_samples(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:
             return
+        replica = msg.meta.get("replica", -1)
+        if not isinstance(replica, int):
+            raise WireError("SAMPLES: field 'replica' must be an integer")
+        if self._fenced((msg.get("source", int), replica), msg):  # from a loader that lost its partition
+            return
         step = msg.get("step", int)
         if step <= self.released_through or step < self.start_step or (step in self.steps and self.steps[step].batches):
             return
@@ -238,6 +250,24 @@ class ConstructorServer(PlannerFollower):
         if "img_key" in msg.arrays:
             self._store_images(st, source, msg)
         st.spans.add(source, keys, starts, offsets, values)
+
+    def _fenced(self, sender: tuple[int, int], msg: wire.Message) -> bool:
+        epoch = msg.meta.get("epoch", 0)
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise WireError("SAMPLES: field 'epoch' must be an integer")
+        fence = self.fences.get(sender, 0)
+        if epoch < fence:
+            self.hm.fenced.labels("SAMPLES").inc()
+            self.limited.log(logging.WARNING, "fenced", "%s: dropped SAMPLES of %s from epoch %d (the partition is at "
+                             "epoch %d: its old loader lost it)", self.name, sender, epoch, fence)
+            return True
+        if epoch > fence:
+            self.fences[sender] = epoch
+        return False
+
+    def _on_fence(self, _: bytes, msg: wire.Message) -> None:
+        key = (msg.get("source", int), msg.get("replica", int))
+        self.fences[key] = max(self.fences.get(key, 0), msg.get("epoch", int))
 
     def _store_images(self, st: StepState, source: int, msg: wire.Message) -> None:
         if not 0 <= source < len(self.spec.sources):

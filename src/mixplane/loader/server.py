@@ -15,10 +15,11 @@ import numpy as np
 import zmq
 
 from mixplane import protocol, wire
-from mixplane.component import DRAIN_BATCH, Endpoint, PlannerFollower
+from mixplane.component import DRAIN_BATCH, Component, Endpoint, PlannerFollower
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
+from mixplane.metrics import handoff_metrics
 from mixplane.protocol import WindowCursor
 from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.wire import Kind, WireError
@@ -30,20 +31,23 @@ class LoaderServer(PlannerFollower):
     component = "loader"
 
     def __init__(self, spec: DataMixtureSpec, source_index: int, replica: int, planner_endpoint: str,
-                 *, context: zmq.Context | None = None, metrics_port: int | None = 0):
+                 *, context: zmq.Context | None = None, metrics_port: int | None = 0, epoch: int = 0,
+                 host: str | None = None, mode: str = "primary"):
+        """`mode`: "primary" serves the partition at `epoch` (connects to the planner and says HELLO);
+        "shadow" keeps a warm window that follows the planner's cursor and sends nothing; "dormant"
+        holds the partition open and does nothing. A host (loader.host) switches modes as the planner's
+        partition table says (`serve`, `follow`, `release`)."""
         source = spec.sources[source_index]
         super().__init__(spec, f"loader:{source.name}:{replica}", context=context, metrics_port=metrics_port, logger=log)
         self.si = source_index
         self.source = source
         self.replica = replica
-        self.planner = self.ctx.socket(zmq.DEALER)
-        self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
-        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s,
-                              max_msgsize=protocol.max_message_bytes(spec, "loader"))
-        self.security.client(self.planner).connect(planner_endpoint)  # CURVE when configured
-        self.add_endpoint(self.planner, "planner", {
-            Kind.WELCOME: self._on_welcome, Kind.PLAN_LOADER: self._on_plan, Kind.SEEK: self._on_seek,
-            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore})
+        self.planner_endpoint = planner_endpoint
+        self.host = host  # the loader process hosting this partition (None: started on its own)
+        self.epoch = epoch  # fencing token of the current assignment (planner.partitions)
+        self.mode = "dormant"
+        self.planner: zmq.Socket | None = None
+        self.hm = handoff_metrics(self.m)
         self.welcomed = False
         self.pushers: list[zmq.Socket] = []
         # per constructor: encoded SAMPLES messages in plan order, sent without blocking as room appears,
@@ -63,15 +67,111 @@ class LoaderServer(PlannerFollower):
         # after a restart: re-reading the stream to resend the spans of steps planned before (no announcements
         # until the planner's SEEK to the window's cursor ends the replay)
         self.replaying = False
+        self._warm_seen = 0
+        self._release_pending = False
+        if mode == "primary":
+            self.serve(epoch)
+        elif mode == "shadow":
+            self.mode = "shadow"
+            self._shadow_budget()
+        elif mode != "dormant":
+            raise ValueError(f"loader mode {mode!r}: expected primary, shadow or dormant")
+
+    # -- modes (partition handoff) ----------------------------------------------------------
+    @property
+    def shadow(self) -> bool:
+        return self.mode == "shadow"
+
+    def serve(self, epoch: int) -> None:
+        """Become the partition's primary at `epoch`: a planner socket named for this epoch (an older
+        incarnation's socket can never pass for it), then HELLO; the window stays as warm as it is."""
+        self._disconnect()
+        self.epoch = epoch
+        self.mode = "primary"
+        self.name = protocol.loader_identity(self.source.name, self.replica, epoch)
+        self.planner = self.ctx.socket(zmq.DEALER)
+        self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
+        wire.configure_socket(self.planner, heartbeat_s=self.spec.runtime.heartbeat_s,
+                              max_msgsize=protocol.max_message_bytes(self.spec, "loader"))
+        self.security.client(self.planner).connect(self.planner_endpoint)  # CURVE when configured
+        self.add_endpoint(self.planner, "planner", {
+            Kind.WELCOME: self._on_welcome, Kind.PLAN_LOADER: self._on_plan, Kind.SEEK: self._on_seek,
+            Kind.RELEASE: self._on_release, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore})
+        self.window.read_ahead_tokens = self.window.min_tokens
+        self.welcomed = False
+        self.replaying = False
+        self._last_hello = 0.0  # say HELLO on the next loop turn
+
+    def release(self) -> None:
+        """Stop serving (the partition moved to another host): nothing more leaves this loader — what
+        its outbox still holds is dropped (the new primary resends every step not complete everywhere)."""
+        if self.mode == "primary":
+            log.warning("%s: released (epoch %d): the partition is served elsewhere now", self.name, self.epoch)
+        self._disconnect()
+        self.mode = "dormant"
+
+    def follow(self, cursor: dict[str, Any]) -> None:
+        """Shadow: keep the window warm from the primary's cursor on (read ahead, send nothing)."""
+        if self.mode == "primary":
+            self._disconnect()
+        self.mode = "shadow"
+        self._shadow_budget()
+        try:
+            self.window.seek(WindowCursor.parse(cursor))
+        except ValueError as e:
+            raise WireError(f"FOLLOW: {e}") from None
+        self._count_warm()
+
+    def _shadow_budget(self) -> None:
+        # a promotion re-reads from the lowest position of the steps still in flight, then fills the window:
+        # keep about three windows' tokens read ahead (the in-flight steps, the window, its read-ahead)
+        self.window.read_ahead_tokens = 3 * max(1, self.window.min_tokens)
+
+    def _disconnect(self) -> None:
+        for s in self.pushers:
+            s.close(0)
+        self.pushers = []
+        self.outbox = []
+        self.constructor_endpoints = []
+        if self.planner is not None:
+            self.endpoints = [e for e in self.endpoints if e.sock is not self.planner]
+            self.planner.close(0)
+            self.planner = None
+        self.welcomed = False
+        self.replaying = False
+
+    def _count_warm(self) -> None:
+        n = self.window.warm_samples
+        if n > self._warm_seen:
+            self.hm.warm_samples.labels(self.source.name).inc(n - self._warm_seen)
+            self._warm_seen = n
+
+    def _on_release(self, _: bytes, msg: wire.Message) -> None:
+        if msg.get("epoch", int) >= self.epoch:
+            self._release_pending = True  # after this drain: its socket closes
 
     # -- protocol -----------------------------------------------------------------------
     def _send_planner(self, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
-        wire.send(self.planner, kind, meta, arrays)
+        if self.planner is not None:
+            wire.send(self.planner, kind, meta, arrays)
 
     def hello(self) -> None:
-        self._send_planner(Kind.HELLO, {"role": "loader", "source": self.si, "replica": self.replica,
-                                        "source_name": self.source.name, "metrics_port": self.metrics_port})
+        if self.planner is None:
+            return
+        meta: dict[str, Any] = {"role": "loader", "source": self.si, "replica": self.replica,
+                                "source_name": self.source.name, "metrics_port": self.metrics_port, "epoch": self.epoch}
+        if self.host is not None:
+            meta["host"] = self.host
+        self._send_planner(Kind.HELLO, meta)
         self.mark_hello()
+
+    def registration_tick(self, now: float) -> None:
+        if self.planner is not None:
+            super().registration_tick(now)
+
+    def on_liveness(self, now: float) -> None:
+        if self.planner is not None:
+            super().on_liveness(now)
 
     def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
         endpoints = msg.get("constructors", list)
@@ -89,6 +189,7 @@ class LoaderServer(PlannerFollower):
         self._seek(msg.get("session", int), cursor)
         self.replaying = "replay_through" in msg.meta
         self.welcomed = True
+        self._count_warm()
 
     def _cursor(self, msg: wire.Message) -> WindowCursor:
         try:
@@ -148,7 +249,8 @@ class LoaderServer(PlannerFollower):
             self._last_status_line = time.monotonic()
             log.warning("%s: %s", self.name, self.stream.status_line())
         if len(a):
-            self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica},
+            self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica,
+                                                  "epoch": self.epoch},
                                {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
 
@@ -194,7 +296,8 @@ class LoaderServer(PlannerFollower):
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
             self.outbox[int(c)].append(wire.encode(Kind.SAMPLES, {"session": self.session, "step": step,
-                                                                  "source": self.si, "replica": self.replica}, arrays,
+                                                                  "source": self.si, "replica": self.replica,
+                                                                  "epoch": self.epoch}, arrays,
                                                               checksum=self.spec.runtime.checksum_payloads))
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
@@ -254,16 +357,22 @@ class LoaderServer(PlannerFollower):
 
     def _on_seek(self, _: bytes, msg: wire.Message) -> None:
         self._seek(msg.get("session", int), self._cursor(msg))
+        self._count_warm()
         if self.replaying:
             self.replaying = False
             log.warning("%s: resent the spans of the steps planned before its restart", self.name)
 
     @property
     def needs_work(self) -> bool:
+        if self.shadow:
+            return self.window.wants_read_ahead
         return self.welcomed and not self.replaying and (not self.window.full or self.window.wants_read_ahead)
 
     def work(self, idle: bool) -> bool:
-        """One unit of background work: refill the window (critical path), else read ahead when idle."""
+        """One unit of background work: refill the window (critical path), else read ahead when idle
+        (a shadow only reads ahead, when the loop is idle)."""
+        if self.shadow:
+            return idle and self.window.read_ahead()
         if not self.welcomed or self.replaying:
             return False
         if not self.window.full:
@@ -274,48 +383,74 @@ class LoaderServer(PlannerFollower):
 
     def drain(self, e: Endpoint | None = None, limit: int = DRAIN_BATCH) -> int:
         """Handle every message waiting from the planner; bad ones are counted and dropped."""
-        return super().drain(e or self.entry("planner"), limit)
+        if e is None and self.planner is None:
+            return 0
+        n = super().drain(e or self.entry("planner"), limit)
+        if self._release_pending:
+            self._release_pending = False
+            self.release()
+        return n
 
     def run(self, *, max_seconds: float | None = None) -> None:
         serve_loaders([self], lambda: self.stopped, max_seconds=max_seconds)
 
     def close(self) -> None:
-        for s in self.pushers:
-            s.close(0)
+        self._disconnect()
         super().close()
         self.stream.close()
 
 
-def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, max_seconds: float | None = None) -> None:
+def serve_loaders(loaders: list[LoaderServer] | Callable[[], list[LoaderServer]], stopped: Callable[[], bool], *,
+                  max_seconds: float | None = None, host: PlannerFollower | None = None) -> None:
     """The poll loop of one loader process, hosting one or several Source Loaders (source grouping).
 
     Messages first, then window refills (they are on the planner's critical path), then read-ahead
-    one chunk at a time while nothing else is waiting — so every source gets its share of the CPU."""
+    one chunk at a time while nothing else is waiting — so every source gets its share of the CPU.
+    `loaders` may be a callable: a host (loader.host) adopts and releases partitions while it runs, and
+    the loop follows the sockets they open and close; `host` is its own planner link, polled too."""
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    current = loaders if callable(loaders) else (lambda: loaders)
     poller = zmq.Poller()
-    by_sock = {}
-    for ld in loaders:
-        poller.register(ld.planner, zmq.POLLIN)
-        by_sock[ld.planner] = ld
+    by_sock: dict[Any, Component] = {}
+    if host is not None:
+        host.hello()
+    for ld in current():
         ld.hello()
     try:
         while not stopped() and (deadline is None or time.monotonic() < deadline):
-            live = [ld for ld in loaders if not ld.stopped]
-            if not live:
+            lds = current()
+            want: dict[Any, Component] = {ld.planner: ld for ld in lds if ld.planner is not None and not ld.stopped}
+            if host is not None:
+                want[host.planner] = host
+            for sock in [x for x in by_sock if x not in want]:
+                poller.unregister(sock)
+                del by_sock[sock]
+            for sock, comp in want.items():
+                if sock not in by_sock:
+                    poller.register(sock, zmq.POLLIN)
+                    by_sock[sock] = comp
+            live = [ld for ld in lds if not ld.stopped]
+            if not live and host is None:
                 break
             busy = any(ld.needs_work for ld in live)
             queued = any(ld.outbox_messages for ld in live)  # waiting on constructors: look again soon
             events = dict(poller.poll(0 if busy else (5 if queued else 100)))
             for sock in events:
-                by_sock[sock].drain()
+                comp = by_sock.get(sock)
+                if comp is not None and getattr(comp, "planner", None) is sock:  # not closed by an earlier message
+                    comp.drain(comp.entry("planner"))
             now = time.monotonic()
+            if host is not None:
+                host.registration_tick(now)
+                host.on_liveness(now)
+                host.tick()
             for ld in live:
                 ld.registration_tick(now)
                 ld.on_liveness(now)
             for ld in live:
                 if ld.outbox_messages:
                     ld.flush()
-            refills = [ld for ld in live if ld.welcomed and not ld.replaying and not ld.window.full]
+            refills = [ld for ld in live if ld.mode == "primary" and ld.welcomed and not ld.replaying and not ld.window.full]
             for ld in refills:
                 ld.work(idle=False)
             if not refills and not events:
@@ -323,8 +458,13 @@ def serve_loaders(loaders: list[LoaderServer], stopped: Callable[[], bool], *, m
                     if ld.work(idle=True):
                         break  # one chunk, then look at the sockets again
     finally:
-        for ld in loaders:
+        for ld in current():
             try:
                 ld.close()
+            except zmq.ZMQError:
+                pass
+        if host is not None:
+            try:
+                host.close()
             except zmq.ZMQError:
                 pass

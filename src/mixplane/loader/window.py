@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the window reads any stream and transform of these shapes; 
 CHUNK = 64  # most samples read and transformed at a time
 MIN_CHUNK = 8  # fewest (amortises the per-read cost of the stream and the tokenizer call)
 FIRST_CHUNK = 16  # before the source's tokens per sample are known
+COVER_LIMIT = 1 << 16  # retired positions remembered for warm seeks before they are given up
 
 
 @dataclass
@@ -88,6 +89,12 @@ class LoaderWindow:
         # source of book-length documents does not tokenize a million tokens to top up a window of 64k
         self._read_samples = 0
         self._read_tokens = 0
+        # what was read since the last cold seek (warm seeks): every position from _cover_from on, except
+        # the ones skipped as consumed (_cover_skip)
+        self._cover_from: int | None = None
+        self._cover_skip: set[int] = set()
+        self.warm_seeks = 0
+        self.warm_samples = 0  # samples a warm seek kept instead of reading them again
 
     @property
     def complete(self) -> bool:
@@ -109,8 +116,16 @@ class LoaderWindow:
 
     def seek(self, cursor: dict[str, Any] | WindowCursor) -> None:
         """Start over from a planner cursor: low position, consumed positions, partial progress.
-        The cursor is validated (protocol.WindowCursor.parse, ValueError) before anything changes."""
+        The cursor is validated (protocol.WindowCursor.parse, ValueError) before anything changes.
+
+        Warm when it can be: samples already read and transformed at or after the cursor's low position
+        are kept (unannounced, their progress taken from the cursor) instead of being read and tokenized
+        again — a shadow loader's read-ahead becomes the promoted primary's window, and a restarted
+        loader's replay is not read twice."""
         c = cursor if isinstance(cursor, WindowCursor) else WindowCursor.parse(cursor)
+        if self._warm_seek(c):
+            return
+        self._cover_from, self._cover_skip = c.low, set(c.skip)
         self.buffer.clear()
         self.staged.clear()
         self.staged_tokens = 0
@@ -120,6 +135,32 @@ class LoaderWindow:
         self.partial = dict(c.partial)
         self.low = c.low
         self.stream.seek(row_of(c.low) if self.splitter is not None else c.low)
+
+    def _warm_seek(self, c: WindowCursor) -> bool:
+        """Seek by keeping what was read: possible when every position from ``c.low`` up to the stream's
+        next one was read since the last cold seek, and nothing then skipped is still unconsumed at `c`."""
+        if self._cover_from is None:
+            return False
+        here = getattr(self.stream, "position", None)  # streams of tests may not say where they stand
+        if not isinstance(here, int) or not self._cover_from <= c.low <= here:
+            return False
+        if any(p >= c.low and p not in c.skip for p in self._cover_skip):
+            return False  # a sample this window skipped (consumed then) is wanted again: read it afresh
+        kept = sorted((b for b in [*self.buffer.values(), *self.staged] if b.pos >= c.low and b.pos not in c.skip),
+                      key=lambda b: b.pos)
+        for b in kept:
+            b.done = int(c.partial.get(b.pos, 0))
+        self.buffer.clear()
+        self.staged = deque(kept)
+        self.staged_tokens = sum(len(b.tokens) for b in kept)
+        self.unconsumed_tokens = 0
+        self.stalled = False
+        self.skip = {p for p in c.skip if p >= here}
+        self.partial = {p: d for p, d in c.partial.items() if p >= here}
+        self._cover_from, self._cover_skip = c.low, set(c.skip)
+        self.warm_seeks += 1
+        self.warm_samples += len(kept)
+        return True
 
     def chunk_for(self, tokens: int, samples: int = 0) -> int:
         """Samples to read for about `tokens` more tokens (and at least `samples` more samples)."""
@@ -283,3 +324,8 @@ class LoaderWindow:
         b = self.buffer.pop(pos, None)
         if b is not None:
             self.unconsumed_tokens -= len(b.tokens) - b.done
+        if self._cover_from is not None:  # no longer held: a warm seek to a cursor wanting it must read it again
+            self._cover_skip.add(int(pos))
+            if len(self._cover_skip) > COVER_LIMIT:  # a long-running primary: warm seeks are for shadows and replays
+                self._cover_from = None
+                self._cover_skip = set()

@@ -20,6 +20,8 @@ import zmq
 
 from mixplane import protocol, wire
 from mixplane.component import Component, peer_name
+from mixplane.metrics import handoff_metrics
+from mixplane.planner.hosting import PartitionHosting
 from mixplane.planner.inflight import InFlight
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, cursor_array
@@ -55,7 +57,7 @@ class PlannerState:
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
-class PlannerServer(Component):
+class PlannerServer(Component, PartitionHosting):
     component = "planner"
 
     def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
@@ -74,6 +76,7 @@ class PlannerServer(Component):
             Kind.ROUTE: self._on_route, Kind.RESUME: self._on_resume, Kind.STATUS: self._on_status,
             Kind.UPDATE_MIXTURE: self._update, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESHARD: self._on_reshard,
+            Kind.HANDOFF: self.on_handoff,
         }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
@@ -93,6 +96,8 @@ class PlannerServer(Component):
         lead = spec.runtime.max_lead_steps + 2 * spec.runtime.prefetch_steps + 2
         self.inflight = InFlight(max_steps=4 * lead + 64)
         self.names = spec.source_names()
+        self.hm = handoff_metrics(self.m)
+        self.init_hosting()  # partition table and loader hosts (planner.hosting)
         self.state = PlannerState()
         self.run_dir = run_dir
         self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
@@ -188,6 +193,9 @@ class PlannerServer(Component):
                 self.core.window(*key)
             except KeyError:
                 raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
+            if not self.loader_claim(identity, key, msg):  # an older epoch's server of this partition (fenced)
+                return
+            self.adopted(key)
             if key in self.loaders and key not in self.pending_loader_welcome:  # a restarted loader (or a HELLO retry): counted and named
                 self.m.loader_rejoins.labels(f"{self.names[key[0]]}/{key[1]}").inc()
                 log.warning("loader %s/%d said HELLO again (restart?): welcoming it back", self.names[key[0]], key[1])
@@ -196,6 +204,8 @@ class PlannerServer(Component):
                 self._welcome_loader(key)
             else:
                 self.pending_loader_welcome.add(key)
+        elif role == "host":
+            self.on_host_hello(identity, msg)
         elif role == "constructor":
             ci = msg.get("index", int)
             if not 0 <= ci < len(self.groups):
@@ -207,6 +217,7 @@ class PlannerServer(Component):
             self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
                                                 "dp_ranks": self.constructors[ci].dp_ranks,
                                                 "start_step": int(self.session_start["step"])})
+            self.fence_constructor(identity)  # partitions that moved: their older epochs are dropped there too
             if self.all_constructors:
                 for key in sorted(self.pending_loader_welcome):
                     self._welcome_loader(key)
@@ -221,6 +232,8 @@ class PlannerServer(Component):
         if msg.get("session", int) != self.session:
             return
         key = (msg.get("source", int), msg.get("replica", int))
+        if key in self.partitions.parts and self.stale_loader_meta(identity, key, msg):
+            return
         if self.loaders.get(key) != identity:  # only the registered loader may fill its window
             raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
         try:
@@ -269,7 +282,9 @@ class PlannerServer(Component):
         self.stopped = True
 
     def _on_heartbeat(self, identity: bytes, msg: wire.Message) -> None:
-        pass  # the component base recorded the peer as seen
+        if "loop_s" in msg.meta:  # a loader host's beat thread (planner.hosting)
+            self.on_host_beat(msg)
+        # the component base recorded the peer as seen
 
     def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None, rewind: bool = False) -> None:
         if not rewind and self._rejoins(cursor):
@@ -477,6 +492,7 @@ class PlannerServer(Component):
             "peers": self.membership_status(),
             # registered components silent past the liveness miss budget: name -> seconds silent
             "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
+            **self.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
         }
 
     # -- loop ---------------------------------------------------------------------------
@@ -488,13 +504,14 @@ class PlannerServer(Component):
         peers.update({c.identity: "constructor" for c in self.constructors.values()})
         for ident in peers:  # a beat that cannot go out is what the silence check below reports
             self.send_routed(self.sock, ident, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
-        self.watch({peer_name(i): what for i, what in peers.items()})
+        self.watch({**{peer_name(i): what for i, what in peers.items()}, **self.hosts_watched()})
 
     def tick(self) -> None:
+        self.hosting_tick(time.monotonic())
         self.try_plan()
 
     def close(self) -> None:
-        for ident in self.loaders.values():
+        for ident in [*self.loaders.values(), *self.host_ids.values()]:
             self._send(ident, Kind.SHUTDOWN)
         for c in self.constructors.values():
             self._send(c.identity, Kind.SHUTDOWN)

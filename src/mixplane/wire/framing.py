@@ -70,6 +70,12 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 20
     RESET = 21  # planner -> constructor: drop all steps of older sessions
     RESHARD = 30  # admin -> planner: a new topology (DP/TP/PP/CP) from a step boundary (elastic resharding)
+    # partition handoff (planner.partitions): values 40.. are the handoff's
+    ADOPT = 40  # planner -> loader host: open a partition (as its primary, or as a shadow)
+    RELEASE = 41  # planner -> loader: stop serving a partition (it moved to another host)
+    FOLLOW = 42  # planner -> loader host: where a shadowed partition's primary stands (warm window)
+    FENCE = 43  # planner -> constructor: drop SAMPLES of a partition's older epochs
+    HANDOFF = 44  # admin -> planner: move a partition to another loader host at a step boundary
 
 
 # bulk data: checksummed only on request (runtime.checksum_payloads); everything else always

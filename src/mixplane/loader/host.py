@@ -1,0 +1,169 @@
+"""A loader process as a *host* of partitions (issue 11: partition handoff, shadow loaders).
+
+Every `mixplane loader` process is a host: it registers with the planner under its name (HELLO role
+"host", on its own DEALER `host:<name>`), listing the partitions it was launched with (possibly none)
+and whether it was launched as a shadow. The planner's partition table (planner.partitions) answers
+with ADOPT per partition — serve it as primary at an epoch, or keep it warm as a shadow — and can send
+ADOPT later for partitions the host was not started with (failover, scaling, rebalancing). A partition
+served as primary has its own planner socket (named for its epoch) like any Source Loader; a shadow
+has none: it follows the cursor the planner sends (FOLLOW), reads ahead and sends nothing, so its
+promotion to primary starts from a warm window in a running interpreter.
+
+Thin shell: one :class:`~mixplane.loader.server.LoaderServer` per partition (kept across mode changes,
+so its stream and window stay open), one poll loop (`serve_loaders`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from mixplane import protocol, wire
+from mixplane.component import PlannerFollower
+from mixplane.loader.server import LoaderServer, serve_loaders
+from mixplane.metrics import handoff_metrics
+from mixplane.spec import DataMixtureSpec
+from mixplane.wire import Kind, WireError
+
+log = logging.getLogger("mixplane.loader")
+FAILOVER_BEATS = 4  # a host beats this many times per runtime.failover_after_s
+
+
+class LoaderHost(PlannerFollower):
+    component = "loader"
+
+    def __init__(self, spec: DataMixtureSpec, planner_endpoint: str, name: str, *,
+                 partitions: list[tuple[int, int]] | None = None, shadow: bool = False,
+                 context: zmq.Context | None = None, metrics: bool = True, metrics_port: int = 0):
+        super().__init__(spec, protocol.host_identity(name), context=context, metrics_port=None, logger=log)
+        self.host_name = name
+        self.planner_endpoint = planner_endpoint
+        self.wants = list(partitions or [])
+        self.launched_as_shadow = shadow
+        self.metrics = metrics
+        self._first_metrics_port: int | None = metrics_port if metrics else None
+        self.hm = handoff_metrics(self.m)
+        # failure detection: a thread beats on a socket of its own (`beat:<name>`) FAILOVER_BEATS times per
+        # runtime.failover_after_s, with the age of the poll loop's last turn: a dead or stopped process (SIGKILL,
+        # SIGSTOP) falls silent at once, while a long tokenizer call in the loop does not look like death
+        # (the planner gives a stuck loop a longer budget, planner.hosting)
+        self.beat_interval_s = float(getattr(spec.runtime, "failover_after_s", 1.0)) / FAILOVER_BEATS
+        self.loop_turn = time.monotonic()
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        self.planner = self.ctx.socket(zmq.DEALER)
+        self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
+        wire.configure_socket(self.planner, heartbeat_s=spec.runtime.heartbeat_s,
+                              max_msgsize=protocol.max_message_bytes(spec, "loader"))
+        self.security.client(self.planner).connect(planner_endpoint)
+        self.add_endpoint(self.planner, "planner", {
+            Kind.WELCOME: self._on_welcome, Kind.ADOPT: self._on_adopt, Kind.FOLLOW: self._on_follow,
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ERROR: self._on_error})
+        self.welcomed = False
+        self.loaders: dict[tuple[int, int], LoaderServer] = {}
+        # the partitions it was launched with are opened at once (stream, tokenizer), dormant until adopted
+        for key in self.wants:
+            self._open(key)
+
+    # -- partitions --------------------------------------------------------------------------------------
+    def _open(self, key: tuple[int, int]) -> LoaderServer:
+        ld = self.loaders.get(key)
+        if ld is None:
+            si, r = key
+            if not 0 <= si < len(self.spec.sources) or not 0 <= r < self.spec.sources[si].replicas:
+                raise WireError(f"no partition: source {si} replica {r}")
+            port, self._first_metrics_port = (self._first_metrics_port, None) if self._first_metrics_port is not None \
+                else (0 if self.metrics else None, None)
+            ld = LoaderServer(self.spec, si, r, self.planner_endpoint, context=self.ctx, metrics_port=port,
+                              host=self.host_name, mode="dormant")
+            self.loaders[key] = ld
+        return ld
+
+    def serving(self) -> list[LoaderServer]:
+        return list(self.loaders.values())
+
+    # -- planner messages --------------------------------------------------------------------------------
+    def hello(self) -> None:
+        wire.send(self.planner, Kind.HELLO, {"role": "host", "host": self.host_name,
+                                             "partitions": [[si, r] for si, r in self.wants],
+                                             "shadow": self.launched_as_shadow})
+        self.mark_hello()
+
+    def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
+        self.welcomed = True
+
+    def _on_error(self, _: bytes, msg: wire.Message) -> None:
+        log.error("%s: the planner refused this host: %s", self.name, msg.meta.get("error"))
+
+    def _on_adopt(self, _: bytes, msg: wire.Message) -> None:
+        key = (msg.get("source", int), msg.get("replica", int))
+        epoch, mode = msg.get("epoch", int), msg.get("mode", str)
+        ld = self._open(key)
+        if mode == "primary":
+            if ld.mode == "primary" and ld.epoch == epoch:
+                return
+            t0 = time.perf_counter()
+            ld.serve(epoch)
+            log.warning("%s: serving %s as primary (epoch %d, %s window)", self.name, ld.name, epoch,
+                        "warm" if ld.window.staged else "cold")
+            self.m.loader_read_seconds.observe(time.perf_counter() - t0)
+        elif mode == "shadow":
+            cursor = msg.meta.get("cursor")
+            if isinstance(cursor, dict):
+                ld.follow(cursor)
+            else:
+                ld.release()
+                ld.mode = "shadow"
+                ld._shadow_budget()
+            log.info("%s: shadowing %s:%d (primary at epoch %d)", self.name, ld.source.name, ld.replica, epoch)
+        elif mode == "dormant":
+            ld.release()
+        else:
+            raise WireError(f"ADOPT: unknown mode {mode!r}")
+        self._gauges()
+
+    def _on_follow(self, _: bytes, msg: wire.Message) -> None:
+        key = (msg.get("source", int), msg.get("replica", int))
+        ld = self.loaders.get(key)
+        if ld is not None and ld.shadow:
+            ld.follow(msg.get("cursor", dict))
+
+    def _gauges(self) -> None:
+        self.hm.partitions_hosted.set(sum(1 for ld in self.loaders.values() if ld.mode == "primary"))
+        self.hm.partitions_shadowed.set(sum(1 for ld in self.loaders.values() if ld.shadow))
+
+    def status(self) -> dict[str, Any]:
+        return {"host": self.host_name, "partitions": {f"{ld.source.name}:{ld.replica}": {"mode": ld.mode, "epoch": ld.epoch}
+                                                       for ld in self.loaders.values()}}
+
+    def tick(self) -> None:
+        self.loop_turn = time.monotonic()
+
+    def _beat(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, protocol.beat_identity(self.host_name).encode())
+        wire.configure_socket(sock, sndhwm=4, linger_ms=0)
+        self.security.client(sock).connect(self.planner_endpoint)
+        try:
+            while not self._beat_stop.wait(self.beat_interval_s):
+                try:
+                    wire.send(sock, Kind.HEARTBEAT, {"host": self.host_name,
+                                                     "loop_s": round(time.monotonic() - self.loop_turn, 3)},
+                              flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the planner is away or slow: its own liveness check reports that
+        finally:
+            sock.close(0)
+
+    def run(self, *, max_seconds: float | None = None) -> None:
+        self._beat_thread = threading.Thread(target=self._beat, name="host-beat", daemon=True)
+        self._beat_thread.start()
+        try:
+            serve_loaders(self.serving, lambda: self.stopped, max_seconds=max_seconds, host=self)
+        finally:
+            self._beat_stop.set()
+            self._beat_thread.join(5)

@@ -1,0 +1,267 @@
+"""The planner's side of partition handoff (issue 11): loader hosts, ADOPT / RELEASE / FENCE / FOLLOW,
+shadow promotion and the HANDOFF control request. Mixed into :class:`~mixplane.planner.server.PlannerServer`
+(kept apart so the server's other concerns — recovery, resharding, scaling — are edited elsewhere).
+
+A handoff happens between two planned steps: the partition leaves ``loaders`` (planning waits for it),
+the old server is told to RELEASE it, constructors are FENCEd to drop its older epochs, and the new host
+is told to ADOPT it; the new server's HELLO is then welcomed like a restarted loader's — it re-reads from
+the lowest position of the steps planned but not complete everywhere, resends exactly their spans and
+continues from the planner's cursor (planner.inflight), so nothing is lost, repeated or reordered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mixplane import protocol
+from mixplane.component import Membership, peer_name
+from mixplane.metrics import HandoffMetrics
+from mixplane.planner.inflight import InFlight
+from mixplane.planner.partitions import HandoffError, Host, Move, PartitionKey, PartitionTable, parse_partition
+from mixplane.wire import Kind, Message, WireError
+
+if TYPE_CHECKING:
+    from mixplane.planner.core import StepPlanner
+
+log = logging.getLogger("mixplane.planner")
+LOOP_STALL_FACTOR = 10.0  # a host whose poll loop has not turned for this many failover intervals is hung
+LOOP_STALL_MIN_S = 10.0
+FOLLOW_EVERY_S = 0.2  # shadows learn where their primary stands at most this often
+RESHADOW_EVERY_S = 0.5  # how often partitions short of shadows look for a host to keep one
+
+
+class PartitionHosting:
+    """Partition table, loader hosts and handoffs. Expects the PlannerServer attributes declared here."""
+
+    spec: Any
+    core: StepPlanner
+    names: list[str]
+    loaders: dict[tuple[int, int], bytes]
+    constructors: dict[int, Any]
+    pending_loader_welcome: set[tuple[int, int]]
+    inflight: InFlight
+    members: Membership
+    session: int
+    hm: HandoffMetrics
+
+    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
+              arrays: dict[str, np.ndarray] | None = None) -> bool:
+        raise NotImplementedError
+
+    @property
+    def planned_through(self) -> int:
+        raise NotImplementedError
+
+    sock: Any
+    if TYPE_CHECKING:  # Component's
+        def send_routed(self, sock: Any, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
+                        arrays: dict[str, np.ndarray] | None = None, *, checksum: bool | None = None,
+                        quiet: bool = False) -> bool | None: ...
+
+    def _release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
+        """RELEASE to a partition's old server; quiet: a dead one cannot take it, and that is why it moved."""
+        self.send_routed(self.sock, identity, Kind.RELEASE, {"source": key[0], "replica": key[1], "epoch": epoch}, quiet=True)
+
+    # -- state --------------------------------------------------------------------------------------------
+    def init_hosting(self) -> None:
+        keys = [(w.source, w.replica) for w in self.core.windows]
+        self.partitions = PartitionTable(keys, shadows_wanted=int(getattr(self.spec.runtime, "shadow_loaders", 0)))
+        self.host_ids: dict[str, bytes] = {}
+        self.host_loop_s: dict[str, float] = {}  # host -> age of its poll loop's last turn, from its beats
+        self.failover_after_s = float(getattr(self.spec.runtime, "failover_after_s", 1.0))
+        self.retired_loaders: dict[bytes, tuple[PartitionKey, int, float]] = {}  # old identity -> key, epoch, last RELEASE
+        self.handoff_started: dict[PartitionKey, tuple[float, str]] = {}  # partition moving -> (since, reason)
+        self.handoff_log: list[dict[str, Any]] = []  # the last handoffs, for STATUS (bounded)
+        self._followed: dict[tuple[PartitionKey, str], int] = {}
+        self._next_follow = 0.0
+        self._next_reshadow = 0.0
+
+    def partition_name(self, key: PartitionKey) -> str:
+        return f"{self.names[key[0]]}:{key[1]}"
+
+    def host_silent_s(self, host: str) -> float | None:
+        """Seconds since the host was last heard from (its beat thread, or its loop's socket)."""
+        times = [t for t in (self.members.silent_for(protocol.beat_identity(host)),
+                             self.members.silent_for(protocol.host_identity(host))) if t is not None]
+        return min(times) if times else None
+
+    def host_alive(self, host: str) -> bool:
+        """Heard from within runtime.failover_after_s (dead or SIGSTOPped processes fall silent at once), and
+        its poll loop turned within LOOP_STALL_FACTOR times that (a loop stuck in one call is hung too)."""
+        quiet = self.host_silent_s(host)
+        if host not in self.host_ids or quiet is None or quiet > self.failover_after_s:
+            return False
+        return self.host_loop_s.get(host, 0.0) <= max(LOOP_STALL_MIN_S, LOOP_STALL_FACTOR * self.failover_after_s)
+
+    def on_host_beat(self, msg: Message) -> None:
+        host, age = msg.meta.get("host"), msg.meta.get("loop_s")
+        if isinstance(host, str) and isinstance(age, (int, float)) and host in self.host_ids:
+            self.host_loop_s[host] = float(age)
+
+    def hosting_status(self) -> dict[str, Any]:
+        st = self.partitions.status(self.names, self.host_alive, self.host_silent_s)
+        st["handoffs"] = self.handoff_log[-20:]
+        return st
+
+    # -- messages -----------------------------------------------------------------------------------------
+    def on_host_hello(self, identity: bytes, msg: Message) -> None:
+        name = msg.get("host", str)
+        wants_in = msg.meta.get("partitions", [])
+        if not isinstance(wants_in, list):
+            raise WireError("HELLO (host): field 'partitions' must be a list of [source, replica]")
+        wants: list[PartitionKey] = []
+        for p in wants_in:
+            if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
+                raise WireError("HELLO (host): field 'partitions' must be a list of [source, replica]")
+            wants.append((int(p[0]), int(p[1])))
+        shadow = bool(msg.meta.get("shadow", False))
+        if name in self.host_ids and self.host_ids[name] != identity:
+            log.warning("loader host %s registered again (restart?)", name)
+        self.host_ids[name] = identity
+        try:
+            moves = self.partitions.register(Host(name, tuple(wants), shadow), self.host_alive)
+        except HandoffError as e:
+            self._send(identity, Kind.ERROR, {"error": f"host {name}: {e}"})
+            return
+        self._send(identity, Kind.WELCOME, {"session": self.session})
+        for m in moves:
+            self.apply_move(m, "restart" if m.previous == name else ("failover" if m.previous else "start"))
+
+    def loader_claim(self, identity: bytes, key: PartitionKey, msg: Message) -> bool:
+        """A loader's HELLO: True if it serves `key` now; a stale one (an older epoch) is RELEASEd and counted."""
+        host = msg.meta.get("host")
+        epoch = msg.meta.get("epoch")
+        ok = self.partitions.claim(key, host if isinstance(host, str) else None,
+                                   epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None)
+        if not ok:
+            self.fenced(identity, key, "HELLO", epoch if isinstance(epoch, int) else 0)
+        else:
+            self.retired_loaders.pop(identity, None)
+        return ok
+
+    def stale_loader_meta(self, identity: bytes, key: PartitionKey, msg: Message) -> bool:
+        """LOADER_META of a partition's older epoch (its old host, resumed): dropped and counted."""
+        epoch = msg.meta.get("epoch")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch < self.partitions.epoch(key):
+            self.fenced(identity, key, "LOADER_META", epoch)
+            return True
+        if identity in self.retired_loaders:
+            self.fenced(identity, key, "LOADER_META", self.retired_loaders[identity][1])
+            return True
+        return False
+
+    def fenced(self, identity: bytes, key: PartitionKey, kind: str, epoch: int) -> None:
+        self.hm.fenced.labels(kind).inc()
+        now = time.monotonic()
+        _, _, last = self.retired_loaders.get(identity, (key, epoch, 0.0))
+        if now - last > 1.0:  # tell it (again) that it lost the partition; at most once a second
+            log.warning("%s from %s: partition %s is at epoch %d, this is epoch %d: dropped, told to release",
+                        kind, peer_name(identity), self.partition_name(key), self.partitions.epoch(key), epoch)
+            self._release(identity, key, epoch)
+        self.retired_loaders[identity] = (key, epoch, now)
+
+    def on_handoff(self, identity: bytes, msg: Message) -> None:
+        try:
+            result = self.handoff(msg.get("partition", str), msg.get("to", str))
+        except HandoffError as e:
+            self._send(identity, Kind.ERROR, {"error": f"handoff: {e}"})
+            return
+        self._send(identity, Kind.ACK, result)
+
+    # -- the mechanism ------------------------------------------------------------------------------------
+    def handoff(self, partition: str | PartitionKey, to: str, reason: str = "request") -> dict[str, Any]:
+        """Move a partition to loader host `to` at the next step boundary (the Python API of HANDOFF)."""
+        key = parse_partition(partition, self.names) if isinstance(partition, str) else partition
+        if not self.host_alive(to):
+            quiet = self.host_silent_s(to)
+            raise HandoffError(f"loader host {to!r} is not alive (" + (
+                "never registered" if to not in self.host_ids else f"silent for {quiet:.1f} s") + ")")
+        move = self.partitions.move(key, to)
+        self.apply_move(move, reason)
+        return {"partition": self.partition_name(key), "from": move.previous, "to": to, "epoch": move.epoch,
+                "after_step": self.planned_through}
+
+    def apply_move(self, m: Move, reason: str) -> None:
+        """Carry out a decided change of the partition table on the wire."""
+        key = m.key
+        host = self.host_ids.get(m.to)
+        if m.mode == "shadow":
+            if host is not None:
+                self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "shadow",
+                                              "cursor": self.follow_cursor(key)})
+                self._followed.pop((key, m.to), None)
+            return
+        old = self.loaders.pop(key, None)
+        self.pending_loader_welcome.discard(key)
+        if old is not None:
+            self.retired_loaders[old] = (key, m.epoch - 1, time.monotonic())
+            self._release(old, key, m.epoch - 1)
+        if m.previous is not None:
+            for c in self.constructors.values():  # their SAMPLES of older epochs are dropped from now on
+                self._send(c.identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": m.epoch})
+            self.hm.handoffs.labels(reason).inc()
+            log.warning("partition %s: %s -> %s (epoch %d, %s) after step %d", self.partition_name(key), m.previous,
+                        m.to, m.epoch, reason, self.planned_through)
+            self.handoff_started[key] = (time.monotonic(), reason)
+            self.handoff_log.append({"partition": self.partition_name(key), "from": m.previous, "to": m.to,
+                                     "epoch": m.epoch, "reason": reason, "after_step": self.planned_through,
+                                     "t": time.time()})
+            del self.handoff_log[:-100]
+        if host is not None:
+            self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "primary"})
+
+    def fence_constructor(self, identity: bytes) -> None:
+        """A constructor (re)registered: tell it the epoch of every partition that moved."""
+        for key, a in sorted(self.partitions.parts.items()):
+            if a.epoch > 1:
+                self._send(identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": a.epoch})
+
+    def adopted(self, key: PartitionKey) -> None:
+        """The new server of a moved partition said HELLO: the handoff is done once it is welcomed."""
+        started = self.handoff_started.pop(key, None)
+        if started is not None:
+            log.warning("partition %s: adopted %.3f s after the %s handoff began", self.partition_name(key),
+                        time.monotonic() - started[0], started[1])
+
+    def follow_cursor(self, key: PartitionKey) -> dict[str, Any]:
+        """Where a shadow keeps its window: from the lowest position a promotion would re-read."""
+        replay = self.inflight.for_loader(key)
+        low = int(self.core.window(*key).cursor()["low"])
+        if replay:
+            low = min(low, InFlight.low_position(replay))
+        return {"low": low, "next": low}
+
+    def hosting_tick(self, now: float) -> None:
+        """Promote shadows of silent primaries, find shadows for partitions short of them, and tell shadows
+        where their primaries stand."""
+        def silent(h: str) -> bool:
+            return not self.host_alive(h)
+
+        for m in self.partitions.failover(silent):
+            quiet = self.host_silent_s(m.previous or "")
+            log.warning("loader host %s silent for %s s: promoting shadow %s for partition %s", m.previous,
+                        "?" if quiet is None else f"{quiet:.2f}", m.to, self.partition_name(m.key))
+            self.apply_move(m, "failover")
+        if now >= self._next_reshadow:
+            self._next_reshadow = now + RESHADOW_EVERY_S
+            for m in self.partitions.wanted_shadows(self.host_alive):
+                self.apply_move(m, "shadow")
+        if now >= self._next_follow:
+            self._next_follow = now + FOLLOW_EVERY_S
+            for key, a in self.partitions.parts.items():
+                if not a.shadows or key not in self.loaders:
+                    continue
+                cur = self.follow_cursor(key)
+                for h in a.shadows:
+                    ident = self.host_ids.get(h)
+                    if ident is not None and self._followed.get((key, h)) != cur["low"]:
+                        self._followed[(key, h)] = cur["low"]
+                        self._send(ident, Kind.FOLLOW, {"source": key[0], "replica": key[1], "cursor": cur})
+
+    def hosts_watched(self) -> dict[str, str]:
+        """Peer names of the hosts' beat threads, for the planner's silence report (STATUS `silent`)."""
+        return {protocol.beat_identity(h): "loader host" for h in self.host_ids}

@@ -1,0 +1,205 @@
+"""Which loader process (host) serves each partition, with a fencing epoch per assignment (issue 11).
+
+A partition is one Source Loader: a (source, replica) pair. A host is one loader process; it hosts any
+number of partitions and can open partitions it was not started with. The planner keeps this table and
+moves a partition between hosts at a step boundary (:meth:`PartitionTable.move`) — one mechanism for
+failover (a silent primary's partitions go to a live shadow), scaling (an added host adopts partitions,
+a host being removed hands them away) and rebalancing.
+
+Every assignment bumps the partition's *epoch*. The loader that serves it carries the epoch in everything
+it sends; constructors and the planner drop what an older epoch sends, so a host that was stopped
+(SIGSTOP), lost its partitions and then resumed delivers nothing. Pure bookkeeping: no sockets, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+from mixplane.protocol import loader_identity
+
+__all__ = ["Assignment", "HandoffError", "Host", "Move", "PartitionKey", "PartitionTable", "loader_identity",
+           "parse_partition"]
+
+PartitionKey = tuple[int, int]  # (source index, replica)
+Mode = Literal["primary", "shadow"]
+
+
+@dataclass
+class Assignment:
+    """Where one partition is served: its primary host (None until assigned), the epoch of that
+    assignment, and the hosts keeping a warm shadow of it."""
+
+    host: str | None = None
+    epoch: int = 0
+    shadows: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Host:
+    """A loader process as it registered: the partitions it was launched with, and whether it was
+    launched as a shadow (it then never takes a free partition as primary on its own)."""
+
+    name: str
+    wants: tuple[PartitionKey, ...] = ()
+    shadow: bool = False
+
+
+@dataclass(frozen=True)
+class Move:
+    """One decided assignment change: `key` goes to `to` (as primary with `epoch`, or as a shadow)."""
+
+    key: PartitionKey
+    to: str
+    mode: Mode
+    epoch: int
+    previous: str | None = None  # the primary it replaces (None: the partition was free)
+
+
+class HandoffError(ValueError):
+    """A handoff that cannot be done; the text says why (unknown partition or host, nothing to do)."""
+
+
+class PartitionTable:
+    def __init__(self, keys: Iterable[PartitionKey], *, shadows_wanted: int = 0):
+        self.parts: dict[PartitionKey, Assignment] = {k: Assignment() for k in keys}
+        self.hosts: dict[str, Host] = {}
+        self.shadows_wanted = shadows_wanted
+
+    # -- queries ------------------------------------------------------------------------------------------
+    def __getitem__(self, key: PartitionKey) -> Assignment:
+        try:
+            return self.parts[key]
+        except KeyError:
+            raise HandoffError(f"no partition {key}") from None
+
+    def epoch(self, key: PartitionKey) -> int:
+        return self[key].epoch
+
+    def hosted_by(self, host: str) -> list[PartitionKey]:
+        return sorted(k for k, a in self.parts.items() if a.host == host)
+
+    def shadowed_by(self, host: str) -> list[PartitionKey]:
+        return sorted(k for k, a in self.parts.items() if host in a.shadows)
+
+    # -- changes --------------------------------------------------------------------------------------------
+    def _assign(self, key: PartitionKey, host: str) -> Move:
+        a = self[key]
+        previous = a.host
+        a.host = host
+        a.epoch += 1
+        if host in a.shadows:
+            a.shadows.remove(host)
+        return Move(key, host, "primary", a.epoch, previous)
+
+    def _shadow(self, key: PartitionKey, host: str) -> Move | None:
+        a = self[key]
+        if host in a.shadows or a.host == host:
+            return None
+        a.shadows.append(host)
+        return Move(key, host, "shadow", a.epoch, a.host)
+
+    def register(self, host: Host, alive: Callable[[str], bool]) -> list[Move]:
+        """A host (re)registered: what it opens. A partition it was launched with that is free goes to it
+        (unless it is a shadow); one it served before is re-adopted under a new epoch (the process was
+        restarted: the old incarnation is fenced); one a live host serves gets it as a shadow; one a
+        silent host serves moves to it. Unknown partitions raise HandoffError."""
+        for key in host.wants:
+            self[key]
+        self.hosts[host.name] = host
+        moves: list[Move] = []
+        for key in host.wants:
+            a = self.parts[key]
+            if a.host is None:
+                m = self._shadow(key, host.name) if host.shadow else self._assign(key, host.name)
+            elif a.host == host.name or not alive(a.host):
+                m = self._assign(key, host.name)
+            else:
+                m = self._shadow(key, host.name)
+            if m is not None:
+                moves.append(m)
+        return moves
+
+    def claim(self, key: PartitionKey, host: str | None, epoch: int | None) -> bool:
+        """A loader said HELLO for `key` from `host` with `epoch`: True if it is the partition's current
+        server. A loader without a host (started on its own, not by a host) claims a partition no host
+        serves, at the current epoch; anything else from an older epoch is stale."""
+        a = self[key]
+        if host is None:
+            return a.host is None and (epoch is None or epoch == a.epoch)
+        return a.host == host and (epoch is None or epoch == a.epoch)
+
+    def move(self, key: PartitionKey, to: str) -> Move:
+        """Hand `key` to host `to` under a new epoch (HandoffError if either is unknown or it is there)."""
+        a = self[key]
+        if to not in self.hosts:
+            raise HandoffError(f"no loader host {to!r} registered (known: {', '.join(sorted(self.hosts)) or 'none'})")
+        if a.host == to:
+            raise HandoffError(f"partition {key} is already served by {to!r}")
+        return self._assign(key, to)
+
+    def forget_host(self, host: str) -> None:
+        """A host that went away for good: it shadows nothing any more (its primaries stay until moved)."""
+        for a in self.parts.values():
+            if host in a.shadows:
+                a.shadows.remove(host)
+
+    def failover(self, silent: Callable[[str], bool]) -> list[Move]:
+        """Promote a live shadow of every partition whose primary host is silent (dead or hung)."""
+        moves = []
+        for key, a in sorted(self.parts.items()):
+            if a.host is None or not silent(a.host):
+                continue
+            live = [h for h in a.shadows if not silent(h)]
+            if live:
+                moves.append(self._assign(key, live[0]))
+        return moves
+
+    def wanted_shadows(self, alive: Callable[[str], bool]) -> list[Move]:
+        """Give every partition with fewer than `shadows_wanted` live shadows one more, from the live hosts
+        launched with it that neither serve nor shadow it (an old primary that came back, a restarted shadow)."""
+        moves = []
+        for key, a in sorted(self.parts.items()):
+            if a.host is None:
+                continue
+            have = sum(1 for h in a.shadows if alive(h))
+            for h in sorted(self.hosts.values(), key=lambda x: x.name):
+                if have >= self.shadows_wanted:
+                    break
+                if key in h.wants and alive(h.name) and h.name != a.host and h.name not in a.shadows:
+                    m = self._shadow(key, h.name)
+                    if m is not None:
+                        moves.append(m)
+                        have += 1
+        return moves
+
+    def drop_shadow(self, key: PartitionKey, host: str) -> None:
+        a = self[key]
+        if host in a.shadows:
+            a.shadows.remove(host)
+
+    def status(self, names: list[str], alive: Callable[[str], bool],
+               silent_s: Callable[[str], float | None]) -> dict[str, Any]:
+        """The table for STATUS: partitions ("source:replica") and hosts."""
+        parts = {f"{names[k[0]]}:{k[1]}": {"host": a.host, "epoch": a.epoch, "shadows": list(a.shadows)}
+                 for k, a in sorted(self.parts.items())}
+        hosts = {}
+        for name, h in sorted(self.hosts.items()):
+            quiet = silent_s(name)
+            hosts[name] = {"partitions": [f"{names[k[0]]}:{k[1]}" for k in self.hosted_by(name)],
+                           "shadows": [f"{names[k[0]]}:{k[1]}" for k in self.shadowed_by(name)],
+                           "launched_as_shadow": h.shadow, "alive": alive(name),
+                           "silent_s": None if quiet is None else round(quiet, 3)}
+        return {"partitions": parts, "hosts": hosts}
+
+
+def parse_partition(text: str, names: list[str]) -> PartitionKey:
+    """'source:replica' (replica defaults to 0) -> (source index, replica); HandoffError naming what is wrong."""
+    name, _, rep = str(text).rpartition(":") if ":" in str(text) else (str(text), "", "0")
+    if name not in names:
+        raise HandoffError(f"unknown source {name!r} in partition {text!r} (sources: {', '.join(names)})")
+    try:
+        replica = int(rep)
+    except ValueError:
+        raise HandoffError(f"partition {text!r}: replica {rep!r} is not an integer") from None
+    return names.index(name), replica
