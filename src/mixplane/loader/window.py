@@ -139,20 +139,22 @@ class LoaderWindow:
     def _warm_seek(self, c: WindowCursor) -> bool:
         """Seek by keeping what was read: possible when every position from ``c.low`` up to the stream's
         next one was read since the last cold seek, and nothing then skipped is still unconsumed at `c`."""
-        if self._cover_from is None:
+        if self._cover_from is None or self.splitter is not None:  # split documents: positions are pieces, always cold
             return False
         here = getattr(self.stream, "position", None)  # streams of tests may not say where they stand
         if not isinstance(here, int) or not self._cover_from <= c.low <= here:
             return False
         if any(p >= c.low and p not in c.skip for p in self._cover_skip):
             return False  # a sample this window skipped (consumed then) is wanted again: read it afresh
-        kept = sorted((b for b in [*self.buffer.values(), *self.staged] if b.pos >= c.low and b.pos not in c.skip),
+        held = [*self.buffer.values(), *self.staged]
+        kept = sorted((b for b in held if isinstance(b, Buffered) and b.pos >= c.low and b.pos not in c.skip),
                       key=lambda b: b.pos)
         for b in kept:
             b.done = int(c.partial.get(b.pos, 0))
         self.buffer.clear()
         self.staged = deque(kept)
         self.staged_tokens = sum(len(b.tokens) for b in kept)
+        self.low = c.low
         self.unconsumed_tokens = 0
         self.stalled = False
         self.skip = {p for p in c.skip if p >= here}
