@@ -18,7 +18,8 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
                  the retire flags, routing.loader_instructions and every constructor's layout
                  (routing.constructor_layouts);
 * ``encode``   — wire.encode of every PLAN_LOADER and PLAN_CONSTRUCTOR message (the frames the server
-                 hands to ZeroMQ) — bytes counted per kind;
+                 hands to ZeroMQ) — bytes counted per kind (``plan_bytes``) and per peer (mean / max,
+                 ``plan_bytes_per_peer``); a constructor's message lists only its images (routing.image_parts);
 * ``journal``  — Journal.step into a real journal file (bytes: the file's growth, the every-100-steps
                  checkpoint included);
 * ``metrics``  — the per-step Prometheus updates _dispatch makes (per source and per window).
@@ -65,8 +66,8 @@ from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
-from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions  # noqa: E402
-from mixplane.protocol import CURSOR_ARRAY, cursor_array  # noqa: E402
+from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, loader_instructions  # noqa: E402
+from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
 from mixplane.topology import constructor_groups, dp_ranks_of_group  # noqa: E402
@@ -219,6 +220,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         for d in dp_ranks_of_group(spec, ranks):
             dp_to[d].append(ci)
     dp_fanout, rank_fanout = Fanout.from_lists(dp_to), Fanout.from_lists(rank_to)
+    leader_fanout, merge = image_routing(spec, groups)
     m = make_metrics("planner")
     names = spec.source_names()
     tmp = tempfile.mkdtemp(prefix="plan-scale-")
@@ -226,7 +228,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
     journal = Journal(jpath)
     journal.open(spec, 0, planner.cursor())
     rec: dict[str, list[np.ndarray]] = {k: [] for k in (*PHASES, "step")}
-    sizes: dict[str, list[int]] = {"loaders": [], "constructors": [], "journal": []}
+    sizes: dict[str, list[float]] = {k: [] for k in ("loaders", "constructors", "journal", "loader_mean", "loader_max",
+                                                      "constructor_mean", "constructor_max")}
     for s in range(warmup + steps):
         ann = streams.announce(planner)
         t0 = clock()
@@ -244,19 +247,24 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         retired = planner.retired(p)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
                                          plan.piece_of_seg)
-        subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons], constructor_layouts(lay, [d for _, d in cons])))
+        img = image_parts(lay, plan.piece_of_seg, p.patches, dp_fanout, leader_fanout, len(groups), merge,
+                          spec.world_size)
+        subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons],
+                        constructor_layouts(lay, [d for _, d in cons], None if img is None else img.idx)))
         t_route = clock() - t0
         t0 = clock()
-        b_load = b_cons = 0
-        for key, ins in per_loader.items():
+        per_l, per_c = [], []
+        for ins in per_loader.values():
             frames = wire.encode(Kind.PLAN_LOADER, {"session": 0, "step": lay.step}, ins.arrays())
-            b_load += sum(memoryview(f).nbytes for f in frames)
+            per_l.append(sum(memoryview(f).nbytes for f in frames))
         cursor = cursor_array(cursor_after)
+        extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
         for ci, dps, sub in subs:
-            frames = wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps,
+            frames = wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps, **extra,
                                                          "broadcast": list(plan.broadcast)},
-                                 {**sub.arrays(), CURSOR_ARRAY: cursor})
-            b_cons += sum(memoryview(f).nbytes for f in frames)
+                                 {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(ci))})
+            per_c.append(sum(memoryview(f).nbytes for f in frames))
+        b_load, b_cons = sum(per_l), sum(per_c)
         t_encode = clock() - t0
         size0 = os.path.getsize(jpath)
         t0 = clock()
@@ -290,6 +298,10 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
             rec["step"].append(total_s)
             sizes["loaders"].append(b_load)
             sizes["constructors"].append(b_cons)
+            sizes["loader_mean"].append(b_load / max(len(per_l), 1))
+            sizes["loader_max"].append(max(per_l, default=0))
+            sizes["constructor_mean"].append(b_cons / max(len(per_c), 1))
+            sizes["constructor_max"].append(max(per_c, default=0))
             sizes["journal"].append(j_bytes)
         log(f"  step {s}: {total_s[0] * 1e3:8.1f} ms wall {total_s[1] * 1e3:8.1f} ms CPU ({info['pieces']} pieces, "
             f"{info['images']} images); CPU ms: " + " ".join(f"{k} {v[1] * 1e3:.1f}" for k, v in ph.items()))
@@ -310,6 +322,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         "phases_cpu_ms": {k: ms(np.median(cpu[k])) for k in PHASES},
         "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "plan_bytes": {"loaders": int(np.median(sizes["loaders"])), "constructors": int(np.median(sizes["constructors"]))},
+        "plan_bytes_per_peer": {k: int(np.median(sizes[k])) for k in ("loader_mean", "loader_max", "constructor_mean",
+                                                                      "constructor_max")},
         "journal_bytes": int(round(j_step + ckpt / journal.every)),
         "peers": peers, "loaders": len(planner.windows), "constructors": len(groups),
         "pieces": info["pieces"], "images": info["images"], "steps": steps, "jit_s": round(jit_s, 3),

@@ -14,6 +14,7 @@ No sockets, no processes: this module only describes messages.
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -240,22 +241,60 @@ def beat_identity(host: str) -> str:
 #: serialises it once per step and every constructor's message references the same buffer, where a
 #: meta field was serialised once per constructor (~100 kB each at 1,024 sources)
 CURSOR_ARRAY = "cursor_after"
+MAX_CURSOR_BYTES = 1 << 28  # a deflated cursor may not inflate beyond this (a zip bomb is refused)
+ZIP_CURSOR_BYTES = 4096  # larger cursors travel deflated (zlib): 1,024 sources ~100 kB -> ~30 kB per constructor
 
 
 def cursor_array(cursor: Mapping[str, Any]) -> Any:
-    """The cursor as the uint8 array PLAN_CONSTRUCTOR carries."""
-    return np.frombuffer(json.dumps(cursor, separators=(",", ":")).encode(), np.uint8)
+    """The cursor as the uint8 array PLAN_CONSTRUCTOR carries: JSON, deflated when large."""
+    text = json.dumps(cursor, separators=(",", ":")).encode()
+    if len(text) > ZIP_CURSOR_BYTES:
+        text = zlib.compress(text, 1)
+    return np.frombuffer(text, np.uint8)
 
 
 def plan_cursor(msg: Message) -> dict[str, Any] | None:
     """The cursor after a PLAN_CONSTRUCTOR's step: its array, or (older planners) its meta field."""
     if CURSOR_ARRAY in msg.arrays:
         try:
-            cur = json.loads(msg.arrays[CURSOR_ARRAY].tobytes())
-        except ValueError as e:
+            raw = msg.arrays[CURSOR_ARRAY].tobytes()
+            if raw[:1] != b"{":  # deflated (a JSON object starts with '{', a zlib stream never does)
+                raw = zlib.decompressobj().decompress(raw, MAX_CURSOR_BYTES)
+            cur = json.loads(raw)
+        except (ValueError, zlib.error) as e:
             raise WireError(f"{msg.kind.name}: array {CURSOR_ARRAY!r} is not a JSON cursor ({e})") from None
         if not isinstance(cur, dict):
             raise WireError(f"{msg.kind.name}: array {CURSOR_ARRAY!r} is not a cursor object")
         return cur
     cur = msg.meta.get(CURSOR_ARRAY)
     return cur if isinstance(cur, dict) else None
+
+
+# ------------------------------------------------------------------------------ per-constructor images
+#: PLAN_CONSTRUCTOR lists only the images the constructor needs (those encoded on its ranks' encoder
+#: leaders, and those whose text starts in its rows) instead of every image of the step; the planner
+#: then adds where each listed image's merged tokens sit in the all-gathered encoder output (int64,
+#: one per listed image) and the merged tokens of every encoder rank (int32 / int64 [world]: the gather's
+#: sizes), which the constructor otherwise derives from the whole list. Meta STEP_IMAGES: the step's
+#: image count (a constructor with none of them listed still builds the image fields of its batches).
+IMG_BASE = "img_base"
+ENCODER_TOKENS = "encoder_tokens"
+STEP_IMAGES = "step_images"
+
+
+def plan_images(msg: Message, n_listed: int, world: int) -> tuple[Any, Any, int]:
+    """(img_base, encoder_tokens, step image count) of a PLAN_CONSTRUCTOR; the first two are None when
+    the message lists every image of the step (older planners). WireError naming the field if bad."""
+    base, enc = msg.arrays.get(IMG_BASE), msg.arrays.get(ENCODER_TOKENS)
+    if base is None and enc is None:
+        return None, None, n_listed
+    if base is None or enc is None:
+        raise WireError(f"{msg.kind.name}: arrays {IMG_BASE!r} and {ENCODER_TOKENS!r} come together")
+    if base.ndim != 1 or len(base) != n_listed or base.dtype != np.int64:
+        raise WireError(f"{msg.kind.name}: array {IMG_BASE!r} must be int64 with one entry per listed image ({n_listed})")
+    if enc.ndim != 1 or len(enc) != world or enc.dtype not in (np.int32, np.int64):
+        raise WireError(f"{msg.kind.name}: array {ENCODER_TOKENS!r} must be int32/64 with one entry per rank ({world})")
+    n = msg.meta.get(STEP_IMAGES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < n_listed:
+        raise WireError(f"{msg.kind.name}: field {STEP_IMAGES!r} must be an int >= the {n_listed} listed images")
+    return base, enc.astype(np.int64), n

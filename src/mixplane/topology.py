@@ -381,3 +381,11 @@ def dp_ranks_of_group(spec: DataMixtureSpec, ranks: list[int]) -> list[int]:
 
 
 TreeFunction = Callable[[ClientPlaceTree], ClientPlaceTree]
+
+
+def encoder_leaders(spec: DataMixtureSpec) -> np.ndarray:
+    """Global rank -> the rank its images are assigned to: the lowest rank of its image-module DP x CP
+    bucket (consumer_leader; every rank of an encoder declared {dp: world}). The constructor hands a
+    rank its leader's images; the planner lists those images in the rank's constructor's plan."""
+    mod = place_tree(spec).image_module
+    return np.asarray(mod.consumer_leader("WORLD")[mod.consumer_index("WORLD")], np.int64)

@@ -87,7 +87,8 @@ def encoder_offsets(img_rank: np.ndarray, img_tokens: np.ndarray, world: int) ->
 
 def fused_layout(input_ids: np.ndarray, image_token_id: int, *, seg_row: np.ndarray, seg_offset: np.ndarray,
                  seg_len: np.ndarray, seg_image: np.ndarray, seg_ph_before: np.ndarray,
-                 img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> dict[str, np.ndarray]:
+                 img_rank: np.ndarray, img_tokens: np.ndarray, world: int, img_base: np.ndarray | None = None,
+                 encoder_tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The backbone's view of the images in one rank's rows.
 
     Segments (pieces of samples) are given by row, offset in row and length; ``seg_image`` is the
@@ -97,7 +98,10 @@ def fused_layout(input_ids: np.ndarray, image_token_id: int, *, seg_row: np.ndar
     """
     rows, S = input_ids.shape
     index = np.full((rows, S), -1, np.int32)
-    base, per_rank = encoder_offsets(img_rank, img_tokens, world)
+    if img_base is not None and encoder_tokens is not None:  # the planner's, for a partial image list
+        base, per_rank = np.asarray(img_base, np.int64), np.asarray(encoder_tokens, np.int64)
+    else:
+        base, per_rank = encoder_offsets(img_rank, img_tokens, world)
     flat_ids = input_ids.reshape(-1)
     flat_idx = index.reshape(-1)
     for i in range(len(seg_row)):
@@ -155,12 +159,14 @@ def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
 
 
 def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
-               img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int) -> dict[str, np.ndarray]:
+               img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int,
+               img_base: np.ndarray | None = None, encoder_tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Add the backbone's fused layout to one data-parallel rank's batch (in place).
 
     ``img_*`` list every image of the step with the global rank that encodes it; the encoder outputs
     are all-gathered in rank order, so ``image_token_index`` indexes that gathered tensor (in merged
-    tokens) and ``encoder_tokens`` [world] sizes the gather. Placeholders sit at the start of an
+    tokens) and ``encoder_tokens`` [world] sizes the gather. ``img_base`` / ``encoder_tokens`` given (the
+    planner's, protocol.IMG_BASE): ``img_*`` list only this constructor's images, placed by ``img_base``. Placeholders sit at the start of an
     image sample (image first, then caption); those of a later piece of a split sample have no image
     in this step and become padding with ignored labels (counted in ``orphan_placeholders``).
     """
@@ -173,7 +179,8 @@ def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key:
     fused = fused_layout(batch["input_ids"], image_token_id, seg_row=rows, seg_offset=segment_offsets(rows, lens),
                          seg_len=lens, seg_image=seg_image, seg_ph_before=np.zeros(len(rows), np.int64),
                          img_rank=np.asarray(img_rank, np.int64),
-                         img_tokens=np.asarray(img_patches, np.int64) // merge, world=world)
+                         img_tokens=np.asarray(img_patches, np.int64) // merge, world=world,
+                         img_base=img_base, encoder_tokens=encoder_tokens)
     batch["image_token_index"] = fused["image_token_index"]
     batch["image_token_mask"] = fused["image_token_mask"]
     batch["encoder_tokens"] = fused["encoder_tokens_per_rank"]

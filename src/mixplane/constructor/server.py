@@ -55,6 +55,10 @@ class StepState:
     # (source, replica) of every SAMPLES message held: a loader sends one per (step, constructor), and a
     # restarted loader sends again what may not have arrived, so a second one is a duplicate
     senders: set[tuple[int, int]] = field(default_factory=set)
+    # images: the plan lists only this constructor's (protocol.IMG_BASE / ENCODER_TOKENS given) or all of them
+    img_base: np.ndarray | None = None
+    encoder_tokens: np.ndarray | None = None
+    step_images: int = 0
 
     def expect(self, layout: StepLayout, ranks: list[int]) -> None:
         """What must arrive before the step can be built: every span of the layout, and the pixels
@@ -198,6 +202,7 @@ class ConstructorServer(PlannerFollower):
         st = self.steps.setdefault(layout.step, StepState())
         st.expect(layout, self.ranks)
         st.cursor_after = plan_cursor(msg)
+        st.img_base, st.encoder_tokens, st.step_images = protocol.plan_images(msg, len(layout.img_key), self.spec.world_size)
         bc = msg.meta.get("broadcast", [])
         if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
             raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
@@ -294,8 +299,8 @@ class ConstructorServer(PlannerFollower):
             t0 = time.perf_counter()
             b = materialize_rank(st.layout, dp_local, st.spans, self.spec.batch.pad_id)  # type: ignore[arg-type]
             lay = st.layout
-            if lay is not None and len(lay.img_key):
-                self._attach_images(b, lay)
+            if lay is not None and st.step_images:
+                self._attach_images(b, lay, st)
             st.batches[dp_local] = b
             self.m.constructor_build_seconds.observe(time.perf_counter() - t0)
             self.m.constructor_steps.inc()
@@ -319,7 +324,7 @@ class ConstructorServer(PlannerFollower):
             v = rank_view(batch, cp=self.cp, cp_rank=c.cp, pp=self.pp, pp_stage=c.pp, tp_rank=c.tp,
                           broadcast_at=st.broadcast, cp_mode=self.cp_layout)
             st.views[key] = v
-        if st.layout is not None and len(st.layout.img_key):
+        if st.layout is not None and st.step_images:
             # the encoder batch is per rank, outside the backbone's TP rule: real tensors for the rank
             # that encodes them even when its backbone view is metadata-only
             v = {**v, **self._encoder_for(st, rank)}
@@ -327,17 +332,18 @@ class ConstructorServer(PlannerFollower):
 
     def _image_settings(self, lay: StepLayout) -> tuple[int, int, int]:
         """(merge, placeholder id, patch vector size) shared by the step's image sources."""
-        srcs = sorted({int(s) for s in lay.img_source})
+        srcs = sorted({int(s) for s in lay.img_source}) or sorted(self._image_token_ids)  # none of them listed here
         specs = [self.spec.sources[s].image for s in srcs]
         merge, token_id, p = specs[0].merge, self._image_token_ids[srcs[0]], specs[0].patch_size
         if any((x.merge, x.patch_size) != (merge, p) for x in specs) or any(self._image_token_ids[s] != token_id for s in srcs):
             raise ValueError(f"step {lay.step}: image sources of one step must share image.merge, patch_size and placeholder")
         return merge, token_id, p * p * 3
 
-    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout) -> None:
+    def _attach_images(self, b: dict[str, np.ndarray], lay: StepLayout, st: StepState) -> None:
         merge, token_id, _ = self._image_settings(lay)
         fuse_batch(b, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank, img_patches=lay.img_patches,
-                   world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id)
+                   world=self.spec.world_size, image_token_id=token_id, merge=merge, pad_id=self.spec.batch.pad_id,
+                   img_base=st.img_base, encoder_tokens=st.encoder_tokens)
 
     def _encoder_for(self, st: StepState, rank: int) -> dict[str, Any]:
         """The encoder part of `rank`'s message. Images are assigned to the lowest rank of an image-module

@@ -9,10 +9,14 @@ sample is retired from its loader's window with the last instruction that mentio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mixplane.layout import StepLayout
+from mixplane.planner.selectloop import match
+from mixplane.protocol import ENCODER_TOKENS, IMG_BASE
+from mixplane.topology import encoder_leaders
 
 
 @dataclass
@@ -142,15 +146,50 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
     return out
 
 
-def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]]) -> list[StepLayout]:
+def image_offsets(img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each image's merged tokens sit in the all-gathered encoder output (ranks in order, images in
+    step order within a rank) and every rank's merged tokens: constructor.multimodal.encoder_offsets,
+    vectorised (an exclusive running sum in (rank, step order))."""
+    img_rank = np.asarray(img_rank, np.int64)
+    tok = np.asarray(img_tokens, np.int64)
+    per_rank = np.bincount(img_rank, weights=tok, minlength=world).astype(np.int64) if len(tok) else np.zeros(world, np.int64)
+    order = np.argsort(img_rank, kind="stable")
+    t = tok[order]
+    base = np.empty(len(tok), np.int64)
+    base[order] = np.cumsum(t) - t
+    return base, per_rank
+
+
+def constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fanout, leader_fanout: Fanout,
+                       n_constructors: int) -> list[np.ndarray]:
+    """The images each constructor needs (ascending indices into the step's image list): those whose text
+    starts in its rows (its DP ranks: `dp_fanout`, from the image's first segment `seg_of_img`) and those
+    encoded by an encoder leader of one of its ranks (`leader_fanout`: leader rank -> constructors), in
+    one vectorised pass -- what a constructor is told about images grows with its share of them, not with
+    the step's."""
+    n = len(layout.img_key)
+    if n == 0:
+        return [np.zeros(0, np.int64) for _ in range(n_constructors)]
+    img_dp = layout.seg_row[seg_of_img].astype(np.int64) // layout.rows_per_rank
+    a_img, a_c = dp_fanout.expand(img_dp)
+    b_img, b_c = leader_fanout.expand(layout.img_rank.astype(np.int64))
+    code = np.unique(np.concatenate([a_c.astype(np.int64) * n + a_img, b_c.astype(np.int64) * n + b_img]))
+    bounds = np.searchsorted(code, np.arange(n_constructors + 1, dtype=np.int64) * n)
+    idx = code - (code // n) * n
+    return [idx[bounds[c]:bounds[c + 1]] for c in range(n_constructors)]
+
+
+def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],
+                        image_idx: list[np.ndarray] | None = None) -> list[StepLayout]:
     """`layout.select_ranks(ranks)` for every constructor's DP ranks, in one pass: segments are listed by
     row, hence by DP rank, so a rank's segments are one slice (a constructor of consecutive ranks gets
-    views, not copies). Per constructor this costs its own segments, not the whole step's."""
+    views, not copies). Per constructor this costs its own segments, not the whole step's.
+    `image_idx` (constructor_images): each constructor's images; default: every image of the step."""
     rpr = layout.rows_per_rank
     bounds = np.searchsorted(layout.seg_row, np.arange(layout.dp + 1, dtype=np.int64) * rpr).tolist()
     names = ("seg_source", "seg_key", "seg_start", "seg_len")
     out = []
-    for ranks in dp_ranks:
+    for c, ranks in enumerate(dp_ranks):
         d = sorted({int(x) for x in ranks})
         if d and d == list(range(d[0], d[-1] + 1)):
             sl = slice(bounds[d[0]], bounds[d[-1] + 1])
@@ -163,9 +202,62 @@ def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]]) -> list[S
             r = layout.seg_row[idx].astype(np.int64)
             row = remap[r // rpr] * rpr + r % rpr
             cols = [getattr(layout, n)[idx] for n in names]
+        if image_idx is None:
+            img = (layout.img_source, layout.img_key, layout.img_rank, layout.img_patches)
+        else:
+            ii = image_idx[c]
+            img = (layout.img_source[ii], layout.img_key[ii], layout.img_rank[ii], layout.img_patches[ii])
         out.append(StepLayout(layout.step, layout.seq_len, len(d), layout.microbatches, layout.rows_per_microbatch,
                               layout.phase, layout.lr_scale, layout.generation, seg_row=row,
                               seg_source=cols[0], seg_key=cols[1], seg_start=cols[2], seg_len=cols[3],
-                              img_source=layout.img_source, img_key=layout.img_key, img_rank=layout.img_rank,
-                              img_patches=layout.img_patches))
+                              img_source=img[0], img_key=img[1], img_rank=img[2], img_patches=img[3]))
     return out
+
+
+@dataclass
+class ImageParts:
+    """Per constructor, the images its PLAN_CONSTRUCTOR lists (`idx`), and for the step: each image's offset
+    in the gathered encoder output (`base`, merged tokens) and every rank's merged tokens (`encoder_tokens`)."""
+
+    idx: list[np.ndarray]
+    base: np.ndarray
+    encoder_tokens: np.ndarray
+
+    def arrays(self, constructor: int) -> dict[str, np.ndarray]:
+        return {IMG_BASE: self.base[self.idx[constructor]], ENCODER_TOKENS: self.encoder_tokens}
+
+
+def image_parts(layout: StepLayout, piece_of_seg: np.ndarray | None, piece_patches: np.ndarray, dp_fanout: Fanout,
+                leader_fanout: Fanout | None, n_constructors: int, merge: int | None, world: int) -> ImageParts | None:
+    """What each constructor is told about the step's images (see constructor_images), or None when the
+    step has no images or the plan cannot be split that way (every constructor then gets every image):
+    no piece pairing from the coverage check, no encoder leaders, or image sources merging differently."""
+    n = len(layout.img_key)
+    if n == 0 or piece_of_seg is None or leader_fanout is None or not merge:
+        return None
+    seg_patches = np.asarray(piece_patches, np.int64)[piece_of_seg]
+    first = np.flatnonzero(seg_patches > 0)  # the segments that carry an image (its first piece)
+    zero = np.zeros(n, np.int64)
+    got, _ = match((layout.img_source, layout.img_key, zero, layout.img_patches),
+                   (layout.seg_source[first], layout.seg_key[first], np.zeros(len(first), np.int64), seg_patches[first]))
+    if got is None:
+        return None
+    idx = constructor_images(layout, first[got], dp_fanout, leader_fanout, n_constructors)
+    base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
+    if len(enc) and int(enc.max()) < 2**31:
+        enc = enc.astype(np.int32)  # half the bytes of the one array every constructor gets whole
+    return ImageParts(idx, base, enc)
+
+
+def image_routing(spec: Any, groups: list[list[int]]) -> tuple[Fanout | None, int | None]:
+    """(encoder leader rank -> the constructors serving a rank it leads, the image sources' shared merge)
+    for image_parts; (None, None) when the spec has no image source or its image sources merge differently."""
+    merges = {s.image.merge for s in spec.sources if s.kind == "image_text"}
+    if len(merges) != 1:
+        return None, None
+    leaders = encoder_leaders(spec)
+    lead_to: list[set[int]] = [set() for _ in range(spec.world_size)]
+    for ci, ranks in enumerate(groups):
+        for r in ranks:
+            lead_to[int(leaders[int(r)])].add(ci)
+    return Fanout.from_lists([sorted(x) for x in lead_to]), int(next(iter(merges)))

@@ -209,6 +209,7 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
     cnt = np.zeros(S + 1, np.int64)  # best_fit: rows per free value
     maxfree = 0
     current = 0
+    rowfree = np.full(R if policy == 0 else 0, S, np.int64)  # best_fit: each row's free tokens
     if policy == 0 and R > 0:
         for r in range(R):
             _bset(bits, lo, nlev, S * R + r)
@@ -351,6 +352,7 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                     _bclear(bits, lo, nlev, key)
                     cnt[fr] -= 1
                     left = fr - piece
+                    rowfree[row] = left
                     if left > 0:
                         _bset(bits, lo, nlev, left * R + row)
                         cnt[left] += 1
@@ -450,7 +452,24 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             nready = _push(rk, rs, rv, nready, (realized[best] + delta) * inv_p[best], best, version[best])
         else:
             nwait = _push(wk, ws, wv, nwait, (realized[best] + size - limit) * inv_p[best] - size, best, version[best])
+    if policy == 0:  # leave the bitset empty for the next step (clearing R keys beats faulting in fresh pages)
+        for r in range(R):
+            if rowfree[r] > 0:
+                _bclear(bits, lo, nlev, rowfree[r] * R + r)
     return o_cand[:n_out].copy(), o_bin[:n_out].copy(), o_start[:n_out].copy(), o_len[:n_out].copy()
+
+
+_bitsets: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _bitset(seq_len: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best-fit bitset for this shape, kept across steps (the loop leaves it empty)."""
+    got = _bitsets.get((seq_len, rows))
+    if got is None:
+        _bitsets.clear()  # one shape at a time (a reconfigure changes it)
+        lo = _levels((seq_len + 1) * rows)
+        got = _bitsets[(seq_len, rows)] = (lo, np.zeros(int(lo[-1]), np.uint64))
+    return got
 
 
 def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarray, realized: np.ndarray,
@@ -466,8 +485,7 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     cap_out = int(((rem + seq_len - 1) // seq_len).sum()) + 1 if len(rem) else 1
     cap_heap = len(probs) + cap_out + len(c_tok) + 1
     if policy == "best_fit":
-        lo = _levels((seq_len + 1) * rows)
-        bits = np.zeros(int(lo[-1]), np.uint64)
+        lo, bits = _bitset(seq_len, rows)
     else:
         lo = np.zeros(2, np.int64)
         bits = np.zeros(1, np.uint64)

@@ -24,8 +24,8 @@ from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
 from mixplane.planner.inflight import InFlight
 from mixplane.planner.journal import Journal
-from mixplane.protocol import CURSOR_ARRAY, cursor_array
-from mixplane.planner.routing import Fanout, constructor_layouts, loader_instructions
+from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array
+from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, loader_instructions
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
@@ -120,6 +120,7 @@ class PlannerServer(Component, PartitionHosting):
                 dp_to[d].append(ci)
         self._dp_fanout = Fanout.from_lists(dp_to)  # dp rank -> constructors serving it
         self._rank_fanout = Fanout.from_lists(rank_to)  # global rank -> its constructor
+        self._leader_fanout, self._merge = image_routing(spec, self.groups)  # per-constructor image lists
 
     @property
     def planned_through(self) -> int:
@@ -447,11 +448,15 @@ class PlannerServer(Component, PartitionHosting):
         cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
         self._remember_cursor(step + 1, cursor)
         peers = list(self.constructors.values())
-        for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers])):
+        img = image_parts(lay, plan.piece_of_seg, p.patches, self._dp_fanout, self._leader_fanout, len(self.groups),
+                          self._merge, self.spec.world_size)
+        extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
+        for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers],
+                                                     None if img is None else [img.idx[c.index] for c in peers])):
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
-                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks,
+                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, **extra,
                         "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
-                       {**sub.arrays(), CURSOR_ARRAY: cursor})
+                       {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(c.index))})
         # bookkeeping
         if self.journal is not None:
             self.journal.step(plan)
