@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-unit test-integration test-k8s k8s-tools crds bench-quick clean venv
+.PHONY: demo test test-unit test-integration test-k8s k8s-tools crds bench-quick clean venv s3rver
 
 venv: $(STAMP)
 
@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mixplane demo --dir .mixplane/demo-data
 
 # static checks first (seconds), then every test
-test: $(STAMP) k8s-tools
+test: $(STAMP) k8s-tools s3rver
 	$(PY) -m ruff check src
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
@@ -31,7 +31,7 @@ test: $(STAMP) k8s-tools
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) s3rver
 	$(PY) -m pytest tests/integration -q
 
 # etcd, kube-apiserver + kube-controller-manager 1.20.2 (built from Debian's source package, cached in
@@ -52,3 +52,10 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf .mixplane .pytest_cache
+
+# s3rver 3.7.1 (npm; needs node): the S3-compatible server bench/remote_io.py prefers (ranges streamed from disk)
+# (tests/integration/test_remote_sources.py: credentials refused by a server that checks them)
+s3rver:
+	test -x $(HOME)/.cache/mixplane/s3rver/node_modules/.bin/s3rver || \
+	  (mkdir -p $(HOME)/.cache/mixplane/s3rver && \
+	   npm install --no-audit --no-fund --prefix $(HOME)/.cache/mixplane/s3rver s3rver@3.7.1)

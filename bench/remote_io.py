@@ -1,5 +1,7 @@
 """Remote I/O benchmark (issue 13 item 5): the bench/loader_io.py dataset served by a real S3-compatible
-server (moto's standalone server on 127.0.0.1, over HTTP) through a proxy that adds a fixed latency to
+server on 127.0.0.1 over HTTP (s3rver, a Node server installed by ``make s3rver``, when present: it streams
+ranges from disk; else moto's standalone server, which copies a whole object per ranged GET and so caps the
+full-size run at ~10 requests/s) through a proxy that adds a fixed latency to
 every request and caps each transfer's bandwidth.
 
 Modes (each in its own process, clean peak RSS):
@@ -13,10 +15,10 @@ and ``page`` on the local copy in the same run (``local_page_samples_per_s``).
 Per mode: samples_per_s, requests_per_1k_samples and bytes_read_per_sample (counted at the proxy: what
 went over the network, index building excluded — it happens once, at open, and is cached in sidecars),
 read_amplification (network bytes / delivered text bytes), peak_rss_mb, pair_gap (mean |row distance|
-of consecutive samples / rows: 1/3 for a uniform shuffle). The full run also sweeps page mode's
-coalescing gap at each latency.
+of consecutive samples / rows: 1/3 for a uniform shuffle). Page mode runs once per coalescing gap of
+``--gaps`` (0, 64 KiB, 1 MiB by default) at each latency; the best is reported as ``page``.
 
-Usage: python bench/remote_io.py [--quick] [--latency-ms 20,50]
+Usage: python bench/remote_io.py [--quick] [--latency-ms 20,50] [--gaps 0,65536,1048576] [--mode-budget S]
 One JSON line per latency; the last (the first latency given, 20 ms by default):
 {"latency_ms": .., "local_page_samples_per_s": .., "modes": {NAME: {"samples_per_s": .., "requests_per_1k_samples": ..,
  "bytes_read_per_sample": .., "read_amplification": .., "peak_rss_mb": .., "pair_gap": ..}}, "best_coalesce_gap": ..}
@@ -147,6 +149,12 @@ def main() -> None:
     ap.add_argument("--latency-ms", default=None, help="comma-separated latencies (default 20,50; quick: 20)")
     ap.add_argument("--page-io", default="", help="RemoteIO settings for page mode, e.g. prefetch_pages=64,max_inflight=16")
     ap.add_argument("--bandwidth-mbps", type=float, default=800.0, help="cap per transfer, megabits/s")
+    ap.add_argument("--server", choices=["auto", "s3rver", "moto"], default="auto",
+                    help="S3-compatible server: s3rver (npm, make s3rver) when installed, else moto")
+    ap.add_argument("--gaps", default="0,65536,1048576", help="page mode's coalescing gaps swept (bytes)")
+    ap.add_argument("--modes", default="page_naive,rowgroup,hf_streaming", help="modes run besides page and local page")
+    ap.add_argument("--mode-budget", type=float, default=None, help="seconds per mode (default 10 quick, 60 full)")
+    ap.add_argument("--mode-samples", type=int, default=None, help="samples per mode (default 3000 quick, 30000 full)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--data", default="", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
@@ -163,7 +171,7 @@ def main() -> None:
 
     from loader_io import build_dataset
 
-    from tests.s3server import MotoS3, S3Proxy, credentials_env
+    from tests.s3server import S3RVER_KEY, MotoS3, S3Proxy, S3rver, credentials_env
 
     quick = args.quick
     latencies = [float(x) for x in (args.latency_ms or ("20" if quick else "20,50")).split(",")]
@@ -171,15 +179,21 @@ def main() -> None:
     man = build_dataset(data, int((0.04 if quick else 1.05) * (1 << 30)), quick)
     n_total = man["rows"]
     names = [os.path.basename(p) for p in man["paths"]]
-    os.environ.update(credentials_env())
+    use = args.server if args.server != "auto" else ("s3rver" if S3rver.available() else "moto")
+    if use == "s3rver" and not S3rver.available():
+        raise SystemExit("s3rver is not installed: make s3rver")
+    os.environ.update(credentials_env(S3RVER_KEY if use == "s3rver" else None))
     cache = tempfile.mkdtemp(prefix="mixplane-remote-index-")
     os.environ["MIXPLANE_INDEX_CACHE"] = cache  # sidecars: the index is built once per object, as in production
-    server = MotoS3(process=True)  # its own process: no shared interpreter lock with the proxy
+    # its own process: no shared interpreter lock with the proxy. s3rver streams ranges from disk; moto
+    # copies an object's whole value per ranged GET (on the full-size 70 MB objects ~10 requests/s)
+    server = S3rver((BUCKET,)) if use == "s3rver" else MotoS3(process=True)
     t0 = time.time()
     server.upload_dir(data, BUCKET, PREFIX)
-    print(json.dumps({"dataset_bytes": man["dataset_bytes"], "rows": n_total, "objects": len(names),
+    print(json.dumps({"dataset_bytes": man["dataset_bytes"], "rows": n_total, "objects": len(names), "server": use,
                       "upload_s": round(time.time() - t0, 1)}), flush=True)
     samples, budget = (3000, 10.0) if quick else (30_000, 60.0)
+    samples, budget = args.mode_samples or samples, args.mode_budget or budget
     local = run("page", None, data, names, n_total, samples, budget)
     print(json.dumps({"local_page": local}), flush=True)
     lines = []
@@ -188,14 +202,15 @@ def main() -> None:
             proxy = S3Proxy(server.endpoint, latency_s=lat / 1000, bandwidth_bps=args.bandwidth_mbps * 1e6 / 8)
             try:
                 modes, sweep = {}, {}
-                gaps = [0, 64 << 10, 1 << 20] if not quick else [64 << 10]
+                gaps = [int(g) for g in args.gaps.split(",")]
                 for gap in gaps:
                     sweep[gap] = run("page", proxy, data, names, n_total, samples, budget,
                                      ",".join(filter(None, [f"coalesce_gap={gap}", args.page_io])))
                     print(json.dumps({"latency_ms": lat, "mode": "page", "coalesce_gap": gap, **sweep[gap]}), flush=True)
                 best = max(sweep, key=lambda g: sweep[g]["samples_per_s"])
                 modes["page"] = sweep[best]
-                for mode, io in (("page_naive", "prefetch_pages=0,coalesce_gap=0"), ("rowgroup", ""), ("hf_streaming", "")):
+                others = {"page_naive": "prefetch_pages=0,coalesce_gap=0", "rowgroup": "", "hf_streaming": ""}
+                for mode, io in ((m, others[m]) for m in filter(None, args.modes.split(","))):
                     modes[mode] = run(mode, proxy, data, names, n_total, samples, budget, io)
                     print(json.dumps({"latency_ms": lat, "mode": mode, **modes[mode]}), flush=True)
                 lines.append({"latency_ms": lat, "local_page_samples_per_s": local["samples_per_s"],

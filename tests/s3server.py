@@ -16,10 +16,11 @@ import pyarrow.fs as pafs
 ACCESS_KEY, SECRET_KEY, REGION = "testing-key", "testing-secret", "us-east-1"
 
 
-def credentials_env() -> dict[str, str]:
-    """What a pod or shell would export (the spec never holds credentials)."""
-    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true"}
+def credentials_env(key: str | None = None) -> dict[str, str]:
+    """What a pod or shell would export (the spec never holds credentials); ``key``: access key and
+    secret both (s3rver's)."""
+    return {"AWS_ACCESS_KEY_ID": key or ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": key or SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
 
 
 class MotoS3:
@@ -332,3 +333,75 @@ class GcsEmulator:
         except Exception:  # noqa: BLE001
             self._proc.kill()
             self._proc.wait(timeout=10)
+
+
+S3RVER_DIR = os.path.expanduser(os.environ.get("MIXPLANE_S3RVER_DIR", "~/.cache/mixplane/s3rver"))
+S3RVER_KEY = "S3RVER"  # the only access key / secret s3rver accepts (others: InvalidAccessKeyId)
+
+
+class S3rver:
+    """s3rver (npm, ``make s3rver``: a Node S3-compatible server keeping objects as files) as its own
+    process on 127.0.0.1 — ranged GETs stream from disk, so large objects cost what they should
+    (moto copies a whole object's value per ranged GET: ~10 requests/s on 70 MB objects). It checks
+    access keys: ``credentials_env(S3RVER_KEY)``. Objects are uploaded with boto3 (s3rver stores the
+    aws-chunked bodies of pyarrow's uploads undecoded)."""
+
+    @staticmethod
+    def available() -> bool:
+        return os.path.exists(os.path.join(S3RVER_DIR, "node_modules", ".bin", "s3rver"))
+
+    def __init__(self, buckets: tuple[str, ...] = ("bench",)) -> None:
+        import socket
+        import subprocess
+        import tempfile
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        self._dir = tempfile.mkdtemp(prefix="mixplane-s3rver-")
+        cmd = [os.path.join(S3RVER_DIR, "node_modules", ".bin", "s3rver"), "--address", "127.0.0.1", "--port", str(port),
+               "--directory", self._dir, "--silent"]
+        for b in buckets:
+            cmd += ["--configure-bucket", b]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(200):  # up to ~20 s
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                c.request("GET", "/")
+                c.getresponse().read()
+                c.close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("s3rver did not start")
+
+    def filesystem(self, endpoint: str | None = None) -> pafs.S3FileSystem:
+        ep = endpoint or self.endpoint
+        return pafs.S3FileSystem(access_key=S3RVER_KEY, secret_key=S3RVER_KEY, region=REGION, scheme="http",
+                                 endpoint_override=ep.split("://", 1)[1])
+
+    def upload_dir(self, local_dir: str, bucket: str, prefix: str) -> list[str]:
+        import boto3
+
+        c = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3RVER_KEY,
+                         aws_secret_access_key=S3RVER_KEY, region_name=REGION)
+        out = []
+        for name in sorted(os.listdir(local_dir)):
+            src = os.path.join(local_dir, name)
+            if os.path.isfile(src):
+                c.upload_file(src, bucket, f"{prefix}/{name}")
+                out.append(f"{bucket}/{prefix}/{name}")
+        return out
+
+    def stop(self) -> None:
+        import shutil
+
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.s3server import Fault, MotoS3, S3Proxy, credentials_env
+from tests.s3server import S3RVER_KEY, Fault, MotoS3, S3Proxy, S3rver, credentials_env
 from tests.unit.loader_testdata import write_source
 from mixplane.loader import remote
 from mixplane.loader.files import SourceFilesError, list_source
@@ -240,6 +240,29 @@ def test_refused_credentials_are_a_clear_error(s3, proxy):
     with pytest.raises(remote.AccessDeniedError, match=r"s3://corpus/text/part-0\d.parquet: access denied"):
         s.take(100)
     s.close()
+
+
+def test_credentials_refused_by_a_server_that_checks_them(s3, monkeypatch):
+    """s3rver checks access keys (moto's server does not): wrong keys from the environment are refused
+    at listing with a clear error; the right ones read the same batches as the local copy."""
+    _, local, table = s3
+    server = S3rver(("corpus",))
+    try:
+        server.upload_dir(local, "corpus", "text")
+        for k, v in credentials_env("not-the-key").items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SourceFilesError, match="access denied.*credentials"):
+            open_stream(spec("s3://corpus/text/*.parquet", server.endpoint), seed=0, buffer_rows=50)
+        for k, v in credentials_env(S3RVER_KEY).items():
+            monkeypatch.setenv(k, v)
+        rem = open_stream(spec("s3://corpus/text/*.parquet", server.endpoint), seed=4, buffer_rows=80)
+        loc = open_stream(spec(local, None), seed=4, buffer_rows=80)
+        a, b = rem.take(len(table)), loc.take(len(table))
+        assert a.keys.tolist() == b.keys.tolist() and a.columns["text"].equals(b.columns["text"])
+        rem.close()
+        loc.close()
+    finally:
+        server.stop()
 
 
 def test_spec_never_holds_credentials():
