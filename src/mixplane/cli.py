@@ -131,7 +131,7 @@ def cmd_loader(args: argparse.Namespace) -> int:
         raise SystemExit("mixplane loader: give --source NAME [--replica R], --sources NAME[:R],... or --host-name NAME")
     name = args.host_name or loader_name([(spec.sources[si].name, r) for si, r in members])
     host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, metrics=spec.runtime.metrics,
-                      metrics_port=args.metrics_port if len(members) == 1 else 0)
+                      metrics_port=args.metrics_port if len(members) == 1 else 0, state_dir=args.state_dir)
     _on_sigterm(host)
     ready: dict[str, object] = {"host": name, "shadow": args.shadow,
                                 "metrics_ports": {ld.name: ld.metrics_port for ld in host.loaders.values()}}
@@ -451,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--sources", help="host several: NAME[:REPLICA],... (source grouping)")
             c.add_argument("--host-name", help="this loader process's name in the planner's partition table (default: "
                            "from its partitions, as the launch plan names it); alone: an empty host for handoffs")
+            c.add_argument("--state-dir", help="where differential checkpoints go (runtime.loader_snapshot_every)")
             c.add_argument("--shadow", action="store_true", help="a shadow: keep the partitions warm, serve them only "
                            "when the planner promotes this host (runtime.shadow_loaders)")
         c.set_defaults(fn=fn)

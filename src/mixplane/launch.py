@@ -246,6 +246,8 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
             else:
                 which = ("--sources", ",".join(f"{n}:{r}" for n, r in group))
             which += ("--host-name", name, *(("--shadow",) if shadow else ()))
+            if spec.runtime.loader_snapshot_every:  # differential checkpoints in the run dir (loader.snapshot)
+                which += ("--state-dir", os.path.join(target.run_dir, "loader-state"))
             comps.append(Component("loader", name, ("loader", *common, *which, "--planner", planner_ep),
                                    env={**env, "TOKENIZERS_PARALLELISM": "false"},
                                    ports=dict(ports_metrics) if len(group) == 1 else {},

@@ -214,6 +214,7 @@ class RuntimeSpec(_Model):
     curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
     security: Literal["secure", "open"] = Field("secure", description="`secure`: the embedded runtime generates CURVE keys per role into `<run_dir>/keys` (0700) and every socket admits only them; `open` (on purpose, logged as a warning): no CURVE unless `curve` is enabled, any local process that reaches a port can control the run.")
     shadow_loaders: int = Field(0, ge=0, le=4, description="Hot-standby loader processes per loader group: each opens the same partitions, follows the primary's cursor and reads ahead without sending; when the primary is silent for `failover_after_s` the planner hands its partitions to a shadow (partition handoff), and the restarted primary becomes the shadow.")
+    loader_snapshot_every: int = Field(0, ge=0, le=1_000_000, description="Loaders write a differential checkpoint (stream position, partial progress, live listing) every this many steps planned for them into `<run_dir>/loader-state/`; a restarted loader reads ahead from it while the planner's record bridges the gap to the exact cursor. 0: off (the planner's cursor alone positions a restarted loader exactly).")
     failover_after_s: float = Field(1.0, gt=0, le=60, description="A loader host (process) silent this long is taken for dead or hung: a shadow of its partitions is promoted. Hosts beat four times per interval.")
 
 

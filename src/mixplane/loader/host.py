@@ -38,7 +38,8 @@ class LoaderHost(PlannerFollower):
 
     def __init__(self, spec: DataMixtureSpec, planner_endpoint: str, name: str, *,
                  partitions: list[tuple[int, int]] | None = None, shadow: bool = False,
-                 context: zmq.Context | None = None, metrics: bool = True, metrics_port: int = 0):
+                 context: zmq.Context | None = None, metrics: bool = True, metrics_port: int = 0,
+                 state_dir: str | None = None):
         super().__init__(spec, protocol.host_identity(name), context=context, metrics_port=None, logger=log)
         self.host_name = name
         self.planner_endpoint = planner_endpoint
@@ -64,10 +65,12 @@ class LoaderHost(PlannerFollower):
             Kind.WELCOME: self._on_welcome, Kind.ADOPT: self._on_adopt, Kind.FOLLOW: self._on_follow,
             Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ERROR: self._on_error})
         self.welcomed = False
+        self.state_dir = state_dir
         self.loaders: dict[tuple[int, int], LoaderServer] = {}
-        # the partitions it was launched with are opened at once (stream, tokenizer), dormant until adopted
+        # the partitions it was launched with are opened at once (stream, tokenizer), dormant until adopted;
+        # a partition with a differential checkpoint starts reading ahead from it (loader.snapshot)
         for key in self.wants:
-            self._open(key)
+            self._open(key).restore_snapshot()
 
     # -- partitions --------------------------------------------------------------------------------------
     def _open(self, key: tuple[int, int]) -> LoaderServer:
@@ -79,7 +82,7 @@ class LoaderHost(PlannerFollower):
             port, self._first_metrics_port = (self._first_metrics_port, None) if self._first_metrics_port is not None \
                 else (0 if self.metrics else None, None)
             ld = LoaderServer(self.spec, si, r, self.planner_endpoint, context=self.ctx, metrics_port=port,
-                              host=self.host_name, mode="dormant")
+                              host=self.host_name, mode="dormant", state_dir=self.state_dir)
             self.loaders[key] = ld
         return ld
 
