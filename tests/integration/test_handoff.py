@@ -170,3 +170,28 @@ def test_a_shadow_is_promoted_when_its_primary_dies_or_hangs_and_the_old_one_del
     stall = stall_after(fetch, at, t0)
     print(json.dumps({"failure": how, "shadow": True, "promoted_after_s": round(promoted_s, 3),
                       "max_stall_s": round(stall, 3), "fenced_samples": fenced, "steps": STEPS}))
+
+
+def test_a_restarted_loader_restores_its_differential_checkpoint_and_the_planner_bridges_the_gap(
+        token_sources, reference, tmp_path):
+    spec = make_spec(token_sources["root"], loader_snapshot_every=3)
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.03)
+        wait_steps(fetch, 10)
+        snap_file = rt.run_dir / "loader-state" / "a-0.json"
+        first = wait_for(lambda: snap_file.exists() and json.loads(snap_file.read_text()), 30, "a snapshot of a:0")
+        assert first["source"] == "a" and first["replica"] == 0 and first["epoch"] == 1 and first["step"] >= 2
+        victim = child(rt, "loader-a-0")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        snap = json.loads(snap_file.read_text())
+        fresh = rt._spawn(victim.component)
+        rt._wait_ready([fresh])
+        got = fetch.join()
+        later = json.loads(snap_file.read_text())
+        loader_log = (rt.run_dir / "logs" / "loader-a-0.log").read_text(errors="replace")
+        table = rt.partitions()
+    assert f"restored its snapshot of step {snap['step']}" in loader_log, loader_log[-2000:]
+    assert later["epoch"] == 2 and later["step"] > snap["step"]  # the new incarnation snapshots under its epoch
+    assert table["partitions"]["a:0"]["epoch"] == 2
+    assert_same_batches(got, reference)

@@ -142,3 +142,24 @@ def test_a_seek_below_what_was_read_or_wanting_a_consumed_sample_is_cold(tmp_pat
     ref = _window(tmp_path / "a")
     ref.seek({"low": a[0][0], "skip": [a[0][0]]})
     assert _announce(w) == _announce(ref)
+
+
+def test_loader_snapshots_round_trip_and_bad_ones_are_named(tmp_path):
+    from mixplane.loader import snapshot
+
+    cur = snapshot.window_cursor([12, 10, 15], {10: 4, 12: 0, 3: 9}, 99)
+    assert (cur.low, cur.next, dict(cur.partial)) == (10, 10, {10: 4})
+    assert snapshot.window_cursor([], {}, 42).low == 42
+    snap = snapshot.LoaderSnapshot("a", 1, 3, 0, 17, cur.to_json(), {"position": 16}, 1.0)
+    p = snapshot.write(tmp_path, snap)
+    assert p.name == "a-1.json" and snapshot.read(tmp_path, "a", 1) == snap
+    assert snapshot.read(tmp_path, "b", 0) is None
+    (tmp_path / "b-0.json").write_text('{"version": 1, "source": "a"}')
+    with pytest.raises(ValueError, match="b-0.json: malformed loader snapshot"):
+        snapshot.read(tmp_path, "b", 0)
+    (tmp_path / "b-0.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable loader snapshot"):
+        snapshot.read(tmp_path, "b", 0)
+    (tmp_path / "c-0.json").write_text(p.read_text())
+    with pytest.raises(ValueError, match="snapshot of a:1, not c:0"):
+        snapshot.read(tmp_path, "c", 0)
