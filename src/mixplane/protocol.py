@@ -126,12 +126,18 @@ def max_message_bytes(spec: Any, socket: str) -> int:
 class WindowCursor:
     """Where a loader replica's window stands: every position below ``low`` is consumed, ``next`` is
     the first position the planner has not seen, ``skip`` the consumed positions in between and
-    ``partial`` the tokens already delivered of partly consumed samples (position -> tokens)."""
+    ``partial`` the tokens already delivered of partly consumed samples (position -> tokens).
+
+    ``listing`` (live sources only): the file listing the positions were counted over — the stream's
+    segments in order, each the paths that joined it — so a loader restarted after files were added
+    (or a replay, or a resume in a new run) numbers the positions the same way instead of over today's
+    listing. None: not recorded (a static source, or an older cursor)."""
 
     low: int
     next: int
     skip: frozenset[int] = frozenset()
     partial: Mapping[int, int] = field(default_factory=dict)
+    listing: tuple[tuple[str, ...], ...] | None = None
 
     @classmethod
     def parse(cls, cur: Any) -> "WindowCursor":
@@ -149,18 +155,32 @@ class WindowCursor:
             if not isinstance(partial_in, Mapping):
                 raise TypeError("partial is not a mapping")
             partial = {_int(p, "partial position"): _int(d, "partial tokens") for p, d in partial_in.items()}
+            listing = parse_listing(cur.get("listing"))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"window cursor is malformed ({e})") from None
         if low < 0 or any(p < low for p in skip) or any(d <= 0 for d in partial.values()):
             raise ValueError("window cursor is inconsistent (negative or out-of-range positions)")
         if nxt < low:
             raise ValueError(f"window cursor is inconsistent (next {nxt} < low {low})")
-        return cls(low, nxt, skip, partial)
+        return cls(low, nxt, skip, partial, listing)
 
     def to_json(self) -> dict[str, Any]:
         """The wire / journal form (JSON object keys are strings)."""
-        return {"low": self.low, "next": self.next, "skip": sorted(self.skip),
-                "partial": {str(p): int(d) for p, d in sorted(self.partial.items())}}
+        out: dict[str, Any] = {"low": self.low, "next": self.next, "skip": sorted(self.skip),
+                               "partial": {str(p): int(d) for p, d in sorted(self.partial.items())}}
+        if self.listing is not None:
+            out["listing"] = [list(seg) for seg in self.listing]
+        return out
+
+
+def parse_listing(v: Any) -> tuple[tuple[str, ...], ...] | None:
+    """A live source's listing (segments of paths) from a cursor or LOADER_META; TypeError if malformed."""
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not all(isinstance(seg, (list, tuple)) and all(isinstance(p, str) for p in seg)
+                                                    for seg in v):
+        raise TypeError("listing is not a list of path lists")
+    return tuple(tuple(seg) for seg in v)
 
 
 def _int(v: Any, what: str) -> int:

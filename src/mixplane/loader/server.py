@@ -204,7 +204,18 @@ class LoaderServer(PlannerFollower):
         except ValueError as e:
             raise WireError(f"{msg.kind.name}: {e}") from None
 
+    def _listing_changed(self) -> list[list[str]] | None:
+        """A live source's file listing when it changed since the planner last heard it (this session), so
+        the planner's cursor names the listing its positions count over (issue 11 item 7)."""
+        listing = getattr(self.stream, "listing", None)
+        segs = listing() if callable(listing) else None
+        if segs is None or len(segs) == getattr(self, "_listing_sent", -1):
+            return None
+        self._listing_sent = len(segs)
+        return segs
+
     def _seek(self, session: int, cursor: WindowCursor) -> None:
+        self._listing_sent = -1  # a new session: tell the planner the listing again
         self.session = session
         self.window.seek(cursor)
         log.info("%s: session %d from position %d", self.name, session, cursor.low)
@@ -256,9 +267,11 @@ class LoaderServer(PlannerFollower):
             self._last_status_line = time.monotonic()
             log.warning("%s: %s", self.name, self.stream.status_line())
         if len(a):
-            self._send_planner(Kind.LOADER_META, {"session": self.session, "source": self.si, "replica": self.replica,
-                                                  "epoch": self.epoch},
-                               {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
+            meta = {"session": self.session, "source": self.si, "replica": self.replica, "epoch": self.epoch}
+            listing = self._listing_changed()
+            if listing is not None:
+                meta["listing"] = listing
+            self._send_planner(Kind.LOADER_META, meta, {"pos": a.pos, "key": a.key, "tokens": a.tokens, "patches": a.patches})
         return True
 
     def _overlong_metrics(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -521,6 +522,24 @@ class SourceStream:
         """Make slot ``position`` the start of ``epoch`` (used when replicas change at an epoch boundary)."""
         self._base_epoch, self._base_pos = int(epoch), int(position)
         self.seek(int(position))
+
+    def listing(self) -> list[list[str]] | None:
+        """A live source's file listing as positions count over it: its segments in order (None: static)."""
+        return [list(s.paths) for s in self.segments] if self.live else None
+
+    def restore_listing(self, segs: "Sequence[Sequence[str]]") -> None:
+        """Count positions over a recorded listing (a planner cursor's): nothing to do when it is a prefix of
+        this stream's own; otherwise the index is rebuilt in the recorded segment order and files that
+        joined since become the next segment. StreamError when a recorded file is gone."""
+        if not self.live:
+            return
+        want = [list(seg) for seg in segs]
+        have = [list(s.paths) for s in self.segments]
+        if have[: len(want)] == want:
+            return
+        log.warning("source %r: the listing changed since the cursor was taken (%d -> %d segments): positions "
+                    "follow the recorded listing", self.name, len(want), len(have))
+        self._restore_segments(want)
 
     def _restore_segments(self, segs: list[list[str]]) -> None:
         have = [s.paths for s in self.segments]

@@ -134,6 +134,9 @@ class LoaderWindow:
         self.skip = set(c.skip)
         self.partial = dict(c.partial)
         self.low = c.low
+        restore = getattr(self.stream, "restore_listing", None)
+        if c.listing is not None and restore is not None:  # a live source: count positions over that listing
+            restore(c.listing)
         self.stream.seek(row_of(c.low) if self.splitter is not None else c.low)
 
     def _warm_seek(self, c: WindowCursor) -> bool:

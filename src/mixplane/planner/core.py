@@ -46,6 +46,7 @@ class ReplicaWindow:
         self.skip: set[int] = set()  # consumed positions in [low, next) (restored from a cursor)
         self.restored_done: dict[int, int] = {}
         self.dry = False
+        self.listing: list[list[str]] | None = None  # live source: the file segments its positions count over
 
     def __len__(self) -> int:
         return len(self.pos)
@@ -117,7 +118,10 @@ class ReplicaWindow:
         partial = {str(p): d for p, d in sorted(self.restored_done.items())}
         nz = np.flatnonzero(self.done > 0)
         partial.update(zip(map(str, self.pos[nz].tolist()), self.done[nz].tolist()))
-        return {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}  # protocol.WindowCursor.to_json
+        out: dict[str, Any] = {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}  # protocol.WindowCursor.to_json
+        if self.listing is not None:
+            out["listing"] = [list(seg) for seg in self.listing]
+        return out
 
     @staticmethod
     def parse_cursor(cur: Any) -> tuple[int, set[int], dict[int, int]]:
@@ -127,7 +131,9 @@ class ReplicaWindow:
 
     def restore(self, cur: dict[str, Any]) -> None:
         low, skip, done = self.parse_cursor(cur)
+        listing = WindowCursor.parse(cur).listing
         self.__init__(self.source, self.replica, self.min_samples, self.min_tokens, self.capacity)  # type: ignore[misc]
+        self.listing = None if listing is None else [list(seg) for seg in listing]
         self.low = self.next_pos = low
         self.skip = skip
         self.restored_done = done

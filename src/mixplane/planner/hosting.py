@@ -230,10 +230,11 @@ class PartitionHosting:
     def follow_cursor(self, key: PartitionKey) -> dict[str, Any]:
         """Where a shadow keeps its window: from the lowest position a promotion would re-read."""
         replay = self.inflight.for_loader(key)
-        low = int(self.core.window(*key).cursor()["low"])
+        cur = self.core.window(*key).cursor()
+        low = int(cur["low"])
         if replay:
             low = min(low, InFlight.low_position(replay))
-        return {"low": low, "next": low}
+        return {"low": low, "next": low, **({"listing": cur["listing"]} if "listing" in cur else {})}  # live: its listing
 
     def hosting_tick(self, now: float) -> None:
         """Promote shadows of silent primaries, find shadows for partitions short of them, and tell shadows

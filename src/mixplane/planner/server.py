@@ -155,7 +155,8 @@ class PlannerServer(Component, PartitionHosting):
         # not yet complete at every constructor and sends their spans again (constructors drop what they
         # hold), then seeks to the window's cursor and announces the rest as usual
         low = InFlight.low_position(replay)
-        self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": {"low": low, "next": low},
+        start = {"low": low, "next": low, **({"listing": cur["listing"]} if "listing" in cur else {})}
+        self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": start,
                                          "replay_through": replay[-1][0]})
         for step, ins in replay:
             self._send(ident, Kind.PLAN_LOADER, {"session": self.session, "step": step, "replay": True}, ins.arrays())
@@ -238,9 +239,13 @@ class PlannerServer(Component, PartitionHosting):
         if self.loaders.get(key) != identity:  # only the registered loader may fill its window
             raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
         try:
-            self.core.window(*key).add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
-        except (KeyError, WindowError) as e:
+            w = self.core.window(*key)
+            w.add(msg.array("pos"), msg.array("key"), msg.array("tokens"), msg.array("patches"))
+            listing = protocol.parse_listing(msg.meta.get("listing"))
+        except (KeyError, WindowError, TypeError) as e:
             raise WireError(f"LOADER_META: {e}") from None
+        if listing is not None:  # a live source's listing changed: cursors name it from now on
+            w.listing = [list(seg) for seg in listing]
 
     def _on_need_steps(self, identity: bytes, msg: wire.Message) -> None:
         if not any(c.identity == identity for c in self.constructors.values()):
