@@ -95,6 +95,19 @@ class MotoS3:
             self._server.stop()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that goes away mid-answer (a benchmark worker exiting) is not an error worth a traceback."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class Fault:
     """Answer the next ``count`` requests matching ``match(method, path)`` with ``status`` (or cut the
     body short when ``truncate``)."""
@@ -173,8 +186,7 @@ class S3Proxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self._thread.start()
