@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mixplane.planner")
 LOOP_STALL_FACTOR = 10.0  # a host whose poll loop has not turned for this many failover intervals is hung
 LOOP_STALL_MIN_S = 10.0
+FAILOVER_CHECK_S = 0.05  # how often silent primaries are looked for (the detection itself is failover_after_s)
 FOLLOW_EVERY_S = 0.2  # shadows learn where their primary stands at most this often
 RESHADOW_EVERY_S = 0.5  # how often partitions short of shadows look for a host to keep one
 
@@ -79,6 +80,7 @@ class PartitionHosting:
         self._followed: dict[tuple[PartitionKey, str], int] = {}
         self._next_follow = 0.0
         self._next_reshadow = 0.0
+        self._next_failover = 0.0
 
     def partition_name(self, key: PartitionKey) -> str:
         return f"{self.names[key[0]]}:{key[1]}"
@@ -239,6 +241,10 @@ class PartitionHosting:
     def hosting_tick(self, now: float) -> None:
         """Promote shadows of silent primaries, find shadows for partitions short of them, and tell shadows
         where their primaries stand."""
+        if now < self._next_failover:  # the planner loop turns often: look at most every FAILOVER_CHECK_S
+            return
+        self._next_failover = now + FAILOVER_CHECK_S
+
         def silent(h: str) -> bool:
             return not self.host_alive(h)
 

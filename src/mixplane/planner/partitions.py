@@ -147,30 +147,39 @@ class PartitionTable:
     def failover(self, silent: Callable[[str], bool]) -> list[Move]:
         """Promote a live shadow of every partition whose primary host is silent (dead or hung)."""
         moves = []
+        quiet: dict[str, bool] = {}  # one liveness look per host, not per partition
+
+        def is_silent(h: str) -> bool:
+            if h not in quiet:
+                quiet[h] = silent(h)
+            return quiet[h]
+
         for key, a in sorted(self.parts.items()):
-            if a.host is None or not silent(a.host):
+            if a.host is None or not a.shadows or not is_silent(a.host):
                 continue
-            live = [h for h in a.shadows if not silent(h)]
+            live = [h for h in a.shadows if not is_silent(h)]
             if live:
                 moves.append(self._assign(key, live[0]))
         return moves
 
     def wanted_shadows(self, alive: Callable[[str], bool]) -> list[Move]:
         """Give every partition with fewer than `shadows_wanted` live shadows one more, from the live hosts
-        launched with it that neither serve nor shadow it (an old primary that came back, a restarted shadow)."""
+        launched with it that neither serve nor shadow it (an old primary that came back, a restarted shadow).
+        Linear in the hosts' launch partitions (runs every RESHADOW_EVERY_S at any scale)."""
+        if self.shadows_wanted <= 0:
+            return []
         moves = []
-        for key, a in sorted(self.parts.items()):
-            if a.host is None:
+        for h in sorted(self.hosts.values(), key=lambda x: x.name):
+            if not h.wants or not alive(h.name):
                 continue
-            have = sum(1 for h in a.shadows if alive(h))
-            for h in sorted(self.hosts.values(), key=lambda x: x.name):
-                if have >= self.shadows_wanted:
-                    break
-                if key in h.wants and alive(h.name) and h.name != a.host and h.name not in a.shadows:
+            for key in h.wants:
+                a = self.parts[key]
+                if a.host is None or a.host == h.name or h.name in a.shadows:
+                    continue
+                if sum(1 for s in a.shadows if alive(s)) < self.shadows_wanted:
                     m = self._shadow(key, h.name)
                     if m is not None:
                         moves.append(m)
-                        have += 1
         return moves
 
     def drop_shadow(self, key: PartitionKey, host: str) -> None:
@@ -180,16 +189,23 @@ class PartitionTable:
 
     def status(self, names: list[str], alive: Callable[[str], bool],
                silent_s: Callable[[str], float | None]) -> dict[str, Any]:
-        """The table for STATUS: partitions ("source:replica") and hosts."""
-        parts = {f"{names[k[0]]}:{k[1]}": {"host": a.host, "epoch": a.epoch, "shadows": list(a.shadows)}
-                 for k, a in sorted(self.parts.items())}
+        """The table for STATUS: partitions ("source:replica") and hosts (one pass over the table)."""
+        parts: dict[str, Any] = {}
+        served: dict[str, list[str]] = {}
+        shadowing: dict[str, list[str]] = {}
+        for k, a in sorted(self.parts.items()):
+            name = f"{names[k[0]]}:{k[1]}"
+            parts[name] = {"host": a.host, "epoch": a.epoch, "shadows": list(a.shadows)}
+            if a.host is not None:
+                served.setdefault(a.host, []).append(name)
+            for sh in a.shadows:
+                shadowing.setdefault(sh, []).append(name)
         hosts = {}
-        for name, h in sorted(self.hosts.items()):
-            quiet = silent_s(name)
-            hosts[name] = {"partitions": [f"{names[k[0]]}:{k[1]}" for k in self.hosted_by(name)],
-                           "shadows": [f"{names[k[0]]}:{k[1]}" for k in self.shadowed_by(name)],
-                           "launched_as_shadow": h.shadow, "alive": alive(name),
-                           "silent_s": None if quiet is None else round(quiet, 3)}
+        for hname, h in sorted(self.hosts.items()):
+            quiet = silent_s(hname)
+            hosts[hname] = {"partitions": served.get(hname, []), "shadows": shadowing.get(hname, []),
+                            "launched_as_shadow": h.shadow, "alive": alive(hname),
+                            "silent_s": None if quiet is None else round(quiet, 3)}
         return {"partitions": parts, "hosts": hosts}
 
 
