@@ -23,7 +23,9 @@ the two). The runs are compared record by record:
 * mismatched_steps — steps where any rank's record differs from the reference;
 * stall — per kill: the longest gap between two consecutive steps any rank received across the kill,
   minus the reference's median step gap (what the failure cost the trainer); by role, max and p50;
-* ettr — effective training time ratio: reference wall time / chaos wall time.
+* ettr — effective training time ratio: the reference's training time / the chaos run's (first to last
+  step any rank received; both include the DP change, neither the runtime's start-up).
+  max_stall_s and p50_stall_s cover component kills; the trainer's own restart is listed by role only.
 
 Then `mixplane replay` rebuilds `--replays` random delivered (step, rank) pairs of the chaos run from
 its journal and compares their tokens with what the rank got (bit for bit).
@@ -161,13 +163,22 @@ class Run:
         log.close()
 
     def victims(self) -> list[tuple[str, Any]]:
+        """Live components of the roles that may be killed; a loader process is a "shadow" when it is the
+        primary of no partition in the planner's table (a promoted shadow is a primary, its restarted old
+        primary a shadow)."""
         roles = set(self.args.roles.split(","))
+        primaries: set[str] | None = None
+        if self.args.shadows:
+            try:
+                primaries = {p["host"] for p in self.rt.partitions()["partitions"].values()}
+            except Exception:  # noqa: BLE001 - the planner is restarting: kill another time
+                return []
         out = []
         for c in self.rt.children:
             if c.component is None or c.proc.poll() is not None:
                 continue
             role = c.component.role
-            if role == "loader" and "shadow" in c.name:
+            if role == "loader" and primaries is not None and c.name not in primaries:
                 role = "shadow"
             if role in roles:
                 out.append((role, c))
@@ -361,6 +372,9 @@ def main() -> int:
 
     want, _ = load(ref)
     got, twice = load(chaos)
+    # training time: first to last step any rank received (the runtimes' start-up is not training time)
+    ref_wall = max(r["t"] for r in want.values()) - min(r["t"] for r in want.values())
+    chaos_wall = max(r["t"] for r in got.values()) - min(r["t"] for r in got.values())
     mismatched = sorted({k[1] for k in set(want) | set(got)
                          if k not in want or k not in got or (want[k]["segs"], want[k]["digest"]) != (got[k]["segs"], got[k]["digest"])})
     wc = Counter(tuple(s) for r in want.values() for s in r["segs"])
@@ -379,7 +393,7 @@ def main() -> int:
     checked, ok, bad = replay_check(chaos, got, args.replays, args.seed)
     for b in bad[:5]:
         print(f"replay mismatch: {b}", file=sys.stderr)
-    all_st = [s["stall_s"] for s in st]
+    all_st = [s["stall_s"] for s in st if s["role"] != "trainer"]  # a trainer's own restart is not the data plane's stall
     print(json.dumps({"kills_detail": [{k: v for k, v in s.items() if k != "t"} for s in st]}))
     print(json.dumps({
         "steps": args.steps, "kills": len(chaos.kills), "kills_by_role": dict(Counter(k["role"] for k in chaos.kills)),
