@@ -28,8 +28,13 @@ footprint × R) and marked ``"extrapolated": true``.
 every M and multiplied by R, mixplane measured once (R = 8, M = 32) and scaled to the other rows by
 its per-source share; every row is then marked extrapolated.
 
+``--shadows``: every mixplane row that is measured is measured again with one shadow loader per loader group
+(``runtime.shadow_loaders: 1``: a hot standby process opening the same sources with a warm window, issue 11);
+seed 001 leaves shadows out of its memory figures, so both are reported: ``mixplane_with_shadows_mb``,
+``shadow_cost_mb`` (the difference), ``shadow_cost_per_group_mb`` and ``ratio_with_shadows``.
+
 The last stdout line is ``{"rows": [{"ranks", "sources", "baseline_rss_mb", "mixplane_rss_mb", "ratio",
-"extrapolated"}]}`` (MB = 2**20 bytes, PSS).
+"extrapolated"[, shadow columns]}]}`` (MB = 2**20 bytes, PSS).
 """
 
 from __future__ import annotations
@@ -266,7 +271,7 @@ def run_baseline(paths: list[str], r: int) -> tuple[float, int]:
         stop_all(procs)
 
 
-def mixture_spec(paths: list[str], r: int, run_dir: str) -> dict:
+def mixture_spec(paths: list[str], r: int, run_dir: str, shadows: int = 0) -> dict:
     dp = max(1, r // (CP * PP))
     return {
         "name": "membench",
@@ -276,15 +281,17 @@ def mixture_spec(paths: list[str], r: int, run_dir: str) -> dict:
         "topology": {"modules": {"backbone": {"dp": dp, "pp": PP, "cp": CP, "tp": 1}}, "ranks_per_node": r},
         "strategy": {"name": "vanilla"},
         "runtime": {"window": WINDOW, "constructors": "per_node", "metrics": False, "prefetch_steps": 2,
-                    "run_dir": run_dir},
+                    "run_dir": run_dir, **({"shadow_loaders": shadows} if shadows else {})},
     }
 
 
-def run_mixplane(paths: list[str], r: int, workdir: Path) -> tuple[float, int]:
+def run_mixplane(paths: list[str], r: int, workdir: Path, shadows: int = 0) -> tuple[float, int]:
+    """PSS of the whole mixplane side (and the trainers); `shadows` hot standby loader processes per loader
+    group (runtime.shadow_loaders: same partitions, warm windows, nothing sent until promoted)."""
     from mixplane.spec import parse_spec
 
     run_dir = Path(tempfile.mkdtemp(prefix="mixplane-mem-", dir=workdir))
-    spec = parse_spec(mixture_spec(paths, r, str(run_dir)))
+    spec = parse_spec(mixture_spec(paths, r, str(run_dir), shadows))
     spec_file = run_dir / "spec.json"
     spec_file.write_text(spec.model_dump_json())
     procs: list[subprocess.Popen] = []
@@ -301,8 +308,12 @@ def run_mixplane(paths: list[str], r: int, workdir: Path) -> tuple[float, int]:
         procs.append(_py("-m", "mixplane.cli", "constructor", "--spec", str(spec_file), "--index", "0", "--planner", ep))
         names = [s.name for s in spec.sources]
         for g in range(0, len(names), GROUP):
+            group = ",".join(names[g:g + GROUP])
             procs.append(_py("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
-                             "--sources", ",".join(names[g:g + GROUP])))
+                             "--sources", group, "--host-name", f"loaders-{g}"))
+            for i in range(shadows):
+                procs.append(_py("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
+                                 "--sources", group, "--host-name", f"loaders-{g}-shadow{i + 1}", "--shadow"))
         ranks = [_py(__file__, "--role", "mixplane", "--planner", ep, "--rank", str(i)) for i in range(r)]
         procs.extend(ranks)
         wait_ready(ranks, 900, f"mixplane R={r} M={len(paths)}")
@@ -316,6 +327,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="finish within 60 s (smaller data, more extrapolation)")
     ap.add_argument("--budget-gb", type=float, default=9.0, help="largest baseline run to measure directly")
+    ap.add_argument("--shadows", action="store_true", help="also measure every mixplane row with one shadow "
+                    "loader per loader group (runtime.shadow_loaders: 1) and report the cost")
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "mixplane-bench-memory"))
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--paths", help=argparse.SUPPRESS)
@@ -355,6 +368,7 @@ def main() -> None:
 
     small_r = 1 if args.quick else 2
     rows = []
+    shadow_mb: dict[tuple[int, int], float] = {}
     for m in sources_list:
         paths = all_paths[:m]
         per_rank: float | None = None  # loader-side MB per baseline rank, from a smaller measured run
@@ -365,6 +379,11 @@ def main() -> None:
                 mp = tot - idle_mb(r)
                 print(json.dumps({"side": "mixplane", "ranks": r, "sources": m, "pss_total_mb": round(tot, 1),
                                   "idle_trainers_mb": round(idle_mb(r), 1), "processes": n}), flush=True)
+                if args.shadows:
+                    tot_s, n_s = run_mixplane(paths, r, root, shadows=1)
+                    shadow_mb[(r, m)] = tot_s - idle_mb(r)
+                    print(json.dumps({"side": "mixplane+shadows", "ranks": r, "sources": m, "pss_total_mb": round(tot_s, 1),
+                                      "shadow_loaders": 1, "loader_groups": -(-m // GROUP), "processes": n_s}), flush=True)
             if not args.quick and est(r, m) <= budget_mb:
                 base, extrap = baseline(paths, r), False
                 per_rank = base / r
@@ -392,7 +411,15 @@ def main() -> None:
                 x["extrapolated"] = True
     for x in rows:
         x["ratio"] = round(x["baseline_rss_mb"] / x["mixplane_rss_mb"], 2) if x["mixplane_rss_mb"] else None
-    rows = [{k: x[k] for k in ("ranks", "sources", "baseline_rss_mb", "mixplane_rss_mb", "ratio", "extrapolated")}
+        key = (x["ranks"], x["sources"])
+        if key in shadow_mb:  # measured, not extrapolated: seed 001 leaves shadows out of its figures; both here
+            sh = shadow_mb[key]
+            x.update(mixplane_with_shadows_mb=round(sh, 1), shadow_cost_mb=round(sh - x["mixplane_rss_mb"], 1),
+                     shadow_cost_per_group_mb=round((sh - x["mixplane_rss_mb"]) / -(-x["sources"] // GROUP), 1),
+                     ratio_with_shadows=round(x["baseline_rss_mb"] / sh, 2))
+    cols = ("ranks", "sources", "baseline_rss_mb", "mixplane_rss_mb", "ratio", "extrapolated")
+    extra = ("mixplane_with_shadows_mb", "shadow_cost_mb", "shadow_cost_per_group_mb", "ratio_with_shadows")
+    rows = [{k: x[k] for k in (*cols, *(e for e in extra if e in x))}
             for x in sorted(rows, key=lambda x: (x["ranks"], x["sources"]))]
     print(json.dumps({"rows": rows}), flush=True)
 
