@@ -328,7 +328,7 @@ def replay_check(run: Run, recs: dict, n: int, seed: int) -> tuple[int, int, lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="about a minute: 120 steps, 3 kills")
+    ap.add_argument("--quick", action="store_true", help="about a minute: 100 steps, 3 kills")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
     ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
@@ -351,7 +351,7 @@ def main() -> int:
     if args.role == "trainer":
         return trainer(args)
     if args.quick:
-        args.steps, args.kills, args.replays = min(args.steps, 120), min(args.kills, 3), min(args.replays, 10)
+        args.steps, args.kills, args.replays = min(args.steps, 100), min(args.kills, 3), min(args.replays, 10)
     # only roles the runtime restarts can be killed without failing the run
     args.roles = ",".join(r for r in args.roles.split(",")
                           if r in args.supervised.split(",") or (r == "shadow" and "loader" in args.supervised))
