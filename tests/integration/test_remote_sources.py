@@ -120,12 +120,15 @@ def test_read_ahead_coalesces_and_cuts_waiting(s3, proxy, monkeypatch, mode):
         s = open_stream(spec(uri, proxy.endpoint, mode), seed=1, buffer_rows=100, row_block=64)
         proxy.reset_counts()
         runs[name] = (take_all(s, len(table) + 50), proxy.requests, s.stats.cache_hits, s.reader.ahead_misses)
+        runs["split_hits"] = s.reader.split_hits
         s.close()
     (k0, c0), naive_requests, _, naive_misses = runs["naive"]
     (k1, c1), ahead_requests, hits, misses = runs["ahead"]
     assert k0 == k1 and all(c0[c].equals(c1[c]) for c in c0)
     assert hits > 0 and naive_misses > 0
     assert misses == 0, misses
+    if mode == "page":  # pages split in parts: each decoded once while its other parts were planned
+        assert runs["split_hits"] > 0
     assert ahead_requests < naive_requests, (ahead_requests, naive_requests)
 
 

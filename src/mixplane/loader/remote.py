@@ -40,6 +40,7 @@ class RemoteIO:
     min_request: int = 1 << 20
     max_inflight: int = 16
     cache_bytes: int = 128 << 20  # recently read / prefetched ranges kept (bytes)
+    split_cache_bytes: int = 32 << 20  # page mode: decoded split pages whose other parts are planned (0: off)
     tail_bytes: int = 64 << 10  # one read of a file's last bytes serves its footer and most OffsetIndexes
 
 

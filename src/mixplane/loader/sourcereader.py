@@ -41,6 +41,11 @@ class _LRU:
             _, (_, nb) = self.items.popitem(last=False)
             self.nbytes -= nb
 
+    def pop(self, key) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+
     def clear(self) -> None:
         self.items.clear()
         self.nbytes = 0
@@ -81,6 +86,9 @@ class SourceReader:
         self._chunks = False
         self._scheduled_upto = 0
         self.ahead_misses = 0  # remote reads not served by the read-ahead
+        self._pending: dict[int, int] = {}  # page -> planned reads not done (page mode)
+        self.split_hits = 0  # parts of split pages taken from a page decoded for an earlier part
+        self._split = _LRU(self.io.split_cache_bytes)  # decoded split pages with planned parts to come
         self.stats = stats if stats is not None else IOStats()
         if self.ahead is not None:
             self.ahead.stats = self.stats
@@ -155,6 +163,8 @@ class SourceReader:
         self._order = np.asarray(units, np.int64)
         self._chunks = chunks
         self._scheduled_upto = 0
+        self._pending.clear()
+        self._split.clear()
         self.ahead.unpin_all()
 
     def read_ahead(self, frontier: int) -> None:
@@ -173,6 +183,9 @@ class SourceReader:
         ranges = self._chunk_ranges if self._chunks else self._page_ranges
         units = [ranges(int(u)) for u in self._order[lo:hi]]
         self._scheduled_upto = lo + self.ahead.schedule(units)
+        if not self._chunks:  # planned reads per page (the parts of a split page)
+            for u in self._order[lo : self._scheduled_upto].tolist():
+                self._pending[u] = self._pending.get(u, 0) + 1
 
     def arrival_order(self, pages: list[int]) -> list[int]:
         """Indices of ``pages`` (primary pages about to be read) in the order their bytes arrive: those
@@ -267,7 +280,34 @@ class SourceReader:
 
         ``units`` gives the primary column's unit range when the caller knows it (it is decoded
         selecting the rows as it goes); other columns read the pages that cover the row range,
-        slice them and take the selected rows."""
+        slice them and take the selected rows.
+
+        Remote page mode: a part of a split page whose other parts the read-ahead plan holds (they
+        are in the shuffle buffer or about to be) decodes the whole page once and keeps it until its
+        last planned part is read (byte-bounded), instead of decompressing it once per part."""
+        if select is not None and units is not None and self._pending and self.io.split_cache_bytes > 0:
+            p = units[0]
+            left = self._pending.get(p, 0) - 1
+            if left >= 0:
+                if left:
+                    self._pending[p] = left
+                else:
+                    del self._pending[p]
+                hit = self._split.get(p)
+                full = hit[0] if hit is not None else None
+                self.split_hits += hit is not None
+                if full is None and left > 0:
+                    full = self._read_rows(chunk, row0, row1, units, None)
+                    self._split.put(p, full, sum(a.nbytes for a in full.values()))
+                if left == 0 and hit is not None:
+                    self._split.pop(p)
+                if full is not None:
+                    sel = pr.int64_array(select)
+                    return {c: a.take(sel) for c, a in full.items()}
+        return self._read_rows(chunk, row0, row1, units, select)
+
+    def _read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None,
+                   select: np.ndarray | None = None) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}
         for ci, col in enumerate(self.index.col_info):
             a = self.index.cols[col.name]
@@ -295,3 +335,4 @@ class SourceReader:
             r.close()
         self._readers.clear()
         self._dicts.clear()
+        self._split.clear()
