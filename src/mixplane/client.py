@@ -169,12 +169,26 @@ class MixtureLoader:
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
         self.curve = curve
+        # a shared `client` key gives way to this rank's own key when the key directory has one
+        # (runtime.rank_binding: a rank's batches go only to the holder of its key)
+        self._rank_keys = bool(curve is not None and curve.key_dir and os.path.isfile(
+            os.path.join(curve.key_dir, "client" + wire.SECRET_SUFFIX)) and wire.load_keys(curve.key_dir, "client") == curve.keys)
+
+    def _curve_keys(self) -> wire.CurveKeys | None:
+        if self.curve is None:
+            return None
+        if self._rank_keys and self.rank >= 0:
+            name = wire.rank_key_name(self.curve.key_dir, self.rank)
+            if name is not None:
+                return wire.load_keys(self.curve.key_dir, name)
+        return self.curve.keys
 
     def _socket(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
         wire.configure_socket(s, heartbeat_s=self.heartbeat_s)
-        if self.curve is not None:
-            wire.curve_client(s, self.curve.keys, self.curve.server_key("server"))
+        keys = self._curve_keys()
+        if self.curve is not None and keys is not None:
+            wire.curve_client(s, keys, self.curve.server_key("server"))
         return s
 
     # -- connection -----------------------------------------------------------------------
@@ -199,6 +213,11 @@ class MixtureLoader:
         route = self._request(p, Kind.ROUTE, ask, "route")
         if self.requested_coords is not None:
             self.rank = route.get("rank", int)
+            if self._rank_keys and wire.rank_key_name(self.curve.key_dir, self.rank) is not None:  # type: ignore[union-attr]
+                p.close(0)  # from here on as this rank's key holder (resume, steps)
+                p = self._socket()
+                p.connect(self.planner_endpoint)
+                self._planner = p
         spec_timeout = route.meta.get("step_timeout_s")
         if not self._timeout_fixed and isinstance(spec_timeout, (int, float)) and math.isfinite(spec_timeout) and spec_timeout > 0:
             self.timeout_s = float(spec_timeout)

@@ -130,16 +130,22 @@ def peer_name(identity: bytes) -> str:
     return "0x" + identity.hex()
 
 
-def message_role(frame: Any, curve: bool) -> str:
-    """The sender's role: the ZAP User-Id of a CURVE peer (set by wire.Authenticator), else anonymous."""
+def message_identity(frame: Any, curve: bool) -> tuple[str, protocol.Ranks | None]:
+    """The sender's role and bound ranks: from the ZAP User-Id of a CURVE peer (set by
+    wire.Authenticator from its key file), else anonymous and unbound."""
     if not curve:
-        return protocol.ANONYMOUS
+        return protocol.ANONYMOUS, None
     try:
         uid = frame.get("User-Id")
     except (zmq.ZMQError, AttributeError, TypeError):
-        return protocol.ANONYMOUS
+        return protocol.ANONYMOUS, None
     uid = uid.decode() if isinstance(uid, bytes) else str(uid or "")
-    return uid if uid in protocol.ROLES else protocol.CLIENT  # authenticated, unknown role: no control rights
+    return protocol.parse_user_id(uid)  # authenticated, unknown role: a client without control rights
+
+
+def message_role(frame: Any, curve: bool) -> str:
+    """The sender's role: the ZAP User-Id of a CURVE peer (set by wire.Authenticator), else anonymous."""
+    return message_identity(frame, curve)[0]
 
 
 # ------------------------------------------------------------------------------------------------ the base
@@ -154,6 +160,12 @@ class Endpoint:
     server: bool = False  # bound: anyone who can reach it may send (a connected socket talks to the peer we chose)
     curve: bool = False  # a CURVE server: the sender's role comes from its key
     members: bool = True  # record senders in the membership table
+    monitor: Any = None  # CURVE servers: handshake failures (peers refused before any message) are counted
+
+
+#: socket-monitor events of a refused connection, by the reason label they are counted under
+HANDSHAKE_FAILURES: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "other"}
 
 
 class Component:
@@ -174,6 +186,11 @@ class Component:
         self.security = wire.Security(self.ctx, rt.curve, role=protocol.COMPONENT)
         # anonymous peers may send control kinds only when the spec opens the run on purpose
         self.open_run = getattr(rt, "security", "open") == "open"
+        # rank claims (GET_STEP, ROUTE, RESUME) bound to rank keys: required when the spec says so, or
+        # (auto) when the key directory holds rank-bound client keys
+        binding = getattr(rt, "rank_binding", "auto")
+        self.ranks_required = self.security.enabled and (
+            binding == "required" or (binding == "auto" and wire.has_rank_keys(self.security.key_dir or "")))
         self.members = Membership()
         # application-level liveness: beat every interval; peers silent past the miss budget are reported
         self.liveness = wire.Liveness(min(LIVENESS_MAX_INTERVAL_S, float(rt.heartbeat_s)), LIVENESS_MISSES)
@@ -188,8 +205,43 @@ class Component:
                      server: bool = False, members: bool = True) -> Endpoint:
         """Register a socket (configured and bound / connected by the caller) and its handler table."""
         e = Endpoint(sock, label, dict(handlers), routed, server, server and self.security.enabled, members)
+        if e.curve:
+            events = 0
+            for ev in HANDSHAKE_FAILURES:
+                events |= ev
+            try:
+                e.monitor = sock.get_monitor_socket(events)
+            except zmq.ZMQError as err:  # counting is best effort; the socket works without it
+                self.log.warning("%s: no handshake monitor on the %s socket (%s)", self.name, label, err)
         self.endpoints.append(e)
         return e
+
+    def drain_monitors(self) -> int:
+        """Count connections refused during the handshake (no CURVE, a stranger's key, garbage): the
+        peer never got a message in, so this is where an unauthenticated SHUTDOWN shows up."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        n = 0
+        for e in self.endpoints:
+            while e.monitor is not None:
+                try:
+                    frames = e.monitor.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.ZMQError:  # zmq.Again: nothing (more) to read
+                    break
+                try:
+                    ev = parse_monitor_message(frames)
+                except (ValueError, IndexError, TypeError):
+                    continue
+                reason = HANDSHAKE_FAILURES.get(int(ev.get("event", 0)))
+                if reason is None:
+                    continue
+                n += 1
+                self.m.handshakes_failed.labels(self.component, e.label, reason).inc()
+                self.limited.log(logging.WARNING, f"handshake-{reason}", "%s: refused a connection to the %s socket "
+                                 "during the handshake (%s: %s)", self.name, e.label, reason,
+                                 ev.get("endpoint", b"").decode(errors="replace") if isinstance(ev.get("endpoint"), bytes)
+                                 else ev.get("endpoint"))
+        return n
 
     def entry(self, label: str) -> Endpoint:
         return next(e for e in self.endpoints if e.label == label)
@@ -206,6 +258,21 @@ class Component:
         self.limited.log(logging.WARNING, "refused", "%s: refused %s from %s (role %s%s)", self.name, kind.name,
                          sender, role, "" if role != protocol.ANONYMOUS else ": control needs an authenticated peer "
                          "(CURVE) unless runtime.security is 'open'")
+
+    def refuse_rank(self, e: Endpoint, identity: bytes, msg: wire.Message, role: str, ranks: protocol.Ranks | None,
+                    sender: str) -> None:
+        """A rank claim the sender's key does not cover: counted and logged like any refusal, and answered
+        (the peer is authenticated) so that a misconfigured trainer fails at once, not after its timeout."""
+        self.m.refused.labels(self.component, msg.kind.name, role).inc()
+        self.m.bad_messages.labels(self.component, "refused").inc()
+        claim = msg.meta.get("rank", "none")
+        held = "no rank (a shared client key)" if ranks is None else f"ranks {ranks[0]}..{ranks[1]}"
+        why = f"{msg.kind.name} for rank {claim} refused: this client's key is bound to {held}"
+        if ranks is None:
+            why += " and this run requires rank-bound keys (client-r<rank> in the key directory)"
+        self.limited.log(logging.WARNING, "refused-rank", "%s: %s (from %s)", self.name, why, sender)
+        if e.routed:
+            self.send_routed(e.sock, identity, Kind.ERROR, {"error": why}, quiet=True)
 
     # -- receiving ------------------------------------------------------------------------------------------
     def dispatch(self, e: Endpoint, identity: bytes, msg: wire.Message, role: str = protocol.COMPONENT) -> None:
@@ -240,10 +307,13 @@ class Component:
                 self.bad("decode", "dropped a bad message on the %s socket from %s: %s", e.label, peer_name(identity), err)
                 continue
             # on a socket we connected (to the planner, whose server key we checked) the peer is a component
-            role = message_role(frames[0], e.curve) if e.server else protocol.COMPONENT
+            role, ranks = message_identity(frames[0], e.curve) if e.server else (protocol.COMPONENT, None)
             sender = peer_name(identity) if e.routed else e.label
             if not protocol.allowed(msg.kind, role, open_run=self.open_run):
                 self.refuse(msg.kind, role, sender)
+                continue
+            if not protocol.rank_claim_ok(msg.kind, msg.meta, role, ranks, required=self.ranks_required):
+                self.refuse_rank(e, identity, msg, role, ranks, sender)
                 continue
             if e.members:
                 self.members.seen(sender, role)
@@ -342,6 +412,7 @@ class Component:
                 for e in self.endpoints:
                     if e.sock in events:
                         self.drain(e)
+                self.drain_monitors()
                 self.on_liveness(now)
                 self.tick()
         finally:
@@ -352,6 +423,13 @@ class Component:
 
     def close(self) -> None:
         for e in self.endpoints:
+            if e.monitor is not None:
+                try:
+                    e.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                e.monitor.close(0)
+                e.monitor = None
             e.sock.close(0)
 
 

@@ -22,6 +22,7 @@ class Metrics:
     # wire (all components)
     bad_messages: Counter
     refused: Counter
+    handshakes_failed: Counter
     liveness_detections: Counter
     silent_peers: Gauge
     # planner
@@ -95,6 +96,9 @@ def make_metrics(component: str) -> Metrics:
         silent_peers=g("mixplane_liveness_silent_peers", "Registered peers silent for longer than the miss budget", lbl),
         refused=c("mixplane_wire_refused_total", "Messages refused because the sender's role may not send their kind",
                   lbl + ["kind", "role"]),
+        handshakes_failed=c("mixplane_wire_handshakes_failed_total", "Connections to a CURVE socket refused before any message: "
+                            "auth (a key not in the run's key set), protocol (no CURVE, another protocol, garbage), other",
+                            lbl + ["socket", "reason"]),
         steps_planned=c("mixplane_planner_steps_planned_total", "Steps planned"),
         plan_seconds=h("mixplane_planner_plan_seconds", "Time to plan one step"),
         planner_step=g("mixplane_planner_step", "Last planned step"),

@@ -229,6 +229,50 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
 }
 
 
+#: kinds in which a trainer client names its rank (meta field ``rank``): bound to its key (see rank_claim_ok)
+RANK_KINDS = frozenset({Kind.ROUTE, Kind.GET_STEP, Kind.RESUME})
+Ranks = tuple[int, int]  # the ranks a client key is bound to, first..last inclusive
+
+
+def parse_user_id(uid: str) -> tuple[str, Ranks | None]:
+    """(role, bound ranks) of a ZAP User-Id: ``client`` (a shared client key: no binding),
+    ``client:3-3`` / ``client:0-7`` (a key bound to ranks 3 / 0..7), ``admin``, ``component``.
+    An unknown role is an authenticated client without control rights; a malformed binding binds
+    to no rank at all (refused everywhere, never widened)."""
+    role, _, bound = uid.partition(":")
+    if role not in ROLES:
+        role = CLIENT
+    if not bound:
+        return role, None
+    a, _, b = bound.partition("-")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        return role, (0, -1)
+    return role, (lo, hi)
+
+
+def user_id(role: str, ranks: Ranks | None = None) -> str:
+    return role if ranks is None else f"{role}:{ranks[0]}-{ranks[1]}"
+
+
+def rank_claim_ok(kind: Kind, meta: Mapping[str, Any], role: str, ranks: Ranks | None, *, required: bool) -> bool:
+    """Whether a peer may make the rank claim in a message of ``kind``: components and admins always;
+    a client key bound to ranks only for those ranks; a shared (unbound) client key unless the run
+    requires bound keys (``runtime.rank_binding``). A ROUTE by mesh coordinates names no rank (the
+    constructor checks the GET_STEPs that follow); a client's RESUME must name its rank when bound."""
+    if kind not in RANK_KINDS or role in (COMPONENT, ADMIN):
+        return True
+    rank = meta.get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        if kind == Kind.ROUTE and "coords" in meta:
+            return True
+        return ranks is None and not required
+    if ranks is None:
+        return not required
+    return ranks[0] <= rank <= ranks[1]
+
+
 def allowed(kind: Kind, role: str, *, open_run: bool = False) -> bool:
     """Whether a peer in `role` may send `kind`. An anonymous peer (no CURVE) may send control kinds
     only in a run the spec opened on purpose (``runtime.security: open``)."""

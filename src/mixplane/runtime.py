@@ -37,7 +37,8 @@ from mixplane.wire import Kind
 
 log = logging.getLogger("mixplane.runtime")
 READY_TIMEOUT_S = 120.0
-KEY_ROLES = ("server", "component", "client", "admin")  # binding sockets present `server`; peers their role's pair
+KEY_ROLES = ("server", "component", "client", "admin")
+MAX_RANK_KEYS = 4096  # embedded runs generate one client key per trainer rank up to this world size  # binding sockets present `server`; peers their role's pair
 CLIENT_ENV = ("MIXPLANE_CURVE_DIR", "MIXPLANE_CURVE_NAME")
 
 
@@ -138,6 +139,8 @@ class EmbeddedRuntime:
         if not (self.spec.runtime.curve.enabled and self.spec.runtime.curve.key_dir):
             self._inherit_keys()
         wire.ensure_keys(self.key_dir, KEY_ROLES)  # once per run dir; secrets are 0600
+        if self.spec.runtime.rank_binding != "off" and self.spec.world_size <= MAX_RANK_KEYS:
+            wire.ensure_rank_keys(self.key_dir, self.spec.world_size)  # a rank's batches go only to its key
 
     def _inherit_keys(self) -> None:
         """Take the key set $MIXPLANE_CURVE_DIR names when it is complete (another runtime of this process,
@@ -148,6 +151,8 @@ class EmbeddedRuntime:
         files = [f"{r}{suffix}" for r in KEY_ROLES for suffix in (wire.PUBLIC_SUFFIX, wire.SECRET_SUFFIX)]
         if not all((Path(src) / f).is_file() for f in files):
             return
+        files += sorted(p.name for p in Path(src).glob("client-r*") if p.is_file()
+                        and wire.ranks_of_key_name(p.name.split(".")[0]) is not None)
         for f in files:
             data = (Path(src) / f).read_bytes()
             fd = os.open(self.key_dir / f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

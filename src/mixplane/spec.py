@@ -216,6 +216,7 @@ class RuntimeSpec(_Model):
     shadow_loaders: int = Field(0, ge=0, le=4, description="Hot-standby loader processes per loader group: each opens the same partitions, follows the primary's cursor and reads ahead without sending; when the primary is silent for `failover_after_s` the planner hands its partitions to a shadow (partition handoff), and the restarted primary becomes the shadow.")
     loader_snapshot_every: int = Field(0, ge=0, le=1_000_000, description="Loaders write a differential checkpoint (stream position, partial progress, live listing) every this many steps planned for them into `<run_dir>/loader-state/`; a restarted loader reads ahead from it while the planner's record bridges the gap to the exact cursor. 0: off (the planner's cursor alone positions a restarted loader exactly).")
     failover_after_s: float = Field(1.0, gt=0, le=60, description="A loader host (process) silent this long is taken for dead or hung: a shadow of its partitions is promoted. Hosts beat four times per interval.")
+    rank_binding: Literal["auto", "required", "off"] = Field("auto", description="Bind trainer ranks to client keys: a rank's batches (GET_STEP), route and resume go only to a key bound to that rank (`client-r<rank>` or a pod's `client-r<first>-<last>` in the key directory). `auto`: required when the key directory holds rank keys (the embedded runtime generates one per rank); `required`: a shared `client` key is refused; `off`: any client key may claim any rank. See docs/security.md.")
 
 
 class KubernetesSpec(_Model):

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,23 @@ class QuarantineLog:
         self._by_kind: Counter[str] = Counter()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._lock = threading.Lock()
+        # a sample's key -> (file, row in file): set by whoever knows the stream (the loader window), so a
+        # quarantined sample's record and log line name its file
+        self.locate: Callable[[int], tuple[str, int] | None] | None = None
 
     def add(self, err, *, pages: int = 1, whole_file: bool = False) -> bool:
         """Record an error (a ParquetError or anything with .kind/.file/...). Returns False if
         this exact unit was already recorded (a unit is counted once)."""
         kind = getattr(err, "kind", type(err).__name__)
-        key = (getattr(err, "file", None), getattr(err, "row_group", None), getattr(err, "column", None),
-               getattr(err, "page", None), whole_file)
+        file, message = getattr(err, "file", None), str(err)
+        if file is None and getattr(err, "unit", None) == "sample" and self.locate is not None:
+            try:
+                where = self.locate(int(err.page))
+            except (TypeError, ValueError, IndexError):
+                where = None
+            if where is not None:
+                file, message = where[0], f"{message} (file {where[0]}, row {where[1]})"
+        key = (file, getattr(err, "row_group", None), getattr(err, "column", None), getattr(err, "page", None), whole_file)
         with self._lock:
             if key in self._seen:
                 self._seen.move_to_end(key)
@@ -62,13 +73,13 @@ class QuarantineLog:
             if self.max_seen is not None and len(self._seen) > self.max_seen:
                 self._seen.popitem(last=False)
             self.entries.append(QuarantineEntry(kind=kind, file=key[0], row_group=key[1], column=key[2], page=key[3],
-                                                pages=pages, message=str(err)))
+                                                pages=pages, message=message))
             self.pages_total += pages
             self.files_total += whole_file
             self.units_total += 1
             self._by_kind[kind] += 1
         unit = getattr(err, "unit", "file" if whole_file else "page")
-        log.warning("source %r: quarantined %s: %s", self.source, unit, err)
+        log.warning("source %r: quarantined %s: %s", self.source, unit, message)
         return True
 
     def counts(self) -> dict:

@@ -32,7 +32,7 @@ from mixplane.loader.policies import (
 from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.shuffle import EpochPlan, PageParts, epoch_rng
 from mixplane.loader.unitcache import SLAB_LIVE_RATIO
-from mixplane.samples import make_key
+from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
 
 log = logging.getLogger(__name__)
@@ -433,6 +433,15 @@ class SourceStream:
         del parts, cols
         self.cache.after_take()  # slabs emptied during this take() once its pieces are gone
         return out
+
+    def where_key(self, key: int) -> tuple[str, int] | None:
+        """(file path, row within that file) of the row a sample key names (quarantine records name files)."""
+        row = int(key_row(key))
+        starts = self.index.file_row_start
+        if key < 0 or not len(starts) or not 0 <= row < int(starts[-1]):
+            return None
+        f = int(np.searchsorted(starts, row, side="right")) - 1
+        return self.index.files[f].path, row - int(starts[f])
 
     def _col_type(self, c: str) -> pa.DataType:
         if self.index.col_info is None:

@@ -79,6 +79,9 @@ class LoaderWindow:
         self.cut_overlong = 0  # documents over those bounds cut to their first piece (overlong_doc: truncate)
         # overlong_doc: split — the transform's splitter makes the pieces; positions are per piece
         self.splitter = getattr(transform, "splitter", None)
+        tq, where = getattr(transform, "quarantine", None), getattr(stream, "where_key", None)
+        if tq is not None and where is not None and getattr(tq, "locate", False) is None:
+            tq.locate = where  # a quarantined sample's record names its file and row
         self.split_overlong = 0  # documents delivered as several pieces
         self.low = 0  # the last seek's position: pieces of its row below it were consumed
         # read-ahead beyond the window (invisible to the planner): refills after a step are then

@@ -4,6 +4,7 @@ per-component :class:`Security` that applies the spec's ``runtime.curve`` to soc
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,13 +86,56 @@ def role_of_key_name(stem: str) -> str:
     return "component" if stem == "server" else "client"
 
 
+_RANK_KEY = re.compile(r"^client-r(\d+)(?:-(\d+))?$")
+
+
+def ranks_of_key_name(stem: str) -> tuple[int, int] | None:
+    """The trainer ranks a client key is bound to, from its file name: `client-r3` -> (3, 3),
+    `client-r0-7` (a trainer pod's ranks) -> (0, 7); None for any other key."""
+    m = _RANK_KEY.match(stem)
+    if m is None:
+        return None
+    lo = int(m.group(1))
+    return lo, int(m.group(2)) if m.group(2) is not None else lo
+
+
+def rank_key_name(key_dir: str | os.PathLike, rank: int) -> str | None:
+    """The name of the key pair in key_dir bound to `rank` (`client-r<rank>`, else a `client-r<a>-<b>`
+    range holding it) whose secret is present; None when there is none."""
+    d = Path(key_dir)
+    if (d / f"client-r{rank}{SECRET_SUFFIX}").is_file():
+        return f"client-r{rank}"
+    for p in sorted(d.glob(f"client-r*{SECRET_SUFFIX}")):
+        stem = p.name[: -len(SECRET_SUFFIX)]
+        r = ranks_of_key_name(stem)
+        if r is not None and r[0] <= rank <= r[1]:
+            return stem
+    return None
+
+
+def has_rank_keys(key_dir: str | os.PathLike) -> bool:
+    """Whether key_dir holds rank-bound client keys (then a run in `rank_binding: auto` requires them)."""
+    return any(ranks_of_key_name(p.name[: -len(PUBLIC_SUFFIX)]) is not None
+               for p in Path(key_dir).glob(f"client-r*{PUBLIC_SUFFIX}"))
+
+
+def ensure_rank_keys(key_dir: str | os.PathLike, world_size: int) -> None:
+    """One `client-r<N>` key pair per trainer rank (a rank's batches then go only to its key's holder)."""
+    ensure_keys(key_dir, [f"client-r{r}" for r in range(world_size)])
+
+
 def load_roles(key_dir: str | os.PathLike) -> dict[bytes, str]:
-    """Public key -> role of every `*.key` in key_dir (the allowlist with the role of each key)."""
+    """Public key -> ZAP User-Id of every `*.key` in key_dir (the allowlist with each key's role, and for
+    rank-bound client keys the ranks: `client:3-3`, see protocol.parse_user_id)."""
     out: dict[bytes, str] = {}
     for p in sorted(Path(key_dir).glob(f"*{PUBLIC_SUFFIX}")):
         public, _ = _read_cert(p)
         if public is not None:
-            role = role_of_key_name(p.name[: -len(PUBLIC_SUFFIX)])
+            stem = p.name[: -len(PUBLIC_SUFFIX)]
+            role = role_of_key_name(stem)
+            ranks = ranks_of_key_name(stem)
+            if ranks is not None:
+                role = f"{role}:{ranks[0]}-{ranks[1]}"
             if out.get(public) not in ("admin", "component"):  # one key in two files: the stronger role
                 out[public] = role
     return out
