@@ -53,6 +53,8 @@ MAX_SHUFFLE_BUFFER_MB = 65536.0
 MAX_IMAGE_SIDE = 16384
 MAX_AHEAD_STEPS = 1 << 16
 MAX_PHASES = 10_000
+MAX_DOC_BYTES = 64 << 20  # one document a loader tokenizes (64 MiB took ~55-100 s and 6-7 GB unbounded)
+MAX_DOC_TOKENS = 1 << 26
 # the spec file itself: size, YAML nesting and YAML values after aliases are expanded
 MAX_SPEC_BYTES = 4 << 20
 MAX_YAML_DEPTH = 64
@@ -71,6 +73,8 @@ _BOUNDED = {  # what each bound applies to (docs/spec-reference.md)
     "MAX_IMAGE_SIDE": "`sources[].image.max_side`, `sources[].image.patch_size` (pixels)",
     "MAX_AHEAD_STEPS": "`runtime.prefetch_steps`, `runtime.max_lead_steps`",
     "MAX_PHASES": "`mixture.phases` (count)",
+    "MAX_DOC_BYTES": "`sources[].max_doc_bytes`",
+    "MAX_DOC_TOKENS": "`sources[].max_doc_tokens`",
     "MAX_SPEC_BYTES": "the spec file (bytes)",
     "MAX_YAML_DEPTH": "YAML nesting (levels)",
     "MAX_YAML_VALUES": "YAML values once aliases are expanded",
@@ -101,8 +105,8 @@ class SourceSpec(_Model):
     shuffle_buffer: int = Field(10000, ge=1, le=MAX_SHUFFLE_BUFFER, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
     shuffle_buffer_mb: float | None = Field(32.0, gt=0, le=MAX_SHUFFLE_BUFFER_MB, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
-    max_doc_bytes: int = Field(1 << 20, ge=1, description="Longest document (UTF-8 bytes of a text or caption) a loader tokenizes; checked before tokenizing, so one giant row cannot exhaust the loader's memory or stall delivery.")
-    max_doc_tokens: int = Field(1 << 20, ge=1, description="Most tokens one document may carry (after tokenizing, EOS included); a multiple of seq_len keeps the planner's chunks of a cut document whole.")
+    max_doc_bytes: int = Field(1 << 20, ge=1, le=MAX_DOC_BYTES, description="Longest document (UTF-8 bytes of a text or caption) a loader tokenizes; checked before tokenizing, so one giant row cannot exhaust the loader's memory or stall delivery.")
+    max_doc_tokens: int = Field(1 << 20, ge=1, le=MAX_DOC_TOKENS, description="Most tokens one document may carry (after tokenizing, EOS included); a multiple of seq_len keeps the planner's chunks of a cut document whole.")
     overlong_doc: Literal["truncate", "drop", "split"] = Field("truncate", description="A document over max_doc_bytes / max_doc_tokens keeps its first bounded piece (cut at a space), is dropped, or (split; kinds text and tokens) is delivered whole as consecutive bounded pieces, each tokenized only when the loader needs it (at most 4096 pieces per document); all counted (`mixplane_loader_overlong_docs_total{action}`).")
     endpoint: str | None = Field(None, description="S3-compatible endpoint override for an s3:// uri (e.g. http://minio:9000). Credentials never go in the spec: they come from the environment, an AWS profile or a mounted credentials file (AWS_SHARED_CREDENTIALS_FILE).")
     region: str | None = Field(None, description="Object-storage region for an s3:// uri (default: the environment's / profile's).")

@@ -279,3 +279,16 @@ def test_planner_over_a_split_source_resumes_exactly(corpus, tok_path):
     t_pos = [p for item in ref for s, p in zip(item[1], item[6]) if s == 0]
     assert any(piece_of(p) > 0 for p in t_pos), "the planner never packed a later piece"
     assert max(t_pos) < 40 * SPLIT_SLOTS
+
+
+def test_document_bounds_cannot_be_lifted_past_what_a_loader_survives(corpus, tok_path):
+    from mixplane.spec import MAX_DOC_BYTES, SpecError
+
+    d, _ = corpus
+    doc = {"name": "b", "sources": [{"name": "t", "uri": d, "tokenizer": tok_path, "max_doc_bytes": MAX_DOC_BYTES + 1,
+                                     "max_doc_tokens": 1 << 40}],
+           "mixture": {"weights": {"t": 1.0}}, "batch": {"sequences": 2, "seq_len": 64}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(doc)
+    msg = str(e.value)
+    assert "sources[0].max_doc_bytes" in msg and "67108864" in msg and "sources[0].max_doc_tokens" in msg
