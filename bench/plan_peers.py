@@ -299,8 +299,13 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
             c = spans[r["role"]].setdefault(int(s), [0, 0])
             c[0] += n
             c[1] = (c[1] + h) & M64
-    cons_steps = {s for (i, s) in got if any(i == c.identity for c in server.constructors.values())}
-    every_constructor = all(sum(1 for (i, s) in got if i == c.identity) == planned for c in server.constructors.values())
+    cons_ids = {c.identity for c in server.constructors.values()}
+    cons_steps = {s for (i, s) in got if i in cons_ids}
+    per_cons: dict[bytes, int] = {}
+    for (i, _s) in got:
+        if i in cons_ids:
+            per_cons[i] = per_cons.get(i, 0) + 1
+    every_constructor = all(per_cons.get(i, 0) == planned for i in cons_ids)
     matched = spans["loader"] == spans["constructor"] and len(spans["loader"]) == planned
     ok = (planned == steps and got == sent and undeliverable == 0 and bad == 0 and every_constructor
           and matched and not errors and complete == loaders + constructors and cons_steps == set(range(steps)))
