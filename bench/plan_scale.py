@@ -66,7 +66,7 @@ from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
-from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, loader_instructions  # noqa: E402
+from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_segments, loader_instructions  # noqa: E402
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
@@ -245,10 +245,10 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         cursor_after = planner.cursor()
         p = plan.pieces
         retired = planner.retired(p)
+        seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
-                                         plan.piece_of_seg)
-        img = image_parts(lay, plan.piece_of_seg, p.patches, dp_fanout, leader_fanout, len(groups), merge,
-                          spec.world_size)
+                                         plan.piece_of_seg, seg_of_img)
+        img = image_parts(lay, seg_of_img, dp_fanout, leader_fanout, len(groups), merge, spec.world_size)
         subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons],
                         constructor_layouts(lay, [d for _, d in cons], None if img is None else img.idx)))
         t_route = clock() - t0

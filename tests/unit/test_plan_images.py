@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from mixplane.constructor.multimodal import encoder_offsets, encoder_shapes, fuse_batch
 from mixplane.constructor.server import encoder_leaders as constructor_leaders
 from mixplane.planner.core import StepPlanner
-from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_offsets
+from mixplane.planner.routing import (Fanout, constructor_layouts, image_offsets, image_parts, image_routing,
+                                     image_segments, loader_instructions)
 from mixplane.topology import constructor_groups, dp_ranks_of_group, encoder_leaders
 
 from .planner_helpers import fill, make_spec
@@ -61,9 +62,21 @@ def test_partial_image_lists_build_what_the_full_list_builds(dp, tp, pp):
         lay, p = plan.layout, plan.pieces
         if not len(lay.img_key):
             continue
-        img = image_parts(lay, plan.piece_of_seg, p.patches, Fanout.from_lists(dp_to), leader_fanout, len(groups),
-                          merge, spec.world_size)
+        img = image_parts(lay, image_segments(lay, plan.piece_of_seg, p.patches), Fanout.from_lists(dp_to),
+                          leader_fanout, len(groups), merge, spec.world_size)
         assert img is not None
+        rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
+        for ci, g in enumerate(groups):
+            for r in g:
+                rank_to[int(r)].append(ci)
+        args = (lay, p.source, p.key, p.start, p.replica, p.pos, planner.retired(p), Fanout.from_lists(dp_to),
+                Fanout.from_lists(rank_to))
+        slow, fast = loader_instructions(*args), loader_instructions(*args, plan.piece_of_seg,
+                                                                      image_segments(lay, plan.piece_of_seg, p.patches))
+        assert slow.keys() == fast.keys()
+        for key in slow:
+            for name, a in slow[key].arrays().items():
+                assert np.array_equal(a, fast[key].arrays()[name]) and a.dtype == fast[key].arrays()[name].dtype
         full = constructor_layouts(lay, dps)
         part = constructor_layouts(lay, dps, img.idx)
         listed = 0

@@ -346,8 +346,10 @@ class StepPlanner:
         out = pieces.pos < low[wi]
         skips = [(i, w.skip) for i, w in enumerate(self.windows) if w.skip]
         if skips:
-            code = np.concatenate([np.fromiter(sk, np.int64, len(sk)) + (i << 40) for i, sk in skips])
-            out |= np.isin((wi << 40) + pieces.pos, code)
+            code = np.sort(np.concatenate([np.fromiter(sk, np.int64, len(sk)) + (i << 40) for i, sk in skips]))
+            q = (wi << 40) + pieces.pos
+            at = np.minimum(np.searchsorted(code, q), len(code) - 1)
+            out |= code[at] == q
         return out.astype(np.uint8)
 
     # -- runtime changes ----------------------------------------------------------------

@@ -62,12 +62,14 @@ class Instructions:
 def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key: np.ndarray, piece_start: np.ndarray,
                         piece_replica: np.ndarray, piece_pos: np.ndarray, retired: np.ndarray,
                         dp_fanout: Fanout, rank_fanout: Fanout,
-                        piece_of_seg: np.ndarray | None = None) -> dict[tuple[int, int], Instructions]:
+                        piece_of_seg: np.ndarray | None = None,
+                        seg_of_img: np.ndarray | None = None) -> dict[tuple[int, int], Instructions]:
     """Per (source, replica): what to send to which constructor.
 
     `retired[i]` says piece i's sample leaves its window with this step. Pieces and layout segments
     are the same spans (the planner checks coverage), matched here by (source, key, start) unless
-    `piece_of_seg` (the coverage check's match: the piece of every segment) is given.
+    `piece_of_seg` (the coverage check's match: the piece of every segment) is given; an image's first
+    span likewise unless `seg_of_img` (image_segments) is given.
     """
     n = len(layout.seg_row)
     if len(piece_source) != n:
@@ -95,7 +97,9 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
             "len": layout.seg_len[seg].astype(np.int64), "dest": dest, "retire": np.where(last, ret[seg], 0).astype(np.uint8),
             "img": np.zeros(len(seg), np.uint8)}
     # images: mark the first span's instruction for the encoder's constructor, or add an image-only one
-    if len(layout.img_key):
+    if len(layout.img_key) and seg_of_img is not None and len(seg_of_img) == len(layout.img_key):
+        fseg = np.asarray(seg_of_img, np.int64)
+    elif len(layout.img_key):
         first = layout.seg_start == 0
         fk = np.stack([src[first], layout.seg_key[first].astype(np.int64)])
         f_order = np.lexsort(fk[::-1])
@@ -108,6 +112,7 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
         if np.any(at >= len(key_f)) or np.any(key_f[np.minimum(at, len(key_f) - 1)] != key_i):
             raise ValueError(f"step {layout.step}: an image has no first span in the layout")
         fseg = np.flatnonzero(first)[f_order][at]
+    if len(layout.img_key):
         img_of, img_dest = rank_fanout.expand(layout.img_rank.astype(np.int64))
         img_seg = fseg[img_of]
         # existing (segment, dest) instructions that can carry the pixels
@@ -131,7 +136,7 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
             cols = {k: np.concatenate([cols[k], add[k]]) for k in cols}
     # split by loader replica
     key = cols["src"] * (1 << 20) + cols["rep"]
-    order = np.argsort(key, kind="stable")
+    order = _stable_order(key)
     cols = {k: v[order] for k, v in cols.items()}
     key = key[order]
     out: dict[tuple[int, int], Instructions] = {}
@@ -146,6 +151,14 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
     return out
 
 
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """np.argsort(key, kind="stable"), as a radix sort when the keys fit 16 bits (ranks, constructors)."""
+    key = np.asarray(key)
+    if len(key) and 0 <= int(key.min()) and int(key.max()) < 1 << 16:
+        return np.argsort(key.astype(np.uint16), kind="stable")
+    return np.argsort(key, kind="stable")
+
+
 def image_offsets(img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each image's merged tokens sit in the all-gathered encoder output (ranks in order, images in
     step order within a rank) and every rank's merged tokens: constructor.multimodal.encoder_offsets,
@@ -153,7 +166,7 @@ def image_offsets(img_rank: np.ndarray, img_tokens: np.ndarray, world: int) -> t
     img_rank = np.asarray(img_rank, np.int64)
     tok = np.asarray(img_tokens, np.int64)
     per_rank = np.bincount(img_rank, weights=tok, minlength=world).astype(np.int64) if len(tok) else np.zeros(world, np.int64)
-    order = np.argsort(img_rank, kind="stable")
+    order = _stable_order(img_rank)
     t = tok[order]
     base = np.empty(len(tok), np.int64)
     base[order] = np.cumsum(t) - t
@@ -171,12 +184,13 @@ def constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fa
     if n == 0:
         return [np.zeros(0, np.int64) for _ in range(n_constructors)]
     img_dp = layout.seg_row[seg_of_img].astype(np.int64) // layout.rows_per_rank
-    a_img, a_c = dp_fanout.expand(img_dp)
-    b_img, b_c = leader_fanout.expand(layout.img_rank.astype(np.int64))
-    code = np.unique(np.concatenate([a_c.astype(np.int64) * n + a_img, b_c.astype(np.int64) * n + b_img]))
-    bounds = np.searchsorted(code, np.arange(n_constructors + 1, dtype=np.int64) * n)
-    idx = code - (code // n) * n
-    return [idx[bounds[c]:bounds[c + 1]] for c in range(n_constructors)]
+    cuts = np.arange(n_constructors + 1, dtype=np.int64)
+    parts = []
+    for img_idx, cons in (dp_fanout.expand(img_dp), leader_fanout.expand(layout.img_rank.astype(np.int64))):
+        o = _stable_order(cons)  # per constructor, images stay ascending (expand lists them in order)
+        parts.append((img_idx[o], np.searchsorted(cons[o], cuts)))
+    (a, ab), (b, bb) = parts
+    return [np.union1d(a[ab[c]:ab[c + 1]], b[bb[c]:bb[c + 1]]) for c in range(n_constructors)]
 
 
 def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],
@@ -227,22 +241,29 @@ class ImageParts:
         return {IMG_BASE: self.base[self.idx[constructor]], ENCODER_TOKENS: self.encoder_tokens}
 
 
-def image_parts(layout: StepLayout, piece_of_seg: np.ndarray | None, piece_patches: np.ndarray, dp_fanout: Fanout,
-                leader_fanout: Fanout | None, n_constructors: int, merge: int | None, world: int) -> ImageParts | None:
-    """What each constructor is told about the step's images (see constructor_images), or None when the
-    step has no images or the plan cannot be split that way (every constructor then gets every image):
-    no piece pairing from the coverage check, no encoder leaders, or image sources merging differently."""
+def image_segments(layout: StepLayout, piece_of_seg: np.ndarray | None, piece_patches: np.ndarray) -> np.ndarray | None:
+    """The layout segment that carries each image (its sample's first piece), from the coverage check's
+    pairing of segments with pieces; None without one (or if the images do not pair up)."""
     n = len(layout.img_key)
-    if n == 0 or piece_of_seg is None or leader_fanout is None or not merge:
+    if n == 0 or piece_of_seg is None or len(piece_of_seg) != len(layout.seg_row):
         return None
     seg_patches = np.asarray(piece_patches, np.int64)[piece_of_seg]
-    first = np.flatnonzero(seg_patches > 0)  # the segments that carry an image (its first piece)
+    first = np.flatnonzero(seg_patches > 0)
     zero = np.zeros(n, np.int64)
     got, _ = match((layout.img_source, layout.img_key, zero, layout.img_patches),
                    (layout.seg_source[first], layout.seg_key[first], np.zeros(len(first), np.int64), seg_patches[first]))
-    if got is None:
+    return None if got is None else first[got]
+
+
+def image_parts(layout: StepLayout, seg_of_img: np.ndarray | None, dp_fanout: Fanout, leader_fanout: Fanout | None,
+                n_constructors: int, merge: int | None, world: int) -> ImageParts | None:
+    """What each constructor is told about the step's images (see constructor_images), or None when the
+    step has no images or the plan cannot be split that way (every constructor then gets every image):
+    no image segments (image_segments), no encoder leaders, or image sources merging differently."""
+    n = len(layout.img_key)
+    if n == 0 or seg_of_img is None or leader_fanout is None or not merge:
         return None
-    idx = constructor_images(layout, first[got], dp_fanout, leader_fanout, n_constructors)
+    idx = constructor_images(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors)
     base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
     if len(enc) and int(enc.max()) < 2**31:
         enc = enc.astype(np.int32)  # half the bytes of the one array every constructor gets whole

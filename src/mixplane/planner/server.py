@@ -22,10 +22,12 @@ from mixplane import protocol, wire
 from mixplane.component import Component, peer_name
 from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
+from mixplane.planner import selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner.journal import Journal
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array
-from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, loader_instructions
+from mixplane.planner.routing import (Fanout, constructor_layouts, image_parts, image_routing, image_segments,
+                                      loader_instructions)
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
@@ -62,7 +64,12 @@ class PlannerServer(Component, PartitionHosting):
 
     def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
                  run_dir: str | None = None, metrics_port: int | None = 0):
+        # the compiled planning loop: compiled (or loaded from numba's cache) before the socket exists, so
+        # the first step does not stall heartbeats for the seconds a cold compile takes
+        jit_s = selectloop.warm()
         super().__init__(spec, "planner", context=context, metrics_port=metrics_port, logger=log)
+        if jit_s > 1.0:
+            log.info("planning loop compiled in %.1f s (cached for the next start)", jit_s)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # heartbeats drop dead peers' pipes; a send to a vanished or stuck peer raises (counted, logged)
@@ -441,8 +448,9 @@ class PlannerServer(Component, PartitionHosting):
         # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
         retired = self.core.retired(p)
+        seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
-                                         self._dp_fanout, self._rank_fanout, plan.piece_of_seg)
+                                         self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
         for key, ins in per_loader.items():
             self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
         overflowed = self.inflight.overflowed
@@ -453,8 +461,8 @@ class PlannerServer(Component, PartitionHosting):
         cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
         self._remember_cursor(step + 1, cursor)
         peers = list(self.constructors.values())
-        img = image_parts(lay, plan.piece_of_seg, p.patches, self._dp_fanout, self._leader_fanout, len(self.groups),
-                          self._merge, self.spec.world_size)
+        img = image_parts(lay, seg_of_img, self._dp_fanout, self._leader_fanout, len(self.groups), self._merge,
+                          self.spec.world_size)
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
         for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers],
                                                      None if img is None else [img.idx[c.index] for c in peers])):
