@@ -236,6 +236,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_handoff(args: argparse.Namespace) -> int:
+    """Move a partition to another loader process at a step boundary, or (without arguments) print the
+    partition table (planner.partitions)."""
+    from mixplane.control import handoff, partitions
+
+    endpoint, curve = _control_target(args)
+    try:
+        if args.partition is None:
+            out = partitions(endpoint, args.timeout, curve=curve)
+        elif args.to is None:
+            raise SystemExit("mixplane handoff: give the loader host to move the partition to (--to NAME)")
+        else:
+            out = handoff(endpoint, args.partition, args.to, args.timeout, curve=curve)
+    except (TimeoutError, RuntimeError) as e:
+        print(f"mixplane handoff: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def update_message(weights: list[str], step: int, lr_scale: float | None = None,
                    temperature: float | None = None) -> dict[str, Any]:
     """The UPDATE_MIXTURE request for `mixplane update`; bad input fails here, before reaching the planner."""
@@ -408,7 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--temperature", type=float, help="mixture temperature from --step on (finite, > 0)")
     up.add_argument("--timeout", type=float, default=5.0)
     up.set_defaults(fn=cmd_update)
-    for c in (st, up):  # a secured run (the default) answers only its admin key
+    ho = sub.add_parser("handoff", help="move a partition (SOURCE:REPLICA) to another loader process at a step "
+                        "boundary; without arguments, print which process serves (and shadows) each partition")
+    ho.add_argument("partition", nargs="?", help="SOURCE:REPLICA, e.g. web:0")
+    ho.add_argument("--to", help="the loader host (process) name that takes it, as `mixplane handoff` lists them")
+    ho.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
+    ho.add_argument("--timeout", type=float, default=5.0)
+    ho.set_defaults(fn=cmd_handoff)
+    for c in (st, up, ho):  # a secured run (the default) answers only its admin key
         c.add_argument("--run-dir", help="the run's directory: planner endpoint and keys (printed by `mixplane run`)")
         c.add_argument("--curve-dir", help="key directory of a secured run (default: $MIXPLANE_CURVE_DIR, else RUN_DIR/keys)")
 

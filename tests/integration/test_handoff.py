@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -99,8 +101,15 @@ def test_handoff_on_request_moves_partitions_between_processes_at_a_step_boundar
         assert (r1["partition"], r1["from"], r1["to"], r1["epoch"]) == ("a:0", "loader-a-0", "scale-out-1", 2)
         assert r1["after_step"] >= 4
         wait_steps(fetch, 12)
-        r2 = rt.handoff("c:0", "loader-b-0")
+        # the same through the command line, with the run dir's admin key
+        cli = [sys.executable, "-m", "mixplane.cli", "handoff", "--run-dir", str(rt.run_dir)]
+        shown = json.loads(subprocess.run(cli, check=True, capture_output=True, text=True, timeout=60).stdout)
+        assert shown["partitions"]["a:0"]["host"] == "scale-out-1"
+        r2 = json.loads(subprocess.run([*cli, "c:0", "--to", "loader-b-0"], check=True, capture_output=True, text=True,
+                                       timeout=60).stdout)
         assert r2["epoch"] == 2 and r2["after_step"] >= 11
+        bad = subprocess.run([*cli, "c:0", "--to", "nobody"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "loader host 'nobody' is not alive (never registered)" in bad.stderr, bad.stderr
         wait_steps(fetch, 18)
         r3 = rt.handoff("a:0", "loader-a-0")  # and back
         assert r3["epoch"] == 3

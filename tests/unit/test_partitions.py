@@ -65,6 +65,9 @@ def test_shadows_are_promoted_when_the_primary_is_silent_and_the_old_primary_bec
     back = t.register(Host("p", (A0, B0)), up.__contains__)
     assert [(m.key, m.to, m.mode) for m in back] == [(A0, "p", "shadow"), (B0, "p", "shadow")]
     assert t.wanted_shadows(up.__contains__) == []
+    # a shadow process restarted under its name is told again what to follow (it is a new process)
+    again = t.register(Host("p", (A0,)), up.__contains__)
+    assert [(m.key, m.to, m.mode) for m in again] == [(A0, "p", "shadow")] and t[A0].shadows == ["p"]
 
 
 def test_a_resumed_zombie_is_given_the_shadow_slot_and_a_shadow_never_takes_a_free_partition():

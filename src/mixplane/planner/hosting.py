@@ -31,6 +31,7 @@ log = logging.getLogger("mixplane.planner")
 LOOP_STALL_FACTOR = 10.0  # a host whose poll loop has not turned for this many failover intervals is hung
 LOOP_STALL_MIN_S = 10.0
 FAILOVER_CHECK_S = 0.05  # how often silent primaries are looked for (the detection itself is failover_after_s)
+RETIRED_KEEP_S = 300.0  # old servers of moved partitions are remembered (and told to release) this long
 FOLLOW_EVERY_S = 0.2  # shadows learn where their primary stands at most this often
 RESHADOW_EVERY_S = 0.5  # how often partitions short of shadows look for a host to keep one
 
@@ -255,6 +256,8 @@ class PartitionHosting:
             self.apply_move(m, "failover")
         if now >= self._next_reshadow:
             self._next_reshadow = now + RESHADOW_EVERY_S
+            for ident in [i for i, (_, _, t) in self.retired_loaders.items() if now - t > RETIRED_KEEP_S]:
+                del self.retired_loaders[ident]  # bounded: an old server silent this long is gone
             for m in self.partitions.wanted_shadows(self.host_alive):
                 self.apply_move(m, "shadow")
         if now >= self._next_follow:

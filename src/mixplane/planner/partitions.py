@@ -114,6 +114,8 @@ class PartitionTable:
                 m = self._shadow(key, host.name) if host.shadow else self._assign(key, host.name)
             elif a.host == host.name or not alive(a.host):
                 m = self._assign(key, host.name)
+            elif host.name in a.shadows:  # a restarted shadow: a new process, to be told again what to follow
+                m = Move(key, host.name, "shadow", a.epoch, a.host)
             else:
                 m = self._shadow(key, host.name)
             if m is not None:
