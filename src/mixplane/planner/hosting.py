@@ -256,8 +256,8 @@ class PartitionHosting:
             self.apply_move(m, "failover")
         if now >= self._next_reshadow:
             self._next_reshadow = now + RESHADOW_EVERY_S
-            for ident in [i for i, (_, _, t) in self.retired_loaders.items() if now - t > RETIRED_KEEP_S]:
-                del self.retired_loaders[ident]  # bounded: an old server silent this long is gone
+            for old in [i for i, (_, _, t) in self.retired_loaders.items() if now - t > RETIRED_KEEP_S]:
+                del self.retired_loaders[old]  # bounded: an old server silent this long is gone
             for m in self.partitions.wanted_shadows(self.host_alive):
                 self.apply_move(m, "shadow")
         if now >= self._next_follow:
