@@ -173,3 +173,15 @@ def test_match_pairs_equal_multisets_and_nothing_else(rows, seed, mutate):
             c[mutate][j] += 7  # a row that is not in a
     if sorted(map(tuple, np.stack(c, 1).tolist())) != sorted(map(tuple, np.stack(a, 1).tolist())):
         assert match(a, tuple(c))[0] is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(-5, 5) | st.integers(-2**62, 2**62)), max_size=80))
+def test_row_order_is_the_three_key_lexsort(items):
+    """build_layout's order (by row, then within-row key, then index) without the three-key sort."""
+    from mixplane.planner.dgraph import _row_order
+
+    rows = np.array([r for r, _ in items], np.int64)
+    key = np.array([k for _, k in items], np.int64)
+    want = np.lexsort((np.arange(len(items)), key, rows)) if items else np.zeros(0, np.int64)
+    assert np.array_equal(_row_order(rows, key), want)

@@ -389,6 +389,20 @@ class DGraph:
 
 # ---- helpers ------------------------------------------------------------------------------------------
 
+def _row_order(rows: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """np.lexsort((arange, key, rows)) -- by row, then key, then index -- without a three-key sort when
+    the keys allow: one sort of the distinct codes (rows * span + key - min) * n + index while they fit in int64."""
+    n = len(rows)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    kmin, kmax = int(key.min()), int(key.max())
+    rmax = int(rows.max())
+    span = kmax - kmin + 1
+    if int(rows.min()) >= 0 and (rmax + 1) * span * n < 1 << 62:
+        return np.argsort((rows * span + (key - kmin)) * n + np.arange(n, dtype=np.int64))
+    return np.lexsort((np.arange(n), key, rows))
+
+
 def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.ndarray | None = None,
                  img_rank: np.ndarray | None = None) -> StepLayout:
     """StepLayout from one global row per piece; `img_rank` lists, for the image pieces in piece order
@@ -397,7 +411,7 @@ def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.
     n = len(p)
     rows = np.asarray(row_of_piece, dtype=np.int64)
     key = np.arange(n, dtype=np.int64) if within_row_key is None else np.asarray(within_row_key, dtype=np.int64)
-    order = np.lexsort((np.arange(n), key, rows)) if n else np.zeros(0, np.int64)
+    order = _row_order(rows, key)
     img_mask = p.patches > 0
     if img_rank is None:
         img_rank = vanilla_image_ranks(ctx.tree, rows[img_mask], ctx.microbatches * ctx.rows_per_microbatch)
