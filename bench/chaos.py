@@ -21,8 +21,9 @@ the two). The runs are compared record by record:
 * duplicated — samples the chaos run delivered more often than the reference (a (step, rank) committed
   twice counts too);
 * mismatched_steps — steps where any rank's record differs from the reference;
-* stall — per kill: the longest gap between two consecutive steps any rank received across the kill,
-  minus the reference's median step gap (what the failure cost the trainer); by role, max and p50;
+* stall — per kill: the longest gap between two consecutive steps any rank received that ends after the
+  kill and began within 5 s of it (ranks first drain what they prefetched), minus the reference's median
+  step gap (what the failure cost the trainer); by role, max and p50; kills close together share gaps;
 * ettr — effective training time ratio: the reference's training time / the chaos run's (first to last
   step any rank received; both include the DP change, neither the runtime's start-up).
   max_stall_s and p50_stall_s cover component kills; the trainer's own restart is listed by role only.
@@ -282,20 +283,30 @@ def load(run: Run) -> tuple[dict[tuple[int, int, int], dict], int]:
     return out, twice
 
 
-def stalls(run: Run, ref_gap: float) -> list[dict[str, Any]]:
-    times: dict[int, list[float]] = {}
+def stalls(run: Run, ref_gap: float, horizon_s: float = 5.0) -> list[dict[str, Any]]:
+    """Per kill: the longest gap between consecutive steps of any rank that ends after the kill and began
+    before kill + horizon_s (ranks first drain what was prefetched, so the stall may start after the kill),
+    minus the reference's median gap. The gaps of a restarted trainer rank around its own restart count
+    for that restart only."""
+    times: dict[tuple[int, int], list[float]] = {}
     recs, _ = load(run)
     for (w, _step, rank), rec in recs.items():
-        times.setdefault(rank * 10 + w, []).append(rec["t"])
+        times.setdefault((rank, w), []).append(rec["t"])
     for v in times.values():
         v.sort()
+    restarts = [k for k in run.kills if k["role"] == "trainer"]
     out = []
     for k in run.kills:
         worst = 0.0
-        for ts in times.values():
+        for (rank, _w), ts in times.items():
+            own = [r for r in restarts if r["name"] == f"rank{rank}"]
             for a, b in zip(ts, ts[1:]):
-                if a <= k["t"] < b:
-                    worst = max(worst, b - a)
+                if not (b > k["t"] and a < k["t"] + horizon_s):
+                    continue
+                in_restart = any(a <= r["t"] < b for r in own)
+                if (k["role"] == "trainer") != in_restart:
+                    continue
+                worst = max(worst, b - a)
         out.append({**k, "stall_s": max(0.0, worst - ref_gap)})
     return out
 
@@ -369,6 +380,7 @@ def main() -> int:
     args.expected_s = ref_wall
     chaos = Run("chaos", spec, work, args, chaos=True)
     chaos_wall = chaos.run()
+    (chaos.dir / "kills.json").write_text(json.dumps(chaos.kills))  # the stall analysis can be redone offline
 
     want, _ = load(ref)
     got, twice = load(chaos)
