@@ -9,7 +9,8 @@ later processes load the machine code from numba's cache):
   incrementally): released sources in a heap by deadline, the others in a heap by the approximate
   total at which they are released, the exact release test deciding; the same float operations in
   the same order, so the same picks, ties included (heap entries compare as the Python tuples did);
-* `core.Starved`'s test (a source with nothing left may not fall a sample behind);
+* the starved-source bound (a source with nothing left may not fall a sample behind: sources ordered
+  by the total at which they would, so the test is O(1) while none is near);
 * the packer is OnlinePacker's (best_fit: the fullest row that still has room, the lowest row among
   equals -- found as the successor of `length * rows` among the keys `free * rows + row`, kept in a
   hierarchical bitset; next_fit; none).
