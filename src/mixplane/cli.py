@@ -131,14 +131,14 @@ def cmd_loader(args: argparse.Namespace) -> int:
         raise SystemExit("mixplane loader: give --source NAME [--replica R], --sources NAME[:R],... or --host-name NAME")
     name = args.host_name or loader_name([(spec.sources[si].name, r) for si, r in members])
     host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, metrics=spec.runtime.metrics,
-                      metrics_port=args.metrics_port if len(members) == 1 else 0, state_dir=args.state_dir)
+                      metrics_port=args.metrics_port, state_dir=args.state_dir)
     _on_sigterm(host)
     ready: dict[str, object] = {"host": name, "shadow": args.shadow,
-                                "metrics_ports": {ld.name: ld.metrics_port for ld in host.loaders.values()}}
+                                "metrics_ports": {ld.name: host.metrics_port or ld.metrics_port for ld in host.loaders.values()}}
     if args.sources:
         ready["sources"] = args.sources
     elif args.source:
-        ready.update(source=args.source, replica=args.replica, metrics_port=host.loaders[members[0]].metrics_port)
+        ready.update(source=args.source, replica=args.replica, metrics_port=host.metrics_port or host.loaders[members[0]].metrics_port)
     write_ready(args.ready_file, ready)
     host.run()
     return 0

@@ -39,8 +39,9 @@ class LaunchTarget:
     constructor_ports: (data, clients) ports every constructor binds; 0 = free ones (fixed in a pod).
     advertise_host: the address constructors announce instead of bind_host (e.g. "$(POD_IP)" when
         binding 0.0.0.0); None announces the bound address.
-    metrics_port: Prometheus port of the planner, each constructor and each single-source loader; 0 = a
-        free one (a loader process hosting a group serves one port per Source Loader, always free ones).
+    metrics_port: Prometheus port of the planner, each constructor and each loader process; 0 = a free one
+        (a loader process hosting a group then serves one free port per Source Loader; a fixed port serves them
+        all, merged).
     """
 
     run_dir: str
@@ -239,7 +240,7 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
         primary = loader_name(group)
         # runtime.shadow_loaders hot standbys per group: same partitions, `--shadow` (planner.partitions)
         for name, shadow in [(primary, False), *((shadow_name(primary, i), True) for i in range(spec.runtime.shadow_loaders))]:
-            common, ready = _common(target, name, fixed_metrics=len(group) == 1)
+            common, ready = _common(target, name)
             if len(group) == 1:
                 src, r = group[0]
                 which: tuple[str, ...] = ("--source", src, "--replica", str(r))
@@ -250,7 +251,7 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
                 which += ("--state-dir", os.path.join(target.run_dir, "loader-state"))
             comps.append(Component("loader", name, ("loader", *common, *which, "--planner", planner_ep),
                                    env={**env, "TOKENIZERS_PARALLELISM": "false"},
-                                   ports=dict(ports_metrics) if len(group) == 1 else {},
+                                   ports=dict(ports_metrics),
                                    partitions=tuple(Partition(n, r) for n, r in group),
                                    resources=_loader_resources(spec, group), ready_file=ready, shadow=shadow))
     return LaunchPlan(spec.name, target, tuple(comps))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -12,6 +14,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.metrics_core import Metric
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -147,9 +150,53 @@ def make_metrics(component: str) -> Metrics:
     return m
 
 
+def metrics_host(default: str) -> str:
+    """Where /metrics binds: MIXPLANE_METRICS_HOST (a pod sets 0.0.0.0 so Prometheus reaches it), else `default`."""
+    return os.environ.get("MIXPLANE_METRICS_HOST") or default
+
+
 def serve_metrics(m: Metrics, host: str = "127.0.0.1", port: int = 0) -> int:
     """Start /metrics on a background thread; returns the bound port."""
-    server, _thread = start_http_server(port, addr=host, registry=m.registry)
+    server, _thread = start_http_server(port, addr=metrics_host(host), registry=m.registry)
+    return int(server.server_port)
+
+
+class MergedRegistries:
+    """Several components' registries as one scrape target (a loader process hosting a group of Source Loaders
+    serves them on one fixed port). Samples with the same name and labels are added up (counters, histograms,
+    per-source gauges of replicas in one process); process_*, *_info and *_created samples describe the one
+    process and are taken once."""
+
+    def __init__(self, registries: Iterable[CollectorRegistry] | Callable[[], Iterable[CollectorRegistry]]):
+        self.registries = registries if callable(registries) else list(registries)  # a callable: asked at every scrape
+
+    def collect(self) -> Iterator[Metric]:
+        fams: dict[str, Metric] = {}
+        index: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
+        regs = self.registries() if callable(self.registries) else self.registries
+        for reg in regs:
+            for fam in reg.collect():
+                out = fams.get(fam.name)
+                if out is None:
+                    out = fams[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                once = fam.name.startswith("process_") or fam.type == "info" or fam.name == "mixplane_component_info"
+                for s in fam.samples:
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    at = index.get(key)
+                    if at is None:
+                        index[key] = len(out.samples)
+                        out.samples.append(s)
+                    elif not (once or s.name.endswith("_created")):
+                        prev = out.samples[at]
+                        out.samples[at] = prev._replace(value=prev.value + s.value)
+        yield from fams.values()
+
+
+def serve_merged(registries: Iterable[CollectorRegistry] | Callable[[], Iterable[CollectorRegistry]], host: str = "127.0.0.1", port: int = 0) -> int:
+    """One /metrics for several registries (see MergedRegistries); returns the bound port."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(MergedRegistries(registries))
+    server, _thread = start_http_server(port, addr=metrics_host(host), registry=reg)
     return int(server.server_port)
 
 

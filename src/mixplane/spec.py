@@ -228,6 +228,11 @@ class KubernetesSpec(_Model):
 
     placement: Literal["remote", "sidecar"] = Field("remote", description="Where Source Loaders run: loader pods of their own (remote), or loader containers injected into the trainer pods labelled `mixplane.io/mixture: <name>` (sidecar; remote pods only for what sidecars cannot hold).")
     image: str | None = Field(None, description="Container image of the components; default: the operator's own image.")
+    trainer_pods: int | None = Field(None, ge=1, le=1 << 20, description="Trainer pods labelled for this mixture that host loader sidecars (sidecar placement); default: one per node of the topology (world size / ranks_per_node). A trainer pod's slot is its `mixplane.io/trainer-index` label or annotation, its Indexed Job completion index, or its StatefulSet ordinal.")
+    sidecar_cpu: float = Field(2.0, gt=0, le=1024, description="Cores each trainer pod gives its loader sidecars (sidecar placement); partitions that do not fit run in remote loader pods.")
+    sidecar_memory_mb: int = Field(4096, ge=64, le=1 << 24, description="MiB of memory each trainer pod gives its loader sidecars (sidecar placement).")
+    journal_mb: int = Field(1024, ge=0, le=1 << 24, description="Size of the planner journal's PersistentVolumeClaim in MiB (a restarted planner pod recovers from it); 0 keeps the journal in an emptyDir that dies with the pod.")
+    storage_class: str | None = Field(None, max_length=253, description="StorageClass of the planner journal's claim; default: the cluster's default class.")
 
 
 class DataMixtureSpec(_Model):

@@ -33,9 +33,13 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "k8s" / "build.sh"
 ADVERTISE_ADDRESS = "10.0.0.1"
 CONTROLLERS = ("garbagecollector", "deployment", "replicaset", "statefulset", "namespace", "serviceaccount",
-               "serviceaccount-token", "disruption", "job", "endpoint")
+               "serviceaccount-token", "disruption", "job", "endpoint", "pvc-protection")
 ADMISSION_PLUGINS = ("NamespaceLifecycle", "LimitRanger", "ServiceAccount", "DefaultStorageClass", "ResourceQuota",
-                     "MutatingAdmissionWebhook", "ValidatingAdmissionWebhook")
+                     "MutatingAdmissionWebhook", "ValidatingAdmissionWebhook",
+                     # setting blockOwnerDeletion needs `update` on the owner's finalizers (the chart's RBAC must grant it)
+                     "OwnerReferencesPermissionEnforcement")
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata"}]}
 
 
 class ClusterError(RuntimeError):
@@ -138,6 +142,7 @@ class Cluster:
             "users": [{"name": "admin", "user": {"token": token}}],
             "contexts": [{"name": "mixplane-test", "context": {"cluster": "mixplane-test", "user": "admin", "namespace": "default"}}],
         }, indent=1))
+        (wd / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
         c = cls(workdir=wd, server=server, token=token, kubeconfig=kubeconfig, ca_file=pki / "ca.crt", bins=bins)
         try:
             c._spawn("etcd", [bins["etcd"], "--name", "mixplane-test", "--data-dir", str(wd / "etcd"),
@@ -159,7 +164,9 @@ class Cluster:
                 "--service-account-issuer=https://kubernetes.default.svc",
                 f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/12", f"--cert-dir={wd / 'certs'}", "--profiling=false",
-                "--enable-priority-and-fairness=false", "--logtostderr=true", "--v=1"])
+                "--enable-priority-and-fairness=false", "--logtostderr=true", "--v=1",
+                f"--audit-policy-file={wd / 'audit-policy.json'}", f"--audit-log-path={wd / 'audit.log'}",
+                "--audit-log-format=json", "--audit-log-mode=blocking"])
             c._wait(c._ready, "kube-apiserver", timeout)
             c._spawn("kube-controller-manager", [
                 bins["kube-controller-manager"], f"--kubeconfig={kubeconfig}", f"--controllers={','.join(CONTROLLERS)}",
@@ -215,6 +222,12 @@ class Cluster:
     def issue_cert(self, name: str, sans: list[str] | None = None) -> tuple[Path, Path]:
         """A serving certificate from the test CA (for webhook servers on 127.0.0.1); returns (cert, key)."""
         return sign_cert(self.workdir / "pki", name, name, sans or ["IP:127.0.0.1", "DNS:localhost"])
+
+    def audit(self, user: str | None = None) -> list[dict]:
+        """The API server's audit events (every request, level Metadata), those of `user` when given."""
+        path = self.workdir / "audit.log"
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return [e for e in events if user is None or (e.get("user") or {}).get("username") == user]
 
     def log(self, name: str) -> str:
         p = self.workdir / "logs" / f"{name}.log"

@@ -117,8 +117,26 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         got = json.loads(c.kubectl("-n", ns, "get", "pod", "trainer", "-o", "json").stdout)
         envs = {e["name"] for e in got["spec"]["containers"][0].get("env", [])}
         assert {"MIXPLANE_PLANNER", "MIXPLANE_CURVE_DIR"} <= envs
+        # the journal claim is among the children (the chart lets the operator create it)
+        wait_for("the planner journal's claim", lambda: json.loads(c.kubectl(
+            "-n", ns, "get", "pvc", "demo-journal", "-o", "json", check=False).stdout or "{}"), 60, 0.5, tolerate=True)
+        # deleting the mixture: the operator removes its finalizer (an update of the object) with the chart's rights
+        c.kubectl("-n", ns, "delete", "dmix", "demo", "--wait=false")
+        wait_for("the mixture to be gone", lambda: c.kubectl("-n", ns, "get", "dmix", "demo", check=False).returncode != 0,
+                 60, 0.5)
         text = log_path.read_text(errors="replace")
         assert "forbidden" not in text.lower(), text[-3000:]
+        # every call the operator made under the chart's ServiceAccount succeeded (the API server's audit log;
+        # a GET of something not there yet, e.g. the key Secret before the first reconcile, answers 404)
+        user = f"system:serviceaccount:{ns}:{sa_name}"
+        calls = [e for e in c.audit(user) if e.get("stage") == "ResponseComplete"]
+        assert len(calls) > 20, len(calls)
+        failed = [(e["verb"], e["requestURI"], e["responseStatus"].get("code")) for e in calls
+                  if e["responseStatus"].get("code", 200) >= 400 and not (e["verb"] == "get" and e["responseStatus"]["code"] == 404)]
+        assert not failed, failed
+        verbs = {(e["verb"], (e.get("objectRef") or {}).get("resource"), (e.get("objectRef") or {}).get("subresource")) for e in calls}
+        assert ("patch", "persistentvolumeclaims", None) in verbs and ("patch", "deployments", None) in verbs
+        assert ("patch", "datamixtures", "status") in verbs
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

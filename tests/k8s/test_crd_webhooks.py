@@ -104,7 +104,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if self.path.startswith("/validate-mixture"):
                 out = validate_review(review)
             else:
-                out = mutate_review(review, lambda name, ns: self.injections.get((name, ns)))
+                out = mutate_review(review, lambda name, ns, pod: self.injections.get((name, ns)))
         except Exception as e:  # noqa: BLE001 - answered as a server error, the API server then refuses
             self.send_error(500, repr(e))
             return

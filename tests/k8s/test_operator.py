@@ -63,8 +63,8 @@ def test_a_mixture_becomes_owned_children_that_pass_dry_run_and_a_status(crd, k8
         st = wait_for("status", lambda: (lambda s: s if s.get("sources") else None)(status_of(cluster, ns)), 60)
     owner = get(cluster, "datamixture", "demo", "-n", ns)
     kinds = sorted({k for k, _ in kids})
-    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Secret", "Service",
-                     "ServiceAccount", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Secret",
+                     "Service", "ServiceAccount", "StatefulSet"]
     for (kind, name), o in kids.items():
         refs = o["metadata"].get("ownerReferences") or []
         assert [(r["kind"], r["name"], r["uid"], r.get("controller")) for r in refs] == \
@@ -137,8 +137,22 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
                 raise AssertionError(f"{e}; dead pods: {pods.dead()}") from None
             assert got[0] == got[1] == list(range(6)), (got, pods.dead())
 
+            # every process serves its metrics on the pod's fixed `metrics` port (here mapped to a local one),
+            # a loader hosting several partitions too (merged)
+            for (pod, ctr), ports in pods.ports.items():
+                if 9090 in ports:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{ports[9090]}/metrics", timeout=5).read().decode()
+                    assert "mixplane_component_info" in body, (pod, ctr)
+                    if ctr == "loader":
+                        assert "mixplane_loader_tokens_total{source=" in body, pod
+
             # the scaling timer reaches the running planner: the status follows its step
             wait_for("the timer's step", lambda: (status_of(cluster, ns).get("step") or 0) >= 1, 30)
+            # and the planner's measured per-source rate reaches the status (what scaling corrects its costs with)
+            rates = wait_for("delivered rates", lambda: {s["name"]: s.get("deliveredTokensPerSecond") for s in
+                                                         status_of(cluster, ns).get("sources") or []
+                                                         if s.get("deliveredTokensPerSecond") is not None}, 30)
+            assert set(rates) == {"text", "pairs"} and rates["text"] > 0 and rates["pairs"] > 0
 
             # kubectl patch of the weights: pairs off -> its loader Deployments run 0 replicas, and the
             # running planner takes the new mixture at a step boundary recorded in the status

@@ -82,9 +82,8 @@ def test_every_component_command_line_is_accepted_by_its_entrypoint(tmp_path):
             assert ns.index == c.index and ns.host == "0.0.0.0" and ns.advertise_host == "$(POD_IP)"
             assert (ns.data_port, ns.client_port) == (6000, 6001) == (c.ports["data"], c.ports["clients"])
             assert c.binds == {"data": "tcp://0.0.0.0:6000", "clients": "tcp://0.0.0.0:6001"}
-        grouped = c.role == "loader" and len(c.partitions) > 1
-        assert ns.metrics_port == (0 if grouped else 9090)
-        assert ("metrics" in c.ports) == (not grouped)
+        # every process serves one fixed metrics port (a loader hosting a group: its partitions merged)
+        assert ns.metrics_port == 9090 and c.ports["metrics"] == 9090
 
 
 def test_hosts_come_from_the_target_not_from_localhost(tmp_path):

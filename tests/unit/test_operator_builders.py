@@ -9,19 +9,25 @@ import pytest
 from mixplane.operator.autopartition import (
     MIB,
     LoaderBudget,
+    PartitionBounds,
+    PodPlan,
     SourceCost,
     auto_partition,
     spec_schedule,
 )
 from mixplane.operator.builders import (
     COMPONENT_KEY_ITEMS,
+    JOURNAL_MOUNT,
     KEY_MOUNT,
     ClusterOptions,
     dns_label,
     key_secret,
     render_mixture,
     resources,
+    sidecar_containers,
+    sidecar_volumes,
 )
+from mixplane.operator.reconcile import sidecar_layout, trainer_slots
 from mixplane.spec import DataMixtureSpec, parse_spec
 
 OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
@@ -57,8 +63,8 @@ def by(objs, kind):
 def test_every_child_is_namespaced_labelled_and_every_container_has_resources():
     _, _, objs = render()
     kinds = sorted({o["kind"] for o in objs})
-    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Secret", "Service",
-                     "ServiceAccount", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "Secret",
+                     "Service", "ServiceAccount", "StatefulSet"]
     names = [(o["kind"], o["metadata"]["name"]) for o in objs]
     assert len(names) == len(set(names))
     for o in objs:
@@ -198,3 +204,98 @@ def test_constructor_index_comes_from_the_statefulset_pod_name():
     assert constructor_index("demo-constructor-12") == 12
     with pytest.raises(argparse.ArgumentTypeError, match="pod name"):
         constructor_index("demo-constructor")
+
+
+def test_planner_journal_is_on_a_claim_unless_turned_off():
+    _, _, objs = render(spec=demo_spec(kubernetes={"journal_mb": 2048, "storage_class": "fast"}))
+    pvc = by(objs, "PersistentVolumeClaim")["demo-journal"]
+    assert pvc["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "2048Mi"}},
+                           "storageClassName": "fast"}
+    pod = by(objs, "Deployment")["demo-planner"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"][c["args"].index("--run-dir") + 1] == JOURNAL_MOUNT  # where the planner journals
+    assert {"name": "journal", "mountPath": JOURNAL_MOUNT} in c["volumeMounts"]
+    assert {"name": "journal", "persistentVolumeClaim": {"claimName": "demo-journal"}} in pod["volumes"]
+    # the ready file stays in the pod's own emptyDir: a restarted pod is not ready because the last one was
+    assert c["args"][c["args"].index("--ready-file") + 1].startswith("/var/run/mixplane/run/")
+    _, _, off = render(spec=demo_spec(kubernetes={"journal_mb": 0}))
+    assert not by(off, "PersistentVolumeClaim")
+    pod = by(off, "Deployment")["demo-planner"]["spec"]["template"]["spec"]
+    assert {"name": "journal", "emptyDir": {}} in pod["volumes"]
+
+
+def test_every_component_serves_metrics_on_a_fixed_port_a_service_monitor_finds():
+    _, _, objs = render()
+    services = [s for s in by(objs, "Service").values() if s["metadata"]["labels"].get("mixplane.io/metrics") == "true"]
+    pods = [o for o in objs if o.get("spec", {}).get("template")]
+    assert pods
+    for o in pods:
+        tmpl = o["spec"]["template"]
+        ann = tmpl["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9090"
+        (c,) = tmpl["spec"]["containers"]
+        assert c["args"][c["args"].index("--metrics-port") + 1] == "9090"
+        assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
+        assert {"name": "MIXPLANE_METRICS_HOST", "value": "0.0.0.0"} in c["env"]  # reachable from Prometheus
+        # the chart's ServiceMonitor: a Service labelled mixplane.io/metrics with a port named metrics selects it
+        svc = [s for s in services if s["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()]
+        assert svc, o["metadata"]["name"]
+        port = next(p for p in svc[0]["spec"]["ports"] if p["name"] == "metrics")
+        assert port.get("targetPort", port["port"]) == 9090
+
+
+def test_sidecar_placement_fills_trainer_pods_first_and_scales_out_the_rest():
+    costs = [SourceCost("code", 1.5e-6, 40 * MIB), SourceCost("man", 1.5e-6, 30 * MIB), SourceCost("docs", 1.4e-6, 30 * MIB)]
+    spec = demo_spec(kubernetes={"placement": "sidecar", "sidecar_cpu": 1.0, "sidecar_memory_mb": 2048})
+    plan = auto_partition(costs, spec_schedule(spec), 2_000_000, LoaderBudget(32, 1 << 40))
+    bounds = PartitionBounds()
+    pods, placement = sidecar_layout(spec, plan, costs, 2_000_000, bounds, 0)
+    assert trainer_slots(spec) == 2  # 4 ranks, 2 per node: one trainer pod per node
+    side = [p for s in placement.slots for p in s]
+    assert side and placement.remote  # 2 trainer pods x 1 core cannot hold ~3.7 peak cores: the rest is remote
+    for s in placement.slots:
+        assert sum(p.cpu for p in s) <= 1.0 + 1e-9 and sum(p.memory for p in s) <= 2048 * MIB
+    every = sorted(m for p in pods.pods for m in p.members)
+    assert every == sorted((s, r) for s, n in plan.partitions.items() for r in range(n))  # each partition once
+    assert sorted(m for p in [*side, *placement.remote] for m in p.members) == every
+    # remote pods become Deployments, sidecars do not
+    remote = PodPlan(pods.weights, tuple(p for p in pods.pods if p not in side))
+    _, objs = render_mixture(spec, OPTS, remote, plan.partitions, KEYS, side)
+    hosted = {x for d in by(objs, "Deployment").values() for x in d["metadata"].get("annotations", {}).get("mixplane.io/partitions", "").split(",") if x}
+    assert hosted == {f"{s}:{r}" for p in placement.remote for s, r in p.members}
+    # the containers of trainer slot 0: the loader command line with its own metrics port, prefixed names
+    ctrs = sidecar_containers(spec, OPTS, pods.pods, plan.partitions, placement.slots[0])
+    assert len(ctrs) == len(placement.slots[0])
+    vols = {v["name"] for v in sidecar_volumes(OPTS)}
+    for i, c in enumerate(ctrs):
+        assert c["name"].startswith("mixplane-loader") and c["args"][0] == "loader"
+        assert c["args"][c["args"].index("--metrics-port") + 1] == str(9191 + i)
+        assert {m["name"] for m in c["volumeMounts"]} <= vols and "readinessProbe" not in c
+        parts = c["args"][c["args"].index("--sources") + 1] if "--sources" in c["args"] else \
+            f"{c['args'][c['args'].index('--source') + 1]}:{c['args'][c['args'].index('--replica') + 1]}"
+        assert parts == ",".join(f"{s}:{r}" for s, r in placement.slots[0][i].members)
+
+
+def test_sidecars_are_what_the_pod_webhook_injects_for_the_pods_slot():
+    from mixplane.operator.reconcile import sidecar_injection
+    from mixplane.operator.webhooks import Injection, inject_pod, trainer_index
+
+    spec_doc = json.loads(demo_spec(kubernetes={"placement": "sidecar", "sidecar_cpu": 1.0}).model_dump_json())
+    body = {"metadata": {"name": "demo", "namespace": "ml", "annotations": {"mixplane.io/tokens-per-second": "2000000"}},
+            "spec": spec_doc}
+    prof = {"version": 1, "sources": {n: {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 30 * MIB} for n in ("code", "man", "docs")}}
+    pod = {"metadata": {"name": "train-1", "labels": {"mixplane.io/mixture": "demo"},
+                        "ownerReferences": [{"kind": "StatefulSet", "name": "train"}]},
+           "spec": {"containers": [{"name": "train", "image": "t"}]}}
+    assert trainer_index(pod) == 1
+    assert trainer_index({"metadata": {"name": "x", "annotations": {"batch.kubernetes.io/job-completion-index": "3"}}}) == 3
+    assert trainer_index({"metadata": {"name": "train-7f9c-abcde"}}) is None  # a Deployment's pod: no slot
+    ctrs, vols = sidecar_injection(body, OPTS, prof, 1)
+    assert ctrs and vols
+    new = inject_pod(pod, Injection("demo", OPTS.planner_endpoint, OPTS.secret_name, sidecars=tuple(ctrs), volumes=tuple(vols)))
+    names = [c["name"] for c in new["spec"]["containers"]]
+    assert names[0] == "train" and names[1:] == [c["name"] for c in ctrs]
+    assert sidecar_injection(body, OPTS, prof, None) == ([], [])
+    assert sidecar_injection(body, OPTS, prof, 99) == ([], [])
+    remote_body = {**body, "spec": {**spec_doc, "kubernetes": {"placement": "remote"}}}
+    assert sidecar_injection(remote_body, OPTS, prof, 0) == ([], [])

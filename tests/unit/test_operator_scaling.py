@@ -105,3 +105,17 @@ def test_a_patched_schedule_is_followed():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="consecutive"):
         ScalingConfig(consecutive=0)
+
+
+def test_handoff_moves_go_to_live_target_hosts_and_old_hosts_drain():
+    from mixplane.operator.scaling import handoff_moves
+
+    table = {"partitions": {"a:0": {"host": "loaders-a-0+1"}, "a:1": {"host": "loaders-a-0+1"}, "b:0": {"host": "loader-b-0"}},
+             "hosts": {"loaders-a-0+1": {"alive": True}, "loader-a-0": {"alive": True}, "loader-a-1": {"alive": False},
+                       "loader-b-0": {"alive": True}}}
+    want = {"a:0": "loader-a-0", "a:1": "loader-a-1", "b:0": "loader-b-0"}
+    moves, draining = handoff_moves(want, table)
+    assert moves == [("a:0", "loader-a-0")]  # loader-a-1 is not up yet: a:1 waits, b:0 is where it should be
+    assert draining == {"loaders-a-0+1"}  # still serves a:1 (and a:0 until the move lands): its pod stays
+    table["partitions"] = {"a:0": {"host": "loader-a-0"}, "a:1": {"host": "loader-a-1"}, "b:0": {"host": "loader-b-0"}}
+    assert handoff_moves(want, table) == ([], set())

@@ -112,12 +112,12 @@ def test_sidecar_loaders_and_patch_forms():
 
 
 def test_mutate_review():
-    out = mutate_review(review(trainer_pod()), lambda name, ns: INJ if (name, ns) == ("demo", "ml") else None)["response"]
+    out = mutate_review(review(trainer_pod()), lambda name, ns, pod: INJ if (name, ns) == ("demo", "ml") else None)["response"]
     assert out["allowed"] is True and out["patchType"] == "JSONPatch"
     ops = json.loads(base64.b64decode(out["patch"]))
     assert any(o["path"] == "/spec/volumes" for o in ops)
-    refused = mutate_review(review(trainer_pod()), lambda name, ns: None)["response"]
+    refused = mutate_review(review(trainer_pod()), lambda name, ns, pod: None)["response"]
     assert refused["allowed"] is False and "metadata.labels.mixplane.io/mixture: no DataMixture 'demo'" in refused["status"]["message"]
     unlabelled = trainer_pod()
     del unlabelled["metadata"]["labels"]["mixplane.io/mixture"]
-    assert mutate_review(review(unlabelled), lambda n, s: INJ)["response"] == {"uid": "u-1", "allowed": True}
+    assert mutate_review(review(unlabelled), lambda n, s, pod: INJ)["response"] == {"uid": "u-1", "allowed": True}

@@ -25,7 +25,7 @@ import zmq
 from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
 from mixplane.loader.server import LoaderServer, serve_loaders
-from mixplane.metrics import handoff_metrics
+from mixplane.metrics import handoff_metrics, serve_merged
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind, WireError
 
@@ -46,7 +46,10 @@ class LoaderHost(PlannerFollower):
         self.wants = list(partitions or [])
         self.launched_as_shadow = shadow
         self.metrics = metrics
-        self._first_metrics_port: int | None = metrics_port if metrics else None
+        # a fixed port (a pod's `metrics` port): the host and every partition it serves, merged on that one port;
+        # 0: the first partition's metrics on a free port of its own, the others on free ports too
+        self.merged_metrics = bool(metrics and metrics_port > 0)
+        self._first_metrics_port: int | None = metrics_port if metrics and not self.merged_metrics else None
         self.hm = handoff_metrics(self.m)
         # failure detection: a thread beats on a socket of its own (`beat:<name>`) FAILOVER_BEATS times per
         # runtime.failover_after_s, with the age of the poll loop's last turn: a dead or stopped process (SIGKILL,
@@ -67,6 +70,9 @@ class LoaderHost(PlannerFollower):
         self.welcomed = False
         self.state_dir = state_dir
         self.loaders: dict[tuple[int, int], LoaderServer] = {}
+        if self.merged_metrics:
+            self.metrics_port = serve_merged(lambda: [self.m.registry, *(ld.m.registry for ld in list(self.loaders.values()))],
+                                             spec.runtime.host, metrics_port)
         # the partitions it was launched with are opened at once (stream, tokenizer), dormant until adopted;
         # a partition with a differential checkpoint starts reading ahead from it (loader.snapshot)
         for key in self.wants:
@@ -80,7 +86,7 @@ class LoaderHost(PlannerFollower):
             if not 0 <= si < len(self.spec.sources) or not 0 <= r < self.spec.sources[si].replicas:
                 raise WireError(f"no partition: source {si} replica {r}")
             port, self._first_metrics_port = (self._first_metrics_port, None) if self._first_metrics_port is not None \
-                else (0 if self.metrics else None, None)
+                else (0 if self.metrics and not self.merged_metrics else None, None)
             ld = LoaderServer(self.spec, si, r, self.planner_endpoint, context=self.ctx, metrics_port=port,
                               host=self.host_name, mode="dormant", state_dir=self.state_dir)
             self.loaders[key] = ld

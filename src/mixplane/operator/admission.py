@@ -14,23 +14,38 @@ import os
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Mapping
 from typing import Any, Callable
 
 log = logging.getLogger("mixplane.operator.admission")
 MAX_BODY = 8 << 20
 
 
-def resolver(get_mixture: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-    """(mixture, namespace) -> what a labelled trainer pod gets, or None when there is no such mixture."""
-    from mixplane.operator.builders import ClusterOptions
-    from mixplane.operator.webhooks import Injection
+def resolver(get_mixture: Callable[[str, str], Any]) -> Callable[[str, str, Mapping[str, Any]], Any]:
+    """(mixture, namespace, pod) -> what a labelled trainer pod gets, or None when there is no such mixture.
 
-    def resolve(name: str, namespace: str) -> Any:
+    Sidecar placement: the loader containers of the pod's slot (mixplane.operator.webhooks.trainer_index), from
+    the same pure layout the operator renders its remote loader Deployments with (profile kept in the status)."""
+    from mixplane.operator.builders import ClusterOptions
+    from mixplane.operator.handlers import options_for
+    from mixplane.operator.reconcile import fallback_profile, profile_from_status, sidecar_injection, spec_of
+    from mixplane.operator.webhooks import Injection, trainer_index
+
+    def resolve(name: str, namespace: str, pod: Mapping[str, Any]) -> Any:
         obj = get_mixture(name, namespace)
         if not obj:
             return None
-        opts = ClusterOptions(name=name, namespace=namespace, image="")
-        return Injection(mixture=name, planner=opts.planner_endpoint, secret_name=opts.secret_name)
+        opts = options_for(obj) if obj.get("metadata", {}).get("namespace") else ClusterOptions(name=name, namespace=namespace, image="")
+        sidecars: list[dict[str, Any]] = []
+        volumes: list[dict[str, Any]] = []
+        spec = (obj.get("spec") or {}).get("kubernetes") or {}
+        if spec.get("placement") == "sidecar":
+            slot = trainer_index(pod)
+            prof = profile_from_status(obj) or fallback_profile(spec_of(obj))
+            sidecars, volumes = sidecar_injection(obj, opts, prof, slot)
+            log.info("pod of mixture %s/%s, trainer slot %s: %d loader sidecar(s)", namespace, name, slot, len(sidecars))
+        return Injection(mixture=name, planner=opts.planner_endpoint, secret_name=opts.secret_name,
+                         sidecars=tuple(sidecars), volumes=tuple(volumes))
 
     return resolve
 

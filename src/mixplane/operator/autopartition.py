@@ -293,6 +293,51 @@ def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Ma
     return PartitionPlan(parts, {c.name: c for c in costs}, tokens_per_s, segs)
 
 
+def peak_shares(plan: PartitionPlan) -> dict[str, float]:
+    """The largest share each source has anywhere in the schedule (what a layout fixed for the run must serve)."""
+    return {n: max(float(pp.weights.get(n, 0.0)) for _, pp in plan.segments) for n in plan.partitions}
+
+
+@dataclass(frozen=True)
+class SidecarPlacement:
+    """Sidecar placement (seed 001 §7, hybrid deployment): which loader pods run as containers of which trainer pod.
+
+    `slots[k]` are the loader pods of trainer pod k (its `mixplane.io/trainer-index`); `remote` the ones that did
+    not fit any trainer pod's sidecar budget, which run as loader pods of their own (scale-out)."""
+
+    slots: tuple[tuple[LoaderPod, ...], ...]
+    remote: tuple[LoaderPod, ...]
+
+    def slot_of(self) -> dict[str, int]:
+        """Loader pod name -> trainer slot."""
+        return {p.name: k for k, pods in enumerate(self.slots) for p in pods}
+
+
+def place_sidecars(pods: PodPlan, slots: int, cpu: float, memory: int) -> SidecarPlacement:
+    """Put loader pods into `slots` trainer pods with `cpu` cores and `memory` bytes each for sidecars.
+
+    Biggest first, each onto the least loaded trainer pod that still holds it (spreads the loaders over the
+    nodes); what fits nowhere stays remote. Pods whose sources have no weight anywhere stay remote (they run
+    0 replicas); a sidecar cannot be stopped without restarting its trainer pod."""
+    if slots < 1:
+        raise PartitionError(f"sidecar placement needs at least one trainer pod, got {slots}")
+    load = [[0.0, 0] for _ in range(slots)]
+    placed: list[list[LoaderPod]] = [[] for _ in range(slots)]
+    remote: list[LoaderPod] = []
+    for p in sorted(pods.pods, key=lambda p: (p.idle, -p.cpu, -p.memory, p.name)):
+        fits = [k for k in range(slots) if not p.idle and load[k][0] + p.cpu <= cpu + 1e-9 and load[k][1] + p.memory <= memory]
+        if not fits:
+            remote.append(p)
+            continue
+        k = min(fits, key=lambda k: (load[k][0], k))
+        load[k][0] += p.cpu
+        load[k][1] += p.memory
+        placed[k].append(p)
+    order = {p.name: i for i, p in enumerate(pods.pods)}
+    return SidecarPlacement(tuple(tuple(sorted(s, key=lambda p: order[p.name])) for s in placed),
+                            tuple(sorted(remote, key=lambda p: order[p.name])))
+
+
 def idle_fraction(plan: PodPlan, demand_cores: float) -> float:
     """Share of the pods' requested CPU not needed to meet `demand_cores`."""
     return 0.0 if plan.cpu <= 0 else max(0.0, 1.0 - demand_cores / plan.cpu)

@@ -13,9 +13,17 @@ Children of a mixture `m` in its namespace:
     Deployment     m-planner          1 replica, Recreate (one planner per mixture, ever)
     Service        m-planner          the fixed planner port + metrics
     StatefulSet    m-constructor      pod ordinal = constructor index; headless Service m-constructors
-    Deployment     m-loader-<group>   one per loader pod of the auto-partitioner (0 replicas when idle)
+    Deployment     m-loader-<group>   one per remote loader pod of the auto-partitioner (0 replicas when idle)
+    Service        m-loaders          headless, the loaders' metrics port (what a ServiceMonitor scrapes)
+    PersistentVolumeClaim m-journal   the planner journal (kubernetes.journal_mb > 0): a restarted planner pod recovers
     NetworkPolicy  m-components, m-planner, m-constructors
     PodDisruptionBudget m-planner, m-constructors
+
+Sidecar placement (kubernetes.placement: sidecar): loader pods the placement put on trainer pod slot k are not
+Deployments but containers the pod webhook injects into the trainer pod of that slot (`sidecar_containers`).
+Every component serves Prometheus metrics on a fixed port (`metrics`, 9090; sidecars 9191 + i so they do not
+collide with each other or the trainer) bound on all interfaces (MIXPLANE_METRICS_HOST), named in the pod's
+prometheus.io annotations and in a Service labelled mixplane.io/metrics for the chart's ServiceMonitor.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ API_GROUP = "mixplane.io"
 KEY_MOUNT = "/var/run/mixplane/keys"  # the layout the pod webhook mounts into trainers too
 SPEC_MOUNT = "/etc/mixplane/spec"
 RUN_DIR = "/var/run/mixplane/run"
+JOURNAL_MOUNT = "/var/run/mixplane/journal"  # the planner's --run-dir: its journal, on the claim m-journal
+SIDECAR_PREFIX = "mixplane-"  # names of what the pod webhook adds to a trainer pod (containers, volumes)
 ROLES = ("server", "component", "client", "admin")
 # what a component pod mounts: its own key pairs, and the public keys of every role it must admit
 COMPONENT_KEY_ITEMS = ("server.key", "server.key_secret", "component.key", "component.key_secret", "client.key", "admin.key")
@@ -40,6 +50,7 @@ LABEL_ROLE = "mixplane.io/role"
 LABEL_COMPONENT = "mixplane.io/component"
 LABEL_METRICS = "mixplane.io/metrics"
 MIB = 1 << 20
+ANN_HOST = f"{API_GROUP}/host"  # a loader Deployment's host name in the planner's partition table
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class ClusterOptions:
     data_port: int = 7001
     client_port: int = 7002
     metrics_port: int = 9090
+    sidecar_metrics_port: int = 9191  # sidecar i of a trainer pod serves metrics on this + i
     run_as_user: int = 10001
     memory_limit_factor: float = 1.5  # limit = request x this (buffers may briefly double while refilling)
     command: tuple[str, ...] = ("mixplane",)
@@ -77,6 +89,10 @@ class ClusterOptions:
     @property
     def service_account(self) -> str:
         return f"{self.name}-mixplane"
+
+    @property
+    def journal_claim(self) -> str:
+        return f"{self.name}-journal"
 
 
 def launch_target_kwargs(opts: ClusterOptions) -> dict[str, Any]:
@@ -143,8 +159,10 @@ def _security(opts: ClusterOptions) -> dict[str, Any]:
 def _env(component: Any) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "MIXPLANE_CURVE_DIR", "value": KEY_MOUNT}]
-    env += [{"name": k, "value": str(v)} for k, v in sorted(component.env.items()) if k not in ("POD_IP", "POD_NAME")]
+           {"name": "MIXPLANE_CURVE_DIR", "value": KEY_MOUNT},
+           {"name": "MIXPLANE_METRICS_HOST", "value": "0.0.0.0"}]
+    env += [{"name": k, "value": str(v)} for k, v in sorted(component.env.items())
+            if k not in ("POD_IP", "POD_NAME", "MIXPLANE_CURVE_DIR", "MIXPLANE_METRICS_HOST")]
     return env
 
 
@@ -188,14 +206,20 @@ def container(component: Any, opts: ClusterOptions, res: dict[str, Any], args: S
             "volumeMounts": [dict(m) for m in _MOUNTS], "securityContext": _security(opts)}
 
 
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The prometheus.io annotations annotation-based scrape configs read (the ServiceMonitor uses the Services)."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def pod_template(opts: ClusterOptions, role: str, component_name: str | None, containers: list[dict[str, Any]],
-                 spec_hash: str) -> dict[str, Any]:
+                 spec_hash: str, volumes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"metadata": {"labels": labels(opts, role, component_name),
-                         "annotations": {f"{API_GROUP}/spec-hash": spec_hash}},
+                         "annotations": {f"{API_GROUP}/spec-hash": spec_hash, **scrape_annotations(opts.metrics_port)}},
             "spec": {"serviceAccountName": opts.service_account, "automountServiceAccountToken": False,
                      "enableServiceLinks": False, "securityContext": {"runAsNonRoot": True, "runAsUser": opts.run_as_user,
                                                                       "fsGroup": opts.run_as_user},
-                     "containers": containers, "volumes": _volumes(opts), "terminationGracePeriodSeconds": 30}}
+                     "containers": containers, "volumes": volumes if volumes is not None else _volumes(opts),
+                     "terminationGracePeriodSeconds": 30}}
 
 
 def spec_json(spec: Any) -> str:
@@ -244,14 +268,41 @@ def key_secret(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]]) -> dic
             "stringData": data}
 
 
-def planner_deployment(plan: Any, opts: ClusterOptions, digest: str) -> dict[str, Any]:
+def journal_claim(spec: Any, opts: ClusterOptions) -> dict[str, Any] | None:
+    """The planner journal's claim (ReadWriteOnce: the planner Deployment is Recreate, one pod mounts it at a time)."""
+    k = spec.kubernetes
+    if not k.journal_mb:
+        return None
+    out: dict[str, Any] = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(opts, opts.journal_claim, "planner", "planner"),
+                           "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": f"{int(k.journal_mb)}Mi"}}}}
+    if k.storage_class:
+        out["spec"]["storageClassName"] = k.storage_class
+    return out
+
+
+def planner_args(args: Sequence[str]) -> list[str]:
+    """The planner's args with its run dir (where the journal is) on the journal volume."""
+    out = pod_args(args)
+    for i, a in enumerate(out[:-1]):
+        if a == "--run-dir":
+            out[i + 1] = JOURNAL_MOUNT
+    return out
+
+
+def planner_deployment(plan: Any, opts: ClusterOptions, digest: str, *, journal_claim: str | None = None) -> dict[str, Any]:
+    """One planner pod. Its journal lives on the claim (a restarted pod recovers from it) or, without one, in
+    an emptyDir that dies with the pod."""
     c = plan.planner
     res = resources(c.resources.cpu, c.resources.memory_bytes, opts)
     name = opts.planner_service
+    ctr = container(c, opts, res, planner_args(c.args))
+    ctr["volumeMounts"].append({"name": "journal", "mountPath": JOURNAL_MOUNT})
+    vol: dict[str, Any] = {"name": "journal", "persistentVolumeClaim": {"claimName": journal_claim}} if journal_claim else \
+        {"name": "journal", "emptyDir": {}}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(opts, name, "planner", "planner"),
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # never two planners of one mixture
                      "selector": {"matchLabels": selector(opts, "planner", "planner")},
-                     "template": pod_template(opts, "planner", "planner", [container(c, opts, res)], digest)}}
+                     "template": pod_template(opts, "planner", "planner", [ctr], digest, _volumes(opts) + [vol])}}
 
 
 def planner_service(opts: ClusterOptions) -> dict[str, Any]:
@@ -321,12 +372,44 @@ def loader_deployment(component: Any, opts: ClusterOptions, digest: str, *, cpu:
     """One loader pod group: a process hosting these partitions (0 replicas while none has weight)."""
     name = loader_deployment_name(opts, component)
     parts = ",".join(f"{p.source}:{p.replica}" for p in component.partitions)
-    meta = _meta(opts, name, "loader", component.name, annotations={f"{API_GROUP}/partitions": parts})
+    meta = _meta(opts, name, "loader", component.name, annotations={f"{API_GROUP}/partitions": parts, ANN_HOST: component.name})
     tmpl = pod_template(opts, "loader", component.name, [container(component, opts, resources(cpu, memory, opts, cpu_limit=cpu_limit))], digest)
     tmpl["metadata"]["annotations"][f"{API_GROUP}/partitions"] = parts
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": int(replicas), "strategy": {"type": "Recreate"},  # a partition is read by one process
                      "selector": {"matchLabels": selector(opts, "loader", component.name)}, "template": tmpl}}
+
+
+def loaders_service(opts: ClusterOptions) -> dict[str, Any]:
+    """Headless, metrics only: remote loaders bind no other port, but Prometheus finds them through it."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {**_meta(opts, f"{opts.name}-loaders", "loader"), "labels": {**labels(opts, "loader"), LABEL_METRICS: "true"}},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(opts, "loader"),
+                     "ports": [{"name": "metrics", "port": opts.metrics_port, "targetPort": opts.metrics_port, "protocol": "TCP"}]}}
+
+
+# ---------------------------------------------------------------------------------------------- sidecars
+def sidecar_volumes(opts: ClusterOptions) -> list[dict[str, Any]]:
+    """The components' volumes under names a trainer pod's own volumes do not use."""
+    return [{**v, "name": SIDECAR_PREFIX + "loader-" + v["name"]} for v in _volumes(opts)]
+
+
+def sidecar_container(component: Any, opts: ClusterOptions, res: dict[str, Any], index: int) -> dict[str, Any]:
+    """A loader process as a container of a trainer pod: the remote loader's command line, its own metrics port
+    (9191 + index: containers of a pod share one network namespace), no readiness probe (a loader that is not up
+    yet must not take the trainer pod out of its Service)."""
+    port = opts.sidecar_metrics_port + index
+    args = pod_args(component.args)
+    for i, a in enumerate(args[:-1]):
+        if a == "--metrics-port":
+            args[i + 1] = str(port)
+    c = container(component, opts, res, args)
+    c["name"] = dns_label(f"{SIDECAR_PREFIX}{component.name}")
+    c["ports"] = [{"name": f"mx-metrics-{index}"[:15], "containerPort": port, "protocol": "TCP"}]
+    c.pop("readinessProbe", None)
+    for m in c["volumeMounts"]:
+        m["name"] = SIDECAR_PREFIX + "loader-" + m["name"]
+    return c
 
 
 def network_policies(opts: ClusterOptions) -> list[dict[str, Any]]:
@@ -357,21 +440,28 @@ def disruption_budgets(opts: ClusterOptions) -> list[dict[str, Any]]:
 
 
 def children(spec: Any, plan: Any, opts: ClusterOptions, keys: Mapping[str, tuple[str, str]],
-             loader_resources: Mapping[str, tuple[float, int, int]] | None = None) -> list[dict[str, Any]]:
+             loader_resources: Mapping[str, tuple[float, int, int]] | None = None,
+             sidecars: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Every child object of one mixture.
 
     `plan`: the mixplane.launch plan of the resolved spec (replicas = the auto-partitioner's partitions,
     loader groups = its pods); `loader_resources`: per loader component name (cpu cores, memory bytes,
-    replicas) from the auto-partitioner; the launch plan's estimates otherwise."""
+    replicas) from the auto-partitioner; the launch plan's estimates otherwise. `sidecars`: loader components
+    that run in trainer pods (injected by the pod webhook), not as Deployments."""
     digest = spec_hash(spec)
-    out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys),
-           planner_deployment(plan, opts, digest), planner_service(opts)]
+    claim = journal_claim(spec, opts)
+    out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys)]
+    if claim is not None:
+        out.append(claim)
+    out += [planner_deployment(plan, opts, digest, journal_claim=opts.journal_claim if claim else None), planner_service(opts)]
     if plan.of_role("constructor"):
         out += [constructor_statefulset(plan, opts, digest), constructor_service(opts)]
     for c in plan.of_role("loader"):
+        if c.name in sidecars:
+            continue
         cpu, mem, replicas = (loader_resources or {}).get(c.name, (c.resources.cpu, c.resources.memory_bytes, 1))
         out.append(loader_deployment(c, opts, digest, cpu=cpu, memory=mem, replicas=replicas))
-    out += network_policies(opts) + disruption_budgets(opts)
+    out += [loaders_service(opts)] + network_policies(opts) + disruption_budgets(opts)
     return out
 
 
@@ -386,14 +476,37 @@ def manifest_json(objs: list[dict[str, Any]]) -> str:
     return json.dumps(objs, indent=1, sort_keys=True)
 
 
-def render_mixture(spec: Any, opts: ClusterOptions, pods: Any, partitions: Mapping[str, int],
-                   keys: Mapping[str, tuple[str, str]]) -> tuple[Any, list[dict[str, Any]]]:
-    """The resolved spec (replicas = partitions) and every child object, loader pods from `pods` (a PodPlan)."""
-    from mixplane.launch import LaunchTarget, launch_plan, loader_name
+def mixture_launch_plan(spec: Any, opts: ClusterOptions, pods: Sequence[Any], partitions: Mapping[str, int]) -> tuple[Any, Any]:
+    """The resolved spec (replicas = partitions) and its launch plan with one loader process per pod in `pods`."""
+    from mixplane.launch import LaunchTarget, launch_plan
     from mixplane.operator.autopartition import with_partitions
 
     resolved = with_partitions(spec, partitions)
-    groups = [list(p.members) for p in pods.pods]
-    plan = launch_plan(resolved, LaunchTarget(**launch_target_kwargs(opts)), loaders=groups)
+    plan = launch_plan(resolved, LaunchTarget(**launch_target_kwargs(opts)), loaders=[list(p.members) for p in pods])
+    return resolved, plan
+
+
+def render_mixture(spec: Any, opts: ClusterOptions, pods: Any, partitions: Mapping[str, int],
+                   keys: Mapping[str, tuple[str, str]], sidecar_pods: Sequence[Any] = ()) -> tuple[Any, list[dict[str, Any]]]:
+    """The resolved spec (replicas = partitions) and every child object, remote loader pods from `pods` (a PodPlan);
+    `sidecar_pods` (LoaderPods) run in trainer pods and get no Deployment."""
+    from mixplane.launch import loader_name
+
+    resolved, plan = mixture_launch_plan(spec, opts, [*pods.pods, *sidecar_pods], partitions)
     res = {loader_name(list(p.members)): (p.cpu, p.memory, 0 if p.idle else 1) for p in pods.pods}
-    return resolved, children(resolved, plan, opts, keys, res)
+    side = [loader_name(list(p.members)) for p in sidecar_pods]
+    return resolved, children(resolved, plan, opts, keys, res, side)
+
+
+def sidecar_containers(spec: Any, opts: ClusterOptions, all_pods: Sequence[Any], partitions: Mapping[str, int],
+                       slot_pods: Sequence[Any]) -> list[dict[str, Any]]:
+    """The loader containers of one trainer pod: `slot_pods` (LoaderPods placed on it), rendered from the same
+    launch plan as every other loader (`all_pods`: every loader pod of the mixture, remote and sidecar)."""
+    from mixplane.launch import loader_name
+
+    _, plan = mixture_launch_plan(spec, opts, all_pods, partitions)
+    out = []
+    for i, p in enumerate(slot_pods):
+        comp = plan.component(loader_name(list(p.members)))
+        out.append(sidecar_container(comp, opts, resources(p.cpu, p.memory, opts, cpu_limit=1.0), i))
+    return out

@@ -61,7 +61,9 @@ class SourceStatus(_Status):
     targetWeight: float | None = Field(None, ge=0, description="Target share of tokens (or samples) in the current phase.")
     realisedWeight: float | None = Field(None, ge=0, description="Realised share in the current phase, from the planner.")
     partitions: int | None = Field(None, ge=0, description="Partitions (Source Loader replicas) of the source.")
-    loaderPods: int | None = Field(None, ge=0, description="Loader pods currently hosting its partitions.")
+    loaderPods: int | None = Field(None, ge=0, description="Remote loader pods currently hosting its partitions.")
+    sidecarPartitions: int | None = Field(None, ge=0, description="Partitions hosted by loader sidecars in trainer pods (sidecar placement).")
+    deliveredTokensPerSecond: float | None = Field(None, ge=0, description="Tokens per second of the source in the steps the planner planned recently (planner STATUS).")
     profile: SourceProfile | None = Field(None, description="Profiled cost, kept so a restart does not re-profile.")
 
 
@@ -69,6 +71,24 @@ class MixtureUpdateStatus(_Status):
     generation: int = Field(..., ge=0, description="metadata.generation of the change.")
     effectiveStep: int = Field(..., ge=0, description="First step planned with the new mixture.")
     weights: dict[str, float] = Field(default_factory=dict, description="Weights in force from effectiveStep on.")
+
+
+class SidecarStatus(_Status):
+    slot: int = Field(..., ge=0, description="Trainer pod slot (its mixplane.io/trainer-index, Indexed Job completion index or StatefulSet ordinal).")
+    pods: list[str] = Field(default_factory=list, description="Loader processes injected into that trainer pod.")
+    partitions: str = Field("", description="source:partition pairs they host.")
+    cpu: float = Field(0.0, ge=0, description="Cores they request.")
+
+
+class ScalingStatus(_Status):
+    step: int = Field(..., ge=0, description="Planner step when the decision was taken.")
+    source: str = Field(..., description="Source whose loaders were re-targeted.")
+    direction: Literal["up", "down"] = Field(..., description="More or fewer cores.")
+    fromCores: float = Field(..., ge=0, description="Cores before.")
+    toCores: float = Field(..., ge=0, description="Cores after.")
+    interval: int = Field(..., ge=0, description="Timer interval of the operator's scaler (since it started).")
+    loaderPods: int | None = Field(None, ge=0, description="Running loader pods of the source after the decision.")
+    time: str | None = Field(None, description="When (RFC 3339).")
 
 
 class MixtureStatus(_Status):
@@ -83,6 +103,8 @@ class MixtureStatus(_Status):
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
     sources: list[SourceStatus] = Field(default_factory=list, description="Per source: target and realised weight, partitions, loader pods, profile.")
     updates: list[MixtureUpdateStatus] = Field(default_factory=list, description="Live mixture updates and the step each took effect at.")
+    sidecars: list[SidecarStatus] = Field(default_factory=list, description="Sidecar placement: loader processes per trainer pod slot.")
+    scaling: list[ScalingStatus] = Field(default_factory=list, description="Mixture-driven scaling decisions (last 20).")
 
 
 # ---- pydantic JSON schema -> Kubernetes structural schema ----

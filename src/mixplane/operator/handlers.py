@@ -11,8 +11,10 @@ Lifecycle:
   update of spec.mixture (kubectl patch of weights or phases) -> children re-rendered for the new schedule and
       UPDATE_MIXTURE at the next step boundary the planner has not planned; status.updates records the step.
 
-A partition that moves to another loader pod restarts its Source Loader from the planner's cursor; a
-move without that restart needs the data-plane handoff of loader failover (issue 11).
+A partition that moves to another loader pod moves with the data plane's partition handoff: the new pod
+registers as a shadow of it, the operator asks the planner to HANDOFF it (at a step boundary, nothing lost or
+repeated), and the old Deployment is deleted only once the planner's table shows it serves nothing (see
+`converge_hosts`). Without a reachable planner old Deployments go at once (their loaders restart from the cursor).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, cast
 import kopf
 
 from mixplane.operator.builders import (
+    ANN_HOST,
     API_GROUP,
     LABEL_MIXTURE,
     LABEL_ROLE,
@@ -207,6 +210,8 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
     ep = planner_endpoint(opts)
     if kind == "status":
         return control.status(ep, timeout_s, curve=curve)
+    if kind == "handoff":
+        return control.handoff(ep, meta["partition"], meta["to"], timeout_s, curve=curve)
     return control.update_mixture(ep, meta, timeout_s, curve=curve)
 
 
@@ -232,17 +237,72 @@ def profile_for(body: Mapping[str, Any], spec: Any, logger: Any) -> dict[str, An
         return fallback_profile(spec)
 
 
-def apply_children(d: Desired, opts: ClusterOptions) -> None:
+def apply_children(d: Desired, opts: ClusterOptions, draining: set[str] | None = None) -> tuple[set[tuple[str, str]], list[str]]:
+    """Apply every child; delete loader Deployments of an earlier grouping unless their host still serves a
+    partition (`draining`, from the planner's table: they go once the handoff moved it). Returns the children's
+    (kind, name) and the loader Deployments left over (draining)."""
     k = kube()
     names = set()
     for obj in d.objects:
         kopf.adopt(obj, owner=cast(Any, d.owner))  # the DataMixture controls it: deleting the mixture deletes it
         k.apply(obj)
         names.add((obj["kind"], obj["metadata"]["name"]))
-    # loader Deployments of an earlier grouping
+    return names, delete_old_loaders(opts, names, draining or set())[1]
+
+
+def delete_old_loaders(opts: ClusterOptions, keep: set[tuple[str, str]], draining: set[str]) -> tuple[list[str], list[str]]:
+    """(deleted, kept because draining) loader Deployments outside `keep`."""
+    k = kube()
+    gone, left = [], []
     for dep in k.list("apps/v1", "Deployment", opts.namespace, f"{LABEL_MIXTURE}={opts.name},{LABEL_ROLE}=loader"):
-        if ("Deployment", dep["metadata"]["name"]) not in names:
-            k.delete("apps/v1", "Deployment", opts.namespace, dep["metadata"]["name"])
+        name = dep["metadata"]["name"]
+        host = (dep["metadata"].get("annotations") or {}).get(ANN_HOST)
+        if ("Deployment", name) in keep:
+            continue
+        if host in draining:
+            left.append(name)
+        else:
+            k.delete("apps/v1", "Deployment", opts.namespace, name)
+            gone.append(name)
+    return gone, left
+
+
+def desired_hosts(d: Desired) -> dict[str, str]:
+    """partition "src:r" -> the loader host (launch component name) the rendered layout puts it on."""
+    out = {}
+    for obj in d.objects:
+        ann = obj["metadata"].get("annotations") or {}
+        if obj["kind"] == "Deployment" and ANN_HOST in ann and obj["spec"].get("replicas", 1):
+            for p in filter(None, ann.get(f"{API_GROUP}/partitions", "").split(",")):
+                out[p] = ann[ANN_HOST]
+    return out
+
+
+def converge_hosts(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], want: Mapping[str, str],
+                   logger: Any) -> tuple[set[str], list[dict[str, Any]]] | None:
+    """Ask the planner to hand every partition to the host the layout wants (when that host is up), and say
+    which hosts outside the layout still serve something. None when the planner cannot be asked."""
+    from mixplane.operator.scaling import handoff_moves
+
+    try:
+        st = planner_request(opts, keys, "status", {})
+    except (TimeoutError, RuntimeError, OSError) as e:
+        logger.info(f"handoff: planner not reachable ({e})")
+        return None
+    table = {"partitions": st.get("partitions") or {}, "hosts": st.get("hosts") or {}}
+    if not table["partitions"]:
+        return None  # a planner without a partition table: nothing to hand over
+    moves, draining = handoff_moves(want, table)
+    done = []
+    for part, to in moves:
+        try:
+            ack = planner_request(opts, keys, "handoff", {"partition": part, "to": to})
+        except (TimeoutError, RuntimeError, OSError) as e:
+            logger.warning(f"handoff of {part} to {to} failed: {e}")
+            continue
+        logger.info(f"handoff: {part} {ack.get('from')} -> {to} after step {ack.get('after_step')}")
+        done.append({"partition": part, "from": ack.get("from"), "to": to, "afterStep": ack.get("after_step")})
+    return draining, done
 
 
 def _keys_for(opts: ClusterOptions) -> dict[str, tuple[str, str]]:
@@ -271,7 +331,9 @@ def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mi
         prof = profile_for(body, spec, logger)
         keys = _keys_for(opts)
         step = int(planner_status.get("planned_through", 0)) if planner_status else int((body.get("status") or {}).get("step") or 0)
-        d = desired(body, opts, prof, keys, step=max(0, step), shares=shares)
+        if mixture_changed:
+            memo.pop("shares", None)  # the scaler re-decides for the new schedule
+        d = desired(body, opts, prof, keys, step=max(0, step), shares=shares or memo.get("shares"))
     except ReconcileError as e:
         gen = body["metadata"].get("generation")
         from mixplane.operator.reconcile import condition
@@ -283,7 +345,13 @@ def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mi
                                       condition("Progressing", False, "InvalidMixture", str(e), gen, prev),
                                       condition("Degraded", True, "InvalidMixture", str(e), gen, prev)]
         raise kopf.PermanentError(str(e)) from None
-    apply_children(d, opts)
+    want = desired_hosts(d)
+    conv = converge_hosts(opts, keys, want, logger) if planner_status is not None else None
+    names, left = apply_children(d, opts, conv[0] if conv else None)
+    memo["layout"] = (want, names)
+    if left:
+        memo["draining"] = True
+        logger.info(f"handoff: loader Deployments {', '.join(left)} stay until their partitions moved")
     memo["keys"] = keys
     memo["profile"] = prof
     ready, waiting = _readiness(opts)
@@ -334,6 +402,9 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 60
+    # a deleted mixture waits for its scaling timer to stop; kopf re-checks every cancellation_polling seconds
+    # (default 60: `kubectl delete` would hang a minute), the timer stops at its next turn
+    settings.background.cancellation_polling = 1.0
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)
@@ -390,12 +461,48 @@ def on_timer(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
         dt = time.monotonic() - last[0]
         if dt > 0 and st.get("tokens_planned", 0) > last[1].get("tokens_planned", 0):
             tps = (st["tokens_planned"] - last[1]["tokens_planned"]) / dt
+    if inp.scale_on == "declared":
+        tps = inp.tokens_per_s  # the mixture asked to be sized for its declared trainer rate, not the measured one
     waiting = frozenset(w.split("/")[0] for w in st.get("waiting") or [])
-    decisions = sc.observe(Observation(max(0, int(st.get("planned_through", 0))), tps, waiting))
+    delivered = delivered_rates(st)
+    step = max(0, int(st.get("planned_through", 0)))
+    decisions = sc.observe(Observation(step, tps, waiting, delivered))
     if decisions:
         # the policy's cores, as shares of the rate reconcile sizes pods for
         shares = {n: (sc.alloc[n] / (inp.tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0) for n, c in sc.costs.items()}
+        memo["shares"] = shares
         logger.info("scaling: " + "; ".join(f"{d.source} {d.direction} {d.from_cores:.2f}->{d.to_cores:.2f} cores" for d in decisions))
         reconcile(body, patch, logger, memo, shares=shares, planner_status=st)
-    else:
-        patch.status["step"] = max(0, int(st.get("planned_through", 0)))
+        pods = {s["name"]: s.get("loaderPods") for s in patch.status.get("sources") or []}
+        from mixplane.operator.reconcile import now
+
+        rec = [{"step": step, "source": d.source, "direction": d.direction, "fromCores": round(d.from_cores, 4),
+                "toCores": round(d.to_cores, 4), "interval": d.interval, "time": now(),
+                **({"loaderPods": pods[d.source]} if isinstance(pods.get(d.source), int) else {})} for d in decisions]
+        prev = list(((body.get("status") or {}).get("scaling")) or [])
+        patch.status["scaling"] = (prev + rec)[-20:]
+        return
+    patch.status["step"] = step
+    if delivered:
+        srcs = [dict(s) for s in (body.get("status") or {}).get("sources") or []]
+        for s in srcs:
+            if s.get("name") in delivered:
+                s["deliveredTokensPerSecond"] = round(delivered[s["name"]], 3)
+        if srcs:
+            patch.status["sources"] = srcs
+    if memo.get("draining") and memo.get("layout"):  # a regrouping is under way: hand over, then remove old pods
+        want, names = memo["layout"]
+        conv = converge_hosts(opts, keys, want, logger)
+        if conv is not None:
+            gone, left = delete_old_loaders(opts, names, conv[0])
+            if gone:
+                logger.info(f"handoff: removed loader Deployments {', '.join(gone)} (their partitions moved)")
+            if not left:
+                memo.pop("draining", None)
+
+
+def delivered_rates(st: Mapping[str, Any]) -> dict[str, float]:
+    """Per source tokens/s the planner measured (STATUS source_tokens_per_s, in `sources` order)."""
+    names = list(st.get("sources") or [])
+    rates = list(st.get("source_tokens_per_s") or [])
+    return {n: float(r) for n, r in zip(names, rates)} if len(names) == len(rates) else {}

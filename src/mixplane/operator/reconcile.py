@@ -21,18 +21,32 @@ from typing import Any
 
 from mixplane.operator.autopartition import (
     LoaderBudget,
+    LoaderPod,
     PartitionBounds,
     PartitionPlan,
+    PodPlan,
+    SidecarPlacement,
     SourceCost,
     auto_partition,
+    pack_pods,
+    peak_shares,
+    place_sidecars,
+    source_cores,
     spec_schedule,
 )
-from mixplane.operator.builders import ClusterOptions, owner_reference, render_mixture
+from mixplane.operator.builders import (
+    ClusterOptions,
+    owner_reference,
+    render_mixture,
+    sidecar_containers,
+    sidecar_volumes,
+)
 
 ANN_TPS = "mixplane.io/tokens-per-second"
 ANN_CPU = "mixplane.io/loader-cpu"
 ANN_MEMORY = "mixplane.io/loader-memory"
 ANN_PROFILE = "mixplane.io/profile"
+ANN_SCALE_ON = "mixplane.io/scale-on"  # measured (default): the trainer rate the planner sees; declared: tokens-per-second
 DEFAULT_TPS = 1e6
 DEFAULT_CPU = 64.0
 DEFAULT_MEMORY = 256 << 30
@@ -78,11 +92,16 @@ def _float_annotation(body: Mapping[str, Any], key: str, default: float) -> floa
 class Inputs:
     tokens_per_s: float
     budget: LoaderBudget
+    scale_on: str = "measured"
 
 
 def inputs_of(body: Mapping[str, Any]) -> Inputs:
+    scale_on = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_SCALE_ON, "measured")
+    if scale_on not in ("measured", "declared"):
+        raise ReconcileError(f"metadata.annotations.{ANN_SCALE_ON}: expected measured or declared, got {scale_on!r}")
     return Inputs(_float_annotation(body, ANN_TPS, DEFAULT_TPS),
-                  LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))))
+                  LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))),
+                  scale_on)
 
 
 # ---- profile: measured once, kept in the status ---------------------------------------------------
@@ -139,6 +158,39 @@ class Desired:
     step: int
     objects: list[dict[str, Any]]
     owner: dict[str, Any]
+    pods: PodPlan | None = None  # the loader pods rendered (remote and sidecar); None: plan.pods_at(step)
+    sidecars: SidecarPlacement | None = None  # sidecar placement: loader pods per trainer pod slot
+
+
+def trainer_slots(spec: Any) -> int:
+    """Trainer pods that host sidecars: kubernetes.trainer_pods, else one per node of the topology."""
+    if spec.kubernetes.trainer_pods:
+        return int(spec.kubernetes.trainer_pods)
+    per_node = max(1, int(getattr(spec.topology, "ranks_per_node", 1) or 1))
+    return max(1, -(-int(spec.world_size) // per_node))
+
+
+def _at_shares(p: LoaderPod, shares: Mapping[str, float], costs: Mapping[str, SourceCost], partitions: Mapping[str, int],
+               tokens_per_s: float) -> LoaderPod:
+    """The pod with its sources' demand at `shares` (its size stays: its members are fixed for the run)."""
+    demand: dict[str, float] = {}
+    for s, _ in p.members:
+        demand[s] = demand.get(s, 0.0) + source_cores(costs[s], float(shares.get(s, 0.0)), tokens_per_s) / partitions[s]
+    return LoaderPod(p.name, p.members, p.cpu, p.memory, tuple(demand.items()))
+
+
+def sidecar_layout(spec: Any, plan: PartitionPlan, costs: Sequence[SourceCost], tokens_per_s: float, bounds: PartitionBounds,
+                   step: int) -> tuple[PodPlan, SidecarPlacement]:
+    """Sidecar placement: loader pods sized for each source's peak share (containers of a running trainer pod cannot
+    change, so the layout is fixed for the run), placed on the trainer pods' sidecar budget; the rest is remote.
+    Returns every pod with its demand at `step` (a remote pod of sources without weight then runs 0 replicas)."""
+    k = spec.kubernetes
+    layout = pack_pods(costs, plan.partitions, peak_shares(plan), tokens_per_s, bounds, None, what="sidecar layout")
+    placement = place_sidecars(layout, trainer_slots(spec), float(k.sidecar_cpu), int(k.sidecar_memory_mb) << 20)
+    now = plan.pods_at(step).weights
+    by_name = {c.name: c for c in costs}
+    pods = tuple(_at_shares(p, now, by_name, plan.partitions, tokens_per_s) for p in layout.pods)
+    return PodPlan(dict(now), pods), placement
 
 
 def segments_of(spec: Any, profile: Mapping[str, Any]) -> list[tuple[int, dict[str, float]]]:
@@ -157,18 +209,54 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     spec = spec_of(body)
     inp = inputs_of(body)
     costs = costs_of(profile, spec)
+    placement: SidecarPlacement | None = None
     try:
-        kept = {str(s.get("name")): s.get("partitions") for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
-        plan = auto_partition(costs, segments_of(spec, profile), inp.tokens_per_s, inp.budget, bounds,
-                              partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None)
-        pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds, inp.budget)
+        plan = plan_of(body, spec, profile, inp, bounds)
+        if spec.kubernetes.placement == "sidecar":
+            pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
+        else:
+            pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds, inp.budget)
     except ValueError as e:
         raise ReconcileError(str(e)) from None
-    resolved, objs = render_mixture(spec, opts, pods, plan.partitions, keys)
+    if placement is not None:
+        side = {p.name for s in placement.slots for p in s}
+        remote = PodPlan(pods.weights, tuple(p for p in pods.pods if p.name not in side))
+        resolved, objs = render_mixture(spec, opts, remote, plan.partitions, keys,
+                                        [p for p in pods.pods if p.name in side])
+    else:
+        resolved, objs = render_mixture(spec, opts, pods, plan.partitions, keys)
     owner = owner_reference(body)
     for o in objs:
         o["metadata"]["ownerReferences"] = [dict(owner)]
-    return Desired(resolved, plan, step, objs, dict(body))
+    return Desired(resolved, plan, step, objs, dict(body), pods, placement)
+
+
+def plan_of(body: Mapping[str, Any], spec: Any, profile: Mapping[str, Any], inp: Inputs,
+            bounds: PartitionBounds) -> PartitionPlan:
+    """The auto-partitioner's plan, keeping the partition counts the status already has (a running split stays)."""
+    kept = {str(s.get("name")): s.get("partitions") for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
+    return auto_partition(costs_of(profile, spec), segments_of(spec, profile), inp.tokens_per_s, inp.budget, bounds,
+                          partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None)
+
+
+def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str, Any], slot: int | None,
+                      bounds: PartitionBounds | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(containers, volumes) the pod webhook adds to trainer pod `slot` of a sidecar-placed mixture; nothing for
+    remote placement, an unknown slot, or a slot the placement left empty."""
+    spec = spec_of(body)
+    if spec.kubernetes.placement != "sidecar" or slot is None:
+        return [], []
+    bounds = bounds or PartitionBounds()
+    inp = inputs_of(body)
+    try:
+        plan = plan_of(body, spec, profile, inp, bounds)
+        step = int((body.get("status") or {}).get("step") or 0)
+        pods, placement = sidecar_layout(spec, plan, costs_of(profile, spec), inp.tokens_per_s, bounds, step)
+    except ValueError as e:
+        raise ReconcileError(str(e)) from None
+    if not 0 <= slot < len(placement.slots) or not placement.slots[slot]:
+        return [], []
+    return sidecar_containers(spec, opts, pods.pods, plan.partitions, placement.slots[slot]), sidecar_volumes(opts)
 
 
 # ---- status -----------------------------------------------------------------------------------------
@@ -189,11 +277,14 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
     """The status patch: conditions, endpoint, step, and per source weights, partitions, pods, profile."""
     gen = (body.get("metadata") or {}).get("generation")
     prev = ((body.get("status") or {}).get("conditions")) or []
-    pods = d.plan.pods_at(d.step)
+    pods = d.pods if d.pods is not None else d.plan.pods_at(d.step)
+    slot_of = d.sidecars.slot_of() if d.sidecars is not None else {}
     step = d.step
     target = dict(pods.weights)
     realised: dict[str, float] = {}
+    delivered: dict[str, float] = {}
     if planner_status:
+        delivered = {n: float(x) for n, x in zip(planner_status.get("sources") or [], planner_status.get("source_tokens_per_s") or [])}
         step = max(0, int(planner_status.get("planned_through", step)))
         names = list(planner_status.get("sources") or [])
         target = {n: float(x) for n, x in zip(names, planner_status.get("target") or [])} or target
@@ -204,8 +295,11 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
         sources.append({
             "name": s.name, "targetWeight": round(float(target.get(s.name, 0.0)), 6),
             **({"realisedWeight": round(realised[s.name], 6)} if s.name in realised else {}),
+            **({"deliveredTokensPerSecond": round(max(0.0, delivered[s.name]), 3)} if s.name in delivered else {}),
             "partitions": int(d.plan.partitions[s.name]),
-            "loaderPods": sum(1 for x in pods.pods_of(s.name) if not x.idle),
+            "loaderPods": sum(1 for x in pods.pods_of(s.name) if not x.idle and x.name not in slot_of),
+            **({"sidecarPartitions": sum(1 for x in pods.pods_of(s.name) if x.name in slot_of for m in x.members if m[0] == s.name)}
+               if d.sidecars is not None else {}),
             "profile": {"cpuSecondsPerToken": float(p.get("cpu_s_per_token", 0.0)), "memoryPerPartition": int(p.get("memory_per_partition", 0)),
                         **({"meanTokens": float(p["mean_tokens_per_sample"])} if p.get("mean_tokens_per_sample") else {}),
                         },
@@ -215,7 +309,11 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
     phase = "Degraded" if deg_ok else "Running" if ready else "Pending"
     return {
         "phase": phase, "observedGeneration": gen, "plannerEndpoint": opts.planner_endpoint, "step": step,
-        "sourceCount": len(d.spec.sources), "loaderPods": sum(1 for x in pods.pods if not x.idle),
+        "sourceCount": len(d.spec.sources), "loaderPods": sum(1 for x in pods.pods if not x.idle and x.name not in slot_of),
+        **({"sidecars": [{"slot": k, "pods": [p.name for p in ps],
+                          "partitions": ",".join(f"{s}:{r}" for p in ps for s, r in p.members),
+                          "cpu": round(sum(p.cpu for p in ps), 3)} for k, ps in enumerate(d.sidecars.slots)]}
+           if d.sidecars is not None else {}),
         "conditions": [condition("Ready", ready, "ComponentsReady" if ready else "ComponentsNotReady",
                                  "planner, constructors and loaders are ready" if ready else "waiting for component pods", gen, prev),
                        condition("Progressing", prog_ok, prog_reason, prog_msg, gen, prev),

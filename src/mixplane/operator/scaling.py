@@ -10,8 +10,10 @@ intervals, re-targets that source. The new allocation is packed into pods with t
 packer, so the decision is a :class:`PodPlan` the builders render (pods added, removed, resized).
 
 Partitions stay fixed: scaling changes how many pods host a source's partitions and their CPU. A
-partition that changes pods restarts its Source Loader from the planner's cursor; moving it without
-that restart needs the data-plane handoff of loader failover (issue 11).
+partition that changes pods moves with the data plane's partition handoff (issue 11, planner.partitions):
+the new pod starts with the partition in its args and registers as a shadow of it while the old pod still
+serves it; the operator then asks the planner to hand it over (`handoff_moves`, HANDOFF at a step
+boundary: nothing lost, repeated or reordered) and removes the old pod only once it serves nothing.
 
 Measured throughput corrects the profile: when the planner waited for a source during an interval, its
 loaders were saturated, so delivered tokens/s over allocated cores is that source's real cost; the
@@ -178,3 +180,24 @@ class MixtureScaler:
     def supply_tokens_per_s(self) -> dict[str, float]:
         cpu = self.plan.source_cpu()
         return {n: (cpu.get(n, 0.0) / c.cpu_s_per_token if c.cpu_s_per_token > 0 else math.inf) for n, c in self.costs.items()}
+
+
+def handoff_moves(want: Mapping[str, str], table: Mapping[str, object]) -> tuple[list[tuple[str, str]], set[str]]:
+    """What the operator does to reach the loader layout `want` (partition "src:r" -> host that should serve it)
+    from the planner's partition table (`control.partitions()`: {"partitions": {p: {"host"}}, "hosts": {h: {"alive"}}}).
+
+    Returns the handoffs to request now (partition, to host: the target is registered and alive, and something
+    else serves the partition) and the hosts outside the layout that still serve a partition (their pods stay
+    until it has moved)."""
+    parts = table.get("partitions") or {}
+    hosts = table.get("hosts") or {}
+    assert isinstance(parts, Mapping) and isinstance(hosts, Mapping)
+    moves: list[tuple[str, str]] = []
+    wanted_hosts = set(want.values())
+    for p, to in sorted(want.items()):
+        cur = (parts.get(p) or {}).get("host")
+        target = hosts.get(to) or {}
+        if cur != to and target.get("alive"):
+            moves.append((p, to))
+    draining = {str(a.get("host")) for a in parts.values() if a.get("host") and a.get("host") not in wanted_hosts}
+    return moves, draining

@@ -94,6 +94,27 @@ class Injection:
     extra_env: tuple[tuple[str, str], ...] = field(default=())
 
 
+TRAINER_INDEX = "mixplane.io/trainer-index"
+JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def trainer_index(pod: Mapping[str, Any]) -> int | None:
+    """The sidecar slot of a trainer pod: its `mixplane.io/trainer-index` label or annotation, else its Indexed Job
+    completion index, else its StatefulSet ordinal (`name-<n>`); None when the pod says nothing (a Deployment's
+    pods have no stable index: they get the planner env and keys, no loaders)."""
+    meta = pod.get("metadata") or {}
+    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    for raw in (labels.get(TRAINER_INDEX), ann.get(TRAINER_INDEX), ann.get(JOB_INDEX), labels.get(JOB_INDEX)):
+        if raw is not None and str(raw).isdigit():
+            return int(raw)
+    name = str(meta.get("name") or "")
+    owners = [o.get("kind") for o in meta.get("ownerReferences") or []]
+    tail = name.rsplit("-", 1)
+    if "StatefulSet" in owners and len(tail) == 2 and tail[1].isdigit():
+        return int(tail[1])
+    return None
+
+
 def mixture_of(pod: Mapping[str, Any]) -> str | None:
     """The mixture a pod asks for (its `mixplane.io/mixture` label), or None."""
     labels = ((pod.get("metadata") or {}).get("labels")) or {}
@@ -166,8 +187,8 @@ def pod_merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str,
     return out
 
 
-def mutate_review(review: Mapping[str, Any], resolve: Callable[[str, str], Injection | None]) -> dict[str, Any]:
-    """AdmissionReview of a Pod CREATE in, a JSON patch out. `resolve(mixture, namespace)` says what to inject
+def mutate_review(review: Mapping[str, Any], resolve: Callable[[str, str, Mapping[str, Any]], Injection | None]) -> dict[str, Any]:
+    """AdmissionReview of a Pod CREATE in, a JSON patch out. `resolve(mixture, namespace, pod)` says what to inject
     (None: no such mixture, the pod is refused with a message naming the label)."""
     request = review.get("request") or {}
     pod = request.get("object")
@@ -177,7 +198,10 @@ def mutate_review(review: Mapping[str, Any], resolve: Callable[[str, str], Injec
     if name is None:
         return admission_response(review, True)
     namespace = request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "default"
-    inj = resolve(name, namespace)
+    try:
+        inj = resolve(name, namespace, pod)
+    except ValueError as e:  # e.g. the mixture's sidecars cannot be placed: say so instead of admitting a pod without them
+        return admission_response(review, False, f"metadata.labels.{MIXTURE_LABEL}: mixture {name!r}: {e}")
     if inj is None:
         return admission_response(review, False, f"metadata.labels.{MIXTURE_LABEL}: no DataMixture {name!r} in namespace {namespace!r}", code=404)
     try:

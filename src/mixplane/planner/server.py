@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,30 @@ class PlannerState:
 
     started: float = field(default_factory=time.monotonic)
     tokens_planned: int = 0
+    # per source: tokens of every planned step, and (time, totals) samples for the delivered rate
+    source_tokens: list[int] = field(default_factory=list)
+    rate_samples: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)
+    rate_window_s: float = 30.0
+
+    def add_source_tokens(self, tokens: Any, now: float) -> None:
+        """Count a planned step's tokens per source (they are delivered once its step is built)."""
+        if not self.source_tokens:
+            self.source_tokens = [0] * len(tokens)
+            self.rate_samples.append((self.started, tuple(self.source_tokens)))
+        for i, x in enumerate(tokens):
+            self.source_tokens[i] += int(x)
+        self.rate_samples.append((now, tuple(self.source_tokens)))
+        while len(self.rate_samples) > 2 and now - self.rate_samples[1][0] >= self.rate_window_s:
+            self.rate_samples.popleft()
+
+    def source_rates(self, now: float) -> list[float]:
+        """Tokens per second per source over the last `rate_window_s` (from the oldest kept sample to now):
+        the measured throughput the operator's scaling compares with the loaders it sized."""
+        if not self.rate_samples:
+            return []
+        t0, first = self.rate_samples[0]
+        dt = max(now - t0, 1e-6)
+        return [round((c - f) / dt, 3) for c, f in zip(self.source_tokens, first)]
 
 
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
@@ -494,6 +519,7 @@ class PlannerServer(Component, PartitionHosting):
             if isinstance(st, dict) and "imbalance_after" in st:
                 self.m.rank_imbalance.labels(part).set(float(st["imbalance_after"]))
         self.state.tokens_planned += int(tok.sum())
+        self.state.add_source_tokens(tok, time.monotonic())
 
     def status(self) -> dict[str, Any]:
         point = self.core.schedule.at(max(self.planned_through, 0))
@@ -505,6 +531,9 @@ class PlannerServer(Component, PartitionHosting):
             "sources": self.names, "target": [float(x) for x in point.probs],
             "realized_phase": [float(x / total) if total else 0.0 for x in realized],
             "tokens_planned": self.state.tokens_planned, "uptime_s": time.monotonic() - self.state.started,
+            # per source (in `sources` order): tokens of every planned step, and tokens/s over the last 30 s
+            "source_tokens": list(self.state.source_tokens) or [0] * len(self.names),
+            "source_tokens_per_s": self.state.source_rates(time.monotonic()) or [0.0] * len(self.names),
             "waiting": [f"{self.names[w.source]}/{w.replica}" for w in self.core.waiting_for()],
             "constructors": len(self.constructors), "loaders": len(self.loaders),
             "peers": self.membership_status(),
