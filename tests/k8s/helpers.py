@@ -241,7 +241,7 @@ def trainer_key_dir(cluster: Cluster, ns: str, secret: str, d: Path) -> Path:
 
 
 def run_trainers(planner: str, key_dir: Path, world_size: int, steps: int, *, timeout: float = 120.0,
-                 keep: Callable[[Mapping[str, Any]], Any] | None = None) -> dict[int, list[Any]]:
+                 keep: Callable[[Mapping[str, Any]], Any] | None = None, pause_s: float = 0.0) -> dict[int, list[Any]]:
     """`world_size` MixtureLoader ranks (threads) reading `steps` batches each, as trainers with the injected env.
 
     Returns rank -> what `keep(batch)` gave for each batch (default: the step)."""
@@ -258,6 +258,7 @@ def run_trainers(planner: str, key_dir: Path, world_size: int, steps: int, *, ti
             loader = MixtureLoader(rank=rank, world_size=world_size)
             for batch in loader:
                 got[rank].append(keep(batch))
+                time.sleep(pause_s)  # a trainer's step time
                 if len(got[rank]) >= steps:
                     break
             if hasattr(loader, "close"):

@@ -463,7 +463,12 @@ def on_timer(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
             tps = (st["tokens_planned"] - last[1]["tokens_planned"]) / dt
     if inp.scale_on == "declared":
         tps = inp.tokens_per_s  # the mixture asked to be sized for its declared trainer rate, not the measured one
-    waiting = frozenset(w.split("/")[0] for w in st.get("waiting") or [])
+    # while partitions are handed over (and the turn after) the planner waits for the moving windows: that says
+    # nothing about what a source costs
+    settling = bool(memo.get("draining")) or memo.pop("settling", False)
+    if memo.get("draining"):
+        memo["settling"] = True
+    waiting = frozenset() if settling else frozenset(w.split("/")[0] for w in st.get("waiting") or [])
     delivered = delivered_rates(st)
     step = max(0, int(st.get("planned_through", 0)))
     decisions = sc.observe(Observation(step, tps, waiting, delivered))

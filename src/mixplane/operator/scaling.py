@@ -36,6 +36,9 @@ from mixplane.operator.autopartition import (
 )
 
 
+MAX_CORRECTION = 2.0
+
+
 @dataclass(frozen=True)
 class ScalingConfig:
     lookahead_steps: int = 20  # N: schedule steps ahead whose demand counts
@@ -135,7 +138,9 @@ class MixtureScaler:
             if n not in self.costs or rate <= 0:
                 continue
             cores = self.plan.source_cpu().get(n, 0.0)
-            measured = cores / rate
+            # one interval moves the estimate at most MAX_CORRECTION x: a wait can have other causes (a loader
+            # just restarted or handed over) than a source too expensive for its cores
+            measured = min(cores / rate, MAX_CORRECTION * self.costs[n].cpu_s_per_token)
             c = self.costs[n]
             if measured > c.cpu_s_per_token:
                 new = (1 - a) * c.cpu_s_per_token + a * measured
