@@ -314,6 +314,7 @@ class EmbeddedRuntime:
         before = list(self.children)
         old = [c for c in before if c.component is not None and c.component.role == "constructor"]
         self.children = [c for c in before if c not in old]  # their exit is on purpose, not a failure
+        self._rank_keys_for(topology)  # ranks a bigger world adds get their keys before they knock
         meta: dict[str, Any] = {"topology": topology, "cursor": cursor}
         if attempt is not None:
             meta["attempt"] = attempt
@@ -341,6 +342,20 @@ class EmbeddedRuntime:
         (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
         log.warning("resharded at step %s: %d constructor(s) replaced by %d", reply.get("step"), len(old), len(fresh))
         return reply
+
+    def _rank_keys_for(self, topology: dict[str, Any]) -> None:
+        """Rank-bound client keys for every rank of a new topology's world (servers re-read the allowlist
+        when an unknown key knocks); nothing for an open run or when ranks are not bound to keys."""
+        from mixplane.spec import TopologySpec
+
+        if self.key_dir is None or self.spec.runtime.rank_binding == "off":
+            return
+        try:
+            world = TopologySpec.model_validate(topology).backbone()[1].world
+        except Exception:  # noqa: BLE001 - the planner names what is wrong with it
+            return
+        if world <= MAX_RANK_KEYS:
+            wire.ensure_rank_keys(self.key_dir, world)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._restore_env()

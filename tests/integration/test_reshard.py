@@ -198,3 +198,26 @@ def test_trainer_rank_sigkilled_resumes_from_its_state_dict(token_sources, tmp_p
         for ids in by_step[s]:
             assert np.array_equal(np.array(ids), reference[1][s]["input_ids"]), f"rank 1 step {s}"
         assert np.array_equal(rank0[s], reference[0][s]["input_ids"]), f"rank 0 step {s}"
+
+
+def test_live_reshard_to_tensor_parallel_keeps_the_global_sequence(token_sources, tmp_path, reference, monkeypatch):
+    """DP 2 -> DP 2 x TP 2 (world 4) in the running system: the TP peers of a DP rank get its rows, and the DP
+    ranks together get the failure-free run's rows, step by step."""
+    from mixplane.topology import backbone_coords
+
+    with EmbeddedRuntime(spec(token_sources["root"], 2), tmp_path / "tp") as rt:
+        _, states = fetch(rt.planner_endpoint, 2, stop=BOUNDARY)
+        reply = rt.reshard({"modules": {"backbone": {"dp": 2, "tp": 2}}}, states[0], attempt="tp-test")
+        assert reply["world_size"] == 4
+        new_spec = parse_spec(reply["spec"])
+        monkeypatch.setenv("MIXPLANE_RESUME_ID", "tp-test")
+        after, _ = fetch(rt.planner_endpoint, 4, start=BOUNDARY, state=states[0])
+    coords = {r: backbone_coords(new_spec, r) for r in range(4)}
+    leaders = {coords[r].dp: r for r in range(4) if coords[r].tp == 0}
+    assert sorted(leaders) == [0, 1]
+    by_dp = {d: {s: after[r][s] for s in after[r]} for d, r in leaders.items()}
+    assert_same_global(reference, by_dp, range(BOUNDARY, STEPS))
+    for r in range(4):
+        lead = leaders[coords[r].dp]
+        for s in range(BOUNDARY, STEPS):
+            assert np.array_equal(after[r][s]["input_ids"], after[lead][s]["input_ids"]), (r, s)
