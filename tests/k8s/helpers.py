@@ -148,6 +148,8 @@ class LocalPods:
             for m in c.get("volumeMounts") or []:
                 v = vols[m["name"]]
                 d = self.workdir / pod_name / m["name"]
+                if "persistentVolumeClaim" in v:  # a claim outlives its pods: every pod mounting it sees one dir
+                    d = self.workdir / "pvc" / v["persistentVolumeClaim"]["claimName"]
                 d.mkdir(parents=True, exist_ok=True)
                 if "configMap" in v:
                     cm = get(self.cluster, "configmap", v["configMap"]["name"], "-n", self.ns)
