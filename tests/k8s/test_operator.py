@@ -136,6 +136,10 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
             except AssertionError as e:
                 raise AssertionError(f"{e}; dead pods: {pods.dead()}") from None
             assert got[0] == got[1] == list(range(6)), (got, pods.dead())
+            # the planner journals onto its claim (demo-journal), not into the pod's emptyDir
+            journal = tmp_path / "pvc" / "demo-journal" / "journal.jsonl"
+            events = [json.loads(line).get("event") for line in journal.read_text().splitlines() if line.strip()]
+            assert events[0] == "open" and "step" in events, events[:5]
 
             # every process serves its metrics on the pod's fixed `metrics` port (here mapped to a local one),
             # a loader hosting several partitions too (merged)
