@@ -394,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.add_argument("--run-dir")
     r.add_argument("--max-seconds", type=float)
-    r.add_argument("--restarts", type=int, default=0, help="restart a loader that died, at most N times "
-                   "in 5 minutes (default 0: a dead component stops the run)")
+    r.add_argument("--restarts", type=int, default=0, help="restart a component (planner, constructor or loader) "
+                   "that died, at most N times in 5 minutes each, with backoff (default 0: a dead component stops the run)")
     r.set_defaults(fn=cmd_run)
 
     dm = sub.add_parser("demo", help="train a small GPT on 2 ranks fed by mixplane")

@@ -45,6 +45,7 @@ from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1
+PROBE_S = 1.0  # while waiting, the client beats to its constructor this often (a restarted one is noticed)
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
                  "bool": torch.bool}
@@ -166,6 +167,9 @@ class MixtureLoader:
         self._from_start = False
         self._rejoined: dict[str, Any] | None = None  # the state this rank rejoined a running session with
         self._session = -1  # the delivery session this rank last resumed into (stale answers are older)
+        self._server_incarnation: str | None = None  # the constructor process that answers (changes on a restart)
+        self._heard = time.time()  # when the constructor last sent anything
+        self.re_requests = 0  # GET_STEPs sent again after the constructor was restarted
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
         self.curve = curve
@@ -282,21 +286,59 @@ class MixtureLoader:
             broadcast_encoder(out, self.encoder_group)
         return out
 
+    def _probe(self) -> None:
+        """Beat to the constructor: its answer carries its incarnation (a restarted one gets our requests again)."""
+        try:
+            wire.send(self._sock, Kind.HEARTBEAT, {"rank": self.rank}, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _note_incarnation(self, msg: wire.Message) -> None:
+        inc = msg.meta.get("incarnation")
+        if not isinstance(inc, str):
+            return
+        if self._server_incarnation is not None and inc != self._server_incarnation and self._inflight:
+            # the constructor was restarted: what we asked of its predecessor is gone; ask again
+            pending = list(self._inflight)
+            self._inflight.clear()
+            self._early.clear()
+            for s in pending:
+                self._ask(s)
+            self.re_requests += len(pending)
+        self._server_incarnation = inc
+
+    def _silence(self, where: str) -> str:
+        quiet = time.time() - self._heard
+        if quiet < 3 * PROBE_S:
+            return ""
+        return (f"; {where} silent since {time.strftime('%H:%M:%S', time.localtime(self._heard))} "
+                f"({quiet:.0f} s: no answer to heartbeats)")
+
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
         where = f"constructor {self.endpoint}"
         since = time.time()
+        deadline = time.monotonic() + self.timeout_s
         while True:
             if step in self._early:
                 msg = self._early.pop(step)
                 break
-            if not self._sock.poll(int(self.timeout_s * 1000)):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise DeliveryError(f"rank {self.rank}: step {step} not delivered by {where} within {self.timeout_s:g}s "
-                                    f"(waiting since {time.strftime('%H:%M:%S', time.localtime(since))}){self._why_waiting()}")
+                                    f"(waiting since {time.strftime('%H:%M:%S', time.localtime(since))})"
+                                    f"{self._silence(where)}{self._why_waiting()}")
+            if not self._sock.poll(max(1, int(min(left, PROBE_S) * 1000))):
+                self._probe()
+                continue
             try:
                 _, msg = wire.recv(self._sock)
             except WireError as e:
                 raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
+            self._heard = time.time()
+            if msg.kind == Kind.HEARTBEAT:
+                self._note_incarnation(msg)
+                continue
             if msg.kind == Kind.ERROR:
                 if msg.meta.get("released") is True:
                     sess = msg.meta.get("session")
@@ -316,6 +358,7 @@ class MixtureLoader:
                 raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
             if msg.kind != Kind.STEP_DATA:
                 continue
+            self._note_incarnation(msg)
             try:
                 got = msg.get("step", int)
             except WireError as e:

@@ -438,6 +438,7 @@ class PlannerFollower(Component):
     the planner's SHUTDOWN, and beats to the planner so that either side notices the other going silent."""
 
     planner: Any  # the DEALER to the planner, set by the subclass
+    planner_incarnation: str | None = None  # the incarnation of the planner that welcomed this component
 
     def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
         self.stopped = True
@@ -445,8 +446,26 @@ class PlannerFollower(Component):
     def _ignore(self, _: bytes, msg: wire.Message) -> None:
         pass
 
+    def note_incarnation(self, msg: wire.Message) -> None:
+        """Remember which planner process welcomed this component (WELCOME's ``incarnation``)."""
+        inc = msg.meta.get("incarnation")
+        if isinstance(inc, str):
+            self.planner_incarnation = inc
+
+    def _on_planner_heartbeat(self, _: bytes, msg: wire.Message) -> None:
+        """A beat of another planner incarnation than the one that welcomed us: the planner was restarted
+        (and recovers from its journal). Register again; the WELCOME says where to continue."""
+        inc = msg.meta.get("incarnation")
+        if not isinstance(inc, str) or self.planner_incarnation is None or inc == self.planner_incarnation:
+            return
+        if self.welcomed:
+            self.log.warning("%s: the planner was restarted (incarnation %s -> %s): saying HELLO again", self.name,
+                             self.planner_incarnation, inc)
+            self.welcomed = False
+            self.hello()
+
     def on_liveness(self, now: float) -> None:
         """Beat to the planner each interval (once registered) and report it when it goes silent."""
         if self.welcomed and self.liveness.due():
-            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time(), "role": self.component}, quiet=True)
             self.watch({"planner": "planner"})

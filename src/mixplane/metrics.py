@@ -73,6 +73,13 @@ class Metrics:
     # trainer restarts and elastic resharding (appended)
     trainer_rejoins: Counter
     reshards: Counter
+    # recovery (appended): planner restarts from the journal, constructor restarts, damaged payloads
+    planner_recoveries: Counter
+    recovered_steps: Counter
+    recovery_mismatches: Counter
+    constructor_rejoins: Counter
+    resent_samples: Counter
+    payload_damaged: Counter
     # every component: which one this endpoint is (join key for process_* metrics on dashboards)
     component_info: Gauge
 
@@ -143,6 +150,17 @@ def make_metrics(component: str) -> Metrics:
                                         "SAMPLES messages of a (step, loader) already held, dropped (loader restarts)"),
         trainer_rejoins=c("mixplane_planner_trainer_rejoins_total", "Trainer ranks that resumed mid-session from their own state_dict (no rewind)"),
         reshards=c("mixplane_planner_reshards_total", "Live topology changes (elastic resharding)"),
+        planner_recoveries=c("mixplane_planner_recoveries_total", "Planner starts that recovered a running session from its journal"),
+        recovered_steps=c("mixplane_planner_recovered_steps_total", "Journaled steps planned again (and re-sent) after a planner restart"),
+        recovery_mismatches=c("mixplane_planner_recovery_mismatches_total",
+                              "Steps re-planned after a restart whose layout differs from the journal's digest"),
+        constructor_rejoins=c("mixplane_planner_constructor_rejoins_total", "Constructors that said HELLO again (restarted)",
+                              ["constructor"]),
+        resent_samples=c("mixplane_loader_resent_samples_total", "SAMPLES messages pushed again to a restarted constructor",
+                         ["source"]),
+        payload_damaged=c("mixplane_wire_payload_damaged_total",
+                          "Payload messages (SAMPLES, STEP_DATA) refused as damaged or truncated, by sender",
+                          lbl + ["kind", "sender"]),
         component_info=g("mixplane_component_info", "1 per component endpoint; joins process_* metrics to the component", lbl),
     )
     m.component_info.labels(component).set(1)

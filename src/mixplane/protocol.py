@@ -75,6 +75,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.FOLLOW: Schema({"source": int, "replica": int, "cursor": dict}),
     Kind.FENCE: Schema({"source": int, "replica": int, "epoch": int}),
     Kind.HANDOFF: Schema({"partition": str, "to": str}),
+    Kind.RESEND: Schema({"session": int, "constructor": int, "from_step": int}),
 }
 
 
@@ -221,6 +222,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.FOLLOW: frozenset({COMPONENT}),
     Kind.FENCE: frozenset({COMPONENT}),
     Kind.HANDOFF: frozenset({ADMIN}),
+    Kind.RESEND: frozenset({COMPONENT}),
     # the data plane's own messages come from components only once peers are authenticated
     Kind.HELLO: frozenset({COMPONENT, ANONYMOUS}),
     Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),

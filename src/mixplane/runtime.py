@@ -15,8 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class Child:
     component: Component | None = None
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # when a restart of this dead child is due
+    exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
 
 
 class ComponentFailed(RuntimeError):
@@ -70,15 +72,17 @@ class RestartPolicy:
     """Restart a component of an allowed role that died: after `backoff_s`, doubling per recent restart up
     to `backoff_max_s`, at most `budget` times within `window_s`; then the run fails (ComponentFailed).
 
-    Off by default (`mixplane run --restarts N` turns it on): a restarted loader re-registers and the
-    planner resends what it had planned for it (planner/inflight.py); a constructor or the planner is
-    not restarted (a new constructor binds ports its loaders do not learn)."""
+    Off by default (`mixplane run --restarts N` turns it on) and then covers every role: a restarted
+    loader re-registers and the planner resends what it had planned for it (planner/inflight.py); a
+    restarted planner recovers from its journal; a restarted constructor gets its layouts from the planner
+    and its spans from the loaders again. Every restarted component binds the endpoints of its first
+    incarnation, so its peers simply reconnect."""
 
     budget: int = 3
     window_s: float = 300.0
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
-    roles: tuple[str, ...] = ("loader",)  # a restarted constructor binds new ports the loaders do not learn yet
+    roles: tuple[str, ...] = ("planner", "constructor", "loader")
 
     def delay(self, history: list[float], now: float) -> float | None:
         """Seconds to wait before the next restart, or None when the budget within the window is spent."""
@@ -86,6 +90,24 @@ class RestartPolicy:
         if len(recent) >= self.budget:
             return None
         return min(self.backoff_max_s, self.backoff_s * (2 ** len(recent)))
+
+
+def pinned(comp: Component, info: dict[str, Any]) -> Component:
+    """`comp` as it must be started again: on the endpoints its first incarnation announced (`info`, its
+    ready file), so that peers reconnect to the same address instead of having to learn a new one."""
+    args = list(comp.args)
+    if comp.role == "planner" and info.get("endpoint"):
+        i = args.index("--bind")
+        args[i + 1] = str(info["endpoint"])
+    elif comp.role == "constructor" and info.get("data_endpoint") and info.get("client_endpoint"):
+        ports = {"--data-port": str(info["data_endpoint"]).rsplit(":", 1)[1],
+                 "--client-port": str(info["client_endpoint"]).rsplit(":", 1)[1]}
+        for flag, port in ports.items():
+            if flag in args:
+                args[args.index(flag) + 1] = port
+            else:
+                args += [flag, port]
+    return replace(comp, args=tuple(args))
 
 
 class EmbeddedRuntime:
@@ -102,6 +124,10 @@ class EmbeddedRuntime:
         self.planner_endpoint: str | None = None
         self.key_dir = self._key_dir()
         self._saved_env: dict[str, str | None] | None = None
+        self.failure: ComponentFailed | None = None  # set by the background supervisor when it gives up
+        self._supervisor: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
+        self._lock = threading.RLock()  # supervise() and stop() from different threads
 
     def _key_dir(self) -> Path | None:
         """Where the run's CURVE keys live: the spec's `runtime.curve.key_dir` when given, else (secure by
@@ -206,6 +232,8 @@ class EmbeddedRuntime:
                 if c.proc.poll() is not None:
                     tail = (self.run_dir / "logs" / f"{c.name}.log").read_text(errors="replace")[-2000:]
                     raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} while starting:\n{tail}")
+                if self._stop_supervising.is_set() and threading.current_thread() is self._supervisor:
+                    raise ComponentFailed(f"{c.name}: the runtime stopped while it was being restarted")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{c.name} not ready after {READY_TIMEOUT_S:.0f}s (log: {self.run_dir / 'logs' / (c.name + '.log')})")
                 time.sleep(0.02)
@@ -252,6 +280,10 @@ class EmbeddedRuntime:
     def partitions(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The planner's partition table: which loader process serves (and shadows) each partition."""
         return control.partitions(self.planner_endpoint or "", timeout_s, curve=self.control_curve)
+    def child(self, name: str) -> Child:
+        """The current incarnation of a component (safe while the background supervisor restarts it)."""
+        with self._lock:
+            return next(c for c in self.children if c.name == name)
 
     def alive(self) -> list[str]:
         return [c.name for c in self.children if c.proc.poll() is None]
@@ -263,7 +295,10 @@ class EmbeddedRuntime:
         """Look after the children once (call it every second or so): restart the dead ones the policy
         allows, once their backoff has passed; returns the names restarted. Raises ComponentFailed for a
         child that died and may not (or no longer) be restarted."""
-        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._supervise(time.monotonic() if now is None else now)
+
+    def _supervise(self, now: float) -> list[str]:
         restarted = []
         for i, c in enumerate(self.children):
             code = c.proc.poll()
@@ -277,17 +312,21 @@ class EmbeddedRuntime:
                 wait = self.restart.delay(c.restarts, now)
                 if wait is None:
                     raise ComponentFailed(f"{c.name} exited with code {code} and was restarted {len(c.restarts)} times "
-                                          f"within {self.restart.window_s:g}s (the budget): giving up; see {log_file}")
+                                          f"within {self.restart.window_s:g}s (the budget): giving up; exit codes of its "
+                                          f"incarnations: {[*c.exit_codes, code]}; see {log_file}")
                 c.restart_at = now + wait
-                log.warning("%s exited with code %s; restarting in %.1fs", c.name, code, wait)
+                log.warning("%s (%s) exited with code %s; restarting in %.1fs", c.name, role, code, wait)
             if now >= c.restart_at:
                 assert c.component is not None
                 self.children.pop(i)
-                fresh = self._spawn(c.component)  # appended: move it back to its place
+                fresh = self._spawn(pinned(c.component, c.info))  # appended: move it back to its place
+                fresh.component = c.component
                 self.children.remove(fresh)
                 self.children.insert(i, fresh)
                 fresh.restarts = [*c.restarts, now]
+                fresh.exit_codes = [*c.exit_codes, code]
                 self._wait_ready([fresh])
+                fresh.info = {**c.info, **fresh.info}
                 restarted.append(c.name)
                 log.warning("%s restarted (pid %d, restart %d)", c.name, fresh.proc.pid, len(fresh.restarts))
         if restarted:
@@ -342,6 +381,35 @@ class EmbeddedRuntime:
         (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
         log.warning("resharded at step %s: %d constructor(s) replaced by %d", reply.get("step"), len(old), len(fresh))
         return reply
+    def supervise_in_background(self, interval_s: float = 0.2) -> threading.Thread:
+        """Run :meth:`supervise` every `interval_s` in a daemon thread until stop(); when it gives up, the
+        ComponentFailed is kept in :attr:`failure` (and raised by :meth:`check`)."""
+        if self._supervisor is not None:
+            return self._supervisor
+
+        def loop() -> None:
+            while not self._stop_supervising.wait(interval_s):
+                try:
+                    for name in self.supervise():
+                        log.info("supervisor: restarted %s", name)
+                except ComponentFailed as e:
+                    self.failure = e
+                    log.error("supervisor: %s", e)
+                    return
+                except Exception as e:  # noqa: BLE001 - a restart that failed to start: report, stop supervising
+                    self.failure = ComponentFailed(f"supervision failed: {type(e).__name__}: {e}")
+                    log.error("supervisor: %s", self.failure)
+                    return
+
+        self._stop_supervising.clear()
+        self._supervisor = threading.Thread(target=loop, name="mixplane-supervisor", daemon=True)
+        self._supervisor.start()
+        return self._supervisor
+
+    def check(self) -> None:
+        """Raise the background supervisor's ComponentFailed, if it gave up."""
+        if self.failure is not None:
+            raise self.failure
 
     def _rank_keys_for(self, topology: dict[str, Any]) -> None:
         """Rank-bound client keys for every rank of a new topology's world (servers re-read the allowlist
@@ -358,6 +426,10 @@ class EmbeddedRuntime:
             wire.ensure_rank_keys(self.key_dir, world)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop_supervising.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout_s)
+        self._supervisor = None
         self._restore_env()
         for c in self.children:
             if c.proc.poll() is None:

@@ -161,7 +161,7 @@ def test_a_killed_loader_is_restarted_until_its_budget_is_spent(token_sources, t
     spec = parse_spec(token_mixture(token_sources["root"]))
     with EmbeddedRuntime(spec, tmp_path / "ref") as rt:
         ref = fetch(rt.planner_endpoint, 2, 4)
-    policy = RestartPolicy(budget=1, window_s=600, backoff_s=0.2)
+    policy = RestartPolicy(budget=1, window_s=600, backoff_s=0.2, roles=("loader",))
     with EmbeddedRuntime(spec, tmp_path / "run", restart=policy) as rt:
         victim = next(c for c in rt.children if c.name == "loader-b-0")
         old_pid = victim.proc.pid

@@ -7,6 +7,7 @@ client's request for step s makes the constructor ask the planner for steps up t
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,8 @@ from mixplane.topology import backbone_coords, place_tree
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.constructor")
-ENCODER_SHAPES = "encoder_shapes"  # a peer's view of its bucket leader's encoder batch (metadata only)
+ENCODER_SHAPES = "encoder_shapes"
+NEED_RETRY_S = 1.0  # NEED_STEPS is asked again when requested steps stay unplanned this long  # a peer's view of its bucket leader's encoder batch (metadata only)
 
 
 def encoder_leaders(spec: DataMixtureSpec) -> dict[int, int]:
@@ -121,7 +123,7 @@ class ConstructorServer(PlannerFollower):
         self.client_endpoint = wire_advertised(self.clients.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self.add_endpoint(self.planner, "planner", {
             Kind.WELCOME: self._on_welcome, Kind.PLAN_CONSTRUCTOR: self._on_plan, Kind.RESET: self._on_reset,
-            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ACK: self._ignore,
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_planner_heartbeat, Kind.ACK: self._ignore,
             Kind.FENCE: self._on_fence})
         self.add_endpoint(self.data, "data", {Kind.SAMPLES: self._on_samples}, server=True, members=False)
         self.add_endpoint(self.clients, "client", {Kind.GET_STEP: self._on_get_step, Kind.HEARTBEAT: self._on_client_heartbeat},
@@ -132,6 +134,7 @@ class ConstructorServer(PlannerFollower):
         self.fences: dict[tuple[int, int], int] = {}
         self.hm = handoff_metrics(self.m)
         self.session = -1
+        self.incarnation = os.urandom(8).hex()  # clients re-request what they wait for when this changes
         self.ranks: list[int] = []
         self.dp_ranks: list[int] = []
         self.steps: dict[int, StepState] = {}
@@ -144,6 +147,7 @@ class ConstructorServer(PlannerFollower):
         self.start_step = 0
         self.released_through = -1
         self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
+        self._need_sent = 0.0
         self.prefetch = spec.runtime.prefetch_steps
         bb = spec.topology.backbone()[1]
         self.cp, self.pp = bb.cp, bb.pp
@@ -161,7 +165,9 @@ class ConstructorServer(PlannerFollower):
 
     def hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "constructor", "index": self.index, "data_endpoint": self.data_endpoint,
-                                             "client_endpoint": self.client_endpoint, "metrics_port": self.metrics_port})
+                                             "client_endpoint": self.client_endpoint, "metrics_port": self.metrics_port,
+                                             # what it holds: a restarted planner recovers from the first step missing here
+                                             "session": self.session, "complete_through": self.complete_through})
         self.mark_hello()
 
     def _reset(self, session: int, start_step: int) -> None:
@@ -188,8 +194,24 @@ class ConstructorServer(PlannerFollower):
         self.fences.clear()  # a (re)started planner numbers the epochs of its partition table afresh
         self.ranks = list(msg.get("ranks", list))
         self.dp_ranks = list(msg.get("dp_ranks", list))
-        self._reset(msg.get("session", int), msg.get("start_step", int))
+        session = msg.get("session", int)
+        again = self.session >= 0 and session == self.session  # a restarted planner continuing this session
+        if not again:
+            self._reset(session, msg.get("start_step", int))
+        self.note_incarnation(msg)
+        planned = msg.meta.get("planned_through")
+        if isinstance(planned, int):  # a restarted constructor gets steps planned before it started
+            self.planned_seen = max(self.planned_seen, planned)
         self.welcomed = True
+        if again or self.session >= 0:
+            self._need_steps()  # the planner learns what is needed (and that this WELCOME was processed)
+
+    def _need_steps(self) -> None:
+        """Ask the planner to plan through `asked_through`, saying what is complete and released here."""
+        wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": self.asked_through,
+                                                  "complete_through": self.complete_through,
+                                                  "released_through": self.released_through})
+        self._need_sent = time.monotonic()
 
     def _on_plan(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:
@@ -199,7 +221,11 @@ class ConstructorServer(PlannerFollower):
         except ValueError as e:
             raise WireError(f"PLAN_CONSTRUCTOR: {e}") from None
         self.planned_seen = max(self.planned_seen, layout.step)
+        if layout.step <= self.released_through:
+            return  # re-planned after a planner restart, but every rank here already has it
         st = self.steps.setdefault(layout.step, StepState())
+        if st.layout is not None:
+            return  # sent again (planner or constructor restart): the step is the same
         st.expect(layout, self.ranks)
         st.cursor_after = plan_cursor(msg)
         st.img_base, st.encoder_tokens, st.step_images = protocol.plan_images(msg, len(layout.img_key), self.spec.world_size)
@@ -377,7 +403,7 @@ class ConstructorServer(PlannerFollower):
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step}: {e}", "step": step})
             return True
         arrays = {k: v for k, v in view.items() if isinstance(v, np.ndarray)}
-        meta = {"step": step, "rank": rank, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
+        meta = {"step": step, "rank": rank, "incarnation": self.incarnation, "phase": lay.phase, "lr_scale": lay.lr_scale, "generation": lay.generation,
                 "session": self.session, "microbatches": lay.microbatches, "seq_len": lay.seq_len,
                 "cursor_after": st.cursor_after, "meta_only": bool(view.get(META_ONLY, False)),
                 "coords": self._coords[rank].as_dict()}
@@ -402,7 +428,7 @@ class ConstructorServer(PlannerFollower):
         self.dispatch(self.entry("client"), ident, msg)
 
     def _on_client_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
-        self._to_client(ident, Kind.HEARTBEAT, {})  # the client may be gone already: counted, never raised
+        self._to_client(ident, Kind.HEARTBEAT, {"incarnation": self.incarnation})  # the client may be gone already: counted, never raised
 
     def _on_get_step(self, ident: bytes, msg: wire.Message) -> None:
         step = msg.get("step", int)
@@ -420,19 +446,19 @@ class ConstructorServer(PlannerFollower):
             self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
             return
         # a client asks at most prefetch + 1 steps past what it received
-        horizon = (max(self.delivered.values(), default=self.start_step - 1) + self.prefetch + 1
+        horizon = (max(max(self.delivered.values(), default=self.start_step - 1), self.planned_seen) + self.prefetch + 1
                    + self.spec.runtime.max_lead_steps)
         if step > horizon:  # clients ask in order: a far-future step is a bug or garbage, not a prefetch
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
                                                 f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})
             return
         self.last_request[rank] = max(self.last_request.get(rank, -1), step)
-        self.pending.append((ident, step, rank, time.monotonic()))
+        if not any(p[0] == ident and p[1] == step and p[2] == rank for p in self.pending):  # a client's retry
+            self.pending.append((ident, step, rank, time.monotonic()))
         want = step + self.prefetch
         if want > self.asked_through:
             self.asked_through = want
-            wire.send(self.planner, Kind.NEED_STEPS, {"session": self.session, "through": want,
-                                                      "complete_through": self.complete_through})
+            self._need_steps()
 
     @property
     def complete_through(self) -> int:
@@ -465,3 +491,7 @@ class ConstructorServer(PlannerFollower):
     # -- loop ---------------------------------------------------------------------------
     def tick(self) -> None:
         self.serve_pending()
+        # a request the planner lost (it restarted, or the message was dropped): ask again, at most once a second
+        if (self.welcomed and self.pending and self.planned_seen < max(p[1] for p in self.pending)
+                and time.monotonic() - self._need_sent > NEED_RETRY_S):
+            self._need_steps()

@@ -66,7 +66,7 @@ class LoaderHost(PlannerFollower):
         self.security.client(self.planner).connect(planner_endpoint)
         self.add_endpoint(self.planner, "planner", {
             Kind.WELCOME: self._on_welcome, Kind.ADOPT: self._on_adopt, Kind.FOLLOW: self._on_follow,
-            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore, Kind.ERROR: self._on_error})
+            Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_planner_heartbeat, Kind.ERROR: self._on_error})
         self.welcomed = False
         self.state_dir = state_dir
         self.loaders: dict[tuple[int, int], LoaderServer] = {}
@@ -103,6 +103,7 @@ class LoaderHost(PlannerFollower):
         self.mark_hello()
 
     def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
+        self.note_incarnation(msg)  # a restarted planner (new incarnation) makes this host register again
         self.welcomed = True
 
     def _on_error(self, _: bytes, msg: wire.Message) -> None:

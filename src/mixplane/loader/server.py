@@ -76,6 +76,11 @@ class LoaderServer(PlannerFollower):
         self._plans_since_snapshot = 0
         self.snapshot_seconds = 0.0  # time spent writing snapshots (bench/loader_checkpoint.py reports it)
         self.snapshots_written = 0
+        # SAMPLES already sent, per step and constructor, until every constructor handed the step to all its
+        # ranks (PLAN_LOADER's released_through): pushed again to a restarted constructor (RESEND)
+        lead = spec.runtime.max_lead_steps + 2 * spec.runtime.prefetch_steps + 2
+        self.sent: dict[int, dict[int, list[Any]]] = {}
+        self.sent_max_steps = 4 * lead + 64
         if mode == "primary":
             self.serve(epoch)
         elif mode == "shadow":
@@ -103,7 +108,8 @@ class LoaderServer(PlannerFollower):
         self.security.client(self.planner).connect(self.planner_endpoint)  # CURVE when configured
         self.add_endpoint(self.planner, "planner", {
             Kind.WELCOME: self._on_welcome, Kind.PLAN_LOADER: self._on_plan, Kind.SEEK: self._on_seek,
-            Kind.RELEASE: self._on_release, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._ignore})
+            Kind.RELEASE: self._on_release, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_planner_heartbeat,
+            Kind.RESEND: self._on_resend})
         self.window.read_ahead_tokens = self.window.min_tokens
         self.welcomed = False
         self.replaying = False
@@ -193,6 +199,9 @@ class LoaderServer(PlannerFollower):
             wire.configure_socket(s, sndhwm=64, linger_ms=1000, heartbeat_s=self.spec.runtime.heartbeat_s)
             self.security.client(s).connect(ep)
             self.pushers.append(s)
+        if msg.get("session", int) != self.session:
+            self.sent.clear()
+        self.note_incarnation(msg)
         self._seek(msg.get("session", int), cursor)
         self.replaying = "replay_through" in msg.meta
         self.welcomed = True
@@ -315,10 +324,11 @@ class LoaderServer(PlannerFollower):
             arrays = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
-            self.outbox[int(c)].append(wire.encode(Kind.SAMPLES, {"session": self.session, "step": step,
-                                                                  "source": self.si, "replica": self.replica,
-                                                                  "epoch": self.epoch}, arrays,
-                                                              checksum=self.spec.runtime.checksum_payloads))
+            frames = wire.encode(Kind.SAMPLES, {"session": self.session, "step": step, "source": self.si,
+                                                "replica": self.replica, "epoch": self.epoch}, arrays,
+                                 checksum=self.spec.runtime.checksum_payloads)
+            self.outbox[int(c)].append(frames)
+            self._keep_sent(step, int(c), frames, msg.meta.get("released_through"))
             self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
@@ -365,6 +375,29 @@ class LoaderServer(PlannerFollower):
         log.warning("%s: restored its snapshot of step %d (%.1f s old): reading ahead from position %d",
                     self.name, snap.step, snapshot.age_s(snap), int(snap.cursor["low"]))
         return snap
+
+    def _keep_sent(self, step: int, c: int, frames: list[Any], released: Any) -> None:
+        """Keep what was sent for a restarted constructor (bounded; forgotten once every rank has the step)."""
+        self.sent.setdefault(step, {})[c] = frames
+        if isinstance(released, int):
+            for s in [s for s in self.sent if s <= released]:
+                del self.sent[s]
+        while len(self.sent) > self.sent_max_steps:
+            del self.sent[min(self.sent)]
+
+    def _on_resend(self, _: bytes, msg: wire.Message) -> None:
+        """A constructor was restarted: push the SAMPLES of its recent steps to it again (it drops what it has)."""
+        if msg.get("session", int) != self.session:
+            return
+        c, first = msg.get("constructor", int), msg.get("from_step", int)
+        if not 0 <= c < len(self.outbox):
+            raise WireError(f"RESEND: constructor index {c} out of range")
+        again = [self.sent[s][c] for s in sorted(self.sent) if s >= first and c in self.sent[s]]
+        self.outbox[c].extend(again)
+        self.m.resent_samples.labels(self.source.name).inc(len(again))
+        log.warning("%s: pushing %d sample message(s) again to restarted constructor %s", self.name, len(again),
+                    self.constructor_endpoints[c])
+        self.flush()
 
     @property
     def outbox_messages(self) -> int:

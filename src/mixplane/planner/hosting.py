@@ -48,6 +48,7 @@ class PartitionHosting:
     inflight: InFlight
     members: Membership
     session: int
+    incarnation: str  # the planner process (recovery): a host welcomed by another one registers again
     hm: HandoffMetrics
 
     def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
@@ -130,7 +131,7 @@ class PartitionHosting:
         except HandoffError as e:
             self._send(identity, Kind.ERROR, {"error": f"host {name}: {e}"})
             return
-        self._send(identity, Kind.WELCOME, {"session": self.session})
+        self._send(identity, Kind.WELCOME, {"session": self.session, "incarnation": self.incarnation})
         for m in moves:
             self.apply_move(m, "restart" if m.previous == name else ("failover" if m.previous else "start"))
 

@@ -16,7 +16,9 @@ counters and the mixture schedule. So the journal does not store plans; it store
 * ``update``     — a runtime mixture change: new weights, effective step, the step planned last when
                    it arrived, the resulting schedule segment;
 * ``spec``       — a new spec generation adopted from a step on (topology / batch changes);
-* ``resume``     — the planner rewound to a client's cursor (a new session).
+* ``resume``     — the planner rewound to a client's cursor (a new session);
+* ``recover``    — a restarted planner resumed its session from an earlier anchor's cursor (the journal
+                   records it re-plans from there follow; see ``planner.recovery``).
 
 One JSON object per line (`journal.jsonl`), flushed per record, so a crash loses at most the
 record being written and a reader skips a torn last line. `replan(path, step, fill)` finds the
@@ -156,6 +158,13 @@ class Journal:
         self._session = session
         self._write({"event": "resume", "session": session, "step": int(cursor["step"]), "cursor": cursor})
 
+    def recover(self, cursor: dict[str, Any], session: int, planned_through: int, incarnation: str) -> None:
+        """A restarted planner continues `session` from `cursor` (an anchor's), re-planning through
+        `planned_through` (the last step its predecessor journaled)."""
+        self._session = session
+        self._write({"event": "recover", "session": session, "step": int(cursor["step"]),
+                     "planned_through": int(planned_through), "incarnation": incarnation, "cursor": cursor})
+
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
@@ -167,6 +176,7 @@ class Journal:
         self.close()
 
 
+ANCHORS = ("open", "resume", "checkpoint", "recover")  # records that carry a cursor a replay can start from
 ARCHIVE_DIR = "journals"
 
 
@@ -256,7 +266,7 @@ def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
     anchor_i = None
     for i in range(end, -1, -1):
         r = records[i]
-        if r["event"] in ("open", "resume", "checkpoint") and int(r["step"]) <= step:
+        if r["event"] in ANCHORS and int(r["step"]) <= step:
             anchor_i = i
             break
     if anchor_i is None:
@@ -329,7 +339,7 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
                 if verify and got is not None and got.get("digest") != layout_digest(last.layout):
                     raise ReplayMismatch(f"step {last.layout.step}: replanned layout differs from the journal "
                                          f"(digest {layout_digest(last.layout)} != {got.get('digest')})")
-        elif ev in ("resume", "open", "checkpoint"):
+        elif ev in ANCHORS:
             if int(r["step"]) != planner.next_step:
                 raise JournalError(f"step {step}: journal record {ev} at step {r['step']} does not follow step "
                                    f"{planner.next_step - 1}")

@@ -25,10 +25,13 @@ from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
 from mixplane.planner import selectloop
 from mixplane.planner.inflight import InFlight
-from mixplane.planner.journal import Journal
+from mixplane.planner import journal as journal_file
+from mixplane.planner.journal import Journal, JournalError
+from mixplane.planner.recovery import LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array
 from mixplane.planner.routing import (Fanout, constructor_layouts, image_parts, image_routing, image_segments,
                                       loader_instructions)
+from mixplane.layout import layout_digest
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
@@ -132,9 +135,26 @@ class PlannerServer(Component, PartitionHosting):
         self.init_hosting()  # partition table and loader hosts (planner.hosting)
         self.state = PlannerState()
         self.run_dir = run_dir
-        self.journal = Journal(os.path.join(run_dir, "journal.jsonl"), every=spec.runtime.journal_every) if run_dir else None
-        if self.journal is not None:
-            self.journal.open(spec, self.generation, self.session_start, self.session)
+        # recovery (issue 11): this process's incarnation, in WELCOME and heartbeats, so followers notice a
+        # restarted planner and register again; the PLAN_CONSTRUCTOR messages a restarted constructor needs
+        self.incarnation = os.urandom(8).hex()
+        self.layouts = LayoutRecord(max_steps=4 * lead + 64)
+        self.released_by: dict[bytes, int] = {}  # constructor identity -> every step up to it handed to all its ranks
+        self.rebuild: dict[bytes, int] = {}  # restarted constructor -> the first step loaders resend to it
+        self.recovering: RecoveryState | None = None
+        self.recover_through = -1  # steps the predecessor planned: planned again without waiting for NEED_STEPS
+        self.recover_digests: dict[int, str] = {}
+        self.replay_updates: list[tuple[int, dict[str, Any]]] = []
+        self.hello_complete: dict[int, int | None] = {}  # constructor -> complete_through it reported (None: holds nothing)
+        self.journal = None
+        if run_dir:
+            path = os.path.join(run_dir, "journal.jsonl")
+            self.recovering = self._read_journal_state(path)
+            self.journal = Journal(path, every=spec.runtime.journal_every)
+            if self.recovering is None:
+                self.journal.open(spec, self.generation, self.session_start, self.session)
+            else:
+                self._adopt_session(self.recovering)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
         # resuming from one of them rejoins the session instead of rewinding every rank; bounded)
         self.cursor_digests: dict[int, bytes] = {}
@@ -181,7 +201,8 @@ class PlannerServer(Component, PartitionHosting):
         ident = self.loaders[key]
         replay = self.inflight.for_loader(key)
         if not replay:
-            self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": cur})
+            self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": cur,
+                                             "incarnation": self.incarnation})
             return
         # a (re)started loader first re-reads its stream from the lowest position of the steps planned but
         # not yet complete at every constructor and sends their spans again (constructors drop what they
@@ -189,7 +210,7 @@ class PlannerServer(Component, PartitionHosting):
         low = InFlight.low_position(replay)
         start = {"low": low, "next": low, **({"listing": cur["listing"]} if "listing" in cur else {})}
         self._send(ident, Kind.WELCOME, {"session": self.session, "constructors": eps, "cursor": start,
-                                         "replay_through": replay[-1][0]})
+                                         "replay_through": replay[-1][0], "incarnation": self.incarnation})
         for step, ins in replay:
             self._send(ident, Kind.PLAN_LOADER, {"session": self.session, "step": step, "replay": True}, ins.arrays())
         self._send(ident, Kind.SEEK, {"session": self.session, "cursor": cur})
@@ -245,13 +266,20 @@ class PlannerServer(Component, PartitionHosting):
             if not 0 <= ci < len(self.groups):
                 raise WireError(f"HELLO from constructor {ci}, but the topology has {len(self.groups)}")
             ranks = self.groups[ci]
+            old = self.constructors.get(ci)
             self.constructors[ci] = ConstructorPeer(ci, identity, msg.get("data_endpoint", str),
                                                     msg.get("client_endpoint", str), ranks,
                                                     dp_ranks_of_group(self.spec, ranks))
+            fresh = self._constructor_hello(ci, identity, msg, old)
             self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
                                                 "dp_ranks": self.constructors[ci].dp_ranks,
-                                                "start_step": int(self.session_start["step"])})
+                                                "start_step": int(self.session_start["step"]),
+                                                "planned_through": self.planned_through, "incarnation": self.incarnation})
             self.fence_constructor(identity)  # partitions that moved: their older epochs are dropped there too
+            if fresh:
+                self._rebuild_constructor(ci, identity)
+            if self.all_constructors and self.recovering is not None:
+                self._recover()
             if self.all_constructors:
                 for key in sorted(self.pending_loader_welcome):
                     self._welcome_loader(key)
@@ -281,6 +309,8 @@ class PlannerServer(Component, PartitionHosting):
 
     def _on_need_steps(self, identity: bytes, msg: wire.Message) -> None:
         if not any(c.identity == identity for c in self.constructors.values()):
+            # a constructor registered with a predecessor of this planner learns of the restart from the reply
+            self.send_routed(self.sock, identity, Kind.HEARTBEAT, {"t": time.time(), "incarnation": self.incarnation}, quiet=True)
             # an unknown peer's low 'through' would cap planning (need_through follows the slowest)
             raise WireError("NEED_STEPS from a peer that is not a registered constructor")
         if msg.get("session", int) == self.session:
@@ -288,6 +318,7 @@ class PlannerServer(Component, PartitionHosting):
             # pull model: plan what the most advanced constructor needs, but no further than
             # max_lead_steps ahead of the slowest one that is running (bounds constructors' memory)
             self.need_through = min(max(self.need_by.values()), min(self.need_by.values()) + self.spec.runtime.max_lead_steps)
+            self._constructor_progress(identity, msg)
             done = msg.meta.get("complete_through")
             if isinstance(done, int):
                 self.complete_by[identity] = max(self.complete_by.get(identity, -1), done)
@@ -323,6 +354,10 @@ class PlannerServer(Component, PartitionHosting):
         if "loop_s" in msg.meta:  # a loader host's beat thread (planner.hosting)
             self.on_host_beat(msg)
         # the component base recorded the peer as seen
+        # a component that beats without being registered here
+        # was registered with a predecessor of this planner: the reply's incarnation makes it say HELLO again
+        if msg.meta.get("role") in ("loader", "constructor") and not self._registered(identity):
+            self.send_routed(self.sock, identity, Kind.HEARTBEAT, {"t": time.time(), "incarnation": self.incarnation}, quiet=True)
 
     def _resume(self, identity: bytes, cursor: dict[str, Any], attempt: str | None = None, rewind: bool = False) -> None:
         if not rewind and self._rejoins(cursor):
@@ -354,6 +389,10 @@ class PlannerServer(Component, PartitionHosting):
         self.need_by.clear()
         self.complete_by.clear()
         self.inflight.clear()
+        self.layouts.clear()
+        self.released_by.clear()
+        self.rebuild.clear()
+        self.recover_through = -1
         for key, ident in self.loaders.items():
             self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
         for c in self.constructors.values():
@@ -456,10 +495,13 @@ class PlannerServer(Component, PartitionHosting):
     # -- planning -----------------------------------------------------------------------
     def try_plan(self) -> int:
         planned = 0
-        while (self.all_constructors and len(self.loaders) == len(self.core.windows) and not self.pending_loader_welcome
-               and self.planned_through < self.need_through and self.core.ready):
+        while (self.all_constructors and self.recovering is None and len(self.loaders) == len(self.core.windows)
+               and not self.pending_loader_welcome and self.planned_through < max(self.need_through, self.recover_through)
+               and self.core.ready):
             t0 = time.perf_counter()
+            self._apply_replayed_updates()
             plan = self.core.plan()
+            self._check_recovered(plan)
             self._dispatch(plan)
             self.m.plan_seconds.observe(time.perf_counter() - t0)
             planned += 1
@@ -476,8 +518,10 @@ class PlannerServer(Component, PartitionHosting):
         seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
                                          self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
+        released = min(self.released_by.values(), default=-1) if len(self.released_by) == len(self.constructors) else -1
         for key, ins in per_loader.items():
-            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step}, ins.arrays())
+            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step,
+                                                             "released_through": released}, ins.arrays())
         overflowed = self.inflight.overflowed
         self.inflight.record(step, per_loader)
         if self.inflight.overflowed > overflowed:
@@ -489,12 +533,15 @@ class PlannerServer(Component, PartitionHosting):
         img = image_parts(lay, seg_of_img, self._dp_fanout, self._leader_fanout, len(self.groups), self._merge,
                           self.spec.world_size)
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
+        sent: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers],
                                                      None if img is None else [img.idx[c.index] for c in peers])):
-            self._send(c.identity, Kind.PLAN_CONSTRUCTOR,
-                       {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, **extra,
-                        "broadcast": list(plan.broadcast)},  # axes the trainer broadcasts along (constructor: TP views)
-                       {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(c.index))})
+            meta = {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, **extra,
+                    "broadcast": list(plan.broadcast)}  # axes the trainer broadcasts along (constructor: TP views)
+            arrays = {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(c.index))}
+            self._send(c.identity, Kind.PLAN_CONSTRUCTOR, meta, arrays)
+            sent[c.index] = (meta, arrays)
+        self.layouts.record(step, sent)  # what a restarted constructor gets again
         # bookkeeping
         if self.journal is not None:
             self.journal.step(plan)
@@ -540,7 +587,135 @@ class PlannerServer(Component, PartitionHosting):
             # registered components silent past the liveness miss budget: name -> seconds silent
             "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
             **self.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
+            "incarnation": self.incarnation, "recovering": self.recovering is not None,
+            "recover_through": self.recover_through,
         }
+
+    # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------
+    def _read_journal_state(self, path: str) -> RecoveryState | None:
+        """The session a predecessor of this planner left in `path`, or None (nothing to recover: a new run).
+        A journal of another mixture, or one that cannot be read, is kept aside (journals/) and the run
+        starts afresh, logged."""
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return None
+        try:
+            records = journal_file.read_journal(path)
+            opens = [r for r in records if r.get("event") == "open"]
+            if opens and not same_mixture(opens[0], self.spec):
+                kept = journal_file.rotate(path)
+                log.warning("journal %s belongs to another mixture: kept as %s, starting afresh", path, kept)
+                return None
+            st = read_state(records)
+        except (JournalError, KeyError, TypeError, ValueError) as e:
+            kept = journal_file.rotate(path)
+            log.error("journal %s cannot be recovered from (%s): kept as %s, starting afresh", path, e, kept)
+            return None
+        return st
+
+    def _adopt_session(self, st: RecoveryState) -> None:
+        self.session = st.session
+        self.session_start = json.loads(json.dumps(st.session_start))
+        self.initial_cursor = json.loads(json.dumps(st.initial_cursor))
+        self.core.restore(st.session_start)
+        self.core.generation = max(self.core.generation, cursor_generation(st.session_start))
+        # partition epochs continue above any its predecessor handed out (they are not journaled): loader
+        # messages of the old incarnation's epochs are fenced, those of the re-adopted partitions are not
+        base = int(time.time())
+        for part in self.partitions.parts.values():
+            part.epoch = max(part.epoch, base)
+        log.warning("planner restarted (incarnation %s): recovering session %d (planned through step %d) from the "
+                    "journal once every constructor has registered", self.incarnation, st.session, st.planned_through)
+
+    def _registered(self, identity: bytes) -> bool:
+        return (identity in self.loaders.values() or identity in self.host_ids.values()
+                or any(c.identity == identity for c in self.constructors.values()))
+
+    def _constructor_hello(self, ci: int, identity: bytes, msg: wire.Message, old: ConstructorPeer | None) -> bool:
+        """Note what a registering constructor holds; True when it is a restarted constructor of a running
+        session that must get the recorded layouts and spans again."""
+        sess, done = msg.meta.get("session"), msg.meta.get("complete_through")
+        holds = isinstance(sess, int) and sess == self.session and isinstance(done, int)
+        self.hello_complete[ci] = done if holds and isinstance(done, int) else None
+        if old is not None:
+            self.m.constructor_rejoins.labels(str(ci)).inc()
+            self.need_by.pop(old.identity, None)
+            self.complete_by.pop(old.identity, None)
+            self.released_by.pop(old.identity, None)
+            log.warning("constructor %d said HELLO again (%s)", ci, "re-registering, it keeps its steps" if holds
+                        else "restarted: it gets the layouts and spans of its recent steps again")
+        return (not holds and self.recovering is None and self.layouts.first_step is not None)
+
+    def _rebuild_constructor(self, ci: int, identity: bytes) -> None:
+        """A restarted constructor: send it the recorded layouts now; the loaders are told to push their recent
+        SAMPLES to it again once it asks for steps (after processing its WELCOME, so none is dropped)."""
+        steps = self.layouts.for_constructor(ci)
+        for _, (meta, arrays) in steps:
+            self._send(identity, Kind.PLAN_CONSTRUCTOR, meta, arrays)
+        first = self.layouts.first_step
+        if first is not None:
+            self.rebuild[identity] = first
+        log.warning("constructor %d: re-sent the layouts of %d step(s) %s", ci, len(steps),
+                    f"{steps[0][0]}..{steps[-1][0]}" if steps else "")
+
+    def _constructor_progress(self, identity: bytes, msg: wire.Message) -> None:
+        """NEED_STEPS of a constructor: release layouts every constructor handed out; a restarted constructor's
+        first request triggers the loaders' resend of its spans."""
+        rel = msg.meta.get("released_through")
+        if isinstance(rel, int):
+            self.released_by[identity] = max(self.released_by.get(identity, -1), rel)
+            if self.all_constructors and all(c.identity in self.released_by for c in self.constructors.values()):
+                self.layouts.release(min(self.released_by[c.identity] for c in self.constructors.values()))
+        first = self.rebuild.pop(identity, None)
+        if first is not None:
+            ci = next(c.index for c in self.constructors.values() if c.identity == identity)
+            for ident in self.loaders.values():
+                self._send(ident, Kind.RESEND, {"session": self.session, "constructor": ci, "from_step": first})
+            log.warning("constructor %d: loaders told to resend their spans of steps from %d", ci, first)
+
+    def _recover(self) -> None:
+        """Every constructor registered: restore the newest journal anchor at or before the first step one of
+        them may miss, and plan again from there through the predecessor's last step (identical plans)."""
+        st = self.recovering
+        assert st is not None
+        start = int(self.session_start["step"])
+        first = min(start if done is None else done + 1 for done in self.hello_complete.values())
+        anchor = st.anchor(first)
+        self.core.restore(anchor.cursor)
+        gen = cursor_generation(anchor.cursor)
+        self.replay_updates = st.updates_after(gen)
+        self.core.generation = max([gen, *(int(u["generation"]) for _, u in self.replay_updates)])
+        self.recover_through = st.planned_through
+        self.recover_digests = dict(st.digests)
+        self.need_through = max(self.need_through, st.planned_through)
+        if self.journal is not None:
+            self.journal.recover(anchor.cursor, self.session, st.planned_through, self.incarnation)
+        self.recovering = None
+        self.m.planner_recoveries.inc()
+        log.warning("recovering session %d: re-planning steps %d..%d from the journal's %s at step %d (constructors "
+                    "complete through %s)", self.session, anchor.step, st.planned_through, anchor.event, anchor.step,
+                    {i: d for i, d in sorted(self.hello_complete.items())})
+
+    def _apply_replayed_updates(self) -> None:
+        """Journaled mixture updates newer than the recovery anchor, applied where they were applied first."""
+        while self.replay_updates and self.replay_updates[0][0] <= self.core.next_step:
+            _, u = self.replay_updates.pop(0)
+            event = self.core.update_mixture({str(a): float(b) for a, b in u["weights"].items()}, int(u["effective_step"]),
+                                             int(u["generation"]), u.get("lr_scale"), u.get("temperature"))
+            if self.journal is not None:
+                self.journal.update(event)
+
+    def _check_recovered(self, plan: StepPlan) -> None:
+        step = plan.layout.step
+        if step > self.recover_through:
+            return
+        self.m.recovered_steps.inc()
+        want = self.recover_digests.get(step)
+        if want is not None and want != layout_digest(plan.layout):
+            self.m.recovery_mismatches.inc()
+            log.error("step %d re-planned after the restart differs from the journal (digest %s != %s): the loaders' "
+                      "announcements were not those of the first planning", step, layout_digest(plan.layout), want)
+        if step == self.recover_through:
+            log.warning("recovery complete: steps through %d planned again", step)
 
     # -- loop ---------------------------------------------------------------------------
     def on_liveness(self, now: float) -> None:
@@ -550,7 +725,7 @@ class PlannerServer(Component, PartitionHosting):
         peers = {ident: "loader" for ident in self.loaders.values()}
         peers.update({c.identity: "constructor" for c in self.constructors.values()})
         for ident in peers:  # a beat that cannot go out is what the silence check below reports
-            self.send_routed(self.sock, ident, Kind.HEARTBEAT, {"t": time.time()}, quiet=True)
+            self.send_routed(self.sock, ident, Kind.HEARTBEAT, {"t": time.time(), "incarnation": self.incarnation}, quiet=True)
         self.watch({**{peer_name(i): what for i, what in peers.items()}, **self.hosts_watched()})
 
     def tick(self) -> None:

@@ -76,6 +76,7 @@ class Kind(enum.IntEnum):
     FOLLOW = 42  # planner -> loader host: where a shadowed partition's primary stands (warm window)
     FENCE = 43  # planner -> constructor: drop SAMPLES of a partition's older epochs
     HANDOFF = 44  # admin -> planner: move a partition to another loader host at a step boundary
+    RESEND = 22  # planner -> loader: push the SAMPLES of recent steps again to a restarted constructor
 
 
 # bulk data: checksummed only on request (runtime.checksum_payloads); everything else always
