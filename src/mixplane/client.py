@@ -30,6 +30,7 @@ and torch). Every message is checked (step, rank, shapes, cu_seqlens) before it 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import time
@@ -45,6 +46,7 @@ from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1
+log = logging.getLogger("mixplane.client")
 PROBE_S = 1.0  # while waiting, the client beats to its constructor this often (a restarted one is noticed)
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
@@ -170,6 +172,9 @@ class MixtureLoader:
         self._server_incarnation: str | None = None  # the constructor process that answers (changes on a restart)
         self._heard = time.time()  # when the constructor last sent anything
         self.re_requests = 0  # GET_STEPs sent again after the constructor was restarted
+        self.damaged = 0  # STEP_DATA messages refused as damaged or truncated (and asked for again)
+        self._require_sums = False
+        self._server_silent: dict[str, float] = {}  # peers the constructor reports silent (name -> seconds), from its beats  # the mixture checksums payloads: STEP_DATA without them is refused
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
         self.curve = curve
@@ -222,6 +227,7 @@ class MixtureLoader:
                 p = self._socket()
                 p.connect(self.planner_endpoint)
                 self._planner = p
+        self._require_sums = route.meta.get("checksum_payloads") is True
         spec_timeout = route.meta.get("step_timeout_s")
         if not self._timeout_fixed and isinstance(spec_timeout, (int, float)) and math.isfinite(spec_timeout) and spec_timeout > 0:
             self.timeout_s = float(spec_timeout)
@@ -307,12 +313,30 @@ class MixtureLoader:
             self.re_requests += len(pending)
         self._server_incarnation = inc
 
+    def _damaged(self, frames: list[Any], err: WireError, where: str) -> None:
+        """A damaged or truncated message from the constructor: count it, say so, ask again for the step it
+        names (every step in flight when even that cannot be read)."""
+        self.damaged += 1
+        step = wire.peek_meta(frames).get("step")
+        again = [step] if isinstance(step, int) and step in self._inflight else list(self._inflight)
+        log.warning("rank %d: refused a damaged message from %s (%s); asking again for step(s) %s", self.rank,
+                    where, err, again)
+        for s in again:
+            assert self._sock is not None
+            wire.send(self._sock, Kind.GET_STEP, {"step": s, "rank": self.rank})
+
     def _silence(self, where: str) -> str:
+        """Who is silent, as this client sees it: its constructor (no answer to beats), or what the constructor
+        reports silent (the planner)."""
         quiet = time.time() - self._heard
-        if quiet < 3 * PROBE_S:
-            return ""
-        return (f"; {where} silent since {time.strftime('%H:%M:%S', time.localtime(self._heard))} "
-                f"({quiet:.0f} s: no answer to heartbeats)")
+        if quiet >= 3 * PROBE_S:
+            return (f"; {where} silent since {time.strftime('%H:%M:%S', time.localtime(self._heard))} "
+                    f"({quiet:.0f} s: no answer to heartbeats)")
+        if self._server_silent:
+            return f"; {where} reports " + ", ".join(
+                f"{n} silent since {time.strftime('%H:%M:%S', time.localtime(self._heard - q))} ({q:.0f} s)"
+                for n, q in sorted(self._server_silent.items()))
+        return ""
 
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
@@ -331,13 +355,18 @@ class MixtureLoader:
             if not self._sock.poll(max(1, int(min(left, PROBE_S) * 1000))):
                 self._probe()
                 continue
+            frames = self._sock.recv_multipart(copy=False)
             try:
-                _, msg = wire.recv(self._sock)
+                msg = wire.decode(frames)
             except WireError as e:
-                raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
+                self._damaged(frames, e, where)  # refused, never delivered: asked for again
+                continue
             self._heard = time.time()
             if msg.kind == Kind.HEARTBEAT:
                 self._note_incarnation(msg)
+                silent = msg.meta.get("silent")
+                self._server_silent = ({str(k): float(v) for k, v in silent.items() if isinstance(v, (int, float))}
+                                       if isinstance(silent, dict) else {})
                 continue
             if msg.kind == Kind.ERROR:
                 if msg.meta.get("released") is True:
@@ -357,6 +386,9 @@ class MixtureLoader:
                     continue
                 raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
             if msg.kind != Kind.STEP_DATA:
+                continue
+            if self._require_sums and not msg.flags & wire.FLAG_END:
+                self._damaged(frames, WireError("STEP_DATA without checksums and end-of-message marker"), where)
                 continue
             self._note_incarnation(msg)
             try:

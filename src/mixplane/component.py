@@ -305,6 +305,7 @@ class Component:
                 msg = wire.decode(frames)
             except WireError as err:
                 self.bad("decode", "dropped a bad message on the %s socket from %s: %s", e.label, peer_name(identity), err)
+                self.on_damaged(e, identity, frames, err)
                 continue
             # on a socket we connected (to the planner, whose server key we checked) the peer is a component
             role, ranks = message_identity(frames[0], e.curve) if e.server else (protocol.COMPONENT, None)
@@ -366,6 +367,10 @@ class Component:
         self._last_hello = time.monotonic()
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    def on_damaged(self, e: Endpoint, identity: bytes, frames: list[Any], err: WireError) -> None:
+        """A message that failed to decode (damaged, truncated): payload integrity handling plugs in here
+        (count it by sender, ask for it again). It was counted and logged as a bad message already."""
+
     def on_liveness(self, now: float) -> None:
         """Called every loop turn: heartbeats and peer timeouts of the fault-tolerance work plug in here."""
 

@@ -213,7 +213,7 @@ class RuntimeSpec(_Model):
     run_dir: str | None = Field(None, description="Where endpoints, logs and the planner journal go; default ./.mixplane/<name>.")
     step_timeout_s: float = Field(120.0, gt=0, description="A client waiting longer for a step raises an error naming its constructor (the planner tells clients; `MixtureLoader(timeout_s=)` or MIXPLANE_TIMEOUT_S override it).")
     heartbeat_s: float = Field(2.0, gt=0, description="Heartbeat interval between components.")
-    checksum_payloads: bool = Field(False, description="Checksum bulk payloads (SAMPLES, STEP_DATA) too; control messages always are.")
+    checksum_payloads: bool = Field(True, description="Checksum bulk payloads (SAMPLES, STEP_DATA) and close them with an end-of-message marker, so a damaged or truncated one is refused and asked for again (false: skip it on trusted links); control messages are always checksummed.")
     journal_every: int = Field(100, ge=1, description="The planner journals a full cursor every this many steps (replay starts there).")
     curve: CurveSpec = Field(default_factory=CurveSpec, description="Transport security.")
     security: Literal["secure", "open"] = Field("secure", description="`secure`: the embedded runtime generates CURVE keys per role into `<run_dir>/keys` (0700) and every socket admits only them; `open` (on purpose, logged as a warning): no CURVE unless `curve` is enabled, any local process that reaches a port can control the run.")

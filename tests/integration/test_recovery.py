@@ -181,3 +181,40 @@ def test_spent_budget_names_the_component_and_its_exit_codes(token_sources, tmp_
         with pytest.raises(ComponentFailed, match=r"constructor-0 exited with code -9 and was restarted 1 times .*budget.*"
                                                   r"exit codes of its incarnations: \[-9, -9\]; see .*constructor-0.log"):
             rt.check()
+
+
+@pytest.mark.parametrize("role", ["planner", "constructor"])
+def test_a_stopped_planner_or_constructor_is_reported_like_a_dead_one(token_sources, tmp_path, role):
+    """SIGSTOP: the process lives but says nothing. Clients that wait say which component is silent and since
+    when; the planner's STATUS lists a silent constructor; after SIGCONT delivery goes on."""
+    from mixplane.client import DeliveryError
+
+    with EmbeddedRuntime(spec(token_sources["root"]), tmp_path / role) as rt:
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.02, steps=400, timeout_s=8)
+        fetch.wait_for(4)
+        victim = next(c for c in rt.children if c.component is not None and c.component.role == role)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        stopped = time.time()
+        try:
+            deadline = time.monotonic() + 60
+            while not fetch.errors and time.monotonic() < deadline:
+                time.sleep(0.1)
+            status = rt.status(timeout_s=5) if role == "constructor" else None
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        assert fetch.errors and all(isinstance(e, DeliveryError) for e in fetch.errors), fetch.errors
+        texts = [str(e) for e in fetch.errors]
+        if role == "planner":
+            # the constructor reports the planner silent (and the planner answers no status request)
+            want = ("planner silent since", "did not answer a status request")
+        else:
+            want = ("constructor tcp://", "silent since", "no answer to heartbeats")
+            assert status is not None and "constructor:0" in status["silent"], status
+        assert any(all(w in t for w in want) for t in texts), texts
+        print(json.dumps({"sigstop": role, "stopped_at": time.strftime("%H:%M:%S", time.localtime(stopped)),
+                          "error": next(t for t in texts if all(w in t for w in want))[:400]}))
+        # running again: nobody is silent any more
+        deadline = time.monotonic() + 30
+        while rt.status(timeout_s=5)["silent"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not rt.status(timeout_s=5)["silent"]

@@ -33,7 +33,8 @@ def _samples(step: int, session: int = 0) -> wire.Message:
     vals = np.arange(5, dtype=np.int32)
     return wire.Message(Kind.SAMPLES, {"session": session, "step": step, "source": 0, "replica": 0},
                         {"key": np.array([7], np.int64), "start": np.zeros(1, np.int64), "len": np.array([5], np.int64),
-                         "offsets": np.array([0, 5], np.int64), "values": vals})
+                         "offsets": np.array([0, 5], np.int64), "values": vals},
+                        wire.FLAG_CHECKSUM | wire.FLAG_END)  # as decoded from a checksummed payload
 
 
 def test_samples_beyond_the_planned_horizon_are_refused(spec):

@@ -40,9 +40,11 @@ def test_checksum_catches_damage_anywhere():
     buf = bytearray(np.asarray(frames[1]).tobytes())
     buf[12345] ^= 1
     with pytest.raises(WireError, match="checksum"):
-        wire.decode([frames[0], bytes(buf), frames[2]])
+        wire.decode([frames[0], bytes(buf), frames[2], frames[3]])
     with pytest.raises(WireError):
-        wire.decode([frames[0], frames[2], frames[1]])  # swapped buffers
+        wire.decode([frames[0], frames[2], frames[1], frames[3]])  # swapped buffers
+    with pytest.raises(WireError, match="truncated"):
+        wire.decode(frames[:3])  # the end-of-message marker is missing
 
 
 def test_reserved_and_unsendable_meta():
@@ -184,12 +186,13 @@ def test_heartbeat_is_a_valid_message():
         ctx.destroy(linger=0)
 
 
-def test_control_messages_are_checksummed_by_default_payloads_on_request():
+def test_every_message_is_checksummed_by_default_payloads_also_end_with_a_marker():
     ctl = wire.encode(Kind.PLAN_CONSTRUCTOR, {"step": 3}, {"rows": np.arange(10, dtype=np.int64)})
     payload = wire.encode(Kind.SAMPLES, {"step": 3}, {"values": np.arange(10, dtype=np.int32)})
     flags = lambda frames: wire.HEADER.unpack_from(bytes(frames[0]))[3]
-    assert flags(ctl) & wire.FLAG_CHECKSUM and not flags(payload) & wire.FLAG_CHECKSUM
-    assert flags(wire.encode(Kind.STEP_DATA, {}, checksum=True)) & wire.FLAG_CHECKSUM
+    assert flags(ctl) == wire.FLAG_CHECKSUM and flags(payload) == wire.FLAG_CHECKSUM | wire.FLAG_END
+    assert bytes(payload[-1]).startswith(wire.END_MARKER) and len(payload) == 3
+    assert flags(wire.encode(Kind.STEP_DATA, {}, checksum=False)) == 0  # runtime.checksum_payloads: false
     assert not flags(wire.encode(Kind.ACK, {}, checksum=False)) & wire.FLAG_CHECKSUM
     # a bit flip in a default (control) message is rejected, in the header, the meta or a buffer
     head = bytearray(ctl[0])
@@ -200,7 +203,10 @@ def test_control_messages_are_checksummed_by_default_payloads_on_request():
     buf[5] ^= 0x80
     with pytest.raises(WireError, match="checksum"):
         wire.decode([ctl[0], bytes(buf)])
-    # the same flip in an unchecksummed payload goes undetected: that is what checksum_payloads is for
+    # the same flip in a payload is caught too; without checksums (checksum_payloads: false) it would not be
     pbuf = bytearray(bytes(payload[1]))
     pbuf[5] ^= 0x80
-    assert wire.decode([payload[0], bytes(pbuf)]).array("values")[1] != 1
+    with pytest.raises(WireError, match="checksum"):
+        wire.decode([payload[0], bytes(pbuf), payload[2]])
+    plain = wire.encode(Kind.SAMPLES, {"step": 3}, {"values": np.arange(10, dtype=np.int32)}, checksum=False)
+    assert wire.decode([plain[0], bytes(pbuf)]).array("values")[1] != 1

@@ -30,7 +30,8 @@ from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.constructor")
 ENCODER_SHAPES = "encoder_shapes"
-NEED_RETRY_S = 1.0  # NEED_STEPS is asked again when requested steps stay unplanned this long  # a peer's view of its bucket leader's encoder batch (metadata only)
+NEED_RETRY_S = 1.0
+REPAIR_AFTER_S = 2.0  # a requested step whose spans stay missing this long is asked of the loaders again  # NEED_STEPS is asked again when requested steps stay unplanned this long  # a peer's view of its bucket leader's encoder batch (metadata only)
 
 
 def encoder_leaders(spec: DataMixtureSpec) -> dict[int, int]:
@@ -148,6 +149,7 @@ class ConstructorServer(PlannerFollower):
         self.released_through = -1
         self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
         self._need_sent = 0.0
+        self._repair_asked: dict[int, float] = {}  # step -> when its spans were last asked for again
         self.prefetch = spec.runtime.prefetch_steps
         bb = spec.topology.backbone()[1]
         self.cp, self.pp = bb.cp, bb.pp
@@ -249,6 +251,8 @@ class ConstructorServer(PlannerFollower):
         self.dispatch(self.entry("data"), b"", msg)
 
     def _on_samples(self, _: bytes, msg: wire.Message) -> None:
+        if self.spec.runtime.checksum_payloads and not msg.flags & wire.FLAG_END:
+            raise WireError("SAMPLES without checksums and end-of-message marker (runtime.checksum_payloads is on)")
         if msg.get("session", int) != self.session:
             return
         replica = msg.meta.get("replica", -1)
@@ -428,7 +432,9 @@ class ConstructorServer(PlannerFollower):
         self.dispatch(self.entry("client"), ident, msg)
 
     def _on_client_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
-        self._to_client(ident, Kind.HEARTBEAT, {"incarnation": self.incarnation})  # the client may be gone already: counted, never raised
+        # what this constructor waits for: a client that times out names it (a hung or restarting planner)
+        self._to_client(ident, Kind.HEARTBEAT, {"incarnation": self.incarnation,
+                                                "silent": {n: round(q, 1) for n, q in self.silent.items()}})  # the client may be gone already: counted, never raised
 
     def _on_get_step(self, ident: bytes, msg: wire.Message) -> None:
         step = msg.get("step", int)
@@ -489,8 +495,45 @@ class ConstructorServer(PlannerFollower):
                 self.released_through = max(self.released_through, s)
 
     # -- loop ---------------------------------------------------------------------------
+    # -- payload integrity: a damaged SAMPLES message is refused, counted by sender and asked for again --------
+    def on_damaged(self, e: Any, identity: bytes, frames: list[Any], err: WireError) -> None:
+        if e.label != "data":
+            return
+        meta = wire.peek_meta(frames)
+        source, replica, step = meta.get("source"), meta.get("replica"), meta.get("step")
+        names = self.spec.source_names()
+        sender = (f"loader:{names[source]}:{replica}" if isinstance(source, int) and 0 <= source < len(names)
+                  else "unknown loader")
+        self.m.payload_damaged.labels(self.component, "SAMPLES", sender).inc()
+        self.limited.log(logging.WARNING, "damaged", "%s: refused a damaged SAMPLES message from %s (step %s): %s; "
+                         "asking for it again", self.name, sender, step, err)
+        if isinstance(step, int):
+            self._ask_again(step, force=True)
+
+    def _ask_again(self, step: int, *, force: bool = False) -> None:
+        """Ask the loaders (through the planner) to push their spans of `step` here again: a SAMPLES message was
+        damaged or lost. Only for a step this constructor still builds, at most once per REPAIR_AFTER_S."""
+        st = self.steps.get(step)
+        now = time.monotonic()
+        if (not self.welcomed or st is None or st.layout is None or st.complete
+                or now - self._repair_asked.get(step, -1e9) < (0.2 if force else REPAIR_AFTER_S)):
+            return
+        self._repair_asked[step] = now
+        wire.send(self.planner, Kind.RESEND, {"session": self.session, "constructor": self.index, "from_step": step,
+                                              "to_step": step})
+
+    def _repair(self) -> None:
+        """Requested steps whose spans stay missing past REPAIR_AFTER_S are asked for again."""
+        now = time.monotonic()
+        for _, step, _, since in self.pending:
+            if now - since > REPAIR_AFTER_S:
+                self._ask_again(step)
+        for s in [s for s in self._repair_asked if s <= self.released_through or s not in self.steps]:
+            del self._repair_asked[s]
+
     def tick(self) -> None:
         self.serve_pending()
+        self._repair()
         # a request the planner lost (it restarted, or the message was dropped): ask again, at most once a second
         if (self.welcomed and self.pending and self.planned_seen < max(p[1] for p in self.pending)
                 and time.monotonic() - self._need_sent > NEED_RETRY_S):

@@ -390,13 +390,17 @@ class LoaderServer(PlannerFollower):
         if msg.get("session", int) != self.session:
             return
         c, first = msg.get("constructor", int), msg.get("from_step", int)
+        last = msg.meta.get("to_step")
+        last = last if isinstance(last, int) and not isinstance(last, bool) else None
         if not 0 <= c < len(self.outbox):
             raise WireError(f"RESEND: constructor index {c} out of range")
-        again = [self.sent[s][c] for s in sorted(self.sent) if s >= first and c in self.sent[s]]
+        again = [self.sent[s][c] for s in sorted(self.sent)
+                 if s >= first and (last is None or s <= last) and c in self.sent[s]]
         self.outbox[c].extend(again)
         self.m.resent_samples.labels(self.source.name).inc(len(again))
-        log.warning("%s: pushing %d sample message(s) again to restarted constructor %s", self.name, len(again),
-                    self.constructor_endpoints[c])
+        self.limited.log(logging.WARNING, "resend", "%s: pushing %d sample message(s) of steps %d..%s again to "
+                         "constructor %s", self.name, len(again), first, "" if last is None else last,
+                         self.constructor_endpoints[c])
         self.flush()
 
     @property

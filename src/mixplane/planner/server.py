@@ -110,6 +110,7 @@ class PlannerServer(Component, PartitionHosting):
             Kind.HELLO: self._on_hello, Kind.LOADER_META: self._on_loader_meta, Kind.NEED_STEPS: self._on_need_steps,
             Kind.ROUTE: self._on_route, Kind.RESUME: self._on_resume, Kind.STATUS: self._on_status,
             Kind.UPDATE_MIXTURE: self._update, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.RESEND: self._on_resend_request,
             Kind.RESHARD: self._on_reshard,
             Kind.HANDOFF: self.on_handoff,
         }, routed=True, server=True)
@@ -230,6 +231,7 @@ class PlannerServer(Component, PartitionHosting):
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "step_timeout_s": self.spec.runtime.step_timeout_s,  # the client's wait per step unless it sets its own
+            "checksum_payloads": self.spec.runtime.checksum_payloads,  # the client refuses STEP_DATA without them
             "start_step": int(self.session_start["step"]),
             # lets a client make a resumable state_dict before its first step, and restart from step 0
             "session_start": self.session_start, "initial_cursor": self.initial_cursor,
@@ -671,6 +673,20 @@ class PlannerServer(Component, PartitionHosting):
             for ident in self.loaders.values():
                 self._send(ident, Kind.RESEND, {"session": self.session, "constructor": ci, "from_step": first})
             log.warning("constructor %d: loaders told to resend their spans of steps from %d", ci, first)
+
+    def _on_resend_request(self, identity: bytes, msg: wire.Message) -> None:
+        """A constructor got a damaged (or no) SAMPLES message of a step: every loader pushes its spans of that
+        step to it again from what it kept (it drops the ones it holds)."""
+        c = next((c for c in self.constructors.values() if c.identity == identity), None)
+        if c is None or msg.get("constructor", int) != c.index:
+            raise WireError("RESEND from a peer that is not that registered constructor")
+        if msg.get("session", int) != self.session:
+            return
+        meta = {"session": self.session, "constructor": c.index, "from_step": msg.get("from_step", int)}
+        if isinstance(msg.meta.get("to_step"), int):
+            meta["to_step"] = msg.meta["to_step"]
+        for ident in self.loaders.values():
+            self._send(ident, Kind.RESEND, meta)
 
     def _recover(self) -> None:
         """Every constructor registered: restore the newest journal anchor at or before the first step one of

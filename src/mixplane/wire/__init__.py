@@ -52,6 +52,9 @@ from mixplane.wire.framing import (
     recv,
     send,
     wants_checksum,
+    END_MARKER,
+    FLAG_END,
+    peek_meta,
 )
 from mixplane.wire.liveness import Liveness
 from mixplane.wire.sockets import (
@@ -73,5 +76,5 @@ __all__ = [
     "configure_socket", "curve_client", "curve_server", "decode", "encode", "endpoint_of", "ensure_keys",
     "ensure_rank_keys", "has_rank_keys", "rank_key_name", "ranks_of_key_name",
     "generate_keys", "heartbeat", "load_allowlist", "load_keys", "load_public_key", "load_roles", "recv", "role_of_key_name", "recv_timeout",
-    "send", "send_frames", "try_send", "wants_checksum",
+    "send", "send_frames", "try_send", "wants_checksum", "END_MARKER", "FLAG_END", "peek_meta",
 ]

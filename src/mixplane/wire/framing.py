@@ -12,9 +12,11 @@ naming the problem, so a server can count and drop a bad message instead of cras
 
 Flags (u16 in the header): bit 0 ``FLAG_CHECKSUM`` — the header frame ends with a CRC-32 of header and
 meta, and ``meta["sums"]`` holds an xxh3-64 digest of every buffer; decode verifies both, so a message
-damaged anywhere (bit flips, truncated or swapped frames) is rejected, never delivered. Checksums cost
-about 1 ms per 30 MB here; every message except the bulk payloads (``PAYLOAD_KINDS``: SAMPLES,
-STEP_DATA) carries them by default (``checksum=None``), payloads when ``runtime.checksum_payloads`` is set.
+damaged anywhere (bit flips, truncated or swapped frames) is rejected, never delivered. Bit 1 ``FLAG_END``
+(bulk payloads, ``PAYLOAD_KINDS``: SAMPLES, STEP_DATA, whenever they are checksummed) — the last frame is an
+end-of-message marker (``END_MARKER``, the message's frame count and payload bytes), so a message cut
+short is named "truncated". Checksums cost about 1 ms per 30 MB here; every message carries them by
+default (``checksum=None``); ``runtime.checksum_payloads: false`` turns them off for the payloads.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ HEADER = struct.Struct("!4sBBHI")
 MAX_META_BYTES = 16 << 20
 MAX_FRAMES = 4096
 FLAG_CHECKSUM = 0x0001
-KNOWN_FLAGS = FLAG_CHECKSUM
+FLAG_END = 0x0002  # the last frame is the end-of-message marker (END_MARKER + frame count + payload bytes)
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_END
 CRC = struct.Struct("!I")
+END_MARKER = b"MXPL:END"
+END = struct.Struct("!8sIQ")
 ZERO_COPY_MIN_BYTES = 64 << 10
 ALLOWED_DTYPES = frozenset(
     ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"]
@@ -79,14 +84,14 @@ class Kind(enum.IntEnum):
     RESEND = 22  # planner -> loader: push the SAMPLES of recent steps again to a restarted constructor
 
 
-# bulk data: checksummed only on request (runtime.checksum_payloads); everything else always
+# bulk data: checksummed and closed by an end-of-message marker unless runtime.checksum_payloads is off
 PAYLOAD_KINDS = frozenset({Kind.SAMPLES, Kind.STEP_DATA})
 
 
 def wants_checksum(kind: Kind, checksum: bool | None = None) -> bool:
-    """Whether a message of `kind` is checksummed: explicit choice, else control messages only
-    (they are small, so damage to a plan or a cursor is caught at no measurable cost)."""
-    return (kind not in PAYLOAD_KINDS) if checksum is None else bool(checksum)
+    """Whether a message of `kind` is checksummed: explicit choice, else always (xxh3 runs at several
+    GB/s per core; see bench/transport.py for what it costs the payload path)."""
+    return True if checksum is None else bool(checksum)
 
 
 class WireError(ValueError):
@@ -98,6 +103,7 @@ class Message:
     kind: Kind
     meta: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    flags: int = 0  # header flags it arrived with (FLAG_CHECKSUM: verified against its checksums)
 
     def array(self, name: str) -> np.ndarray:
         try:
@@ -150,10 +156,30 @@ def encode(kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[st
         raise WireError(f"{kind.name}: meta cannot be sent as JSON ({e})") from None
     if len(body) > MAX_META_BYTES:
         raise WireError(f"{kind.name}: meta of {len(body)} bytes exceeds {MAX_META_BYTES}")
-    head = HEADER.pack(MAGIC, VERSION, int(kind), FLAG_CHECKSUM if checksum else 0, len(body)) + body
+    end = checksum and kind in PAYLOAD_KINDS  # bulk payloads also end with a marker: truncation is named as such
+    flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_END if end else 0)
+    head = HEADER.pack(MAGIC, VERSION, int(kind), flags, len(body)) + body
     if checksum:
         head += CRC.pack(zlib.crc32(head))
+    if end:
+        return [head, *buffers, END.pack(END_MARKER, len(buffers) + 2, sum(_nbytes(b) for b in buffers))]
     return [head, *buffers]
+
+
+def _nbytes(b: Any) -> int:
+    return int(b.nbytes) if isinstance(b, np.ndarray) else len(b)
+
+
+def peek_meta(frames: Sequence[Any]) -> dict[str, Any]:
+    """Best effort, nothing verified: the meta of a message that failed to decode (to name its sender and
+    step in a log line and to ask for it again). Empty when even that cannot be read."""
+    try:
+        head = _buffer(frames[0])
+        _, _, _, _, meta_len = HEADER.unpack_from(head)
+        meta = json.loads(bytes(head[HEADER.size: HEADER.size + meta_len]).decode())
+        return meta if isinstance(meta, dict) else {}
+    except Exception:  # noqa: BLE001 - damaged bytes may fail in any way
+        return {}
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -191,6 +217,25 @@ def decode(frames: Sequence[Any]) -> Message:
         raise WireError(f"unknown message kind {kind_v}") from None
     if flags & ~KNOWN_FLAGS:
         raise WireError(f"{kind.name}: unknown flags {flags:#06x}")
+    if flags & FLAG_END:
+        try:
+            tail = _buffer(frames[-1]) if len(frames) > 1 else memoryview(b"")
+        except (AttributeError, TypeError):
+            raise WireError(f"{kind.name}: end-of-message frame is not a buffer") from None
+        if tail.nbytes != END.size or bytes(tail[:len(END_MARKER)]) != END_MARKER:
+            raise WireError(f"{kind.name}: truncated: no end-of-message marker (got {len(frames)} frames)")
+        _, nframes, nbytes = END.unpack_from(tail)
+        frames = frames[:-1]
+        if nframes != len(frames) + 1:
+            raise WireError(f"{kind.name}: truncated: the end marker counts {nframes} frames, {len(frames) + 1} arrived")
+        got = 0
+        for f in frames[1:]:
+            try:
+                got += _buffer(f).nbytes
+            except (AttributeError, TypeError):
+                raise WireError(f"{kind.name}: a frame is not a buffer") from None
+        if got != nbytes:
+            raise WireError(f"{kind.name}: truncated: the end marker counts {nbytes} payload bytes, {got} arrived")
     trailer = CRC.size if flags & FLAG_CHECKSUM else 0
     if meta_len > MAX_META_BYTES or meta_len != len(head) - HEADER.size - trailer:
         raise WireError(f"{kind.name}: meta length {meta_len} does not match frame ({len(head) - HEADER.size - trailer})")
@@ -232,7 +277,7 @@ def decode(frames: Sequence[Any]) -> Message:
         if trailer and sums[i] != _digest(buf):
             raise WireError(f"{kind.name}: array {name!r} checksum mismatch")
         arrays[name] = np.frombuffer(buf, dtype=dt).reshape(shape)
-    return Message(kind, meta, arrays)
+    return Message(kind, meta, arrays, flags)
 
 
 def send(sock: Any, kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
