@@ -12,6 +12,10 @@
   local run could use for payloads: only the same uid can connect).
 * ``gbps_raw_zmq``: the limit of this machine: raw pyzmq PUSH/PULL of messages of the same sizes with
   zero-copy frames, received as numpy -> torch.
+* ``checksum_gbps``: payload integrity alone, in one process: bytes per second through a checksummed
+  STEP_DATA's encode (xxh3-64 per buffer, CRC-32 of the header, end marker) and its verifying decode, and
+  ``checksum_ms_per_64mb`` what both sides together spend on one 64 MB message (payloads are checksummed by
+  default since ``runtime.checksum_payloads`` became true; the server above sends them so).
 * ``p50_us`` / ``p99_us``: round trip of a small request and reply (GET_STEP -> 1 KB STEP_DATA with the
   mixplane framing) over loopback TCP, without CURVE (with CURVE in the line before the last).
 
@@ -210,6 +214,25 @@ def latency(iters: int, curve_dir: str | None) -> tuple[float, float]:
     return float(np.percentile(lat, 50) * 1e6), float(np.percentile(lat, 99) * 1e6)
 
 
+def checksum_cost(size: int, reps: int) -> tuple[float, float]:
+    """(GB/s, ms per message) of encode + decode with checksums minus the same without, for one `size` message."""
+    batch = make_batch(size)
+    meta = {"step": 0, "rank": 0, "phase": 0, "lr_scale": 1.0}
+
+    def run(checksum: bool) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            frames = wire.encode(Kind.STEP_DATA, meta, batch, checksum=checksum)
+            wire.decode([f if isinstance(f, (bytes, np.ndarray)) else bytes(f) for f in frames])
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    extra = max(1e-9, run(True) - run(False))
+    nbytes = sum(a.nbytes for a in batch.values())
+    return nbytes / extra / 1e9, extra * 1e3 * (64 * MB / nbytes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="finish within 60 s")
@@ -253,10 +276,12 @@ def main() -> None:
     p50, p99 = latency(iters, None)
     c50, c99 = latency(iters // 2, keydir)
     g = {k: tot[k][0] / tot[k][1] / 1e9 for k in tot}
+    cs_gbps, cs_ms = checksum_cost(64 * MB, 3 if args.quick else 10)
     print(json.dumps({"latency_curve_p50_us": round(c50, 1), "latency_curve_p99_us": round(c99, 1),
                       "plain_over_raw": round(g["plain"] / g["raw"], 3), "latency": "round trip, 1 KB reply"}), flush=True)
     print(json.dumps({"gbps_plain": round(g["plain"], 3), "gbps_curve": round(g["curve"], 3), "gbps_ipc": round(g["ipc"], 3),
-                      "gbps_raw_zmq": round(g["raw"], 3), "p50_us": round(p50, 1), "p99_us": round(p99, 1)}), flush=True)
+                      "gbps_raw_zmq": round(g["raw"], 3), "p50_us": round(p50, 1), "p99_us": round(p99, 1),
+                      "checksum_gbps": round(cs_gbps, 2), "checksum_ms_per_64mb": round(cs_ms, 1)}), flush=True)
 
 
 if __name__ == "__main__":
