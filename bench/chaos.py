@@ -208,6 +208,10 @@ class Run:
             last = json.loads((self.records / f"rank0-w{self.world}.jsonl").read_text().splitlines()[-1])
             state_file = self.dir / "reshard-state.json"
             state_file.write_text(json.dumps(last["state"]))
+            deadline = time.monotonic() + 120
+            while self.restarting() and time.monotonic() < deadline:  # a component restart still under way
+                self.rt.supervise()
+                time.sleep(0.05)
             t_r = time.monotonic()
             self.rt.reshard({"modules": {"backbone": {"dp": RESHARD_DP}}}, last["state"], attempt=f"{self.name}-reshard")
             self.reshard_s = time.monotonic() - t_r
@@ -242,9 +246,9 @@ class Run:
             self.rt.supervise()
             now = time.monotonic()
             if plan and now >= plan[0] and not self.restarting():
-                plan.pop(0)
-                vs = self.victims()
+                vs = self.victims()  # none while the planner restarts: try again on the next round
                 if vs:
+                    plan.pop(0)
                     role, c = self.rng.choice(vs)
                     os.kill(c.proc.pid, signal.SIGKILL)
                     self.kills.append({"role": role, "name": c.name, "t": time.time()})
