@@ -265,7 +265,7 @@ class Run:
             raise RuntimeError(f"{self.name}: trainers failed: {bad}")
 
     def restarting(self) -> bool:
-        return any(c.restart_at is not None and c.proc.poll() is not None for c in self.rt.children)
+        return any(c.proc.poll() is not None for c in self.rt.children)  # dead, not yet restarted
 
 
 # ------------------------------------------------------------------------------------------- compare
