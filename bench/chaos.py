@@ -6,7 +6,7 @@ One mixture (3 token sources, 8 x 256-token rows per step) is run twice with the
 4 trainer ranks, each a process of its own that consumes its steps with a fixed compute time per step:
 
 * reference — no failure;
-* chaos — the same spec, while a seeded schedule SIGKILLs components at random times (by default every
+* chaos — the same spec, while a seeded schedule SIGKILLs components at random steps of the run (every
   role whose restart the runtime supervises: loaders — primaries and shadows when the spec has shadows —,
   constructors and the planner; `--roles` chooses), restarts one trainer rank from the state_dict it saved
   (after SIGKILL of its process), and changes DP 4 -> 2 once at a step boundary (live resharding:
@@ -151,6 +151,7 @@ class Run:
         self.stop_step = args.steps
         self.reshard_at = args.steps // 2
         self.rt: Any = None
+        self._tails: dict[Path, tuple[int, int]] = {}  # record file -> (bytes counted, lines counted)
 
     def spawn(self, rank: int, stop: int, state: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--planner", self.rt.planner_endpoint,
@@ -186,8 +187,23 @@ class Run:
         return out
 
     def committed(self, rank: int) -> int:
+        """Steps this rank committed in the current world (the new bytes of its record file are counted)."""
         p = self.records / f"rank{rank}-w{self.world}.jsonl"
-        return len(p.read_text().splitlines()) if p.exists() else 0
+        off, n = self._tails.get(p, (0, 0))
+        if p.exists():
+            with open(p, "rb") as f:
+                f.seek(off)
+                new = f.read()
+            end = new.rfind(b"\n")  # a line without its newline is not committed yet
+            if end >= 0:
+                n += new[:end + 1].count(b"\n")
+                off += end + 1
+            self._tails[p] = (off, n)
+        return n
+
+    def progress(self) -> int:
+        """The global step the run reached (rank 0's steps committed, counted over both worlds)."""
+        return self.committed(0) + (self.reshard_at if self.world != RANKS else 0)
 
     def run(self) -> float:
         from mixplane.runtime import EmbeddedRuntime, RestartPolicy
@@ -201,7 +217,7 @@ class Run:
             self.world = RANKS
             for r in range(RANKS):
                 self.spawn(r, self.reshard_at)
-            plan = self.kill_plan(t0) if self.chaos else []
+            plan = self.kill_plan() if self.chaos else []
             trainer_kill = self.args.trainer_restart and self.chaos
             self.phase(plan, trainer_kill, self.reshard_at)
             # live DP change at the boundary: every rank stopped there; the new world resumes from rank 0's state
@@ -226,11 +242,11 @@ class Run:
                     p.kill()
             self.rt.stop()
 
-    def kill_plan(self, t0: float) -> list[float]:
-        """Kill times, spread over the expected duration (reference wall time when known)."""
-        dur = self.args.expected_s
-        n = self.args.kills
-        return sorted(t0 + 2.0 + self.rng.uniform(0, max(1.0, dur - 6.0)) for _ in range(n))
+    def kill_plan(self) -> list[int]:
+        """The steps of the run at which a component is killed: uniform over the training (so every kill
+        lands while ranks are consuming), none right at the DP change."""
+        steps = [s for s in range(5, self.stop_step - 5) if abs(s - self.reshard_at) > 3]
+        return sorted(self.rng.choice(steps) for _ in range(self.args.kills))
 
     def phase(self, plan: list[float], trainer_kill: bool, stop: int) -> None:
         """Until every trainer of this world finished: kill on schedule, supervise, restart a trainer once."""
@@ -244,8 +260,7 @@ class Run:
                     raise RuntimeError(f"{self.name}: trainer rank {r} exited with {p.returncode} "
                                        f"(see {self.dir}/trainer-{r}-w{self.world}.log)")
             self.rt.supervise()
-            now = time.monotonic()
-            if plan and now >= plan[0] and not self.restarting():
+            if plan and self.progress() >= plan[0] and not self.restarting():
                 vs = self.victims()  # none while the planner restarts: try again on the next round
                 if vs:
                     plan.pop(0)
@@ -378,10 +393,8 @@ def main() -> int:
     spec = parse_spec(spec_doc(write_sources(CACHE / "data"), shadows=args.shadows))
     args.supervised = args.supervised.split(",")
 
-    args.expected_s = 0.0
     ref = Run("reference", spec, work, args, chaos=False)
     ref_wall = ref.run()
-    args.expected_s = ref_wall
     chaos = Run("chaos", spec, work, args, chaos=True)
     chaos_wall = chaos.run()
     (chaos.dir / "kills.json").write_text(json.dumps(chaos.kills))  # the stall analysis can be redone offline
