@@ -115,12 +115,18 @@ class FsspecObject:
     def __init__(self, fs, path: str):
         self.fs, self.path = fs, path
         self._size = int(_http_errors(lambda: fs.size(path)))
+        # a filesystem without a ranged cat_file of its own (HfFileSystem) opens a buffered file per read:
+        # no block cache then, or every read would fetch a whole block
+        import fsspec  # type: ignore[import-untyped]
+
+        generic = getattr(fs.cat_file, "__func__", None) is fsspec.AbstractFileSystem.cat_file
+        self._kw = {"cache_type": "none"} if generic else {}
 
     def size(self) -> int:
         return self._size
 
     def read_at(self, size: int, offset: int) -> bytes:
-        return _http_errors(lambda: self.fs.cat_file(self.path, start=offset, end=offset + size))
+        return _http_errors(lambda: self.fs.cat_file(self.path, start=offset, end=offset + size, **self._kw))
 
     def close(self) -> None:
         pass
@@ -215,7 +221,7 @@ def fsspec_filesystem(scheme: str, *, endpoint: str | None = None) -> pafs.PyFil
 
         inner = HfFileSystem(endpoint=endpoint) if endpoint else HfFileSystem()
     else:
-        import fsspec  # type: ignore[import-untyped]
+        import fsspec
 
         inner = fsspec.filesystem(scheme)
     return pafs.PyFileSystem(pafs.FSSpecHandler(inner))
