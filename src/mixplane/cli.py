@@ -159,7 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = _load(args.file)
     from mixplane.runtime import ComponentFailed, RestartPolicy
 
-    policy = RestartPolicy(budget=args.restarts) if args.restarts > 0 else None
+    policy = RestartPolicy(budget=args.restarts, hang_after_s=args.hang_after) if args.restarts > 0 else None
     rt = EmbeddedRuntime(spec, args.run_dir, log_level=args.log_level, restart=policy)
     stop = {"flag": False}
 
@@ -396,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-seconds", type=float)
     r.add_argument("--restarts", type=int, default=0, help="restart a component (planner, constructor or loader) "
                    "that died, at most N times in 5 minutes each, with backoff (default 0: a dead component stops the run)")
+    r.add_argument("--hang-after", type=float, default=None, metavar="S",
+                   help="with --restarts: a component silent for S seconds (hung, e.g. SIGSTOP) is killed and restarted")
     r.set_defaults(fn=cmd_run)
 
     dm = sub.add_parser("demo", help="train a small GPT on 2 ranks fed by mixplane")

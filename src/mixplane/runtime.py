@@ -60,6 +60,7 @@ class Child:
     component: Component | None = None
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # when a restart of this dead child is due
+    started: float = field(default_factory=time.monotonic)
     exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
 
 
@@ -83,6 +84,9 @@ class RestartPolicy:
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
     roles: tuple[str, ...] = ("planner", "constructor", "loader")
+    # a component silent this long (planner STATUS `silent`; the planner itself: no answer to STATUS) is hung:
+    # it is killed (SIGKILL) and restarted like a dead one. None: hangs are reported, not acted on
+    hang_after_s: float | None = None
 
     def delay(self, history: list[float], now: float) -> float | None:
         """Seconds to wait before the next restart, or None when the budget within the window is spent."""
@@ -124,6 +128,8 @@ class EmbeddedRuntime:
         self.planner_endpoint: str | None = None
         self.key_dir = self._key_dir()
         self._saved_env: dict[str, str | None] | None = None
+        self._planner_quiet_since: float | None = None
+        self._next_hang_check = 0.0
         self.failure: ComponentFailed | None = None  # set by the background supervisor when it gives up
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
@@ -298,7 +304,40 @@ class EmbeddedRuntime:
         with self._lock:
             return self._supervise(time.monotonic() if now is None else now)
 
+    def _kill_hung(self, now: float) -> None:
+        """SIGKILL components silent past the policy's hang_after_s (then restarted like dead ones): the planner
+        when it answers no STATUS, and those its STATUS lists silent (constructors, loader hosts)."""
+        assert self.restart is not None and self.restart.hang_after_s is not None
+        hang = self.restart.hang_after_s
+        try:
+            st = self.status(timeout_s=min(2.0, hang))
+        except (TimeoutError, RuntimeError, OSError):
+            since = self._planner_quiet_since = self._planner_quiet_since or now
+            planner = next((c for c in self.children if c.name == "planner"), None)
+            if planner is not None and planner.proc.poll() is None and now - since > hang and now - planner.started > hang:
+                log.error("planner answered no status request for %.1f s (hung): killing it to restart it", now - since)
+                planner.proc.kill()
+                planner.proc.wait(10)
+                self._planner_quiet_since = None
+            return
+        self._planner_quiet_since = None
+        by_peer = {f"constructor:{c.component.index}": c for c in self.children
+                   if c.component is not None and c.component.role == "constructor" and c.component.index is not None}
+        by_peer.update({f"beat:{c.name}": c for c in self.children if c.component is not None and c.component.role == "loader"})
+        for peer, quiet in (st.get("silent") or {}).items():
+            c = by_peer.get(peer)
+            if c is None or c.proc.poll() is not None or not isinstance(quiet, (int, float)):
+                continue
+            if quiet > hang and now - c.started > quiet:  # silent since this incarnation started: hung
+                log.error("%s silent for %.1f s (hung): killing it to restart it", c.name, quiet)
+                c.proc.kill()
+                c.proc.wait(10)
+
     def _supervise(self, now: float) -> list[str]:
+        hang = self.restart.hang_after_s if self.restart is not None else None
+        if hang is not None and self.planner_endpoint and now >= self._next_hang_check:
+            self._next_hang_check = now + min(1.0, hang / 4)
+            self._kill_hung(now)
         restarted = []
         for i, c in enumerate(self.children):
             code = c.proc.poll()

@@ -218,3 +218,24 @@ def test_a_stopped_planner_or_constructor_is_reported_like_a_dead_one(token_sour
         while rt.status(timeout_s=5)["silent"] and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not rt.status(timeout_s=5)["silent"]
+
+
+def test_a_hung_constructor_is_killed_and_restarted_when_the_policy_says_so(token_sources, tmp_path, reference):
+    """RestartPolicy(hang_after_s=...): a constructor stopped with SIGSTOP is found silent in the planner's STATUS,
+    killed and rebuilt like a dead one; the batches stay those of a failure-free run."""
+    policy = RestartPolicy(budget=2, window_s=600, backoff_s=0.1, hang_after_s=4.0)
+    with EmbeddedRuntime(spec(token_sources["root"]), tmp_path / "hung", restart=policy) as rt:
+        rt.supervise_in_background(0.2)
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.05)
+        fetch.wait_for(KILL_AFTER)
+        victim = rt.child("constructor-0")
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        at_kill = {r: len(fetch.times[r]) for r in range(RANKS)}
+        got = fetch.join()
+        rt.check()
+        fresh = rt.child("constructor-0")
+        assert fresh is not victim and victim.proc.returncode == -signal.SIGKILL and fresh.proc.poll() is None
+    assert_identical(got, reference)
+    first, gap = stall(fetch, stopped_at, at_kill)
+    print(json.dumps({"hung_constructor_restart_max_gap_s": round(gap, 3), "hang_after_s": 4.0, "steps": STEPS}))
