@@ -32,7 +32,7 @@ def test_a_hung_loader_is_reported_by_name_to_status_and_the_waiting_client(toke
             while time.monotonic() < deadline and "loader:a:0" not in silent:
                 time.sleep(0.3)
                 silent = rt.status()["silent"]
-            assert silent["loader:a:0"] > 1.5  # 3 missed beats of 0.5 s
+            assert silent["loader:a:0"] >= 1.5  # 3 missed beats of 0.5 s (STATUS rounds to 0.1 s)
             client = MixtureLoader(rt.planner_endpoint, rank=0, timeout_s=4)
             with pytest.raises(DeliveryError, match=r"waiting since .*silent: .*loader:a:0 for"):
                 for _ in range(10_000):  # the stopped loader's window runs dry within a few steps
