@@ -69,8 +69,9 @@ def _well_formed(rng: np.random.Generator, kind: Kind) -> list[bytes]:
     schema = protocol.SCHEMAS[kind]
     meta = {f: _typed(rng, t) for f, t in schema.fields.items()}
     if kind == Kind.GET_STEP and 0 <= meta["rank"] < WORLD:
-        # a GET_STEP for a served rank is a trainer's legitimate request: whoever holds the client key may
-        # claim a rank (and so take its steps); that is trust in the client role, not hostile input
+        # a GET_STEP for a served rank is a trainer's legitimate request: this run's key dir has no rank keys,
+        # so whoever holds the shared client key may claim a rank (runtime.rank_binding auto = unbound here);
+        # with rank keys such claims are refused and counted (tests/integration/test_rank_binding.py)
         meta["rank"] = int(rng.choice([-1, WORLD, 2**31]))
     meta.update({str(rng.choice(["rank", "source", "replica", "index", "extra"])): _value(rng)
                  for _ in range(int(rng.integers(0, 3)))})
