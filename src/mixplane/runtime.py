@@ -402,6 +402,8 @@ class EmbeddedRuntime:
             self.children = before
             raise
         new = _Spec.model_validate(reply["spec"])
+        if self.key_dir is not None and new.runtime.rank_binding != "off" and new.world_size <= MAX_RANK_KEYS:
+            wire.ensure_rank_keys(self.key_dir, new.world_size)  # ranks of the new world get their keys too
         deadline = time.monotonic() + timeout_s
         for c in old:  # the planner told them to stop; make sure before their names are reused
             try:
