@@ -362,7 +362,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
     ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
-    ap.add_argument("--supervised", default="loader", help="roles the runtime restarts (comma list)")
+    ap.add_argument("--supervised", default="loader,constructor,planner", help="roles the runtime restarts (comma list)")
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--compute-s", type=float, default=0.05, help="simulated training time per step")
     ap.add_argument("--seed", type=int, default=1)
