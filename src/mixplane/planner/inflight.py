@@ -2,8 +2,10 @@
 
 A loader's spans of a planned step live only in its memory (and its outbox) until every constructor
 holds them; a loader killed in between takes them along. The planner keeps, per loader replica, the
-PLAN_LOADER instructions of every step some constructor may not have received in full, and forgets a
-step once every constructor reported it complete (``complete_through`` of NEED_STEPS). A restarted
+PLAN_LOADER instructions of every step some constructor may still need, and forgets a step once every
+constructor released it (``released_through`` of NEED_STEPS) — not merely completed it: a constructor
+restarted after a step completed rebuilds it from the loaders, and a loader restarted at the same time
+has lost the frames it kept, so only this record can rebuild its spans. A restarted
 loader re-reads its stream from the lowest position these steps name and sends exactly their spans
 again; constructors drop a (step, loader) message they already hold. Pure bookkeeping, no I/O.
 """

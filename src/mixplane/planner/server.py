@@ -324,8 +324,6 @@ class PlannerServer(Component, PartitionHosting):
             done = msg.meta.get("complete_through")
             if isinstance(done, int):
                 self.complete_by[identity] = max(self.complete_by.get(identity, -1), done)
-                if self.all_constructors and all(c.identity in self.complete_by for c in self.constructors.values()):
-                    self.inflight.release(min(self.complete_by[c.identity] for c in self.constructors.values()))
 
     def _on_route(self, identity: bytes, msg: wire.Message) -> None:
         if "coords" in msg.meta:  # a client configured by its mesh position
@@ -666,7 +664,12 @@ class PlannerServer(Component, PartitionHosting):
         if isinstance(rel, int):
             self.released_by[identity] = max(self.released_by.get(identity, -1), rel)
             if self.all_constructors and all(c.identity in self.released_by for c in self.constructors.values()):
-                self.layouts.release(min(self.released_by[c.identity] for c in self.constructors.values()))
+                through = min(self.released_by[c.identity] for c in self.constructors.values())
+                self.layouts.release(through)
+                # loader plans live as long as the layouts and the loaders' kept SAMPLES frames: a step complete
+                # everywhere but not yet released can still be lost by a constructor restart, and if the loader
+                # that holds its frames dies too, only a replay of its plan (re-read from the stream) rebuilds it
+                self.inflight.release(through)
         first = self.rebuild.pop(identity, None)
         if first is not None:
             ci = next(c.index for c in self.constructors.values() if c.identity == identity)
