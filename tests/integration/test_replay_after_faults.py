@@ -38,7 +38,13 @@ def test_replay_is_bit_exact_after_kills_handoff_update_and_reshard(token_source
         victim = next(c for c in rt.children if c.component and c.component.role == "loader" and not c.component.shadow)
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)
+        # the planner promotes the shadow once the dead host has been silent past failover_after_s; restarting
+        # the process before that (supervision is quick) would let it re-adopt its own partitions instead
+        moved = {str(p) for p in victim.component.partitions}
         deadline = time.monotonic() + 60
+        while any(rt.partitions()["partitions"][p]["host"] == victim.component.name for p in moved):
+            assert time.monotonic() < deadline, f"no shadow promoted for {sorted(moved)}"
+            time.sleep(0.1)
         while not rt.supervise():
             assert time.monotonic() < deadline
             time.sleep(0.05)
