@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import random
 import socket
 import ssl
 import subprocess
@@ -75,10 +76,39 @@ def binaries(names: tuple[str, ...] = ALL_TOOLS) -> dict[str, str]:
     return {k: str(v) for k, v in have.items()}
 
 
+_ISSUED_PORTS: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the kernel's ephemeral range and never handed out before in this process.
+
+    A port the kernel picks for bind(0) lies in the ephemeral range, where any outgoing connection made
+    before the server binds (kubectl, the API server's own clients) may take it; and two calls may return
+    the same port. Either makes a server that binds later fail with 'address in use'.
+    """
+    lo, _ = _ephemeral_range()
+    lo = max(lo, 12000)  # at least 10,000 candidates in [2000, lo)
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(2000, lo)
+        if port in _ISSUED_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ISSUED_PORTS.add(port)
+        return port
+    raise ClusterError("no free port below the ephemeral range")
 
 
 def _openssl(*args: str, cwd: Path) -> None:

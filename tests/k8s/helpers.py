@@ -28,14 +28,19 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "datamixtures.mixplane.io.yaml"
 
 __all__ = ["CRD", "ROOT", "LocalPods", "apply", "applied", "children", "free_port", "get", "operator", "run_trainers",
-           "sa_kubeconfig", "status_of", "trainer_key_dir", "wait_for"]
+           "process_watch", "sa_kubeconfig", "status_of", "trainer_key_dir", "wait_for"]
 
 
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.25, *, tolerate: bool = False) -> Any:
-    """fn() until it is truthy (and returns it); `tolerate`: exceptions count as 'not yet'."""
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.25, *, tolerate: bool = False,
+             abort: Callable[[bool], str | None] | None = None) -> Any:
+    """fn() until it is truthy (and returns it); `tolerate`: exceptions count as 'not yet';
+    `abort(False)` returning a message stops the wait at once (a process the wait depends on has died),
+    `abort(True)` adds to the timeout's message (that process's log)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
+        if abort is not None and (why := abort(False)):
+            raise AssertionError(f"gave up waiting for {what}: {why}")
         try:
             last = fn()
         except Exception as e:  # noqa: BLE001 - only with tolerate: the thing is not there yet
@@ -45,7 +50,23 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: flo
         if last and not isinstance(last, Exception):
             return last
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    why = abort(True) if abort is not None else None
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})" + (f"; {why}" if why else ""))
+
+
+def process_watch(proc: subprocess.Popen[Any], name: str, log_path: Path, *, tail: int = 4000) -> Callable[[bool], str | None]:
+    """An `abort` for wait_for: says that `proc` exited, with the end of its log (and the log's end at a
+    timeout), so a failure in CI shows why."""
+
+    def check(final: bool) -> str | None:
+        code = proc.poll()
+        if code is None and not final:
+            return None
+        text = log_path.read_text(errors="replace")[-tail:] if log_path.exists() else "(no log)"
+        state = "is running" if code is None else f"exited with code {code}"
+        return f"{name} {state}; the end of its log:\n{text}"
+
+    return check
 
 
 def get(cluster: Cluster, *args: str) -> Any:

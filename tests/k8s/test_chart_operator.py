@@ -23,7 +23,7 @@ import yaml
 
 from mixplane.operator.crd import CRD_NAME
 from tests.k8s.cluster import Cluster, free_port
-from tests.k8s.helpers import sa_kubeconfig, wait_for
+from tests.k8s.helpers import process_watch, sa_kubeconfig, wait_for
 from tests.unit.operator_testdata import write_text_and_images
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,12 +79,13 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
                             env={**os.environ, **env, "KUBECONFIG": str(kubeconfig), "PYTHONPATH": str(REPO / "src"),
                                  "MIXPLANE_SCALE_INTERVAL_S": "2"},
                             stdout=log, stderr=subprocess.STDOUT)
+    operator_alive = process_watch(proc, "the operator", log_path)
     try:
         # the liveness probe of the Deployment
         probe = container["livenessProbe"]["httpGet"]
         port = {p["name"]: p["containerPort"] for p in container["ports"]}[probe["port"]]
         wait_for("the operator's liveness endpoint", lambda: urllib.request.urlopen(
-            f"http://127.0.0.1:{port}{probe['path']}", timeout=2).status == 200, 90, 0.5, tolerate=True)
+            f"http://127.0.0.1:{port}{probe['path']}", timeout=2).status == 200, 90, 0.5, tolerate=True, abort=operator_alive)
 
         # the API server calls the operator's validating webhook
         data = write_text_and_images(tmp_path / "data", text_rows=300, images=20, side=160)
@@ -98,17 +99,17 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         bad["spec"]["mixture"]["weights"]["video"] = 1.0
         r = wait_for("the operator's webhook to refuse a bad mixture", lambda: (lambda r: r if r.returncode else
                      c.kubectl("-n", ns, "delete", "dmix", "bad", "--wait=false", check=False) and None)(
-            c.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(bad), check=False)), 90, 0.5, tolerate=True)
+            c.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(bad), check=False)), 90, 0.5, tolerate=True, abort=operator_alive)
         assert 'admission webhook "datamixtures.mixplane.io" denied the request' in r.stderr
         assert "spec.mixture.weights.video: unknown source 'video' (sources: text)" in r.stderr
 
         # with the chart's rights only, the operator builds the mixture's children and reports status
         c.kubectl("apply", "-f", "-", input=json.dumps(good))
         deps = wait_for("the operator's Deployments", lambda: json.loads(c.kubectl(
-            "-n", ns, "get", "deployments", "-l", "mixplane.io/instance=demo", "-o", "json").stdout)["items"], 120, 0.5, tolerate=True)
+            "-n", ns, "get", "deployments", "-l", "mixplane.io/instance=demo", "-o", "json").stdout)["items"], 120, 0.5, tolerate=True, abort=operator_alive)
         assert all(d["metadata"]["ownerReferences"][0]["kind"] == "DataMixture" for d in deps)
         wait_for("status", lambda: (json.loads(c.kubectl("-n", ns, "get", "dmix", "demo", "-o", "json").stdout)
-                                    .get("status") or {}).get("conditions"), 120, 0.5, tolerate=True)
+                                    .get("status") or {}).get("conditions"), 120, 0.5, tolerate=True, abort=operator_alive)
 
         # and the pod webhook injects a labelled trainer pod
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {"mixplane.io/mixture": "demo"}},
@@ -119,11 +120,11 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         assert {"MIXPLANE_PLANNER", "MIXPLANE_CURVE_DIR"} <= envs
         # the journal claim is among the children (the chart lets the operator create it)
         wait_for("the planner journal's claim", lambda: json.loads(c.kubectl(
-            "-n", ns, "get", "pvc", "demo-journal", "-o", "json", check=False).stdout or "{}"), 60, 0.5, tolerate=True)
+            "-n", ns, "get", "pvc", "demo-journal", "-o", "json", check=False).stdout or "{}"), 60, 0.5, tolerate=True, abort=operator_alive)
         # deleting the mixture: the operator removes its finalizer (an update of the object) with the chart's rights
         c.kubectl("-n", ns, "delete", "dmix", "demo", "--wait=false")
         wait_for("the mixture to be gone", lambda: c.kubectl("-n", ns, "get", "dmix", "demo", check=False).returncode != 0,
-                 60, 0.5)
+                 60, 0.5, abort=operator_alive)
         text = log_path.read_text(errors="replace")
         assert "forbidden" not in text.lower(), text[-3000:]
         # every call the operator made under the chart's ServiceAccount succeeded (the API server's audit log;
