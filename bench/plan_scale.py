@@ -61,7 +61,7 @@ from balance import LLAMA_12B, VIT_2B, coyo_block  # noqa: E402
 from mixplane import wire  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.metrics import make_metrics  # noqa: E402
-from mixplane.planner import selectloop  # noqa: E402
+from mixplane.planner import routeloop, selectloop  # noqa: E402
 from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
@@ -181,7 +181,7 @@ def make_spec(gpus: int, n_sources: int, sequences: int, streams: Streams):
 # ---- one configuration ---------------------------------------------------------------------------
 
 def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: int) -> dict:
-    jit_s = selectloop.warm()
+    jit_s = selectloop.warm() + routeloop.warm()
     streams = Streams(n_sources, SEQ)
     spec = make_spec(gpus, n_sources, sequences, streams)
     T: dict[str, np.ndarray] = {}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from mixplane.layout import StepLayout
+from mixplane.planner import routeloop
 from mixplane.planner.selectloop import match
 from mixplane.protocol import ENCODER_TOKENS, IMG_BASE
 from mixplane.topology import encoder_leaders
@@ -74,32 +75,19 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
     n = len(layout.seg_row)
     if len(piece_source) != n:
         raise ValueError(f"step {layout.step}: {len(piece_source)} pieces for {n} segments")
-    # align pieces with segments
+    # align pieces with segments: the piece of every segment
     if piece_of_seg is not None and len(piece_of_seg) == n:
-        replica = np.asarray(piece_replica, np.int64)[piece_of_seg]
-        pos = np.asarray(piece_pos, np.int64)[piece_of_seg]
-        ret = np.asarray(retired, np.uint8)[piece_of_seg]
+        pidx = np.asarray(piece_of_seg, np.int64)
     else:
         lo = np.lexsort((layout.seg_start, layout.seg_key, layout.seg_source))
         po = np.lexsort((piece_start, piece_key, piece_source))
-        replica = np.empty(n, np.int64)
-        pos = np.empty(n, np.int64)
-        ret = np.empty(n, np.uint8)
-        replica[lo] = piece_replica[po]
-        pos[lo] = piece_pos[po]
-        ret[lo] = np.asarray(retired, np.uint8)[po]
-    src = layout.seg_source.astype(np.int64)
-    # token spans: one instruction per (segment, constructor of its dp rank)
-    seg, dest = dp_fanout.expand(layout.seg_row.astype(np.int64) // layout.rows_per_rank)
-    last = np.ones(len(seg), bool)
-    last[:-1] = seg[1:] != seg[:-1]  # the last copy of a segment carries its retire flag
-    cols = {"src": src[seg], "rep": replica[seg], "pos": pos[seg], "start": layout.seg_start[seg].astype(np.int64),
-            "len": layout.seg_len[seg].astype(np.int64), "dest": dest, "retire": np.where(last, ret[seg], 0).astype(np.uint8),
-            "img": np.zeros(len(seg), np.uint8)}
-    # images: mark the first span's instruction for the encoder's constructor, or add an image-only one
+        pidx = np.empty(n, np.int64)
+        pidx[lo] = po
+    # images: the first span of each (the instruction that carries its pixels, or beside which an image-only one goes)
     if len(layout.img_key) and seg_of_img is not None and len(seg_of_img) == len(layout.img_key):
         fseg = np.asarray(seg_of_img, np.int64)
     elif len(layout.img_key):
+        src = layout.seg_source.astype(np.int64)
         first = layout.seg_start == 0
         fk = np.stack([src[first], layout.seg_key[first].astype(np.int64)])
         f_order = np.lexsort(fk[::-1])
@@ -112,42 +100,17 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
         if np.any(at >= len(key_f)) or np.any(key_f[np.minimum(at, len(key_f) - 1)] != key_i):
             raise ValueError(f"step {layout.step}: an image has no first span in the layout")
         fseg = np.flatnonzero(first)[f_order][at]
-    if len(layout.img_key):
-        img_of, img_dest = rank_fanout.expand(layout.img_rank.astype(np.int64))
-        img_seg = fseg[img_of]
-        # existing (segment, dest) instructions that can carry the pixels
-        code_exist = seg * (1 << 20) + dest
-        code_img = img_seg * (1 << 20) + img_dest
-        if len(code_exist) and bool(np.all(code_exist[1:] > code_exist[:-1])):
-            # segments in order, each one's constructors ascending: a bisect per image, not a set
-            at = np.minimum(np.searchsorted(code_exist, code_img), len(code_exist) - 1)
-            found = code_exist[at] == code_img
-            cols["img"][at[found]] = 1
-            extra = ~found
-        else:
-            hit = np.isin(code_exist, code_img)
-            cols["img"][hit] = 1
-            extra = ~np.isin(code_img, code_exist)
-        if extra.any():
-            e = img_seg[extra]
-            add = {"src": src[e], "rep": replica[e], "pos": pos[e], "start": np.zeros(len(e), np.int64),
-                   "len": np.zeros(len(e), np.int64), "dest": img_dest[extra], "retire": np.zeros(len(e), np.uint8),
-                   "img": np.ones(len(e), np.uint8)}
-            cols = {k: np.concatenate([cols[k], add[k]]) for k in cols}
-    # split by loader replica
-    key = cols["src"] * (1 << 20) + cols["rep"]
-    order = _stable_order(key)
-    cols = {k: v[order] for k, v in cols.items()}
-    key = key[order]
+    else:
+        fseg = np.zeros(0, np.int64)
+    routes = routeloop.route(pidx, layout.seg_row, layout.rows_per_rank, layout.seg_source, layout.seg_start,
+                             layout.seg_len, piece_replica, piece_pos, retired, dp_fanout.offsets, dp_fanout.targets,
+                             fseg, layout.img_rank, rank_fanout.offsets, rank_fanout.targets)
+    pos, start, length, dest, ret, img, g_src, g_rep, g_lo = routes
     out: dict[tuple[int, int], Instructions] = {}
-    if len(order) == 0:
-        return out
-    bounds = np.flatnonzero(np.diff(key)) + 1
-    for lo_i, hi_i in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(key)]])):
-        sl = slice(int(lo_i), int(hi_i))
-        out[(int(cols["src"][lo_i]), int(cols["rep"][lo_i]))] = Instructions(
-            cols["pos"][sl], cols["start"][sl], cols["len"][sl], cols["dest"][sl].astype(np.int32),
-            cols["retire"][sl], cols["img"][sl])
+    bounds = g_lo.tolist()
+    for g, (s, r) in enumerate(zip(g_src.tolist(), g_rep.tolist())):
+        sl = slice(bounds[g], bounds[g + 1])
+        out[(s, r)] = Instructions(pos[sl], start[sl], length[sl], dest[sl], ret[sl], img[sl])
     return out
 
 

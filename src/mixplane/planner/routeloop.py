@@ -1,0 +1,202 @@
+"""Routing and layout loops, compiled (numba): per-piece work of a step done in one pass each.
+
+At 16,384 GPUs x 1,024 sources a step has ~145k pieces and ~48k images; in numpy, routing (the loader
+instructions: fan-out, image flags, the split by loader) and the layout's row order cost a sort or a
+gather per column, ~70 ms a step. Here each is a loop over flat arrays with counting sorts where numpy
+sorted, compiled once (cache=True; `warm` before the planner binds its socket, like selectloop):
+
+* `route`       -- routing.loader_instructions' arrays: every segment to each constructor of its DP rank
+                   (the last copy carries the retire flag), pixels flagged on the instruction of the image's
+                   first span for each constructor of its encoder rank, or an image-only instruction; then
+                   a stable counting sort by (source, replica) -- the order numpy's stable argsort gave;
+* `row_order`   -- dgraph.build_layout's order: by row, then within-row key, then piece index;
+* `image_lists` -- routing.constructor_images: each constructor's images, ascending, without duplicates;
+* `image_offsets` -- each image's offset in the gathered encoder output and every rank's merged tokens.
+
+Same results, bit for bit, as the numpy versions they replace: tests/unit/routing_reference.py keeps
+those, and tests/unit/test_routeloop.py compares both on random inputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mixplane.planner import selectloop  # noqa: F401  (names numba's cache directory before numba loads)
+
+from numba import njit  # noqa: E402
+
+
+# ---- loader instructions ------------------------------------------------------------------------
+
+@njit(cache=True)
+def _route(pidx, seg_row, rpr, seg_source, seg_start, seg_len, p_rep, p_pos, p_ret, dp_off, dp_tgt,
+           fseg, img_rank, rank_off, rank_tgt):
+    n = len(seg_row)
+    max_row = -1
+    for i in range(n):
+        if seg_row[i] > max_row:
+            max_row = np.int64(seg_row[i])
+    dp_of_row = np.empty(max_row + 1, np.int64)
+    for r in range(max_row + 1):
+        dp_of_row[r] = r // rpr
+    first = np.empty(n + 1, np.int64)  # first instruction of every segment
+    first[0] = 0
+    for i in range(n):
+        d = dp_of_row[seg_row[i]]
+        first[i + 1] = first[i] + dp_off[d + 1] - dp_off[d]
+    n_tok = first[n]
+    m = len(fseg)
+    n_img = 0
+    for j in range(m):
+        r = img_rank[j]
+        n_img += rank_off[r + 1] - rank_off[r]
+    # the loader (source, replica) of every segment, as a dense id
+    max_src = 0
+    max_rep = 0
+    for i in range(n):
+        if seg_source[i] > max_src:
+            max_src = np.int64(seg_source[i])
+        rp = p_rep[pidx[i]]
+        if rp > max_rep:
+            max_rep = rp
+    width = max_rep + 1
+    n_keys = (max_src + 1) * width
+    s_wid = np.empty(n, np.int64)
+    for i in range(n):
+        s_wid[i] = np.int64(seg_source[i]) * width + p_rep[pidx[i]]
+    cap = n_tok + n_img
+    i_seg = np.empty(cap, np.int64)
+    i_dest = np.empty(cap, np.int32)
+    i_img = np.zeros(cap, np.uint8)
+    i_ret = np.zeros(cap, np.uint8)
+    for i in range(n):
+        d = dp_of_row[seg_row[i]]
+        k = first[i]
+        for q in range(dp_off[d], dp_off[d + 1]):
+            i_seg[k] = i
+            i_dest[k] = dp_tgt[q]
+            k += 1
+        if k > first[i]:
+            i_ret[k - 1] = p_ret[pidx[i]]  # the last copy of a segment retires its sample
+    # pixels: on the image's first span for that constructor, else an image-only instruction
+    k = n_tok
+    for j in range(m):
+        s = fseg[j]
+        r = img_rank[j]
+        for q in range(rank_off[r], rank_off[r + 1]):
+            t = rank_tgt[q]
+            found = False
+            for u in range(first[s], first[s + 1]):
+                if i_dest[u] == t:
+                    i_img[u] = 1
+                    found = True
+            if not found:
+                i_seg[k] = s
+                i_dest[k] = t
+                i_img[k] = 1
+                k += 1
+    tot = k
+    # stable counting sort by loader: the output slot of every instruction
+    slot = np.empty(tot, np.int64)
+    if n_keys <= 4 * tot + (1 << 20):
+        count = np.zeros(n_keys + 1, np.int64)
+        for u in range(tot):
+            count[s_wid[i_seg[u]] + 1] += 1
+        for w in range(n_keys):
+            count[w + 1] += count[w]
+        n_groups = 0
+        for w in range(n_keys):
+            if count[w + 1] > count[w]:
+                n_groups += 1
+        g_src = np.empty(n_groups, np.int64)
+        g_rep = np.empty(n_groups, np.int64)
+        g_lo = np.empty(n_groups + 1, np.int64)
+        g = 0
+        for w in range(n_keys):
+            if count[w + 1] > count[w]:
+                g_src[g] = w // width
+                g_rep[g] = w % width
+                g_lo[g] = count[w]
+                g += 1
+        g_lo[n_groups] = tot
+        for u in range(tot):
+            w = s_wid[i_seg[u]]
+            slot[u] = count[w]
+            count[w] += 1
+    else:  # sparse replica numbers: a stable sort instead of counting
+        wid = np.empty(tot, np.int64)
+        for u in range(tot):
+            wid[u] = s_wid[i_seg[u]]
+        order = np.argsort(wid, kind="mergesort")
+        n_groups = 0
+        for v in range(tot):
+            if v == 0 or wid[order[v]] != wid[order[v - 1]]:
+                n_groups += 1
+        g_src = np.empty(n_groups, np.int64)
+        g_rep = np.empty(n_groups, np.int64)
+        g_lo = np.empty(n_groups + 1, np.int64)
+        g = 0
+        for v in range(tot):
+            slot[order[v]] = v
+            if v == 0 or wid[order[v]] != wid[order[v - 1]]:
+                w = wid[order[v]]
+                g_src[g] = w // width
+                g_rep[g] = w % width
+                g_lo[g] = v
+                g += 1
+        g_lo[n_groups] = tot
+    o_pos = np.empty(tot, np.int64)
+    o_start = np.empty(tot, np.int64)
+    o_len = np.empty(tot, np.int64)
+    o_dest = np.empty(tot, np.int32)
+    o_ret = np.empty(tot, np.uint8)
+    o_img = np.empty(tot, np.uint8)
+    for u in range(tot):
+        v = slot[u]
+        s = i_seg[u]
+        o_pos[v] = p_pos[pidx[s]]
+        o_dest[v] = i_dest[u]
+        o_img[v] = i_img[u]
+        o_ret[v] = i_ret[u]
+        if u < n_tok:
+            o_start[v] = seg_start[s]
+            o_len[v] = seg_len[s]
+        else:  # image only
+            o_start[v] = 0
+            o_len[v] = 0
+    return o_pos, o_start, o_len, o_dest, o_ret, o_img, g_src, g_rep, g_lo
+
+
+def route(pidx: np.ndarray, seg_row: np.ndarray, rows_per_rank: int, seg_source: np.ndarray, seg_start: np.ndarray,
+          seg_len: np.ndarray, p_rep: np.ndarray, p_pos: np.ndarray, p_ret: np.ndarray, dp_off: np.ndarray,
+          dp_tgt: np.ndarray, fseg: np.ndarray, img_rank: np.ndarray, rank_off: np.ndarray,
+          rank_tgt: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(pos, start, len, dest, retire, img) of every instruction, grouped by loader, and the groups'
+    (source, replica, bounds [n_groups + 1]). `pidx`: the piece of every segment; `fseg`: the first
+    segment of every image (empty without images)."""
+    i64 = np.int64
+    return _route(np.ascontiguousarray(pidx, i64), np.ascontiguousarray(seg_row), int(rows_per_rank),
+                  np.ascontiguousarray(seg_source), np.ascontiguousarray(seg_start), np.ascontiguousarray(seg_len),
+                  np.ascontiguousarray(p_rep, i64), np.ascontiguousarray(p_pos, i64), np.ascontiguousarray(p_ret, np.uint8),
+                  np.ascontiguousarray(dp_off, i64), np.ascontiguousarray(dp_tgt, np.int32), np.ascontiguousarray(fseg, i64),
+                  np.ascontiguousarray(img_rank, i64), np.ascontiguousarray(rank_off, i64),
+                  np.ascontiguousarray(rank_tgt, np.int32))
+
+
+_warm_s: float | None = None
+
+
+def warm() -> float:
+    """Compile (or load from numba's cache) every loop here now, not in the first step; the seconds it took."""
+    global _warm_s
+    if _warm_s is not None:
+        return _warm_s
+    t0 = time.perf_counter()
+    z = np.zeros(1, np.int64)
+    off = np.array([0, 1], np.int64)
+    route(z, np.zeros(1, np.int32), 1, np.zeros(1, np.int16), np.zeros(1, np.int32), np.ones(1, np.int32), z, z,
+          np.zeros(1, np.uint8), off, np.zeros(1, np.int32), z, z, off, np.zeros(1, np.int32))
+    _warm_s = time.perf_counter() - t0
+    return _warm_s

@@ -1,0 +1,92 @@
+"""The compiled routing and layout loops (planner/routeloop.py) give exactly what the numpy versions gave
+(tests/unit/routing_reference.py): same instructions, same order, same dtypes -- on random layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixplane.layout import StepLayout
+from mixplane.planner.routing import Fanout, loader_instructions
+
+from tests.unit.routing_reference import old_loader_instructions
+
+
+def random_step(seed: int, *, dup_fanout: bool = False):
+    """A layout and its pieces (shuffled), as a strategy would leave them: split samples, image samples whose
+    first span carries the image, several loader replicas, fan-outs with empty and shared entries."""
+    rng = np.random.default_rng(seed)
+    dp, rpr = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    rows = dp * rpr
+    n_samples = int(rng.integers(0, 40))
+    segs = []  # (row, source, key, start, len, patches)
+    for k in range(n_samples):
+        src = int(rng.integers(0, 4))
+        parts = int(rng.integers(1, 4)) if rng.random() < 0.3 else 1
+        patches = int(rng.integers(1, 50)) if rng.random() < 0.4 else 0
+        for j in range(parts):
+            segs.append((int(rng.integers(0, rows)), src, 1000 + k, 7 * j, int(rng.integers(1, 8)), patches if j == 0 else 0))
+    segs.sort(key=lambda x: x[0])  # stable: listed by row
+    arr = np.array(segs, np.int64).reshape(-1, 6)
+    world = dp * int(rng.integers(1, 4))
+    img = arr[arr[:, 5] > 0]
+    img_rank = rng.integers(0, world, len(img))
+    lay = StepLayout(step=int(rng.integers(0, 100)), seq_len=64, dp=dp, microbatches=rpr, rows_per_microbatch=1,
+                     seg_row=arr[:, 0], seg_source=arr[:, 1], seg_key=arr[:, 2], seg_start=arr[:, 3], seg_len=arr[:, 4],
+                     img_source=img[:, 1], img_key=img[:, 2], img_rank=img_rank, img_patches=img[:, 5])
+    n = len(arr)
+    perm = rng.permutation(n)  # piece i is segment perm[i]
+    pieces = {"source": arr[perm, 1], "key": arr[perm, 2], "start": arr[perm, 3],
+              "replica": rng.integers(0, 3, n), "pos": rng.permutation(10 * n + 1)[:n].astype(np.int64),
+              "retired": rng.integers(0, 2, n).astype(np.uint8)}
+    piece_of_seg = np.empty(n, np.int64)
+    piece_of_seg[perm] = np.arange(n)
+    seg_of_img = np.flatnonzero(arr[:, 5] > 0)
+    n_cons = int(rng.integers(1, 6))
+
+    def lists(m: int) -> list[list[int]]:
+        out = []
+        for _ in range(m):
+            x = sorted(rng.choice(n_cons, int(rng.integers(0, min(3, n_cons) + 1)), replace=False).tolist())
+            if dup_fanout and x and rng.random() < 0.3:
+                x = sorted(x + [x[0]])
+            out.append(x)
+        return out
+    return lay, pieces, piece_of_seg, seg_of_img, Fanout.from_lists(lists(dp)), Fanout.from_lists(lists(world))
+
+
+def same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        for name, x in a[k].arrays().items():
+            y = b[k].arrays()[name]
+            assert x.dtype == y.dtype and np.array_equal(x, y), (k, name)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans(), st.booleans(), st.booleans())
+def test_loader_instructions_equal_the_numpy_version(seed, aligned, img_given, dup):
+    lay, p, pos_, soi, dp_fan, rank_fan = random_step(seed, dup_fanout=dup)
+    args = (lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"], dp_fan, rank_fan)
+    kw = {"piece_of_seg": pos_ if aligned else None, "seg_of_img": soi if img_given else None}
+    same(loader_instructions(*args, **kw), old_loader_instructions(*args, **kw))
+
+
+def test_the_comparison_sees_a_wrong_flag():
+    """The equivalence check is not vacuous: one changed retire flag or destination is caught."""
+    for seed in range(50):
+        lay, p, pos_, soi, dp_fan, rank_fan = random_step(seed)
+        got = loader_instructions(lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"],
+                                  dp_fan, rank_fan, pos_, soi)
+        if got:
+            break
+    want = old_loader_instructions(lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"],
+                                   dp_fan, rank_fan, pos_, soi)
+    k = next(iter(got))
+    got[k].dest[0] += 1
+    try:
+        same(got, want)
+    except AssertionError:
+        return
+    raise AssertionError("a changed destination went unnoticed")
