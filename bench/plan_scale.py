@@ -244,7 +244,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         lay = plan.layout
         cursor_after = planner.cursor()
         p = plan.pieces
-        retired = planner.retired(p)
+        retired = plan.retired if plan.retired is not None else planner.retired(p)
         seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
                                          plan.piece_of_seg, seg_of_img)

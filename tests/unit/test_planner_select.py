@@ -114,7 +114,8 @@ def test_retired_flags_match_a_per_window_check():
     seen_skip = seen_kept = False
     for _ in range(8):
         fill(planner)
-        p = planner.plan().pieces
+        plan = planner.plan()
+        p = plan.pieces
         want = np.zeros(len(p), np.uint8)
         for w in planner.windows:
             mine = (p.source == w.source) & (p.replica == w.replica)
@@ -123,6 +124,7 @@ def test_retired_flags_match_a_per_window_check():
             seen_skip |= bool(w.skip)
         seen_kept |= bool((want == 0).any())
         assert np.array_equal(planner.retired(p), want)
+        assert plan.retired is not None and np.array_equal(plan.retired, want)  # found while compacting
     assert seen_skip and seen_kept  # both kinds of consumed positions and unfinished samples occurred
 
 

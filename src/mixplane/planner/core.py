@@ -28,7 +28,11 @@ class WindowError(ValueError):
 
 
 class ReplicaWindow:
-    """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order."""
+    """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order.
+
+    Inside a StepPlanner the arrays are views of the planner's columnar store of every window
+    (`WindowStore`): a step gathers, compacts and writes consumption back once for all windows, and
+    `add` (one LOADER_META) detaches only its own window until the next step gathers it again."""
 
     def __init__(self, source: int, replica: int, min_samples: int, min_tokens: int = 0, max_samples: int | None = None):
         self.source = source
@@ -44,56 +48,70 @@ class ReplicaWindow:
         self.low = 0  # every position below is fully consumed
         self.next_pos = 0  # first position not yet received
         self.skip: set[int] = set()  # consumed positions in [low, next) (restored from a cursor)
+        self.skip_hi = -1  # no skip entry above this restored one: later adds need no membership test
         self.restored_done: dict[int, int] = {}
         self.dry = False
         self.listing: list[list[str]] | None = None  # live source: the file segments its positions count over
+        self.unconsumed = 0  # tokens left, as of the last add / compact / restore (the planner's writes between
+        #                     select and compact are not counted until compact recounts)
+        self.stored: Any = None  # the WindowStore whose views the arrays are (None: this window holds its own)
 
     def __len__(self) -> int:
         return len(self.pos)
 
     @property
     def unconsumed_tokens(self) -> int:
-        return int((self.tokens - self.done).sum())
+        return self.unconsumed
 
     @property
     def ready(self) -> bool:
         """Full: the loader has announced the shortest stream prefix meeting both minimums (or the cap)."""
-        return window_full(len(self.pos), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.capacity) or self.dry
+        return window_full(len(self.pos), self.unconsumed, self.min_samples, self.min_tokens, self.capacity) or self.dry
 
     def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
         pos = np.asarray(pos, np.int64)
-        if len(pos) == 0:
+        n = len(pos)
+        if n == 0:
             return
-        if not (len(key) == len(tokens) == len(patches) == len(pos)):
+        if not (len(key) == len(tokens) == len(patches) == n):
             raise WindowError(f"source {self.source} replica {self.replica}: metadata arrays differ in length")
-        if pos[0] < self.next_pos or np.any(np.diff(pos) <= 0):
-            raise WindowError(f"source {self.source} replica {self.replica}: positions out of order (got {int(pos[0])}, expected >= {self.next_pos})")
-        if np.any(np.asarray(tokens) <= 0):
+        p0 = int(pos[0])
+        if p0 < self.next_pos or (n > 1 and bool((pos[1:] <= pos[:-1]).any())):
+            raise WindowError(f"source {self.source} replica {self.replica}: positions out of order (got {p0}, expected >= {self.next_pos})")
+        toks = np.asarray(tokens, np.int64)
+        if int(toks.min()) <= 0:
             raise WindowError(f"source {self.source} replica {self.replica}: a sample has no tokens")
-        if self.skip:
+        # consumed positions at or above next_pos can only come from a restored cursor (compaction skips
+        # positions already received), so only those need a membership test
+        if self.skip and self.skip_hi >= p0:
             bad = [int(p) for p in pos if int(p) in self.skip]
             if bad:
                 raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
-        if len(self.pos) + len(pos) > self.capacity:
-            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + len(pos)} > {self.capacity})")
+        if len(self.pos) + n > self.capacity:
+            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + n} > {self.capacity})")
         if self.restored_done:  # partial progress restored from a cursor (only right after a resume)
             done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+            left = toks - done
+            before_last = self.unconsumed + int(left[:-1].sum())
+            last = int(left[-1])
         else:
-            done = np.zeros(len(pos), np.int64)
-        toks = np.asarray(tokens, np.int64)
-        before_last = self.unconsumed_tokens + int((toks[:-1] - done[:-1]).sum())
-        if window_full(len(self.pos) + len(pos) - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
-            raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {int(pos[0])})")
+            done = np.zeros(n, np.int64)
+            before_last = self.unconsumed + int(toks[:-1].sum())
+            last = int(toks[-1])
+        if window_full(len(self.pos) + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
+            raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {p0})")
         if self.restored_done:
             for p in pos:
                 self.restored_done.pop(int(p), None)
         self.pos = np.concatenate([self.pos, pos])
         self.key = np.concatenate([self.key, np.asarray(key, np.int64)])
-        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
+        self.tokens = np.concatenate([self.tokens, toks])
         self.patches = np.concatenate([self.patches, np.asarray(patches, np.int64)])
         self.done = np.concatenate([self.done, done])
+        self.unconsumed = before_last + last
         self.next_pos = int(pos[-1]) + 1
         self.dry = False
+        self.stored = None
 
     def compact(self) -> np.ndarray:
         """Drop fully consumed samples; returns their positions."""
@@ -103,22 +121,32 @@ class ReplicaWindow:
             keep = ~full
             for name in ("pos", "key", "tokens", "patches", "done"):
                 setattr(self, name, getattr(self, name)[keep])
-        new_low = int(self.pos[0]) if len(self.pos) else self.next_pos
+            self.stored = None
+        self.unconsumed = int((self.tokens - self.done).sum())
+        self._advance(int(self.pos[0]) if len(self.pos) else self.next_pos, gone)
+        return gone
+
+    def _advance(self, new_low: int, gone: Any) -> None:
+        """Move the low mark to `new_low` and record the consumed positions `gone` above it as skipped."""
         if new_low != self.low:
-            self.skip = {p for p in self.skip if p >= new_low}
+            if self.skip:
+                self.skip = {p for p in self.skip if p >= new_low}
             self.low = new_low
         if len(gone):
-            self.skip.update(gone[gone >= self.low].tolist())
-        return gone
+            self.skip.update(p for p in gone.tolist() if p >= new_low)
 
     def cursor(self) -> dict[str, Any]:
         """Consumption state: enough for a loader to re-emit exactly the unconsumed samples."""
-        skip = sorted(self.skip)
-        # partial progress restored from a cursor but not yet re-announced by the loader counts too
-        partial = {str(p): d for p, d in sorted(self.restored_done.items())}
         nz = np.flatnonzero(self.done > 0)
-        partial.update(zip(map(str, self.pos[nz].tolist()), self.done[nz].tolist()))
-        out: dict[str, Any] = {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}  # protocol.WindowCursor.to_json
+        return self._cursor(self.pos[nz].tolist(), self.done[nz].tolist())
+
+    def _cursor(self, partial_pos: list[int], partial_done: list[int]) -> dict[str, Any]:
+        """The cursor, given the positions with partial progress and that progress (in stream order)."""
+        # partial progress restored from a cursor but not yet re-announced by the loader counts too
+        partial = {str(p): d for p, d in sorted(self.restored_done.items())} if self.restored_done else {}
+        if partial_pos:
+            partial.update(zip(map(str, partial_pos), partial_done))
+        out: dict[str, Any] = {"low": self.low, "next": self.next_pos, "skip": sorted(self.skip), "partial": partial}  # protocol.WindowCursor.to_json
         if self.listing is not None:
             out["listing"] = [list(seg) for seg in self.listing]
         return out
@@ -136,7 +164,105 @@ class ReplicaWindow:
         self.listing = None if listing is None else [list(seg) for seg in listing]
         self.low = self.next_pos = low
         self.skip = skip
+        self.skip_hi = max(skip, default=-1)
         self.restored_done = done
+
+
+FIELDS = ("pos", "key", "tokens", "patches", "done")
+
+
+class WindowStore:
+    """Every window's samples in one set of columns (window by window, each in stream order), so that a
+    step gathers, writes consumption back, compacts and takes cursors with a few vectorised passes
+    instead of a Python call per window. The windows' arrays are views of these columns; a window
+    that took new samples since (`add`: one LOADER_META) is no longer `stored` and the next `sync`
+    gathers all of them again (one concatenation per column)."""
+
+    def __init__(self, windows: list[ReplicaWindow]):
+        self.windows = windows
+        w = len(windows)
+        self.source = np.array([x.source for x in windows], np.int64)
+        self.replica = np.array([x.replica for x in windows], np.int64)
+        self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1])
+        self.cols: dict[str, np.ndarray] = {f: np.zeros(0, np.int64) for f in FIELDS}
+        self.win = np.zeros(0, np.int64)  # window of every sample
+        self.fresh = False
+
+    def sync(self) -> None:
+        """Gather the windows into the columns unless every window is still a view of them."""
+        ws = self.windows
+        if self.fresh and all(w.stored is self for w in ws):
+            return
+        lens = np.fromiter((len(w.pos) for w in ws), np.int64, len(ws))
+        np.cumsum(lens, out=self.base[1:])
+        for f in FIELDS:
+            self.cols[f] = np.concatenate([getattr(w, f) for w in ws]) if ws else np.zeros(0, np.int64)
+        self.win = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
+        self._view()
+
+    def _view(self) -> None:
+        """Point every window's arrays at its slice of the columns."""
+        b = self.base.tolist()
+        cols = [self.cols[f] for f in FIELDS]
+        for i, w in enumerate(self.windows):
+            lo, hi = b[i], b[i + 1]
+            w.pos, w.key, w.tokens, w.patches, w.done = (c[lo:hi] for c in cols)
+            w.stored = self
+        self.fresh = True
+
+    def compact(self) -> np.ndarray:
+        """ReplicaWindow.compact for every window at once; returns the `full` mask over the columns as they
+        were (the samples that left their windows: the pieces that retire them)."""
+        ws = self.windows
+        pos, done, tokens = self.cols["pos"], self.cols["done"], self.cols["tokens"]
+        full = done >= tokens
+        if full.any():
+            keep = ~full
+            gone_pos, gone_win = pos[full], self.win[full]
+            for f in FIELDS:
+                self.cols[f] = self.cols[f][keep]
+            self.win = self.win[keep]
+            lens = np.diff(self.base) - np.bincount(gone_win, minlength=len(ws))
+            np.cumsum(lens, out=self.base[1:])
+        else:
+            gone_pos = gone_win = np.zeros(0, np.int64)
+            lens = np.diff(self.base)
+        pos = self.cols["pos"]
+        first = np.minimum(self.base[:-1], max(len(pos) - 1, 0))
+        nxt = np.fromiter((w.next_pos for w in ws), np.int64, len(ws))
+        new_low = np.where(lens > 0, pos[first] if len(pos) else nxt, nxt)
+        rem = self.cols["tokens"] - self.cols["done"]
+        csum = np.zeros(len(rem) + 1, np.int64)
+        np.cumsum(rem, out=csum[1:])
+        unc = (csum[self.base[1:]] - csum[self.base[:-1]]).tolist()
+        # consumed positions above the new low mark (taken out of order) become skips; few per window
+        ahead = gone_pos >= new_low[gone_win]
+        above: dict[int, list[int]] = {}
+        for wi, p in zip(gone_win[ahead].tolist(), gone_pos[ahead].tolist()):
+            above.setdefault(wi, []).append(p)
+        empty = np.zeros(0, np.int64)
+        for i, (w, low, left) in enumerate(zip(ws, new_low.tolist(), unc)):
+            got = above.get(i)
+            w._advance(low, empty if got is None else np.array(got, np.int64))
+            w.unconsumed = left
+        self._view()
+        return full
+
+    def cursors(self) -> list[dict[str, Any]]:
+        """StepPlanner.cursor's window entries: ReplicaWindow.cursor of every window, the samples with
+        partial progress found in one pass over the columns."""
+        done = self.cols["done"]
+        nz = np.flatnonzero(done > 0)
+        part: dict[int, tuple[list[int], list[int]]] = {}
+        for wi, p, d in zip(self.win[nz].tolist(), self.cols["pos"][nz].tolist(), done[nz].tolist()):
+            got = part.get(wi)
+            if got is None:
+                got = part[wi] = ([], [])
+            got[0].append(p)
+            got[1].append(d)
+        none: tuple[list[int], list[int]] = ([], [])
+        return [{"source": w.source, "replica": w.replica, **w._cursor(*part.get(i, none))}
+                for i, w in enumerate(self.windows)]
 
 
 @dataclass
@@ -281,6 +407,7 @@ class StepPlan:
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (only coordinate 0 fetches)
     stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
     piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
+    retired: np.ndarray | None = None  # uint8 per piece: StepPlanner.retired(pieces), found while compacting
 
 
 class StepPlanner:
@@ -299,6 +426,8 @@ class StepPlanner:
             for r in range(s.replicas):
                 self.windows.append(ReplicaWindow(si, r, lo, tokens, hi))
         self._by_id = {(w.source, w.replica): w for w in self.windows}
+        self.store = WindowStore(self.windows)
+        self._taken: tuple[Pieces, np.ndarray] | None = None  # the last select's pieces and their store indices
         self.next_step = 0
         self.tree = ClientPlaceTree.from_spec(spec)
         self.dp = self.tree.backbone.dp
@@ -383,8 +512,12 @@ class StepPlanner:
             "step": self.next_step,
             "sampler": self.sampler.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "windows": [{"source": w.source, "replica": w.replica, **w.cursor()} for w in self.windows],
+            "windows": self._window_cursors(),
         }
+
+    def _window_cursors(self) -> list[dict[str, Any]]:
+        self.store.sync()
+        return self.store.cursors()
 
     def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
         """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
@@ -429,13 +562,17 @@ class StepPlanner:
         return kept
 
     # -- planning -----------------------------------------------------------------------
-    def _snapshot(self) -> tuple[dict[str, Any], list[np.ndarray]]:
-        return self.sampler.state_dict(), [w.done.copy() for w in self.windows]
+    def _snapshot(self) -> tuple[dict[str, Any], np.ndarray]:
+        self.store.sync()
+        return self.sampler.state_dict(), self.store.cols["done"].copy()
 
-    def _rollback(self, snap: tuple[dict[str, Any], list[np.ndarray]]) -> None:
+    def _rollback(self, snap: tuple[dict[str, Any], np.ndarray]) -> None:
         self.sampler.load_state_dict(snap[0])
-        for w, d in zip(self.windows, snap[1]):
-            w.done = d.copy()
+        self.store.sync()
+        done = self.store.cols["done"]
+        if len(done) != len(snap[1]):
+            raise RuntimeError("the windows took new samples since the snapshot; it cannot be restored")
+        done[:] = snap[1]  # in place: the windows' arrays are views of it
 
     def candidates(self, exclude: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every window sample as (window index, entry index) grouped by source, each source's in
@@ -481,25 +618,24 @@ class StepPlanner:
         S = spec.batch.seq_len
         R = spec.rows_per_step
         self.sampler.enter(point)
-        windows = self.windows
-        cwi, cei, off = self.candidates(exclude)
-        nz = [w for w in windows if len(w)]
-        base = np.zeros(len(windows) + 1, np.int64)
-        np.cumsum([len(w) for w in windows], out=base[1:])
-        flat = base[cwi] + cei  # index into the concatenation of all windows
-        if nz:
-            all_tok = np.concatenate([w.tokens for w in nz])
-            all_done = np.concatenate([w.done for w in nz])
-            c_tok = all_tok[flat]
-            c_done = all_done[flat]
-            rem_max = int((all_tok - all_done).max())
+        st = self.store
+        st.sync()
+        cols = st.cols
+        all_tok, all_done = cols["tokens"], cols["done"]
+        flat: np.ndarray | None = None
+        if not self._replicated and not exclude:
+            # one window per source, listed by source, each in stream order: the columns are the candidates,
+            # and the loop writes the consumption straight into them (the windows' views)
+            c_tok, c_done, off = all_tok, all_done, st.base
         else:
-            c_tok = c_done = np.zeros(0, np.int64)
+            cwi, cei, off = self.candidates(exclude)
+            flat = st.base[cwi] + cei  # index into the columns
+            c_tok, c_done = all_tok[flat], all_done[flat]
         # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
         if self.unit_samples:
             L = 1.0
         else:
-            L = max(self.sampler.unit_max, float(min(S, rem_max)) if nz else 1.0)
+            L = max(self.sampler.unit_max, float(min(S, int((all_tok - all_done).max()))) if len(all_tok) else 1.0)
             self.sampler.unit_max = L
         delta = slack(int((np.asarray(point.probs) > 0).sum())) * L  # as EDFQueue / DeficitSampler.pick
         realized = self.sampler.realized.astype(np.float64, copy=True)
@@ -507,24 +643,17 @@ class StepPlanner:
             c_tok, c_done, off, point.probs, realized, L, delta, delta + 1e-9 * L, unit_samples=self.unit_samples,
             truncate=spec.batch.overlong == "truncate", seq_len=S, rows=R, policy=spec.batch.packing)
         self.sampler.realized[:] = realized
-        cand = o_cand
-        start_a = o_start
-        at = flat[cand]
-        if len(cand):
-            # write the consumption back into the windows (a piece's last write is its sample's final state)
-            all_done[at] = c_done[cand]
-            for w, lo, hi in zip(windows, base[:-1].tolist(), base[1:].tolist()):
-                if hi > lo:
-                    w.done = all_done[lo:hi]
-            key = np.concatenate([w.key for w in nz])[at]
-            patches = np.concatenate([w.patches for w in nz])[at]
-            pos = np.concatenate([w.pos for w in nz])[at]
-            rep = np.repeat(np.array([w.replica for w in windows], np.int64), np.diff(base))[at]
+        if flat is None:
+            at = o_cand
         else:
-            key = patches = pos = rep = np.zeros(0, np.int64)
-        src = (np.searchsorted(off, cand, side="right") - 1).astype(np.int16)
-        patches = np.where(start_a == 0, patches, 0).astype(np.int64)
-        return Pieces(o_bin, src, key, start_a, o_len, patches, rep, pos)
+            at = flat[o_cand]
+            all_done[at] = c_done[o_cand]  # a piece's last write is its sample's final state
+        w_at = st.win[at]
+        src = st.source[w_at].astype(np.int16)
+        patches = np.where(o_start == 0, cols["patches"][at], 0).astype(np.int64)
+        pieces = Pieces(o_bin, src, cols["key"][at], o_start, o_len, patches, st.replica[w_at], cols["pos"][at])
+        self._taken = (pieces, at)
+        return pieces
 
     def _point_for(self, schedule: Any, step: int, default: MixturePoint) -> MixturePoint:
         if schedule is None:
@@ -575,10 +704,12 @@ class StepPlanner:
         except BaseException:
             self._rollback(snap)
             raise
-        for w in self.windows:
-            w.compact()
+        taken, self._taken = self._taken, None
+        full = self.store.compact()
+        # a piece retires its sample iff the sample left its window now (select's own pieces: no search)
+        retired = full[taken[1]].astype(np.uint8) if taken is not None and taken[0] is pieces else self.retired(pieces)
         self.next_step += 1
         tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
         first = pieces.start == 0
         smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
-        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg)
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg, retired)

@@ -514,7 +514,7 @@ class PlannerServer(Component, PartitionHosting):
         cursor_after = self.core.cursor()
         # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
-        retired = self.core.retired(p)
+        retired = plan.retired if plan.retired is not None else self.core.retired(p)
         seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
                                          self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)

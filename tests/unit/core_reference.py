@@ -1,0 +1,578 @@
+"""The planner core as it was before the columnar window store, kept verbatim below this docstring as the
+reference tests/unit/test_planner_windows.py compares the planner with (windows, cursors, compaction, retire
+flags and whole plans on random specs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from mixplane.planner import selectloop
+from mixplane.layout import StepLayout
+from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
+from mixplane.protocol import WindowCursor, window_full
+from mixplane.spec import DataMixtureSpec
+from mixplane.topology import ClientPlaceTree
+
+
+class WindowError(ValueError):
+    """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
+
+
+class ReplicaWindow:
+    """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order."""
+
+    def __init__(self, source: int, replica: int, min_samples: int, min_tokens: int = 0, max_samples: int | None = None):
+        self.source = source
+        self.replica = replica
+        self.min_samples = min_samples
+        self.min_tokens = min_tokens
+        self.capacity = max_samples if max_samples is not None else min_samples
+        self.pos = np.zeros(0, np.int64)
+        self.key = np.zeros(0, np.int64)
+        self.tokens = np.zeros(0, np.int64)
+        self.patches = np.zeros(0, np.int64)
+        self.done = np.zeros(0, np.int64)  # tokens already delivered of each sample
+        self.low = 0  # every position below is fully consumed
+        self.next_pos = 0  # first position not yet received
+        self.skip: set[int] = set()  # consumed positions in [low, next) (restored from a cursor)
+        self.restored_done: dict[int, int] = {}
+        self.dry = False
+        self.listing: list[list[str]] | None = None  # live source: the file segments its positions count over
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    @property
+    def unconsumed_tokens(self) -> int:
+        return int((self.tokens - self.done).sum())
+
+    @property
+    def ready(self) -> bool:
+        """Full: the loader has announced the shortest stream prefix meeting both minimums (or the cap)."""
+        return window_full(len(self.pos), self.unconsumed_tokens, self.min_samples, self.min_tokens, self.capacity) or self.dry
+
+    def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
+        pos = np.asarray(pos, np.int64)
+        if len(pos) == 0:
+            return
+        if not (len(key) == len(tokens) == len(patches) == len(pos)):
+            raise WindowError(f"source {self.source} replica {self.replica}: metadata arrays differ in length")
+        if pos[0] < self.next_pos or np.any(np.diff(pos) <= 0):
+            raise WindowError(f"source {self.source} replica {self.replica}: positions out of order (got {int(pos[0])}, expected >= {self.next_pos})")
+        if np.any(np.asarray(tokens) <= 0):
+            raise WindowError(f"source {self.source} replica {self.replica}: a sample has no tokens")
+        if self.skip:
+            bad = [int(p) for p in pos if int(p) in self.skip]
+            if bad:
+                raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
+        if len(self.pos) + len(pos) > self.capacity:
+            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + len(pos)} > {self.capacity})")
+        if self.restored_done:  # partial progress restored from a cursor (only right after a resume)
+            done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+        else:
+            done = np.zeros(len(pos), np.int64)
+        toks = np.asarray(tokens, np.int64)
+        before_last = self.unconsumed_tokens + int((toks[:-1] - done[:-1]).sum())
+        if window_full(len(self.pos) + len(pos) - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
+            raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {int(pos[0])})")
+        if self.restored_done:
+            for p in pos:
+                self.restored_done.pop(int(p), None)
+        self.pos = np.concatenate([self.pos, pos])
+        self.key = np.concatenate([self.key, np.asarray(key, np.int64)])
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
+        self.patches = np.concatenate([self.patches, np.asarray(patches, np.int64)])
+        self.done = np.concatenate([self.done, done])
+        self.next_pos = int(pos[-1]) + 1
+        self.dry = False
+
+    def compact(self) -> np.ndarray:
+        """Drop fully consumed samples; returns their positions."""
+        full = self.done >= self.tokens
+        gone = self.pos[full]
+        if len(gone):
+            keep = ~full
+            for name in ("pos", "key", "tokens", "patches", "done"):
+                setattr(self, name, getattr(self, name)[keep])
+        new_low = int(self.pos[0]) if len(self.pos) else self.next_pos
+        if new_low != self.low:
+            self.skip = {p for p in self.skip if p >= new_low}
+            self.low = new_low
+        if len(gone):
+            self.skip.update(gone[gone >= self.low].tolist())
+        return gone
+
+    def cursor(self) -> dict[str, Any]:
+        """Consumption state: enough for a loader to re-emit exactly the unconsumed samples."""
+        skip = sorted(self.skip)
+        # partial progress restored from a cursor but not yet re-announced by the loader counts too
+        partial = {str(p): d for p, d in sorted(self.restored_done.items())}
+        nz = np.flatnonzero(self.done > 0)
+        partial.update(zip(map(str, self.pos[nz].tolist()), self.done[nz].tolist()))
+        out: dict[str, Any] = {"low": self.low, "next": self.next_pos, "skip": skip, "partial": partial}  # protocol.WindowCursor.to_json
+        if self.listing is not None:
+            out["listing"] = [list(seg) for seg in self.listing]
+        return out
+
+    @staticmethod
+    def parse_cursor(cur: Any) -> tuple[int, set[int], dict[int, int]]:
+        """(low, skip, partial) of a window cursor (protocol.WindowCursor.parse); ValueError naming what is wrong."""
+        c = WindowCursor.parse(cur)
+        return c.low, set(c.skip), dict(c.partial)
+
+    def restore(self, cur: dict[str, Any]) -> None:
+        low, skip, done = self.parse_cursor(cur)
+        listing = WindowCursor.parse(cur).listing
+        self.__init__(self.source, self.replica, self.min_samples, self.min_tokens, self.capacity)  # type: ignore[misc]
+        self.listing = None if listing is None else [list(seg) for seg in listing]
+        self.low = self.next_pos = low
+        self.skip = skip
+        self.restored_done = done
+
+
+@dataclass
+class Pieces:
+    """Token spans chosen for one step, with the packed row (bin) each landed in."""
+
+    bin: np.ndarray
+    source: np.ndarray
+    key: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    patches: np.ndarray  # encoder patches carried by the piece (first piece of an image sample)
+    replica: np.ndarray
+    pos: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.bin)
+
+    def take(self, idx: np.ndarray) -> "Pieces":
+        return Pieces(*(getattr(self, f)[idx] for f in ("bin", "source", "key", "start", "length", "patches", "replica", "pos")))
+
+
+class PlanContext:
+    """Everything a strategy may look at for one step (metadata only).
+
+    Mixing is lazy: `pieces` (or `mix()`) runs the planner's deterministic stratified selection the
+    first time it is needed, so a strategy's `DGraph.mix(schedule)` decides *how* the step is mixed.
+    Calling `mix` again rolls the selection back and re-mixes (e.g. with some candidates excluded).
+    """
+
+    def __init__(self, spec: DataMixtureSpec, step: int, point: MixturePoint, pieces: Pieces | None = None,
+                 rows: int = 0, seq_len: int = 0, dp: int = 1, microbatches: int = 1, rows_per_microbatch: int = 1,
+                 options: dict[str, Any] | None = None, *, tree: ClientPlaceTree | None = None,
+                 mixer: Callable[[Any, Any], tuple[Pieces, MixturePoint]] | None = None,
+                 buffer: Callable[[], dict[str, Any]] | None = None):
+        self.spec = spec
+        self.step = step
+        self.point = point
+        self._pieces = pieces
+        self.rows = rows
+        self.seq_len = seq_len
+        self.dp = dp
+        self.microbatches = microbatches
+        self.rows_per_microbatch = rows_per_microbatch
+        self.options = dict(options or {})
+        self.tree = tree if tree is not None else ClientPlaceTree.from_spec(spec)
+        self._mixer = mixer
+        self._buffer = buffer
+        self.broadcast: list[str] = []
+        self.stats: dict[str, Any] = {}
+
+    @property
+    def mixed(self) -> bool:
+        return self._pieces is not None
+
+    @property
+    def pieces(self) -> Pieces:
+        if self._pieces is None:
+            self.mix()
+        return self._pieces  # type: ignore[return-value]
+
+    def mix(self, schedule: Any = None, *, exclude: Any = None) -> Pieces:
+        """Select the step's pieces (stratified by the schedule's weights at this step)."""
+        if self._mixer is None:
+            if self._pieces is None:
+                raise RuntimeError(f"step {self.step}: this context has no mixer and no pieces")
+            if schedule is not None or exclude:
+                raise RuntimeError(f"step {self.step}: this context was built with fixed pieces; it cannot re-mix")
+            return self._pieces
+        self._pieces, self.point = self._mixer(schedule, exclude)
+        return self._pieces
+
+    def summary_buffer(self) -> dict[str, Any]:
+        return self._buffer() if self._buffer is not None else {}
+
+
+Strategy = Callable[[PlanContext], StepLayout]
+
+
+def layout_from_rows(ctx: PlanContext, row_of_bin: np.ndarray) -> StepLayout:
+    """Turn packed bins into a layout, given the global row each bin goes to (a permutation)."""
+    from mixplane.planner.dgraph import build_layout
+
+    p = ctx.pieces
+    rows = np.asarray(row_of_bin, np.int64)[p.bin] if len(p) else np.zeros(0, np.int64)
+    return build_layout(ctx, rows)
+
+
+def vanilla_strategy(ctx: PlanContext) -> StepLayout:
+    """No balancing: bin b is row b (rank b // rows_per_rank); images stay on their replica's ranks."""
+    return layout_from_rows(ctx, np.arange(ctx.rows))
+
+
+class CoverageError(RuntimeError):
+    """A strategy's layout does not place every selected piece exactly once."""
+
+
+def check_coverage(layout: StepLayout, pieces: Pieces) -> np.ndarray:
+    """Every selected piece lands in the layout exactly once, whole; every image exactly once.
+    Returns the piece of every layout segment (routing uses it to find each span's loader)."""
+    step = layout.step
+    if len(layout.seg_row) != len(pieces):
+        raise CoverageError(f"step {step}: the layout has {len(layout.seg_row)} segments for {len(pieces)} selected pieces")
+    piece_of_seg, _ = selectloop.match((layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len),
+                                       (pieces.source, pieces.key, pieces.start, pieces.length))
+    img = pieces.patches > 0
+    n_img = int(img.sum())
+    if len(layout.img_key) != n_img:
+        raise CoverageError(f"step {step}: the layout lists {len(layout.img_key)} images for {n_img} selected")
+    zero = np.zeros(n_img, np.int64)
+    img_ok, _ = selectloop.match((layout.img_source, layout.img_key, zero, layout.img_patches),
+                                 (pieces.source[img], pieces.key[img], zero, pieces.patches[img]))
+    if piece_of_seg is None or img_ok is None:
+        _coverage_error(layout, pieces)
+    return piece_of_seg  # type: ignore[return-value]
+
+
+def _coverage_error(layout: StepLayout, pieces: Pieces) -> None:
+    """The first difference, in a canonical order (the slow path: only when the check failed)."""
+    def canon(src, key, start, length):
+        o = np.lexsort((length, start, key, src))
+        return np.stack([np.asarray(src, np.int64)[o], np.asarray(key, np.int64)[o],
+                         np.asarray(start, np.int64)[o], np.asarray(length, np.int64)[o]])
+
+    step = layout.step
+    a = canon(layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len)
+    b = canon(pieces.source, pieces.key, pieces.start, pieces.length)
+    if not np.array_equal(a, b):
+        bad = np.nonzero((a != b).any(axis=0))[0][0]
+        raise CoverageError(f"step {step}: the layout does not match the selection (first difference: source "
+                            f"{b[0, bad]} key {b[1, bad]} start {b[2, bad]})")
+    raise CoverageError(f"step {step}: the layout's images do not match the selected images")
+
+
+@dataclass
+class StepPlan:
+    layout: StepLayout
+    pieces: Pieces  # in layout order is not required; carries replica/pos for loader instructions
+    cursor_before: dict[str, Any]
+    tokens_by_source: np.ndarray
+    samples_by_source: np.ndarray
+    broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (only coordinate 0 fetches)
+    stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
+    piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
+
+
+class StepPlanner:
+    """Plans steps in order from full windows; holds the sampler and the windows."""
+
+    def __init__(self, spec: DataMixtureSpec, strategy: Strategy | None = None, generation: int = 0):
+        self.spec = spec
+        self.generation = generation
+        self.schedule = MixtureSchedule(spec, generation)
+        self.n_sources = len(spec.sources)
+        self.sampler = DeficitSampler(self.n_sources)
+        self.strategy = strategy or vanilla_strategy
+        self.windows: list[ReplicaWindow] = []
+        for si, s in enumerate(spec.sources):
+            lo, tokens, hi = spec.window_bounds(si)
+            for r in range(s.replicas):
+                self.windows.append(ReplicaWindow(si, r, lo, tokens, hi))
+        self._by_id = {(w.source, w.replica): w for w in self.windows}
+        self.next_step = 0
+        self.tree = ClientPlaceTree.from_spec(spec)
+        self.dp = self.tree.backbone.dp
+        self.unit_samples = spec.mixture.unit == "samples"
+        self._replicated = any(s.replicas > 1 for s in spec.sources)  # candidates() must merge replicas
+
+    def window(self, source: int, replica: int) -> ReplicaWindow:
+        try:
+            return self._by_id[(source, replica)]
+        except KeyError:
+            raise KeyError(f"no window for source {source} replica {replica}") from None
+
+    @property
+    def ready(self) -> bool:
+        return not self.waiting_for()
+
+    def waiting_for(self) -> list[ReplicaWindow]:
+        """Windows the next step waits for: a source with no weight at that step is not drawn from,
+        so its window (e.g. a dry live source switched off) need not be full."""
+        probs = self.schedule.at(self.next_step).probs
+        return [w for w in self.windows if probs[w.source] > 0 and not w.ready]
+
+    def summary_buffer(self) -> dict[str, Any]:
+        """Per source: unconsumed samples, their remaining tokens and patches in the windows."""
+        out: dict[str, Any] = {}
+        for w in self.windows:
+            name = self.spec.sources[w.source].name
+            d = out.setdefault(name, {"samples": 0, "tokens": 0, "patches": 0, "replicas": 0})
+            d["samples"] += len(w)
+            d["tokens"] += int((w.tokens - w.done).sum())
+            d["patches"] += int(w.patches[w.done == 0].sum())
+            d["replicas"] += 1
+        return out
+
+    def retired(self, pieces: Pieces) -> np.ndarray:
+        """uint8 per piece: its sample left its window with the last plan (fully consumed), so the loader
+        may drop it after sending. One vectorised pass over all windows (was one mask per window)."""
+        n = len(pieces)
+        if n == 0:
+            return np.zeros(0, np.uint8)
+        first = np.zeros(self.n_sources, np.int64)  # windows are listed source by source, replicas in order
+        np.cumsum([s.replicas for s in self.spec.sources[:-1]], out=first[1:])
+        wi = first[pieces.source.astype(np.int64)] + pieces.replica
+        low = np.array([w.low for w in self.windows], np.int64)
+        out = pieces.pos < low[wi]
+        skips = [(i, w.skip) for i, w in enumerate(self.windows) if w.skip]
+        if skips:
+            code = np.sort(np.concatenate([np.fromiter(sk, np.int64, len(sk)) + (i << 40) for i, sk in skips]))
+            q = (wi << 40) + pieces.pos
+            at = np.minimum(np.searchsorted(code, q), len(code) - 1)
+            out |= code[at] == q
+        return out.astype(np.uint8)
+
+    # -- runtime changes ----------------------------------------------------------------
+    def update_mixture(self, weights: dict[str, float], effective_step: int, generation: int,
+                       lr_scale: float | None = None, temperature: float | None = None) -> dict[str, Any]:
+        """New weights from `effective_step` on (a new spec generation); returns the journal event.
+
+        Steps already planned cannot change: effective_step must be >= next_step.
+        """
+        planned_through = self.next_step - 1
+        seg = self.schedule.update(weights, effective_step, generation, lr_scale,
+                                   planned_through=planned_through, temperature=temperature)
+        self.generation = max(self.generation, generation)
+        return {"event": "update", "generation": generation, "effective_step": int(effective_step),
+                "planned_through": planned_through, "weights": {k: float(v) for k, v in weights.items()},
+                "lr_scale": lr_scale, "temperature": temperature, "segment": seg.to_json()}
+
+    def reconfigure(self, spec: DataMixtureSpec, generation: int) -> None:
+        """Adopt a new spec generation's topology / batch / strategy options from next_step on (elastic
+        resharding); the windows, sampler and schedule carry over. Sources and replicas must not change."""
+        if [(s.name, s.replicas) for s in spec.sources] != [(s.name, s.replicas) for s in self.spec.sources]:
+            raise ValueError("reconfigure cannot change sources or loader replicas; start a new planner")
+        self.spec = spec
+        self.tree = ClientPlaceTree.from_spec(spec)
+        self.dp = self.tree.backbone.dp
+        self.generation = max(self.generation, generation)
+
+    # -- cursor -------------------------------------------------------------------------
+    def cursor(self) -> dict[str, Any]:
+        return {
+            "step": self.next_step,
+            "sampler": self.sampler.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "windows": [{"source": w.source, "replica": w.replica, **w.cursor()} for w in self.windows],
+        }
+
+    def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
+        """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
+
+        keep_updates: runtime mixture updates that are newer than the cursor and take effect at or after
+        its step stay in force (a rewind of the data must not undo an operator's change of the mixture);
+        they are returned as journal events."""
+        try:
+            step = int(cur["step"])
+            by_id = {(int(c["source"]), int(c["replica"])): c for c in cur["windows"]}
+            sampler_state, schedule_state = cur["sampler"], cur["schedule"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"cursor is malformed ({e})") from None
+        if step < 0:
+            raise ValueError(f"cursor step {step} is negative")
+        if set(by_id) != {(w.source, w.replica) for w in self.windows}:
+            raise ValueError("cursor was made for a different set of sources / loader replicas")
+        for w in self.windows:
+            ReplicaWindow.parse_cursor(by_id[(w.source, w.replica)])
+        sampler = DeficitSampler(self.n_sources)
+        schedule = MixtureSchedule(self.spec)
+        try:
+            sampler.load_state_dict(sampler_state)
+            schedule.load_state_dict(schedule_state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"cursor's mixture state is malformed ({e})") from None
+        kept: list[dict[str, Any]] = []
+        if keep_updates:
+            gen = max(seg.generation for seg in schedule.segments)
+            for seg in self.schedule.segments:
+                if seg.generation > gen and seg.start_step >= step:
+                    schedule.segments = insert_segment(schedule.segments, seg)
+                    kept.append({"event": "update", "generation": seg.generation, "effective_step": seg.start_step,
+                                 "planned_through": step - 1, "weights": dict(zip(self.spec.source_names(), seg.weights)),
+                                 "lr_scale": seg.lr_scale, "temperature": seg.temperature, "segment": seg.to_json()})
+        # all valid: commit
+        self.next_step = step
+        self.sampler = sampler
+        self.schedule = schedule
+        for w in self.windows:
+            w.restore(by_id[(w.source, w.replica)])
+        return kept
+
+    # -- planning -----------------------------------------------------------------------
+    def _snapshot(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        return self.sampler.state_dict(), [w.done.copy() for w in self.windows]
+
+    def _rollback(self, snap: tuple[dict[str, Any], list[np.ndarray]]) -> None:
+        self.sampler.load_state_dict(snap[0])
+        for w, d in zip(self.windows, snap[1]):
+            w.done = d.copy()
+
+    def candidates(self, exclude: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every window sample as (window index, entry index) grouped by source, each source's in
+        (stream position, replica) order, and the per-source offsets into them ([n_sources + 1]).
+        `exclude`: (source, key) pairs left out."""
+        ws = [w for w in self.windows if len(w)]
+        n = self.n_sources
+        if not ws:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(n + 1, np.int64)
+        lens = np.array([len(w) for w in ws], np.int64)
+        wi = np.repeat(np.array([i for i, w in enumerate(self.windows) if len(w)], np.int64), lens)
+        first = np.repeat(np.cumsum(lens) - lens, lens)
+        ei = np.arange(len(wi), dtype=np.int64) - first
+        src = np.repeat(np.array([w.source for w in ws], np.int64), lens)
+        rep = np.repeat(np.array([w.replica for w in ws], np.int64), lens)
+        o = None
+        if self._replicated:
+            pos = np.concatenate([w.pos for w in ws])
+            o = np.lexsort((rep, pos, src))
+            wi, ei, src = wi[o], ei[o], src[o]
+        # else: windows are listed by source and each holds its stream in order: already sorted
+        if exclude:
+            excl = {(int(a), int(b)) for a, b in exclude}
+            key = np.concatenate([w.key for w in ws])
+            if o is not None:
+                key = key[o]
+            keep = np.array([(s, k) not in excl for s, k in zip(src.tolist(), key.tolist())], dtype=bool)
+            wi, ei, src = wi[keep], ei[keep], src[keep]
+        offsets = np.searchsorted(src, np.arange(n + 1)).astype(np.int64)
+        return wi, ei, offsets
+
+    def select(self, step: int, point: MixturePoint, exclude: Any = None) -> Pieces:
+        """Mix and pack: choose token spans by deficit and place them best-fit into the step's rows.
+
+        The source picked next is the mixing sampler's (`DeficitSampler.pick` with sizes and
+        fallback=False, run incrementally by `EDFQueue`): the released source furthest behind its
+        share; its oldest window sample that still fits somewhere is placed. When no source is
+        released the step ends. `exclude`: (source, key) pairs that must not be picked this step.
+        The pick-and-place loop is compiled (`selectloop`); this method gathers the candidates and
+        writes the consumption back into the windows.
+        """
+        spec = self.spec
+        S = spec.batch.seq_len
+        R = spec.rows_per_step
+        self.sampler.enter(point)
+        windows = self.windows
+        cwi, cei, off = self.candidates(exclude)
+        nz = [w for w in windows if len(w)]
+        base = np.zeros(len(windows) + 1, np.int64)
+        np.cumsum([len(w) for w in windows], out=base[1:])
+        flat = base[cwi] + cei  # index into the concatenation of all windows
+        if nz:
+            all_tok = np.concatenate([w.tokens for w in nz])
+            all_done = np.concatenate([w.done for w in nz])
+            c_tok = all_tok[flat]
+            c_done = all_done[flat]
+            rem_max = int((all_tok - all_done).max())
+        else:
+            c_tok = c_done = np.zeros(0, np.int64)
+        # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
+        if self.unit_samples:
+            L = 1.0
+        else:
+            L = max(self.sampler.unit_max, float(min(S, rem_max)) if nz else 1.0)
+            self.sampler.unit_max = L
+        delta = slack(int((np.asarray(point.probs) > 0).sum())) * L  # as EDFQueue / DeficitSampler.pick
+        realized = self.sampler.realized.astype(np.float64, copy=True)
+        o_cand, o_bin, o_start, o_len = selectloop.run(
+            c_tok, c_done, off, point.probs, realized, L, delta, delta + 1e-9 * L, unit_samples=self.unit_samples,
+            truncate=spec.batch.overlong == "truncate", seq_len=S, rows=R, policy=spec.batch.packing)
+        self.sampler.realized[:] = realized
+        cand = o_cand
+        start_a = o_start
+        at = flat[cand]
+        if len(cand):
+            # write the consumption back into the windows (a piece's last write is its sample's final state)
+            all_done[at] = c_done[cand]
+            for w, lo, hi in zip(windows, base[:-1].tolist(), base[1:].tolist()):
+                if hi > lo:
+                    w.done = all_done[lo:hi]
+            key = np.concatenate([w.key for w in nz])[at]
+            patches = np.concatenate([w.patches for w in nz])[at]
+            pos = np.concatenate([w.pos for w in nz])[at]
+            rep = np.repeat(np.array([w.replica for w in windows], np.int64), np.diff(base))[at]
+        else:
+            key = patches = pos = rep = np.zeros(0, np.int64)
+        src = (np.searchsorted(off, cand, side="right") - 1).astype(np.int16)
+        patches = np.where(start_a == 0, patches, 0).astype(np.int64)
+        return Pieces(o_bin, src, key, start_a, o_len, patches, rep, pos)
+
+    def _point_for(self, schedule: Any, step: int, default: MixturePoint) -> MixturePoint:
+        if schedule is None:
+            return default
+        if hasattr(schedule, "at"):
+            return schedule.at(step)
+        if isinstance(schedule, dict):  # weights by source name for this step only
+            names = self.spec.source_names()
+            unknown = sorted(set(schedule) - set(names))
+            if unknown:
+                raise ValueError(f"step {step}: mix weights name unknown source(s) {', '.join(unknown)}")
+            w = np.array([float(schedule.get(nm, 0.0)) for nm in names])
+            seg = self.schedule.segment_at(step)
+            probs = apply_temperature(w, self.schedule.temperature if seg.temperature is None else seg.temperature)
+            return MixturePoint(probs, default.phase, default.lr_scale, default.generation, default.segment_start)
+        raise TypeError(f"step {step}: mix() takes a MixtureSchedule, an object with .at(step), or a weights dict")
+
+    def plan(self) -> StepPlan:
+        """Plan `next_step`; all windows must be ready."""
+        if not self.ready:
+            waiting = ", ".join(f"{self.spec.sources[w.source].name}/{w.replica}" for w in self.waiting_for())
+            raise RuntimeError(f"step {self.next_step}: windows not full yet ({waiting})")
+        cursor = self.cursor()
+        step = self.next_step
+        point = self.schedule.at(step)
+        snap = self._snapshot()
+        state = {"mixed": False}
+
+        def mixer(schedule: Any, exclude: Any) -> tuple[Pieces, MixturePoint]:
+            if state["mixed"]:
+                self._rollback(snap)
+            pt = self._point_for(schedule, step, point)
+            pieces = self.select(step, pt, exclude)
+            state["mixed"] = True
+            return pieces, pt
+
+        spec = self.spec
+        ctx = PlanContext(spec, step, point, None, spec.rows_per_step, spec.batch.seq_len, self.dp,
+                          spec.batch.microbatches, spec.rows_per_microbatch, dict(spec.strategy.options),
+                          tree=self.tree, mixer=mixer, buffer=self.summary_buffer)
+        try:
+            layout = self.strategy(ctx)
+            pieces = ctx.pieces
+            if not isinstance(layout, StepLayout):
+                raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
+            layout.validate()
+            piece_of_seg = check_coverage(layout, pieces)
+        except BaseException:
+            self._rollback(snap)
+            raise
+        for w in self.windows:
+            w.compact()
+        self.next_step += 1
+        tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
+        first = pieces.start == 0
+        smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg)

@@ -1,0 +1,164 @@
+"""The planner's columnar window store (core.WindowStore) against the former per-window code
+(core_reference.py, verbatim): the same windows, cursors, retire flags and whole plans on random specs,
+through re-mixes with exclusions, failed strategies (rollback), restores, and odd window operations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixplane.layout import layout_digest
+from mixplane.planner.core import PlanContext, ReplicaWindow, StepPlanner, WindowError, vanilla_strategy
+
+from . import core_reference as ref
+from .planner_helpers import fill, make_spec
+
+PIECE_FIELDS = ("bin", "source", "key", "start", "length", "patches", "replica", "pos")
+
+
+def window_state(w) -> tuple:
+    return (w.source, w.replica, w.pos.tolist(), w.key.tolist(), w.tokens.tolist(), w.patches.tolist(),
+            w.done.tolist(), w.low, w.next_pos, sorted(w.skip), sorted(w.restored_done.items()), w.dry,
+            w.unconsumed_tokens, w.ready, len(w))
+
+
+def assert_same_planners(new: StepPlanner, old) -> None:
+    assert [window_state(w) for w in new.windows] == [window_state(w) for w in old.windows]
+    assert new.cursor() == old.cursor()
+    assert new.ready == old.ready
+    assert [(w.source, w.replica) for w in new.waiting_for()] == [(w.source, w.replica) for w in old.waiting_for()]
+    assert new.summary_buffer() == old.summary_buffer()
+
+
+def assert_same_plans(a, b, old) -> None:
+    assert layout_digest(a.layout) == layout_digest(b.layout)
+    for f in PIECE_FIELDS:
+        x, y = getattr(a.pieces, f), getattr(b.pieces, f)
+        assert np.array_equal(x, y) and x.dtype == y.dtype, f
+    assert a.cursor_before == b.cursor_before
+    assert np.array_equal(a.tokens_by_source, b.tokens_by_source)
+    assert np.array_equal(a.samples_by_source, b.samples_by_source)
+    assert a.retired is not None and a.retired.dtype == np.uint8
+    assert np.array_equal(a.retired, old.retired(b.pieces))
+
+
+def remixing(every: int):
+    """A strategy that mixes, then re-mixes without every `every`-th piece's sample (rollback + general path)."""
+    def strategy(ctx: PlanContext):
+        p = ctx.mix()
+        ctx.mix(exclude=list(zip(p.source.tolist(), p.key.tolist()))[::every])
+        return vanilla_strategy(ctx)
+    return strategy
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def failing(ctx: PlanContext):
+    ctx.mix()
+    raise Boom("strategy failed after mixing")
+
+
+@settings(max_examples=25, deadline=None)
+@given(sources=st.integers(1, 5), weights=st.lists(st.sampled_from([0.0, 0.3, 1.0, 3.0]), min_size=5, max_size=5),
+       unit=st.sampled_from(["tokens", "samples"]), packing=st.sampled_from(["best_fit", "next_fit", "none"]),
+       overlong=st.sampled_from(["split", "truncate"]), rows=st.sampled_from([4, 8, 16]),
+       seq_len=st.sampled_from([64, 256]), replicas=st.integers(1, 3), window=st.sampled_from([4, 16, 64]),
+       images=st.booleans(), events=st.lists(st.sampled_from(["plan", "plan", "plan", "remix", "fail", "restore"]),
+                                             min_size=4, max_size=10))
+def test_plans_windows_and_cursors_match_the_former_core(sources, weights, unit, packing, overlong, rows, seq_len,
+                                                         replicas, window, images, events):
+    w = {f"s{i}": weights[i] for i in range(sources)}
+    if sum(w.values()) <= 0:
+        w["s0"] = 1.0
+    spec = make_spec(sources=sources, weights=w, unit=unit, packing=packing, overlong=overlong, rows=rows,
+                     seq_len=seq_len, replicas=replicas, window=window, dp=2, microbatches=2, encoder=images,
+                     strategy="vlm_balance" if images else "llm_balance")
+    new, old = StepPlanner(spec), ref.StepPlanner(spec)
+    cursors = []
+    for ev in events:
+        fill(new, images=images)
+        fill(old, images=images)
+        assert_same_planners(new, old)
+        if ev == "restore" and cursors:
+            cur = cursors[len(cursors) // 2]
+            new.restore(cur)
+            old.restore(cur)
+            assert_same_planners(new, old)
+            continue
+        if ev == "fail":
+            new.strategy = old.strategy = failing
+            for p in (new, old):
+                with pytest.raises(Boom):
+                    p.plan()
+            assert_same_planners(new, old)
+        new.strategy = old.strategy = remixing(3) if ev == "remix" else new.__class__(spec).strategy
+        a, b = new.plan(), old.plan()
+        assert_same_plans(a, b, old)
+        assert_same_planners(new, old)
+        cursors.append(new.cursor())
+
+
+def test_store_follows_windows_filled_one_by_one():
+    """Adds between steps detach single windows; the next step gathers them again (and a rollback after
+    new samples arrived is refused rather than applied to the wrong columns)."""
+    spec = make_spec(sources=3, rows=8, seq_len=128, window=16)
+    new, old = StepPlanner(spec), ref.StepPlanner(spec)
+    for _ in range(5):
+        fill(new)
+        fill(old)
+        assert any(w.stored is None for w in new.windows)
+        a, b = new.plan(), old.plan()
+        assert_same_plans(a, b, old)
+        assert all(w.stored is new.store for w in new.windows)
+    snap = new._snapshot()
+    fill(new)
+    with pytest.raises(RuntimeError, match="new samples since the snapshot"):
+        new._rollback(snap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_a_window_on_its_own_behaves_as_before(seed):
+    """Random adds (valid and not), partial and whole consumption written into `done`, compactions,
+    cursors and restores: the same state, the same cursors and the same refusals as the former window.
+    (`unconsumed_tokens` counts what `done` says as of the last add / compact / restore.)"""
+    rng = np.random.default_rng(seed)
+    lo, tokens, hi = int(rng.integers(1, 6)), int(rng.integers(0, 200)), int(rng.integers(6, 12))
+    new, old = ReplicaWindow(0, 0, lo, tokens, hi), ref.ReplicaWindow(0, 0, lo, tokens, hi)
+    saved = [new.cursor()]
+    for _ in range(40):
+        op = rng.random()
+        if op < 0.45:
+            start = new.next_pos + int(rng.integers(-2, 3)) if rng.random() < 0.2 else new.next_pos
+            n = int(rng.integers(0, 5))
+            pos = start + np.cumsum(rng.integers(0 if rng.random() < 0.05 else 1, 3, n))
+            tok = rng.integers(0 if rng.random() < 0.05 else 1, 60, n)
+            args = (pos, pos * 7 + 1, tok, rng.integers(0, 3, n))
+            errs = []
+            for w in (new, old):
+                try:
+                    w.add(*args)
+                    errs.append(None)
+                except (WindowError, ref.WindowError) as e:
+                    errs.append(str(e))
+            assert errs[0] == errs[1]
+        elif op < 0.7 and len(new):  # consumption written into `done`, then compacted (as the planner does)
+            for i in rng.choice(len(new), int(rng.integers(1, len(new) + 1)), replace=False).tolist():
+                d = int(new.done[i]) + int(rng.integers(1, max(0, int(new.tokens[i] - new.done[i])) + 2))
+                for w in (new, old):
+                    w.done[i] = min(d, int(w.tokens[i]))
+            assert new.compact().tolist() == old.compact().tolist()
+        elif op < 0.85:
+            assert new.compact().tolist() == old.compact().tolist()
+        elif op < 0.95:
+            saved.append(new.cursor())
+        else:
+            cur = saved[int(rng.integers(0, len(saved)))]
+            new.restore(cur)
+            old.restore(cur)
+        assert window_state(new) == window_state(old)
+        assert new.cursor() == old.cursor()
