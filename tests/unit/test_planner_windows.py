@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixplane.layout import layout_digest
-from mixplane.planner.core import PlanContext, ReplicaWindow, StepPlanner, WindowError, vanilla_strategy
+from mixplane.planner.core import CoverageError, PlanContext, ReplicaWindow, StepPlanner, WindowError, vanilla_strategy
 
 from . import core_reference as ref
 from .planner_helpers import fill, make_spec
@@ -41,6 +41,7 @@ def assert_same_plans(a, b, old) -> None:
     assert np.array_equal(a.tokens_by_source, b.tokens_by_source)
     assert np.array_equal(a.samples_by_source, b.samples_by_source)
     assert a.retired is not None and a.retired.dtype == np.uint8
+    assert np.array_equal(a.piece_of_seg, b.piece_of_seg)  # build_layout's pairing = the one searched for
     assert np.array_equal(a.retired, old.retired(b.pieces))
 
 
@@ -162,3 +163,41 @@ def test_a_window_on_its_own_behaves_as_before(seed):
             old.restore(cur)
         assert window_state(new) == window_state(old)
         assert new.cursor() == old.cursor()
+
+
+def _edited(edit):
+    def strategy(ctx: PlanContext):
+        lay = vanilla_strategy(ctx)
+        edit(lay)
+        return lay
+    return strategy
+
+
+def _swap_rows(lay) -> None:
+    """Segments 0 and 1 trade places (rows included): still a cover, but not build_layout's pairing."""
+    for f in ("seg_row", "seg_source", "seg_key", "seg_start", "seg_len"):
+        a = getattr(lay, f)
+        a[[0, 1]] = a[[1, 0]]
+
+
+def _shift_start(lay) -> None:
+    lay.seg_start[0] += 1
+
+
+def test_coverage_verifies_the_builders_pairing_and_falls_back_to_a_search():
+    """A layout edited after build_layout: a still-exact cover is paired by the search (same plan as the
+    former core), a broken one is refused and the planner rolls back."""
+    spec = make_spec(sources=3, rows=8, seq_len=128, window=16)
+    new, old = StepPlanner(spec), ref.StepPlanner(spec)
+    for p in (new, old):
+        p.strategy = _edited(_swap_rows)
+    for _ in range(3):
+        fill(new)
+        fill(old)
+        assert_same_plans(new.plan(), old.plan(), old)
+    fill(new)
+    before = new.cursor()
+    new.strategy = _edited(_shift_start)
+    with pytest.raises(CoverageError):
+        new.plan()
+    assert new.cursor() == before

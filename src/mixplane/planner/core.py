@@ -176,7 +176,11 @@ class WindowStore:
     step gathers, writes consumption back, compacts and takes cursors with a few vectorised passes
     instead of a Python call per window. The windows' arrays are views of these columns; a window
     that took new samples since (`add`: one LOADER_META) is no longer `stored` and the next `sync`
-    gathers all of them again (one concatenation per column)."""
+    gathers all of them again (one concatenation per column).
+
+    Each column lives in one of two buffers kept across steps: a gather or a compaction writes into the
+    other one (fresh multi-MB arrays every step cost more in page faults than the copies themselves), so
+    a window's arrays stay valid until the planner's next step, not beyond."""
 
     def __init__(self, windows: list[ReplicaWindow]):
         self.windows = windows
@@ -187,6 +191,17 @@ class WindowStore:
         self.cols: dict[str, np.ndarray] = {f: np.zeros(0, np.int64) for f in FIELDS}
         self.win = np.zeros(0, np.int64)  # window of every sample
         self.fresh = False
+        self._bufs: dict[str, list[np.ndarray]] = {f: [np.zeros(0, np.int64), np.zeros(0, np.int64)] for f in (*FIELDS, "win")}
+        self._side = dict.fromkeys(self._bufs, 0)
+
+    def _spare(self, name: str, n: int) -> np.ndarray:
+        """n slots of the buffer of column `name` that does not hold it now (it will)."""
+        side = 1 - self._side[name]
+        buf = self._bufs[name][side]
+        if len(buf) < n:
+            buf = self._bufs[name][side] = np.empty(n + n // 4 + 1024, np.int64)
+        self._side[name] = side
+        return buf[:n]
 
     def sync(self) -> None:
         """Gather the windows into the columns unless every window is still a view of them."""
@@ -195,9 +210,14 @@ class WindowStore:
             return
         lens = np.fromiter((len(w.pos) for w in ws), np.int64, len(ws))
         np.cumsum(lens, out=self.base[1:])
+        n = int(self.base[-1])
         for f in FIELDS:
-            self.cols[f] = np.concatenate([getattr(w, f) for w in ws]) if ws else np.zeros(0, np.int64)
-        self.win = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
+            out = self._spare(f, n)
+            if ws:
+                np.concatenate([getattr(w, f) for w in ws], out=out)
+            self.cols[f] = out
+        self.win = self._spare("win", n)
+        self.win[:] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
         self._view()
 
     def _view(self) -> None:
@@ -217,11 +237,11 @@ class WindowStore:
         pos, done, tokens = self.cols["pos"], self.cols["done"], self.cols["tokens"]
         full = done >= tokens
         if full.any():
-            keep = ~full
-            gone_pos, gone_win = pos[full], self.win[full]
+            gone, keep = np.flatnonzero(full), np.flatnonzero(~full)  # index gathers: ~5x a boolean mask's speed
+            gone_pos, gone_win = pos[gone], self.win[gone]
             for f in FIELDS:
-                self.cols[f] = self.cols[f][keep]
-            self.win = self.win[keep]
+                self.cols[f] = np.take(self.cols[f], keep, out=self._spare(f, len(keep)))
+            self.win = np.take(self.win, keep, out=self._spare("win", len(keep)))
             lens = np.diff(self.base) - np.bincount(gone_win, minlength=len(ws))
             np.cumsum(lens, out=self.base[1:])
         else:
@@ -313,6 +333,9 @@ class PlanContext:
         self._buffer = buffer
         self.broadcast: list[str] = []
         self.stats: dict[str, Any] = {}
+        # build_layout's own pairing for the layout it built: (layout, piece of every segment, piece of every
+        # image); the coverage check verifies it instead of searching for one
+        self.built: tuple[StepLayout, np.ndarray, np.ndarray] | None = None
 
     @property
     def mixed(self) -> bool:
@@ -360,12 +383,16 @@ class CoverageError(RuntimeError):
     """A strategy's layout does not place every selected piece exactly once."""
 
 
-def check_coverage(layout: StepLayout, pieces: Pieces) -> np.ndarray:
+def check_coverage(layout: StepLayout, pieces: Pieces, built: tuple[StepLayout, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Every selected piece lands in the layout exactly once, whole; every image exactly once.
-    Returns the piece of every layout segment (routing uses it to find each span's loader)."""
+    Returns the piece of every layout segment (routing uses it to find each span's loader).
+    `built`: (layout, piece of every segment, piece of every image) claimed by whoever built the layout
+    (PlanContext.built); verified in a few vectorised passes, and only if it fails is a pairing searched."""
     step = layout.step
     if len(layout.seg_row) != len(pieces):
         raise CoverageError(f"step {step}: the layout has {len(layout.seg_row)} segments for {len(pieces)} selected pieces")
+    if built is not None and built[0] is layout and _pairs(layout, pieces, built[1], built[2]):
+        return built[1]
     piece_of_seg, _ = selectloop.match((layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len),
                                        (pieces.source, pieces.key, pieces.start, pieces.length))
     img = pieces.patches > 0
@@ -378,6 +405,30 @@ def check_coverage(layout: StepLayout, pieces: Pieces) -> np.ndarray:
     if piece_of_seg is None or img_ok is None:
         _coverage_error(layout, pieces)
     return piece_of_seg  # type: ignore[return-value]
+
+
+def _one_each(idx: np.ndarray, n: int) -> bool:
+    """idx lists distinct indices in [0, n)."""
+    if len(idx) == 0:
+        return True
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        return False
+    return int(np.bincount(idx, minlength=n).max()) == 1
+
+
+def _pairs(layout: StepLayout, pieces: Pieces, seg_piece: np.ndarray, img_piece: np.ndarray) -> bool:
+    """Whether segment i is piece seg_piece[i] and image j the image piece img_piece[j], one to one (then
+    the layout covers the selection exactly)."""
+    n = len(pieces)
+    img = pieces.patches > 0
+    if len(seg_piece) != n or len(img_piece) != len(layout.img_key) or len(img_piece) != int(img.sum()):
+        return False
+    if not (_one_each(seg_piece, n) and _one_each(img_piece, n)) or not bool(img[img_piece].all()):
+        return False
+    return (np.array_equal(layout.seg_source, pieces.source[seg_piece]) and np.array_equal(layout.seg_key, pieces.key[seg_piece])
+            and np.array_equal(layout.seg_start, pieces.start[seg_piece]) and np.array_equal(layout.seg_len, pieces.length[seg_piece])
+            and np.array_equal(layout.img_source, pieces.source[img_piece]) and np.array_equal(layout.img_key, pieces.key[img_piece])
+            and np.array_equal(layout.img_patches, pieces.patches[img_piece]))
 
 
 def _coverage_error(layout: StepLayout, pieces: Pieces) -> None:
@@ -700,7 +751,7 @@ class StepPlanner:
             if not isinstance(layout, StepLayout):
                 raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
             layout.validate()
-            piece_of_seg = check_coverage(layout, pieces)
+            piece_of_seg = check_coverage(layout, pieces, ctx.built)
         except BaseException:
             self._rollback(snap)
             raise
