@@ -66,6 +66,7 @@ from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
+from mixplane.planner.server import StepMetrics  # noqa: E402
 from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_segments, loader_instructions  # noqa: E402
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
@@ -222,7 +223,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
     dp_fanout, rank_fanout = Fanout.from_lists(dp_to), Fanout.from_lists(rank_to)
     leader_fanout, merge = image_routing(spec, groups)
     m = make_metrics("planner")
-    names = spec.source_names()
+    step_metrics = StepMetrics(m, spec.source_names(), planner.windows)  # labelled series looked up once, as the server does
     tmp = tempfile.mkdtemp(prefix="plan-scale-")
     jpath = os.path.join(tmp, "journal.jsonl")
     journal = Journal(jpath)
@@ -273,20 +274,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         j_bytes = os.path.getsize(jpath) - size0
         # the per-step metric updates _dispatch makes
         t0 = clock()
-        tok = plan.tokens_by_source
-        m.steps_planned.inc()
-        m.planner_step.set(lay.step)
-        m.packing_efficiency.set(lay.row_fill().sum() / float(lay.rows * lay.seq_len))
-        point = planner.schedule.at(lay.step)
-        realized = planner.sampler.realized
-        total = realized.sum()
-        for i, nm in enumerate(names):
-            m.source_tokens.labels(nm).inc(float(tok[i]))
-            m.source_samples.labels(nm).inc(float(plan.samples_by_source[i]))
-            m.target_fraction.labels(nm).set(float(point.probs[i]))
-            m.realized_fraction.labels(nm).set(float(realized[i] / total) if total else 0.0)
-        for w in planner.windows:
-            m.window_samples.labels(names[w.source], str(w.replica)).set(len(w))
+        step_metrics.record(plan, planner.schedule.at(lay.step).probs, planner.sampler.realized)
+        m.planner_phase.set(lay.phase)
         t_metrics = clock() - t0
         layout = t_plan - T["select"] - T["cost"] - T["balance"]
         ph = {"ingest": t_ingest, "mix": T["select"], "cost": T["cost"], "balance": T["balance"],

@@ -210,3 +210,58 @@ def test_every_message_is_checksummed_by_default_payloads_also_end_with_a_marker
         wire.decode([payload[0], bytes(pbuf), payload[2]])
     plain = wire.encode(Kind.SAMPLES, {"step": 3}, {"values": np.arange(10, dtype=np.int32)}, checksum=False)
     assert wire.decode([plain[0], bytes(pbuf)]).array("values")[1] != 1
+
+
+def _former_header(kind, meta, arrays, checksum):
+    """The header frame as encode built it with json.dumps of the whole meta (the text encode now writes
+    itself for the array descriptors and sums)."""
+    import json
+    import struct
+    import zlib
+
+    from mixplane.wire import framing
+
+    meta = dict(meta)
+    bufs = []
+    if arrays:
+        descr = []
+        for name, arr in arrays.items():
+            a = np.ascontiguousarray(arr)
+            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+            a = a.astype(dt, copy=False)
+            descr.append([name, dt.str, list(a.shape)])
+            bufs.append(a if a.nbytes >= framing.ZERO_COPY_MIN_BYTES else a.tobytes())
+        meta["arrays"] = descr
+    if checksum:
+        meta["sums"] = [framing._digest(b) for b in bufs]
+    body = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    flags = (framing.FLAG_CHECKSUM if checksum else 0) | (framing.FLAG_END if checksum and kind in framing.PAYLOAD_KINDS else 0)
+    head = framing.HEADER.pack(framing.MAGIC, framing.VERSION, int(kind), flags, len(body)) + body
+    return head + struct.pack("!I", zlib.crc32(head)) if checksum else head
+
+
+def test_header_bytes_are_what_json_dumps_of_the_whole_meta_gave():
+    rng = np.random.default_rng(3)
+    dtypes = ["<i8", ">i4", "|u1", "<f4", ">f8", "|b1", "<u2"]
+    metas = [{}, {"step": 7}, {"session": 0, "step": 3, "x": [1, "é\"q", {"k": None}], "f": 1.5, "t": True}]
+    for i in range(60):
+        arrays = {}
+        for j in range(int(rng.integers(0, 5))):
+            shape = [(), (int(rng.integers(0, 40)),), (3, int(rng.integers(0, 7)))][int(rng.integers(0, 3))]
+            a = (rng.random(shape) * 100).astype(np.dtype(dtypes[int(rng.integers(0, len(dtypes)))]))
+            if a.ndim == 2 and rng.random() < 0.5:
+                a = a.T  # not C-contiguous
+            name = ["pos", "len", "naïve \"name\"", f"a{j}"][int(rng.integers(0, 4))]
+            arrays[name] = a
+        if rng.random() < 0.1:
+            arrays["big"] = np.arange(20_000, dtype=np.int64)  # zero-copy frame
+        if rng.random() < 0.1:
+            arrays["zero_d"] = np.array(5, np.int32)  # travels as shape [1], as ascontiguousarray makes it
+        meta, checksum = metas[i % len(metas)], bool(i % 2)
+        kind = Kind.SAMPLES if i % 3 == 0 else Kind.PLAN_LOADER
+        frames = wire.encode(kind, meta, arrays, checksum=checksum)
+        assert bytes(frames[0]) == _former_header(kind, meta, arrays, checksum)
+        m = wire.decode(frames)
+        assert m.meta == meta and set(m.arrays) == set(arrays)
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(m.arrays[name], a)

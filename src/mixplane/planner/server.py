@@ -84,6 +84,35 @@ class PlannerState:
         return [round((c - f) / dt, 3) for c, f in zip(self.source_tokens, first)]
 
 
+class StepMetrics:
+    """The per-step Prometheus updates of a plan: steps, packing, and per source (tokens, samples, target and
+    realised share) and per window (samples held). The labelled series are looked up once -- `labels()`
+    costs several microseconds a call, and a step made 5 per source and window (~30 ms at 1,024 sources)."""
+
+    def __init__(self, m: Any, names: list[str], windows: list[Any]):
+        self.m = m
+        self.sources = [(m.source_tokens.labels(n), m.source_samples.labels(n), m.target_fraction.labels(n),
+                         m.realized_fraction.labels(n)) for n in names]
+        self.windows = [(w, m.window_samples.labels(names[w.source], str(w.replica))) for w in windows]
+
+    def record(self, plan: StepPlan, probs: Any, realized: Any) -> None:
+        lay = plan.layout
+        m = self.m
+        m.steps_planned.inc()
+        m.planner_step.set(lay.step)
+        m.packing_efficiency.set(lay.row_fill().sum() / float(lay.rows * lay.seq_len))
+        total = float(realized.sum())
+        share = (np.asarray(realized, np.float64) / total).tolist() if total else [0.0] * len(self.sources)
+        for (tok, smp, target, real), t, n, p, r in zip(self.sources, plan.tokens_by_source.tolist(),
+                                                         plan.samples_by_source.tolist(), np.asarray(probs).tolist(), share):
+            tok.inc(float(t))
+            smp.inc(float(n))
+            target.set(float(p))
+            real.set(r)
+        for w, gauge in self.windows:
+            gauge.set(len(w))
+
+
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
@@ -132,6 +161,7 @@ class PlannerServer(Component, PartitionHosting):
         lead = spec.runtime.max_lead_steps + 2 * spec.runtime.prefetch_steps + 2
         self.inflight = InFlight(max_steps=4 * lead + 64)
         self.names = spec.source_names()
+        self._step_metrics: StepMetrics | None = None
         self.hm = handoff_metrics(self.m)
         self.init_hosting()  # partition table and loader hosts (planner.hosting)
         self.state = PlannerState()
@@ -546,22 +576,11 @@ class PlannerServer(Component, PartitionHosting):
         if self.journal is not None:
             self.journal.step(plan)
         tok = plan.tokens_by_source
-        fill = lay.row_fill().sum() / float(lay.rows * lay.seq_len)
-        self.m.steps_planned.inc()
-        self.m.planner_step.set(step)
+        if self._step_metrics is None:
+            self._step_metrics = StepMetrics(self.m, self.names, self.core.windows)
+        self._step_metrics.record(plan, self.core.schedule.at(step).probs, self.core.sampler.realized)
         self.m.planner_phase.set(lay.phase)
-        self.m.packing_efficiency.set(fill)
         self.m.mixture_generation.set(self.generation)
-        point = self.core.schedule.at(step)
-        realized = self.core.sampler.realized
-        total = realized.sum()
-        for i, n in enumerate(self.names):
-            self.m.source_tokens.labels(n).inc(float(tok[i]))
-            self.m.source_samples.labels(n).inc(float(plan.samples_by_source[i]))
-            self.m.target_fraction.labels(n).set(float(point.probs[i]))
-            self.m.realized_fraction.labels(n).set(float(realized[i] / total) if total else 0.0)
-        for w in self.core.windows:
-            self.m.window_samples.labels(self.names[w.source], str(w.replica)).set(len(w))
         for part, st in (plan.stats or {}).items():  # the balancer's result, per part (text, image)
             if isinstance(st, dict) and "imbalance_after" in st:
                 self.m.rank_imbalance.labels(part).set(float(st["imbalance_after"]))

@@ -125,35 +125,67 @@ def _digest(buf: Any) -> str:
     return xxhash.xxh3_64_hexdigest(buf)
 
 
+_DTYPES: dict[np.dtype, tuple[np.dtype, str]] = {}  # dtype -> (little-endian dtype, its JSON-quoted str)
+_NAMES: dict[str, str] = {}  # array name -> its JSON string
+_META_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # = json.dumps(.., separators, allow_nan=False)
+
+
+def _wire_dtype(dtype: np.dtype, name: str) -> tuple[np.dtype, str]:
+    got = _DTYPES.get(dtype)
+    if got is None:
+        dt = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+        if dt.str not in ALLOWED_DTYPES:
+            raise WireError(f"array {name!r}: dtype {dt.str} cannot go on the wire")
+        got = _DTYPES[dtype] = (dt, json.dumps(dt.str))
+    return got
+
+
+def _json_name(name: str) -> str:
+    got = _NAMES.get(name)
+    if got is None:
+        got = json.dumps(name)
+        if len(_NAMES) < 4096:  # array names are a small fixed set; never let odd ones grow this
+            _NAMES[name] = got
+    return got
+
+
 def encode(kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[str, np.ndarray] | None = None,
            *, checksum: bool | None = None) -> list:
     """Frames for one message; large arrays are passed by reference (no copy).
 
     With ``checksum`` the message carries CRC-32 of header+meta and xxh3 of each buffer (FLAG_CHECKSUM);
     None (default) checksums control messages and not payloads (:func:`wants_checksum`).
+
+    The meta JSON is the caller's fields, then ``arrays`` (descriptors) and ``sums``; those two are written
+    straight as JSON text (the bytes json.dumps would give) -- encoding is per-message CPU the planner
+    spends on every peer every step.
     """
     checksum = wants_checksum(kind, checksum)
-    meta = dict(meta or {})
+    meta = meta or {}
     if "arrays" in meta or "sums" in meta:
         raise WireError(f"{kind.name}: meta keys 'arrays' and 'sums' are reserved")
     buffers: list = []
+    extra: list[str] = []
     if arrays:
         descr = []
         for name, arr in arrays.items():
-            a = np.ascontiguousarray(arr)
-            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-            a = a.astype(dt, copy=False)
-            if dt.str not in ALLOWED_DTYPES:
-                raise WireError(f"array {name!r}: dtype {dt.str} cannot go on the wire")
-            descr.append([name, dt.str, list(a.shape)])
+            a = arr if isinstance(arr, np.ndarray) and arr.ndim and arr.flags.c_contiguous else np.ascontiguousarray(arr)
+            dt, dt_json = _wire_dtype(a.dtype, name)
+            if dt is not a.dtype:
+                a = a.astype(dt, copy=False)
+            shape = str(a.shape[0]) if a.ndim == 1 else ",".join(map(str, a.shape))
+            descr.append(f"[{_json_name(name)},{dt_json},[{shape}]]")
             buffers.append(a if a.nbytes >= ZERO_COPY_MIN_BYTES else a.tobytes())
-        meta["arrays"] = descr
+        extra.append('"arrays":[' + ",".join(descr) + "]")
     if checksum:
-        meta["sums"] = [_digest(b) for b in buffers]
+        extra.append('"sums":[' + ",".join(f'"{_digest(b)}"' for b in buffers) + "]")
     try:
-        body = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+        text = _META_JSON.encode(meta)
     except (TypeError, ValueError) as e:
         raise WireError(f"{kind.name}: meta cannot be sent as JSON ({e})") from None
+    if extra:
+        text = "{" + ",".join(extra) + "}" if text == "{}" else text[:-1] + "," + ",".join(extra) + "}"
+    body = text.encode()
     if len(body) > MAX_META_BYTES:
         raise WireError(f"{kind.name}: meta of {len(body)} bytes exceeds {MAX_META_BYTES}")
     end = checksum and kind in PAYLOAD_KINDS  # bulk payloads also end with a marker: truncation is named as such
