@@ -76,6 +76,7 @@ from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.planner.core import PlanContext, StepPlanner, vanilla_strategy  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
+from mixplane.protocol import window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
 
@@ -213,11 +214,8 @@ class SyntheticStreams:
             chunk = 4096
             while True:
                 tok, pat = self.meta(w.source, w.replica, start, chunk)
-                cum = have_t + np.cumsum(tok)
-                n_after = have_n + np.arange(1, chunk + 1)
-                full = (n_after >= w.capacity) | ((n_after >= w.min_samples) & (cum >= w.min_tokens))
-                if full.any():
-                    k = int(np.argmax(full)) + 1
+                k = window_fill_length(have_n, have_t, tok, w.min_samples, w.min_tokens, w.capacity)
+                if k is not None:
                     pos = np.arange(start, start + k, dtype=np.int64)
                     w.add(pos, np.asarray(make_key(0, pos), np.int64), tok[:k], pat[:k])
                     break

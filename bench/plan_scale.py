@@ -68,7 +68,7 @@ from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
 from mixplane.planner.server import StepMetrics  # noqa: E402
 from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_segments, loader_instructions  # noqa: E402
-from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array  # noqa: E402
+from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
 from mixplane.topology import constructor_groups, dp_ranks_of_group  # noqa: E402
@@ -140,11 +140,8 @@ class Streams:
             start, have_n, have_t, chunk = w.next_pos, len(w), w.unconsumed_tokens, 256
             while True:
                 tok, pat = self.meta(w.source, start, chunk)
-                cum = have_t + np.cumsum(tok)
-                n_after = have_n + np.arange(1, chunk + 1)
-                full = (n_after >= w.capacity) | ((n_after >= w.min_samples) & (cum >= w.min_tokens))
-                if full.any():
-                    k = int(np.argmax(full)) + 1
+                k = window_fill_length(have_n, have_t, tok, w.min_samples, w.min_tokens, w.capacity)
+                if k is not None:
                     pos = np.arange(start, start + k, dtype=np.int64)
                     out.append((w, pos, np.asarray(make_key(w.source, pos), np.int64), tok[:k], pat[:k]))
                     break

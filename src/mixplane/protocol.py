@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, overload
 
 import numpy as np
 
@@ -194,9 +194,25 @@ def _int(v: Any, what: str) -> int:
     return int(v)
 
 
-def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool:
-    """The one predicate loaders and planner share, so both agree on a window's exact content."""
-    return samples >= max_samples or (samples >= min_samples and unconsumed_tokens >= min_tokens)
+@overload
+def window_full(samples: int, unconsumed_tokens: int, min_samples: int, min_tokens: int, max_samples: int) -> bool: ...
+@overload
+def window_full(samples: np.ndarray, unconsumed_tokens: np.ndarray, min_samples: int, min_tokens: int,
+                max_samples: int) -> np.ndarray: ...
+def window_full(samples: Any, unconsumed_tokens: Any, min_samples: int, min_tokens: int, max_samples: int) -> Any:
+    """The one predicate loaders and planner share, so both agree on a window's exact content. Elementwise over
+    numpy arrays (a window after each of several candidate samples: see :func:`window_fill_length`)."""
+    return (samples >= max_samples) | ((samples >= min_samples) & (unconsumed_tokens >= min_tokens))
+
+
+def window_fill_length(samples: int, unconsumed_tokens: int, tokens: np.ndarray, min_samples: int, min_tokens: int,
+                       max_samples: int) -> int | None:
+    """How many of the next samples (their token counts `tokens`) a window of `samples` holding `unconsumed_tokens`
+    takes until it is full: the shortest prefix a loader announces. None when all of them do not fill it."""
+    n = len(tokens)
+    full = window_full(samples + np.arange(1, n + 1), unconsumed_tokens + np.cumsum(tokens), min_samples, min_tokens,
+                       max_samples)
+    return int(np.argmax(full)) + 1 if n and full.any() else None
 
 
 # ---------------------------------------------------------------------------------------------- roles

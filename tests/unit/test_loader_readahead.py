@@ -84,3 +84,14 @@ def test_failed_request_is_read_by_the_caller(tmp_path):
     assert ra.get(0, 50, 100, timeout=10) is None
     assert ra.held_bytes == 0
     ra.close()
+
+
+def test_endpoint_override_for_s3_and_gcs():
+    from mixplane.loader.remote import endpoint_options, gcs_filesystem, s3_filesystem
+
+    assert endpoint_options(None) == {} and endpoint_options("") == {}
+    assert endpoint_options("http://127.0.0.1:9000/") == {"endpoint_override": "127.0.0.1:9000", "scheme": "http"}
+    assert endpoint_options("minio.local:9000") == {"endpoint_override": "minio.local:9000", "scheme": "https"}
+    # both clients take it (built, not connected: no request is made)
+    assert s3_filesystem(endpoint="http://127.0.0.1:9", region="eu-west-1").region == "eu-west-1"
+    assert gcs_filesystem(endpoint="http://127.0.0.1:9").type_name == "gcs"

@@ -64,6 +64,28 @@ def test_window_full_rule():
     assert protocol.window_full(2, 10, 2, 10, 8)
     assert not protocol.window_full(2, 9, 2, 10, 8)
     assert not protocol.window_full(1, 100, 2, 10, 8)
+    assert isinstance(protocol.window_full(2, 10, 2, 10, 8), bool)
+
+
+def test_window_full_elementwise_agrees_with_the_scalar_rule():
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        have_n, have_t = int(rng.integers(0, 6)), int(rng.integers(0, 50))
+        tok = rng.integers(1, 30, int(rng.integers(0, 12)))
+        lo, cap, min_t = int(rng.integers(1, 8)), int(rng.integers(1, 16)), int(rng.integers(1, 120))
+        n_after, cum = have_n + np.arange(1, len(tok) + 1), have_t + np.cumsum(tok)
+        vec = protocol.window_full(n_after, cum, lo, min_t, cap)
+        assert list(vec) == [protocol.window_full(int(a), int(b), lo, min_t, cap) for a, b in zip(n_after, cum)]
+        # the shortest filling prefix, as a loader adds samples one at a time
+        k, n, t = None, have_n, have_t
+        for i, x in enumerate(tok):
+            n, t = n + 1, t + int(x)
+            if protocol.window_full(n, t, lo, min_t, cap):
+                k = i + 1
+                break
+        assert protocol.window_fill_length(have_n, have_t, tok, lo, min_t, cap) == k
 
 
 def _msg(kind, meta=None, arrays=None):

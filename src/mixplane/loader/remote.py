@@ -187,11 +187,17 @@ def s3_filesystem(*, endpoint: str | None = None, region: str | None = None, io:
                 "connect_timeout": io.connect_timeout_s, "request_timeout": io.request_timeout_s}
     if region:
         kw["region"] = region
-    if endpoint:
-        scheme, _, host = endpoint.rpartition("://")
-        kw["endpoint_override"] = host.rstrip("/")
-        kw["scheme"] = scheme or "https"
+    kw.update(endpoint_options(endpoint))
     return pafs.S3FileSystem(**kw)
+
+
+def endpoint_options(endpoint: str | None) -> dict[str, str]:
+    """pyarrow's `endpoint_override` and `scheme` for the spec's endpoint (`http://host:port`, or a bare
+    `host:port`, which means https); none without one."""
+    if not endpoint:
+        return {}
+    scheme, _, host = endpoint.rpartition("://")
+    return {"endpoint_override": host.rstrip("/"), "scheme": scheme or "https"}
 
 
 def gcs_filesystem(*, endpoint: str | None = None, io: RemoteIO = DEFAULTS) -> pafs.GcsFileSystem:
@@ -205,10 +211,7 @@ def gcs_filesystem(*, endpoint: str | None = None, io: RemoteIO = DEFAULTS) -> p
     kw: dict = {"retry_time_limit": datetime.timedelta(seconds=1.0)}
     if os.environ.get("MIXPLANE_GCS_ANONYMOUS", "") not in ("", "0"):
         kw["anonymous"] = True
-    if endpoint:
-        scheme, _, host = endpoint.rpartition("://")
-        kw["endpoint_override"] = host.rstrip("/")
-        kw["scheme"] = scheme or "https"
+    kw.update(endpoint_options(endpoint))
     return pafs.GcsFileSystem(**kw)
 
 
