@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "datamixtures.mixplane.io.yaml"
 
 __all__ = ["CRD", "ROOT", "LocalPods", "apply", "applied", "children", "free_port", "get", "operator", "run_trainers",
-           "process_watch", "sa_kubeconfig", "status_of", "trainer_key_dir", "wait_for"]
+           "process_watch", "sa_kubeconfig", "status_of", "trainer_key_dir", "trainer_keys", "wait_for"]
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, every: float = 0.25, *, tolerate: bool = False,
@@ -222,6 +222,19 @@ class LocalPods:
             started.append(p)
         return started
 
+    def start_mixture(self, kids: Mapping[tuple[str, str], Mapping[str, Any]], planner_host: str, *,
+                      planner_pod: str = "demo-planner-0", name: str = "demo") -> None:
+        """What the kubelet would run of a mixture's children: its planner pod, every constructor of the
+        StatefulSet, and one pod of every loader Deployment with replicas."""
+        self.start(planner_pod, kids[("Deployment", f"{name}-planner")]["spec"]["template"], planner_host)
+        time.sleep(1.0)
+        sts = kids[("StatefulSet", f"{name}-constructor")]
+        for i in range(sts["spec"]["replicas"]):
+            self.start(f"{name}-constructor-{i}", sts["spec"]["template"], planner_host)
+        for (kind, dep), o in kids.items():
+            if kind == "Deployment" and o["metadata"]["labels"]["mixplane.io/role"] == "loader" and o["spec"]["replicas"]:
+                self.start(f"{dep}-0", o["spec"]["template"], planner_host)
+
     def stop_pod(self, pod_name: str, sig: int = signal.SIGTERM) -> None:
         """What deleting one pod does: its processes get `sig` (SIGKILL: a node lost)."""
         for n, p in self.procs:
@@ -254,7 +267,7 @@ class LocalPods:
 
 
 def trainer_key_dir(cluster: Cluster, ns: str, secret: str, d: Path) -> Path:
-    """What the pod webhook mounts into a trainer: the client key pair and the servers' public key."""
+    """The shared client key pair and the servers' public key (what a trainer pod gets under rank_binding: off)."""
     d.mkdir(mode=0o700, exist_ok=True)
     sec = get(cluster, "secret", secret, "-n", ns)
     for item in ("client.key", "client.key_secret", "server.key"):
@@ -263,22 +276,54 @@ def trainer_key_dir(cluster: Cluster, ns: str, secret: str, d: Path) -> Path:
     return d
 
 
-def run_trainers(planner: str, key_dir: Path, world_size: int, steps: int, *, timeout: float = 120.0,
-                 keep: Callable[[Mapping[str, Any]], Any] | None = None, pause_s: float = 0.0) -> dict[int, list[Any]]:
+def trainer_keys(cluster: Cluster, ns: str, d: Path, name: str = "demo") -> dict[int, tuple[Path, str]]:
+    """rank -> (key dir, key name) of the trainer pod holding that rank: for each trainer slot, exactly the key
+    files the operator's pod webhook mounts into that slot's pod (its ranks' `client-r<A>-<B>` pair and the
+    servers' public key), decided by the webhook's own resolver."""
+    from mixplane.operator.admission import resolver
+    from mixplane.operator.builders import pod_rank_keys
+    from mixplane.operator.reconcile import spec_of
+    from mixplane.wire import ranks_of_key_name
+
+    obj = get(cluster, "datamixture", name, "-n", ns)
+    sec = get(cluster, "secret", f"{name}-keys", "-n", ns)
+    resolve = resolver(lambda _n, _ns: obj)
+    out: dict[int, tuple[Path, str]] = {}
+    for slot in range(len(pod_rank_keys(spec_of(obj)))):
+        inj = resolve(name, ns, {"metadata": {"name": f"trainer-{slot}",
+                                              "labels": {"mixplane.io/mixture": name, "mixplane.io/trainer-index": str(slot)}}})
+        kd = d / f"slot-{slot}"
+        kd.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for item in inj.key_items:
+            (kd / item).write_bytes(base64.b64decode(sec["data"][item]))
+            os.chmod(kd / item, 0o600)
+        lo, hi = ranks_of_key_name(inj.key_name) or (0, -1)
+        out.update({r: (kd, inj.key_name) for r in range(lo, hi + 1)})
+    return out
+
+
+def run_trainers(planner: str, keys: Path | Mapping[int, tuple[Path, str]], world_size: int, steps: int, *,
+                 timeout: float = 120.0, keep: Callable[[Mapping[str, Any]], Any] | None = None,
+                 pause_s: float = 0.0) -> dict[int, list[Any]]:
     """`world_size` MixtureLoader ranks (threads) reading `steps` batches each, as trainers with the injected env.
+    `keys`: one key dir for every rank (its `client` key, or its rank's key when it holds rank keys), or per rank
+    the (key dir, key name) its trainer pod got (`trainer_keys`).
 
     Returns rank -> what `keep(batch)` gave for each batch (default: the step)."""
     from mixplane.client import MixtureLoader
+    from mixplane.wire import CurveSetup
 
     keep = keep or (lambda b: int(b["step"]))
-    env = {"MIXPLANE_PLANNER": planner, "MIXPLANE_CURVE_DIR": str(key_dir), "MIXPLANE_CURVE_NAME": "client",
-           "MIXPLANE_TIMEOUT_S": str(int(timeout / 2))}
+    shared = keys if isinstance(keys, Path) else None
+    env = {"MIXPLANE_PLANNER": planner, "MIXPLANE_TIMEOUT_S": str(int(timeout / 2)),
+           **({"MIXPLANE_CURVE_DIR": str(shared), "MIXPLANE_CURVE_NAME": "client"} if shared is not None else {})}
     got: dict[int, list[Any]] = {r: [] for r in range(world_size)}
     errors: list[BaseException] = []
 
     def train(rank: int) -> None:
         try:
-            loader = MixtureLoader(rank=rank, world_size=world_size)
+            curve = None if isinstance(keys, Path) else CurveSetup.from_dir(*keys[rank])
+            loader = MixtureLoader(rank=rank, world_size=world_size, curve=curve)
             for batch in loader:
                 got[rank].append(keep(batch))
                 time.sleep(pause_s)  # a trainer's step time

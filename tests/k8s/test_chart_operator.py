@@ -111,13 +111,15 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         wait_for("status", lambda: (json.loads(c.kubectl("-n", ns, "get", "dmix", "demo", "-o", "json").stdout)
                                     .get("status") or {}).get("conditions"), 120, 0.5, tolerate=True, abort=operator_alive)
 
-        # and the pod webhook injects a labelled trainer pod
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {"mixplane.io/mixture": "demo"}},
+        # and the pod webhook injects a labelled trainer pod of slot 0, with the key bound to that pod's ranks
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {
+            "mixplane.io/mixture": "demo", "mixplane.io/trainer-index": "0"}},
                "spec": {"containers": [{"name": "train", "image": "trainer:1"}]}}
         c.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(pod))
         got = json.loads(c.kubectl("-n", ns, "get", "pod", "trainer", "-o", "json").stdout)
-        envs = {e["name"] for e in got["spec"]["containers"][0].get("env", [])}
-        assert {"MIXPLANE_PLANNER", "MIXPLANE_CURVE_DIR"} <= envs
+        envs = {e["name"]: e.get("value") for e in got["spec"]["containers"][0].get("env", [])}
+        assert {"MIXPLANE_PLANNER", "MIXPLANE_CURVE_DIR"} <= set(envs)
+        assert envs["MIXPLANE_CURVE_NAME"].startswith("client-r0-"), envs
         # the journal claim is among the children (the chart lets the operator create it)
         wait_for("the planner journal's claim", lambda: json.loads(c.kubectl(
             "-n", ns, "get", "pvc", "demo-journal", "-o", "json", check=False).stdout or "{}"), 60, 0.5, tolerate=True, abort=operator_alive)

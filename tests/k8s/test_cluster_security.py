@@ -2,8 +2,10 @@
 CURVE keys of the Secret the operator created, refuse an unauthenticated SHUTDOWN / UPDATE_MIXTURE /
 RESUME (no CURVE, or a key that is not the run's) during the handshake and count it
 (mixplane_wire_handshakes_failed_total), refuse the same control kinds from a trainer's client key
-(mixplane_wire_refused_total{role="client"}), and keep serving: the admin key still reads the status,
-the mixture is unchanged, trainers get their batches.
+(mixplane_wire_refused_total{role="client"}), bind each trainer pod's key to its own ranks (a pod's
+`client-r<A>-<B>` key, as the pod webhook mounts it, cannot take another pod's rank; the shared client key
+none), and keep serving: the admin key still reads the status, the mixture is unchanged, trainers get
+their batches.
 
 The pods run as local processes (tests/k8s/helpers.LocalPods): no kubelet here."""
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import os
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import zmq
 from mixplane import wire
 from mixplane.control import ControlCurve, status
 from mixplane.wire import Kind
-from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, trainer_key_dir, wait_for
+from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, trainer_key_dir, trainer_keys, wait_for
 from tests.unit.operator_testdata import write_text_and_images
 
 pytestmark = pytest.mark.timeout(600)
@@ -93,6 +94,19 @@ def _send_all(endpoint: str, keys: wire.CurveKeys | None, server_public: bytes |
         ctx.destroy(linger=0)
 
 
+def _ask(endpoint: str, keys: wire.CurveKeys, server_public: bytes, kind: Kind, meta: dict) -> wire.Message:
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        wire.curve_client(s, keys, server_public)
+        s.connect(endpoint)
+        wire.send(s, kind, meta)
+        return wire.recv_timeout(s, 20, what=kind.name)[1]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_unauthenticated_control_is_refused_and_counted_in_the_cluster(crd, k8s_namespace, data, tmp_path):
     cluster, ns = crd, k8s_namespace
     pods = LocalPods(cluster, ns, tmp_path / "pods")
@@ -103,14 +117,7 @@ def test_unauthenticated_control_is_refused_and_counted_in_the_cluster(crd, k8s_
         planner_host = f"demo-planner.{ns}.svc:7000"
         try:
             planner_tpl = kids[("Deployment", "demo-planner")]["spec"]["template"]
-            pods.start("demo-planner-0", planner_tpl, planner_host)
-            time.sleep(1.0)
-            sts = kids[("StatefulSet", "demo-constructor")]
-            for i in range(sts["spec"]["replicas"]):
-                pods.start(f"demo-constructor-{i}", sts["spec"]["template"], planner_host)
-            for (kind, name), o in kids.items():
-                if kind == "Deployment" and o["metadata"]["labels"]["mixplane.io/role"] == "loader" and o["spec"]["replicas"]:
-                    pods.start(f"{name}-0", o["spec"]["template"], planner_host)
+            pods.start_mixture(kids, planner_host)
             endpoint = f"tcp://127.0.0.1:{pods.planner_port}"
             port = _metrics_port(pods, "demo-planner-0", "planner", planner_tpl)
             admin = ControlCurve(str(_secret_dir(cluster, ns, ("admin.key", "admin.key_secret", "server.key"),
@@ -127,13 +134,25 @@ def test_unauthenticated_control_is_refused_and_counted_in_the_cluster(crd, k8s_
             answered = _send_all(endpoint, wire.load_keys(trainer, "client"), server_public)
             assert Kind.SHUTDOWN not in answered and Kind.UPDATE_MIXTURE not in answered
 
+            # rank binding: each trainer pod's key (what the pod webhook mounts for its slot) claims only its ranks
+            pod_keys = trainer_keys(cluster, ns, tmp_path / "pod-keys")
+            assert sorted(pod_keys) == [0, 1] and pod_keys[1][1] == "client-r1-1", pod_keys
+            slot1 = wire.load_keys(*pod_keys[1])
+            assert sorted(p.name for p in pod_keys[1][0].iterdir()) == ["client-r1-1.key", "client-r1-1.key_secret", "server.key"]
+            assert _ask(endpoint, slot1, server_public, Kind.ROUTE, {"rank": 1}).kind == Kind.ROUTE_REPLY
+            stolen = _ask(endpoint, slot1, server_public, Kind.ROUTE, {"rank": 0})
+            assert stolen.kind == Kind.ERROR and "bound to ranks 1..1" in stolen.meta["error"], stolen.meta
+            shared = _ask(endpoint, wire.load_keys(trainer, "client"), server_public, Kind.ROUTE, {"rank": 0})
+            assert shared.kind == Kind.ERROR and "requires rank-bound keys" in shared.meta["error"], shared.meta
+
             def counted() -> dict[str, float] | None:
                 hs = "mixplane_wire_handshakes_failed_total"
                 got = {"no_curve": _metric(port, hs, socket="planner", reason="protocol") + _metric(port, hs, socket="planner", reason="other"),
                        "auth": _metric(port, hs, socket="planner", reason="auth"),
                        "shutdown": _metric(port, "mixplane_wire_refused_total", kind="SHUTDOWN", role="client"),
-                       "update": _metric(port, "mixplane_wire_refused_total", kind="UPDATE_MIXTURE", role="client")}
-                return got if all(v >= 1 for v in got.values()) else None
+                       "update": _metric(port, "mixplane_wire_refused_total", kind="UPDATE_MIXTURE", role="client"),
+                       "route": _metric(port, "mixplane_wire_refused_total", kind="ROUTE", role="client")}
+                return got if all(v >= 1 for v in got.values()) and got["route"] >= 2 else None
 
             seen = wait_for("refusals counted in the planner's metrics", counted, 30, tolerate=True)
             print(f"planner refusals: {seen}")
@@ -141,7 +160,7 @@ def test_unauthenticated_control_is_refused_and_counted_in_the_cluster(crd, k8s_
             after = status(endpoint, 5.0, curve=admin)
             assert after["generation"] == before["generation"]  # no mixture update got through
             assert after["session"] == before["session"]  # nor a resume
-            got = run_trainers(endpoint, trainer, 2, 4)
+            got = run_trainers(endpoint, pod_keys, 2, 4)  # each rank with its own pod's key only
             assert got[0] == got[1] == list(range(4)), (got, pods.dead())
             assert not pods.dead(), pods.logs()
         finally:

@@ -9,7 +9,6 @@ local ports as its own pod IP would keep them apart), then a MixtureLoader recei
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import pytest
@@ -24,7 +23,7 @@ from tests.k8s.helpers import (
     operator,
     run_trainers,
     status_of,
-    trainer_key_dir,
+    trainer_keys,
     wait_for,
 )
 from tests.unit.operator_testdata import write_text_and_images
@@ -121,16 +120,9 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
         assert urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=5).status == 200
         planner_host = f"demo-planner.{ns}.svc:7000"
         try:
-            pods.start("demo-planner-0", kids[("Deployment", "demo-planner")]["spec"]["template"], planner_host)
-            time.sleep(1.0)
-            sts = kids[("StatefulSet", "demo-constructor")]
-            for i in range(sts["spec"]["replicas"]):
-                pods.start(f"demo-constructor-{i}", sts["spec"]["template"], planner_host)
-            for (kind, name), o in kids.items():
-                if kind == "Deployment" and o["metadata"]["labels"]["mixplane.io/role"] == "loader" and o["spec"]["replicas"]:
-                    pods.start(f"{name}-0", o["spec"]["template"], planner_host)
+            pods.start_mixture(kids, planner_host)
             # a trainer with what the pod webhook gives it: the planner endpoint and the client key
-            keys = trainer_key_dir(cluster, ns, "demo-keys", tmp_path / "trainer-keys")
+            keys = trainer_keys(cluster, ns, tmp_path / "trainer-keys")
             try:
                 got = run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", keys, 2, 6)
             except AssertionError as e:

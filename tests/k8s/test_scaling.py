@@ -26,7 +26,7 @@ from tests.k8s.helpers import (
     operator,
     run_trainers,
     status_of,
-    trainer_key_dir,
+    trainer_keys,
     wait_for,
 )
 from tests.unit.operator_testdata import write_text_and_images
@@ -132,7 +132,7 @@ def test_phase_change_regroups_loaders_with_handoff_and_batches_stay_the_same(cr
             kubelet = Kubelet(cluster, ns, pods, planner_host)
             kubelet.sync()
             kubelet.start()
-            keys = trainer_key_dir(cluster, ns, "demo-keys", tmp_path / "trainer-keys")
+            keys = trainer_keys(cluster, ns, tmp_path / "trainer-keys")
             try:
                 got = run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", keys, 2, STEPS, timeout=400, keep=digest,
                                    pause_s=0.4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,7 +21,6 @@ from tests.k8s.helpers import (
     operator,
     run_trainers,
     status_of,
-    trainer_key_dir,
     wait_for,
 )
 from tests.unit.operator_testdata import write_text_and_images
@@ -119,8 +119,10 @@ def test_pod_webhook_injects_the_slots_loaders_and_only_the_rest_is_remote(crd, 
 
             t0 = wait_for("an injected trainer pod", lambda: create(trainer_pod("trainer-0", 0)), 60, 1.0)
             t1 = create(trainer_pod("trainer-1", 1))
-            loose = create(trainer_pod("trainer-x"))
-            assert t1 and loose
+            assert t1
+            # a pod without a slot cannot be given its ranks' key (rank binding): refused, saying what to do
+            r = cluster.kubectl("-n", ns, "create", "-f", "-", input=json.dumps(trainer_pod("trainer-x")), check=False)
+            assert r.returncode != 0 and "label it mixplane.io/trainer-index" in r.stderr, r.stderr
             for k, t in ((0, t0), (1, t1)):
                 names = [c["name"] for c in t["spec"]["containers"]]
                 assert names[0] == "train" and len(names) == 2 and names[1].startswith("mixplane-loader-pairs")
@@ -131,9 +133,12 @@ def test_pod_webhook_injects_the_slots_loaders_and_only_the_rest_is_remote(crd, 
                 assert car["ports"] == [{"name": "mx-metrics-0", "containerPort": 9191, "protocol": "TCP"}]
                 envs = {e["name"]: e.get("value") for e in t["spec"]["containers"][0]["env"]}
                 assert envs["MIXPLANE_PLANNER"] == f"tcp://demo-planner.{ns}.svc:7000"
-                vols = {v["name"] for v in t["spec"]["volumes"]}
-                assert {"mixplane-keys", "mixplane-loader-spec", "mixplane-loader-keys"} <= vols
-            assert [c["name"] for c in loose["spec"]["containers"]] == ["train"]
+                vols = {v["name"]: v for v in t["spec"]["volumes"]}
+                assert {"mixplane-keys", "mixplane-loader-spec", "mixplane-loader-keys"} <= set(vols)
+                # the trainer's key is its own rank's (2 pods x 1 rank), and the only secret it gets
+                assert envs["MIXPLANE_CURVE_NAME"] == f"client-r{k}-{k}"
+                assert [i["key"] for i in vols["mixplane-keys"]["secret"]["items"]] == \
+                    [f"client-r{k}-{k}.key", f"client-r{k}-{k}.key_secret", "server.key"]
 
             # runnable: planner, constructors, the remote text loader and the two injected sidecars as processes
             planner_host = f"demo-planner.{ns}.svc:7000"
@@ -145,7 +150,13 @@ def test_pod_webhook_injects_the_slots_loaders_and_only_the_rest_is_remote(crd, 
                 pods.start(f"{name}-0", o["spec"]["template"], planner_host)
             for t in (t0, t1):
                 pods.start(t["metadata"]["name"], t, planner_host, only=lambda c: c["name"].startswith("mixplane-"))
-            keys = trainer_key_dir(cluster, ns, "demo-keys", tmp_path / "trainer-keys")
+            # each rank with the key files the webhook mounted into its pod (rank k runs in trainer pod k)
+            keys = {}
+            for k, t in ((0, t0), (1, t1)):
+                train = t["spec"]["containers"][0]
+                mounts = pods.volumes(t["metadata"]["name"] + "-train", t["spec"], [train])
+                envs = {e["name"]: e.get("value") for e in train["env"]}
+                keys[k] = (Path(mounts[envs["MIXPLANE_CURVE_DIR"]]), envs["MIXPLANE_CURVE_NAME"])
             try:
                 got = run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", keys, 2, 4, timeout=150)
             except AssertionError as e:

@@ -59,3 +59,16 @@ def text_image_mixture(paths: dict, **runtime) -> dict:
         "strategy": {"name": "vlm_balance"},
         "runtime": {"metrics": False, **runtime},
     }
+
+
+class FakeKeys(dict):
+    """Key pairs for every name asked (the roles' and any trainer pod's `client-r<A>-<B>`): fixed 40-char texts,
+    so rendered Secrets are comparable; the operator makes real ones with zmq.curve_keypair."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str)
+
+    def __missing__(self, name: str) -> tuple[str, str]:
+        pair = (f"{name}-public-".ljust(40, "x")[:40], f"{name}-secret-".ljust(40, "y")[:40])
+        self[name] = pair
+        return pair

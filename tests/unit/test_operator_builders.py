@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -29,9 +30,10 @@ from mixplane.operator.builders import (
 )
 from mixplane.operator.reconcile import sidecar_layout, trainer_slots
 from mixplane.spec import DataMixtureSpec, parse_spec
+from tests.unit.operator_testdata import FakeKeys
 
 OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
-KEYS = {r: (f"{r}-public-".ljust(40, "x"), f"{r}-secret-".ljust(40, "y")) for r in ("server", "component", "client", "admin")}
+KEYS = FakeKeys()
 
 
 def demo_spec(**over) -> DataMixtureSpec:
@@ -170,6 +172,64 @@ def test_secret_is_a_key_dir_the_wire_layer_reads(tmp_path):
     assert load_allowlist(tmp_path) == {keys[r][0].encode() for r in ("server", "component", "client", "admin")}
     with pytest.raises(ValueError, match="admin"):
         key_secret(OPTS, {r: keys[r] for r in ("server", "component", "client")})
+
+
+def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
+    """Issue 10 in a cluster: one `client-r<A>-<B>` pair per trainer pod (its ranks), in the Secret; components
+    mount only the public halves (their ZAP handler then knows which ranks each key may claim)."""
+    import base64
+
+    import zmq
+
+    from mixplane.operator.builders import MAX_POD_KEYS, component_key_items, pod_rank_keys, pod_rank_ranges
+    from mixplane.operator.handlers import existing_keys, with_pod_keys
+    from mixplane.wire import has_rank_keys, load_keys, load_roles
+
+    spec = demo_spec()  # dp 2 x tp 2, 2 ranks per node: 2 trainer pods
+    assert pod_rank_ranges(spec) == [(0, 1), (2, 3)]
+    assert pod_rank_keys(spec) == ("client-r0-1", "client-r2-3")
+    assert pod_rank_ranges(demo_spec(kubernetes={"trainer_pods": 4})) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert pod_rank_keys(demo_spec(runtime={"constructors": "per_node", "rank_binding": "off"})) == ()
+
+    pairs = {n: tuple(k.decode() for k in zmq.curve_keypair()) for n in ("server", "component", "client", "admin", "client-r0-1", "client-r2-3")}
+    plan = auto_partition([SourceCost(n, 1.5e-6, 40 * MIB) for n in ("code", "man", "docs")], spec_schedule(spec), 2_000_000,
+                          LoaderBudget(32, 1 << 40))
+    _, objs = render_mixture(spec, OPTS, plan.pods_at(0), plan.partitions, pairs)
+    secret = by(objs, "Secret")["demo-keys"]
+    assert {"client-r0-1.key", "client-r0-1.key_secret", "client-r2-3.key", "client-r2-3.key_secret"} <= set(secret["stringData"])
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        (vol,) = [v for v in o["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+        items = [it["key"] for it in vol["secret"]["items"]]
+        assert "client-r0-1.key" in items and "client-r2-3.key" in items, o["metadata"]["name"]
+        assert not [i for i in items if i.startswith(("client", "admin")) and i.endswith("_secret")], items
+    d = tmp_path / "component"
+    d.mkdir()
+    for item in component_key_items(replace(OPTS, rank_keys=pod_rank_keys(spec))):
+        (d / item).write_text(secret["stringData"][item])
+    roles = load_roles(d)
+    assert roles[pairs["client-r0-1"][0].encode()] == "client:0-1" and roles[pairs["client-r2-3"][0].encode()] == "client:2-3"
+    assert has_rank_keys(d)  # rank_binding auto: the components require rank-bound claims
+    t = tmp_path / "trainer-1"
+    t.mkdir()
+    (t / "client-r2-3.key_secret").write_text(secret["stringData"]["client-r2-3.key_secret"])
+    assert load_keys(t, "client-r2-3").public.decode() == pairs["client-r2-3"][0]
+
+    # the operator keeps the Secret's pairs across reconciles, issues pairs for new pods, drops those of gone pods
+    stored = existing_keys({"data": {k: base64.b64encode(v.encode()).decode() for k, v in secret["stringData"].items()}})
+    assert stored == pairs
+    grown = with_pod_keys(stored, ("client-r0-0", "client-r2-3"))
+    assert set(grown) == {"server", "component", "client", "admin", "client-r0-0", "client-r2-3"}
+    assert grown["client-r2-3"] == pairs["client-r2-3"] and grown["server"] == pairs["server"]
+    assert len(grown["client-r0-0"][0]) == 40 and grown["client-r0-0"] != pairs["client-r0-1"]
+
+    # more trainer pods than a Secret holds keys for: unbound under auto, an error under required
+    big = {"topology": {"modules": {"backbone": {"dp": 2 * MAX_POD_KEYS}}, "ranks_per_node": 1},
+           "batch": {"sequences": 2 * MAX_POD_KEYS, "seq_len": 256}}
+    assert pod_rank_keys(demo_spec(**big)) == ()
+    with pytest.raises(ValueError, match="exceed the 2048 a Secret holds"):
+        pod_rank_keys(demo_spec(**big, runtime={"rank_binding": "required"}))
 
 
 def test_network_policies_and_budgets():

@@ -14,9 +14,10 @@ from mixplane.operator.reconcile import (
     profile_from_status,
     status_of,
 )
+from tests.unit.operator_testdata import FakeKeys
 
 OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
-KEYS = {r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")}
+KEYS = FakeKeys({r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")})
 PROFILE = {"version": 1, "sources": {
     "text": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 << 20, "max_partitions": 50, "mean_tokens_per_sample": 500.0},
     "pairs": {"cpu_s_per_token": 6e-5, "memory_per_partition": 60 << 20, "max_partitions": 50, "mean_tokens_per_sample": 80.0}}}

@@ -152,30 +152,47 @@ _SECRET = re.compile(r'secret-key = "([^"]+)"')
 
 
 def existing_keys(secret: Mapping[str, Any] | None) -> dict[str, tuple[str, str]] | None:
-    """Key pairs of an existing Secret (never rotated by a reconcile: running pods hold them)."""
+    """Key pairs of an existing Secret, the roles' and the trainer pods' (never rotated by a reconcile: running pods
+    hold them); None when a role's pair is missing or unreadable."""
+    from mixplane.wire import SECRET_SUFFIX, ranks_of_key_name
+
     if not secret:
         return None
     data = secret.get("data") or {}
     out = {}
-    for role in ROLES:
-        raw = data.get(f"{role}.key_secret")
+    names = [*ROLES, *sorted(n[: -len(SECRET_SUFFIX)] for n in data if n.endswith(SECRET_SUFFIX)
+                             and ranks_of_key_name(n[: -len(SECRET_SUFFIX)]) is not None)]
+    for name in names:
+        raw = data.get(f"{name}{SECRET_SUFFIX}")
         if raw is None:
             return None
         text = base64.b64decode(raw).decode()
         pub, sec = _PUBLIC.search(text), _SECRET.search(text)
         if not pub or not sec:
-            return None
-        out[role] = (pub.group(1), sec.group(1))
+            if name in ROLES:
+                return None
+            continue  # a damaged pod key is issued again
+        out[name] = (pub.group(1), sec.group(1))
     return out
 
 
-def new_keys() -> dict[str, tuple[str, str]]:
+def new_keys(names: tuple[str, ...] = ROLES) -> dict[str, tuple[str, str]]:
     import zmq
 
     out = {}
-    for role in ROLES:
+    for name in names:
         pub, sec = zmq.curve_keypair()
-        out[role] = (pub.decode(), sec.decode())
+        out[name] = (pub.decode(), sec.decode())
+    return out
+
+
+def with_pod_keys(keys: Mapping[str, tuple[str, str]], pod_keys: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """The roles' pairs and exactly the trainer pods' pairs `pod_keys` (kept where the Secret has them, new where
+    it does not: a world that grew adds pods; pairs of pods the mixture no longer has are dropped)."""
+    out = {r: keys[r] for r in ROLES}
+    missing = tuple(n for n in pod_keys if n not in keys)
+    fresh = new_keys(missing) if missing else {}
+    out.update({n: keys[n] if n in keys else fresh[n] for n in pod_keys})
     return out
 
 
@@ -305,8 +322,17 @@ def converge_hosts(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], wa
     return draining, done
 
 
-def _keys_for(opts: ClusterOptions) -> dict[str, tuple[str, str]]:
-    return existing_keys(kube().get("v1", "Secret", opts.namespace, opts.secret_name)) or new_keys()
+def _keys_for(opts: ClusterOptions, spec: Any = None) -> dict[str, tuple[str, str]]:
+    """The Secret's key pairs (new ones for a new mixture); with `spec`, completed with its trainer pods' keys."""
+    from mixplane.operator.builders import pod_rank_keys
+
+    keys = existing_keys(kube().get("v1", "Secret", opts.namespace, opts.secret_name)) or new_keys()
+    if spec is None:
+        return keys
+    try:
+        return with_pod_keys(keys, pod_rank_keys(spec))
+    except ValueError as e:  # more trainer pods than a Secret holds keys for, under rank_binding: required
+        raise ReconcileError(str(e)) from None
 
 
 def _readiness(opts: ClusterOptions) -> tuple[bool, str]:
@@ -329,7 +355,7 @@ def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mi
     try:
         spec = spec_of(body)
         prof = profile_for(body, spec, logger)
-        keys = _keys_for(opts)
+        keys = _keys_for(opts, spec)
         step = int(planner_status.get("planned_through", 0)) if planner_status else int((body.get("status") or {}).get("step") or 0)
         if mixture_changed:
             memo.pop("shares", None)  # the scaler re-decides for the new schedule

@@ -40,6 +40,8 @@ from mixplane.operator.builders import (
     render_mixture,
     sidecar_containers,
     sidecar_volumes,
+    trainer_pods,
+    with_rank_keys,
 )
 
 ANN_TPS = "mixplane.io/tokens-per-second"
@@ -164,10 +166,7 @@ class Desired:
 
 def trainer_slots(spec: Any) -> int:
     """Trainer pods that host sidecars: kubernetes.trainer_pods, else one per node of the topology."""
-    if spec.kubernetes.trainer_pods:
-        return int(spec.kubernetes.trainer_pods)
-    per_node = max(1, int(getattr(spec.topology, "ranks_per_node", 1) or 1))
-    return max(1, -(-int(spec.world_size) // per_node))
+    return trainer_pods(spec)
 
 
 def _at_shares(p: LoaderPod, shares: Mapping[str, float], costs: Mapping[str, SourceCost], partitions: Mapping[str, int],
@@ -211,6 +210,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     costs = costs_of(profile, spec)
     placement: SidecarPlacement | None = None
     try:
+        with_rank_keys(opts, spec)  # a mixture that asks for more rank keys than a Secret holds is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
         if spec.kubernetes.placement == "sidecar":
             pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
@@ -256,7 +256,7 @@ def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Ma
         raise ReconcileError(str(e)) from None
     if not 0 <= slot < len(placement.slots) or not placement.slots[slot]:
         return [], []
-    return sidecar_containers(spec, opts, pods.pods, plan.partitions, placement.slots[slot]), sidecar_volumes(opts)
+    return sidecar_containers(spec, opts, pods.pods, plan.partitions, placement.slots[slot]), sidecar_volumes(with_rank_keys(opts, spec))
 
 
 # ---- status -----------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ texts as `mixplane validate`, only files and user code are not looked at: they l
 volumes and in the component image, not in the operator.
 
 Mutating (Pod): a pod labelled ``mixplane.io/mixture: <name>`` gets the planner endpoint, the trainer's
-CURVE client key (mounted from the mixture's Secret) and, when the mixture asks for sidecar placement, the
+CURVE client key (mounted from the mixture's Secret: the key bound to its slot's ranks, `client-r<A>-<B>`,
+unless the mixture's runtime.rank_binding is off) and, when the mixture asks for sidecar placement, the
 loader containers the operator placed on it. The trainer then needs nothing but ``MixtureLoader()``.
 
 kopf wiring (the handlers stay thin)::
@@ -38,8 +39,6 @@ MIXTURE_LABEL = "mixplane.io/mixture"
 INJECTED_ANNOTATION = "mixplane.io/injected"
 KEY_MOUNT = "/var/run/mixplane/keys"
 KEY_VOLUME = "mixplane-keys"
-# the trainer gets its own key pair and the servers' public key, never a component's secret key
-CLIENT_KEY_ITEMS = ("client.key", "client.key_secret", "server.key")
 
 
 # ---- validating: DataMixture ----
@@ -88,10 +87,15 @@ class Injection:
     mixture: str
     planner: str  # tcp://<planner service>.<namespace>.svc:<port>
     secret_name: str  # the mixture's CURVE key Secret
-    key_items: tuple[str, ...] = CLIENT_KEY_ITEMS
+    key_name: str = "client"  # the trainer's key pair: its pod's rank-bound `client-r<A>-<B>`, or the shared one
     sidecars: tuple[dict[str, Any], ...] = ()  # loader containers placed on this pod (sidecar placement)
     volumes: tuple[dict[str, Any], ...] = ()  # volumes those containers mount (spec ConfigMap, data)
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def key_items(self) -> tuple[str, ...]:
+        """The trainer gets its own key pair and the servers' public key, never a component's or another pod's secret."""
+        return (f"{self.key_name}.key", f"{self.key_name}.key_secret", "server.key")
 
 
 TRAINER_INDEX = "mixplane.io/trainer-index"
@@ -115,6 +119,21 @@ def trainer_index(pod: Mapping[str, Any]) -> int | None:
     return None
 
 
+def pod_key(rank_keys: tuple[str, ...], slot: int | None) -> str:
+    """The key a trainer pod of `slot` gets: its slot's rank-bound key when the mixture binds ranks (a pod without a
+    slot, or past the last one, is refused: the message says how to give it one), else the shared client key."""
+    if not rank_keys:
+        return "client"
+    if slot is None:
+        raise ValueError("the mixture binds trainer ranks to keys (runtime.rank_binding), and this pod has no trainer slot: "
+                         "label it mixplane.io/trainer-index=<k> (pod k runs the k-th block of ranks), or run it from an "
+                         "Indexed Job or a StatefulSet, or set the mixture's runtime.rank_binding: off")
+    if not 0 <= slot < len(rank_keys):
+        raise ValueError(f"trainer slot {slot} is outside the mixture's {len(rank_keys)} trainer pods "
+                         f"(kubernetes.trainer_pods or world size / ranks_per_node)")
+    return rank_keys[slot]
+
+
 def mixture_of(pod: Mapping[str, Any]) -> str | None:
     """The mixture a pod asks for (its `mixplane.io/mixture` label), or None."""
     labels = ((pod.get("metadata") or {}).get("labels")) or {}
@@ -131,7 +150,7 @@ def inject_pod(pod: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         return new
     spec = new.setdefault("spec", {})
     env = [("MIXPLANE_PLANNER", inj.planner), ("MIXPLANE_MIXTURE", inj.mixture),
-           ("MIXPLANE_CURVE_DIR", KEY_MOUNT), ("MIXPLANE_CURVE_NAME", "client"), *inj.extra_env]
+           ("MIXPLANE_CURVE_DIR", KEY_MOUNT), ("MIXPLANE_CURVE_NAME", inj.key_name), *inj.extra_env]
     containers = []
     for c in spec.get("containers") or []:
         c = dict(c)
