@@ -149,6 +149,10 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
                                                          status_of(cluster, ns).get("sources") or []
                                                          if s.get("deliveredTokensPerSecond") is not None}, 30)
             assert set(rates) == {"text", "pairs"} and rates["text"] > 0 and rates["pairs"] > 0
+            # with the weight each source realised so far in the phase, next to its target
+            srcs = {s["name"]: s for s in status_of(cluster, ns)["sources"]}
+            assert abs(sum(s["realisedWeight"] for s in srcs.values()) - 1.0) < 1e-3, srcs
+            assert srcs["text"]["targetWeight"] == 0.7 and 0 < srcs["pairs"]["realisedWeight"] < 1, srcs
 
             # kubectl patch of the weights: pairs off -> its loader Deployments run 0 replicas, and the
             # running planner takes the new mixture at a step boundary recorded in the status

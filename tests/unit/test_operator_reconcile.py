@@ -134,3 +134,16 @@ def test_shares_decided_by_the_scaling_policy_size_the_loader_pods():
     off = desired(b, OPTS, PROFILE, KEYS, shares={"text": 1.0, "pairs": 0.0})
     pairs = [o for o in off.objects if o["kind"] == "Deployment" and "pairs:" in o["metadata"].get("annotations", {}).get("mixplane.io/partitions", "")]
     assert pairs and all(o["spec"]["replicas"] == 0 for o in pairs)
+
+
+def test_planner_figures_per_source_for_the_status():
+    from mixplane.operator.reconcile import planner_source_figures
+
+    st = {"sources": ["text", "pairs"], "target": [0.7, 0.3], "realized_phase": [0.6912345678, 0.3087654322],
+          "source_tokens_per_s": [1234.56789, -1.0]}
+    assert planner_source_figures(st) == {
+        "text": {"targetWeight": 0.7, "realisedWeight": 0.691235, "deliveredTokensPerSecond": 1234.568},
+        "pairs": {"targetWeight": 0.3, "realisedWeight": 0.308765, "deliveredTokensPerSecond": 0.0}}
+    # a list that does not match the sources is left out, never misattributed
+    assert planner_source_figures({"sources": ["a", "b"], "target": [1.0]}) == {}
+    assert planner_source_figures({}) == {}

@@ -47,6 +47,7 @@ from mixplane.operator.reconcile import (
     desired,
     fallback_profile,
     inputs_of,
+    planner_source_figures,
     profile_from_annotation,
     profile_from_status,
     segments_of,
@@ -514,11 +515,9 @@ def on_timer(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
         patch.status["scaling"] = (prev + rec)[-20:]
         return
     patch.status["step"] = step
-    if delivered:
-        srcs = [dict(s) for s in (body.get("status") or {}).get("sources") or []]
-        for s in srcs:
-            if s.get("name") in delivered:
-                s["deliveredTokensPerSecond"] = round(delivered[s["name"]], 3)
+    live = planner_source_figures(st)  # realised weights and delivered rates as the run goes
+    if live:
+        srcs = [{**s, **live.get(s.get("name"), {})} for s in (body.get("status") or {}).get("sources") or []]
         if srcs:
             patch.status["sources"] = srcs
     if memo.get("draining") and memo.get("layout"):  # a regrouping is under way: hand over, then remove old pods

@@ -271,6 +271,20 @@ def condition(kind: str, ok: bool, reason: str, message: str, generation: int | 
             "observedGeneration": generation}
 
 
+def planner_source_figures(st: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per source what the running planner's STATUS says: the target weight now, the weight realised in the
+    current phase, and the delivered tokens per second (status.sources[*] fields; empty without a STATUS)."""
+    names = list(st.get("sources") or [])
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    for key, field, digits, floor in (("target", "targetWeight", 6, None), ("realized_phase", "realisedWeight", 6, None),
+                                      ("source_tokens_per_s", "deliveredTokensPerSecond", 3, 0.0)):
+        values = list(st.get(key) or [])
+        if len(values) == len(names):
+            for n, x in zip(names, values):
+                out[n][field] = round(float(x) if floor is None else max(floor, float(x)), digits)
+    return {n: f for n, f in out.items() if f}
+
+
 def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile: Mapping[str, Any], *,
               ready: bool, progressing: tuple[bool, str, str], degraded: tuple[bool, str, str],
               planner_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -280,22 +294,14 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
     pods = d.pods if d.pods is not None else d.plan.pods_at(d.step)
     slot_of = d.sidecars.slot_of() if d.sidecars is not None else {}
     step = d.step
-    target = dict(pods.weights)
-    realised: dict[str, float] = {}
-    delivered: dict[str, float] = {}
+    live = planner_source_figures(planner_status or {})
     if planner_status:
-        delivered = {n: float(x) for n, x in zip(planner_status.get("sources") or [], planner_status.get("source_tokens_per_s") or [])}
         step = max(0, int(planner_status.get("planned_through", step)))
-        names = list(planner_status.get("sources") or [])
-        target = {n: float(x) for n, x in zip(names, planner_status.get("target") or [])} or target
-        realised = {n: float(x) for n, x in zip(names, planner_status.get("realized_phase") or [])}
     sources = []
     for s in d.spec.sources:
         p = (profile.get("sources") or {}).get(s.name, {})
         sources.append({
-            "name": s.name, "targetWeight": round(float(target.get(s.name, 0.0)), 6),
-            **({"realisedWeight": round(realised[s.name], 6)} if s.name in realised else {}),
-            **({"deliveredTokensPerSecond": round(max(0.0, delivered[s.name]), 3)} if s.name in delivered else {}),
+            "name": s.name, "targetWeight": round(float(pods.weights.get(s.name, 0.0)), 6), **live.get(s.name, {}),
             "partitions": int(d.plan.partitions[s.name]),
             "loaderPods": sum(1 for x in pods.pods_of(s.name) if not x.idle and x.name not in slot_of),
             **({"sidecarPartitions": sum(1 for x in pods.pods_of(s.name) if x.name in slot_of for m in x.members if m[0] == s.name)}
