@@ -243,7 +243,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         cursor_after = planner.cursor()
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else planner.retired(p)
-        seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
+        seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
                                          plan.piece_of_seg, seg_of_img)
         img = image_parts(lay, seg_of_img, dp_fanout, leader_fanout, len(groups), merge, spec.world_size)

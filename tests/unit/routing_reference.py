@@ -108,3 +108,30 @@ def _stable_order(key: np.ndarray) -> np.ndarray:
         return np.argsort(key.astype(np.uint16), kind="stable")
     return np.argsort(key, kind="stable")
 
+
+def _old_stable_order(key: np.ndarray) -> np.ndarray:
+    """np.argsort(key, kind="stable"), as a radix sort when the keys fit 16 bits (ranks, constructors)."""
+    key = np.asarray(key)
+    if len(key) and 0 <= int(key.min()) and int(key.max()) < 1 << 16:
+        return np.argsort(key.astype(np.uint16), kind="stable")
+    return np.argsort(key, kind="stable")
+
+
+def old_constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fanout, leader_fanout: Fanout,
+                       n_constructors: int) -> list[np.ndarray]:
+    """The images each constructor needs (ascending indices into the step's image list): those whose text
+    starts in its rows (its DP ranks: `dp_fanout`, from the image's first segment `seg_of_img`) and those
+    encoded by an encoder leader of one of its ranks (`leader_fanout`: leader rank -> constructors), in
+    one vectorised pass -- what a constructor is told about images grows with its share of them, not with
+    the step's."""
+    n = len(layout.img_key)
+    if n == 0:
+        return [np.zeros(0, np.int64) for _ in range(n_constructors)]
+    img_dp = layout.seg_row[seg_of_img].astype(np.int64) // layout.rows_per_rank
+    cuts = np.arange(n_constructors + 1, dtype=np.int64)
+    parts = []
+    for img_idx, cons in (dp_fanout.expand(img_dp), leader_fanout.expand(layout.img_rank.astype(np.int64))):
+        o = _old_stable_order(cons)  # per constructor, images stay ascending (expand lists them in order)
+        parts.append((img_idx[o], np.searchsorted(cons[o], cuts)))
+    (a, ab), (b, bb) = parts
+    return [np.union1d(a[ab[c]:ab[c + 1]], b[bb[c]:bb[c + 1]]) for c in range(n_constructors)]

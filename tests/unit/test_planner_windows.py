@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mixplane.layout import layout_digest
 from mixplane.planner.core import CoverageError, PlanContext, ReplicaWindow, StepPlanner, WindowError, vanilla_strategy
+from mixplane.planner.routing import image_segments
 
 from . import core_reference as ref
 from .planner_helpers import fill, make_spec
@@ -42,6 +43,9 @@ def assert_same_plans(a, b, old) -> None:
     assert np.array_equal(a.samples_by_source, b.samples_by_source)
     assert a.retired is not None and a.retired.dtype == np.uint8
     assert np.array_equal(a.piece_of_seg, b.piece_of_seg)  # build_layout's pairing = the one searched for
+    want = image_segments(b.layout, b.piece_of_seg, b.pieces.patches)
+    if a.seg_of_img is not None:
+        assert want is not None and np.array_equal(a.seg_of_img, want)
     assert np.array_equal(a.retired, old.retired(b.pieces))
 
 
@@ -99,6 +103,7 @@ def test_plans_windows_and_cursors_match_the_former_core(sources, weights, unit,
         new.strategy = old.strategy = remixing(3) if ev == "remix" else new.__class__(spec).strategy
         a, b = new.plan(), old.plan()
         assert_same_plans(a, b, old)
+        assert (a.seg_of_img is not None) == bool(len(a.layout.img_key))  # build_layout's layouts: known
         assert_same_planners(new, old)
         cursors.append(new.cursor())
 

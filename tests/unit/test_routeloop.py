@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixplane.layout import StepLayout
-from mixplane.planner.routing import Fanout, loader_instructions
+from mixplane.planner.routing import Fanout, constructor_images, loader_instructions
 
-from tests.unit.routing_reference import old_loader_instructions
+from tests.unit.routing_reference import old_constructor_images, old_loader_instructions
 
 
 def random_step(seed: int, *, dup_fanout: bool = False):
@@ -90,3 +90,16 @@ def test_the_comparison_sees_a_wrong_flag():
     except AssertionError:
         return
     raise AssertionError("a changed destination went unnoticed")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_constructor_images_equal_the_numpy_version(seed, dup):
+    """routeloop.image_lists against two fan-out expansions, sorts and a union1d per constructor."""
+    lay, _, _, soi, dp_fan, rank_fan = random_step(seed, dup_fanout=dup)
+    n_cons = int(max(dp_fan.targets.max(initial=-1), rank_fan.targets.max(initial=-1))) + 1 + seed % 2
+    got = constructor_images(lay, soi, dp_fan, rank_fan, n_cons)
+    want = old_constructor_images(lay, soi, dp_fan, rank_fan, n_cons)
+    assert len(got) == len(want) == n_cons
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -459,6 +459,7 @@ class StepPlan:
     stats: dict[str, Any] = field(default_factory=dict)  # what balancing did (imbalance before / after)
     piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
     retired: np.ndarray | None = None  # uint8 per piece: StepPlanner.retired(pieces), found while compacting
+    seg_of_img: np.ndarray | None = None  # routing.image_segments (the segment carrying each image), if known
 
 
 class StepPlanner:
@@ -755,6 +756,11 @@ class StepPlanner:
         except BaseException:
             self._rollback(snap)
             raise
+        seg_of_img = None
+        if ctx.built is not None and piece_of_seg is ctx.built[1] and len(layout.img_key):
+            seg_of_piece = np.empty(len(piece_of_seg), np.int64)  # the builder's pairing, inverted
+            seg_of_piece[piece_of_seg] = np.arange(len(piece_of_seg), dtype=np.int64)
+            seg_of_img = seg_of_piece[ctx.built[2]]
         taken, self._taken = self._taken, None
         full = self.store.compact()
         # a piece retires its sample iff the sample left its window now (select's own pieces: no search)
@@ -763,4 +769,4 @@ class StepPlanner:
         tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
         first = pieces.start == 0
         smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
-        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg, retired)
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg, retired, seg_of_img)

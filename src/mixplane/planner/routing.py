@@ -141,19 +141,13 @@ def constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fa
     """The images each constructor needs (ascending indices into the step's image list): those whose text
     starts in its rows (its DP ranks: `dp_fanout`, from the image's first segment `seg_of_img`) and those
     encoded by an encoder leader of one of its ranks (`leader_fanout`: leader rank -> constructors), in
-    one vectorised pass -- what a constructor is told about images grows with its share of them, not with
-    the step's."""
-    n = len(layout.img_key)
-    if n == 0:
+    one compiled pass (routeloop.image_lists) -- what a constructor is told about images grows with its
+    share of them, not with the step's."""
+    if len(layout.img_key) == 0:
         return [np.zeros(0, np.int64) for _ in range(n_constructors)]
     img_dp = layout.seg_row[seg_of_img].astype(np.int64) // layout.rows_per_rank
-    cuts = np.arange(n_constructors + 1, dtype=np.int64)
-    parts = []
-    for img_idx, cons in (dp_fanout.expand(img_dp), leader_fanout.expand(layout.img_rank.astype(np.int64))):
-        o = _stable_order(cons)  # per constructor, images stay ascending (expand lists them in order)
-        parts.append((img_idx[o], np.searchsorted(cons[o], cuts)))
-    (a, ab), (b, bb) = parts
-    return [np.union1d(a[ab[c]:ab[c + 1]], b[bb[c]:bb[c + 1]]) for c in range(n_constructors)]
+    return routeloop.image_lists(img_dp, layout.img_rank, dp_fanout.offsets, dp_fanout.targets, leader_fanout.offsets,
+                                 leader_fanout.targets, n_constructors)
 
 
 def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],

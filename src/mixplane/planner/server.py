@@ -545,7 +545,7 @@ class PlannerServer(Component, PartitionHosting):
         # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else self.core.retired(p)
-        seg_of_img = image_segments(lay, plan.piece_of_seg, p.patches)
+        seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
         per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
                                          self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
         released = min(self.released_by.values(), default=-1) if len(self.released_by) == len(self.constructors) else -1
