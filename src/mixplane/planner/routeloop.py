@@ -188,7 +188,7 @@ def route(pidx: np.ndarray, seg_row: np.ndarray, rows_per_rank: int, seg_source:
 
 # ---- images per constructor --------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _list_image(i, at, off, tgt, last, slot, out):
     """Image i to every constructor of fan-out entry `at` that does not list it yet: counted in `slot`, and
     written at `out[slot]` when `out` is given (non-empty)."""
@@ -207,13 +207,13 @@ def _image_lists(img_dp, img_rank, dp_off, dp_tgt, ld_off, ld_tgt, n_cons):
     offsets = np.zeros(n_cons + 1, np.int64)
     last = np.full(n_cons, -1, np.int64)  # the last image listed for each constructor (no duplicates)
     out = np.empty(0, np.int64)
-    slot = offsets[1:]  # first pass: counts
+    slot = np.zeros(n_cons, np.int64)  # first pass: counts
     for p in range(2):
         if p == 1:
             for c in range(n_cons):
-                offsets[c + 1] += offsets[c]
+                offsets[c + 1] = offsets[c] + slot[c]
             out = np.empty(offsets[n_cons], np.int64)
-            slot = offsets[:n_cons].copy()
+            slot[:] = offsets[:n_cons]
             last[:] = -1
         for i in range(n):  # images in order: every constructor's list comes out ascending
             _list_image(i, img_dp[i], dp_off, dp_tgt, last, slot, out)
