@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from mixplane import wire  # noqa: E402
 from mixplane.loader.transforms import TransformedSamples  # noqa: E402
 from mixplane.loader.window import LoaderWindow  # noqa: E402
-from mixplane.planner.server import PlannerServer  # noqa: E402
+from mixplane.planner.server import PlannerServer, tune_gc  # noqa: E402
 from mixplane.protocol import plan_cursor  # noqa: E402
 from mixplane.samples import Ragged, make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
@@ -239,6 +239,7 @@ def run(loaders: int, constructors: int, steps: int, loader_procs: int, construc
     tmp = tempfile.mkdtemp(prefix="plan-peers-")
     t_start = time.perf_counter()
     server = CountingPlanner(spec, "tcp://127.0.0.1:0", run_dir=tmp, metrics_port=None)
+    tune_gc()  # as `mixplane planner` does once its server is up
     cpu: dict[str, float] = {}
 
     def serve() -> None:

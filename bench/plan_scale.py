@@ -66,7 +66,7 @@ from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
-from mixplane.planner.server import StepMetrics  # noqa: E402
+from mixplane.planner.server import StepMetrics, tune_gc  # noqa: E402
 from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_segments, loader_instructions  # noqa: E402
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
@@ -225,6 +225,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
     jpath = os.path.join(tmp, "journal.jsonl")
     journal = Journal(jpath)
     journal.open(spec, 0, planner.cursor())
+    tune_gc()  # as `mixplane planner` does once its server is up
     rec: dict[str, list[np.ndarray]] = {k: [] for k in (*PHASES, "step")}
     sizes: dict[str, list[float]] = {k: [] for k in ("loaders", "constructors", "journal", "loader_mean", "loader_max",
                                                       "constructor_mean", "constructor_max")}

@@ -80,11 +80,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_planner(args: argparse.Namespace) -> int:
-    from mixplane.planner.server import PlannerServer
+    from mixplane.planner.server import PlannerServer, tune_gc
     from mixplane.control import write_ready
 
     spec = _component_spec(args)
     srv = PlannerServer(spec, args.bind, run_dir=args.run_dir, metrics_port=args.metrics_port)
+    tune_gc()  # this process only plans: fewer, cheaper garbage collections
     _on_sigterm(srv)
     write_ready(args.ready_file, {"endpoint": srv.endpoint, "metrics_port": srv.metrics_port})
     srv.run()
