@@ -66,25 +66,27 @@ def _less(k1, s1, v1, k2, s2, v2):
     return v1 < v2
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def _put(hk, hs, hv, j, key, s, v):
+    hk[j] = key
+    hs[j] = s
+    hv[j] = v
+
+
+@njit(cache=True, inline="always")
 def _push(hk, hs, hv, n, key, s, v):
     j = n
     while j > 0:
         p = (j - 1) >> 1
-        if _less(key, s, v, hk[p], hs[p], hv[p]):
-            hk[j] = hk[p]
-            hs[j] = hs[p]
-            hv[j] = hv[p]
-            j = p
-        else:
+        if not _less(key, s, v, hk[p], hs[p], hv[p]):
             break
-    hk[j] = key
-    hs[j] = s
-    hv[j] = v
+        _put(hk, hs, hv, j, hk[p], hs[p], hv[p])
+        j = p
+    _put(hk, hs, hv, j, key, s, v)
     return n + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _pop(hk, hs, hv, n):
     n -= 1
     if n <= 0:
@@ -97,22 +99,17 @@ def _pop(hk, hs, hv, n):
             break
         if c + 1 < n and _less(hk[c + 1], hs[c + 1], hv[c + 1], hk[c], hs[c], hv[c]):
             c += 1
-        if _less(hk[c], hs[c], hv[c], key, s, v):
-            hk[j] = hk[c]
-            hs[j] = hs[c]
-            hv[j] = hv[c]
-            j = c
-        else:
+        if not _less(hk[c], hs[c], hv[c], key, s, v):
             break
-    hk[j] = key
-    hs[j] = s
-    hv[j] = v
+        _put(hk, hs, hv, j, hk[c], hs[c], hv[c])
+        j = c
+    _put(hk, hs, hv, j, key, s, v)
     return n
 
 
 # ---- hierarchical bitset (successor queries) for best fit --------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _ctz(x):
     n = 0
     if (x & np.uint64(0xFFFFFFFF)) == 0:
@@ -135,7 +132,7 @@ def _ctz(x):
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _bset(bits, lo, nlev, key):
     idx = key
     for lv in range(nlev):
@@ -147,7 +144,7 @@ def _bset(bits, lo, nlev, key):
         idx = w
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _bclear(bits, lo, nlev, key):
     idx = key
     for lv in range(nlev):
@@ -159,7 +156,7 @@ def _bclear(bits, lo, nlev, key):
         idx = w
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _bsucc(bits, lo, nlev, x):
     """Smallest set key >= x, or -1."""
     idx = x
@@ -194,10 +191,53 @@ def _levels(universe: int) -> np.ndarray:
 
 # ---- the loop --------------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _released(i, realized, probs, sz, total, limit):
     li = sz[i]
     return realized[i] + li - probs[i] * (total + li) <= limit
+
+
+@njit(cache=True, inline="always")
+def _size(c_tok, c_done, k, unit_samples, S):
+    """What candidate k would add to its source's count: 1 / 0 samples (a continuation), or its next piece."""
+    d = c_done[k]
+    if unit_samples:
+        return 1.0 if d == 0 else 0.0
+    rem = c_tok[k] - d
+    return float(rem if rem < S else S)
+
+
+@njit(cache=True, inline="always")
+def _queue(i, v, realized, probs, inv_p, sz, total, limit, delta, rk, rs, rv, nready, wk, ws, wv, nwait):
+    """Source i (its next size in sz[i], entry version v) into the released heap by deadline, or else into the
+    waiting heap by the total at which it is released; returns (nready, nwait)."""
+    if _released(i, realized, probs, sz, total, limit):
+        return _push(rk, rs, rv, nready, (realized[i] + delta) * inv_p[i], i, v), nwait
+    return nready, _push(wk, ws, wv, nwait, (realized[i] + sz[i] - limit) * inv_p[i] - sz[i], i, v)
+
+
+@njit(cache=True, inline="always")
+def _starve(i, realized, probs, limit, st_at, st_i, nst):
+    """starved.add(i): source i (nothing left) into the list ordered by the total at which it falls behind."""
+    at = (realized[i] + limit) / probs[i]
+    j = nst
+    while j > 0 and (st_at[j - 1] > at or (st_at[j - 1] == at and st_i[j - 1] > i)):
+        st_at[j] = st_at[j - 1]
+        st_i[j] = st_i[j - 1]
+        j -= 1
+    st_at[j] = at
+    st_i[j] = i
+    return nst + 1
+
+
+@njit(cache=True, inline="always")
+def _exhaust(i, active, version, count, realized, probs, limit, st_at, st_i, nst):
+    """Source i has no candidate left: out of the queue (remove), into the starved list; (count, nst)."""
+    if active[i]:
+        active[i] = False
+        count -= 1
+        version[i] += 1
+    return count, _starve(i, realized, probs, limit, st_at, st_i, nst)
 
 
 @njit(cache=True)
@@ -246,34 +286,17 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
 
     for i in range(n):
         if ptr[i] < end[i] and probs[i] > 0:
-            k = ptr[i]
-            d = c_done[k]
-            if unit_samples:
-                size = 1.0 if d == 0 else 0.0
-            else:
-                rem = c_tok[k] - d
-                size = float(rem if rem < S else S)
             # set(i, size)
             version[i] += 1
             if not active[i]:
                 active[i] = True
                 count += 1
-            sz[i] = size
-            if _released(i, realized, probs, sz, total, limit):
-                nready = _push(rk, rs, rv, nready, (realized[i] + delta) * inv_p[i], i, version[i])
-            else:
-                nwait = _push(wk, ws, wv, nwait, (realized[i] + size - limit) * inv_p[i] - size, i, version[i])
+            sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
+            nready, nwait = _queue(i, version[i], realized, probs, inv_p, sz, total, limit, delta,
+                                   rk, rs, rv, nready, wk, ws, wv, nwait)
     for i in range(n):
         if probs[i] > 0 and ptr[i] >= end[i]:
-            at = (realized[i] + limit) / probs[i]
-            j = nst
-            while j > 0 and (st_at[j - 1] > at or (st_at[j - 1] == at and st_i[j - 1] > i)):
-                st_at[j] = st_at[j - 1]
-                st_i[j] = st_i[j - 1]
-                j -= 1
-            st_at[j] = at
-            st_i[j] = i
-            nst += 1
+            nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
 
     again = -1
     while count > 0:
@@ -373,41 +396,16 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         if row < 0:
             ptr[best] = k + 1
             if k + 1 >= end[best]:
-                # remove + starved.add
-                if active[best]:
-                    active[best] = False
-                    count -= 1
-                    version[best] += 1
-                at = (realized[best] + limit) / probs[best]
-                j = nst
-                while j > 0 and (st_at[j - 1] > at or (st_at[j - 1] == at and st_i[j - 1] > best)):
-                    st_at[j] = st_at[j - 1]
-                    st_i[j] = st_i[j - 1]
-                    j -= 1
-                st_at[j] = at
-                st_i[j] = best
-                nst += 1
+                count, nst = _exhaust(best, active, version, count, realized, probs, limit, st_at, st_i, nst)
             else:
-                d = c_done[k + 1]
-                if unit_samples:
-                    size = 1.0 if d == 0 else 0.0
-                else:
-                    rem = c_tok[k + 1] - d
-                    size = float(rem if rem < S else S)
-                # still_released(best, size)
-                li = sz[best]
-                sz[best] = size
+                # still_released(best, size): picked again at once, or re-queued with its new size
+                sz[best] = _size(c_tok, c_done, k + 1, unit_samples, S)
                 if _released(best, realized, probs, sz, total, limit):
                     again = best
                 else:
-                    sz[best] = li
                     version[best] += 1
-                    sz[best] = size
-                    if _released(best, realized, probs, sz, total, limit):
-                        nready = _push(rk, rs, rv, nready, (realized[best] + delta) * inv_p[best], best, version[best])
-                    else:
-                        nwait = _push(wk, ws, wv, nwait, (realized[best] + size - limit) * inv_p[best] - size,
-                                      best, version[best])
+                    nready, nwait = _queue(best, version[best], realized, probs, inv_p, sz, total, limit, delta,
+                                           rk, rs, rv, nready, wk, ws, wv, nwait)
             continue
         o_cand[n_out] = k
         o_bin[n_out] = row
@@ -426,33 +424,12 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         if done >= tokens:
             ptr[best] = k + 1
             if k + 1 >= end[best]:
-                if active[best]:
-                    active[best] = False
-                    count -= 1
-                    version[best] += 1
-                at = (realized[best] + limit) / probs[best]
-                j = nst
-                while j > 0 and (st_at[j - 1] > at or (st_at[j - 1] == at and st_i[j - 1] > best)):
-                    st_at[j] = st_at[j - 1]
-                    st_i[j] = st_i[j - 1]
-                    j -= 1
-                st_at[j] = at
-                st_i[j] = best
-                nst += 1
+                count, nst = _exhaust(best, active, version, count, realized, probs, limit, st_at, st_i, nst)
                 continue
-        k = ptr[best]
-        d = c_done[k]
-        if unit_samples:
-            size = 1.0 if d == 0 else 0.0
-        else:
-            rem = c_tok[k] - d
-            size = float(rem if rem < S else S)
         version[best] += 1
-        sz[best] = size
-        if _released(best, realized, probs, sz, total, limit):
-            nready = _push(rk, rs, rv, nready, (realized[best] + delta) * inv_p[best], best, version[best])
-        else:
-            nwait = _push(wk, ws, wv, nwait, (realized[best] + size - limit) * inv_p[best] - size, best, version[best])
+        sz[best] = _size(c_tok, c_done, ptr[best], unit_samples, S)
+        nready, nwait = _queue(best, version[best], realized, probs, inv_p, sz, total, limit, delta,
+                               rk, rs, rv, nready, wk, ws, wv, nwait)
     if policy == 0:  # leave the bitset empty for the next step (clearing R keys beats faulting in fresh pages)
         for r in range(R):
             if rowfree[r] > 0:
