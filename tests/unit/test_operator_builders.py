@@ -232,6 +232,20 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
         pod_rank_keys(demo_spec(**big, runtime={"rank_binding": "required"}))
 
 
+def test_disruption_budgets_use_the_api_the_server_serves():
+    from mixplane.operator.builders import disruption_budgets, pdb_api_version
+
+    v120 = {"kind": "APIGroup", "name": "policy", "versions": [{"groupVersion": "policy/v1beta1", "version": "v1beta1"}]}
+    v121 = {"kind": "APIGroup", "name": "policy", "versions": [{"groupVersion": "policy/v1", "version": "v1"},
+                                                              {"groupVersion": "policy/v1beta1", "version": "v1beta1"}]}
+    v125 = {"kind": "APIGroup", "name": "policy", "versions": [{"groupVersion": "policy/v1", "version": "v1"}]}
+    assert pdb_api_version(v120) == "policy/v1beta1"
+    assert pdb_api_version(v121) == pdb_api_version(v125) == "policy/v1"
+    assert pdb_api_version(None) == "policy/v1"  # not discoverable: the current API
+    assert {b["apiVersion"] for b in disruption_budgets(OPTS)} == {"policy/v1"}
+    assert {b["apiVersion"] for b in disruption_budgets(replace(OPTS, pdb_api_version="policy/v1beta1"))} == {"policy/v1beta1"}
+
+
 def test_network_policies_and_budgets():
     _, _, objs = render()
     nps = by(objs, "NetworkPolicy")

@@ -74,6 +74,8 @@ class ClusterOptions:
     command: tuple[str, ...] = ("mixplane",)
     # rank-bound trainer keys (`client-r<A>-<B>`, one per trainer pod): components mount their public halves
     rank_keys: tuple[str, ...] = ()
+    # PodDisruptionBudget's API: policy/v1 (Kubernetes >= 1.21; v1beta1 is gone from 1.25), v1beta1 on older servers
+    pdb_api_version: str = "policy/v1"
 
     @property
     def planner_service(self) -> str:
@@ -468,9 +470,16 @@ def network_policies(opts: ClusterOptions) -> list[dict[str, Any]]:
     return [loaders, constructors, planner]
 
 
+def pdb_api_version(policy_group: Mapping[str, Any] | None) -> str:
+    """The PodDisruptionBudget API a server serves, from its `/apis/policy` discovery document: policy/v1 when it
+    has it (a 1.25+ server has nothing else), else policy/v1beta1 (a 1.20 server)."""
+    versions = [v.get("groupVersion") for v in (policy_group or {}).get("versions") or []]
+    return "policy/v1beta1" if versions and "policy/v1" not in versions else "policy/v1"
+
+
 def disruption_budgets(opts: ClusterOptions) -> list[dict[str, Any]]:
     """A voluntary eviction (node drain) must not take the planner or a constructor while training runs."""
-    return [{"apiVersion": "policy/v1beta1", "kind": "PodDisruptionBudget", "metadata": _meta(opts, f"{opts.name}-{role}", role),
+    return [{"apiVersion": opts.pdb_api_version, "kind": "PodDisruptionBudget", "metadata": _meta(opts, f"{opts.name}-{role}", role),
              "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector(opts, role)}}}
             for role in ("planner", "constructor")]
 

@@ -27,6 +27,7 @@ import re
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -122,6 +123,15 @@ class Kube:
             return self._call("GET", self.path(api_version, kind, namespace, name))
         except KubeError as e:
             if e.status == 404:
+                return None
+            raise
+
+    def discover(self, path: str) -> Any:
+        """A discovery document (`/apis/<group>`), or None when the server does not serve it."""
+        try:
+            return self._call("GET", path)
+        except KubeError as e:
+            if e.status in (403, 404):
                 return None
             raise
 
@@ -234,6 +244,18 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
 
 
 # ---------------------------------------------------------------------------------------------- reconcile
+_PDB_API: list[str] = []
+
+
+def server_pdb_api() -> str:
+    """The PodDisruptionBudget API of this operator's API server (asked once per process)."""
+    from mixplane.operator.builders import pdb_api_version
+
+    if not _PDB_API:
+        _PDB_API.append(pdb_api_version(kube().discover("/apis/policy")))
+    return _PDB_API[0]
+
+
 def options_for(body: Mapping[str, Any]) -> ClusterOptions:
     md = body["metadata"]
     image = ((body.get("spec") or {}).get("kubernetes") or {}).get("image") or os.environ.get("MIXPLANE_IMAGE", "mixplane:latest")
@@ -352,7 +374,7 @@ def _readiness(opts: ClusterOptions) -> tuple[bool, str]:
 def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mixture_changed: bool = False,
               shares: Mapping[str, float] | None = None, planner_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One pass: children and status for the object as it is now."""
-    opts = options_for(body)
+    opts = replace(options_for(body), pdb_api_version=server_pdb_api())
     try:
         spec = spec_of(body)
         prof = profile_for(body, spec, logger)
