@@ -188,20 +188,23 @@ class WindowStore:
         self.source = np.array([x.source for x in windows], np.int64)
         self.replica = np.array([x.replica for x in windows], np.int64)
         self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1])
-        self.cols: dict[str, np.ndarray] = {f: np.zeros(0, np.int64) for f in FIELDS}
-        self.win = np.zeros(0, np.int64)  # window of every sample
+        self._bufs = [np.zeros((6, 0), np.int64), np.zeros((6, 0), np.int64)]  # rows: FIELDS, then the window
+        self._side = 0
+        self._adopt(self._bufs[0][:, :0])
         self.fresh = False
-        self._bufs: dict[str, list[np.ndarray]] = {f: [np.zeros(0, np.int64), np.zeros(0, np.int64)] for f in (*FIELDS, "win")}
-        self._side = dict.fromkeys(self._bufs, 0)
 
-    def _spare(self, name: str, n: int) -> np.ndarray:
-        """n slots of the buffer of column `name` that does not hold it now (it will)."""
-        side = 1 - self._side[name]
-        buf = self._bufs[name][side]
-        if len(buf) < n:
-            buf = self._bufs[name][side] = np.empty(n + n // 4 + 1024, np.int64)
-        self._side[name] = side
-        return buf[:n]
+    def _spare(self, n: int) -> np.ndarray:
+        """(6, n) of the buffer that does not hold the columns now (it will)."""
+        self._side = side = 1 - self._side
+        buf = self._bufs[side]
+        if buf.shape[1] < n:
+            buf = self._bufs[side] = np.empty((6, n + n // 4 + 1024), np.int64)
+        return buf[:, :n]
+
+    def _adopt(self, block: np.ndarray) -> None:
+        self.block = block
+        self.cols: dict[str, np.ndarray] = {f: block[i] for i, f in enumerate(FIELDS)}
+        self.win = block[5]  # window of every sample
 
     def sync(self) -> None:
         """Gather the windows into the columns unless every window is still a view of them."""
@@ -210,14 +213,12 @@ class WindowStore:
             return
         lens = np.fromiter((len(w.pos) for w in ws), np.int64, len(ws))
         np.cumsum(lens, out=self.base[1:])
-        n = int(self.base[-1])
-        for f in FIELDS:
-            out = self._spare(f, n)
+        block = self._spare(int(self.base[-1]))
+        for i, f in enumerate(FIELDS):
             if ws:
-                np.concatenate([getattr(w, f) for w in ws], out=out)
-            self.cols[f] = out
-        self.win = self._spare("win", n)
-        self.win[:] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
+                np.concatenate([getattr(w, f) for w in ws], out=block[i])
+        block[5] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
+        self._adopt(block)
         self._view()
 
     def _view(self) -> None:
@@ -231,39 +232,23 @@ class WindowStore:
         self.fresh = True
 
     def compact(self) -> np.ndarray:
-        """ReplicaWindow.compact for every window at once; returns the `full` mask over the columns as they
-        were (the samples that left their windows: the pieces that retire them)."""
+        """ReplicaWindow.compact for every window at once (one compiled pass over the columns); returns the
+        `full` mask over the columns as they were (the samples that left their windows: the pieces that retire
+        them)."""
         ws = self.windows
-        pos, done, tokens = self.cols["pos"], self.cols["done"], self.cols["tokens"]
-        full = done >= tokens
-        if full.any():
-            gone, keep = np.flatnonzero(full), np.flatnonzero(~full)  # index gathers: ~5x a boolean mask's speed
-            gone_pos, gone_win = pos[gone], self.win[gone]
-            for f in FIELDS:
-                self.cols[f] = np.take(self.cols[f], keep, out=self._spare(f, len(keep)))
-            self.win = np.take(self.win, keep, out=self._spare("win", len(keep)))
-            lens = np.diff(self.base) - np.bincount(gone_win, minlength=len(ws))
-            np.cumsum(lens, out=self.base[1:])
-        else:
-            gone_pos = gone_win = np.zeros(0, np.int64)
-            lens = np.diff(self.base)
-        pos = self.cols["pos"]
-        first = np.minimum(self.base[:-1], max(len(pos) - 1, 0))
         nxt = np.fromiter((w.next_pos for w in ws), np.int64, len(ws))
-        new_low = np.where(lens > 0, pos[first] if len(pos) else nxt, nxt)
-        rem = self.cols["tokens"] - self.cols["done"]
-        csum = np.zeros(len(rem) + 1, np.int64)
-        np.cumsum(rem, out=csum[1:])
-        unc = (csum[self.base[1:]] - csum[self.base[:-1]]).tolist()
+        dst = self._spare(self.block.shape[1])
+        full, kept, base, unc, low, a_win, a_pos = selectloop.compact(self.block, dst, nxt)
+        self.base[:] = base
+        self._adopt(dst[:, :kept])
         # consumed positions above the new low mark (taken out of order) become skips; few per window
-        ahead = gone_pos >= new_low[gone_win]
         above: dict[int, list[int]] = {}
-        for wi, p in zip(gone_win[ahead].tolist(), gone_pos[ahead].tolist()):
+        for wi, p in zip(a_win.tolist(), a_pos.tolist()):
             above.setdefault(wi, []).append(p)
         empty = np.zeros(0, np.int64)
-        for i, (w, low, left) in enumerate(zip(ws, new_low.tolist(), unc)):
+        for i, (w, lo, left) in enumerate(zip(ws, low.tolist(), unc.tolist())):
             got = above.get(i)
-            w._advance(low, empty if got is None else np.array(got, np.int64))
+            w._advance(lo, empty if got is None else np.array(got, np.int64))
             w.unconsumed = left
         self._view()
         return full

@@ -484,8 +484,61 @@ def warm() -> float:
     for policy in POLICY:
         run(np.array([5, 3], np.int64), np.zeros(2, np.int64), np.array([0, 1, 2], np.int64), np.array([0.5, 0.5]),
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
+    block = np.zeros((6, 3), np.int64)
+    compact(block[:, :2], block[:, 1:], np.zeros(1, np.int64))
     _warm_s = time.perf_counter() - t0
     return _warm_s
+
+
+# ---- the planner's window store: compaction ---------------------------------------------------------
+
+@njit(cache=True)
+def _compact(src, dst, next_pos):
+    """core.WindowStore.compact's pass: copy the samples not yet fully consumed (rows of src: pos, key,
+    tokens, patches, done, window) to dst in order; per window its new extent, unconsumed tokens and low
+    mark (its first kept position, else next_pos); and the consumed positions at or above that low mark."""
+    n = src.shape[1]
+    nw = len(next_pos)
+    full = np.empty(n, np.bool_)
+    base = np.zeros(nw + 1, np.int64)
+    unc = np.zeros(nw, np.int64)
+    low = next_pos.copy()
+    seen = np.zeros(nw, np.bool_)
+    j = 0
+    for i in range(n):
+        f = src[4, i] >= src[2, i]
+        full[i] = f
+        if not f:
+            for c in range(6):
+                dst[c, j] = src[c, i]
+            w = src[5, i]
+            base[w + 1] += 1
+            unc[w] += src[2, i] - src[4, i]
+            if not seen[w]:
+                seen[w] = True
+                low[w] = src[0, i]
+            j += 1
+    for w in range(nw):
+        base[w + 1] += base[w]
+    m = 0
+    for i in range(n):
+        if full[i] and src[0, i] >= low[src[5, i]]:
+            m += 1
+    a_win = np.empty(m, np.int64)
+    a_pos = np.empty(m, np.int64)
+    m = 0
+    for i in range(n):
+        if full[i] and src[0, i] >= low[src[5, i]]:
+            a_win[m] = src[5, i]
+            a_pos[m] = src[0, i]
+            m += 1
+    return full, j, base, unc, low, a_win, a_pos
+
+
+def compact(src: np.ndarray, dst: np.ndarray, next_pos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(full mask, kept count, window bounds [w + 1], unconsumed tokens [w], low marks [w], windows and positions
+    of the consumed samples at or above their window's low mark); dst (6 x n) receives the kept columns."""
+    return _compact(src, dst, np.ascontiguousarray(next_pos, np.int64))
 
 
 # ---- matching two lists of spans (coverage check, routing) -------------------------------------
