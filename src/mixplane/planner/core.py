@@ -27,12 +27,18 @@ class WindowError(ValueError):
     """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
 
 
+FIELDS = ("pos", "key", "tokens", "patches", "done")
+
+
 class ReplicaWindow:
     """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order.
 
     Inside a StepPlanner the arrays are views of the planner's columnar store of every window
     (`WindowStore`): a step gathers, compacts and writes consumption back once for all windows, and
-    `add` (one LOADER_META) detaches only its own window until the next step gathers it again."""
+    `add` (one LOADER_META) detaches only its own window until the next step gathers it again. What
+    `add` takes is kept as pending chunks, joined to the arrays only when they are read (the store's
+    gather reads the chunks directly): one concatenation per column and step for all windows, not five
+    per LOADER_META."""
 
     def __init__(self, source: int, replica: int, min_samples: int, min_tokens: int = 0, max_samples: int | None = None):
         self.source = source
@@ -40,11 +46,10 @@ class ReplicaWindow:
         self.min_samples = min_samples
         self.min_tokens = min_tokens
         self.capacity = max_samples if max_samples is not None else min_samples
-        self.pos = np.zeros(0, np.int64)
-        self.key = np.zeros(0, np.int64)
-        self.tokens = np.zeros(0, np.int64)
-        self.patches = np.zeros(0, np.int64)
-        self.done = np.zeros(0, np.int64)  # tokens already delivered of each sample
+        # pos, key, tokens, patches, done (tokens already delivered of each sample): see the properties
+        self._cols: list[np.ndarray] = [np.zeros(0, np.int64) for _ in FIELDS]
+        self._pending: list[tuple[np.ndarray, ...]] = []  # chunks `add` took, not yet joined to _cols
+        self._n = 0  # samples held, pending chunks included
         self.low = 0  # every position below is fully consumed
         self.next_pos = 0  # first position not yet received
         self.skip: set[int] = set()  # consumed positions in [low, next) (restored from a cursor)
@@ -57,7 +62,31 @@ class ReplicaWindow:
         self.stored: Any = None  # the WindowStore whose views the arrays are (None: this window holds its own)
 
     def __len__(self) -> int:
-        return len(self.pos)
+        return self._n
+
+    def _col(self, i: int) -> np.ndarray:
+        if self._pending:
+            self._join()
+        return self._cols[i]
+
+    def _set(self, i: int, value: np.ndarray) -> None:
+        if self._pending:
+            self._join()
+        self._cols[i] = value
+        if i == 0:
+            self._n = len(value)
+
+    def _join(self) -> None:
+        """Append the pending chunks to the arrays."""
+        parts = list(zip(*self._pending))
+        self._cols = [np.concatenate([c, *p]) for c, p in zip(self._cols, parts)]
+        self._pending = []
+
+    pos = property(lambda self: self._col(0), lambda self, v: self._set(0, v))
+    key = property(lambda self: self._col(1), lambda self, v: self._set(1, v))
+    tokens = property(lambda self: self._col(2), lambda self, v: self._set(2, v))
+    patches = property(lambda self: self._col(3), lambda self, v: self._set(3, v))
+    done = property(lambda self: self._col(4), lambda self, v: self._set(4, v))
 
     @property
     def unconsumed_tokens(self) -> int:
@@ -66,7 +95,7 @@ class ReplicaWindow:
     @property
     def ready(self) -> bool:
         """Full: the loader has announced the shortest stream prefix meeting both minimums (or the cap)."""
-        return window_full(len(self.pos), self.unconsumed, self.min_samples, self.min_tokens, self.capacity) or self.dry
+        return window_full(self._n, self.unconsumed, self.min_samples, self.min_tokens, self.capacity) or self.dry
 
     def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
         pos = np.asarray(pos, np.int64)
@@ -87,8 +116,8 @@ class ReplicaWindow:
             bad = [int(p) for p in pos if int(p) in self.skip]
             if bad:
                 raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
-        if len(self.pos) + n > self.capacity:
-            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({len(self.pos) + n} > {self.capacity})")
+        if self._n + n > self.capacity:
+            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({self._n + n} > {self.capacity})")
         if self.restored_done:  # partial progress restored from a cursor (only right after a resume)
             done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
             left = toks - done
@@ -98,16 +127,13 @@ class ReplicaWindow:
             done = np.zeros(n, np.int64)
             before_last = self.unconsumed + int(toks[:-1].sum())
             last = int(toks[-1])
-        if window_full(len(self.pos) + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
+        if window_full(self._n + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
             raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {p0})")
         if self.restored_done:
             for p in pos:
                 self.restored_done.pop(int(p), None)
-        self.pos = np.concatenate([self.pos, pos])
-        self.key = np.concatenate([self.key, np.asarray(key, np.int64)])
-        self.tokens = np.concatenate([self.tokens, toks])
-        self.patches = np.concatenate([self.patches, np.asarray(patches, np.int64)])
-        self.done = np.concatenate([self.done, done])
+        self._pending.append((pos.copy(), np.array(key, np.int64), toks.copy(), np.array(patches, np.int64), done))
+        self._n += n
         self.unconsumed = before_last + last
         self.next_pos = int(pos[-1]) + 1
         self.dry = False
@@ -168,9 +194,6 @@ class ReplicaWindow:
         self.restored_done = done
 
 
-FIELDS = ("pos", "key", "tokens", "patches", "done")
-
-
 class WindowStore:
     """Every window's samples in one set of columns (window by window, each in stream order), so that a
     step gathers, writes consumption back, compacts and takes cursors with a few vectorised passes
@@ -211,12 +234,12 @@ class WindowStore:
         ws = self.windows
         if self.fresh and all(w.stored is self for w in ws):
             return
-        lens = np.fromiter((len(w.pos) for w in ws), np.int64, len(ws))
+        lens = np.fromiter((w._n for w in ws), np.int64, len(ws))
         np.cumsum(lens, out=self.base[1:])
         block = self._spare(int(self.base[-1]))
-        for i, f in enumerate(FIELDS):
+        for i in range(len(FIELDS)):  # each window's arrays, then the chunks it took since
             if ws:
-                np.concatenate([getattr(w, f) for w in ws], out=block[i])
+                np.concatenate([a for w in ws for a in (w._cols[i], *(c[i] for c in w._pending))], out=block[i])
         block[5] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
         self._adopt(block)
         self._view()
@@ -227,7 +250,9 @@ class WindowStore:
         cols = [self.cols[f] for f in FIELDS]
         for i, w in enumerate(self.windows):
             lo, hi = b[i], b[i + 1]
-            w.pos, w.key, w.tokens, w.patches, w.done = (c[lo:hi] for c in cols)
+            w._cols = [c[lo:hi] for c in cols]
+            w._pending = []
+            w._n = hi - lo
             w.stored = self
         self.fresh = True
 
