@@ -25,8 +25,13 @@ def window_state(w) -> tuple:
             w.unconsumed_tokens, w.ready, len(w))
 
 
-def assert_same_planners(new: StepPlanner, old) -> None:
-    assert [window_state(w) for w in new.windows] == [window_state(w) for w in old.windows]
+def assert_same_planners(new: StepPlanner, old, *, arrays: bool = True) -> None:
+    """Same windows and cursors. arrays=False leaves the windows' arrays unread: reading them joins what
+    `add` took into arrays of the window's own, and the store's gather then takes its general path
+    instead of the merge of block slices and chunks -- both are exercised."""
+    if arrays:
+        assert [window_state(w) for w in new.windows] == [window_state(w) for w in old.windows]
+    assert [len(w) for w in new.windows] == [len(w) for w in old.windows]
     assert new.cursor() == old.cursor()
     assert new.ready == old.ready
     assert [(w.source, w.replica) for w in new.waiting_for()] == [(w.source, w.replica) for w in old.waiting_for()]
@@ -87,7 +92,7 @@ def test_plans_windows_and_cursors_match_the_former_core(sources, weights, unit,
     for ev in events:
         fill(new, images=images)
         fill(old, images=images)
-        assert_same_planners(new, old)
+        assert_same_planners(new, old, arrays=len(cursors) % 2 == 1)
         if ev == "restore" and cursors:
             cur = cursors[len(cursors) // 2]
             new.restore(cur)

@@ -47,8 +47,10 @@ class ReplicaWindow:
         self.min_tokens = min_tokens
         self.capacity = max_samples if max_samples is not None else min_samples
         # pos, key, tokens, patches, done (tokens already delivered of each sample): see the properties
-        self._cols: list[np.ndarray] = [np.zeros(0, np.int64) for _ in FIELDS]
-        self._pending: list[tuple[np.ndarray, ...]] = []  # chunks `add` took, not yet joined to _cols
+        self._cols: list[np.ndarray] | None = [np.zeros(0, np.int64) for _ in FIELDS]  # None: a slice of _home
+        self._home: Any = None  # the WindowStore whose block holds this window's samples at [_lo, _lo + _base_n)
+        self._lo = self._base_n = 0
+        self._pending: list[tuple[np.ndarray, ...]] = []  # chunks `add` took, not yet joined to the arrays
         self._n = 0  # samples held, pending chunks included
         self.low = 0  # every position below is fully consumed
         self.next_pos = 0  # first position not yet received
@@ -64,23 +66,31 @@ class ReplicaWindow:
     def __len__(self) -> int:
         return self._n
 
+    def _base(self) -> list[np.ndarray]:
+        """The arrays without the pending chunks (views of the store's block are made when first read)."""
+        if self._cols is None:
+            lo, hi, block = self._lo, self._lo + self._base_n, self._home.block
+            self._cols = [block[i, lo:hi] for i in range(len(FIELDS))]
+        return self._cols
+
     def _col(self, i: int) -> np.ndarray:
         if self._pending:
             self._join()
-        return self._cols[i]
+        return self._base()[i]
 
     def _set(self, i: int, value: np.ndarray) -> None:
-        if self._pending:
-            self._join()
-        self._cols[i] = value
+        cols = list(self._base()) if not self._pending else self._join()
+        cols[i] = value
+        self._cols, self._home, self.stored = cols, None, None  # its own arrays now
         if i == 0:
             self._n = len(value)
 
-    def _join(self) -> None:
-        """Append the pending chunks to the arrays."""
+    def _join(self) -> list[np.ndarray]:
+        """Append the pending chunks to the arrays (which are then this window's own)."""
         parts = list(zip(*self._pending))
-        self._cols = [np.concatenate([c, *p]) for c, p in zip(self._cols, parts)]
-        self._pending = []
+        self._cols = [np.concatenate([c, *p]) for c, p in zip(self._base(), parts)]
+        self._pending, self._home = [], None
+        return self._cols
 
     pos = property(lambda self: self._col(0), lambda self, v: self._set(0, v))
     key = property(lambda self: self._col(1), lambda self, v: self._set(1, v))
@@ -235,25 +245,31 @@ class WindowStore:
         if self.fresh and all(w.stored is self for w in ws):
             return
         lens = np.fromiter((w._n for w in ws), np.int64, len(ws))
+        if self.fresh and all(w._home is self for w in ws):
+            # every window is still its slice of the block plus the chunks it took since: one compiled merge
+            chunks = [c for w in ws for c in w._pending]
+            pend = np.empty((len(FIELDS), int(lens.sum() - self.base[-1])), np.int64)
+            for i in range(len(FIELDS)):
+                if chunks:
+                    np.concatenate([c[i] for c in chunks], out=pend[i])
+            block = self._spare(int(lens.sum()))
+            selectloop.gather(self.block, self.base, pend, lens - np.diff(self.base), block)
+        else:  # windows with arrays of their own (restored, compacted on their own): join them
+            block = self._spare(int(lens.sum()))
+            for i in range(len(FIELDS)):
+                if ws:
+                    np.concatenate([a for w in ws for a in (w._base()[i], *(c[i] for c in w._pending))], out=block[i])
+            block[5] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
         np.cumsum(lens, out=self.base[1:])
-        block = self._spare(int(self.base[-1]))
-        for i in range(len(FIELDS)):  # each window's arrays, then the chunks it took since
-            if ws:
-                np.concatenate([a for w in ws for a in (w._cols[i], *(c[i] for c in w._pending))], out=block[i])
-        block[5] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
         self._adopt(block)
         self._view()
 
     def _view(self) -> None:
         """Point every window's arrays at its slice of the columns."""
         b = self.base.tolist()
-        cols = [self.cols[f] for f in FIELDS]
         for i, w in enumerate(self.windows):
             lo, hi = b[i], b[i + 1]
-            w._cols = [c[lo:hi] for c in cols]
-            w._pending = []
-            w._n = hi - lo
-            w.stored = self
+            w._cols, w._home, w._lo, w._base_n, w._n, w._pending, w.stored = None, self, lo, hi - lo, hi - lo, [], self
         self.fresh = True
 
     def compact(self) -> np.ndarray:

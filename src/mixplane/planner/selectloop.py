@@ -486,6 +486,7 @@ def warm() -> float:
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
     block = np.zeros((6, 3), np.int64)
     compact(block[:, :2], block[:, 1:], np.zeros(1, np.int64))
+    gather(block[:, :1], np.array([0, 1], np.int64), np.zeros((5, 1), np.int64), np.array([1], np.int64), block[:, 1:])
     _warm_s = time.perf_counter() - t0
     return _warm_s
 
@@ -533,6 +534,31 @@ def _compact(src, dst, next_pos):
             a_pos[m] = src[0, i]
             m += 1
     return full, j, base, unc, low, a_win, a_pos
+
+
+@njit(cache=True)
+def _gather(old, old_base, pend, pend_len, new):
+    j = 0
+    q = 0
+    for w in range(len(pend_len)):
+        for i in range(old_base[w], old_base[w + 1]):
+            for c in range(5):
+                new[c, j] = old[c, i]
+            new[5, j] = w
+            j += 1
+        for i in range(q, q + pend_len[w]):
+            for c in range(5):
+                new[c, j] = pend[c, i]
+            new[5, j] = w
+            j += 1
+        q += pend_len[w]
+
+
+def gather(old: np.ndarray, old_base: np.ndarray, pend: np.ndarray, pend_len: np.ndarray, new: np.ndarray) -> None:
+    """core.WindowStore.sync's merge: window by window, its samples in `old` ([old_base[w], old_base[w + 1]),
+    rows pos, key, tokens, patches, done) then the `pend_len[w]` samples it took since (the next ones of
+    `pend`), into `new` (6 x total, the window index in row 5)."""
+    _gather(old, np.ascontiguousarray(old_base, np.int64), pend, np.ascontiguousarray(pend_len, np.int64), new)
 
 
 def compact(src: np.ndarray, dst: np.ndarray, next_pos: np.ndarray) -> tuple[np.ndarray, ...]:
