@@ -233,6 +233,7 @@ class KubernetesSpec(_Model):
     sidecar_memory_mb: int = Field(4096, ge=64, le=1 << 24, description="MiB of memory each trainer pod gives its loader sidecars (sidecar placement).")
     journal_mb: int = Field(1024, ge=0, le=1 << 24, description="Size of the planner journal's PersistentVolumeClaim in MiB (a restarted planner pod recovers from it); 0 keeps the journal in an emptyDir that dies with the pod.")
     storage_class: str | None = Field(None, max_length=253, description="StorageClass of the planner journal's claim; default: the cluster's default class.")
+    source_secret: str | None = Field(None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description="A Secret in the mixture's namespace whose keys become environment variables of every loader container (remote pods and sidecars): the storage credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, HF_TOKEN, ...), which never go in the spec. No other component gets it.")
 
 
 class DataMixtureSpec(_Model):

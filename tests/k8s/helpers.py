@@ -198,6 +198,9 @@ class LocalPods:
                      for p in c.get("ports") or []}
             self.ports[(pod_name, c["name"])] = ports
             env = {"POD_IP": "127.0.0.1", "POD_NAME": pod_name}
+            for src in c.get("envFrom") or []:  # a Secret's keys as environment, as the kubelet sets them
+                sec = get(self.cluster, "secret", src["secretRef"]["name"], "-n", self.ns)
+                env.update({k: base64.b64decode(v).decode() for k, v in (sec.get("data") or {}).items()})
             for e in c.get("env") or []:
                 if "value" in e:
                     env[e["name"]] = e["value"]

@@ -232,6 +232,34 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
         pod_rank_keys(demo_spec(**big, runtime={"rank_binding": "required"}))
 
 
+def test_only_loaders_get_the_storage_credentials_secret():
+    spec = demo_spec(kubernetes={"source_secret": "s3-creds"})
+    _, _, objs = render(spec=spec)
+    seen = set()
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for c in o["spec"]["template"]["spec"]["containers"]:
+            role = o["metadata"]["labels"]["mixplane.io/role"]
+            seen.add(role)
+            assert c.get("envFrom") == ([{"secretRef": {"name": "s3-creds"}}] if role == "loader" else None), (role, c.get("envFrom"))
+    assert seen == {"planner", "constructor", "loader"}
+    # sidecar loaders in trainer pods too (the trainer's own container is not touched by this)
+    spec = demo_spec(kubernetes={"placement": "sidecar", "sidecar_cpu": 1.0, "sidecar_memory_mb": 2048, "source_secret": "s3-creds"})
+    costs = [SourceCost("code", 1.5e-6, 40 * MIB), SourceCost("man", 1.5e-6, 30 * MIB), SourceCost("docs", 1.4e-6, 30 * MIB)]
+    plan = auto_partition(costs, spec_schedule(spec), 2_000_000, LoaderBudget(32, 1 << 40))
+    pods, placement = sidecar_layout(spec, plan, costs, 2_000_000, PartitionBounds(), 0)
+    from mixplane.operator.builders import spec_options
+
+    cars = sidecar_containers(spec, spec_options(OPTS, spec), pods.pods, plan.partitions, placement.slots[0])
+    assert cars and all(c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}] for c in cars)
+    # without one, no loader gets envFrom; a name that is not a Secret's is refused by the spec
+    _, _, objs = render()
+    assert not [c for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"] if "envFrom" in c]
+    with pytest.raises(Exception, match="source_secret"):
+        demo_spec(kubernetes={"source_secret": "Not_A_Name"})
+
+
 def test_disruption_budgets_use_the_api_the_server_serves():
     from mixplane.operator.builders import disruption_budgets, pdb_api_version
 

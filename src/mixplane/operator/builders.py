@@ -74,6 +74,8 @@ class ClusterOptions:
     command: tuple[str, ...] = ("mixplane",)
     # rank-bound trainer keys (`client-r<A>-<B>`, one per trainer pod): components mount their public halves
     rank_keys: tuple[str, ...] = ()
+    # the Secret whose keys are every loader container's environment (storage credentials), kubernetes.source_secret
+    source_secret: str | None = None
     # PodDisruptionBudget's API: policy/v1 (Kubernetes >= 1.21; v1beta1 is gone from 1.25), v1beta1 on older servers
     pdb_api_version: str = "policy/v1"
 
@@ -216,12 +218,16 @@ def pod_args(args: Sequence[str]) -> list[str]:
 
 
 def container(component: Any, opts: ClusterOptions, res: dict[str, Any], args: Sequence[str] | None = None) -> dict[str, Any]:
-    """A launch-plan component as a container: the same command line the embedded runtime runs."""
-    return {"name": component.role, "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
-            "command": list(opts.command), "args": pod_args(component.args if args is None else args),
-            "env": _env(component), "ports": _ports(component), "resources": res,
-            "readinessProbe": {"exec": {"command": ["test", "-f", READY_FILE]}, "periodSeconds": 2, "failureThreshold": 3},
-            "volumeMounts": [dict(m) for m in _MOUNTS], "securityContext": _security(opts)}
+    """A launch-plan component as a container: the same command line the embedded runtime runs. Loaders, which
+    read the sources, get the storage credentials' Secret as environment (`opts.source_secret`)."""
+    out = {"name": component.role, "image": opts.image, "imagePullPolicy": opts.image_pull_policy,
+           "command": list(opts.command), "args": pod_args(component.args if args is None else args),
+           "env": _env(component), "ports": _ports(component), "resources": res,
+           "readinessProbe": {"exec": {"command": ["test", "-f", READY_FILE]}, "periodSeconds": 2, "failureThreshold": 3},
+           "volumeMounts": [dict(m) for m in _MOUNTS], "securityContext": _security(opts)}
+    if component.role == "loader" and opts.source_secret:
+        out["envFrom"] = [{"secretRef": {"name": opts.source_secret}}]
+    return out
 
 
 def scrape_annotations(port: int) -> dict[str, str]:
@@ -304,9 +310,10 @@ def pod_rank_keys(spec: Any) -> tuple[str, ...]:
     return tuple(f"client-r{lo}-{hi}" for lo, hi in ranges)
 
 
-def with_rank_keys(opts: ClusterOptions, spec: Any) -> ClusterOptions:
-    """The options with the mixture's trainer pod keys (component pods then admit them by name)."""
-    return replace(opts, rank_keys=pod_rank_keys(spec))
+def spec_options(opts: ClusterOptions, spec: Any) -> ClusterOptions:
+    """The options with what the mixture's spec decides: its trainer pod keys (component pods then admit them by
+    name) and the Secret of its loaders' storage credentials."""
+    return replace(opts, rank_keys=pod_rank_keys(spec), source_secret=spec.kubernetes.source_secret)
 
 
 def key_secret(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
@@ -493,7 +500,7 @@ def children(spec: Any, plan: Any, opts: ClusterOptions, keys: Mapping[str, tupl
     loader groups = its pods); `loader_resources`: per loader component name (cpu cores, memory bytes,
     replicas) from the auto-partitioner; the launch plan's estimates otherwise. `sidecars`: loader components
     that run in trainer pods (injected by the pod webhook), not as Deployments."""
-    opts = with_rank_keys(opts, spec)
+    opts = spec_options(opts, spec)
     digest = spec_hash(spec)
     claim = journal_claim(spec, opts)
     out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys)]

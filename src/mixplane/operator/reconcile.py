@@ -41,7 +41,7 @@ from mixplane.operator.builders import (
     sidecar_containers,
     sidecar_volumes,
     trainer_pods,
-    with_rank_keys,
+    spec_options,
 )
 
 ANN_TPS = "mixplane.io/tokens-per-second"
@@ -210,7 +210,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     costs = costs_of(profile, spec)
     placement: SidecarPlacement | None = None
     try:
-        with_rank_keys(opts, spec)  # a mixture that asks for more rank keys than a Secret holds is refused here
+        spec_options(opts, spec)  # a mixture that asks for more rank keys than a Secret holds is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
         if spec.kubernetes.placement == "sidecar":
             pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
@@ -256,7 +256,8 @@ def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Ma
         raise ReconcileError(str(e)) from None
     if not 0 <= slot < len(placement.slots) or not placement.slots[slot]:
         return [], []
-    return sidecar_containers(spec, opts, pods.pods, plan.partitions, placement.slots[slot]), sidecar_volumes(with_rank_keys(opts, spec))
+    opts = spec_options(opts, spec)
+    return sidecar_containers(spec, opts, pods.pods, plan.partitions, placement.slots[slot]), sidecar_volumes(opts)
 
 
 # ---- status -----------------------------------------------------------------------------------------
