@@ -128,6 +128,8 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
             except AssertionError as e:
                 raise AssertionError(f"{e}; dead pods: {pods.dead()}") from None
             assert got[0] == got[1] == list(range(6)), (got, pods.dead())
+            # loaders keep their page index on the pod's run volume (the image's home is not writable)
+            assert list(tmp_path.glob("demo-loader*/run/pageindex/*.npz")), sorted(p.name for p in tmp_path.iterdir())
             # the planner journals onto its claim (demo-journal), not into the pod's emptyDir
             journal = tmp_path / "pvc" / "demo-journal" / "journal.jsonl"
             events = [json.loads(line).get("event") for line in journal.read_text().splitlines() if line.strip()]

@@ -260,6 +260,24 @@ def test_only_loaders_get_the_storage_credentials_secret():
         demo_spec(kubernetes={"source_secret": "Not_A_Name"})
 
 
+def test_loaders_keep_their_page_index_on_a_writable_volume():
+    from mixplane.operator.builders import INDEX_CACHE
+
+    _, _, objs = render()
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        (c,) = o["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        if o["metadata"]["labels"]["mixplane.io/role"] != "loader":
+            assert "MIXPLANE_INDEX_CACHE" not in env
+            continue
+        assert env["MIXPLANE_INDEX_CACHE"] == INDEX_CACHE
+        # under a mount that is writable (the root filesystem is read-only)
+        (m,) = [m for m in c["volumeMounts"] if INDEX_CACHE.startswith(m["mountPath"] + "/")]
+        assert not m.get("readOnly") and c["securityContext"]["readOnlyRootFilesystem"]
+
+
 def test_disruption_budgets_use_the_api_the_server_serves():
     from mixplane.operator.builders import disruption_budgets, pdb_api_version
 

@@ -165,13 +165,20 @@ def _security(opts: ClusterOptions) -> dict[str, Any]:
             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+# the page-index cache of loaders (loader.sidecar): the image's home is /nonexistent under a read-only root
+# filesystem, so the default ~/.cache is unwritable; the pod's run volume keeps it across container restarts
+INDEX_CACHE = f"{RUN_DIR}/pageindex"
+
+
 def _env(component: Any) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "MIXPLANE_CURVE_DIR", "value": KEY_MOUNT},
            {"name": "MIXPLANE_METRICS_HOST", "value": "0.0.0.0"}]
-    env += [{"name": k, "value": str(v)} for k, v in sorted(component.env.items())
-            if k not in ("POD_IP", "POD_NAME", "MIXPLANE_CURVE_DIR", "MIXPLANE_METRICS_HOST")]
+    if component.role == "loader":
+        env.append({"name": "MIXPLANE_INDEX_CACHE", "value": INDEX_CACHE})
+    fixed = {e["name"] for e in env}
+    env += [{"name": k, "value": str(v)} for k, v in sorted(component.env.items()) if k not in fixed]
     return env
 
 
