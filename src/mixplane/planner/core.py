@@ -713,7 +713,7 @@ class StepPlanner:
         if self.unit_samples:
             L = 1.0
         else:
-            L = max(self.sampler.unit_max, float(min(S, int((all_tok - all_done).max()))) if len(all_tok) else 1.0)
+            L = max(self.sampler.unit_max, float(min(S, selectloop.spans(all_tok, all_done, S)[0])) if len(all_tok) else 1.0)
             self.sampler.unit_max = L
         delta = slack(int((np.asarray(point.probs) > 0).sum())) * L  # as EDFQueue / DeficitSampler.pick
         realized = self.sampler.realized.astype(np.float64, copy=True)

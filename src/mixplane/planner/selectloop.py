@@ -450,6 +450,25 @@ def _bitset(seq_len: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return got
 
 
+@njit(cache=True)
+def _spans(tok, done, S):
+    big = tok[0] - done[0]
+    pieces = 0
+    for i in range(len(tok)):
+        rem = tok[i] - done[i]
+        if rem > big:
+            big = rem
+        pieces += (rem + S - 1) // S
+    return big, pieces
+
+
+def spans(tok: np.ndarray, done: np.ndarray, seq_len: int) -> tuple[int, int]:
+    """(the most tokens any sample has left, how many pieces of at most seq_len all of them make) in one pass
+    (numpy made three temporaries of the whole window store for these). Needs at least one sample."""
+    big, pieces = _spans(tok, done, int(seq_len))
+    return int(big), int(pieces)
+
+
 def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarray, realized: np.ndarray,
         scale: float, delta: float, limit: float, *, unit_samples: bool, truncate: bool, seq_len: int, rows: int,
         policy: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -459,8 +478,7 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     probs = np.ascontiguousarray(probs, np.float64)
     inv_p = np.array([1.0 / x if x > 0 else 0.0 for x in probs.tolist()], np.float64)
     total = float(realized.sum())
-    rem = c_tok - c_done
-    cap_out = int(((rem + seq_len - 1) // seq_len).sum()) + 1 if len(rem) else 1
+    cap_out = spans(c_tok, c_done, seq_len)[1] + 1 if len(c_tok) else 1
     cap_heap = len(probs) + cap_out + len(c_tok) + 1
     if policy == "best_fit":
         lo, bits = _bitset(seq_len, rows)
@@ -484,6 +502,7 @@ def warm() -> float:
     for policy in POLICY:
         run(np.array([5, 3], np.int64), np.zeros(2, np.int64), np.array([0, 1, 2], np.int64), np.array([0.5, 0.5]),
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
+    spans(np.ones(1, np.int64), np.zeros(1, np.int64), 4)
     block = np.zeros((6, 3), np.int64)
     compact(block[:, :2], block[:, 1:], np.zeros(1, np.int64))
     gather(block[:, :1], np.array([0, 1], np.int64), np.zeros((5, 1), np.int64), np.array([1], np.int64), block[:, 1:])
