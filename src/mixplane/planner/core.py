@@ -306,9 +306,15 @@ class WindowStore:
                 got = part[wi] = ([], [])
             got[0].append(p)
             got[1].append(d)
-        none: tuple[list[int], list[int]] = ([], [])
-        return [{"source": w.source, "replica": w.replica, **w._cursor(*part.get(i, none))}
-                for i, w in enumerate(self.windows)]
+        out = []
+        for i, w in enumerate(self.windows):
+            got = part.get(i)
+            if got is None and not w.restored_done and w.listing is None:  # the common entry, built inline
+                out.append({"source": w.source, "replica": w.replica, "low": w.low, "next": w.next_pos,
+                            "skip": sorted(w.skip), "partial": {}})
+            else:
+                out.append({"source": w.source, "replica": w.replica, **w._cursor(*(got or ([], [])))})
+        return out
 
 
 @dataclass
