@@ -356,7 +356,7 @@ def plan_cursor(msg: Message) -> dict[str, Any] | None:
 #: PLAN_CONSTRUCTOR lists only the images the constructor needs (those encoded on its ranks' encoder
 #: leaders, and those whose text starts in its rows) instead of every image of the step; the planner
 #: then adds where each listed image's merged tokens sit in the all-gathered encoder output (int64,
-#: one per listed image) and the merged tokens of every encoder rank (int32 / int64 [world]: the gather's
+#: one per listed image) and the merged tokens of every encoder rank (uint16 / int32 / int64 [world]: the gather's
 #: sizes), which the constructor otherwise derives from the whole list. Meta STEP_IMAGES: the step's
 #: image count (a constructor with none of them listed still builds the image fields of its batches).
 IMG_BASE = "img_base"
@@ -374,8 +374,8 @@ def plan_images(msg: Message, n_listed: int, world: int) -> tuple[Any, Any, int]
         raise WireError(f"{msg.kind.name}: arrays {IMG_BASE!r} and {ENCODER_TOKENS!r} come together")
     if base.ndim != 1 or len(base) != n_listed or base.dtype != np.int64:
         raise WireError(f"{msg.kind.name}: array {IMG_BASE!r} must be int64 with one entry per listed image ({n_listed})")
-    if enc.ndim != 1 or len(enc) != world or enc.dtype not in (np.int32, np.int64):
-        raise WireError(f"{msg.kind.name}: array {ENCODER_TOKENS!r} must be int32/64 with one entry per rank ({world})")
+    if enc.ndim != 1 or len(enc) != world or enc.dtype not in (np.uint16, np.int32, np.int64):
+        raise WireError(f"{msg.kind.name}: array {ENCODER_TOKENS!r} must be uint16/int32/int64 with one entry per rank ({world})")
     n = msg.meta.get(STEP_IMAGES)
     if not isinstance(n, int) or isinstance(n, bool) or n < n_listed:
         raise WireError(f"{msg.kind.name}: field {STEP_IMAGES!r} must be an int >= the {n_listed} listed images")

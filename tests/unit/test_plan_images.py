@@ -134,10 +134,13 @@ def test_plan_images_fields_are_checked():
     ok = {IMG_BASE: np.array([0, 4], np.int64), ENCODER_TOKENS: np.array([4, 2, 0], np.int32)}
     base, enc, n = plan_images(_plan_msg({STEP_IMAGES: 5}, ok), 2, 3)
     assert base.tolist() == [0, 4] and enc.dtype == np.int64 and enc.tolist() == [4, 2, 0] and n == 5
+    narrow = {**ok, ENCODER_TOKENS: np.array([4, 65535, 0], np.uint16)}  # what the planner sends when it fits
+    assert plan_images(_plan_msg({STEP_IMAGES: 5}, narrow), 2, 3)[1].tolist() == [4, 65535, 0]
     assert plan_images(_plan_msg({}, {}), 4, 3) == (None, None, 4)  # an older planner: every image listed
     bad = [({STEP_IMAGES: 5}, {IMG_BASE: ok[IMG_BASE]}, "come together"),
            ({STEP_IMAGES: 5}, {**ok, IMG_BASE: np.array([0], np.int64)}, IMG_BASE),
            ({STEP_IMAGES: 5}, {**ok, ENCODER_TOKENS: np.array([1, 2], np.int64)}, ENCODER_TOKENS),
+           ({STEP_IMAGES: 5}, {**ok, ENCODER_TOKENS: np.array([1, 2, 3], np.int16)}, ENCODER_TOKENS),
            ({STEP_IMAGES: 1}, ok, STEP_IMAGES), ({}, ok, STEP_IMAGES)]
     for meta, arrays, field in bad:
         with pytest.raises(WireError, match=field):

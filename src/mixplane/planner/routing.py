@@ -222,8 +222,10 @@ def image_parts(layout: StepLayout, seg_of_img: np.ndarray | None, dp_fanout: Fa
         return None
     idx = constructor_images(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors)
     base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
-    if len(enc) and int(enc.max()) < 2**31:
-        enc = enc.astype(np.int32)  # half the bytes of the one array every constructor gets whole
+    top = int(enc.max()) if len(enc) else 0
+    # the one array every constructor gets whole: in the narrowest type that holds it (16,384 ranks: 32 kB
+    # as uint16 when no rank encodes 64k merged tokens, else 64 kB as int32)
+    enc = enc.astype(np.uint16 if top < 2**16 else np.int32 if top < 2**31 else np.int64)
     return ImageParts(idx, base, enc)
 
 
