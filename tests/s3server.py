@@ -129,6 +129,7 @@ class S3Proxy:
         self.faults: list[Fault] = []
         self.requests = 0
         self.get_bytes = 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request since reset_counts
         self._lock = threading.Lock()
         proxy = self
 
@@ -143,6 +144,7 @@ class S3Proxy:
                 body = self.rfile.read(n) if n else b""
                 with proxy._lock:
                     proxy.requests += 1
+                    proxy.seen.append((self.command, self.path))
                     fault = next((f for f in proxy.faults if f.fired < f.count and f.match(self.command, self.path)), None)
                     if fault is not None:
                         fault.fired += 1
@@ -200,6 +202,7 @@ class S3Proxy:
         with self._lock:
             self.requests = 0
             self.get_bytes = 0
+            self.seen = []
 
     def stop(self) -> None:
         self._httpd.shutdown()
@@ -221,6 +224,7 @@ class RangeHTTPServer:
         server = self
         self.requests = 0
         self.get_bytes = 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request since reset_counts
         self.fail_next = 0
         self._lock = threading.Lock()
         rng = re.compile(r"bytes=(\d+)-(\d*)$")

@@ -112,6 +112,7 @@ class SourceSpec(_Model):
     region: str | None = Field(None, description="Object-storage region for an s3:// uri (default: the environment's / profile's).")
     read_cache_dir: str | None = Field(None, description="Remote uris: a local directory for a disk cache of the byte ranges read (pages, dictionaries), shared by the loaders of a node and kept across restarts; null: memory only.")
     read_cache_gb: float = Field(10.0, gt=0, description="Size bound of `read_cache_dir` (least recently used ranges evicted beyond it).")
+    index_beside_data: bool = Field(False, description="Also keep each file's page index beside it in its store (`<dir>/_mixplane_index/`): a new loader pod, another node or a later run reads one small object per file instead of its footer and OffsetIndexes. Written best effort (read-only credentials only lose the cache); keyed by the file's path, size and mtime like the local cache (MIXPLANE_INDEX_CACHE).")
 
 
 class PhaseSpec(_Model):

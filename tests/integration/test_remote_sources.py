@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -365,3 +366,53 @@ def test_page_index_of_remote_objects_cached_locally(s3, proxy, tmp_path, monkey
     assert pages1 == pages2 > 0
     assert req1 > 3 and bytes1 > 0  # listing + per object: HEAD and footer reads
     assert bytes2 < 2_000 and req2 <= 2, (req2, bytes2)  # the listing only
+
+
+def test_page_index_kept_beside_the_data_serves_a_new_loader(s3, proxy, tmp_path, monkeypatch):
+    """`index_beside_data`: the first loader keeps each object's page index beside it in the bucket; a loader
+    with an empty local cache (a new pod, another node) then reads one small object per file instead of its
+    footer and OffsetIndexes, with the same batches; an object rewritten since is indexed again, not served
+    its old index."""
+    server, _, _ = s3
+    fs = server.filesystem()
+    src = "corpus/text"
+    for info in fs.get_file_info(pafs.FileSelector(src)):
+        if info.path.endswith(".parquet"):
+            fs.copy_file(info.path, info.path.replace("/text/", "/beside/"))
+    uri = "s3://corpus/beside/*.parquet"
+    # loader A (straight to the server: the test proxy does not forward chunked uploads) keeps the indexes
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "local-a"))
+    s = open_stream(spec(uri, server.endpoint, index_beside_data=True), seed=3, buffer_rows=100)
+    keys_a, cols_a = take_all(s, 500)
+    s.close()
+    kept = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside/_mixplane_index")))
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside")) if i.path.endswith(".parquet"))
+    assert len(kept) == len(files) == 3 and all(k.endswith(".npz") for k in kept), kept
+    # loader B (a new pod: empty local cache) reads them; loader C, without the option, scans every object
+    seen = {}
+    for name, beside in (("b", True), ("c", False)):
+        monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / f"local-{name}"))
+        proxy.reset_counts()
+        s = open_stream(spec(uri, proxy.endpoint, index_beside_data=beside), seed=3, buffer_rows=100)
+        seen[name] = (proxy.requests, proxy.get_bytes, s.index.num_pages, list(proxy.seen))
+        keys, cols = take_all(s, 500)
+        s.close()
+        assert keys == keys_a and all(cols[c].equals(cols_a[c]) for c in cols), name
+    assert seen["b"][2] == seen["c"][2] > 0
+    # B: the listing and each object's kept index (pyarrow asks a HEAD before the GET), no request to the data
+    # objects at all; C: the listing, then a HEAD and the tail (footer, OffsetIndexes) of every data object
+    b_paths, c_paths = [p for _, p in seen["b"][3]], [p for _, p in seen["c"][3]]
+    assert not [p for p in b_paths if p.endswith(".parquet")] and sum(p.endswith(".npz") for p in b_paths) == 2 * len(files), b_paths
+    assert sum(p.endswith(".parquet") for p in c_paths) >= 2 * len(files), c_paths
+    assert seen["b"][0] <= seen["c"][0] and seen["b"][1] < seen["c"][1], (seen["b"][:2], seen["c"][:2])
+    assert all(f not in kept for f in files)  # the indexes never become part of the source
+
+    # an object rewritten (other size and mtime): its kept index is another file's, so it is indexed again
+    t = pq.read_table(fs.open_input_file(files[0]))
+    with fs.open_output_stream(files[0]) as o:
+        pq.write_table(t.slice(0, t.num_rows // 2), o, data_page_size=4096, write_page_index=True)
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "local-3"))
+    s = open_stream(spec(uri, server.endpoint, index_beside_data=True), seed=3, buffer_rows=100)
+    assert s.index.num_rows == sum(pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows for f in files)
+    s.close()
+    assert len(list(fs.get_file_info(pafs.FileSelector("corpus/beside/_mixplane_index")))) == 4

@@ -4,6 +4,7 @@ its sidecar (:mod:`mixplane.loader.sidecar`) when one matches the file's identit
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 
@@ -14,7 +15,7 @@ from mixplane.loader.pageindex import ColumnPages, FileIndex, SourceIndex
 from mixplane.loader.pagereader import (
     ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader,
 )
-from mixplane.loader.sidecar import default_cache_dir, load_sidecar, save_sidecar, sidecar_path
+from mixplane.loader.sidecar import beside_path, default_cache_dir, load_sidecar, save_sidecar, sidecar_bytes, sidecar_path
 from mixplane.loader.thrift import ThriftError
 
 log = logging.getLogger(__name__)
@@ -180,24 +181,74 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
 
 
 def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
-                       stats: IOStats | None = None, cache_dir: str | None = None) -> FileIndex:
+                       stats: IOStats | None = None, cache_dir: str | None = None, beside: bool = False) -> FileIndex:
+    """The file's page index: from the local cache, else (`beside`) from beside the file in its store, else
+    scanned from its footer and OffsetIndexes, and then kept where it was missing."""
     side = sidecar_path(cache_dir, path, size, mtime_ns, columns) if cache_dir else None
     if side and os.path.exists(side):
         fi = load_sidecar(side, path, size, mtime_ns, columns)
         if fi is not None:
             return fi
-    fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
-    if side and not fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
+    near = beside_path(path, size, mtime_ns, columns) if beside else None
+    fi = _read_beside(near, path, size, mtime_ns, columns, filesystem) if near else None
+    scanned = fi is None
+    if fi is None:
+        fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
+    if fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
+        return fi
+    if side:
         try:
             save_sidecar(fi, side)
         except OSError as e:
             log.debug("cannot write page-index sidecar %s: %s", side, e)
+    if near and scanned:
+        _write_beside(near, fi, filesystem)
     return fi
+
+
+def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[str], filesystem) -> FileIndex | None:
+    """The index kept beside the data, or None (not there yet, unreadable, another file's): never an error."""
+    try:
+        if filesystem is None:
+            with open(near, "rb") as f:
+                data = f.read()
+        else:
+            with filesystem.open_input_stream(near) as f:  # one GET: no HEAD for the size first
+                data = f.read()
+    except (OSError, ValueError):
+        return None
+    return load_sidecar(io.BytesIO(bytes(data)), path, size, mtime_ns, columns)
+
+
+def _put(filesystem, path: str, data: bytes) -> None:
+    with filesystem.open_output_stream(path) as f:
+        f.write(data)
+
+
+def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
+    """Best effort: a store this loader may not write to (read-only credentials) only loses the cache."""
+    try:
+        data = sidecar_bytes(fi)
+        if filesystem is None:
+            os.makedirs(os.path.dirname(near), exist_ok=True)
+            tmp = f"{near}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, near)
+        else:
+            try:
+                _put(filesystem, near, data)
+            except OSError:  # a filesystem with real directories (local) needs the parent first
+                filesystem.create_dir(os.path.dirname(near), recursive=True)
+                _put(filesystem, near, data)
+    except (OSError, ValueError) as e:
+        log.info("page index of %s not kept beside it (%s): only this loader's local cache has it", fi.path, e)
 
 
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
-                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None) -> SourceIndex:
+                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None,
+                       beside: bool = False) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
     indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
     (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
@@ -217,7 +268,7 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
         mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
         try:
             fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
-                                    cache_dir=cache_dir)
+                                    cache_dir=cache_dir, beside=beside)
             readable.append(fi)
             idx.check_kind(fi)
         except ParquetError as e:

@@ -5,8 +5,10 @@ never fatal: it is ignored and rebuilt."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import posixpath
 import tempfile
 import zlib
 
@@ -17,6 +19,7 @@ from mixplane.loader.pageindex import ColumnPages, FileIndex
 from mixplane.loader.pagereader import ColumnInfo
 
 INDEX_VERSION = 3
+BESIDE_DIR = "_mixplane_index"
 
 
 def default_cache_dir() -> str | None:
@@ -32,7 +35,36 @@ def sidecar_path(cache_dir: str, path: str, size: int, mtime_ns: int, columns: l
     return os.path.join(cache_dir, f"{os.path.basename(path)[:60]}.{h}.npz")
 
 
+def beside_path(path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
+    """Where a file's index is kept beside it in its store (`sources[].index_beside_data`): `<dir>/_mixplane_index/`,
+    named as in the local cache (the key holds the file's path, size, mtime and columns, so a rewritten file's
+    index is never taken for it). Listings take only `*.parquet`, so it never becomes part of a source."""
+    return sidecar_path(posixpath.join(posixpath.dirname(path), BESIDE_DIR), path, size, mtime_ns, columns)
+
+
+def sidecar_bytes(fi: FileIndex) -> bytes:
+    """The index as the .npz bytes `load_sidecar` reads (what goes to the local cache or beside the data)."""
+    buf = io.BytesIO()
+    np.savez(buf, **_sidecar_arrays(fi))
+    return buf.getvalue()
+
+
 def save_sidecar(fi: FileIndex, file: str) -> None:
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(sidecar_bytes(fi))
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _sidecar_arrays(fi: FileIndex) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {"rg_rows": fi.rg_rows}
     meta = {"version": INDEX_VERSION, "path": fi.path, "size": fi.size, "mtime_ns": fi.mtime_ns, "num_rows": fi.num_rows,
             "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type, "type_length": c.type_length,
@@ -47,21 +79,12 @@ def save_sidecar(fi: FileIndex, file: str) -> None:
         cp = fi.pages[c.name]
         for f in ColumnPages.FIELDS:
             arrays[f"{i}.{f}"] = getattr(cp, f)
-    os.makedirs(os.path.dirname(file), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, file)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    return arrays
 
 
-def load_sidecar(file: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> FileIndex | None:
+def load_sidecar(file: str | io.BytesIO, path: str, size: int, mtime_ns: int, columns: list[str]) -> FileIndex | None:
+    """The index in `file` (a path, or the bytes read from beside the data) if it is `path`'s at this size, mtime
+    and columns; None when it is another's, stale or damaged (then the file is indexed again)."""
     try:
         with np.load(file, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())

@@ -148,7 +148,8 @@ class SourceStream:
         bad_chunks: list[ParquetError] = []
         build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new], mtimes=[t[2] for t in new],
                            filesystem=self.files.filesystem, stats=self.stats, cache_dir=self._cache_dir,
-                           on_bad=on_bad, on_bad_chunk=bad_chunks.append, index=self.index)
+                           on_bad=on_bad, on_bad_chunk=bad_chunks.append, index=self.index,
+                           beside=bool(getattr(self.source, "index_beside_data", False)))
         for err in bad_chunks:
             self._quarantine_chunk(err)
         if self.live:

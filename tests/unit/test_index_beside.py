@@ -1,0 +1,50 @@
+"""`sources[].index_beside_data`: each file's page index kept beside it (`<dir>/_mixplane_index/`), read by a
+loader whose own cache is empty, ignored when it is another file's, and never fatal when it cannot be written."""
+
+from __future__ import annotations
+
+import os
+
+from mixplane.loader import indexscan
+from mixplane.loader.stream import open_stream
+from mixplane.spec import SourceSpec
+from tests.unit.loader_testdata import write_source
+
+
+def _spec(root: str, **kw) -> SourceSpec:
+    return SourceSpec(name="web", uri=root, columns=["text", "row", "ids"], kind="text", shuffle="page", **kw)
+
+
+def test_kept_beside_read_by_a_new_loader_and_never_fatal(tmp_path, monkeypatch):
+    root = str(tmp_path / "src")
+    write_source(root, nfiles=2, rows=300, page_size=2048, row_group_size=100, dictionary=True)
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")  # no local cache: only what is beside the data
+    s = open_stream(_spec(root, index_beside_data=True), seed=1, buffer_rows=50)
+    first = s.take(200).keys.tolist()
+    s.close()
+    kept = sorted(os.listdir(os.path.join(root, "_mixplane_index")))
+    assert len(kept) == 2 and all(k.endswith(".npz") for k in kept)
+
+    scans = []
+    real = indexscan.index_file
+    monkeypatch.setattr(indexscan, "index_file", lambda *a, **k: scans.append(a[0]) or real(*a, **k))
+    s = open_stream(_spec(root, index_beside_data=True), seed=1, buffer_rows=50)
+    assert s.take(200).keys.tolist() == first and scans == []  # served from beside the data, nothing scanned
+    assert len(s.index.files) == 2  # the index files are not part of the source
+    s.close()
+
+    # a damaged kept index is another's: the file is scanned again (and its index written again)
+    with open(os.path.join(root, "_mixplane_index", kept[0]), "wb") as f:
+        f.write(b"not an npz")
+    s = open_stream(_spec(root, index_beside_data=True), seed=1, buffer_rows=50)
+    assert s.take(200).keys.tolist() == first and len(scans) == 1
+    s.close()
+
+    # a store the loader cannot write to only loses the cache (here: a file where the index directory would be)
+    other = str(tmp_path / "ro")
+    write_source(other, nfiles=1, rows=100, page_size=2048, row_group_size=100, dictionary=True)
+    with open(os.path.join(other, "_mixplane_index"), "w") as f:
+        f.write("in the way")
+    s = open_stream(_spec(other, index_beside_data=True), seed=1, buffer_rows=50)
+    assert len(s.take(50)) == 50
+    s.close()
