@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import os
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -158,6 +160,11 @@ def test_unauthenticated_control_is_refused_and_counted_in_the_cluster(crd, k8s_
             print(f"planner refusals: {seen}")
             assert not pods.dead(), pods.logs()
             after = status(endpoint, 5.0, curve=admin)
+            # what docs/deploy.md tells an operator of the cluster to run: the CLI with the Secret's admin pair
+            cli = subprocess.run([sys.executable, "-m", "mixplane.cli", "status", "--planner", endpoint, "--curve-dir",
+                                  admin.key_dir], capture_output=True, text=True, timeout=60,
+                                 env={k: v for k, v in os.environ.items() if not k.startswith("MIXPLANE_CURVE")})
+            assert cli.returncode == 0 and "planned_through" in cli.stdout, (cli.returncode, cli.stdout[-500:], cli.stderr[-2000:])
             assert after["generation"] == before["generation"]  # no mixture update got through
             assert after["session"] == before["session"]  # nor a resume
             got = run_trainers(endpoint, pod_keys, 2, 4)  # each rank with its own pod's key only
