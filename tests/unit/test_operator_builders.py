@@ -231,6 +231,17 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
     with pytest.raises(ValueError, match="exceed the 2048 a Secret holds"):
         pod_rank_keys(demo_spec(**big, runtime={"rank_binding": "required"}))
 
+    # trainer pods the rank blocks do not reach (4 ranks on 3 pods: blocks of 2 fill 2): a pod would get sidecars
+    # and no key (refused at admission), so no pod keys under auto, an error under required
+    three = demo_spec(kubernetes={"trainer_pods": 3, "placement": "sidecar"})
+    assert trainer_slots(three) == 3 and pod_rank_ranges(three) == [(0, 1), (2, 3)]
+    assert pod_rank_keys(three) == ()
+    with pytest.raises(ValueError, match="do not split the world's 4 ranks into one block per pod"):
+        pod_rank_keys(demo_spec(kubernetes={"trainer_pods": 3}, runtime={"rank_binding": "required"}))
+    # an uneven last block is still one per pod: 3 ranks on nodes of 2
+    odd = demo_spec(topology={"modules": {"backbone": {"dp": 3}}, "ranks_per_node": 2}, batch={"sequences": 6, "seq_len": 256})
+    assert pod_rank_keys(odd) == ("client-r0-1", "client-r2-2")
+
 
 def test_only_loaders_get_the_storage_credentials_secret():
     spec = demo_spec(kubernetes={"source_secret": "s3-creds"})

@@ -304,17 +304,24 @@ def pod_rank_ranges(spec: Any) -> list[tuple[int, int]]:
 
 def pod_rank_keys(spec: Any) -> tuple[str, ...]:
     """The rank-bound key of each trainer pod slot, `client-r<first>-<last>` (what the pod webhook mounts into
-    slot k's pod), or none when the mixture does not bind ranks (runtime.rank_binding: off) or has more trainer
-    pods than one Secret can hold keys for (then `required` cannot be met: an error naming the bound)."""
+    slot k's pod), or none when the mixture does not bind ranks (runtime.rank_binding: off), has more trainer
+    pods than one Secret can hold keys for, or has trainer pods the world's rank blocks do not reach (4 ranks
+    on 3 pods: blocks of 2 leave the third pod none, and the webhook would refuse a pod the sidecar layout
+    placed loaders on). `required` cannot be met then: an error saying why."""
     if spec.runtime.rank_binding == "off":
         return ()
-    ranges = pod_rank_ranges(spec)
+    ranges, pods = pod_rank_ranges(spec), trainer_pods(spec)
     if len(ranges) > MAX_POD_KEYS:
-        if spec.runtime.rank_binding == "required":
-            raise ValueError(f"runtime.rank_binding: required needs one key per trainer pod, and {len(ranges)} pods "
-                             f"exceed the {MAX_POD_KEYS} a Secret holds; use auto (unbound) or fewer pods")
-        return ()
-    return tuple(f"client-r{lo}-{hi}" for lo, hi in ranges)
+        why = f"{len(ranges)} trainer pods exceed the {MAX_POD_KEYS} a Secret holds keys for"
+    elif len(ranges) != pods:
+        why = (f"kubernetes.trainer_pods {pods} do not split the world's {spec.world_size} ranks into one block per "
+               f"pod (blocks of {ranges[0][1] - ranges[0][0] + 1} fill {len(ranges)} pods)")
+    else:
+        return tuple(f"client-r{lo}-{hi}" for lo, hi in ranges)
+    if spec.runtime.rank_binding == "required":
+        raise ValueError(f"runtime.rank_binding: required needs one key per trainer pod, and {why}; "
+                         f"use auto (unbound) or another number of trainer pods")
+    return ()
 
 
 def spec_options(opts: ClusterOptions, spec: Any) -> ClusterOptions:

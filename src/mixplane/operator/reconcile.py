@@ -210,7 +210,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     costs = costs_of(profile, spec)
     placement: SidecarPlacement | None = None
     try:
-        spec_options(opts, spec)  # a mixture that asks for more rank keys than a Secret holds is refused here
+        spec_options(opts, spec)  # rank_binding: required that pod keys cannot meet (builders.pod_rank_keys) is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
         if spec.kubernetes.placement == "sidecar":
             pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
