@@ -265,3 +265,12 @@ def test_header_bytes_are_what_json_dumps_of_the_whole_meta_gave():
         assert m.meta == meta and set(m.arrays) == set(arrays)
         for name, a in arrays.items():
             np.testing.assert_array_equal(m.arrays[name], a)
+
+
+def test_meta_may_be_any_mapping():
+    from types import MappingProxyType
+
+    frames = wire.encode(Kind.PLAN_LOADER, MappingProxyType({"step": 3}), {"pos": np.arange(4)})
+    m = wire.decode(frames)
+    assert m.meta == {"step": 3} and m.array("pos").tolist() == [0, 1, 2, 3]
+    assert wire.decode(wire.encode(Kind.PLAN_LOADER, None)).meta == {}

@@ -161,7 +161,8 @@ def encode(kind: Kind, meta: Mapping[str, Any] | None = None, arrays: Mapping[st
     spends on every peer every step.
     """
     checksum = wants_checksum(kind, checksum)
-    meta = meta or {}
+    if not isinstance(meta, dict):  # any Mapping, as the signature says (the JSON encoder takes only dicts)
+        meta = dict(meta or {})
     if "arrays" in meta or "sums" in meta:
         raise WireError(f"{kind.name}: meta keys 'arrays' and 'sums' are reserved")
     buffers: list = []
