@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from mixplane.loader import indexscan
+from mixplane.loader import indexscan, sidecar
 from mixplane.loader.stream import open_stream
 from mixplane.spec import SourceSpec
 from tests.unit.loader_testdata import write_source
@@ -48,3 +48,16 @@ def test_kept_beside_read_by_a_new_loader_and_never_fatal(tmp_path, monkeypatch)
     s = open_stream(_spec(other, index_beside_data=True), seed=1, buffer_rows=50)
     assert len(s.take(50)) == 50
     s.close()
+
+
+def test_a_failed_write_beside_leaves_no_temporary_file(tmp_path):
+    root = str(tmp_path / "src")
+    write_source(root, nfiles=1, rows=100, page_size=2048, row_group_size=100, dictionary=True)
+    (path,) = [os.path.join(root, n) for n in os.listdir(root) if n.endswith(".parquet")]
+    st = os.stat(path)
+    cols = ["text", "row", "ids"]
+    near = sidecar.beside_path(path, st.st_size, st.st_mtime_ns, cols)
+    os.makedirs(near)  # a directory where the index goes: the write's final rename fails
+    fi = indexscan.load_or_index_file(path, cols, size=st.st_size, mtime_ns=st.st_mtime_ns, cache_dir=None, beside=True)
+    assert fi.num_rows == 100  # the loader has its index all the same
+    assert os.listdir(os.path.dirname(near)) == [os.path.basename(near)]  # and left no temporary file beside the data

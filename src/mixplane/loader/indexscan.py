@@ -228,14 +228,10 @@ def _put(filesystem, path: str, data: bytes) -> None:
 def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
     """Best effort: a store this loader may not write to (read-only credentials) only loses the cache."""
     try:
-        data = sidecar_bytes(fi)
         if filesystem is None:
-            os.makedirs(os.path.dirname(near), exist_ok=True)
-            tmp = f"{near}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, near)
+            save_sidecar(fi, near)  # as the local cache: a temporary file renamed over it, removed on failure
         else:
+            data = sidecar_bytes(fi)
             try:
                 _put(filesystem, near, data)
             except OSError:  # a filesystem with real directories (local) needs the parent first
