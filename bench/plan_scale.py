@@ -12,17 +12,21 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
                  before the first step and is reported as ``jit_s``;
 * ``cost`` / ``balance`` — the built-in strategy's DGraph calls (vlm_balance: backbone rows over DP,
                  images over every encoder rank; greedy, inter), timed between the calls;
-* ``layout``   — DGraph.plan (the StepLayout) plus the rest of StepPlanner.plan (cursor before the
-                 step, snapshot, validation, coverage check, window compaction);
+* ``layout``   — DGraph.plan (the StepLayout) plus the rest of StepPlanner.plan (the window store
+                 gathering what the loaders announced, cursor before the step, snapshot, validation,
+                 coverage check, window compaction);
 * ``route``    — what PlannerServer._dispatch computes before sending: the cursor after the step,
-                 the retire flags, routing.loader_instructions and every constructor's layout
-                 (routing.constructor_layouts);
+                 routing.loader_instructions, each constructor's images and layout
+                 (routing.image_parts, routing.constructor_layouts);
 * ``encode``   — wire.encode of every PLAN_LOADER and PLAN_CONSTRUCTOR message (the frames the server
                  hands to ZeroMQ) — bytes counted per kind (``plan_bytes``) and per peer (mean / max,
                  ``plan_bytes_per_peer``); a constructor's message lists only its images (routing.image_parts);
 * ``journal``  — Journal.step into a real journal file (bytes: the file's growth, the every-100-steps
                  checkpoint included);
 * ``metrics``  — the per-step Prometheus updates _dispatch makes (per source and per window).
+
+The process freezes its start-up objects out of garbage collection once the planner exists, as
+``mixplane planner`` does (server.tune_gc).
 
 Sources: 1 in 8 is image-text (coyo-like pairs: captions + images resized to <= 896 px, 14 px
 patches merged 2 x 2; bench/balance.py), the others text with lognormal lengths whose medians range
