@@ -19,8 +19,9 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
                  routing.loader_instructions, each constructor's images and layout
                  (routing.image_parts, routing.constructor_layouts);
 * ``encode``   — wire.encode of every PLAN_LOADER and PLAN_CONSTRUCTOR message (the frames the server
-                 hands to ZeroMQ) — bytes counted per kind (``plan_bytes``) and per peer (mean / max,
-                 ``plan_bytes_per_peer``); a constructor's message lists only its images (routing.image_parts);
+                 hands to ZeroMQ) — bytes counted (after the timer) per kind (``plan_bytes``) and per peer
+                 (mean / max, ``plan_bytes_per_peer``); a constructor's message lists only its images
+                 (routing.image_parts);
 * ``journal``  — Journal.step into a real journal file (bytes: the file's growth, the every-100-steps
                  checkpoint included);
 * ``metrics``  — the per-step Prometheus updates _dispatch makes (per source and per window).
@@ -256,19 +257,20 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
                         constructor_layouts(lay, [d for _, d in cons], None if img is None else img.idx)))
         t_route = clock() - t0
         t0 = clock()
-        per_l, per_c = [], []
+        msg_l, msg_c = [], []  # the frames, counted once the timer stopped (the server sends them instead)
         for ins in per_loader.values():
-            frames = wire.encode(Kind.PLAN_LOADER, {"session": 0, "step": lay.step}, ins.arrays())
-            per_l.append(sum(memoryview(f).nbytes for f in frames))
+            msg_l.append(wire.encode(Kind.PLAN_LOADER, {"session": 0, "step": lay.step}, ins.arrays()))
         cursor = cursor_array(cursor_after)
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
         for ci, dps, sub in subs:
-            frames = wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps, **extra,
-                                                         "broadcast": list(plan.broadcast)},
-                                 {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(ci))})
-            per_c.append(sum(memoryview(f).nbytes for f in frames))
-        b_load, b_cons = sum(per_l), sum(per_c)
+            msg_c.append(wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps, **extra,
+                                                             "broadcast": list(plan.broadcast)},
+                                     {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(ci))}))
         t_encode = clock() - t0
+        per_l = [sum(memoryview(f).nbytes for f in frames) for frames in msg_l]
+        per_c = [sum(memoryview(f).nbytes for f in frames) for frames in msg_c]
+        b_load, b_cons = sum(per_l), sum(per_c)
+        del msg_l, msg_c
         size0 = os.path.getsize(jpath)
         t0 = clock()
         journal.step(plan)
