@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from mixplane.loader import indexscan, sidecar
+from mixplane.loader.files import list_source_files
 from mixplane.loader.stream import open_stream
 from mixplane.spec import SourceSpec
 from tests.unit.loader_testdata import write_source
@@ -31,6 +32,11 @@ def test_kept_beside_read_by_a_new_loader_and_never_fatal(tmp_path, monkeypatch)
     s = open_stream(_spec(root, index_beside_data=True), seed=1, buffer_rows=50)
     assert s.take(200).keys.tolist() == first and scans == []  # served from beside the data, nothing scanned
     assert len(s.index.files) == 2  # the index files are not part of the source
+    s.close()
+    for uri in (f"{root}/**", f"{root}/*/*", f"{root}/**/*.npz"):  # nor of any glob's: no file quarantined
+        assert all("_mixplane_index" not in p for p in list_source_files(uri).paths), uri
+    s = open_stream(_spec(f"{root}/**", index_beside_data=True), seed=1, buffer_rows=50)
+    assert s.take(200).keys.tolist() == first and len(s.index.files) == 2 and not s.index.bad_files
     s.close()
 
     # a damaged kept index is another's: the file is scanned again (and its index written again)

@@ -13,6 +13,13 @@ import pyarrow.parquet as pq
 from mixplane.loader.remote import RemoteError, fsspec_filesystem, gcs_filesystem, s3_filesystem, with_retries
 
 GLOB_CHARS = "*?["
+# where `sources[].index_beside_data` keeps each file's page index (loader.sidecar.beside_path): never a file
+# of the source, whatever the uri's glob matches
+BESIDE_DIR = "_mixplane_index"
+
+
+def _is_beside_index(path: str) -> bool:
+    return f"/{BESIDE_DIR}/" in path.replace(os.sep, "/")
 
 
 class SourceFilesError(ValueError):
@@ -53,6 +60,8 @@ def list_source_files(uri: str, *, endpoint: str | None = None, region: str | No
     out = SourceFiles(uri=uri, filesystem=fs)
     if infos:
         for info in infos:
+            if _is_beside_index(info.path):
+                continue
             out.paths.append(info.path if "://" in uri else os.path.abspath(info.path))
             out.sizes.append(int(info.size or 0))
             out.mtimes_ns.append(int(info.mtime_ns or 0))

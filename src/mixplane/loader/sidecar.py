@@ -15,11 +15,11 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
+from mixplane.loader.files import BESIDE_DIR
 from mixplane.loader.pageindex import ColumnPages, FileIndex
 from mixplane.loader.pagereader import ColumnInfo
 
 INDEX_VERSION = 3
-BESIDE_DIR = "_mixplane_index"
 
 
 def default_cache_dir() -> str | None:
@@ -38,7 +38,8 @@ def sidecar_path(cache_dir: str, path: str, size: int, mtime_ns: int, columns: l
 def beside_path(path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
     """Where a file's index is kept beside it in its store (`sources[].index_beside_data`): `<dir>/_mixplane_index/`,
     named as in the local cache (the key holds the file's path, size, mtime and columns, so a rewritten file's
-    index is never taken for it). Listings take only `*.parquet`, so it never becomes part of a source."""
+    index is never taken for it). Listings leave that directory out (loader.files), so it never becomes part of a
+    source, whatever the uri's glob."""
     return sidecar_path(posixpath.join(posixpath.dirname(path), BESIDE_DIR), path, size, mtime_ns, columns)
 
 
