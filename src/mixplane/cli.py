@@ -85,7 +85,7 @@ def cmd_planner(args: argparse.Namespace) -> int:
 
     spec = _component_spec(args)
     srv = PlannerServer(spec, args.bind, run_dir=args.run_dir, metrics_port=args.metrics_port)
-    tune_gc()  # this process only plans: fewer, cheaper garbage collections
+    tune_gc()  # this process only plans: start-up objects frozen out of every later collection
     _on_sigterm(srv)
     write_ready(args.ready_file, {"endpoint": srv.endpoint, "metrics_port": srv.metrics_port})
     srv.run()

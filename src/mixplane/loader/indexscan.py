@@ -213,7 +213,7 @@ def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[s
             with open(near, "rb") as f:
                 data = f.read()
         else:
-            with filesystem.open_input_stream(near) as f:  # one GET: no HEAD for the size first
+            with filesystem.open_input_stream(near) as f:  # a HEAD (pyarrow sizes the object), one GET
                 data = f.read()
     except (OSError, ValueError):
         return None

@@ -105,7 +105,8 @@ JOB_INDEX = "batch.kubernetes.io/job-completion-index"
 def trainer_index(pod: Mapping[str, Any]) -> int | None:
     """The sidecar slot of a trainer pod: its `mixplane.io/trainer-index` label or annotation, else its Indexed Job
     completion index, else its StatefulSet ordinal (`name-<n>`); None when the pod says nothing (a Deployment's
-    pods have no stable index: they get the planner env and keys, no loaders)."""
+    pods have no stable index: refused while the mixture binds ranks to keys (`pod_key`), else given the planner
+    env and the shared client key, no loaders)."""
     meta = pod.get("metadata") or {}
     labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
     for raw in (labels.get(TRAINER_INDEX), ann.get(TRAINER_INDEX), ann.get(JOB_INDEX), labels.get(JOB_INDEX)):
