@@ -112,6 +112,21 @@ def test_window_rejects_inconsistent_metadata():
     assert w.ready and w.unconsumed_tokens == 111
 
 
+def test_a_window_refuses_metadata_arrays_of_another_shape_and_keeps_planning():
+    """A LOADER_META whose key or patches array has the right length but two dimensions is refused when it
+    arrives (the server answers a WindowError as a WireError), instead of being kept and failing every later
+    step's gather of the window store."""
+    planner = StepPlanner(make_spec())
+    w = planner.windows[0]
+    one = {"pos": np.arange(2), "key": np.arange(2), "tokens": np.full(2, 10), "patches": np.zeros(2, np.int64)}
+    for name, bad in (("key", np.zeros((2, 2), np.int64)), ("patches", np.zeros((2, 3), np.int64)),
+                      ("tokens", np.ones((2, 1), np.int64)), ("pos", np.zeros((2, 1), np.int64)), ("key", np.int64(3))):
+        with pytest.raises(WindowError, match="one-dimensional"):
+            w.add(**{**one, name: bad})
+        assert len(w) == 0
+    run(planner, 2)  # nothing was kept: the planner plans on
+
+
 def test_truncate_policy_consumes_whole_documents():
     plans = run(StepPlanner(make_spec(overlong="truncate")), 5)
     for plan in plans:

@@ -109,6 +109,9 @@ class ReplicaWindow:
 
     def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
         pos = np.asarray(pos, np.int64)
+        if pos.ndim != 1 or np.ndim(key) != 1 or np.ndim(tokens) != 1 or np.ndim(patches) != 1:
+            # a 2-D key or patches array of the right length would be kept and fail every later step's gather
+            raise WindowError(f"source {self.source} replica {self.replica}: metadata arrays must be one-dimensional")
         n = len(pos)
         if n == 0:
             return
