@@ -219,6 +219,13 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
     # the operator keeps the Secret's pairs across reconciles, issues pairs for new pods, drops those of gone pods
     stored = existing_keys({"data": {k: base64.b64encode(v.encode()).decode() for k, v in secret["stringData"].items()}})
     assert stored == pairs
+    # a pod pair that is not base64 (or not text) is unreadable like a damaged one: issued again, never an error
+    for junk in ("@@not base64@@", base64.b64encode(b"\xff\xfe").decode()):
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in secret["stringData"].items()}
+        data["client-r2-3.key_secret"] = junk
+        assert existing_keys({"data": data}) == {k: v for k, v in pairs.items() if k != "client-r2-3"}
+        data["server.key_secret"] = junk
+        assert existing_keys({"data": data}) is None  # a role's pair: as when it is missing
     grown = with_pod_keys(stored, ("client-r0-0", "client-r2-3"))
     assert set(grown) == {"server", "component", "client", "admin", "client-r0-0", "client-r2-3"}
     assert grown["client-r2-3"] == pairs["client-r2-3"] and grown["server"] == pairs["server"]

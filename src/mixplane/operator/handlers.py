@@ -177,7 +177,10 @@ def existing_keys(secret: Mapping[str, Any] | None) -> dict[str, tuple[str, str]
         raw = data.get(f"{name}{SECRET_SUFFIX}")
         if raw is None:
             return None
-        text = base64.b64decode(raw).decode()
+        try:
+            text = base64.b64decode(raw, validate=True).decode()
+        except ValueError:  # not base64, not text (binascii.Error and UnicodeDecodeError): unreadable like a bad pair
+            text = ""
         pub, sec = _PUBLIC.search(text), _SECRET.search(text)
         if not pub or not sec:
             if name in ROLES:
