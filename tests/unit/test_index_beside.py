@@ -67,3 +67,34 @@ def test_a_failed_write_beside_leaves_no_temporary_file(tmp_path):
     fi = indexscan.load_or_index_file(path, cols, size=st.st_size, mtime_ns=st.st_mtime_ns, cache_dir=None, beside=True)
     assert fi.num_rows == 100  # the loader has its index all the same
     assert os.listdir(os.path.dirname(near)) == [os.path.basename(near)]  # and left no temporary file beside the data
+
+
+def test_a_store_that_takes_no_writes_only_loses_the_cache(tmp_path, monkeypatch):
+    """An http(s):// source (fsspec's HTTP filesystem: reads only, writes raise NotImplementedError) with
+    index_beside_data reads as without it."""
+    import functools
+    import http.server
+    import threading
+
+    root = str(tmp_path / "src")
+    write_source(root, nfiles=1, rows=100, page_size=2048, row_group_size=100, dictionary=True)
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=root))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        (name,) = [n for n in os.listdir(root) if n.endswith(".parquet")]
+        uri = f"http://127.0.0.1:{srv.server_address[1]}/{name}"
+        got = {}
+        for beside in (False, True):
+            s = open_stream(_spec(uri, index_beside_data=beside), seed=1, buffer_rows=50)
+            got[beside] = s.take(50).keys.tolist()
+            s.close()
+        assert got[True] == got[False] and len(got[True]) == 50
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -215,7 +215,7 @@ def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[s
         else:
             with filesystem.open_input_stream(near) as f:  # a HEAD (pyarrow sizes the object), one GET
                 data = f.read()
-    except (OSError, ValueError):
+    except (OSError, ValueError, NotImplementedError):
         return None
     return load_sidecar(io.BytesIO(bytes(data)), path, size, mtime_ns, columns)
 
@@ -226,7 +226,8 @@ def _put(filesystem, path: str, data: bytes) -> None:
 
 
 def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
-    """Best effort: a store this loader may not write to (read-only credentials) only loses the cache."""
+    """Best effort: a store this loader may not write to (read-only credentials, or one that takes no writes at
+    all: fsspec's HTTP filesystem raises NotImplementedError) only loses the cache."""
     try:
         if filesystem is None:
             save_sidecar(fi, near)  # as the local cache: a temporary file renamed over it, removed on failure
@@ -237,7 +238,7 @@ def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
             except OSError:  # a filesystem with real directories (local) needs the parent first
                 filesystem.create_dir(os.path.dirname(near), recursive=True)
                 _put(filesystem, near, data)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, NotImplementedError) as e:
         log.info("page index of %s not kept beside it (%s): only this loader's local cache has it", fi.path, e)
 
 
