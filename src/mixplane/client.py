@@ -9,7 +9,11 @@
 
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
 checked against WORLD_SIZE and the mixture's topology — or ``coords={"dp": .., "pp": .., "cp": .., "tp": ..}``,
-the rank's backbone mesh position, which the planner maps to its global rank; ``prefetch`` / MIXPLANE_PREFETCH (steps requested ahead, default 2);
+the rank's backbone mesh position, which the planner maps to its global rank; ``prefetch_s`` / MIXPLANE_PREFETCH_S
+(seconds of training held ready ahead, default the mixture's ``runtime.prefetch_s``: the client measures the
+trainer's time per step and keeps that many seconds of steps requested — at least 2, at most the mixture's
+``max_lead_steps`` — so a component failover or restart shorter than it costs the trainer no wait); ``prefetch``
+/ MIXPLANE_PREFETCH (a fixed number of steps requested ahead instead; with ``prefetch_s`` too, the least);
 ``timeout_s`` / MIXPLANE_TIMEOUT_S (default: the mixture's ``runtime.step_timeout_s``, sent by the planner; 120 until then); ``heartbeat_s`` / MIXPLANE_HEARTBEAT_S (ZMTP heartbeat
 interval of both sockets, default 2, 0 disables); CURVE from ``curve=`` or MIXPLANE_CURVE_DIR (+
 MIXPLANE_CURVE_NAME, default ``client``; the servers' public key is ``server.key`` there). The client
@@ -47,7 +51,9 @@ from mixplane.wire import Kind, WireError
 
 STATE_VERSION = 1
 log = logging.getLogger("mixplane.client")
-PROBE_S = 1.0  # while waiting, the client beats to its constructor this often (a restarted one is noticed)
+PROBE_S = 1.0  # the client beats to its constructor this often (a restarted one is noticed before its steps are due)
+DEFAULT_PREFETCH = 2  # steps requested ahead at least (and before the trainer's step time is known)
+STEP_TIMES = 9  # the trainer's time per step is the median of this many recent steps
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
                  "bool": torch.bool}
@@ -64,6 +70,15 @@ def resume_attempt() -> str | None:
     if "MASTER_ADDR" in env and "MASTER_PORT" in env:
         return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     return None
+
+
+def lookahead_steps(prefetch_s: float | None, step_s: float | None, least: int, most: int) -> int:
+    """Steps to keep requested ahead so that `prefetch_s` seconds of training are ready: a failure the data
+    plane recovers from within that time never reaches the trainer. `least` until the step time is known
+    (and when the look-ahead is off), never more than `most` (what constructors and loaders hold for it)."""
+    if not prefetch_s or step_s is None or step_s <= 0:
+        return least
+    return max(least, min(most, math.ceil(prefetch_s / step_s)))
 
 
 class DeliveryError(RuntimeError):
@@ -88,6 +103,16 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     if a.flags.writeable:
         return torch.from_numpy(a)  # shares the frame's memory
     return torch.from_numpy(a.copy())
+
+
+def _env_float(name: str) -> float | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -128,7 +153,7 @@ def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None
 
 class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
-                 timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
+                 prefetch_s: float | None = None, timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
                  curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
                  heartbeat_s: float | None = None, encoder_group: Any = None, coords: dict[str, int] | None = None):
         self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
@@ -144,8 +169,19 @@ class MixtureLoader:
         if coords is None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside WORLD_SIZE {self.world_size}")
         self.local_rank = _env_int("LOCAL_RANK")
-        pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH", 2)
-        self.prefetch = max(0, int(pf if pf is not None else 2))
+        pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH")
+        self.prefetch = max(0, int(pf if pf is not None else DEFAULT_PREFETCH))
+        # time-sized look-ahead: unless a fixed depth is asked for, the mixture's runtime.prefetch_s (route reply)
+        ps = prefetch_s if prefetch_s is not None else _env_float("MIXPLANE_PREFETCH_S")
+        self._prefetch_s_fixed = ps is not None
+        self.prefetch_s: float | None = max(0.0, float(ps)) if ps is not None else None
+        if pf is not None and ps is None:
+            self.prefetch_s = 0.0  # prefetch= alone: exactly that many steps, as before
+            self._prefetch_s_fixed = True
+        self.max_ahead = 32  # the mixture's max_lead_steps (route reply): what constructors and loaders hold for it
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES)  # the trainer's recent time per step
+        self._handed: float | None = None  # when the last batch was handed to the trainer
+        self._probed = 0.0  # when the client last beat to its constructor
         # the spec's runtime.step_timeout_s (from the planner's route reply) unless set here or in the environment
         self._timeout_fixed = timeout_s is not None or "MIXPLANE_TIMEOUT_S" in os.environ
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
@@ -228,6 +264,11 @@ class MixtureLoader:
                 p.connect(self.planner_endpoint)
                 self._planner = p
         self._require_sums = route.meta.get("checksum_payloads") is True
+        ps, lead = route.meta.get("prefetch_s"), route.meta.get("max_lead_steps")
+        if not self._prefetch_s_fixed and isinstance(ps, (int, float)) and math.isfinite(ps) and ps >= 0:
+            self.prefetch_s = float(ps)
+        if isinstance(lead, int) and not isinstance(lead, bool) and lead >= 1:
+            self.max_ahead = lead
         spec_timeout = route.meta.get("step_timeout_s")
         if not self._timeout_fixed and isinstance(spec_timeout, (int, float)) and math.isfinite(spec_timeout) and spec_timeout > 0:
             self.timeout_s = float(spec_timeout)
@@ -261,15 +302,32 @@ class MixtureLoader:
         self.coords = dict(route.get("coords", dict))
         self.sources = list(route.get("sources", list))
         s = self._socket()
-        s.setsockopt(zmq.RCVHWM, max(4, 2 * (self.prefetch + 1)))
+        s.setsockopt(zmq.RCVHWM, max(4, 2 * (max(self.prefetch, self.max_ahead) + 1)))
         s.connect(self.endpoint)
         self._sock = s
         self._started = True
 
-    def _ask(self, step: int) -> None:
+    @property
+    def lookahead(self) -> int:
+        """Steps this rank keeps requested ahead now (time-sized from the trainer's measured step time)."""
+        step_s = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
+        return lookahead_steps(self.prefetch_s, step_s, self.prefetch, max(self.prefetch, self.max_ahead))
+
+    def _ask(self, step: int, ahead: int | None = None) -> None:
+        """GET_STEP; `ahead` tells the constructor how far this rank asks past the step it consumes (it keeps
+        what the rank may still need after a restart: steps past last request - ahead - 1)."""
         assert self._sock is not None
-        wire.send(self._sock, Kind.GET_STEP, {"step": step, "rank": self.rank})
+        wire.send(self._sock, Kind.GET_STEP, {"step": step, "rank": self.rank,
+                                              "ahead": self.lookahead if ahead is None else ahead})
         self._inflight.append(step)
+
+    def _ask_again(self, steps: list[int]) -> None:
+        """Ask again for `steps` (requests its server lost), keeping what already arrived."""
+        for s in steps:
+            self._inflight.remove(s)
+        for s in steps:
+            self._ask(s)
+        self._inflight = deque(sorted(self._inflight))
 
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -278,22 +336,38 @@ class MixtureLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self.max_steps is not None and self.next_step >= self.max_steps:
             raise StopIteration
+        now = time.monotonic()
+        if self._handed is not None:
+            self._step_times.append(now - self._handed)  # the trainer's step (waiting for data not included)
         if not self._started:
             self._connect()
-        while len(self._inflight) <= self.prefetch:
+        self._pump(now)
+        ahead = self.lookahead
+        while len(self._inflight) <= ahead:
             nxt = self._inflight[-1] + 1 if self._inflight else self.next_step
             if self.max_steps is not None and nxt >= self.max_steps:
                 break
-            self._ask(nxt)
+            self._ask(nxt, ahead)
         out = self._receive(self._inflight[0])
         if self.tp_group is not None:
             broadcast_tp(out, self.tp_group)
         if self.encoder_group is not None and "encoder_leader" in out:
             broadcast_encoder(out, self.encoder_group)
+        self._handed = time.monotonic()
         return out
+
+    def _pump(self, now: float) -> None:
+        """Between steps: beat to the constructor once per PROBE_S and take in whatever arrived, so a
+        restarted constructor is noticed (and asked again) while the steps already here feed the trainer."""
+        if now - self._probed >= PROBE_S:
+            self._probe()
+        assert self._sock is not None
+        while self._sock.poll(0):
+            self._take(self._sock.recv_multipart(copy=False), f"constructor {self.endpoint}")
 
     def _probe(self) -> None:
         """Beat to the constructor: its answer carries its incarnation (a restarted one gets our requests again)."""
+        self._probed = time.monotonic()
         try:
             wire.send(self._sock, Kind.HEARTBEAT, {"rank": self.rank}, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -304,12 +378,10 @@ class MixtureLoader:
         if not isinstance(inc, str):
             return
         if self._server_incarnation is not None and inc != self._server_incarnation and self._inflight:
-            # the constructor was restarted: what we asked of its predecessor is gone; ask again
-            pending = list(self._inflight)
-            self._inflight.clear()
-            self._early.clear()
-            for s in pending:
-                self._ask(s)
+            # the constructor was restarted: what we asked of its predecessor and did not get is gone; ask
+            # again (steps already here are the same steps: same session, same plan)
+            pending = [s for s in self._inflight if s not in self._early]
+            self._ask_again(pending)
             self.re_requests += len(pending)
         self._server_incarnation = inc
 
@@ -338,68 +410,70 @@ class MixtureLoader:
                 for n, q in sorted(self._server_silent.items()))
         return ""
 
+    def _take(self, frames: list[Any], where: str) -> None:
+        """One message from the constructor: beats (its incarnation, what it reports silent), errors, and
+        STEP_DATA kept until its step is due (steps complete out of order; stale answers are dropped)."""
+        try:
+            msg = wire.decode(frames)
+        except WireError as e:
+            self._damaged(frames, e, where)  # refused, never delivered: asked for again
+            return
+        self._heard = time.time()
+        if msg.kind == Kind.HEARTBEAT:
+            self._note_incarnation(msg)
+            silent = msg.meta.get("silent")
+            self._server_silent = ({str(k): float(v) for k, v in silent.items() if isinstance(v, (int, float))}
+                                   if isinstance(silent, dict) else {})
+            return
+        if msg.kind == Kind.ERROR:
+            if msg.meta.get("released") is True:
+                sess = msg.meta.get("session")
+                if isinstance(sess, int) and sess < self._session:
+                    return  # an answer from before this rank's rewind: it asked again since
+                if self._rejoined is not None:
+                    self._rewind()
+                    return
+            if msg.meta.get("retry"):
+                # delivery restarted (another rank resumed): ask again for what is in flight
+                pending = list(self._inflight)
+                self._inflight.clear()
+                self._early.clear()
+                for s in pending:
+                    self._ask(s)
+                return
+            raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
+        if msg.kind != Kind.STEP_DATA:
+            return
+        if self._require_sums and not msg.flags & wire.FLAG_END:
+            self._damaged(frames, WireError("STEP_DATA without checksums and end-of-message marker"), where)
+            return
+        self._note_incarnation(msg)
+        try:
+            got = msg.get("step", int)
+        except WireError as e:
+            raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
+        if got in self._inflight:
+            self._early[got] = msg  # kept until its turn
+        # else a stale answer from before a restart
+
     def _receive(self, step: int) -> dict[str, torch.Tensor]:
         assert self._sock is not None
         where = f"constructor {self.endpoint}"
         since = time.time()
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            if step in self._early:
-                msg = self._early.pop(step)
-                break
+        while step not in self._early:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeliveryError(f"rank {self.rank}: step {step} not delivered by {where} within {self.timeout_s:g}s "
                                     f"(waiting since {time.strftime('%H:%M:%S', time.localtime(since))})"
                                     f"{self._silence(where)}{self._why_waiting()}")
-            if not self._sock.poll(max(1, int(min(left, PROBE_S) * 1000))):
-                self._probe()
+            wait = min(left, max(0.0, self._probed + PROBE_S - time.monotonic()))
+            if not self._sock.poll(max(1, int(wait * 1000))):
+                if time.monotonic() - self._probed >= PROBE_S:
+                    self._probe()
                 continue
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                msg = wire.decode(frames)
-            except WireError as e:
-                self._damaged(frames, e, where)  # refused, never delivered: asked for again
-                continue
-            self._heard = time.time()
-            if msg.kind == Kind.HEARTBEAT:
-                self._note_incarnation(msg)
-                silent = msg.meta.get("silent")
-                self._server_silent = ({str(k): float(v) for k, v in silent.items() if isinstance(v, (int, float))}
-                                       if isinstance(silent, dict) else {})
-                continue
-            if msg.kind == Kind.ERROR:
-                if msg.meta.get("released") is True:
-                    sess = msg.meta.get("session")
-                    if isinstance(sess, int) and sess < self._session:
-                        continue  # an answer from before this rank's rewind: it asked again since
-                    if self._rejoined is not None:
-                        self._rewind()
-                        continue
-                if msg.meta.get("retry"):
-                    # delivery restarted (another rank resumed): ask again for what is in flight
-                    pending = list(self._inflight)
-                    self._inflight.clear()
-                    self._early.clear()
-                    for s in pending:
-                        self._ask(s)
-                    continue
-                raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
-            if msg.kind != Kind.STEP_DATA:
-                continue
-            if self._require_sums and not msg.flags & wire.FLAG_END:
-                self._damaged(frames, WireError("STEP_DATA without checksums and end-of-message marker"), where)
-                continue
-            self._note_incarnation(msg)
-            try:
-                got = msg.get("step", int)
-            except WireError as e:
-                raise DeliveryError(f"rank {self.rank}: malformed message from {where}: {e}") from None
-            if got != step:
-                if got in self._inflight:
-                    self._early[got] = msg  # steps complete out of order; keep it until its turn
-                continue  # else a stale answer from before a restart
-            break
+            self._take(self._sock.recv_multipart(copy=False), where)
+        msg = self._early.pop(step)
         check_step_data(msg, step, self.rank, where)
         self._rejoined = None
         self._inflight.popleft()

@@ -208,6 +208,7 @@ class RuntimeSpec(_Model):
     window_tokens: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS, description="Tokens per loader replica the window holds at least; default 2 x tokens per step / replicas.")
     window_max: int = Field(65536, ge=1, le=MAX_WINDOW, description="Upper bound on a window's samples (memory cap), whatever window_tokens asks.")
     prefetch_steps: int = Field(2, ge=0, le=MAX_AHEAD_STEPS, description="Steps a constructor prepares ahead of its slowest client.")
+    prefetch_s: float = Field(10.0, ge=0, le=3600, description="Seconds of training every rank holds ready ahead: a client measures its trainer's time per step and keeps that many seconds of steps requested (at least 2, at most `max_lead_steps`), so a failover or restart of a loader, constructor or the planner that takes less than this costs the trainer no wait. 0: `prefetch_steps` only. Memory: that many steps of each rank's batch in the trainer process, the constructor and the loaders.")
     max_lead_steps: int = Field(32, ge=1, le=MAX_AHEAD_STEPS, description="Steps the planner may run ahead of the slowest running constructor.")
     constructors: Literal["per_dp_group", "per_node"] = Field("per_dp_group", description="One Data Constructor per data-parallel group, or per node.")
     sources_per_loader: int = Field(1, ge=1, le=MAX_SOURCES, description="Source Loaders hosted by one loader process (source grouping: hundreds of small sources need not cost an interpreter each).")

@@ -143,7 +143,8 @@ def test_handoff_needs_the_admin_key(token_sources, tmp_path):
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_shadow_is_promoted_when_its_primary_dies_or_hangs_and_the_old_one_delivers_nothing(
         token_sources, reference, tmp_path, how):
-    spec = make_spec(token_sources["root"], shadow_loaders=1, metrics=True)
+    # no time-sized look-ahead: steps must still be planned for the hung loader when it wakes up (fencing)
+    spec = make_spec(token_sources["root"], shadow_loaders=1, metrics=True, prefetch_s=0)
     with EmbeddedRuntime(spec, tmp_path / "run") as rt:
         wait_for(lambda: rt.partitions()["partitions"]["a:0"]["shadows"], 30, "a shadow to follow a:0")
         fetch = Fetcher(rt.planner_endpoint, pause_s=0.05)

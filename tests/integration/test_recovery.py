@@ -74,8 +74,10 @@ class Fetcher:
 
 
 def spec(root: Path, **runtime):
-    # checkpoints every 5 steps: recovery replays the planned steps after the last one
-    return parse_spec(token_mixture(root, runtime={"window": 64, "metrics": False, "journal_every": 5, **runtime}))
+    # checkpoints every 5 steps: recovery replays the planned steps after the last one; no time-sized
+    # look-ahead (prefetch_s 0) unless asked: the recovery under test would finish after the last step
+    runtime = {"window": 64, "metrics": False, "journal_every": 5, "prefetch_s": 0, **runtime}
+    return parse_spec(token_mixture(root, runtime=runtime))
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,39 @@ def test_constructor_sigkill_mid_run_is_rebuilt_with_identical_batches(token_sou
     print(json.dumps({"constructor_restart_stall_s": round(first, 3), "constructor_restart_max_gap_s": round(gap, 3),
                       "killed_after_steps": KILL_AFTER, "steps": STEPS}))
     assert gap <= 10.0
+
+
+def test_lookahead_absorbs_a_constructor_and_a_planner_restart(token_sources, tmp_path, reference):
+    """runtime.prefetch_s: each rank keeps that many seconds of steps requested (time-sized from its measured
+    step time, at most max_lead_steps), so a constructor and then the planner, SIGKILLed and restarted while
+    ranks train, cost them no wait: the longest gap between two steps stays near the step time."""
+    pause, lead = 0.5, 16  # a rank holds up to 16 steps = 8 s of training
+    policy = RestartPolicy(budget=2, window_s=600, backoff_s=0.1)
+    run_dir = tmp_path / "lookahead"
+    rt = EmbeddedRuntime(spec(token_sources["root"], prefetch_s=10.0, max_lead_steps=lead), run_dir, restart=policy).start()
+    try:
+        rt.supervise_in_background(0.1)
+        fetch = Fetcher(rt.planner_endpoint, pause_s=pause)
+        kills = []
+        for role, after in (("constructor", 8), ("planner", 18)):
+            fetch.wait_for(after)
+            victim = next(c for c in rt.children if c.component is not None and c.component.role == role)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            kills.append((time.monotonic(), {r: len(fetch.times[r]) for r in range(RANKS)}))
+        got = fetch.join()
+        rt.check()
+        assert all(rt.child(n).exit_codes == [-signal.SIGKILL] for n in ("constructor-0", "planner"))
+        ahead = [fetch.loaders[r].lookahead for r in range(RANKS)]
+    finally:
+        rt.stop()
+    assert_identical(got, reference)
+    gaps = [stall(fetch, t, at)[1] for t, at in kills]
+    log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
+    assert "recovery complete" in log and "said HELLO again (restarted" in log, log[-3000:]
+    print(json.dumps({"lookahead_steps": ahead, "step_s": pause, "max_gap_after_constructor_kill_s": round(gaps[0], 3),
+                      "max_gap_after_planner_kill_s": round(gaps[1], 3)}))
+    assert ahead == [lead] * RANKS
+    assert max(gaps) < pause + 1.0, gaps  # a restart takes seconds; the ranks waited for none of it
 
 
 def test_spent_budget_names_the_component_and_its_exit_codes(token_sources, tmp_path):

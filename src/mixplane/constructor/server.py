@@ -114,7 +114,8 @@ class ConstructorServer(PlannerFollower):
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # bounded per-client queue (prefetch depth + slack); an unknown / vanished client raises instead of silently dropping
-        wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1)), rcvhwm=1000,
+        # (a client keeps up to max_lead_steps requested: runtime.prefetch_s of training, time-sized)
+        wire.configure_socket(self.clients, sndhwm=max(8, 4 * (spec.runtime.prefetch_steps + 1), 2 * (spec.runtime.max_lead_steps + 1)), rcvhwm=1000,
                               heartbeat_s=spec.runtime.heartbeat_s, router_mandatory=True,
                               max_msgsize=protocol.max_message_bytes(spec, "clients"))
         self.security.server(self.clients).bind(f"tcp://{host}:{ports[1]}")
@@ -142,6 +143,7 @@ class ConstructorServer(PlannerFollower):
         self.pending: list[tuple[bytes, int, int, float]] = []  # identity, step, rank, since
         self.asked_through = -1
         self.last_request: dict[int, int] = {}  # rank -> last step it asked for
+        self.ahead: dict[int, int] = {}  # rank -> how far past its consumed step that request asked (GET_STEP ahead)
         # rank -> last step handed to its socket: what releases steps and bounds requests, so requests
         # from peers that vanish (or claim a rank) cannot make a constructor drop steps a rank still needs
         self.delivered: dict[int, int] = {}
@@ -180,6 +182,7 @@ class ConstructorServer(PlannerFollower):
         self.released_through = start_step - 1
         self.planned_seen = start_step - 1
         self.last_request.clear()
+        self.ahead.clear()
         self.delivered.clear()
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, _rank, _ in self.pending:
@@ -458,13 +461,23 @@ class ConstructorServer(PlannerFollower):
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
                                                 f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})
             return
-        self.last_request[rank] = max(self.last_request.get(rank, -1), step)
+        if step > self.last_request.get(rank, -1):
+            self.last_request[rank] = step
+            self.ahead[rank] = self._client_ahead(msg)
         if not any(p[0] == ident and p[1] == step and p[2] == rank for p in self.pending):  # a client's retry
             self.pending.append((ident, step, rank, time.monotonic()))
         want = step + self.prefetch
         if want > self.asked_through:
             self.asked_through = want
             self._need_steps()
+
+    def _client_ahead(self, msg: wire.Message) -> int:
+        """How many steps past the one it consumes a client asks (GET_STEP `ahead`, its time-sized look-ahead;
+        clients that do not say ask prefetch_steps ahead)."""
+        a = msg.meta.get("ahead")
+        if isinstance(a, int) and not isinstance(a, bool) and 0 <= a <= max(self.prefetch, self.spec.runtime.max_lead_steps):
+            return a
+        return self.prefetch
 
     @property
     def complete_through(self) -> int:
@@ -485,9 +498,11 @@ class ConstructorServer(PlannerFollower):
         self.pending = still
         if self.ranks:
             # every served rank consumes every step: keep a step until the slowest rank has moved past it
-            # (asked prefetch + 1 steps further) and it was handed to that rank (requests alone can lie)
+            # (asked its look-ahead + 1 steps further) and it was handed to that rank (requests alone can lie);
+            # a rank that restarts from its state_dict finds its next step here
             before = self.start_step - 1
-            floor = min(min(self.delivered.get(r, before), self.last_request.get(r, before) - self.prefetch - 1)
+            floor = min(min(self.delivered.get(r, before),
+                            self.last_request.get(r, before) - self.ahead.get(r, self.prefetch) - 1)
                         for r in self.ranks)
             waiting = {step for _, step, _, _ in self.pending}
             for s in [s for s in self.steps if s < floor and s not in waiting]:

@@ -272,6 +272,8 @@ class PlannerServer(Component, PartitionHosting):
             "coords": backbone_coords(self.spec, rank).as_dict(), "sources": self.names,
             "seq_len": self.spec.batch.seq_len, "microbatches": self.spec.batch.microbatches,
             "step_timeout_s": self.spec.runtime.step_timeout_s,  # the client's wait per step unless it sets its own
+            # time-sized look-ahead: seconds of training a client keeps requested, and at most this many steps
+            "prefetch_s": self.spec.runtime.prefetch_s, "max_lead_steps": self.spec.runtime.max_lead_steps,
             "checksum_payloads": self.spec.runtime.checksum_payloads,  # the client refuses STEP_DATA without them
             "start_step": int(self.session_start["step"]),
             # lets a client make a resumable state_dict before its first step, and restart from step 0
