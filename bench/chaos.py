@@ -3,7 +3,13 @@
     python bench/chaos.py [--quick] [--steps N] [--kills K] [--roles loader,constructor,planner]
 
 One mixture (3 token sources, 8 x 256-token rows per step) is run twice with the embedded runtime and
-4 trainer ranks, each a process of its own that consumes its steps with a fixed compute time per step:
+4 trainer ranks, each a process of its own. The trainer model: a rank takes `--compute-s` (default 0.25 s)
+per step after it received the step's batch, and then waits at a barrier for every rank of its world to
+finish that step — data-parallel training is synchronous (the gradient all-reduce), so a rank that waits
+for data holds every rank up. 0.25 s is far shorter than a foundation model's step (seed 001 reports
+13.6-16.9 s iterations) so that 2000 steps run in ~9 minutes; it makes the test harder, not easier: the
+data plane recovers in seconds whatever the step, so a short step packs 24 failures into minutes and asks
+the look-ahead for more steps to cover a recovery (`--independent-ranks`: no barrier).
 
 * reference — no failure;
 * chaos — the same spec, while a seeded schedule SIGKILLs components at random steps of the run (every
@@ -33,7 +39,7 @@ its journal and compares their tokens with what the rank got (bit for bit).
 
 The last stdout line: {"steps", "kills", "kills_by_role", "lost", "duplicated", "mismatched_steps",
 "max_stall_s", "max_stall_s_by_role", "p50_stall_s", "ettr", "replay_checked", "replay_bit_exact", ...}.
-`--quick`: ~1 minute (few steps, a few kills).
+`--quick`: ~1.5 minutes (60 steps, 3 kills, 10 replays).
 """
 
 from __future__ import annotations
@@ -107,8 +113,53 @@ def spec_doc(root: Path, *, shadows: int = 0) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- trainer rank
+class StepBarrier:
+    """The trainers' synchronous step (a thread of the benchmark): a rank reports each step it finished and
+    is answered once every rank of its world finished it. A restarted rank reports from its next step on,
+    which counts for the steps before it too (it finished those in its previous life)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.done: dict[tuple[int, int], int] = {}  # (world, rank) -> last step it finished
+        self.waiting: list[tuple[bytes, int, int]] = []  # identity, world, step
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self.sock.poll(100):
+                continue
+            ident, _, body = self.sock.recv_multipart()
+            m = json.loads(body)
+            world, rank, step = int(m["world"]), int(m["rank"]), int(m["step"])
+            self.done[(world, rank)] = max(self.done.get((world, rank), -1), step)
+            self.waiting.append((ident, world, step))
+            still = []
+            for ident, w, s in self.waiting:
+                if min(self.done.get((w, r), -1) for r in range(w)) >= s:
+                    self.sock.send_multipart([ident, b"", b"ok"])
+                else:
+                    still.append((ident, w, s))
+            self.waiting = still
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join()
+        self.ctx.destroy(linger=0)
+
+
 def trainer(args: argparse.Namespace) -> int:
     """One trainer rank (a process): consume steps [its state, stop), a record line per step."""
+    import zmq
+
     from mixplane.client import MixtureLoader
 
     out = Path(args.out)
@@ -126,6 +177,11 @@ def trainer(args: argparse.Namespace) -> int:
     loader = MixtureLoader(args.planner, rank=args.rank, max_steps=args.stop, timeout_s=120)
     if state is not None:
         loader.load_state_dict(state)
+    barrier = None
+    if args.barrier:
+        barrier = zmq.Context.instance().socket(zmq.REQ)
+        barrier.linger = 0
+        barrier.connect(args.barrier)
     with open(out, "a") as f:
         for b in loader:
             step = int(b["step"])
@@ -135,6 +191,9 @@ def trainer(args: argparse.Namespace) -> int:
                                 "state": loader.state_dict()}) + "\n")
             f.flush()
             time.sleep(args.compute_s)  # the training step
+            if barrier is not None:  # the all-reduce: every rank of the world finished this step
+                barrier.send(json.dumps({"world": args.world, "rank": args.rank, "step": step}).encode())
+                barrier.recv()
     loader.close()
     return 0
 
@@ -156,7 +215,9 @@ class Run:
     def spawn(self, rank: int, stop: int, state: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--planner", self.rt.planner_endpoint,
                "--rank", str(rank), "--stop", str(stop), "--out", str(self.records / f"rank{rank}-w{self.world}.jsonl"),
-               "--compute-s", str(self.args.compute_s)]
+               "--compute-s", str(self.args.compute_s), "--world", str(self.world)]
+        if self.barrier is not None:
+            cmd += ["--barrier", self.barrier.endpoint]
         if state is not None:
             cmd += ["--state", str(state)]
         e = {**os.environ, "PYTHONPATH": str(SRC), **(env or {})}
@@ -212,6 +273,7 @@ class Run:
         policy = RestartPolicy(budget=10_000, window_s=3600.0, backoff_s=0.05, backoff_max_s=0.5,
                                roles=tuple(r for r in ("loader", "constructor", "planner") if r in self.args.supervised))
         self.rt = EmbeddedRuntime(self.spec, self.dir / "run", restart=policy, log_level="WARNING").start()
+        self.barrier = None if self.args.independent_ranks else StepBarrier()
         try:
             t0 = time.monotonic()
             self.world = RANKS
@@ -240,6 +302,8 @@ class Run:
             for p in self.trainers.values():
                 if p.poll() is None:
                     p.kill()
+            if self.barrier is not None:
+                self.barrier.close()
             self.rt.stop()
 
     def kill_plan(self) -> list[int]:
@@ -358,13 +422,15 @@ def replay_check(run: Run, recs: dict, n: int, seed: int) -> tuple[int, int, lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="about a minute: 100 steps, 3 kills")
+    ap.add_argument("--quick", action="store_true", help="about 1.5 minutes: 60 steps, 3 kills")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
     ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
     ap.add_argument("--supervised", default="loader,constructor,planner", help="roles the runtime restarts (comma list)")
     ap.add_argument("--replays", type=int, default=100)
-    ap.add_argument("--compute-s", type=float, default=0.05, help="simulated training time per step")
+    ap.add_argument("--compute-s", type=float, default=0.25, help="simulated training time per step (s)")
+    ap.add_argument("--independent-ranks", action="store_true",
+                    help="no step barrier: each rank consumes at its own pace (not how data-parallel training runs)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--shadows", type=int, default=0, help="runtime.shadow_loaders of the spec")
     ap.add_argument("--no-trainer-restart", dest="trainer_restart", action="store_false")
@@ -377,11 +443,13 @@ def main() -> int:
     ap.add_argument("--stop", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "trainer":
         return trainer(args)
     if args.quick:
-        args.steps, args.kills, args.replays = min(args.steps, 100), min(args.kills, 3), min(args.replays, 10)
+        args.steps, args.kills, args.replays = min(args.steps, 60), min(args.kills, 3), min(args.replays, 10)
     # only roles the runtime restarts can be killed without failing the run
     args.roles = ",".join(r for r in args.roles.split(",")
                           if r in args.supervised.split(",") or (r == "shadow" and "loader" in args.supervised))
@@ -434,7 +502,8 @@ def main() -> int:
         "replay_checked": checked, "replay_bit_exact": ok,
         "reference_wall_s": round(ref_wall, 2), "chaos_wall_s": round(chaos_wall, 2),
         "ranks": RANKS, "dp_change": [RANKS, RESHARD_DP, chaos.reshard_at], "compute_s": args.compute_s,
-        "supervised": args.supervised, "shadows": args.shadows,
+        "supervised": args.supervised, "shadows": args.shadows, "synchronous_ranks": not args.independent_ranks,
+        "prefetch_s": spec.runtime.prefetch_s,
     }))
     return 0
 

@@ -131,3 +131,28 @@ def test_a_world_size_other_than_the_topology_is_refused():
         l.close()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_lookahead_is_sized_in_seconds_of_training():
+    from mixplane.client import lookahead_steps
+
+    assert lookahead_steps(10.0, None, 2, 32) == 2  # step time not measured yet
+    assert lookahead_steps(10.0, 0.5, 2, 32) == 20  # 10 s of 0.5 s steps
+    assert lookahead_steps(10.0, 0.25, 2, 32) == 32  # bounded by what constructors and loaders hold
+    assert lookahead_steps(10.0, 14.0, 2, 32) == 2  # steps longer than the buffer: the least
+    assert lookahead_steps(0.0, 0.1, 3, 32) == 3  # off: the fixed depth
+    assert lookahead_steps(1.0, 0.3, 0, 32) == 4  # rounds up: never less than the seconds asked for
+
+
+def test_prefetch_alone_is_a_fixed_depth_and_prefetch_s_a_time_sized_one(monkeypatch):
+    monkeypatch.delenv("MIXPLANE_PREFETCH", raising=False)
+    monkeypatch.delenv("MIXPLANE_PREFETCH_S", raising=False)
+    fixed = MixtureLoader("tcp://127.0.0.1:1", rank=0, prefetch=3)
+    fixed._step_times.extend([0.01] * 9)
+    assert fixed.lookahead == 3  # prefetch= alone: exactly that, as before the look-ahead existed
+    timed = MixtureLoader("tcp://127.0.0.1:1", rank=0, prefetch_s=2.0)
+    timed._step_times.extend([0.1, 0.1, 5.0, 0.1, 0.1])  # one slow step (a checkpoint) does not shrink it
+    assert timed.lookahead == 20
+    monkeypatch.setenv("MIXPLANE_PREFETCH_S", "x")
+    with pytest.raises(ValueError, match="MIXPLANE_PREFETCH_S='x'"):
+        MixtureLoader("tcp://127.0.0.1:1", rank=0)
