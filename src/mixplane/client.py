@@ -105,24 +105,24 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def _env_float(name: str) -> float | None:
+def _env_number(name: str, kind: type, what: str) -> Any:
+    """The environment variable `name` as `kind` (int or float); None when unset or empty."""
     v = os.environ.get(name)
     if v is None or v == "":
         return None
     try:
-        return float(v)
+        return kind(v)
     except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+        raise ValueError(f"environment variable {name}={v!r} is not {what}") from None
+
+
+def _env_float(name: str) -> float | None:
+    return _env_number(name, float, "a number")
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+    v = _env_number(name, int, "an integer")
+    return default if v is None else v
 
 
 def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None:
