@@ -210,6 +210,7 @@ class Run:
         self.stop_step = args.steps
         self.reshard_at = args.steps // 2
         self.rt: Any = None
+        self.reshard_s = 0.0
         self._tails: dict[Path, tuple[int, int]] = {}  # record file -> (bytes counted, lines counted)
 
     def spawn(self, rank: int, stop: int, state: Path | None = None, env: dict[str, str] | None = None) -> None:
@@ -274,6 +275,7 @@ class Run:
                                roles=tuple(r for r in ("loader", "constructor", "planner") if r in self.args.supervised))
         self.rt = EmbeddedRuntime(self.spec, self.dir / "run", restart=policy, log_level="WARNING").start()
         self.barrier = None if self.args.independent_ranks else StepBarrier()
+        self.barrier_used = self.barrier is not None
         try:
             t0 = time.monotonic()
             self.world = RANKS
@@ -370,7 +372,7 @@ def stalls(run: Run, ref_gap: float, horizon_s: float = 5.0) -> list[dict[str, A
     """Per kill: the longest gap between consecutive steps of any rank that ends after the kill and began
     before kill + horizon_s (ranks first drain what was prefetched, so the stall may start after the kill),
     minus the reference's median gap. The gaps of a restarted trainer rank around its own restart count
-    for that restart only."""
+    for that restart only — with synchronous ranks every rank's gap around it (they all wait for it)."""
     times: dict[tuple[int, int], list[float]] = {}
     recs, _ = load(run)
     for (w, _step, rank), rec in recs.items():
@@ -382,7 +384,7 @@ def stalls(run: Run, ref_gap: float, horizon_s: float = 5.0) -> list[dict[str, A
     for k in run.kills:
         worst = 0.0
         for (rank, _w), ts in times.items():
-            own = [r for r in restarts if r["name"] == f"rank{rank}"]
+            own = restarts if run.barrier_used else [r for r in restarts if r["name"] == f"rank{rank}"]
             for a, b in zip(ts, ts[1:]):
                 if not (b > k["t"] and a < k["t"] + horizon_s):
                     continue
@@ -501,6 +503,7 @@ def main() -> int:
         "ettr": round(ref_wall / chaos_wall, 4),
         "replay_checked": checked, "replay_bit_exact": ok,
         "reference_wall_s": round(ref_wall, 2), "chaos_wall_s": round(chaos_wall, 2),
+        "reshard_s": [round(ref.reshard_s, 2), round(chaos.reshard_s, 2)],
         "ranks": RANKS, "dp_change": [RANKS, RESHARD_DP, chaos.reshard_at], "compute_s": args.compute_s,
         "supervised": args.supervised, "shadows": args.shadows, "synchronous_ranks": not args.independent_ranks,
         "prefetch_s": spec.runtime.prefetch_s,
