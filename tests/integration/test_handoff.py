@@ -184,7 +184,8 @@ def test_a_shadow_is_promoted_when_its_primary_dies_or_hangs_and_the_old_one_del
 
 def test_a_restarted_loader_restores_its_differential_checkpoint_and_the_planner_bridges_the_gap(
         token_sources, reference, tmp_path):
-    spec = make_spec(token_sources["root"], loader_snapshot_every=3)
+    # no time-sized look-ahead: steps must still be planned for the restarted loader (its new snapshots)
+    spec = make_spec(token_sources["root"], loader_snapshot_every=3, prefetch_s=0)
     with EmbeddedRuntime(spec, tmp_path / "run") as rt:
         fetch = Fetcher(rt.planner_endpoint, pause_s=0.03)
         wait_steps(fetch, 10)
