@@ -131,3 +131,20 @@ def test_truncate_policy_consumes_whole_documents():
     plans = run(StepPlanner(make_spec(overlong="truncate")), 5)
     for plan in plans:
         assert np.all(plan.layout.seg_start == 0) and np.all(plan.layout.seg_len <= 256)
+
+
+def test_the_window_store_refuses_to_compact_windows_it_does_not_hold():
+    """WindowStore.compact works on the gathered block only: after an `add` since the gather it refuses instead of
+    losing the new samples (and moving the window's low mark past them)."""
+    planner = StepPlanner(make_spec())
+    run(planner, 2)
+    planner.store.sync()
+    w = planner.windows[0]
+    before = len(w)
+    w.add(np.array([w.next_pos]), np.array([7]), np.array([5]), np.array([0]))
+    with pytest.raises(RuntimeError, match="compact after windows changed"):
+        planner.store.compact()
+    assert len(w) == before + 1
+    planner.store.sync()
+    planner.store.compact()  # gathered again: fine
+    assert len(w) == before + 1

@@ -280,6 +280,11 @@ class WindowStore:
         `full` mask over the columns as they were (the samples that left their windows: the pieces that retire
         them)."""
         ws = self.windows
+        if not (self.fresh and all(w.stored is self for w in ws)):
+            # a window that took samples since the last gather holds them outside the block: compacting the block
+            # would lose them and move its low mark past them (its next_pos has moved); gathering now would shift
+            # the indices the caller's `full` lookups use. Only StepPlanner.plan compacts, right after select.
+            raise RuntimeError("window store: compact after windows changed since the last gather")
         nxt = np.fromiter((w.next_pos for w in ws), np.int64, len(ws))
         dst = self._spare(self.block.shape[1])
         full, kept, base, unc, low, a_win, a_pos = selectloop.compact(self.block, dst, nxt)
