@@ -325,17 +325,32 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from mixplane.profile import profile_spec
+    from mixplane.profile import error_message, profile_spec, termination_message
 
-    spec = _load(args.file)
+    names = [n for n in (args.sources or "").split(",") if n] or None
+    log = Path(args.termination_log) if args.termination_log else None
     try:
-        out = profile_spec(spec, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s)
-    except (ValueError, OSError) as e:
-        print(f"{args.file}: {e}", file=sys.stderr)
-        return 1
+        spec = _load(args.file)
+        out = profile_spec(spec, names, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s)
+        message = termination_message(out) if log is not None else None
+    except SystemExit as e:  # an invalid spec: its problems are on stderr
+        if log is not None:
+            log.write_text(error_message(f"{args.file}: the spec is not valid (exit {e.code}); see the pod's log", os.environ))
+        raise
+    except Exception as e:  # noqa: BLE001 - in a profiling pod every failure must reach the operator, redacted
+        text = f"{args.file}: {type(e).__name__}: {e}" if log is not None else f"{args.file}: {e}"
+        print(text, file=sys.stderr)
+        if log is not None:
+            log.write_text(error_message(text, os.environ))
+            return 1
+        if isinstance(e, (ValueError, OSError)):
+            return 1
+        raise
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if log is not None and message is not None:
+        log.write_text(message)
     print(text)
     return 0
 
@@ -447,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--max-rows", type=int, default=2048, help="rows read per source")
     pf.add_argument("--max-cpu-s", type=float, default=1.0, help="CPU seconds spent per source at most")
     pf.add_argument("--out", help="also write the JSON here")
+    pf.add_argument("--sources", help="only these sources (comma-separated names)")
+    pf.add_argument("--termination-log", metavar="PATH",
+                    help="write the result for the operator (compact, <= 4096 bytes: a pod's termination message), "
+                         "or the error with credential-like environment values redacted")
     pf.set_defaults(fn=cmd_profile)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator")

@@ -577,3 +577,101 @@ def sidecar_containers(spec: Any, opts: ClusterOptions, all_pods: Sequence[Any],
         comp = plan.component(loader_name(list(p.members)))
         out.append(sidecar_container(comp, opts, resources(p.cpu, p.memory, opts, cpu_limit=1.0), i))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- profiling Job
+LABEL_PROFILE = f"{API_GROUP}/profile-of"  # profiling Jobs and their pods (not LABEL_MIXTURE: no NetworkPolicy admits them)
+LABEL_PROFILE_DIGEST = f"{API_GROUP}/profile-digest"
+ANN_PROFILE_SOURCES = f"{API_GROUP}/profile-sources"
+TERMINATION_LOG = "/dev/termination-log"
+PROFILE_CPU = 1.0  # profiling is one thread; its per-token cost is process CPU time, so a limit does not skew it
+PROFILE_MEMORY = 1 << 30
+PROFILE_DEADLINE_S = 900  # a pod that cannot be scheduled or hangs: the Job fails, the mixture runs on fallback costs
+
+
+def profile_digest(spec: Any, opts: ClusterOptions) -> str:
+    """What a profile depends on: the sources, the mixture's seed, the windows, the image and the credentials' Secret.
+    A change of any of them is a new profiling Job (the old one is removed); an unchanged spec re-applies the same."""
+    doc = json.loads(spec_json(spec))
+    keep = {k: doc.get(k) for k in ("sources", "runtime", "batch")}
+    keep["seed"] = (doc.get("mixture") or {}).get("seed")
+    raw = json.dumps([keep, opts.image, spec.kubernetes.source_secret], sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:10]
+
+
+def profile_shards(names: Sequence[str], limit: int) -> list[list[str]]:
+    """Sources split, in order, into groups whose result surely fits one termination message of `limit` bytes
+    (one profiling pod each: a pod's containers share 12 KiB of messages, so a pod per group, not a container)."""
+    from mixplane.profile import message_envelope, slim_entry_bound
+
+    room = limit - message_envelope()
+    out: list[list[str]] = []
+    used = room + 1
+    for n in names:
+        size = slim_entry_bound(n)
+        if used + size > room:
+            out.append([])
+            used = 0
+        out[-1].append(n)
+        used += size
+    return out
+
+
+def profile_labels(opts: ClusterOptions, digest: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "mixplane", "app.kubernetes.io/instance": opts.name,
+            "app.kubernetes.io/component": "profiler", "app.kubernetes.io/managed-by": "mixplane-operator",
+            LABEL_PROFILE: opts.name, LABEL_PROFILE_DIGEST: digest}
+
+
+def profile_spec_map(spec: Any, opts: ClusterOptions, digest: str) -> dict[str, Any]:
+    """The spec as the user wrote it (profiling comes before partitioning), for the profiling pods."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": dns_label(f"{opts.name}-profile-{digest}"), "namespace": opts.namespace,
+                         "labels": profile_labels(opts, digest)},
+            "data": {"spec.json": spec_json(spec)}}
+
+
+def profile_job(spec: Any, opts: ClusterOptions, digest: str, index: int, sources: Sequence[str]) -> dict[str, Any]:
+    """One profiling pod: `mixplane profile` of `sources` with the loaders' image, their storage credentials (envFrom
+    the source Secret, as loaders get it) and security context, no API token and no CURVE key. The result (or the
+    redacted error) is the container's termination message, which the operator reads from the pod's status."""
+    labels_ = profile_labels(opts, digest)
+    cm = profile_spec_map(spec, opts, digest)["metadata"]["name"]
+    ctr: dict[str, Any] = {
+        "name": "profile", "image": opts.image, "imagePullPolicy": opts.image_pull_policy, "command": list(opts.command),
+        "args": ["profile", f"{SPEC_MOUNT}/spec.json", "--sources", ",".join(sources), "--termination-log", TERMINATION_LOG],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+                {"name": "MIXPLANE_INDEX_CACHE", "value": "/tmp/pageindex"}],
+        "resources": resources(PROFILE_CPU, PROFILE_MEMORY, opts, cpu_limit=PROFILE_CPU),
+        "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "File",
+        "volumeMounts": [{"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": _security(opts)}
+    if spec.kubernetes.source_secret:
+        ctr["envFrom"] = [{"secretRef": {"name": spec.kubernetes.source_secret}}]
+    pod = {"metadata": {"labels": dict(labels_)},
+           "spec": {"restartPolicy": "Never", "serviceAccountName": opts.service_account, "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": opts.run_as_user, "fsGroup": opts.run_as_user},
+                    "containers": [ctr],
+                    "volumes": [{"name": "spec", "configMap": {"name": cm, "items": [{"key": "spec.json", "path": "spec.json"}]}},
+                                {"name": "tmp", "emptyDir": {}}]}}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": profile_job_name(opts, digest, index), "namespace": opts.namespace, "labels": labels_,
+                         "annotations": {ANN_PROFILE_SOURCES: ",".join(sources)}},
+            "spec": {"backoffLimit": 1, "activeDeadlineSeconds": PROFILE_DEADLINE_S, "template": pod}}
+
+
+def profile_job_name(opts: ClusterOptions, digest: str, index: int) -> str:
+    return dns_label(f"{opts.name}-profile-{digest}-{index}")
+
+
+def profile_children(spec: Any, opts: ClusterOptions) -> list[dict[str, Any]]:
+    """What profiling a mixture in the cluster takes: the components' ServiceAccount (no rights), the spec's
+    ConfigMap and one Job per group of sources (`profile_shards`)."""
+    from mixplane.profile import TERMINATION_LIMIT
+
+    opts = spec_options(opts, spec)
+    digest = profile_digest(spec, opts)
+    shards = profile_shards([s.name for s in spec.sources], TERMINATION_LIMIT)
+    return [service_account(opts), profile_spec_map(spec, opts, digest),
+            *[profile_job(spec, opts, digest, i, names) for i, names in enumerate(shards)]]

@@ -54,6 +54,8 @@ class SourceProfile(_Status):
     cpuSecondsPerToken: float = Field(..., ge=0, description="Measured CPU seconds per delivered token (`mixplane profile`).")
     memoryPerPartition: int = Field(..., ge=0, description="Measured bytes one Source Loader of this source holds.")
     meanTokens: float | None = Field(None, ge=0, description="Mean tokens per sample in the profiled pages.")
+    maxPartitions: int | None = Field(None, ge=1, description="Partitions the source can be split into (its pages, row groups or rows).")
+    measuredBy: Literal["operator", "job", "annotation", "fallback"] | None = Field(None, description="Where the figures come from: the operator in-process, a profiling Job, the mixplane.io/profile annotation, or costs by kind (not measured).")
 
 
 class SourceStatus(_Status):
@@ -91,6 +93,13 @@ class ScalingStatus(_Status):
     time: str | None = Field(None, description="When (RFC 3339).")
 
 
+class ProfilingStatus(_Status):
+    state: Literal["Running", "Succeeded", "Failed"] = Field(..., description="Where the profiling Jobs are.")
+    jobs: list[str] = Field(default_factory=list, description="The profiling Jobs (one per group of sources).")
+    message: str | None = Field(None, description="Why a Job failed (the pod's error, credentials redacted) or what runs.")
+    time: str | None = Field(None, description="When the state was last observed to change (RFC 3339).")
+
+
 class MixtureStatus(_Status):
     """What the operator reports; `model_dump(by_alias=True, exclude_none=True)` is a valid status patch."""
 
@@ -105,6 +114,7 @@ class MixtureStatus(_Status):
     updates: list[MixtureUpdateStatus] = Field(default_factory=list, description="Live mixture updates and the step each took effect at.")
     sidecars: list[SidecarStatus] = Field(default_factory=list, description="Sidecar placement: loader processes per trainer pod slot.")
     scaling: list[ScalingStatus] = Field(default_factory=list, description="Mixture-driven scaling decisions (last 20).")
+    profiling: ProfilingStatus | None = Field(None, description="The profiling Jobs, when the sources were profiled in the cluster (kubernetes.source_secret, or the operator could not read them).")
 
 
 # ---- pydantic JSON schema -> Kubernetes structural schema ----

@@ -27,7 +27,7 @@ import re
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,6 +51,7 @@ from mixplane.operator.reconcile import (
     planner_source_figures,
     profile_from_annotation,
     profile_from_status,
+    profiler_of,
     segments_of,
     spec_of,
     status_of,
@@ -60,12 +61,13 @@ VERSION = "v1alpha1"
 PLURAL = "datamixtures"
 FIELD_MANAGER = "mixplane-operator"
 SCALE_INTERVAL_S = float(os.environ.get("MIXPLANE_SCALE_INTERVAL_S", "30"))
+PROFILE_POLL_S = float(os.environ.get("MIXPLANE_PROFILE_POLL_S", "5"))
 UPDATE_MARGIN_STEPS = int(os.environ.get("MIXPLANE_UPDATE_MARGIN_STEPS", "2"))
 log = logging.getLogger("mixplane.operator")
 
 _PLURALS = {"ServiceAccount": "serviceaccounts", "ConfigMap": "configmaps", "Secret": "secrets", "Service": "services",
             "Deployment": "deployments", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies",
-            "PodDisruptionBudget": "poddisruptionbudgets"}
+            "PodDisruptionBudget": "poddisruptionbudgets", "Job": "jobs", "Pod": "pods"}
 
 
 # ---------------------------------------------------------------------------------------------- API access
@@ -266,18 +268,67 @@ def options_for(body: Mapping[str, Any]) -> ClusterOptions:
                           image_pull_policy=os.environ.get("MIXPLANE_IMAGE_PULL_POLICY", "IfNotPresent"))
 
 
-def profile_for(body: Mapping[str, Any], spec: Any, logger: Any) -> dict[str, Any]:
-    """Kept profile, else the annotation's, else measured in-process (sources readable here), else fallback costs."""
+@dataclass(frozen=True)
+class Profiled:
+    """A profile to plan with, or (profile None) profiling Jobs still running; `jobs`: the status.profiling entry."""
+
+    profile: dict[str, Any] | None
+    jobs: dict[str, Any] | None = None
+    failure: str = ""
+
+
+def profile_for(body: Mapping[str, Any], spec: Any, opts: ClusterOptions, logger: Any) -> Profiled:
+    """Kept profile, else the annotation's, else measured in-process or by profiling Jobs (`profiler_of`), else
+    fallback costs (the Jobs failed, or in-process profiling failed under `mixplane.io/profiler: operator`)."""
     prof = profile_from_status(body) or profile_from_annotation(body)
     if prof is not None:
-        return prof
-    try:
-        from mixplane.profile import profile_spec
+        return Profiled(prof)
+    mode = profiler_of(body, spec)
+    # a mixture already waiting for its Jobs does not try in-process again on every poll
+    if mode != "job" and (body.get("status") or {}).get("phase") != "Profiling":
+        try:
+            from mixplane.profile import profile_spec
 
-        return profile_spec(spec, max_rows=512, max_cpu_s=0.5)
-    except Exception as e:  # noqa: BLE001 - the data may live where only loader pods can read it
-        logger.warning(f"profiling in the operator failed ({e}); using fallback costs by kind until a profile is given")
-        return fallback_profile(spec)
+            measured = profile_spec(spec, max_rows=512, max_cpu_s=0.5)
+            return Profiled({**measured, "sources": {n: {**p, "measured_by": "operator"} for n, p in measured["sources"].items()}})
+        except Exception as e:  # noqa: BLE001 - the data may live where only loader pods can read it
+            if mode == "operator":
+                logger.warning(f"profiling in the operator failed ({e}); using fallback costs by kind until a profile is given")
+                return Profiled(fallback_profile(spec))
+            logger.info(f"profiling in the operator failed ({e}); profiling in a Job with the loaders' image instead")
+    return profile_by_jobs(body, spec, opts, logger)
+
+
+def profile_by_jobs(body: Mapping[str, Any], spec: Any, opts: ClusterOptions, logger: Any) -> Profiled:
+    """Apply the profiling Jobs (idempotent: same spec, same names; a finished Job is never re-run, delete it to
+    retry), remove those of an earlier spec, and read what their pods' termination messages say."""
+    from mixplane.operator.builders import ANN_PROFILE_SOURCES, LABEL_PROFILE, LABEL_PROFILE_DIGEST, profile_children
+    from mixplane.operator.reconcile import now, profile_outcome
+
+    k = kube()
+    objs = profile_children(spec, opts)
+    digest = objs[1]["metadata"]["labels"][LABEL_PROFILE_DIGEST]
+    for obj in objs:
+        kopf.adopt(obj, owner=cast(Any, body))
+        k.apply(obj)
+    for kind, api in (("Job", "batch/v1"), ("ConfigMap", "v1")):
+        for old in k.list(api, kind, opts.namespace, f"{LABEL_PROFILE}={opts.name},{LABEL_PROFILE_DIGEST}!={digest}"):
+            k.delete(api, kind, opts.namespace, old["metadata"]["name"])
+    jobs = []
+    for obj in objs:
+        if obj["kind"] == "Job":
+            name = obj["metadata"]["name"]
+            jobs.append((k.get("batch/v1", "Job", opts.namespace, name), k.list("v1", "Pod", opts.namespace, f"job-name={name}"),
+                         obj["metadata"]["annotations"][ANN_PROFILE_SOURCES].split(",")))
+    out = profile_outcome(spec, jobs)
+    names = [o["metadata"]["name"] for o in objs if o["kind"] == "Job"]
+    state = {"pending": "Running", "done": "Succeeded", "failed": "Failed"}[out.state]
+    prev = (body.get("status") or {}).get("profiling") or {}
+    entry = {"state": state, "jobs": names, "message": out.message or f"{len(names)} Job(s) succeeded",
+             "time": prev.get("time") if prev.get("state") == state and prev.get("jobs") == names else now()}
+    if out.state == "failed":
+        logger.warning(f"profiling Job failed: {out.message}; sources not measured are sized by kind")
+    return Profiled(out.profile, entry, out.message if out.state == "failed" else "")
 
 
 def apply_children(d: Desired, opts: ClusterOptions, draining: set[str] | None = None) -> tuple[set[tuple[str, str]], list[str]]:
@@ -380,7 +431,11 @@ def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mi
     opts = replace(options_for(body), pdb_api_version=server_pdb_api())
     try:
         spec = spec_of(body)
-        prof = profile_for(body, spec, logger)
+        profiled = profile_for(body, spec, opts, logger)
+        if profiled.profile is None:  # the profiling Jobs still run: nothing to size children by yet
+            profiling_status(body, patch, profiled)
+            return {"profiling": profiled.jobs}
+        prof = profiled.profile
         keys = _keys_for(opts, spec)
         step = int(planner_status.get("planned_through", 0)) if planner_status else int((body.get("status") or {}).get("step") or 0)
         if mixture_changed:
@@ -408,13 +463,31 @@ def reconcile(body: Mapping[str, Any], patch: Any, logger: Any, memo: Any, *, mi
     memo["profile"] = prof
     ready, waiting = _readiness(opts)
     fallback = [n for n, p in prof["sources"].items() if p.get("source") == "fallback"]
-    degraded = (True, "FallbackCosts", f"sources not profiled, sized by kind: {', '.join(fallback)}") if fallback else (False, "AsPlanned", "")
+    why = f"{profiled.failure}; " if profiled.failure else ""
+    degraded = (True, "FallbackCosts", f"{why}sources not profiled, sized by kind: {', '.join(fallback)}") if fallback else (False, "AsPlanned", "")
     progressing = (True, "MixtureUpdate", "new mixture rolled out") if mixture_changed else \
         ((not ready), "RollingOut" if not ready else "Converged", f"waiting for: {waiting}" if waiting else "all children applied")
     st = status_of(body, d, opts, prof, ready=ready, progressing=progressing, degraded=degraded, planner_status=planner_status)
+    if profiled.jobs is not None:
+        st["profiling"] = profiled.jobs
     for k, v in st.items():
         patch.status[k] = v
     return {"objects": len(d.objects), "partitions": dict(d.plan.partitions)}
+
+
+def profiling_status(body: Mapping[str, Any], patch: Any, profiled: Profiled) -> None:
+    """Status while the profiling Jobs run: phase Profiling, not ready, progressing."""
+    from mixplane.operator.reconcile import condition
+
+    gen = body["metadata"].get("generation")
+    prev = (body.get("status") or {}).get("conditions") or []
+    msg = f"profiling the sources in {', '.join((profiled.jobs or {}).get('jobs') or [])}"
+    patch.status["phase"] = "Profiling"
+    patch.status["observedGeneration"] = gen
+    patch.status["profiling"] = profiled.jobs
+    patch.status["conditions"] = [condition("Ready", False, "Profiling", msg, gen, prev),
+                                  condition("Progressing", True, "Profiling", msg, gen, prev),
+                                  condition("Degraded", False, "AsPlanned", "", gen, prev)]
 
 
 def _mixture_changed(diff: Any) -> bool:
@@ -477,6 +550,18 @@ def on_update(body: Any, patch: Any, diff: Any, logger: Any, memo: Any, **_: Any
             patch.status["updates"] = (prev + [upd])[-20:]
             out["effectiveStep"] = upd["effectiveStep"]
     logger.info(f"children applied: {out}")
+
+
+def _profiling(status: Any, **_: Any) -> bool:
+    return bool(status) and status.get("phase") == "Profiling"
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=PROFILE_POLL_S, initial_delay=PROFILE_POLL_S, when=_profiling)
+def on_profiling(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
+    """While the profiling Jobs run: look at them again; once they are done, the children are applied."""
+    out = reconcile(body, patch, logger, memo)
+    if "profiling" not in out:
+        logger.info(f"profiled by Job; children applied: {out}")
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=SCALE_INTERVAL_S, initial_delay=SCALE_INTERVAL_S)

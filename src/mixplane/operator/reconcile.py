@@ -8,6 +8,8 @@ Operator inputs that are not part of the data plane's spec ride on annotations o
     mixplane.io/loader-cpu          cores the loaders may use in total (default 64)
     mixplane.io/loader-memory       bytes the loaders may use in total (default 256 GiB)
     mixplane.io/profile             a `mixplane profile` JSON, when the operator cannot read the sources itself
+    mixplane.io/profiler            where sources are profiled: auto (default: a Job when kubernetes.source_secret
+                                    is set or the operator cannot read them, else in the operator), job, operator
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ ANN_TPS = "mixplane.io/tokens-per-second"
 ANN_CPU = "mixplane.io/loader-cpu"
 ANN_MEMORY = "mixplane.io/loader-memory"
 ANN_PROFILE = "mixplane.io/profile"
+ANN_PROFILER = "mixplane.io/profiler"  # auto (default), job or operator: where sources are profiled
 ANN_SCALE_ON = "mixplane.io/scale-on"  # measured (default): the trainer rate the planner sees; declared: tokens-per-second
 DEFAULT_TPS = 1e6
 DEFAULT_CPU = 64.0
@@ -120,7 +123,9 @@ def profile_from_status(body: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"version": 1, "sources": {n: {"cpu_s_per_token": found[n]["cpuSecondsPerToken"],
                                           "memory_per_partition": found[n]["memoryPerPartition"],
                                           "mean_tokens_per_sample": found[n].get("meanTokens"),
-                                          "max_partitions": found[n].get("maxPartitions", 1 << 20)} for n in names}}
+                                          "max_partitions": found[n].get("maxPartitions", 1 << 20),
+                                          **({"measured_by": found[n]["measuredBy"]} if found[n].get("measuredBy") else {})}
+                                      for n in names}}
 
 
 def profile_from_annotation(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -131,14 +136,105 @@ def profile_from_annotation(body: Mapping[str, Any]) -> dict[str, Any] | None:
         prof = json.loads(raw)
     except json.JSONDecodeError as e:
         raise ReconcileError(f"metadata.annotations.{ANN_PROFILE}: not JSON ({e})") from None
+    if isinstance(prof, dict) and isinstance(prof.get("sources"), dict):
+        prof = {**prof, "sources": {n: {**p, "measured_by": "annotation"} if isinstance(p, dict) else p
+                                    for n, p in prof["sources"].items()}}
     return prof
+
+
+def profiler_of(body: Mapping[str, Any], spec: Any) -> str:
+    """Where to profile: `job` (a pod with the loaders' image and storage credentials), `operator` (in-process, as
+    the operator's own identity), or `auto`: a Job when the loaders' credentials are a Secret the operator must not
+    hold (kubernetes.source_secret), else in-process with a Job when that fails."""
+    mode = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_PROFILER, "auto")
+    if mode not in ("auto", "job", "operator"):
+        raise ReconcileError(f"metadata.annotations.{ANN_PROFILER}: expected auto, job or operator, got {mode!r}")
+    return "job" if mode == "auto" and spec.kubernetes.source_secret else mode
 
 
 def fallback_profile(spec: Any) -> dict[str, Any]:
     """Costs by kind for sources that could not be profiled (marked `source: fallback` in the status)."""
     return {"version": 1, "sources": {s.name: {"cpu_s_per_token": FALLBACK_COST[s.kind], "memory_per_partition": FALLBACK_MEMORY,
-                                               "max_partitions": 1 if s.live else 1 << 20, "source": "fallback"}
+                                               "max_partitions": 1 if s.live else 1 << 20, "source": "fallback",
+                                               "measured_by": "fallback"}
                                       for s in spec.sources}}
+
+
+@dataclass(frozen=True)
+class ProfileOutcome:
+    """Where the profiling Jobs of a mixture are: `pending` (some still run), `done` (every source measured) or
+    `failed` (a Job gave up: `profile` then holds what was measured plus costs by kind for the rest)."""
+
+    state: str
+    profile: dict[str, Any] | None
+    message: str
+
+
+def _terminated(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == "profile":
+            return ((cs.get("state") or {}).get("terminated")) or ((cs.get("lastState") or {}).get("terminated")) or None
+    return None
+
+
+def _pod_failure(pod: Mapping[str, Any]) -> str | None:
+    """Why one profiling pod failed (its redacted error message, else the kubelet's reason), None if it did not."""
+    from mixplane.profile import parse_message
+
+    t = _terminated(pod)
+    name = (pod.get("metadata") or {}).get("name", "?")
+    if t is None:
+        return f"pod {name}: {(pod.get('status') or {}).get('reason')}" if (pod.get("status") or {}).get("phase") == "Failed" else None
+    if t.get("exitCode") == 0:
+        return None
+    try:
+        err = parse_message(t.get("message") or "").get("error")
+    except ValueError:
+        err = None
+    return f"pod {name}: " + (err or f"{t.get('reason') or 'Error'} (exit code {t.get('exitCode')})")
+
+
+def job_outcome(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], sources: Sequence[str]) -> ProfileOutcome:
+    """One profiling Job from the API server's view of it and its pods: the measured profile of `sources` (from a
+    succeeded pod's termination message), a failure (the Job gave up: backoff limit, deadline) or still pending."""
+    from mixplane.profile import parse_message
+
+    name = (job.get("metadata") or {}).get("name", "?")
+    for pod in pods:
+        t = _terminated(pod)
+        if t is None or t.get("exitCode") != 0:
+            continue
+        try:
+            doc = parse_message(t.get("message") or "")
+        except ValueError as e:
+            return ProfileOutcome("failed", None, f"Job {name}: pod {pod['metadata'].get('name')} wrote no profile ({e})")
+        got = doc.get("sources") or {}
+        if "error" in doc or set(got) != set(sources):
+            return ProfileOutcome("failed", None, f"Job {name}: the profile is not of sources {', '.join(sources)}")
+        return ProfileOutcome("done", {"version": doc["version"], "sources": {n: {**got[n], "measured_by": "job"} for n in sources}}, "")
+    failed = next((c for c in (job.get("status") or {}).get("conditions") or []
+                   if c.get("type") == "Failed" and c.get("status") == "True"), None)
+    if failed is None:
+        return ProfileOutcome("pending", None, f"Job {name} profiling {', '.join(sources)}")
+    why = [w for w in (_pod_failure(p) for p in pods) if w]
+    detail = why[-1] if why else f"{failed.get('reason')}: {failed.get('message')}"
+    return ProfileOutcome("failed", None, f"Job {name} failed ({failed.get('reason')}): {detail}")
+
+
+def profile_outcome(spec: Any, jobs: Sequence[tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]], Sequence[str]]]) -> ProfileOutcome:
+    """All profiling Jobs of a mixture together ((job or None when not created yet, its pods, its sources) each):
+    pending while any runs; done when all measured; failed when any gave up, with the measured sources kept and
+    the others at costs by kind."""
+    outs = [job_outcome(j, pods, names) if j is not None else ProfileOutcome("pending", None, "Job not created yet")
+            for j, pods, names in jobs]
+    if any(o.state == "pending" for o in outs):
+        return ProfileOutcome("pending", None, "; ".join(o.message for o in outs if o.state == "pending"))
+    merged = fallback_profile(spec)
+    for o in outs:
+        if o.profile is not None:
+            merged["sources"].update(o.profile["sources"])
+    failures = [o.message for o in outs if o.state == "failed"]
+    return ProfileOutcome("failed" if failures else "done", merged, "; ".join(failures))
 
 
 def costs_of(profile: Mapping[str, Any], spec: Any) -> list[SourceCost]:
@@ -309,6 +405,8 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
                if d.sidecars is not None else {}),
             "profile": {"cpuSecondsPerToken": float(p.get("cpu_s_per_token", 0.0)), "memoryPerPartition": int(p.get("memory_per_partition", 0)),
                         **({"meanTokens": float(p["mean_tokens_per_sample"])} if p.get("mean_tokens_per_sample") else {}),
+                        **({"maxPartitions": int(p["max_partitions"])} if p.get("max_partitions") else {}),
+                        **({"measuredBy": p["measured_by"]} if p.get("measured_by") else {}),
                         },
         })
     prog_ok, prog_reason, prog_msg = progressing
