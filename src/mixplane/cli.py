@@ -329,14 +329,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     names = [n for n in (args.sources or "").split(",") if n] or None
     log = Path(args.termination_log) if args.termination_log else None
+    from mixplane.checks import default_checks
+    from mixplane.spec import SpecError, load_spec
+
     try:
-        spec = _load(args.file)
+        spec = load_spec(args.file, checks=default_checks())
+    except SpecError as e:  # e.g. a source no file of which can be read with the credentials given
+        problems = [f"{e.origin}: {p}" for p in e.problems]
+        print("\n".join(problems), file=sys.stderr)
+        if log is not None:
+            log.write_text(error_message("; ".join(problems), os.environ))
+        return EXIT_INVALID
+    try:
         out = profile_spec(spec, names, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s)
         message = termination_message(out) if log is not None else None
-    except SystemExit as e:  # an invalid spec: its problems are on stderr
-        if log is not None:
-            log.write_text(error_message(f"{args.file}: the spec is not valid (exit {e.code}); see the pod's log", os.environ))
-        raise
     except Exception as e:  # noqa: BLE001 - in a profiling pod every failure must reach the operator, redacted
         text = f"{args.file}: {type(e).__name__}: {e}" if log is not None else f"{args.file}: {e}"
         print(text, file=sys.stderr)

@@ -27,7 +27,7 @@ from tests.k8s.cluster import Cluster, free_port
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "datamixtures.mixplane.io.yaml"
 
-__all__ = ["CRD", "ROOT", "LocalPods", "apply", "applied", "children", "free_port", "get", "operator", "run_trainers",
+__all__ = ["CRD", "ROOT", "LocalPods", "apply", "applied", "children", "free_port", "get", "operator", "run_job_pod", "run_trainers",
            "process_watch", "sa_kubeconfig", "status_of", "trainer_key_dir", "trainer_keys", "wait_for"]
 
 
@@ -267,6 +267,32 @@ class LocalPods:
 
     def logs(self, tail: int = 2000) -> str:
         return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-tail:]}" for f in sorted(self.workdir.glob("*.log")))
+
+
+def run_job_pod(pods: LocalPods, pod: Mapping[str, Any], timeout: float = 180.0) -> tuple[int, str]:
+    """What a kubelet does with a Job's pod: run its one container here, its termination message file in a local dir
+    (the kubelet mounts a file at terminationMessagePath), then write the end into the pod's status (phase, the
+    container's terminated state with exit code and message) for the Job controller and the operator to read.
+    Returns (exit code, message)."""
+    name = pod["metadata"]["name"]
+    (c,) = pod["spec"]["containers"]
+    path = c.get("terminationMessagePath") or "/dev/termination-log"
+    local = {"spec": {**pod["spec"], "volumes": [*pod["spec"].get("volumes", []), {"name": "termination-log", "emptyDir": {}}],
+                      "containers": [{**c, "volumeMounts": [*c.get("volumeMounts", []),
+                                                            {"name": "termination-log", "mountPath": os.path.dirname(path)}]}]}}
+    (p,) = pods.start(name, local, "no-planner.invalid:0")  # a profiling pod talks to no planner
+    code = p.wait(timeout)
+    f = pods.workdir / name / "termination-log" / os.path.basename(path)
+    message = f.read_text()[:4096] if f.exists() else ""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    url = f"/api/v1/namespaces/{pods.ns}/pods/{name}"
+    cur = pods.cluster.api(url)
+    cur["status"] = {**(cur.get("status") or {}), "phase": "Succeeded" if code == 0 else "Failed",
+                     "containerStatuses": [{"name": c["name"], "ready": False, "restartCount": 0, "image": c["image"], "imageID": "",
+                                            "state": {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                                                     "message": message, "startedAt": now, "finishedAt": now}}}]}
+    pods.cluster.api(url + "/status", "PUT", cur)
+    return code, message
 
 
 def trainer_key_dir(cluster: Cluster, ns: str, secret: str, d: Path) -> Path:
