@@ -64,14 +64,17 @@ def refused_environment(monkeypatch, tmp_path) -> None:
 
 
 def profiling_pods(cluster, ns: str, done: set[str]) -> list[dict]:
-    """The profiling Jobs' pods the Job controller made that have not run yet."""
+    """The profiling Jobs' pods the Job controller made that have not run yet (nor are going away)."""
     items = get(cluster, "pods", "-n", ns, "-l", "mixplane.io/profile-of=demo")["items"]
-    return [p for p in items if p["metadata"]["name"] not in done]
+    return [p for p in items if p["metadata"]["name"] not in done and not p["metadata"].get("deletionTimestamp")
+            and not (p.get("status") or {}).get("containerStatuses")]
 
 
-def run_profiling(cluster, ns: str, pods: LocalPods, want: int, timeout: float = 120.0) -> list[tuple[int, str]]:
-    """Run `want` profiling pods as the kubelet would, as the Job controller makes them (a retry after a failure)."""
-    done: set[str] = set()
+def run_profiling(cluster, ns: str, pods: LocalPods, want: int, done: set[str] | None = None,
+                  timeout: float = 120.0) -> list[tuple[int, str]]:
+    """Run `want` profiling pods as the kubelet would, as the Job controller makes them (a retry after a failure);
+    `done`: the pods run before (their names are added)."""
+    done = set() if done is None else done
     out = []
     while len(out) < want:
         pod = wait_for("a profiling pod", lambda: profiling_pods(cluster, ns, done), timeout)[0]
@@ -157,7 +160,8 @@ def test_a_failed_profiling_job_falls_back_and_says_why_without_the_keys(crd, k8
         try:
             apply(cluster, s3_mixture(ns, server.endpoint, data["tokenizer"], secret="wrong-creds"))
             # backoffLimit 1: the pod and its retry both fail, then the Job does
-            runs = run_profiling(cluster, ns, pods, 2)
+            ran: set[str] = set()
+            runs = run_profiling(cluster, ns, pods, 2, ran)
             assert all(c != 0 and json.loads(m)["error"] for c, m in runs), runs
             applied(cluster, ns)
             st = wait_for("Degraded", lambda: (s := status_of(cluster, ns)).get("profiling", {}).get("state") == "Failed" and s, 60)
@@ -168,5 +172,18 @@ def test_a_failed_profiling_job_falls_back_and_says_why_without_the_keys(crd, k8
             assert st["sources"][0]["profile"]["measuredBy"] == "fallback"
             for text in (json.dumps(get(cluster, "datamixture", "demo", "-n", ns)), op.log_text(), *(m for _, m in runs)):
                 assert wrong["AWS_SECRET_ACCESS_KEY"] not in text and wrong["AWS_ACCESS_KEY_ID"] not in text
+            # the failed Job is not re-run on its own; the Secret fixed, the Job deleted and the mixture touched (any
+            # update reconciles), the sources are profiled again
+            right = credentials_env(S3RVER_KEY)
+            cluster.kubectl("-n", ns, "delete", "secret", "wrong-creds")
+            cluster.kubectl("-n", ns, "create", "secret", "generic", "wrong-creds",
+                            *[f"--from-literal={k}={right[k]}" for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")])
+            cluster.kubectl("-n", ns, "delete", "jobs", "-l", "mixplane.io/profile-of=demo", "--wait=true")
+            cluster.kubectl("-n", ns, "annotate", "datamixture", "demo", "example.com/profile-again=1")
+            ((code, message),) = run_profiling(cluster, ns, pods, 1, ran)
+            assert code == 0, message
+            st = wait_for("the measured profile", lambda: (s := status_of(cluster, ns))["sources"][0]["profile"].get("measuredBy") == "job" and s, 60)
+            assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "AsPlanned" and st["profiling"]["state"] == "Succeeded"
+            assert st["sources"][0]["profile"]["cpuSecondsPerToken"] == json.loads(message)["sources"]["web"]["cpu_s_per_token"]
         finally:
             pods.stop()

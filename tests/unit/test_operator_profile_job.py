@@ -217,6 +217,13 @@ def test_where_sources_are_profiled():
     with pytest.raises(ReconcileError, match="mixplane.io/profiler"):
         profiler_of(b, spec_of(b))
     assert all(p["measured_by"] == "fallback" for p in fallback_profile(spec_of(body()))["sources"].values())
+    # costs by kind in the status are never taken as a kept profile, whatever the conditions say now
+    b = body()
+    st = {"sources": [{"name": n, "profile": {"cpuSecondsPerToken": 2e-7, "memoryPerPartition": 1, "measuredBy": m}}
+                      for n, m in (("src-000", "job"), ("src-001", "fallback"))], "conditions": []}
+    assert profile_from_status({**b, "status": st}) is None
+    st["sources"][1]["profile"]["measuredBy"] = "job"
+    assert profile_from_status({**b, "status": st}) is not None
 
 
 def test_cli_writes_the_termination_message_of_the_sources_asked(tmp_path, capsys):

@@ -558,7 +558,7 @@ def _profiling(status: Any, **_: Any) -> bool:
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=PROFILE_POLL_S, initial_delay=PROFILE_POLL_S, when=_profiling)
 def on_profiling(body: Any, patch: Any, logger: Any, memo: Any, **_: Any) -> None:
-    """While the profiling Jobs run: look at them again; once they are done, the children are applied."""
+    """While the profiling Jobs run: look at them again; once they are done (or failed), the children are applied."""
     out = reconcile(body, patch, logger, memo)
     if "profiling" not in out:
         logger.info(f"profiled by Job; children applied: {out}")

@@ -118,8 +118,8 @@ def profile_from_status(body: Mapping[str, Any]) -> dict[str, Any] | None:
     sources = status.get("sources") or []
     names = [str(s.get("name")) for s in (body.get("spec") or {}).get("sources") or []]
     found: dict[str, dict[str, Any]] = {str(s.get("name")): s["profile"] for s in sources if isinstance(s, dict) and s.get("profile")}
-    if not names or any(n not in found for n in names):
-        return None
+    if not names or any(n not in found for n in names) or any(found[n].get("measuredBy") == "fallback" for n in names):
+        return None  # costs by kind (e.g. while profiling again after a failed Job) are not a profile either
     return {"version": 1, "sources": {n: {"cpu_s_per_token": found[n]["cpuSecondsPerToken"],
                                           "memory_per_partition": found[n]["memoryPerPartition"],
                                           "mean_tokens_per_sample": found[n].get("meanTokens"),
