@@ -23,7 +23,7 @@ import yaml
 
 from mixplane.operator.crd import CRD_NAME
 from tests.k8s.cluster import Cluster, free_port
-from tests.k8s.helpers import process_watch, sa_kubeconfig, wait_for
+from tests.k8s.helpers import LocalPods, process_watch, run_job_pod, sa_kubeconfig, wait_for
 from tests.unit.operator_testdata import write_text_and_images
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +90,9 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         # the API server calls the operator's validating webhook
         data = write_text_and_images(tmp_path / "data", text_rows=300, images=20, side=160)
         good = {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
-                "metadata": {"name": "demo", "namespace": ns, "annotations": {"mixplane.io/tokens-per-second": "20000"}},
+                # profiled by a Job: the chart's rights must cover its Jobs and reading its pods' termination messages
+                "metadata": {"name": "demo", "namespace": ns, "annotations": {"mixplane.io/tokens-per-second": "20000",
+                                                                              "mixplane.io/profiler": "job"}},
                 "spec": {"sources": [{"name": "text", "uri": data["text"], "tokenizer": data["tokenizer"]}],
                          "mixture": {"weights": {"text": 1.0}}, "batch": {"sequences": 4, "seq_len": 128},
                          "topology": {"modules": {"backbone": {"dp": 2}}}, "strategy": {"name": "vanilla"}}}
@@ -105,11 +107,18 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
 
         # with the chart's rights only, the operator builds the mixture's children and reports status
         c.kubectl("apply", "-f", "-", input=json.dumps(good))
+        job_pod = wait_for("the profiling Job's pod", lambda: json.loads(c.kubectl(
+            "-n", ns, "get", "pods", "-l", "mixplane.io/profile-of=demo", "-o", "json").stdout)["items"], 120, 0.5, tolerate=True,
+            abort=operator_alive)[0]
+        (tmp_path / "pods").mkdir()
+        code, message = run_job_pod(LocalPods(c, ns, tmp_path / "pods"), job_pod)
+        assert code == 0, message
         deps = wait_for("the operator's Deployments", lambda: json.loads(c.kubectl(
             "-n", ns, "get", "deployments", "-l", "mixplane.io/instance=demo", "-o", "json").stdout)["items"], 120, 0.5, tolerate=True, abort=operator_alive)
         assert all(d["metadata"]["ownerReferences"][0]["kind"] == "DataMixture" for d in deps)
-        wait_for("status", lambda: (json.loads(c.kubectl("-n", ns, "get", "dmix", "demo", "-o", "json").stdout)
-                                    .get("status") or {}).get("conditions"), 120, 0.5, tolerate=True, abort=operator_alive)
+        st = wait_for("status", lambda: (lambda st: st.get("sources") and st)(json.loads(c.kubectl(
+            "-n", ns, "get", "dmix", "demo", "-o", "json").stdout).get("status") or {}), 120, 0.5, tolerate=True, abort=operator_alive)
+        assert st["sources"][0]["profile"]["measuredBy"] == "job" and st["profiling"]["state"] == "Succeeded", st
 
         # and the pod webhook injects a labelled trainer pod of slot 0, with the key bound to that pod's ranks
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer", "labels": {
@@ -140,6 +149,7 @@ def test_chart_operator_runs_with_chart_rbac_and_serves_its_webhooks(k8s_cluster
         verbs = {(e["verb"], (e.get("objectRef") or {}).get("resource"), (e.get("objectRef") or {}).get("subresource")) for e in calls}
         assert ("patch", "persistentvolumeclaims", None) in verbs and ("patch", "deployments", None) in verbs
         assert ("patch", "datamixtures", "status") in verbs
+        assert ("patch", "jobs", None) in verbs and ("list", "pods", None) in verbs  # the profiling Job and its result
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
