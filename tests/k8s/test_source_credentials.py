@@ -194,3 +194,30 @@ def test_a_failed_profiling_job_falls_back_and_says_why_without_the_keys(crd, k8
             assert st["sources"][0]["profile"]["cpuSecondsPerToken"] == json.loads(message)["sources"]["web"]["cpu_s_per_token"]
         finally:
             pods.stop()
+
+
+def test_sources_the_operator_cannot_read_are_profiled_by_a_job(crd, k8s_namespace, bucket, tmp_path, monkeypatch):
+    """No source Secret: the operator tries in-process, cannot read (its own keys are refused), and profiles by Job;
+    the pods' environment (the node's identity, here the test's) can."""
+    cluster, ns = crd, k8s_namespace
+    server, data = bucket
+    refused_environment(monkeypatch, tmp_path)
+    for k, v in credentials_env(S3RVER_KEY).items():  # what pods inherit here: keys s3rver takes
+        monkeypatch.setenv(k, v)
+    mix = s3_mixture(ns, server.endpoint, data["tokenizer"])
+    del mix["spec"]["kubernetes"]["source_secret"]
+    pods = LocalPods(cluster, ns, tmp_path / "pods")
+    (tmp_path / "pods").mkdir()
+    with operator(cluster, ns, MIXPLANE_PROFILE_POLL_S="1", **credentials_env("not-the-key")) as op:
+        try:
+            apply(cluster, mix)
+            ((code, message),) = run_profiling(cluster, ns, pods, 1)
+            assert code == 0, message
+            applied(cluster, ns)
+            st = status_of(cluster, ns)
+            assert st["sources"][0]["profile"]["measuredBy"] == "job" and st["profiling"]["state"] == "Succeeded", st
+            assert "profiling in the operator failed" in op.log_text()
+            (job,) = get(cluster, "jobs", "-n", ns, "-l", "mixplane.io/profile-of=demo")["items"]
+            assert "envFrom" not in job["spec"]["template"]["spec"]["containers"][0]
+        finally:
+            pods.stop()
