@@ -246,3 +246,20 @@ def test_cli_writes_the_termination_message_of_the_sources_asked(tmp_path, capsy
     assert "sources[0]" in parse_message(log.read_text())["error"]  # the spec's problem, named
     with pytest.raises(ValueError, match="no source named"):
         profile_spec(parse_spec(text_image_mixture(paths)), ["nope"])
+
+
+def test_profiling_needs_no_trainer_pod_keys():
+    """A mixture whose rank keys cannot be issued (rank_binding: required, 3 trainer pods for 2 ranks) is refused by
+    reconcile's key step with a ReconcileError; building its profiling Jobs must not raise a bare ValueError first."""
+    from mixplane.operator.builders import pod_rank_keys
+    from mixplane.operator.reconcile import spec_of
+
+    b = body()
+    b["spec"]["runtime"] = {"rank_binding": "required"}
+    b["spec"]["kubernetes"]["trainer_pods"] = 3
+    spec = spec_of(b)
+    with pytest.raises(ValueError, match="one block per pod"):
+        pod_rank_keys(spec)
+    objs = profile_children(spec, OPTS)
+    assert len(jobs_of(objs)) == 1 and jobs_of(objs)[0]["spec"]["template"]["spec"]["containers"][0]["envFrom"] == \
+        [{"secretRef": {"name": "s3-creds"}}]

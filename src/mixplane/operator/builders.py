@@ -670,7 +670,8 @@ def profile_children(spec: Any, opts: ClusterOptions) -> list[dict[str, Any]]:
     ConfigMap and one Job per group of sources (`profile_shards`)."""
     from mixplane.profile import TERMINATION_LIMIT
 
-    opts = spec_options(opts, spec)
+    # not spec_options: profiling needs no trainer pod keys, and a mixture those keys refuse (rank_binding: required)
+    # must reach reconcile's ReconcileError, not fail here with a bare ValueError
     digest = profile_digest(spec, opts)
     shards = profile_shards([s.name for s in spec.sources], TERMINATION_LIMIT)
     return [service_account(opts), profile_spec_map(spec, opts, digest),
