@@ -602,7 +602,7 @@ def profile_digest(spec: Any, opts: ClusterOptions) -> str:
 def profile_shards(names: Sequence[str], limit: int) -> list[list[str]]:
     """Sources split, in order, into groups whose result surely fits one termination message of `limit` bytes
     (one profiling pod each: a pod's containers share 12 KiB of messages, so a pod per group, not a container)."""
-    from mixplane.profile import message_envelope, slim_entry_bound
+    from mixplane.profile_message import message_envelope, slim_entry_bound
 
     room = limit - message_envelope()
     out: list[list[str]] = []
@@ -668,7 +668,7 @@ def profile_job_name(opts: ClusterOptions, digest: str, index: int) -> str:
 def profile_children(spec: Any, opts: ClusterOptions) -> list[dict[str, Any]]:
     """What profiling a mixture in the cluster takes: the components' ServiceAccount (no rights), the spec's
     ConfigMap and one Job per group of sources (`profile_shards`)."""
-    from mixplane.profile import TERMINATION_LIMIT
+    from mixplane.profile_message import TERMINATION_LIMIT
 
     # not spec_options: profiling needs no trainer pod keys, and a mixture those keys refuse (rank_binding: required)
     # must reach reconcile's ReconcileError, not fail here with a bare ValueError

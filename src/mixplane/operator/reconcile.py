@@ -179,7 +179,7 @@ def _terminated(pod: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def _pod_failure(pod: Mapping[str, Any]) -> str | None:
     """Why one profiling pod failed (its redacted error message, else the kubelet's reason), None if it did not."""
-    from mixplane.profile import parse_message
+    from mixplane.profile_message import parse_message
 
     t = _terminated(pod)
     name = (pod.get("metadata") or {}).get("name", "?")
@@ -197,7 +197,7 @@ def _pod_failure(pod: Mapping[str, Any]) -> str | None:
 def job_outcome(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], sources: Sequence[str]) -> ProfileOutcome:
     """One profiling Job from the API server's view of it and its pods: the measured profile of `sources` (from a
     succeeded pod's termination message), a failure (the Job gave up: backoff limit, deadline) or still pending."""
-    from mixplane.profile import parse_message
+    from mixplane.profile_message import parse_message
 
     name = (job.get("metadata") or {}).get("name", "?")
     for pod in pods:
