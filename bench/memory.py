@@ -211,13 +211,25 @@ def measure(pids: list[int], samples: int = 3) -> tuple[float, int]:
     return best, nproc
 
 
-def _py(*args: str, env: dict | None = None) -> subprocess.Popen:
+def _py(*args: str, env: dict | None = None, reports_ready: bool = True) -> subprocess.Popen:
+    """A child whose log goes to an unlinked temporary file, not a pipe: nobody drains a pipe while the
+    processes run, and a component blocked on a full 64 KiB stderr pipe (warnings of 16 loader processes)
+    stops answering. Only children that print "ready" keep their stdout on a pipe."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(SRC) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
     e.update(env or {})
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                            start_new_session=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE if reports_ready else subprocess.DEVNULL,
+                         stderr=log, text=True, env=e, start_new_session=True)
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
+def log_tail(p: subprocess.Popen, n: int = 3000) -> str:
+    log = p.log  # type: ignore[attr-defined]
+    log.seek(0)
+    return log.read()[-n:]
 
 
 def wait_ready(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
@@ -225,7 +237,7 @@ def wait_ready(procs: list[subprocess.Popen], timeout: float, what: str) -> None
     for p in procs:
         while True:
             if p.poll() is not None:
-                raise RuntimeError(f"{what}: process exited with {p.returncode}: {p.stderr.read()[-3000:]}")
+                raise RuntimeError(f"{what}: process exited with {p.returncode}: {log_tail(p)}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{what}: not ready within {timeout:.0f}s")
@@ -250,6 +262,7 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+        p.log.close()  # type: ignore[attr-defined]
 
 
 def run_idle(r: int) -> float:
@@ -298,22 +311,23 @@ def run_mixplane(paths: list[str], r: int, workdir: Path, shadows: int = 0) -> t
     try:
         ready = run_dir / "planner.ready"
         procs.append(_py("-m", "mixplane.cli", "planner", "--spec", str(spec_file), "--ready-file", str(ready),
-                         "--bind", "tcp://127.0.0.1:*", "--run-dir", str(run_dir)))
+                         "--bind", "tcp://127.0.0.1:*", "--run-dir", str(run_dir), reports_ready=False))
         deadline = time.monotonic() + 60
         while not ready.exists():
             if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"planner did not start: {procs[0].stderr.read()[-2000:]}")
+                raise RuntimeError(f"planner did not start: {log_tail(procs[0], 2000)}")
             time.sleep(0.05)
         ep = json.loads(ready.read_text())["endpoint"]
-        procs.append(_py("-m", "mixplane.cli", "constructor", "--spec", str(spec_file), "--index", "0", "--planner", ep))
+        procs.append(_py("-m", "mixplane.cli", "constructor", "--spec", str(spec_file), "--index", "0", "--planner", ep, reports_ready=False))
         names = [s.name for s in spec.sources]
         for g in range(0, len(names), GROUP):
             group = ",".join(names[g:g + GROUP])
             procs.append(_py("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
-                             "--sources", group, "--host-name", f"loaders-{g}"))
+                             "--sources", group, "--host-name", f"loaders-{g}", reports_ready=False))
             for i in range(shadows):
                 procs.append(_py("-m", "mixplane.cli", "loader", "--spec", str(spec_file), "--planner", ep,
-                                 "--sources", group, "--host-name", f"loaders-{g}-shadow{i + 1}", "--shadow"))
+                                 "--sources", group, "--host-name", f"loaders-{g}-shadow{i + 1}", "--shadow",
+                                 reports_ready=False))
         ranks = [_py(__file__, "--role", "mixplane", "--planner", ep, "--rank", str(i)) for i in range(r)]
         procs.extend(ranks)
         wait_ready(ranks, 900, f"mixplane R={r} M={len(paths)}")
