@@ -21,13 +21,13 @@ from tests.k8s.helpers import LocalPods, applied, apply, children, get, operator
 from tests.s3server import S3RVER_KEY, S3rver, credentials_env
 from tests.unit.operator_testdata import write_text_and_images
 
-pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.skipif(not S3rver.available(), reason="s3rver is not installed (make s3rver)")]
+pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def bucket(tmp_path_factory):
+    assert S3rver.available(), "these tests need s3rver, the key-checking S3 server: make s3rver (make test installs it)"
     data = write_text_and_images(tmp_path_factory.mktemp("cred-data"), text_rows=400, images=4, side=64)
     server = S3rver(("corpus",))
     try:
