@@ -45,3 +45,23 @@ def test_step_metrics_per_source_and_window():
         for w in planner.windows:
             got = _value(m, "mixplane_planner_window_samples", source=spec.source_names()[w.source], replica=str(w.replica))
             assert got == len(w)
+
+
+def test_source_series_scrape_text():
+    """What Prometheus reads: nothing per source before the first step, then one typed family per series."""
+    from prometheus_client import generate_latest
+
+    spec = make_spec(sources=2, replicas=1, rows=4, seq_len=64, window=8)
+    planner = StepPlanner(spec)
+    m = make_metrics("planner")
+    sm = StepMetrics(m, spec.source_names(), planner.windows)
+    assert b'mixplane_planner_tokens_total{source=' not in generate_latest(m.registry)
+    fill(planner)
+    plan = planner.plan()
+    sm.record(plan, planner.schedule.at(0).probs, planner.sampler.realized)
+    text = generate_latest(m.registry).decode()
+    assert "# TYPE mixplane_planner_tokens_total counter" in text
+    assert "# HELP mixplane_planner_window_samples Samples visible in a loader replica's window" in text
+    for name in spec.source_names():
+        assert f'mixplane_planner_tokens_total{{source="{name}"}} ' in text
+        assert f'mixplane_planner_window_samples{{replica="0",source="{name}"}} ' in text
