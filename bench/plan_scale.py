@@ -66,7 +66,7 @@ from balance import LLAMA_12B, VIT_2B, coyo_block  # noqa: E402
 from mixplane import wire  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.metrics import make_metrics  # noqa: E402
-from mixplane.planner import routeloop, selectloop  # noqa: E402
+from mixplane.planner import layoutloop, routeloop, selectloop  # noqa: E402
 from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
@@ -184,7 +184,7 @@ def make_spec(gpus: int, n_sources: int, sequences: int, streams: Streams):
 # ---- one configuration ---------------------------------------------------------------------------
 
 def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: int) -> dict:
-    jit_s = selectloop.warm() + routeloop.warm()
+    jit_s = selectloop.warm() + routeloop.warm() + layoutloop.warm()
     streams = Streams(n_sources, SEQ)
     spec = make_spec(gpus, n_sources, sequences, streams)
     T: dict[str, np.ndarray] = {}
@@ -206,7 +206,6 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         g.broadcast_at("TP")
         t3 = clock()
         lay = g.plan()
-        t4 = clock()
         T["select"], T["cost"], T["balance"] = t1 - t0, t2 - t1, t3 - t2
         info["pieces"] = len(ctx.pieces)
         info["images"] = int((ctx.pieces.patches > 0).sum())

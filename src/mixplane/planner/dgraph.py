@@ -24,6 +24,7 @@ import numpy as np
 
 from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
+from mixplane.planner import layoutloop
 from mixplane.planner.cost import CostFn, TransformerFlops
 from mixplane.spec import AXES
 
@@ -419,15 +420,11 @@ def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.
     img_mask = p.patches > 0
     if img_rank is None:
         img_rank = vanilla_image_ranks(ctx.tree, rows[img_mask], ctx.microbatches * ctx.rows_per_microbatch)
-    rank_of_piece = np.full(n, -1, dtype=np.int64)
-    rank_of_piece[img_mask] = np.asarray(img_rank, dtype=np.int64)
-    o_img = order[img_mask[order]]
+    cols, o_img = layoutloop.gather_columns(order, rows, p.source, p.key, p.start, p.length, p.patches, img_rank)
     layout = StepLayout(
         step=ctx.step, seq_len=ctx.seq_len, dp=ctx.dp, microbatches=ctx.microbatches,
         rows_per_microbatch=ctx.rows_per_microbatch, phase=ctx.point.phase, lr_scale=ctx.point.lr_scale,
-        generation=ctx.point.generation, seg_row=rows[order], seg_source=p.source[order], seg_key=p.key[order],
-        seg_start=p.start[order], seg_len=p.length[order],
-        img_source=p.source[o_img], img_key=p.key[o_img], img_rank=rank_of_piece[o_img], img_patches=p.patches[o_img],
+        generation=ctx.point.generation, **cols,
     )
     ctx.built = (layout, order, o_img)  # the coverage check verifies this pairing instead of searching one
     return layout

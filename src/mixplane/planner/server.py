@@ -24,7 +24,7 @@ from mixplane import protocol, wire
 from mixplane.component import Component, peer_name
 from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
-from mixplane.planner import routeloop, selectloop
+from mixplane.planner import layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
@@ -128,7 +128,7 @@ class PlannerServer(Component, PartitionHosting):
                  run_dir: str | None = None, metrics_port: int | None = 0):
         # the compiled planning and routing loops: compiled (or loaded from numba's cache) before the socket
         # exists, so the first step does not stall heartbeats for the seconds a cold compile takes
-        jit_s = selectloop.warm() + routeloop.warm()
+        jit_s = selectloop.warm() + routeloop.warm() + layoutloop.warm()
         super().__init__(spec, "planner", context=context, metrics_port=metrics_port, logger=log)
         if jit_s > 1.0:
             log.info("planning loop compiled in %.1f s (cached for the next start)", jit_s)

@@ -1,0 +1,52 @@
+"""build_layout's compiled gather (planner/layoutloop.py) against the numpy gathers it replaced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mixplane.layout import StepLayout
+from mixplane.planner import layoutloop
+
+
+def numpy_columns(order, rows, source, key, start, length, patches, img_rank):
+    """The former build_layout's gathers, verbatim (then StepLayout's dtype conversion)."""
+    n = len(order)
+    img_mask = patches > 0
+    rank_of_piece = np.full(n, -1, dtype=np.int64)
+    rank_of_piece[img_mask] = np.asarray(img_rank, dtype=np.int64)
+    o_img = order[img_mask[order]]
+    lay = StepLayout(step=0, seq_len=1, dp=1, microbatches=1, rows_per_microbatch=1,
+                     seg_row=rows[order], seg_source=source[order], seg_key=key[order], seg_start=start[order],
+                     seg_len=length[order], img_source=source[o_img], img_key=key[o_img], img_rank=rank_of_piece[o_img],
+                     img_patches=patches[o_img])
+    return lay.arrays(), o_img
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_gather_equals_numpy(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 3000))
+    big = seed % 3 == 0  # values past the narrow dtypes: both wrap the same way (C casts)
+    hi = 1 << 40 if big else 1 << 14
+    rows = rng.integers(0, hi, n).astype(np.int64)
+    source = rng.integers(0, 1 << 20 if big else 1024, n).astype(np.int32 if seed % 2 else np.int64)
+    key = rng.integers(-(1 << 62), 1 << 62, n).astype(np.int64)
+    start = rng.integers(0, hi, n).astype(np.int64)
+    length = rng.integers(1, hi, n).astype(np.int64 if seed % 2 else np.int32)
+    patches = np.where(rng.random(n) < rng.random(), rng.integers(1, 5000, n), 0).astype(np.int64)
+    img_rank = rng.integers(0, 1 << 35 if big else 16384, int((patches > 0).sum())).astype(np.int64)
+    order = rng.permutation(n).astype(np.int64)
+    want, want_o = numpy_columns(order, rows, source, key, start, length, patches, img_rank)
+    got, got_o = layoutloop.gather_columns(order, rows, source, key, start, length, patches, img_rank)
+    assert np.array_equal(got_o, want_o)
+    assert got.keys() == want.keys()
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype, name
+        assert np.array_equal(got[name], arr), name
+
+
+def test_gather_refuses_ranks_of_another_step():
+    z = np.zeros(3, np.int64)
+    with pytest.raises(ValueError, match="img_rank lists 1 ranks for 3 images"):
+        layoutloop.gather_columns(np.arange(3), z, z, z, z, np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(1, np.int64))
