@@ -96,8 +96,22 @@ def children(cluster: Cluster, ns: str, name: str = "demo") -> dict[tuple[str, s
 
 def applied(cluster: Cluster, ns: str, name: str = "demo", timeout: float = 90.0) -> dict[tuple[str, str], dict[str, Any]]:
     """Every child, once the operator has written the status (it does so after applying all of them)."""
-    wait_for("status", lambda: status_of(cluster, ns, name).get("sources"), timeout)
+    wait_for(f"the operator to write {ns}/{name}'s status", lambda: status_of(cluster, ns, name).get("sources"), timeout,
+             abort=_operators_abort)
     return children(cluster, ns, name)
+
+
+_OPERATORS: list[subprocess.Popen] = []  # operator() children running now (a wait on one fails with its log)
+
+
+def _operators_abort(final: bool) -> str | None:
+    """wait_for's abort: an operator that exited stops the wait at once; a timeout adds the operators' log tails."""
+    for p in _OPERATORS:
+        if p.poll() is not None:
+            return f"the operator exited with {p.returncode}; its log ends:\n{p.log_text()[-4000:]}"  # type: ignore[attr-defined]
+    if final and _OPERATORS:
+        return "".join(f"\noperator log ends:\n{p.log_text()[-4000:]}" for p in _OPERATORS)  # type: ignore[attr-defined]
+    return None
 
 
 @contextmanager
@@ -113,9 +127,11 @@ def operator(cluster: Cluster, namespace: str, *, kubeconfig: str | os.PathLike 
     argv = args if args is not None else ["--log-level", "INFO", "operator", "--namespace", namespace]
     p = subprocess.Popen([sys.executable, "-m", "mixplane.cli", *argv], env=e, stdout=log, stderr=subprocess.STDOUT)
     p.log_text = lambda: path.read_text(errors="replace")  # type: ignore[attr-defined]
+    _OPERATORS.append(p)
     try:
         yield p
     finally:
+        _OPERATORS.remove(p)
         p.send_signal(signal.SIGTERM)
         try:
             p.wait(20)

@@ -40,7 +40,10 @@ def data(tmp_path_factory):
 def mixture(namespace: str, data: dict) -> dict:
     return {
         "apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
-        "metadata": {"name": "demo", "namespace": namespace},
+        # sized for a modest trainer rate: at the default 1e6 tokens/s the operator's in-process profile decides,
+        # and on a loaded machine it measured 4.4 cores for this 4-file source (more than 4 partitions of 1 core:
+        # the mixture was refused) -- this test is about security, not sizing
+        "metadata": {"name": "demo", "namespace": namespace, "annotations": {"mixplane.io/tokens-per-second": "30000"}},
         "spec": {
             "sources": [{"name": "text", "uri": data["text"], "tokenizer": data["tokenizer"]}],
             "mixture": {"weights": {"text": 1.0}, "seed": 5},
