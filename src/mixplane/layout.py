@@ -152,5 +152,5 @@ def layout_digest(layout: StepLayout) -> str:
     h = hashlib.sha1()
     h.update(repr(sorted(layout.meta().items())).encode())
     for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
-        h.update(np.ascontiguousarray(getattr(layout, name)).tobytes())
+        h.update(np.ascontiguousarray(getattr(layout, name)).data)  # the buffer itself: no copy
     return h.hexdigest()[:16]

@@ -11,7 +11,7 @@ client's `state_dict()` carries.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -28,6 +28,7 @@ class WindowError(ValueError):
 
 
 FIELDS = ("pos", "key", "tokens", "patches", "done")
+_I64 = np.dtype(np.int64)
 
 
 class ReplicaWindow:
@@ -50,7 +51,7 @@ class ReplicaWindow:
         self._cols: list[np.ndarray] | None = [np.zeros(0, np.int64) for _ in FIELDS]  # None: a slice of _home
         self._home: Any = None  # the WindowStore whose block holds this window's samples at [_lo, _lo + _base_n)
         self._lo = self._base_n = 0
-        self._pending: list[tuple[np.ndarray, ...]] = []  # chunks `add` took, not yet joined to the arrays
+        self._pending: list[np.ndarray] = []  # chunks `add` took (len(FIELDS) x n), not yet joined to the arrays
         self._n = 0  # samples held, pending chunks included
         self.low = 0  # every position below is fully consumed
         self.next_pos = 0  # first position not yet received
@@ -108,49 +109,92 @@ class ReplicaWindow:
         return window_full(self._n, self.unconsumed, self.min_samples, self.min_tokens, self.capacity) or self.dry
 
     def add(self, pos: np.ndarray, key: np.ndarray, tokens: np.ndarray, patches: np.ndarray) -> None:
+        """Take one LOADER_META: the stream's next samples; WindowError for anything that contradicts the
+        window. The planner takes ~1,000 a step: 1-D int64 arrays (what the wire decodes) are checked and
+        copied in one compiled pass; anything else is checked and converted step by step, as before."""
+        if (type(pos) is type(key) is type(tokens) is type(patches) is np.ndarray
+                and pos.dtype == key.dtype == tokens.dtype == patches.dtype == _I64
+                and pos.ndim == key.ndim == tokens.ndim == patches.ndim == 1):
+            n = len(pos)
+            if n == 0:
+                return
+            if not (len(key) == len(tokens) == len(patches) == n):
+                self._refuse("metadata arrays differ in length")
+            chunk = np.empty((len(FIELDS), n), np.int64)
+            bad, before_last, last, last_pos = selectloop.take_meta(pos, key, tokens, patches, self.next_pos, chunk)
+            if bad:
+                self._refuse(f"positions out of order (got {int(pos[0])}, expected >= {self.next_pos})" if bad == 1
+                             else "a sample has no tokens")
+            if self.skip or self.restored_done or self._n + n > self.capacity:  # after a restore, or refused
+                self._add_checked(chunk[0], chunk[2], before_last, chunk)
+                return
+            before_last += self.unconsumed
+            if window_full(self._n + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
+                self._refuse(f"samples announced beyond a full window (from position {int(pos[0])})")
+            self._pending.append(chunk)
+            self._n += n
+            self.unconsumed = before_last + last
+            self.next_pos = last_pos + 1
+            self.dry = False
+            self.stored = None
+            return
         pos = np.asarray(pos, np.int64)
         if pos.ndim != 1 or np.ndim(key) != 1 or np.ndim(tokens) != 1 or np.ndim(patches) != 1:
             # a 2-D key or patches array of the right length would be kept and fail every later step's gather
-            raise WindowError(f"source {self.source} replica {self.replica}: metadata arrays must be one-dimensional")
+            self._refuse("metadata arrays must be one-dimensional")
         n = len(pos)
         if n == 0:
             return
         if not (len(key) == len(tokens) == len(patches) == n):
-            raise WindowError(f"source {self.source} replica {self.replica}: metadata arrays differ in length")
-        p0 = int(pos[0])
-        if p0 < self.next_pos or (n > 1 and bool((pos[1:] <= pos[:-1]).any())):
-            raise WindowError(f"source {self.source} replica {self.replica}: positions out of order (got {p0}, expected >= {self.next_pos})")
+            self._refuse("metadata arrays differ in length")
+        if int(pos[0]) < self.next_pos or (n > 1 and bool((pos[1:] <= pos[:-1]).any())):
+            self._refuse(f"positions out of order (got {int(pos[0])}, expected >= {self.next_pos})")
         toks = np.asarray(tokens, np.int64)
         if int(toks.min()) <= 0:
-            raise WindowError(f"source {self.source} replica {self.replica}: a sample has no tokens")
+            self._refuse("a sample has no tokens")
+        self._add_checked(pos, toks, int(toks[:-1].sum()), None, key, patches)
+
+    def _add_checked(self, pos: np.ndarray, toks: np.ndarray, before_last: int, chunk: np.ndarray | None,
+                     key: Any = None, patches: Any = None) -> None:
+        """The rest of `add` for positions in order and samples with tokens: the checks against a restored
+        cursor and the window's bounds, then the samples join the window (`chunk`: already copied; else
+        made from pos, key, toks, patches)."""
+        n = len(pos)
+        p0 = int(pos[0])
         # consumed positions at or above next_pos can only come from a restored cursor (compaction skips
         # positions already received), so only those need a membership test
         if self.skip and self.skip_hi >= p0:
-            bad = [int(p) for p in pos if int(p) in self.skip]
+            bad = [p for p in pos.tolist() if p in self.skip]
             if bad:
-                raise WindowError(f"source {self.source} replica {self.replica}: position {bad[0]} was already consumed")
+                self._refuse(f"position {bad[0]} was already consumed")
         if self._n + n > self.capacity:
-            raise WindowError(f"source {self.source} replica {self.replica}: window overflow ({self._n + n} > {self.capacity})")
+            self._refuse(f"window overflow ({self._n + n} > {self.capacity})")
+        done = None
+        last = int(toks[n - 1])
         if self.restored_done:  # partial progress restored from a cursor (only right after a resume)
-            done = np.array([self.restored_done.get(int(p), 0) for p in pos], dtype=np.int64)
+            done = np.array([self.restored_done.get(p, 0) for p in pos.tolist()], dtype=np.int64)
             left = toks - done
-            before_last = self.unconsumed + int(left[:-1].sum())
+            before_last = int(left[:-1].sum())
             last = int(left[-1])
-        else:
-            done = np.zeros(n, np.int64)
-            before_last = self.unconsumed + int(toks[:-1].sum())
-            last = int(toks[-1])
+        before_last += self.unconsumed
         if window_full(self._n + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
-            raise WindowError(f"source {self.source} replica {self.replica}: samples announced beyond a full window (from position {p0})")
-        if self.restored_done:
-            for p in pos:
-                self.restored_done.pop(int(p), None)
-        self._pending.append((pos.copy(), np.array(key, np.int64), toks.copy(), np.array(patches, np.int64), done))
+            self._refuse(f"samples announced beyond a full window (from position {p0})")
+        if done is not None:
+            for p in pos.tolist():
+                self.restored_done.pop(p, None)
+        if chunk is None:
+            chunk = np.stack([pos, np.array(key, np.int64), toks, np.array(patches, np.int64), np.zeros(n, np.int64)])
+        if done is not None:
+            chunk[4] = done
+        self._pending.append(chunk)
         self._n += n
         self.unconsumed = before_last + last
-        self.next_pos = int(pos[-1]) + 1
+        self.next_pos = int(pos[n - 1]) + 1
         self.dry = False
         self.stored = None
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise WindowError(f"source {self.source} replica {self.replica}: {what}")
 
     def compact(self) -> np.ndarray:
         """Drop fully consumed samples; returns their positions."""
@@ -226,6 +270,7 @@ class WindowStore:
         self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1])
         self._bufs = [np.zeros((6, 0), np.int64), np.zeros((6, 0), np.int64)]  # rows: FIELDS, then the window
         self._side = 0
+        self._pend = np.zeros((len(FIELDS), 0), np.int64)  # what the windows took since the last gather
         self._adopt(self._bufs[0][:, :0])
         self.fresh = False
 
@@ -251,10 +296,12 @@ class WindowStore:
         if self.fresh and all(w._home is self for w in ws):
             # every window is still its slice of the block plus the chunks it took since: one compiled merge
             chunks = [c for w in ws for c in w._pending]
-            pend = np.empty((len(FIELDS), int(lens.sum() - self.base[-1])), np.int64)
-            for i in range(len(FIELDS)):
-                if chunks:
-                    np.concatenate([c[i] for c in chunks], out=pend[i])
+            m = int(lens.sum() - self.base[-1])
+            if self._pend.shape[1] < m:  # kept across steps, as the blocks are
+                self._pend = np.empty((len(FIELDS), m + m // 4 + 1024), np.int64)
+            pend = self._pend[:, :m]
+            if chunks:
+                np.concatenate(chunks, axis=1, out=pend)
             block = self._spare(int(lens.sum()))
             selectloop.gather(self.block, self.base, pend, lens - np.diff(self.base), block)
         else:  # windows with arrays of their own (restored, compacted on their own): join them
@@ -269,10 +316,13 @@ class WindowStore:
 
     def _view(self) -> None:
         """Point every window's arrays at its slice of the columns."""
-        b = self.base.tolist()
-        for i, w in enumerate(self.windows):
-            lo, hi = b[i], b[i + 1]
-            w._cols, w._home, w._lo, w._base_n, w._n, w._pending, w.stored = None, self, lo, hi - lo, hi - lo, [], self
+        for w, lo, n in zip(self.windows, self.base.tolist(), np.diff(self.base).tolist()):
+            w._cols = None
+            w._home = w.stored = self
+            w._lo = lo
+            w._base_n = w._n = n
+            if w._pending:
+                w._pending = []
         self.fresh = True
 
     def compact(self) -> np.ndarray:
@@ -290,38 +340,49 @@ class WindowStore:
         full, kept, base, unc, low, a_win, a_pos = selectloop.compact(self.block, dst, nxt)
         self.base[:] = base
         self._adopt(dst[:, :kept])
-        # consumed positions above the new low mark (taken out of order) become skips; few per window
-        above: dict[int, list[int]] = {}
-        for wi, p in zip(a_win.tolist(), a_pos.tolist()):
-            above.setdefault(wi, []).append(p)
-        empty = np.zeros(0, np.int64)
-        for i, (w, lo, left) in enumerate(zip(ws, low.tolist(), unc.tolist())):
-            got = above.get(i)
-            w._advance(lo, empty if got is None else np.array(got, np.int64))
+        # ReplicaWindow._advance for every window: low marks and unconsumed tokens from the pass; skips only
+        # where there are any (consumed positions above the new low mark: taken out of order, few per window)
+        for w, lo, left in zip(ws, low.tolist(), unc.tolist()):
             w.unconsumed = left
+            if lo != w.low:
+                if w.skip:
+                    w.skip = {p for p in w.skip if p >= lo}
+                w.low = lo
+        if len(a_win):  # window by window (the pass lists them in column order), every position >= its low mark
+            cut = (np.flatnonzero(a_win[1:] != a_win[:-1]) + 1).tolist()
+            pos = a_pos.tolist()
+            for wi, a, b in zip(a_win[[0, *cut]].tolist(), [0, *cut], [*cut, len(pos)]):
+                ws[wi].skip.update(pos[a:b])
         self._view()
         return full
 
     def cursors(self) -> list[dict[str, Any]]:
         """StepPlanner.cursor's window entries: ReplicaWindow.cursor of every window, the samples with
-        partial progress found in one pass over the columns."""
+        partial progress found in one pass over the columns (the block lists windows in order, so each
+        window's are one run of them)."""
         done = self.cols["done"]
         nz = np.flatnonzero(done > 0)
-        part: dict[int, tuple[list[int], list[int]]] = {}
-        for wi, p, d in zip(self.win[nz].tolist(), self.cols["pos"][nz].tolist(), done[nz].tolist()):
-            got = part.get(wi)
-            if got is None:
-                got = part[wi] = ([], [])
-            got[0].append(p)
-            got[1].append(d)
+        runs: dict[int, tuple[int, int]] = {}
+        pos: list[int] = []
+        keys: list[str] = []
+        got: list[int] = []
+        if len(nz):
+            wi = self.win[nz]
+            cut = (np.flatnonzero(wi[1:] != wi[:-1]) + 1).tolist()
+            runs = dict(zip(wi[[0, *cut]].tolist(), zip([0, *cut], [*cut, len(nz)])))
+            pos = self.cols["pos"][nz].tolist()
+            keys = list(map(str, pos))
+            got = done[nz].tolist()
         out = []
         for i, w in enumerate(self.windows):
-            got = part.get(i)
-            if got is None and not w.restored_done and w.listing is None:  # the common entry, built inline
+            run = runs.get(i)
+            if w.restored_done or w.listing is not None:
+                a, b = run or (0, 0)
+                out.append({"source": w.source, "replica": w.replica, **w._cursor(pos[a:b], got[a:b])})
+            else:  # the common entry, built inline (ReplicaWindow._cursor's keys, in its order)
                 out.append({"source": w.source, "replica": w.replica, "low": w.low, "next": w.next_pos,
-                            "skip": sorted(w.skip), "partial": {}})
-            else:
-                out.append({"source": w.source, "replica": w.replica, **w._cursor(*(got or ([], [])))})
+                            "skip": sorted(w.skip) if w.skip else [],
+                            "partial": {} if run is None else dict(zip(keys[run[0]:run[1]], got[run[0]:run[1]]))})
         return out
 
 
@@ -447,28 +508,17 @@ def check_coverage(layout: StepLayout, pieces: Pieces, built: tuple[StepLayout, 
     return piece_of_seg  # type: ignore[return-value]
 
 
-def _one_each(idx: np.ndarray, n: int) -> bool:
-    """idx lists distinct indices in [0, n)."""
-    if len(idx) == 0:
-        return True
-    if int(idx.min()) < 0 or int(idx.max()) >= n:
-        return False
-    return int(np.bincount(idx, minlength=n).max()) == 1
-
-
 def _pairs(layout: StepLayout, pieces: Pieces, seg_piece: np.ndarray, img_piece: np.ndarray) -> bool:
     """Whether segment i is piece seg_piece[i] and image j the image piece img_piece[j], one to one (then
     the layout covers the selection exactly)."""
     n = len(pieces)
-    img = pieces.patches > 0
-    if len(seg_piece) != n or len(img_piece) != len(layout.img_key) or len(img_piece) != int(img.sum()):
+    n_img = int(np.count_nonzero(pieces.patches > 0))
+    seg = (layout.seg_source, layout.seg_key, layout.seg_start, layout.seg_len)
+    img = (layout.img_source, layout.img_key, layout.img_patches)
+    if len(seg_piece) != n or len(img_piece) != n_img or any(len(a) != n for a in seg) or any(len(a) != n_img for a in img):
         return False
-    if not (_one_each(seg_piece, n) and _one_each(img_piece, n)) or not bool(img[img_piece].all()):
-        return False
-    return (np.array_equal(layout.seg_source, pieces.source[seg_piece]) and np.array_equal(layout.seg_key, pieces.key[seg_piece])
-            and np.array_equal(layout.seg_start, pieces.start[seg_piece]) and np.array_equal(layout.seg_len, pieces.length[seg_piece])
-            and np.array_equal(layout.img_source, pieces.source[img_piece]) and np.array_equal(layout.img_key, pieces.key[img_piece])
-            and np.array_equal(layout.img_patches, pieces.patches[img_piece]))
+    return selectloop.pairs(seg, img, (pieces.source, pieces.key, pieces.start, pieces.length, pieces.patches),
+                            np.asarray(seg_piece), np.asarray(img_piece))
 
 
 def _coverage_error(layout: StepLayout, pieces: Pieces) -> None:

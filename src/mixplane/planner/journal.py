@@ -102,8 +102,8 @@ class Journal:
         self._session = 0
         # many sources: per-source counts summed from the last checkpoint on (written with the next one)
         self._since: int | None = None
-        self._tokens: list[int] = []
-        self._samples: list[int] = []
+        self._tokens = np.zeros(0, np.int64)
+        self._samples = np.zeros(0, np.int64)
 
     def _write(self, rec: dict[str, Any]) -> None:
         self._f.write(_dump(rec) + "\n")
@@ -117,26 +117,26 @@ class Journal:
 
     def step(self, plan: StepPlan) -> None:
         lay = plan.layout
-        tok = [int(x) for x in plan.tokens_by_source]
-        smp = [int(x) for x in plan.samples_by_source]
+        tok = np.asarray(plan.tokens_by_source).astype(np.int64)  # whole numbers (bincount's floats): int() of each
+        smp = np.asarray(plan.samples_by_source).astype(np.int64)
         inline = len(tok) <= INLINE_SOURCES
         if lay.step % self.every == 0:
             rec: dict[str, Any] = {"event": "checkpoint", "step": lay.step, "session": self._session}
             if not inline and self._since is not None:
-                rec["interval"] = {"from": self._since, "tokens": self._tokens, "samples": self._samples}
+                rec["interval"] = {"from": self._since, "tokens": self._tokens.tolist(), "samples": self._samples.tolist()}
             rec.update(cursor_field(plan.cursor_before))
             self._write(rec)
-            self._since, self._tokens, self._samples = lay.step, [0] * len(tok), [0] * len(smp)
+            self._since, self._tokens, self._samples = lay.step, np.zeros(len(tok), np.int64), np.zeros(len(smp), np.int64)
         step = {"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,
                 "phase": lay.phase, "lr_scale": lay.lr_scale, "digest": layout_digest(lay)}
         if inline:
-            step.update(tokens=tok, samples=smp)
+            step.update(tokens=tok.tolist(), samples=smp.tolist())
         else:  # per-source counts go to the next checkpoint's interval (a step record stays ~200 bytes)
-            step.update(tokens_total=sum(tok), samples_total=sum(smp))
+            step.update(tokens_total=int(tok.sum()), samples_total=int(smp.sum()))
             if self._since is None:
-                self._since, self._tokens, self._samples = lay.step, [0] * len(tok), [0] * len(smp)
-            self._tokens = [a + b for a, b in zip(self._tokens, tok)]
-            self._samples = [a + b for a, b in zip(self._samples, smp)]
+                self._since, self._tokens, self._samples = lay.step, np.zeros(len(tok), np.int64), np.zeros(len(smp), np.int64)
+            self._tokens = self._tokens + tok
+            self._samples = self._samples + smp
         self._write(step)
 
     def update(self, event: dict[str, Any]) -> None:

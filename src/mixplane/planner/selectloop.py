@@ -506,6 +506,7 @@ def warm() -> float:
     block = np.zeros((6, 3), np.int64)
     compact(block[:, :2], block[:, 1:], np.zeros(1, np.int64))
     gather(block[:, :1], np.array([0, 1], np.int64), np.zeros((5, 1), np.int64), np.array([1], np.int64), block[:, 1:])
+    _warm_store()
     _warm_s = time.perf_counter() - t0
     return _warm_s
 
@@ -586,6 +587,64 @@ def compact(src: np.ndarray, dst: np.ndarray, next_pos: np.ndarray) -> tuple[np.
     return _compact(src, dst, np.ascontiguousarray(next_pos, np.int64))
 
 
+@njit(cache=True, nogil=True)
+def take_meta(pos, key, tokens, patches, next_pos, out):
+    """ReplicaWindow.add's checks and copy in one pass over one LOADER_META's arrays (1-D int64, equal
+    lengths >= 1): (0, or 1 positions out of order or below next_pos, or 2 a sample without tokens -- the
+    order error first, as add reports it; the tokens of all samples but the last; the last's tokens; the
+    last position). `out` (5 x n) receives pos, key, tokens, patches and zeros (done)."""
+    n = len(pos)
+    order = pos[0] < next_pos
+    empty = False
+    before_last = 0
+    for i in range(n):
+        if i and pos[i] <= pos[i - 1]:
+            order = True
+        t = tokens[i]
+        if t <= 0:
+            empty = True
+        if i < n - 1:
+            before_last += t
+        out[0, i] = pos[i]
+        out[1, i] = key[i]
+        out[2, i] = t
+        out[3, i] = patches[i]
+        out[4, i] = 0
+    return 1 if order else (2 if empty else 0), before_last, tokens[n - 1], pos[n - 1]
+
+
+@njit(cache=True, nogil=True)
+def _pairs(seg_source, seg_key, seg_start, seg_len, img_source, img_key, img_patches,
+           source, key, start, length, patches, seg_piece, img_piece):
+    n = len(source)
+    seen = np.zeros(n, np.bool_)
+    for i in range(len(seg_piece)):
+        j = seg_piece[i]
+        if j < 0 or j >= n or seen[j]:
+            return False
+        seen[j] = True
+        if seg_source[i] != source[j] or seg_key[i] != key[j] or seg_start[i] != start[j] or seg_len[i] != length[j]:
+            return False
+    seen[:] = False
+    for i in range(len(img_piece)):
+        j = img_piece[i]
+        if j < 0 or j >= n or seen[j] or patches[j] <= 0:
+            return False
+        seen[j] = True
+        if img_source[i] != source[j] or img_key[i] != key[j] or img_patches[i] != patches[j]:
+            return False
+    return True
+
+
+def pairs(seg: tuple[np.ndarray, ...], img: tuple[np.ndarray, ...], pieces: tuple[np.ndarray, ...],
+          seg_piece: np.ndarray, img_piece: np.ndarray) -> bool:
+    """Whether segment i (source, key, start, length) is piece seg_piece[i] and image j (source, key,
+    patches) the image piece img_piece[j], each piece at most once per list (pieces: source, key, start,
+    length, patches; the caller checks the counts). One pass, no temporaries."""
+    (s0, s1, s2, s3), (i0, i1, i2), (p0, p1, p2, p3, p4) = seg, img, pieces
+    return bool(_pairs(s0, s1, s2, s3, i0, i1, i2, p0, p1, p2, p3, p4, seg_piece, img_piece))
+
+
 # ---- matching two lists of spans (coverage check, routing) -------------------------------------
 
 @njit(cache=True)
@@ -651,3 +710,15 @@ def match(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndar
     if bad >= 0 or len(cols[0]) != len(cols[4]):
         return None, int(bad)
     return out, -1
+
+
+def _warm_store() -> None:
+    """The window store's helpers, for the array kinds they get: LOADER_META arrays come off the wire
+    read-only."""
+    one = np.ones(1, np.int64)
+    ro = one.copy()
+    ro.flags.writeable = False
+    for a in (one, ro):
+        take_meta(a, a, a, a, 0, np.zeros((5, 1), np.int64))
+    i16, i32 = np.ones(1, np.int16), np.ones(1, np.int32)
+    pairs((i16, one, i32, i32), (i16, one, i32), (i16, one, one, one, one), np.zeros(1, np.int64), np.zeros(1, np.int64))
