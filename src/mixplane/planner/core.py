@@ -68,10 +68,17 @@ class ReplicaWindow:
         return self._n
 
     def _base(self) -> list[np.ndarray]:
-        """The arrays without the pending chunks (views of the store's block are made when first read)."""
+        """The arrays without the pending chunks (views of the store's block are made when first read; after
+        the store's compaction, until its next gather, read-only copies without the consumed samples)."""
         if self._cols is None:
-            lo, hi, block = self._lo, self._lo + self._base_n, self._home.block
+            home = self._home
+            lo, hi, block = self._lo, self._lo + self._base_n, home.block
             self._cols = [block[i, lo:hi] for i in range(len(FIELDS))]
+            if home.gone is not None:
+                keep = ~home.gone[lo:hi]
+                self._cols = [c[keep] for c in self._cols]
+                for c in self._cols:  # a write would not reach the store's columns: refused, not lost
+                    c.flags.writeable = False
         return self._cols
 
     def _col(self, i: int) -> np.ndarray:
@@ -258,16 +265,20 @@ class WindowStore:
     that took new samples since (`add`: one LOADER_META) is no longer `stored` and the next `sync`
     gathers all of them again (one concatenation per column).
 
-    Each column lives in one of two buffers kept across steps: a gather or a compaction writes into the
-    other one (fresh multi-MB arrays every step cost more in page faults than the copies themselves), so
-    a window's arrays stay valid until the planner's next step, not beyond."""
+    Each column lives in one of two buffers kept across steps: a gather writes into the other one (fresh
+    multi-MB arrays every step cost more in page faults than the copies themselves), so a window's arrays
+    stay valid until the planner's next step, not beyond. A compaction moves nothing: it marks the samples
+    that left their windows (`gone`), and the next gather leaves them out while it merges what the windows
+    took since (one copy of the columns a step, not two)."""
 
     def __init__(self, windows: list[ReplicaWindow]):
         self.windows = windows
         w = len(windows)
         self.source = np.array([x.source for x in windows], np.int64)
         self.replica = np.array([x.replica for x in windows], np.int64)
-        self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1])
+        self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1]) of the block
+        self.gone: np.ndarray | None = None  # the last compaction's consumed samples (over the block), until a gather
+        self.held = np.zeros(w, np.int64)  # each window's samples in the block (without the gone ones)
         self._bufs = [np.zeros((6, 0), np.int64), np.zeros((6, 0), np.int64)]  # rows: FIELDS, then the window
         self._side = 0
         self._pend = np.zeros((len(FIELDS), 0), np.int64)  # what the windows took since the last gather
@@ -287,23 +298,24 @@ class WindowStore:
         self.cols: dict[str, np.ndarray] = {f: block[i] for i, f in enumerate(FIELDS)}
         self.win = block[5]  # window of every sample
 
-    def sync(self) -> None:
-        """Gather the windows into the columns unless every window is still a view of them."""
+    def sync(self, *, drop: bool = True) -> None:
+        """Gather the windows into the columns unless every window is still a view of them and nothing
+        compacted is left to drop (drop=False: for a reader that leaves the `gone` samples out itself)."""
         ws = self.windows
-        if self.fresh and all(w.stored is self for w in ws):
+        if (self.gone is None or not drop) and self.fresh and all(w.stored is self for w in ws):
             return
         lens = np.fromiter((w._n for w in ws), np.int64, len(ws))
         if self.fresh and all(w._home is self for w in ws):
             # every window is still its slice of the block plus the chunks it took since: one compiled merge
             chunks = [c for w in ws for c in w._pending]
-            m = int(lens.sum() - self.base[-1])
+            m = int(lens.sum() - self.held.sum())
             if self._pend.shape[1] < m:  # kept across steps, as the blocks are
                 self._pend = np.empty((len(FIELDS), m + m // 4 + 1024), np.int64)
             pend = self._pend[:, :m]
             if chunks:
                 np.concatenate(chunks, axis=1, out=pend)
             block = self._spare(int(lens.sum()))
-            selectloop.gather(self.block, self.base, pend, lens - np.diff(self.base), block)
+            selectloop.gather(self.block, self.base, self.gone, pend, lens - self.held, block)
         else:  # windows with arrays of their own (restored, compacted on their own): join them
             block = self._spare(int(lens.sum()))
             for i in range(len(FIELDS)):
@@ -311,12 +323,14 @@ class WindowStore:
                     np.concatenate([a for w in ws for a in (w._base()[i], *(c[i] for c in w._pending))], out=block[i])
             block[5] = np.repeat(np.arange(len(ws), dtype=np.int64), lens)
         np.cumsum(lens, out=self.base[1:])
+        self.held = lens
+        self.gone = None
         self._adopt(block)
         self._view()
 
     def _view(self) -> None:
         """Point every window's arrays at its slice of the columns."""
-        for w, lo, n in zip(self.windows, self.base.tolist(), np.diff(self.base).tolist()):
+        for w, lo, n in zip(self.windows, self.base.tolist(), self.held.tolist()):
             w._cols = None
             w._home = w.stored = self
             w._lo = lo
@@ -326,23 +340,25 @@ class WindowStore:
         self.fresh = True
 
     def compact(self) -> np.ndarray:
-        """ReplicaWindow.compact for every window at once (one compiled pass over the columns); returns the
-        `full` mask over the columns as they were (the samples that left their windows: the pieces that retire
-        them)."""
+        """ReplicaWindow.compact for every window at once (one compiled pass over the columns, which marks
+        the consumed samples `gone` and moves nothing); returns that mask (the samples that left their
+        windows: the pieces that retire them)."""
         ws = self.windows
         if not (self.fresh and all(w.stored is self for w in ws)):
             # a window that took samples since the last gather holds them outside the block: compacting the block
-            # would lose them and move its low mark past them (its next_pos has moved); gathering now would shift
-            # the indices the caller's `full` lookups use. Only StepPlanner.plan compacts, right after select.
+            # would move its low mark past them (its next_pos has moved); gathering now would shift the indices
+            # the caller's `full` lookups use. Only StepPlanner.plan compacts, right after select.
             raise RuntimeError("window store: compact after windows changed since the last gather")
+        if self.gone is not None:  # compacted before and not gathered since: drop those first
+            self.sync()
         nxt = np.fromiter((w.next_pos for w in ws), np.int64, len(ws))
-        dst = self._spare(self.block.shape[1])
-        full, kept, base, unc, low, a_win, a_pos = selectloop.compact(self.block, dst, nxt)
-        self.base[:] = base
-        self._adopt(dst[:, :kept])
+        full, held, unc, low, a_win, a_pos = selectloop.settle(self.block, self.base, nxt)
+        self.gone, self.held = full, held
         # ReplicaWindow._advance for every window: low marks and unconsumed tokens from the pass; skips only
         # where there are any (consumed positions above the new low mark: taken out of order, few per window)
-        for w, lo, left in zip(ws, low.tolist(), unc.tolist()):
+        for w, n, lo, left in zip(ws, held.tolist(), low.tolist(), unc.tolist()):
+            w._cols = None  # the arrays leave out the gone samples when next read
+            w._n = n
             w.unconsumed = left
             if lo != w.low:
                 if w.skip:
@@ -353,7 +369,6 @@ class WindowStore:
             pos = a_pos.tolist()
             for wi, a, b in zip(a_win[[0, *cut]].tolist(), [0, *cut], [*cut, len(pos)]):
                 ws[wi].skip.update(pos[a:b])
-        self._view()
         return full
 
     def cursors(self) -> list[dict[str, Any]]:
@@ -361,7 +376,7 @@ class WindowStore:
         partial progress found in one pass over the columns (the block lists windows in order, so each
         window's are one run of them)."""
         done = self.cols["done"]
-        nz = np.flatnonzero(done > 0)
+        nz = np.flatnonzero(done > 0 if self.gone is None else (done > 0) & ~self.gone)
         runs: dict[int, tuple[int, int]] = {}
         pos: list[int] = []
         keys: list[str] = []
@@ -658,7 +673,7 @@ class StepPlanner:
         }
 
     def _window_cursors(self) -> list[dict[str, Any]]:
-        self.store.sync()
+        self.store.sync(drop=False)  # right after a step: no copy (the next step's gather drops the consumed)
         return self.store.cursors()
 
     def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:

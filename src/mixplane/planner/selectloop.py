@@ -504,8 +504,9 @@ def warm() -> float:
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
     spans(np.ones(1, np.int64), np.zeros(1, np.int64), 4)
     block = np.zeros((6, 3), np.int64)
-    compact(block[:, :2], block[:, 1:], np.zeros(1, np.int64))
-    gather(block[:, :1], np.array([0, 1], np.int64), np.zeros((5, 1), np.int64), np.array([1], np.int64), block[:, 1:])
+    settle(block[:, :2], np.array([0, 2], np.int64), np.zeros(1, np.int64))
+    for gone in (None, np.zeros(1, np.bool_)):
+        gather(block[:, :1], np.array([0, 1], np.int64), gone, block[:5, 2:], np.array([1], np.int64), block[:, 1:])
     _warm_store()
     _warm_s = time.perf_counter() - t0
     return _warm_s
@@ -513,55 +514,54 @@ def warm() -> float:
 
 # ---- the planner's window store: compaction ---------------------------------------------------------
 
-@njit(cache=True)
-def _compact(src, dst, next_pos):
-    """core.WindowStore.compact's pass: copy the samples not yet fully consumed (rows of src: pos, key,
-    tokens, patches, done, window) to dst in order; per window its new extent, unconsumed tokens and low
-    mark (its first kept position, else next_pos); and the consumed positions at or above that low mark."""
-    n = src.shape[1]
+@njit(cache=True, nogil=True)
+def _settle(block, base, next_pos):
+    """core.WindowStore.compact's pass (it moves nothing: the next gather leaves the consumed samples out):
+    which samples are fully consumed (rows of block: pos, key, tokens, patches, done; window w's samples
+    at [base[w], base[w + 1]), in stream order); per window the samples left, their unconsumed tokens, the
+    low mark (the first one's position, else next_pos), and the consumed positions above it."""
+    n = block.shape[1]
     nw = len(next_pos)
     full = np.empty(n, np.bool_)
-    base = np.zeros(nw + 1, np.int64)
+    held = np.zeros(nw, np.int64)
     unc = np.zeros(nw, np.int64)
     low = next_pos.copy()
-    seen = np.zeros(nw, np.bool_)
-    j = 0
-    for i in range(n):
-        f = src[4, i] >= src[2, i]
-        full[i] = f
-        if not f:
-            for c in range(6):
-                dst[c, j] = src[c, i]
-            w = src[5, i]
-            base[w + 1] += 1
-            unc[w] += src[2, i] - src[4, i]
-            if not seen[w]:
-                seen[w] = True
-                low[w] = src[0, i]
-            j += 1
-    for w in range(nw):
-        base[w + 1] += base[w]
+    first = np.full(nw, -1, np.int64)  # the first sample left in each window
     m = 0
-    for i in range(n):
-        if full[i] and src[0, i] >= low[src[5, i]]:
-            m += 1
+    for w in range(nw):
+        for i in range(base[w], base[w + 1]):
+            f = block[4, i] >= block[2, i]
+            full[i] = f
+            if not f:
+                held[w] += 1
+                unc[w] += block[2, i] - block[4, i]
+                if first[w] < 0:
+                    first[w] = i
+                    low[w] = block[0, i]
+            elif first[w] >= 0:  # positions increase within a window: consumed above the low mark
+                m += 1
     a_win = np.empty(m, np.int64)
     a_pos = np.empty(m, np.int64)
     m = 0
-    for i in range(n):
-        if full[i] and src[0, i] >= low[src[5, i]]:
-            a_win[m] = src[5, i]
-            a_pos[m] = src[0, i]
-            m += 1
-    return full, j, base, unc, low, a_win, a_pos
+    for w in range(nw):
+        if first[w] >= 0:
+            for i in range(first[w] + 1, base[w + 1]):
+                if full[i]:
+                    a_win[m] = w
+                    a_pos[m] = block[0, i]
+                    m += 1
+    return full, held, unc, low, a_win, a_pos
 
 
-@njit(cache=True)
-def _gather(old, old_base, pend, pend_len, new):
+@njit(cache=True, nogil=True)
+def _gather(old, old_base, gone, pend, pend_len, new):
     j = 0
     q = 0
+    masked = len(gone) > 0
     for w in range(len(pend_len)):
         for i in range(old_base[w], old_base[w + 1]):
+            if masked and gone[i]:
+                continue
             for c in range(5):
                 new[c, j] = old[c, i]
             new[5, j] = w
@@ -574,17 +574,20 @@ def _gather(old, old_base, pend, pend_len, new):
         q += pend_len[w]
 
 
-def gather(old: np.ndarray, old_base: np.ndarray, pend: np.ndarray, pend_len: np.ndarray, new: np.ndarray) -> None:
+def gather(old: np.ndarray, old_base: np.ndarray, gone: np.ndarray | None, pend: np.ndarray, pend_len: np.ndarray,
+           new: np.ndarray) -> None:
     """core.WindowStore.sync's merge: window by window, its samples in `old` ([old_base[w], old_base[w + 1]),
-    rows pos, key, tokens, patches, done) then the `pend_len[w]` samples it took since (the next ones of
-    `pend`), into `new` (6 x total, the window index in row 5)."""
-    _gather(old, np.ascontiguousarray(old_base, np.int64), pend, np.ascontiguousarray(pend_len, np.int64), new)
+    rows pos, key, tokens, patches, done) but those `gone` marks (the last compaction's), then the
+    `pend_len[w]` samples it took since (the next ones of `pend`), into `new` (6 x total, the window index
+    in row 5)."""
+    _gather(old, np.ascontiguousarray(old_base, np.int64), np.zeros(0, np.bool_) if gone is None else gone, pend,
+            np.ascontiguousarray(pend_len, np.int64), new)
 
 
-def compact(src: np.ndarray, dst: np.ndarray, next_pos: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(full mask, kept count, window bounds [w + 1], unconsumed tokens [w], low marks [w], windows and positions
-    of the consumed samples at or above their window's low mark); dst (6 x n) receives the kept columns."""
-    return _compact(src, dst, np.ascontiguousarray(next_pos, np.int64))
+def settle(block: np.ndarray, base: np.ndarray, next_pos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(fully consumed mask over the columns, samples left [w], unconsumed tokens [w], low marks [w], windows
+    and positions of the consumed samples above their window's low mark, in column order)."""
+    return _settle(block, np.ascontiguousarray(base, np.int64), np.ascontiguousarray(next_pos, np.int64))
 
 
 @njit(cache=True, nogil=True)
