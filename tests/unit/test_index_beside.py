@@ -98,3 +98,44 @@ def test_a_store_that_takes_no_writes_only_loses_the_cache(tmp_path, monkeypatch
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_stale_index_names():
+    pre, cur, old = sidecar.index_prefix("/d/part.0.parquet"), sidecar.index_stamp(10, 1), sidecar.index_stamp(9, 1)
+    other = sidecar.index_prefix("/e/part.0.parquet")
+    names = [f"{pre}{cur}.aaaa.npz", f"{pre}{cur}.bbbb.npz",  # this version, two column sets: kept
+             f"{pre}{old}.aaaa.npz",  # an older version: stale
+             f"{other}{old}.aaaa.npz",  # another file (same base name, other directory): not ours to judge
+             f"{pre}{old}.aaaa.npz.tmp", "junk.npz", "x.y.npz"]
+    assert sidecar.stale_indexes(names, {pre: cur}) == [f"{pre}{old}.aaaa.npz"]
+
+
+def test_a_rewritten_file_leaves_no_stale_index(tmp_path, monkeypatch):
+    """Every rewrite of a file used to leave its former index behind, beside the data and in the local cache."""
+    root, cache = str(tmp_path / "src"), str(tmp_path / "cache")
+    paths, _ = write_source(root, nfiles=2, rows=200, page_size=2048, row_group_size=100, dictionary=True)
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", cache)
+    beside_dir = os.path.join(root, "_mixplane_index")
+
+    def open_take(columns=("text", "row", "ids")) -> list[int]:
+        s = open_stream(SourceSpec(name="web", uri=root, columns=list(columns), kind="text", shuffle="page",
+                                   index_beside_data=True), seed=1, buffer_rows=50)
+        try:
+            return s.take(100).keys.tolist()
+        finally:
+            s.close()
+
+    open_take()
+    open_take(("text", "row"))  # another projection of the same files: its own indexes, kept beside the first
+    first_beside, first_cache = sorted(os.listdir(beside_dir)), sorted(os.listdir(cache))
+    assert len(first_beside) == len(first_cache) == 4
+    write_source(root, nfiles=1, rows=150, page_size=2048, row_group_size=100, dictionary=True, seed=9)  # rewrites part 0
+    st = os.stat(paths[0])
+    new_name = os.path.basename(sidecar.beside_path(paths[0], st.st_size, st.st_mtime_ns, ["text", "row", "ids"]))
+    open_take()
+    pre = sidecar.index_prefix(paths[0])
+    for d, before in ((beside_dir, first_beside), (cache, first_cache)):
+        now = sorted(os.listdir(d))
+        # part 0: only the new version's index (the other projection's old one went too: that version is gone)
+        assert [n for n in now if n.startswith(pre)] == [new_name], (d, now)
+        assert [n for n in now if not n.startswith(pre)] == [n for n in before if not n.startswith(pre)], (d, now)

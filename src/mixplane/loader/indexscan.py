@@ -7,15 +7,18 @@ from __future__ import annotations
 import io
 import logging
 import os
+import posixpath
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from mixplane.loader import pagereader as pr
 from mixplane.loader.pageindex import ColumnPages, FileIndex, SourceIndex
 from mixplane.loader.pagereader import (
     ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader,
 )
-from mixplane.loader.sidecar import beside_path, default_cache_dir, load_sidecar, save_sidecar, sidecar_bytes, sidecar_path
+from mixplane.loader.sidecar import (beside_path, default_cache_dir, index_prefix, index_stamp, load_sidecar, save_sidecar,
+                                    sidecar_bytes, sidecar_path, stale_indexes)
 from mixplane.loader.thrift import ThriftError
 
 log = logging.getLogger(__name__)
@@ -181,9 +184,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
 
 
 def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
-                       stats: IOStats | None = None, cache_dir: str | None = None, beside: bool = False) -> FileIndex:
+                       stats: IOStats | None = None, cache_dir: str | None = None, beside: bool = False,
+                       kept: list[tuple[str, bool]] | None = None) -> FileIndex:
     """The file's page index: from the local cache, else (`beside`) from beside the file in its store, else
-    scanned from its footer and OffsetIndexes, and then kept where it was missing."""
+    scanned from its footer and OffsetIndexes, and then kept where it was missing. `kept` collects what was
+    written: (index path, whether it is in the store beside the data)."""
     side = sidecar_path(cache_dir, path, size, mtime_ns, columns) if cache_dir else None
     if side and os.path.exists(side):
         fi = load_sidecar(side, path, size, mtime_ns, columns)
@@ -199,10 +204,12 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
     if side:
         try:
             save_sidecar(fi, side)
+            if kept is not None:
+                kept.append((side, False))
         except OSError as e:
             log.debug("cannot write page-index sidecar %s: %s", side, e)
-    if near and scanned:
-        _write_beside(near, fi, filesystem)
+    if near and scanned and _write_beside(near, fi, filesystem) and kept is not None:
+        kept.append((near, True))
     return fi
 
 
@@ -225,9 +232,9 @@ def _put(filesystem, path: str, data: bytes) -> None:
         f.write(data)
 
 
-def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
+def _write_beside(near: str, fi: FileIndex, filesystem) -> bool:
     """Best effort: a store this loader may not write to (read-only credentials, or one that takes no writes at
-    all: fsspec's HTTP filesystem raises NotImplementedError) only loses the cache."""
+    all: fsspec's HTTP filesystem raises NotImplementedError) only loses the cache. Whether it was written."""
     try:
         if filesystem is None:
             save_sidecar(fi, near)  # as the local cache: a temporary file renamed over it, removed on failure
@@ -240,6 +247,34 @@ def _write_beside(near: str, fi: FileIndex, filesystem) -> None:
                 _put(filesystem, near, data)
     except (OSError, ValueError, NotImplementedError) as e:
         log.info("page index of %s not kept beside it (%s): only this loader's local cache has it", fi.path, e)
+        return False
+    return True
+
+
+def prune_stale_indexes(kept: list[tuple[str, bool]], current: dict[str, str], filesystem=None) -> int:
+    """Remove the indexes of older versions of this source's files (rewritten since) from the directories an index
+    was just written to -- the local cache and the `_mixplane_index/` beside the data: without it every rewrite of a
+    file left one more .npz behind. One listing per directory, only when something was written; best effort (an
+    index that cannot be removed is only disk). How many were removed."""
+    removed = 0
+    for d, in_store in sorted({(os.path.dirname(p), b) for p, b in kept}):
+        remote = in_store and filesystem is not None
+        try:
+            if remote:
+                names = [posixpath.basename(i.path) for i in filesystem.get_file_info(pafs.FileSelector(d))]
+            else:
+                names = os.listdir(d)
+            for name in stale_indexes(names, current):
+                if remote:
+                    filesystem.delete_file(posixpath.join(d, name))
+                else:
+                    os.unlink(os.path.join(d, name))
+                removed += 1
+        except (OSError, ValueError, NotImplementedError) as e:
+            log.info("stale page indexes in %s not removed (%s)", d, e)
+    if removed:
+        log.info("removed %d page index(es) of files rewritten since they were indexed", removed)
+    return removed
 
 
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
@@ -260,12 +295,15 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             on_bad(e)
 
     readable: list[FileIndex] = []
+    kept: list[tuple[str, bool]] = []  # indexes written now
+    current: dict[str, str] = {}  # index_prefix -> index_stamp of every file as it is now
     for i, path in enumerate(paths):
         size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
         mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
+        current[index_prefix(path)] = index_stamp(size, mtime)
         try:
             fi = load_or_index_file(path, columns, size=size, mtime_ns=mtime, filesystem=filesystem, stats=stats,
-                                    cache_dir=cache_dir, beside=beside)
+                                    cache_dir=cache_dir, beside=beside, kept=kept)
             readable.append(fi)
             idx.check_kind(fi)
         except ParquetError as e:
@@ -284,4 +322,6 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             if on_bad_chunk is not None:
                 on_bad_chunk(e)
     idx.finish()
+    if kept:
+        prune_stale_indexes(kept, current, filesystem)
     return idx

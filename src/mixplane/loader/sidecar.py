@@ -11,6 +11,7 @@ import os
 import posixpath
 import tempfile
 import zlib
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -29,18 +30,49 @@ def default_cache_dir() -> str | None:
     return os.path.join(os.path.expanduser("~"), ".cache", "mixplane", "pageindex")
 
 
+def _digest(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def index_prefix(path: str) -> str:
+    """How the name of every index of `path` starts, whatever the file's version: its base name and a hash of
+    its path. Then come a stamp of the version (format, size, mtime) and a hash of the projected columns."""
+    return f"{os.path.basename(path)[:60]}.{_digest(path, 12)}."
+
+
+def index_stamp(size: int, mtime_ns: int) -> str:
+    return _digest(f"v{INDEX_VERSION}|{size}|{mtime_ns}", 16)
+
+
+def index_name(path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
+    return f"{index_prefix(path)}{index_stamp(size, mtime_ns)}.{_digest(','.join(columns), 16)}.npz"
+
+
 def sidecar_path(cache_dir: str, path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
-    key = f"v{INDEX_VERSION}|{path}|{size}|{mtime_ns}|{','.join(columns)}"
-    h = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return os.path.join(cache_dir, f"{os.path.basename(path)[:60]}.{h}.npz")
+    return os.path.join(cache_dir, index_name(path, size, mtime_ns, columns))
 
 
 def beside_path(path: str, size: int, mtime_ns: int, columns: list[str]) -> str:
     """Where a file's index is kept beside it in its store (`sources[].index_beside_data`): `<dir>/_mixplane_index/`,
-    named as in the local cache (the key holds the file's path, size, mtime and columns, so a rewritten file's
+    named as in the local cache (the name holds the file's path, size, mtime and columns, so a rewritten file's
     index is never taken for it). Listings leave that directory out (loader.files), so it never becomes part of a
     source, whatever the uri's glob."""
-    return sidecar_path(posixpath.join(posixpath.dirname(path), BESIDE_DIR), path, size, mtime_ns, columns)
+    return posixpath.join(posixpath.dirname(path), BESIDE_DIR, index_name(path, size, mtime_ns, columns))
+
+
+def stale_indexes(names: Iterable[str], current: Mapping[str, str]) -> list[str]:
+    """The names among `names` that index an older version of a file: `current` maps each file's index_prefix to
+    the index_stamp of the version read now. Indexes of the current version (any columns) and of files not in
+    `current` are kept: another source may read them."""
+    out = []
+    for name in names:
+        parts = name[: -len(".npz")].rsplit(".", 2) if name.endswith(".npz") else []
+        if len(parts) != 3:
+            continue
+        want = current.get(parts[0] + ".")
+        if want is not None and parts[1] != want:
+            out.append(name)
+    return out
 
 
 def sidecar_bytes(fi: FileIndex) -> bytes:
