@@ -178,10 +178,19 @@ def _loader_resources(spec: DataMixtureSpec, group: list[tuple[str, int]]) -> Re
     return Resources(cpu=1.0, memory_bytes=mem)
 
 
+def steps_held(spec: DataMixtureSpec) -> int:
+    """Steps a constructor may hold built at once: what its clients keep requested ahead -- `prefetch_s` sizes
+    that by the trainer's measured step time, up to `max_lead_steps` (a trainer with short steps reaches the
+    bound), else `prefetch_steps` -- plus the step being built and the one being handed out."""
+    rt = spec.runtime
+    return max(rt.prefetch_steps, rt.max_lead_steps if rt.prefetch_s > 0 else 0) + 2
+
+
 def _constructor_resources(spec: DataMixtureSpec, n_constructors: int) -> Resources:
-    """Steps in flight (prefetch + 2) of its share of a step, ~5 int32/int64 arrays per token."""
+    """steps_held steps of its share of a step, ~5 int32/int64 arrays per token. Sized for the look-ahead's bound:
+    in a cluster the memory limit is a multiple of this request, and a constructor over it is killed."""
     share = spec.tokens_per_step // max(1, n_constructors)
-    return Resources(cpu=1.0, memory_bytes=_BASE + (spec.runtime.prefetch_steps + 2) * share * 24)
+    return Resources(cpu=1.0, memory_bytes=_BASE + steps_held(spec) * share * 24)
 
 
 def _planner_resources(spec: DataMixtureSpec) -> Resources:

@@ -130,6 +130,25 @@ def test_resource_hints_grow_with_what_a_component_holds(tmp_path):
         assert c.resources.cpu > 0 and c.resources.memory_bytes > 0
 
 
+def test_constructor_memory_covers_the_time_sized_look_ahead(tmp_path):
+    """With prefetch_s (the default) a trainer with short steps keeps up to max_lead_steps steps requested: the
+    constructor's estimate (its pod's request; the limit is a multiple of it) covers them, not prefetch_steps only."""
+    from mixplane.launch import steps_held
+
+    batch = {"sequences": 64, "seq_len": 4096, "microbatches": 2}
+    t = LaunchTarget(run_dir="/r")
+
+    def mem(**runtime) -> int:
+        return launch_plan(spec_of(tmp_path, batch=batch, runtime=runtime), t).component("constructor-0").resources.memory_bytes
+
+    fixed = spec_of(tmp_path, batch=batch, runtime={"prefetch_s": 0, "prefetch_steps": 2})
+    timed = spec_of(tmp_path, batch=batch, runtime={"prefetch_s": 10.0, "max_lead_steps": 32})
+    assert steps_held(fixed) == 4 and steps_held(timed) == 34
+    share = timed.tokens_per_step // len(launch_plan(timed, t).of_role("constructor"))
+    assert mem(prefetch_s=10.0, max_lead_steps=32) - mem(prefetch_s=0, prefetch_steps=2) == 30 * share * 24
+    assert mem(prefetch_s=10.0, max_lead_steps=8) < mem(prefetch_s=10.0, max_lead_steps=32)
+
+
 def test_env_and_dns_names(tmp_path):
     plan = launch_plan(spec_of(tmp_path, runtime={"sources_per_loader": 2}), LaunchTarget(run_dir="/r"))
     for c in plan.components:
