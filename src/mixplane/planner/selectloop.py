@@ -1,21 +1,27 @@
 """StepPlanner.select's pick-and-place loop, compiled (numba): one step's mixing and packing.
 
 The loop is sequential by nature (every pick depends on what the previous pieces did to the
-counters and to the rows), tens of thousands of iterations a step, and in CPython it cost ~0.8 s at
-16,384 rows x 1,024 sources. Here it is the same loop over flat arrays, compiled once (cache=True:
-later processes load the machine code from numba's cache):
+counters and to the rows), ~145k placements a step at 16,384 rows x 1,024 sources (~0.8 s in
+CPython; ~27 ms here). Here it is the same loop over flat arrays, compiled once (cache=True: later
+processes load the machine code from numba's cache) and without the GIL (nogil=True: a planning
+thread runs it beside the server's encoding and sending):
 
 * the mixing rule is `mixing.EDFQueue`'s (itself `DeficitSampler.pick(..., fallback=False)` run
   incrementally): released sources in a heap by deadline, the others in a heap by the approximate
   total at which they are released, the exact release test deciding; the same float operations in
-  the same order, so the same picks, ties included (heap entries compare as the Python tuples did);
+  the same order, so the same picks, ties included (entries compare as the Python tuples did);
 * the starved-source bound (a source with nothing left may not fall a sample behind: sources ordered
   by the total at which they would, so the test is O(1) while none is near);
 * the packer is OnlinePacker's (best_fit: the fullest row that still has room, the lowest row among
-  equals -- found as the successor of `length * rows` among the keys `free * rows + row`, kept in a
-  hierarchical bitset; next_fit; none).
+  equals -- rows bucketed by free tokens, see below; next_fit; none).
 
-tests/unit/test_planner_select.py checks plans against the former Python loop (planner_reference.py).
+Where the time goes (captured inputs of the largest bench row): nearly all of it in the placements;
+the end of a step, where ~240k candidates that fit nowhere are each re-tested (one may change which
+source is released), costs ~1-2 ms of the ~27, so it is not short-cut.
+
+tests/unit/test_planner_select.py checks plans against the former Python loop (planner_reference.py)
+and this loop against its former compiled version (selectloop_reference.py) on random and adversarial
+inputs, byte for byte.
 """
 
 from __future__ import annotations
@@ -49,90 +55,85 @@ def _cache_dir() -> None:
 _cache_dir()
 
 from numba import njit  # noqa: E402
+from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: E402
 
 POLICY = {"best_fit": 0, "next_fit": 1, "none": 2}
 _ONE = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-# ---- heaps of (key, source, version), compared as Python tuples --------------------------------
+# ---- the ready and waiting heaps: (key, source), compared as the Python tuples were ---------------
+# Every active source has exactly one entry in one of them (or sits in `near`): the picked source's
+# entry is the ready heap's top, and it is replaced or removed there when the source moves on, so no
+# stale entries (and no versions) exist. The former tuples' third field, a version, never decided a
+# comparison between two live entries (one per source), so (key, source) orders them the same.
 
-@njit(cache=True, inline="always")
-def _less(k1, s1, v1, k2, s2, v2):
-    if k1 != k2:
-        return k1 < k2
-    if s1 != s2:
-        return s1 < s2
-    return v1 < v2
-
-
-@njit(cache=True, inline="always")
-def _put(hk, hs, hv, j, key, s, v):
-    hk[j] = key
-    hs[j] = s
-    hv[j] = v
+@njit(cache=True, nogil=True, inline="always")
+def _less(k1, s1, k2, s2):
+    return k1 < k2 or (k1 == k2 and s1 < s2)
 
 
-@njit(cache=True, inline="always")
-def _push(hk, hs, hv, n, key, s, v):
-    j = n
-    while j > 0:
-        p = (j - 1) >> 1
-        if not _less(key, s, v, hk[p], hs[p], hv[p]):
-            break
-        _put(hk, hs, hv, j, hk[p], hs[p], hv[p])
-        j = p
-    _put(hk, hs, hv, j, key, s, v)
-    return n + 1
-
-
-@njit(cache=True, inline="always")
-def _pop(hk, hs, hv, n):
-    n -= 1
-    if n <= 0:
-        return 0
-    key, s, v = hk[n], hs[n], hv[n]
-    j = 0
+@njit(cache=True, nogil=True, inline="always")
+def _sift_down(hk, hs, n, j, key, s):
+    """(key, s) into the hole at j of a heap of n entries, moving smaller children up. (Sifting the hole to a
+    leaf first and the entry up from there measured no faster; neither did a 4-ary heap.)"""
     while True:
         c = 2 * j + 1
         if c >= n:
             break
-        if c + 1 < n and _less(hk[c + 1], hs[c + 1], hv[c + 1], hk[c], hs[c], hv[c]):
-            c += 1
-        if not _less(hk[c], hs[c], hv[c], key, s, v):
+        if c + 1 < n:  # the smaller child without a branch (which one it is is a coin toss)
+            c += np.int64((hk[c + 1] < hk[c]) | ((hk[c + 1] == hk[c]) & (hs[c + 1] < hs[c])))
+        if not _less(hk[c], hs[c], key, s):
             break
-        _put(hk, hs, hv, j, hk[c], hs[c], hv[c])
+        hk[j] = hk[c]
+        hs[j] = hs[c]
         j = c
-    _put(hk, hs, hv, j, key, s, v)
+    hk[j] = key
+    hs[j] = s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sift_up(hk, hs, j, key, s):
+    """(key, s) into the hole at j, moving larger parents down."""
+    while j > 0:
+        p = (j - 1) >> 1
+        if not _less(key, s, hk[p], hs[p]):
+            break
+        hk[j] = hk[p]
+        hs[j] = hs[p]
+        j = p
+    hk[j] = key
+    hs[j] = s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _push(hk, hs, n, key, s):
+    _sift_up(hk, hs, n, key, s)
+    return n + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pop(hk, hs, n):
+    n -= 1
+    if n > 0:
+        _sift_down(hk, hs, n, 0, hk[n], hs[n])
     return n
 
 
-# ---- hierarchical bitset (successor queries) for best fit --------------------------------------
+# ---- best fit: rows bucketed by free tokens ---------------------------------------------------------
+# The packer places a piece in the fullest row that still has room, the lowest row among equals: the
+# smallest (free, row) with free >= piece. Free values (0..S) are kept in a small hierarchical bitset
+# of non-empty buckets (a few hundred bytes: in L1, where the former bitset over free * rows + row keys,
+# 16 MB at 16,384 rows of 8k, missed the caches on every placement); each bucket's rows in a pairing
+# heap (min row first) threaded through two arrays indexed by row. Untouched rows (free = S) are the
+# range [fresh, R): a row never gets its space back within a step.
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _ctz(x):
-    n = 0
-    if (x & np.uint64(0xFFFFFFFF)) == 0:
-        n += 32
-        x >>= np.uint64(32)
-    if (x & np.uint64(0xFFFF)) == 0:
-        n += 16
-        x >>= np.uint64(16)
-    if (x & np.uint64(0xFF)) == 0:
-        n += 8
-        x >>= np.uint64(8)
-    if (x & np.uint64(0xF)) == 0:
-        n += 4
-        x >>= np.uint64(4)
-    if (x & np.uint64(0x3)) == 0:
-        n += 2
-        x >>= np.uint64(2)
-    if (x & _ONE) == 0:
-        n += 1
-    return n
+    return np.int64(trailing_zeros(x))  # one tzcnt
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _bset(bits, lo, nlev, key):
     idx = key
     for lv in range(nlev):
@@ -144,7 +145,7 @@ def _bset(bits, lo, nlev, key):
         idx = w
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _bclear(bits, lo, nlev, key):
     idx = key
     for lv in range(nlev):
@@ -156,7 +157,7 @@ def _bclear(bits, lo, nlev, key):
         idx = w
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _bsucc(bits, lo, nlev, x):
     """Smallest set key >= x, or -1."""
     idx = x
@@ -189,15 +190,53 @@ def _levels(universe: int) -> np.ndarray:
         n = words
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _meld(child, sib, a, b):
+    """Two pairing-heap roots (rows) into one: the larger row becomes the smaller's first child."""
+    if b < a:
+        a, b = b, a
+    sib[b] = child[a]
+    child[a] = b
+    return a
+
+
+@njit(cache=True, nogil=True)
+def _pairing_pop(child, sib, r):
+    """The heap rooted at row r without r (two-pass pairing of r's children); its new root, or -1."""
+    c = child[r]
+    if c < 0:
+        return -1
+    acc = -1  # pass 1: meld the children in pairs, left to right; the results listed last-first via sib
+    while c >= 0:
+        a = c
+        b = sib[a]
+        if b < 0:
+            m = a
+            c = -1
+        else:
+            c = sib[b]
+            m = _meld(child, sib, a, b)
+        sib[m] = acc
+        acc = m
+    res = acc  # pass 2: meld them right to left
+    acc = sib[res]
+    while acc >= 0:
+        nxt = sib[acc]
+        res = _meld(child, sib, res, acc)
+        acc = nxt
+    sib[res] = -1
+    return res
+
+
 # ---- the loop --------------------------------------------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _released(i, realized, probs, sz, total, limit):
     li = sz[i]
     return realized[i] + li - probs[i] * (total + li) <= limit
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _size(c_tok, c_done, k, unit_samples, S):
     """What candidate k would add to its source's count: 1 / 0 samples (a continuation), or its next piece."""
     d = c_done[k]
@@ -207,16 +246,13 @@ def _size(c_tok, c_done, k, unit_samples, S):
     return float(rem if rem < S else S)
 
 
-@njit(cache=True, inline="always")
-def _queue(i, v, realized, probs, inv_p, sz, total, limit, delta, rk, rs, rv, nready, wk, ws, wv, nwait):
-    """Source i (its next size in sz[i], entry version v) into the released heap by deadline, or else into the
-    waiting heap by the total at which it is released; returns (nready, nwait)."""
-    if _released(i, realized, probs, sz, total, limit):
-        return _push(rk, rs, rv, nready, (realized[i] + delta) * inv_p[i], i, v), nwait
-    return nready, _push(wk, ws, wv, nwait, (realized[i] + sz[i] - limit) * inv_p[i] - sz[i], i, v)
+@njit(cache=True, nogil=True, inline="always")
+def _wait_key(i, realized, inv_p, sz, limit):
+    """The total at which source i (next size sz[i]) is released, approximately (the exact test decides)."""
+    return (realized[i] + sz[i] - limit) * inv_p[i] - sz[i]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _starve(i, realized, probs, limit, st_at, st_i, nst):
     """starved.add(i): source i (nothing left) into the list ordered by the total at which it falls behind."""
     at = (realized[i] + limit) / probs[i]
@@ -230,44 +266,34 @@ def _starve(i, realized, probs, limit, st_at, st_i, nst):
     return nst + 1
 
 
-@njit(cache=True, inline="always")
-def _exhaust(i, active, version, count, realized, probs, limit, st_at, st_i, nst):
-    """Source i has no candidate left: out of the queue (remove), into the starved list; (count, nst)."""
-    if active[i]:
-        active[i] = False
-        count -= 1
-        version[i] += 1
-    return count, _starve(i, realized, probs, limit, st_at, st_i, nst)
-
-
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale, unit_samples, truncate,
-          S, R, policy, bits, lo, cap_out, cap_heap):
+          S, R, policy, lo, cap_out):
     n = len(probs)
     nlev = len(lo) - 1
     # -- packer
-    free = np.full(R, S, np.int64)  # next_fit / none
-    cnt = np.zeros(S + 1, np.int64)  # best_fit: rows per free value
-    maxfree = 0
+    free = np.full(R if policy != 0 else 0, S, np.int64)  # next_fit / none: each row's free tokens
     current = 0
-    rowfree = np.full(R if policy == 0 else 0, S, np.int64)  # best_fit: each row's free tokens
+    cnt = np.zeros(S + 1 if policy == 0 else 0, np.int64)  # best_fit: rows per free value
+    bits = np.zeros(lo[-1], np.uint64)  # best_fit: the non-empty free values < S (and S while fresh < R)
+    root = np.full(S + 1 if policy == 0 else 0, -1, np.int64)  # per free value < S: its heap's least row
+    child = np.full(R if policy == 0 else 0, -1, np.int64)
+    sib = np.full(R if policy == 0 else 0, -1, np.int64)
+    fresh = 0
+    maxfree = 0
     if policy == 0 and R > 0:
-        for r in range(R):
-            _bset(bits, lo, nlev, S * R + r)
+        _bset(bits, lo, nlev, S)
         cnt[S] = R
         maxfree = S
     # -- queue
     sz = np.zeros(n, np.float64)
-    version = np.zeros(n, np.int64)
     active = np.zeros(n, np.bool_)
     count = 0
-    rk = np.empty(cap_heap, np.float64)
-    rs = np.empty(cap_heap, np.int64)
-    rv = np.empty(cap_heap, np.int64)
-    wk = np.empty(cap_heap, np.float64)
-    ws = np.empty(cap_heap, np.int64)
-    wv = np.empty(cap_heap, np.int64)
-    near = np.empty(cap_heap, np.int64)
+    rk = np.empty(n, np.float64)
+    rs = np.empty(n, np.int64)
+    wk = np.empty(n, np.float64)
+    ws = np.empty(n, np.int64)
+    near = np.empty(n, np.int64)
     nready = 0
     nwait = 0
     nnear = 0
@@ -286,14 +312,13 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
 
     for i in range(n):
         if ptr[i] < end[i] and probs[i] > 0:
-            # set(i, size)
-            version[i] += 1
-            if not active[i]:
-                active[i] = True
-                count += 1
+            active[i] = True
+            count += 1
             sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
-            nready, nwait = _queue(i, version[i], realized, probs, inv_p, sz, total, limit, delta,
-                                   rk, rs, rv, nready, wk, ws, wv, nwait)
+            if _released(i, realized, probs, sz, total, limit):
+                nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
+            else:
+                nwait = _push(wk, ws, nwait, _wait_key(i, realized, inv_p, sz, limit), i)
     for i in range(n):
         if probs[i] > 0 and ptr[i] >= end[i]:
             nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
@@ -310,7 +335,7 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             if free[current] <= 0:
                 break
         if again >= 0:
-            best = again
+            best = again  # still the ready heap's top
             again = -1
         else:
             # pick()
@@ -319,33 +344,24 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                 nnear = 0
                 for j in range(m):
                     i = near[j]
-                    if active[i] and _released(i, realized, probs, sz, total, limit):
-                        nready = _push(rk, rs, rv, nready, (realized[i] + delta) * inv_p[i], i, version[i])
-                    elif active[i]:
+                    if _released(i, realized, probs, sz, total, limit):
+                        nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
+                    else:
                         near[nnear] = i
                         nnear += 1
             if nwait > 0:
                 margin = total + 1e-9 * (total + scale + 1.0)
                 while nwait > 0 and wk[0] <= margin:
                     i = ws[0]
-                    v = wv[0]
-                    nwait = _pop(wk, ws, wv, nwait)
-                    if v != version[i]:
-                        continue
+                    nwait = _pop(wk, ws, nwait)
                     if _released(i, realized, probs, sz, total, limit):
-                        nready = _push(rk, rs, rv, nready, (realized[i] + delta) * inv_p[i], i, v)
+                        nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
                     else:
                         near[nnear] = i
                         nnear += 1
-            best = -1
-            while nready > 0:
-                i = rs[0]
-                if rv[0] == version[i]:
-                    best = i
-                    break
-                nready = _pop(rk, rs, rv, nready)
-        if best < 0:
-            break
+            if nready == 0:
+                break
+            best = rs[0]
         if nst > 0:
             # starved.behind(total + size[best])
             x = total + sz[best]
@@ -370,15 +386,29 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         if piece > 0:
             if policy == 0:
                 if piece <= maxfree:
-                    key = _bsucc(bits, lo, nlev, piece * R)
-                    fr = key // R
-                    row = key - fr * R
-                    _bclear(bits, lo, nlev, key)
+                    fr = _bsucc(bits, lo, nlev, piece)
+                    if fr == S:
+                        row = fresh
+                        fresh += 1
+                        if fresh == R:
+                            _bclear(bits, lo, nlev, S)
+                    else:
+                        row = root[fr]
+                        nr = _pairing_pop(child, sib, row)
+                        root[fr] = nr
+                        if nr < 0:
+                            _bclear(bits, lo, nlev, fr)
                     cnt[fr] -= 1
                     left = fr - piece
-                    rowfree[row] = left
                     if left > 0:
-                        _bset(bits, lo, nlev, left * R + row)
+                        child[row] = -1
+                        sib[row] = -1
+                        r0 = root[left]
+                        if r0 < 0:
+                            root[left] = row
+                            _bset(bits, lo, nlev, left)
+                        else:
+                            root[left] = _meld(child, sib, r0, row)
                         cnt[left] += 1
                     while maxfree > 0 and cnt[maxfree] == 0:
                         maxfree -= 1
@@ -395,17 +425,19 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                     current += 1
         if row < 0:
             ptr[best] = k + 1
-            if k + 1 >= end[best]:
-                count, nst = _exhaust(best, active, version, count, realized, probs, limit, st_at, st_i, nst)
+            if k + 1 >= end[best]:  # exhausted: out of the queue, into the starved list
+                nready = _pop(rk, rs, nready)
+                active[best] = False
+                count -= 1
+                nst = _starve(best, realized, probs, limit, st_at, st_i, nst)
             else:
                 # still_released(best, size): picked again at once, or re-queued with its new size
                 sz[best] = _size(c_tok, c_done, k + 1, unit_samples, S)
                 if _released(best, realized, probs, sz, total, limit):
                     again = best
                 else:
-                    version[best] += 1
-                    nready, nwait = _queue(best, version[best], realized, probs, inv_p, sz, total, limit, delta,
-                                           rk, rs, rv, nready, wk, ws, wv, nwait)
+                    nready = _pop(rk, rs, nready)
+                    nwait = _push(wk, ws, nwait, _wait_key(best, realized, inv_p, sz, limit), best)
             continue
         o_cand[n_out] = k
         o_bin[n_out] = row
@@ -424,41 +456,42 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         if done >= tokens:
             ptr[best] = k + 1
             if k + 1 >= end[best]:
-                count, nst = _exhaust(best, active, version, count, realized, probs, limit, st_at, st_i, nst)
+                nready = _pop(rk, rs, nready)
+                active[best] = False
+                count -= 1
+                nst = _starve(best, realized, probs, limit, st_at, st_i, nst)
                 continue
-        version[best] += 1
         sz[best] = _size(c_tok, c_done, ptr[best], unit_samples, S)
-        nready, nwait = _queue(best, version[best], realized, probs, inv_p, sz, total, limit, delta,
-                               rk, rs, rv, nready, wk, ws, wv, nwait)
-    if policy == 0:  # leave the bitset empty for the next step (clearing R keys beats faulting in fresh pages)
-        for r in range(R):
-            if rowfree[r] > 0:
-                _bclear(bits, lo, nlev, rowfree[r] * R + r)
+        if _released(best, realized, probs, sz, total, limit):  # its new entry replaces the top
+            _sift_down(rk, rs, nready, 0, (realized[best] + delta) * inv_p[best], best)
+        else:
+            nready = _pop(rk, rs, nready)
+            nwait = _push(wk, ws, nwait, _wait_key(best, realized, inv_p, sz, limit), best)
     return o_cand[:n_out].copy(), o_bin[:n_out].copy(), o_start[:n_out].copy(), o_len[:n_out].copy()
 
 
-_bitsets: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+_lo: dict[int, np.ndarray] = {}
 
 
-def _bitset(seq_len: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The best-fit bitset for this shape, kept across steps (the loop leaves it empty)."""
-    got = _bitsets.get((seq_len, rows))
+def _bucket_levels(seq_len: int) -> np.ndarray:
+    """The best-fit bucket bitset's level offsets for free values 0..seq_len (kept per shape)."""
+    got = _lo.get(seq_len)
     if got is None:
-        _bitsets.clear()  # one shape at a time (a reconfigure changes it)
-        lo = _levels((seq_len + 1) * rows)
-        got = _bitsets[(seq_len, rows)] = (lo, np.zeros(int(lo[-1]), np.uint64))
+        _lo.clear()
+        got = _lo[seq_len] = _levels(seq_len + 1)
     return got
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _spans(tok, done, S):
     big = tok[0] - done[0]
     pieces = 0
     for i in range(len(tok)):
         rem = tok[i] - done[i]
-        if rem > big:
-            big = rem
-        pieces += (rem + S - 1) // S
+        big = max(big, rem)
+        pieces += rem > 0
+        if rem > S:  # rare: the division only for samples longer than a row
+            pieces += (rem - 1) // S
     return big, pieces
 
 
@@ -479,14 +512,9 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     inv_p = np.array([1.0 / x if x > 0 else 0.0 for x in probs.tolist()], np.float64)
     total = float(realized.sum())
     cap_out = spans(c_tok, c_done, seq_len)[1] + 1 if len(c_tok) else 1
-    cap_heap = len(probs) + cap_out + len(c_tok) + 1
-    if policy == "best_fit":
-        lo, bits = _bitset(seq_len, rows)
-    else:
-        lo = np.zeros(2, np.int64)
-        bits = np.zeros(1, np.uint64)
+    lo = _bucket_levels(seq_len) if policy == "best_fit" else _levels(1)
     return _loop(c_tok, c_done, off, probs, inv_p, realized, total, float(delta), float(limit), float(scale),
-                 bool(unit_samples), bool(truncate), int(seq_len), int(rows), POLICY[policy], bits, lo, cap_out, cap_heap)
+                 bool(unit_samples), bool(truncate), int(seq_len), int(rows), POLICY[policy], lo, cap_out)
 
 
 _warm_s: float | None = None
@@ -650,7 +678,7 @@ def pairs(seg: tuple[np.ndarray, ...], img: tuple[np.ndarray, ...], pieces: tupl
 
 # ---- matching two lists of spans (coverage check, routing) -------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _match(a0, a1, a2, a3, b0, b1, b2, b3):
     """(For every row of a, a distinct row of b with the same 4 fields, -1) -- a bijection -- or (_, the
     first row of a without a partner). Open addressing over b's rows; equal rows are chained in order."""
