@@ -222,13 +222,16 @@ class CountingPlanner(PlannerServer):
         self.plan_messages = 0
 
     def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
-              arrays: dict[str, np.ndarray] | None = None) -> bool:
-        ok = super()._send(identity, kind, meta, arrays)
+              arrays: dict[str, np.ndarray] | None = None, *, frames: list | None = None) -> bool:
+        ok = super()._send(identity, kind, meta, arrays, frames=frames)
         if ok and kind in (Kind.PLAN_LOADER, Kind.PLAN_CONSTRUCTOR):
             step = int((meta or {})["step"])
             self.sent[(identity, step)] = self.sent.get((identity, step), 0) + 1
             self.plan_messages += 1
-            self.plan_bytes += len(json.dumps(meta)) + sum(np.asarray(a).nbytes for a in (arrays or {}).values())
+            # the meta's JSON and the arrays' bytes (the frames after the header, when sent encoded)
+            data = (sum(memoryview(f).nbytes for f in frames[1:]) if frames is not None
+                    else sum(np.asarray(a).nbytes for a in (arrays or {}).values()))
+            self.plan_bytes += len(json.dumps(meta)) + data
         return ok
 
 

@@ -16,12 +16,12 @@ one packed row per microbatch), the real planner plans steps exactly as the plan
                  gathering what the loaders announced, cursor before the step, snapshot, validation,
                  coverage check, window compaction);
 * ``route``    — what PlannerServer._dispatch computes before sending: the cursor after the step,
-                 routing.loader_instructions, each constructor's images and layout
-                 (routing.image_parts, routing.constructor_layouts);
-* ``encode``   — wire.encode of every PLAN_LOADER and PLAN_CONSTRUCTOR message (the frames the server
-                 hands to ZeroMQ) — bytes counted (after the timer) per kind (``plan_bytes``) and per peer
-                 (mean / max, ``plan_bytes_per_peer``); a constructor's message lists only its images
-                 (routing.image_parts);
+                 routing.loader_routes, each constructor's images and layout (routing.image_parts,
+                 routing.constructor_columns);
+* ``encode``   — the cursor's JSON (protocol.cursor_array) and wire.encode_columns of every PLAN_LOADER
+                 and PLAN_CONSTRUCTOR message (the frames the server hands to ZeroMQ) — bytes counted (after
+                 the timer) per kind (``plan_bytes``) and per peer (mean / max, ``plan_bytes_per_peer``); a
+                 constructor's message lists only its images (routing.image_parts);
 * ``journal``  — Journal.step into a real journal file (bytes: the file's growth, the every-100-steps
                  checkpoint included);
 * ``metrics``  — the per-step Prometheus updates _dispatch makes (per source and per window).
@@ -72,7 +72,7 @@ from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
 from mixplane.planner.server import StepMetrics, tune_gc  # noqa: E402
-from mixplane.planner.routing import Fanout, constructor_layouts, image_parts, image_routing, image_segments, loader_instructions  # noqa: E402
+from mixplane.planner.routing import Fanout, constructor_columns, image_parts, image_routing, image_segments, loader_routes  # noqa: E402
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
@@ -249,22 +249,22 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else planner.retired(p)
         seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
-        per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
-                                         plan.piece_of_seg, seg_of_img)
+        per_loader = loader_routes(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
+                                   plan.piece_of_seg, seg_of_img)
         img = image_parts(lay, seg_of_img, dp_fanout, leader_fanout, len(groups), merge, spec.world_size)
-        subs = list(zip([ci for ci, _ in cons], [dps for _, dps in cons],
-                        constructor_layouts(lay, [d for _, d in cons], None if img is None else img.idx)))
+        cut = None if img is None else img.cut([ci for ci, _ in cons])
+        cols = constructor_columns(lay, [d for _, d in cons], cut)
         t_route = clock() - t0
-        t0 = clock()
-        msg_l, msg_c = [], []  # the frames, counted once the timer stopped (the server sends them instead)
-        for ins in per_loader.values():
-            msg_l.append(wire.encode(Kind.PLAN_LOADER, {"session": 0, "step": lay.step}, ins.arrays()))
+        t0 = clock()  # the frames, counted once the timer stopped (the server sends them instead)
+        meta_l = {"session": 0, "step": lay.step, "released_through": -1}
+        msg_l = wire.encode_columns(Kind.PLAN_LOADER, meta_l, per_loader.columns())
         cursor = cursor_array(cursor_after)
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
-        for ci, dps, sub in subs:
-            msg_c.append(wire.encode(Kind.PLAN_CONSTRUCTOR, {"session": 0, **sub.meta(), "dp_ranks": dps, **extra,
-                                                             "broadcast": list(plan.broadcast)},
-                                     {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(ci))}))
+        base = lay.meta()
+        metas = [{"session": 0, **base, "dp": dp, "dp_ranks": dps, **extra, "broadcast": list(plan.broadcast)}
+                 for (_, dps), dp in zip(cons, cols.dp)]
+        msg_c = wire.encode_columns(Kind.PLAN_CONSTRUCTOR, metas, [*cols.columns, wire.Column(CURSOR_ARRAY, cursor),
+                                                                   *([] if img is None or cut is None else img.columns(cut))])
         t_encode = clock() - t0
         per_l = [sum(memoryview(f).nbytes for f in frames) for frames in msg_l]
         per_c = [sum(memoryview(f).nbytes for f in frames) for frames in msg_c]

@@ -327,13 +327,17 @@ class Component:
     # -- sending --------------------------------------------------------------------------------------------
     def send_routed(self, sock: Any, identity: bytes, kind: Kind, meta: Mapping[str, Any] | None = None,
                     arrays: Mapping[str, np.ndarray] | None = None, *, checksum: bool | None = None,
-                    quiet: bool = False) -> bool | None:
+                    quiet: bool = False, frames: list | None = None) -> bool | None:
         """Send to one peer of a ROUTER without blocking: True when sent, None when its queue is full
         (the caller may retry: backpressure), False when it cannot be delivered (gone, unknown, any
         other transport error): counted as undeliverable and logged at a bounded rate, never raised.
-        ``quiet``: a liveness beat, whose loss is what liveness measures, is not counted as a bad message."""
+        ``quiet``: a liveness beat, whose loss is what liveness measures, is not counted as a bad message.
+        ``frames``: the message already encoded (wire.encode_columns: many messages encoded at once)."""
         try:
-            wire.send(sock, kind, meta, arrays, route=[identity], flags=zmq.NOBLOCK, checksum=checksum)
+            if frames is None:
+                wire.send(sock, kind, meta, arrays, route=[identity], flags=zmq.NOBLOCK, checksum=checksum)
+            else:
+                sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return None

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixplane.layout import StepLayout
-from mixplane.planner.routing import Fanout, constructor_images, loader_instructions
+from mixplane import wire
+from mixplane.planner.routing import (Fanout, ImageParts, constructor_columns, constructor_images, constructor_layouts,
+                                     loader_instructions, loader_routes)
 
 from tests.unit.routing_reference import old_constructor_images, old_loader_instructions
 
@@ -103,3 +105,57 @@ def test_constructor_images_equal_the_numpy_version(seed, dup):
     assert len(got) == len(want) == n_cons
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_loader_routes_are_the_instructions_and_encode_to_their_messages(seed):
+    """LoaderRoutes (the columns the server encodes at once) is, as a Mapping, loader_instructions' dict, and
+    its columns give every loader's PLAN_LOADER bytes."""
+    lay, p, pos_, soi, dp_fan, rank_fan = random_step(seed)
+    args = (lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"], dp_fan, rank_fan, pos_, soi)
+    routes, want = loader_routes(*args), loader_instructions(*args)
+    assert list(routes) == list(want) == routes.loaders and len(routes) == len(want)
+    same({k: routes[k] for k in routes}, want)
+    meta = {"session": 1, "step": lay.step, "released_through": -1}
+    for key, frames in zip(routes.loaders, wire.encode_columns(wire.Kind.PLAN_LOADER, meta, routes.columns())):
+        assert [bytes(memoryview(f).cast("B")) for f in frames] == \
+            [bytes(memoryview(f).cast("B")) for f in wire.encode(wire.Kind.PLAN_LOADER, meta, want[key].arrays())]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans(), st.booleans())
+def test_constructor_columns_are_the_constructor_layouts(seed, in_order, images):
+    """constructor_columns cuts what constructor_layouts gave every constructor (same arrays, dtypes, dp) --
+    for constructors holding the DP ranks in order (no gather) and for any lists of ranks (out of order,
+    repeated, shared by constructors, none); with every image or each constructor's own (ImageParts.cut)."""
+    lay = random_step(seed)[0]
+    rng = np.random.default_rng(seed)
+    if in_order:
+        cuts = np.sort(rng.integers(0, lay.dp + 1, int(rng.integers(0, 4))))
+        dps = [list(range(a, b)) for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), lay.dp])]
+    else:
+        dps = [rng.integers(0, lay.dp, int(rng.integers(0, 4))).tolist() for _ in range(int(rng.integers(1, 5)))]
+    n = len(dps)
+    idx = None
+    cut = None
+    if images:
+        m = len(lay.img_key)  # each constructor's images: any ascending subset
+        per = [np.flatnonzero(rng.random(m) < 0.5).astype(np.int64) for _ in range(n)]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum([len(x) for x in per], out=offsets[1:])
+        parts = ImageParts(per, np.arange(len(lay.img_key), dtype=np.int64), np.zeros(3, np.uint16), offsets,
+                           np.concatenate(per) if per else np.zeros(0, np.int64))
+        order = list(range(n)) if rng.random() < 0.5 else rng.permutation(n).tolist()
+        idx = [per[c] for c in order]
+        cut = parts.cut(order)
+        want_b = np.concatenate([parts.base[per[c]] for c in order]) if order else np.zeros(0, np.int64)
+        assert np.array_equal(parts.columns(cut)[0].data, want_b)
+    cols = constructor_columns(lay, dps, cut)
+    want = constructor_layouts(lay, dps, idx)
+    assert len(cols.dp) == len(want)
+    for c, sub in enumerate(want):
+        assert cols.dp[c] == sub.dp and list(cols.arrays(c)) == list(sub.arrays())
+        for name, a in sub.arrays().items():
+            got = cols.arrays(c)[name]
+            assert got.dtype == a.dtype and np.array_equal(got, a), (c, name)

@@ -1,10 +1,13 @@
 """Wire framing, checksums, socket policy, heartbeats and CURVE with an allowlist."""
 
+import json
 import time
 
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mixplane import wire
 from mixplane.wire import Kind, WireError
@@ -274,3 +277,88 @@ def test_meta_may_be_any_mapping():
     m = wire.decode(frames)
     assert m.meta == {"step": 3} and m.array("pos").tolist() == [0, 1, 2, 3]
     assert wire.decode(wire.encode(Kind.PLAN_LOADER, None)).meta == {}
+
+
+# ---- many messages at once (wire.encode_columns) ---------------------------------------------------------
+
+def _bytes(frames: list) -> list[bytes]:
+    return [bytes(memoryview(f).cast("B")) for f in frames]
+
+
+_COLUMN_DTYPES = ["<i8", "<i4", "|u1", "<u2", "|b1", "<f8", ">i4", ">f2", "<i2"]
+
+
+def _random_batch(seed: int):
+    """A batch as the planner builds one (cut columns, shared arrays, one meta or one per message) with odd
+    cases mixed in: empty messages and batches, big-endian and strided columns, multi-dim shared arrays."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 7))
+    cols, names = [], [f"c{i}" for i in range(int(rng.integers(0, 6)))]
+    for name in names:
+        dt = np.dtype(_COLUMN_DTYPES[int(rng.integers(len(_COLUMN_DTYPES)))])
+        if rng.random() < 0.3:  # shared by every message, any shape, big ones passed by reference
+            shape = tuple(int(x) for x in rng.integers(0, 5, int(rng.integers(1, 3))))
+            if rng.random() < 0.2:
+                shape = (int(rng.integers(20_000, 40_000)),)
+            data = (rng.random(shape) * 100).astype(dt)
+            cols.append(wire.Column(name, data))
+            continue
+        cuts = np.sort(rng.integers(0, 30, n + 1)) if n else np.zeros(1, np.int64)
+        total = int(cuts[-1]) + int(rng.integers(0, 3))
+        data = (rng.random(2 * total) * 1000).astype(dt)
+        data = data[::2] if rng.random() < 0.3 else data[:total]  # strided (non-contiguous) or not
+        bounds = cuts.tolist() if rng.random() < 0.5 else cuts
+        cols.append(wire.Column(name, data, bounds))
+    if rng.random() < 0.5 and any(c.bounds is not None for c in cols):
+        metas = {"session": int(rng.integers(0, 3)), "step": int(rng.integers(0, 99)), "x": [1.5, "é", None]}
+        per = [metas] * n
+    else:
+        metas = [{} if rng.random() < 0.2 else {"step": i, "dp_ranks": list(range(i)), "lr": 0.1 * i} for i in range(n)]
+        per = metas
+    arrays = [{c.name: c.data if c.bounds is None else c.data[int(c.bounds[i]):int(c.bounds[i + 1])] for c in cols}
+              for i in range(n)]
+    return metas, cols, per, arrays
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([None, True, False]),
+       st.sampled_from([Kind.PLAN_LOADER, Kind.PLAN_CONSTRUCTOR, Kind.SAMPLES]))
+def test_encode_columns_gives_the_bytes_of_encode_per_message(seed, checksum, kind):
+    """Every frame byte for byte what wire.encode gives each message (header, meta, descriptors, digests, CRC,
+    end-of-message marker), and each message decodes to its meta and arrays."""
+    metas, cols, per, arrays = _random_batch(seed)
+    got = wire.encode_columns(kind, metas, cols, checksum=checksum)
+    assert len(got) == len(per)
+    for frames, meta, arrs in zip(got, per, arrays):
+        assert _bytes(frames) == _bytes(wire.encode(kind, meta, arrs, checksum=checksum))
+        m = wire.decode(frames)
+        assert m.kind == kind and m.meta == json.loads(json.dumps(meta)) and list(m.arrays) == list(arrs)
+        for name, a in arrs.items():
+            assert np.array_equal(m.arrays[name], a)
+
+
+def test_encode_columns_shares_what_every_message_carries():
+    shared = np.arange(100_000, dtype=np.uint8)
+    col = np.arange(10, dtype=np.int64)
+    got = wire.encode_columns(Kind.PLAN_CONSTRUCTOR, [{"i": 0}, {"i": 1}],
+                              [wire.Column("a", col, [0, 4, 10]), wire.Column("cursor", shared)])
+    assert got[0][2] is got[1][2] and np.shares_memory(np.asarray(got[0][2]), shared)  # once, by reference
+    assert np.shares_memory(np.frombuffer(got[1][1], np.int64), col)  # cut columns: views, no copies
+    assert wire.decode(got[1]).array("a").tolist() == [4, 5, 6, 7, 8, 9]
+
+
+def test_encode_columns_refuses_what_encode_refuses_and_bad_cuts():
+    col = wire.Column("a", np.arange(5), [0, 2, 5])
+    with pytest.raises(WireError, match="reserved"):
+        wire.encode_columns(Kind.PLAN_LOADER, {"sums": 1}, [col])
+    with pytest.raises(WireError, match="JSON"):
+        wire.encode_columns(Kind.PLAN_LOADER, [{"x": object()}, {}], [col])
+    with pytest.raises(WireError, match="dtype"):
+        wire.encode_columns(Kind.PLAN_LOADER, [{}, {}], [col, wire.Column("o", np.array([object()]))])
+    for bounds in ([0, 2], [0, 3, 2], [0, 2, 6], [-1, 2, 5]):
+        with pytest.raises(WireError, match="bounds"):
+            wire.encode_columns(Kind.PLAN_LOADER, [{}, {}], [wire.Column("a", np.arange(5), bounds)])
+    with pytest.raises(WireError, match="1-d"):
+        wire.encode_columns(Kind.PLAN_LOADER, [{}], [wire.Column("m", np.zeros((2, 2)), [0, 1])])
+    with pytest.raises(WireError, match="count"):
+        wire.encode_columns(Kind.PLAN_LOADER, {"step": 1}, [wire.Column("s", np.arange(3))])

@@ -63,7 +63,7 @@ class PartitionHosting:
     if TYPE_CHECKING:  # Component's
         def send_routed(self, sock: Any, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
                         arrays: dict[str, np.ndarray] | None = None, *, checksum: bool | None = None,
-                        quiet: bool = False) -> bool | None: ...
+                        quiet: bool = False, frames: list | None = None) -> bool | None: ...
 
     def _release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
         """RELEASE to a partition's old server; quiet: a dead one cannot take it, and that is why it moved."""

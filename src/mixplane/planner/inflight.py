@@ -13,6 +13,7 @@ again; constructors drop a (step, loader) message they already hold. Pure bookke
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mixplane.planner.routing import Instructions
@@ -25,10 +26,10 @@ class InFlight:
     """Instructions of the steps not yet complete at every constructor, oldest first, bounded."""
 
     max_steps: int
-    steps: deque[tuple[int, dict[LoaderKey, Instructions]]] = field(default_factory=deque)
+    steps: deque[tuple[int, Mapping[LoaderKey, Instructions]]] = field(default_factory=deque)
     overflowed: int = 0  # steps forgotten before every constructor confirmed them (a restart then loses them)
 
-    def record(self, step: int, per_loader: dict[LoaderKey, Instructions]) -> None:
+    def record(self, step: int, per_loader: Mapping[LoaderKey, Instructions]) -> None:
         if self.steps and step <= self.steps[-1][0]:
             raise ValueError(f"step {step} recorded after step {self.steps[-1][0]}")
         self.steps.append((step, per_loader))

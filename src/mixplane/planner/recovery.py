@@ -113,15 +113,15 @@ def cursor_generation(cursor: dict[str, Any]) -> int:
 
 @dataclass
 class LayoutRecord:
-    """The PLAN_CONSTRUCTOR messages of recent steps, per constructor, until every constructor released the
-    step (handed it to all its ranks): what a restarted constructor gets again. Bounded like
+    """The PLAN_CONSTRUCTOR messages of recent steps (meta and the encoded frames), per constructor, until
+    every constructor released the step (handed it to all its ranks): what a restarted constructor gets again. Bounded like
     planner.inflight; beyond `max_steps` the oldest step is forgotten (counted in `overflowed`)."""
 
     max_steps: int
-    steps: list[tuple[int, dict[int, tuple[dict[str, Any], dict[str, Any]]]]] = field(default_factory=list)
+    steps: list[tuple[int, dict[int, tuple[dict[str, Any], list]]]] = field(default_factory=list)
     overflowed: int = 0
 
-    def record(self, step: int, per_constructor: dict[int, tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    def record(self, step: int, per_constructor: dict[int, tuple[dict[str, Any], list]]) -> None:
         if self.steps and step <= self.steps[-1][0]:
             # re-planned after a recovery: the newer message replaces the older ones from this step on
             self.steps = [(s, p) for s, p in self.steps if s < step]
@@ -139,7 +139,7 @@ class LayoutRecord:
     def clear(self) -> None:
         self.steps.clear()
 
-    def for_constructor(self, index: int) -> list[tuple[int, tuple[dict[str, Any], dict[str, Any]]]]:
+    def for_constructor(self, index: int) -> list[tuple[int, tuple[dict[str, Any], list]]]:
         return [(s, p[index]) for s, p in self.steps if index in p]
 
     @property

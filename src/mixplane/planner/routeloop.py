@@ -222,16 +222,14 @@ def _image_lists(img_dp, img_rank, dp_off, dp_tgt, ld_off, ld_tgt, n_cons):
 
 
 def image_lists(img_dp: np.ndarray, img_rank: np.ndarray, dp_off: np.ndarray, dp_tgt: np.ndarray, ld_off: np.ndarray,
-                ld_tgt: np.ndarray, n_constructors: int) -> list[np.ndarray]:
-    """Per constructor, the ascending indices of the images it needs: those whose DP rank (`img_dp`) it
-    serves (fan-out dp_off/dp_tgt) and those whose encoder rank (`img_rank`) leads one of its ranks
-    (ld_off/ld_tgt)."""
+                ld_tgt: np.ndarray, n_constructors: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n_constructors + 1], indices): constructor c needs the images indices[offsets[c]:offsets[c + 1]],
+    ascending: those whose DP rank (`img_dp`) it serves (fan-out dp_off/dp_tgt) and those whose encoder rank
+    (`img_rank`) leads one of its ranks (ld_off/ld_tgt)."""
     i64 = np.int64
-    offsets, out = _image_lists(np.ascontiguousarray(img_dp, i64), np.ascontiguousarray(img_rank, i64),
-                                np.ascontiguousarray(dp_off, i64), np.ascontiguousarray(dp_tgt, np.int32),
-                                np.ascontiguousarray(ld_off, i64), np.ascontiguousarray(ld_tgt, np.int32), int(n_constructors))
-    b = offsets.tolist()
-    return [out[b[c]:b[c + 1]] for c in range(n_constructors)]
+    return _image_lists(np.ascontiguousarray(img_dp, i64), np.ascontiguousarray(img_rank, i64),
+                        np.ascontiguousarray(dp_off, i64), np.ascontiguousarray(dp_tgt, np.int32),
+                        np.ascontiguousarray(ld_off, i64), np.ascontiguousarray(ld_tgt, np.int32), int(n_constructors))
 
 
 _warm_s: float | None = None

@@ -8,16 +8,18 @@ sample is retired from its loader's window with the last instruction that mentio
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mixplane.layout import StepLayout
+from mixplane.layout import IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
 from mixplane.planner import routeloop
 from mixplane.planner.selectloop import match
 from mixplane.protocol import ENCODER_TOKENS, IMG_BASE
 from mixplane.topology import encoder_leaders
+from mixplane.wire.framing import Column
 
 
 @dataclass
@@ -60,11 +62,47 @@ class Instructions:
         return {"pos": self.pos, "start": self.start, "len": self.len, "dest": self.dest, "retire": self.retire, "img": self.img}
 
 
-def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key: np.ndarray, piece_start: np.ndarray,
-                        piece_replica: np.ndarray, piece_pos: np.ndarray, retired: np.ndarray,
-                        dp_fanout: Fanout, rank_fanout: Fanout,
-                        piece_of_seg: np.ndarray | None = None,
-                        seg_of_img: np.ndarray | None = None) -> dict[tuple[int, int], Instructions]:
+INSTRUCTION_ARRAYS = ("pos", "start", "len", "dest", "retire", "img")  # a PLAN_LOADER's arrays, in wire order
+
+
+class LoaderRoutes(Mapping[tuple[int, int], Instructions]):
+    """Every loader's instructions of a step as one set of columns, cut by loader (routeloop.route's output):
+    the PLAN_LOADER messages are encoded column by column (`columns`, wire.encode_columns) instead of
+    cutting 1,024 loaders' arrays one by one. As a Mapping (source, replica) -> Instructions, built when
+    asked (planner.inflight keeps a step's routes for restarted loaders)."""
+
+    def __init__(self, cols: tuple[np.ndarray, ...], keys: list[tuple[int, int]], bounds: list[int]):
+        self.cols = cols  # INSTRUCTION_ARRAYS, grouped by loader
+        self.loaders = keys  # (source, replica) of every loader, in message order
+        self.bounds = bounds  # loader g's instructions are cols[:][bounds[g]:bounds[g + 1]]
+        self._at = {k: g for g, k in enumerate(keys)}
+
+    def __getitem__(self, key: tuple[int, int]) -> Instructions:
+        g = self._at[key]
+        lo, hi = self.bounds[g], self.bounds[g + 1]
+        return Instructions(*(c[lo:hi] for c in self.cols))
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.loaders)
+
+    def __len__(self) -> int:
+        return len(self.loaders)
+
+    def columns(self) -> list[Column]:
+        """The PLAN_LOADER arrays of every loader (in `loaders` order), for wire.encode_columns."""
+        return [Column(n, c, self.bounds) for n, c in zip(INSTRUCTION_ARRAYS, self.cols)]
+
+
+def loader_instructions(*args: Any, **kw: Any) -> dict[tuple[int, int], Instructions]:
+    """Per (source, replica): what to send to which constructor (loader_routes, one Instructions each)."""
+    return dict(loader_routes(*args, **kw).items())
+
+
+def loader_routes(layout: StepLayout, piece_source: np.ndarray, piece_key: np.ndarray, piece_start: np.ndarray,
+                  piece_replica: np.ndarray, piece_pos: np.ndarray, retired: np.ndarray,
+                  dp_fanout: Fanout, rank_fanout: Fanout,
+                  piece_of_seg: np.ndarray | None = None,
+                  seg_of_img: np.ndarray | None = None) -> LoaderRoutes:
     """Per (source, replica): what to send to which constructor.
 
     `retired[i]` says piece i's sample leaves its window with this step. Pieces and layout segments
@@ -106,12 +144,7 @@ def loader_instructions(layout: StepLayout, piece_source: np.ndarray, piece_key:
                              layout.seg_len, piece_replica, piece_pos, retired, dp_fanout.offsets, dp_fanout.targets,
                              fseg, layout.img_rank, rank_fanout.offsets, rank_fanout.targets)
     pos, start, length, dest, ret, img, g_src, g_rep, g_lo = routes
-    out: dict[tuple[int, int], Instructions] = {}
-    bounds = g_lo.tolist()
-    for g, (s, r) in enumerate(zip(g_src.tolist(), g_rep.tolist())):
-        sl = slice(bounds[g], bounds[g + 1])
-        out[(s, r)] = Instructions(pos[sl], start[sl], length[sl], dest[sl], ret[sl], img[sl])
-    return out
+    return LoaderRoutes((pos, start, length, dest, ret, img), list(zip(g_src.tolist(), g_rep.tolist())), g_lo.tolist())
 
 
 def _stable_order(key: np.ndarray) -> np.ndarray:
@@ -143,11 +176,22 @@ def constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fa
     encoded by an encoder leader of one of its ranks (`leader_fanout`: leader rank -> constructors), in
     one compiled pass (routeloop.image_lists) -- what a constructor is told about images grows with its
     share of them, not with the step's."""
+    return _split(*_image_csr(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors))
+
+
+def _split(offsets: np.ndarray, flat: np.ndarray) -> list[np.ndarray]:
+    b = offsets.tolist()
+    return [flat[b[c]:b[c + 1]] for c in range(len(b) - 1)]
+
+
+def _image_csr(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout: Fanout, leader_fanout: Fanout,
+               n_constructors: int) -> tuple[np.ndarray, np.ndarray]:
+    """constructor_images as (offsets [n_constructors + 1], indices)."""
     if len(layout.img_key) == 0:
-        return [np.zeros(0, np.int64) for _ in range(n_constructors)]
+        return np.zeros(n_constructors + 1, np.int64), np.zeros(0, np.int64)
     img_dp = layout.seg_row[seg_of_img].astype(np.int64) // layout.rows_per_rank
     return routeloop.image_lists(img_dp, layout.img_rank, dp_fanout.offsets, dp_fanout.targets, leader_fanout.offsets,
-                                 leader_fanout.targets, n_constructors)
+                               leader_fanout.targets, n_constructors)
 
 
 def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],
@@ -186,6 +230,57 @@ def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],
 
 
 @dataclass
+class ConstructorColumns:
+    """Every constructor's layout of a step (what constructor_layouts gives, array for array) as columns cut
+    by constructor, for wire.encode_columns: the segments stay the layout's own arrays when the constructors
+    hold the DP ranks in order (the row column rebased in one pass), the listed images are one gather per
+    array -- per step a few passes over the layout instead of a StepLayout per constructor."""
+
+    dp: list[int]  # each constructor's DP ranks (its layout's `dp`)
+    columns: list[Column]  # SEGMENT_ARRAYS then IMAGE_ARRAYS, constructor c's part c (or every image, shared)
+
+    def arrays(self, c: int) -> dict[str, np.ndarray]:
+        """Constructor c's arrays (= constructor_layouts(...)[c].arrays())."""
+        out = {}
+        for col in self.columns:
+            b = col.bounds
+            out[col.name] = col.data if b is None else col.data[b[c]:b[c + 1]]
+        return out
+
+
+def constructor_columns(layout: StepLayout, dp_ranks: list[list[int]],
+                        images: tuple[np.ndarray, Any] | None = None) -> ConstructorColumns:
+    """constructor_layouts(layout, dp_ranks, image_idx) as columns. `images` (ImageParts.cut): the images
+    of every constructor in `dp_ranks` order, concatenated, and their bounds; default: every image of the
+    step, to every constructor."""
+    rpr = layout.rows_per_rank
+    bounds = np.searchsorted(layout.seg_row, np.arange(layout.dp + 1, dtype=np.int64) * rpr)
+    ranks = [sorted({int(x) for x in r}) for r in dp_ranks]
+    pair_rank = np.array([d for r in ranks for d in r], np.int64)  # every (constructor, rank) pair in message order
+    pair_at = np.array([j for r in ranks for j in range(len(r))], np.int64)  # the rank's place in its constructor
+    lens = bounds[pair_rank + 1] - bounds[pair_rank]
+    pair_b = np.zeros(len(pair_rank) + 1, np.int64)
+    np.cumsum(lens, out=pair_b[1:])
+    seg_b = pair_b[np.cumsum([0] + [len(r) for r in ranks])].tolist()
+    shift = np.repeat((pair_at - pair_rank) * rpr, lens)  # rank d at place j: its rows move by (j - d) rows per rank
+    if np.array_equal(pair_rank, np.arange(layout.dp)):  # the constructors hold the ranks in order: no gather
+        cols = [getattr(layout, n) for n in SEGMENT_ARRAYS[1:]]
+        row = layout.seg_row + shift
+    else:
+        idx = np.repeat(bounds[pair_rank] - pair_b[:-1], lens) + np.arange(pair_b[-1])
+        cols = [getattr(layout, n)[idx] for n in SEGMENT_ARRAYS[1:]]
+        row = layout.seg_row[idx] + shift
+    seg = [row.astype(np.int32), *cols]
+    columns = [Column(n, a, seg_b) for n, a in zip(SEGMENT_ARRAYS, seg)]
+    if images is None:
+        columns += [Column(n, getattr(layout, n)) for n in IMAGE_ARRAYS]
+    else:
+        flat, img_b = images
+        columns += [Column(n, getattr(layout, n)[flat], img_b) for n in IMAGE_ARRAYS]
+    return ConstructorColumns([len(r) for r in ranks], columns)
+
+
+@dataclass
 class ImageParts:
     """Per constructor, the images its PLAN_CONSTRUCTOR lists (`idx`), and for the step: each image's offset
     in the gathered encoder output (`base`, merged tokens) and every rank's merged tokens (`encoder_tokens`)."""
@@ -193,9 +288,25 @@ class ImageParts:
     idx: list[np.ndarray]
     base: np.ndarray
     encoder_tokens: np.ndarray
+    offsets: np.ndarray | None = None  # idx as one CSR: constructor c's images are flat[offsets[c]:offsets[c + 1]]
+    flat: np.ndarray | None = None
 
     def arrays(self, constructor: int) -> dict[str, np.ndarray]:
         return {IMG_BASE: self.base[self.idx[constructor]], ENCODER_TOKENS: self.encoder_tokens}
+
+    def cut(self, order: list[int]) -> tuple[np.ndarray, list[int]]:
+        """The images of constructors `order` (message order), concatenated, and their bounds."""
+        if self.flat is not None and self.offsets is not None and order == list(range(len(self.idx))):
+            return self.flat, self.offsets.tolist()
+        parts = [self.idx[c] for c in order]
+        b = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(x) for x in parts], out=b[1:])
+        return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), b.tolist()
+
+    def columns(self, images: tuple[np.ndarray, list[int]]) -> list[Column]:
+        """arrays() of every constructor of `images` (cut) as columns, for wire.encode_columns."""
+        flat, bounds = images
+        return [Column(IMG_BASE, self.base[flat], bounds), Column(ENCODER_TOKENS, self.encoder_tokens)]
 
 
 def image_segments(layout: StepLayout, piece_of_seg: np.ndarray | None, piece_patches: np.ndarray) -> np.ndarray | None:
@@ -220,13 +331,14 @@ def image_parts(layout: StepLayout, seg_of_img: np.ndarray | None, dp_fanout: Fa
     n = len(layout.img_key)
     if n == 0 or seg_of_img is None or leader_fanout is None or not merge:
         return None
-    idx = constructor_images(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors)
+    offsets, flat = _image_csr(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors)
+    idx = _split(offsets, flat)
     base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
     top = int(enc.max()) if len(enc) else 0
     # the one array every constructor gets whole: in the narrowest type that holds it (16,384 ranks: 32 kB
     # as uint16 when no rank encodes 64k merged tokens, else 64 kB as int32)
     enc = enc.astype(np.uint16 if top < 2**16 else np.int32 if top < 2**31 else np.int64)
-    return ImageParts(idx, base, enc)
+    return ImageParts(idx, base, enc, offsets, flat)
 
 
 def image_routing(spec: Any, groups: list[list[int]]) -> tuple[Fanout | None, int | None]:

@@ -30,14 +30,14 @@ from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
 from mixplane.planner.recovery import LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array
-from mixplane.planner.routing import (Fanout, constructor_layouts, image_parts, image_routing, image_segments,
-                                      loader_instructions)
+from mixplane.planner.routing import (Fanout, constructor_columns, image_parts, image_routing, image_segments,
+                                      loader_routes)
 from mixplane.layout import layout_digest
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group
-from mixplane.wire import Kind, WireError
+from mixplane.wire import Column, Kind, WireError
 
 log = logging.getLogger("mixplane.planner")
 PLANNER_HWM = 10_000  # messages queued per peer: far above a step's plan messages, bounded still
@@ -219,10 +219,12 @@ class PlannerServer(Component, PartitionHosting):
         return self.core.generation
 
     # -- helpers ------------------------------------------------------------------------
-    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> bool:
+    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None,
+              *, frames: list | None = None) -> bool:
         """Send without blocking; a peer that vanished or stopped reading is logged and counted
-        (mixplane_wire_bad_messages_total{reason="undeliverable"}), never fatal."""
-        return self.send_routed(self.sock, identity, kind, meta, arrays) is True
+        (mixplane_wire_bad_messages_total{reason="undeliverable"}), never fatal. `frames`: the message
+        (`meta` and its arrays) already encoded."""
+        return self.send_routed(self.sock, identity, kind, meta, arrays, frames=frames) is True
 
     @property
     def all_constructors(self) -> bool:
@@ -553,12 +555,13 @@ class PlannerServer(Component, PartitionHosting):
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else self.core.retired(p)
         seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
-        per_loader = loader_instructions(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
-                                         self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
+        per_loader = loader_routes(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
+                                   self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
         released = min(self.released_by.values(), default=-1) if len(self.released_by) == len(self.constructors) else -1
-        for key, ins in per_loader.items():
-            self._send(self.loaders[key], Kind.PLAN_LOADER, {"session": self.session, "step": step,
-                                                             "released_through": released}, ins.arrays())
+        meta_l = {"session": self.session, "step": step, "released_through": released}
+        # every PLAN_LOADER encoded at once, column by column (the same bytes as wire.encode of each)
+        for key, frames in zip(per_loader.loaders, wire.encode_columns(Kind.PLAN_LOADER, meta_l, per_loader.columns())):
+            self._send(self.loaders[key], Kind.PLAN_LOADER, meta_l, frames=frames)
         overflowed = self.inflight.overflowed
         self.inflight.record(step, per_loader)
         if self.inflight.overflowed > overflowed:
@@ -570,15 +573,18 @@ class PlannerServer(Component, PartitionHosting):
         img = image_parts(lay, seg_of_img, self._dp_fanout, self._leader_fanout, len(self.groups), self._merge,
                           self.spec.world_size)
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
-        sent: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-        for c, sub in zip(peers, constructor_layouts(lay, [c.dp_ranks for c in peers],
-                                                     None if img is None else [img.idx[c.index] for c in peers])):
-            meta = {"session": self.session, **sub.meta(), "dp_ranks": c.dp_ranks, **extra,
-                    "broadcast": list(plan.broadcast)}  # axes the trainer broadcasts along (constructor: TP views)
-            arrays = {**sub.arrays(), CURSOR_ARRAY: cursor, **({} if img is None else img.arrays(c.index))}
-            self._send(c.identity, Kind.PLAN_CONSTRUCTOR, meta, arrays)
-            sent[c.index] = (meta, arrays)
-        self.layouts.record(step, sent)  # what a restarted constructor gets again
+        cut = None if img is None else img.cut([c.index for c in peers])
+        cols = constructor_columns(lay, [c.dp_ranks for c in peers], cut)  # each one's layout (select_ranks)
+        base = lay.meta()
+        metas = [{"session": self.session, **base, "dp": dp, "dp_ranks": c.dp_ranks, **extra,
+                  "broadcast": list(plan.broadcast)}  # axes the trainer broadcasts along (constructor: TP views)
+                 for c, dp in zip(peers, cols.dp)]
+        columns = [*cols.columns, Column(CURSOR_ARRAY, cursor), *([] if img is None or cut is None else img.columns(cut))]
+        sent: dict[int, tuple[dict[str, Any], list]] = {}
+        for c, meta, frames in zip(peers, metas, wire.encode_columns(Kind.PLAN_CONSTRUCTOR, metas, columns)):
+            self._send(c.identity, Kind.PLAN_CONSTRUCTOR, meta, frames=frames)
+            sent[c.index] = (meta, frames)
+        self.layouts.record(step, sent)  # what a restarted constructor gets again (the same frames)
         # bookkeeping
         if self.journal is not None:
             self.journal.step(plan)
@@ -675,8 +681,8 @@ class PlannerServer(Component, PartitionHosting):
         """A restarted constructor: send it the recorded layouts now; the loaders are told to push their recent
         SAMPLES to it again once it asks for steps (after processing its WELCOME, so none is dropped)."""
         steps = self.layouts.for_constructor(ci)
-        for _, (meta, arrays) in steps:
-            self._send(identity, Kind.PLAN_CONSTRUCTOR, meta, arrays)
+        for _, (meta, frames) in steps:
+            self._send(identity, Kind.PLAN_CONSTRUCTOR, meta, frames=frames)
         first = self.layouts.first_step
         if first is not None:
             self.rebuild[identity] = first
