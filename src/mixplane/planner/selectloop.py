@@ -2,9 +2,9 @@
 
 The loop is sequential by nature (every pick depends on what the previous pieces did to the
 counters and to the rows), ~145k placements a step at 16,384 rows x 1,024 sources (~0.8 s in
-CPython; ~27 ms here). Here it is the same loop over flat arrays, compiled once (cache=True: later
-processes load the machine code from numba's cache) and without the GIL (nogil=True: a planning
-thread runs it beside the server's encoding and sending):
+CPython; ~23-25 ms here on the bench's captured inputs). Here it is the same loop over flat arrays,
+compiled once (cache=True: later processes load the machine code from numba's cache) and without
+the GIL (nogil=True: a planning thread runs it beside the server's encoding and sending):
 
 * the mixing rule is `mixing.EDFQueue`'s (itself `DeficitSampler.pick(..., fallback=False)` run
   incrementally): released sources in a heap by deadline, the others in a heap by the approximate
@@ -17,7 +17,7 @@ thread runs it beside the server's encoding and sending):
 
 Where the time goes (captured inputs of the largest bench row): nearly all of it in the placements;
 the end of a step, where ~240k candidates that fit nowhere are each re-tested (one may change which
-source is released), costs ~1-2 ms of the ~27, so it is not short-cut.
+source is released), costs ~1-2 ms of them, so it is not short-cut.
 
 tests/unit/test_planner_select.py checks plans against the former Python loop (planner_reference.py)
 and this loop against its former compiled version (selectloop_reference.py) on random and adversarial
@@ -81,8 +81,13 @@ def _sift_down(hk, hs, n, j, key, s):
         c = 2 * j + 1
         if c >= n:
             break
-        if c + 1 < n:  # the smaller child without a branch (which one it is is a coin toss)
-            c += np.int64((hk[c + 1] < hk[c]) | ((hk[c + 1] == hk[c]) & (hs[c + 1] < hs[c])))
+        if c + 1 < n:  # the smaller child without a branch (which one it is is a coin toss); equal keys are rare
+            a = hk[c]
+            b = hk[c + 1]
+            if a == b:
+                c += np.int64(hs[c + 1] < hs[c])
+            else:
+                c += np.int64(b < a)
         if not _less(hk[c], hs[c], key, s):
             break
         hk[j] = hk[c]
@@ -274,11 +279,11 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
     # -- packer
     free = np.full(R if policy != 0 else 0, S, np.int64)  # next_fit / none: each row's free tokens
     current = 0
-    cnt = np.zeros(S + 1 if policy == 0 else 0, np.int64)  # best_fit: rows per free value
+    cnt = np.zeros(S + 1 if policy == 0 else 0, np.int32)  # best_fit: rows per free value
     bits = np.zeros(lo[-1], np.uint64)  # best_fit: the non-empty free values < S (and S while fresh < R)
-    root = np.full(S + 1 if policy == 0 else 0, -1, np.int64)  # per free value < S: its heap's least row
-    child = np.full(R if policy == 0 else 0, -1, np.int64)
-    sib = np.full(R if policy == 0 else 0, -1, np.int64)
+    root = np.full(S + 1 if policy == 0 else 0, -1, np.int32)  # per free value < S: its heap's least row
+    child = np.full(R if policy == 0 else 0, -1, np.int32)
+    sib = np.full(R if policy == 0 else 0, -1, np.int32)
     fresh = 0
     maxfree = 0
     if policy == 0 and R > 0:
@@ -439,6 +444,9 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                     nready = _pop(rk, rs, nready)
                     nwait = _push(wk, ws, nwait, _wait_key(best, realized, inv_p, sz, limit), best)
             continue
+        if n_out == cap_out:  # cannot happen (see run's cap_out); should it, stop rather than overrun
+            n_out = -1
+            break
         o_cand[n_out] = k
         o_bin[n_out] = row
         o_start[n_out] = start
@@ -467,7 +475,9 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         else:
             nready = _pop(rk, rs, nready)
             nwait = _push(wk, ws, nwait, _wait_key(best, realized, inv_p, sz, limit), best)
-    return o_cand[:n_out].copy(), o_bin[:n_out].copy(), o_start[:n_out].copy(), o_len[:n_out].copy()
+    if n_out < 0:
+        return o_cand[:0], o_bin[:0], o_start[:0], o_len[:0], False
+    return o_cand[:n_out].copy(), o_bin[:n_out].copy(), o_start[:n_out].copy(), o_len[:n_out].copy(), True
 
 
 _lo: dict[int, np.ndarray] = {}
@@ -509,12 +519,18 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     per-source offsets) in the order each source takes them; `c_done` and `realized` (the segment's
     counters, float64) are updated in place. Returns (candidate, row, start, length) per piece."""
     probs = np.ascontiguousarray(probs, np.float64)
-    inv_p = np.array([1.0 / x if x > 0 else 0.0 for x in probs.tolist()], np.float64)
+    inv_p = np.divide(1.0, probs, out=np.zeros(len(probs)), where=probs > 0)  # the same IEEE division as 1.0 / x
     total = float(realized.sum())
-    cap_out = spans(c_tok, c_done, seq_len)[1] + 1 if len(c_tok) else 1
+    # at most one piece per candidate is shorter than a row (it finishes its sample, or is truncated), and
+    # every piece of a whole row takes an untouched one: no more pieces than candidates + rows
+    cap_out = len(c_tok) + int(rows) + 1
     lo = _bucket_levels(seq_len) if policy == "best_fit" else _levels(1)
-    return _loop(c_tok, c_done, off, probs, inv_p, realized, total, float(delta), float(limit), float(scale),
-                 bool(unit_samples), bool(truncate), int(seq_len), int(rows), POLICY[policy], lo, cap_out)
+    o_cand, o_bin, o_start, o_len, ok = _loop(c_tok, c_done, off, probs, inv_p, realized, total, float(delta), float(limit),
+                                              float(scale), bool(unit_samples), bool(truncate), int(seq_len), int(rows),
+                                              POLICY[policy], lo, cap_out)
+    if not ok:
+        raise RuntimeError(f"selectloop: more than {cap_out - 1} pieces from {len(c_tok)} candidates and {rows} rows")
+    return o_cand, o_bin, o_start, o_len
 
 
 _warm_s: float | None = None
