@@ -50,3 +50,21 @@ def test_gather_refuses_ranks_of_another_step():
     z = np.zeros(3, np.int64)
     with pytest.raises(ValueError, match="img_rank lists 1 ranks for 3 images"):
         layoutloop.gather_columns(np.arange(3), z, z, z, z, np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(1, np.int64))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_row_order_counting_sort_equals_lexsort(seed):
+    """build_layout's order (by row, then within-row key, then index) via the compiled counting sort when keys
+    increase, and via the sorts when they do not or rows are out of its range."""
+    from mixplane.planner.dgraph import _row_order
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5000))
+    rows = rng.integers(0, [3, 16384, 1 << 40, 1 << 62][seed % 4], n).astype(np.int64)
+    key = np.arange(n, dtype=np.int64) * int(rng.integers(1, 9)) - 7 if seed % 5 else rng.integers(-9, 9, n).astype(np.int64)
+    want = np.lexsort((np.arange(n), key, rows))
+    got, done = layoutloop.order_by_row(rows, key)
+    assert done == (bool(seed % 5) and int(rows.max()) < 4 * n + 65536)
+    if done:
+        assert np.array_equal(got, want)
+    assert np.array_equal(_row_order(rows, key), want)

@@ -396,6 +396,9 @@ def _row_order(rows: np.ndarray, key: np.ndarray) -> np.ndarray:
     n = len(rows)
     if n == 0:
         return np.zeros(0, np.int64)
+    got, done = layoutloop.order_by_row(rows, key)  # keys in index order, small rows: one compiled pass
+    if done:
+        return got
     kmin, kmax = int(key.min()), int(key.max())
     rmax = int(rows.max())
     if n == 1 or bool((key[1:] > key[:-1]).all()):  # keys in index order: a stable sort by row (radix for 16 bits)
