@@ -299,3 +299,13 @@ def test_loop_places_what_the_former_loop_placed_at_scale(seed):
     case = _select_case(rng, sources=300, rows=2048, seq_len=8192, per_source=200)
     case.update(unit_samples=False, truncate=False, policy="best_fit" if seed < 3 else "next_fit")
     _same_steps(case, steps=3)
+
+
+def test_compiled_loops_release_the_gil():
+    """The pick-and-place loop and its helpers compile with nogil (numba refuses nogil code that touches a
+    Python object), so the server's planning thread runs them beside encoding and sending."""
+    from mixplane.planner import selectloop
+
+    selectloop.warm()
+    for fn in (selectloop._loop, selectloop._spans, selectloop._match):
+        assert fn.targetoptions.get("nogil") is True, fn
