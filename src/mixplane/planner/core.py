@@ -10,6 +10,7 @@ client's `state_dict()` carries.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
@@ -31,6 +32,19 @@ FIELDS = ("pos", "key", "tokens", "patches", "done")
 _I64 = np.dtype(np.int64)
 
 
+def _window_cursor(low: int, next_pos: int, skip: set[int], restored: dict[int, int], listing: list[list[str]] | None,
+                   partial_pos: list[int], partial_done: list[int]) -> dict[str, Any]:
+    """A window's cursor (protocol.WindowCursor.to_json) from its state and its samples with partial progress."""
+    # partial progress restored from a cursor but not yet re-announced by the loader counts too
+    partial = {str(p): d for p, d in sorted(restored.items())} if restored else {}
+    if partial_pos:
+        partial.update(zip(map(str, partial_pos), partial_done))
+    out: dict[str, Any] = {"low": low, "next": next_pos, "skip": sorted(skip), "partial": partial}
+    if listing is not None:
+        out["listing"] = [list(seg) for seg in listing]
+    return out
+
+
 class ReplicaWindow:
     """The planner's view of one loader replica's unconsumed read-ahead samples, in stream order.
 
@@ -40,6 +54,8 @@ class ReplicaWindow:
     `add` takes is kept as pending chunks, joined to the arrays only when they are read (the store's
     gather reads the chunks directly): one concatenation per column and step for all windows, not five
     per LOADER_META."""
+
+    _i: int  # its index among the store's windows (set by the store)
 
     def __init__(self, source: int, replica: int, min_samples: int, min_tokens: int = 0, max_samples: int | None = None):
         self.source = source
@@ -55,7 +71,7 @@ class ReplicaWindow:
         self._n = 0  # samples held, pending chunks included
         self.low = 0  # every position below is fully consumed
         self.next_pos = 0  # first position not yet received
-        self.skip: set[int] = set()  # consumed positions in [low, next) (restored from a cursor)
+        self.skip: set[int] = set()  # consumed positions in [low, next); replaced, never changed in place
         self.skip_hi = -1  # no skip entry above this restored one: later adds need no membership test
         self.restored_done: dict[int, int] = {}
         self.dry = False
@@ -127,18 +143,20 @@ class ReplicaWindow:
                 return
             if not (len(key) == len(tokens) == len(patches) == n):
                 self._refuse("metadata arrays differ in length")
-            chunk = np.empty((len(FIELDS), n), np.int64)
+            home = self._home
+            chunk = np.empty((len(FIELDS), n), np.int64) if home is None else home.stage(n)
             bad, before_last, last, last_pos = selectloop.take_meta(pos, key, tokens, patches, self.next_pos, chunk)
             if bad:
                 self._refuse(f"positions out of order (got {int(pos[0])}, expected >= {self.next_pos})" if bad == 1
                              else "a sample has no tokens")
-            if self.skip or self.restored_done or self._n + n > self.capacity:  # after a restore, or refused
-                self._add_checked(chunk[0], chunk[2], before_last, chunk)
+            if (self.restored_done or self._n + n > self.capacity  # right after a restore, or refused
+                    or (self.skip_hi >= 0 and self.skip and self.skip_hi >= int(pos[0]))):
+                self._add_checked(chunk[0], chunk[2], before_last, chunk, home is not None)
                 return
             before_last += self.unconsumed
             if window_full(self._n + n - 1, before_last, self.min_samples, self.min_tokens, self.capacity):
                 self._refuse(f"samples announced beyond a full window (from position {int(pos[0])})")
-            self._pending.append(chunk)
+            self._keep(chunk, home is not None)
             self._n += n
             self.unconsumed = before_last + last
             self.next_pos = last_pos + 1
@@ -159,13 +177,13 @@ class ReplicaWindow:
         toks = np.asarray(tokens, np.int64)
         if int(toks.min()) <= 0:
             self._refuse("a sample has no tokens")
-        self._add_checked(pos, toks, int(toks[:-1].sum()), None, key, patches)
+        self._add_checked(pos, toks, int(toks[:-1].sum()), None, False, key, patches)
 
     def _add_checked(self, pos: np.ndarray, toks: np.ndarray, before_last: int, chunk: np.ndarray | None,
-                     key: Any = None, patches: Any = None) -> None:
+                     in_stage: bool, key: Any = None, patches: Any = None) -> None:
         """The rest of `add` for positions in order and samples with tokens: the checks against a restored
-        cursor and the window's bounds, then the samples join the window (`chunk`: already copied; else
-        made from pos, key, toks, patches)."""
+        cursor and the window's bounds, then the samples join the window (`chunk`: already copied, in_stage:
+        into the store's staging area; else made from pos, key, toks, patches)."""
         n = len(pos)
         p0 = int(pos[0])
         # consumed positions at or above next_pos can only come from a restored cursor (compaction skips
@@ -193,12 +211,27 @@ class ReplicaWindow:
             chunk = np.stack([pos, np.array(key, np.int64), toks, np.array(patches, np.int64), np.zeros(n, np.int64)])
         if done is not None:
             chunk[4] = done
-        self._pending.append(chunk)
+        self._keep(chunk, in_stage)
         self._n += n
         self.unconsumed = before_last + last
         self.next_pos = int(pos[n - 1]) + 1
         self.dry = False
         self.stored = None
+
+    def _keep(self, chunk: np.ndarray, in_stage: bool) -> None:
+        """Hold a chunk `add` took: a window of a store keeps it in the store's staging area (in_stage: the
+        compiled path wrote it there already)."""
+        home = self._home
+        if home is not None:
+            n = chunk.shape[1]
+            if not in_stage:
+                view = home.stage(n)
+                view[:] = chunk
+                chunk = view
+            at = home._staged
+            home._staged = at + n
+            home._log.extend((self._i, at, n))
+        self._pending.append(chunk)
 
     def _refuse(self, what: str) -> NoReturn:
         raise WindowError(f"source {self.source} replica {self.replica}: {what}")
@@ -222,8 +255,8 @@ class ReplicaWindow:
             if self.skip:
                 self.skip = {p for p in self.skip if p >= new_low}
             self.low = new_low
-        if len(gone):
-            self.skip.update(p for p in gone.tolist() if p >= new_low)
+        if len(gone):  # a new set (a cursor taken before may hold the old one: skip sets never change in place)
+            self.skip = self.skip | {p for p in gone.tolist() if p >= new_low}
 
     def cursor(self) -> dict[str, Any]:
         """Consumption state: enough for a loader to re-emit exactly the unconsumed samples."""
@@ -232,14 +265,7 @@ class ReplicaWindow:
 
     def _cursor(self, partial_pos: list[int], partial_done: list[int]) -> dict[str, Any]:
         """The cursor, given the positions with partial progress and that progress (in stream order)."""
-        # partial progress restored from a cursor but not yet re-announced by the loader counts too
-        partial = {str(p): d for p, d in sorted(self.restored_done.items())} if self.restored_done else {}
-        if partial_pos:
-            partial.update(zip(map(str, partial_pos), partial_done))
-        out: dict[str, Any] = {"low": self.low, "next": self.next_pos, "skip": sorted(self.skip), "partial": partial}  # protocol.WindowCursor.to_json
-        if self.listing is not None:
-            out["listing"] = [list(seg) for seg in self.listing]
-        return out
+        return _window_cursor(self.low, self.next_pos, self.skip, self.restored_done, self.listing, partial_pos, partial_done)
 
     @staticmethod
     def parse_cursor(cur: Any) -> tuple[int, set[int], dict[int, int]]:
@@ -276,14 +302,30 @@ class WindowStore:
         w = len(windows)
         self.source = np.array([x.source for x in windows], np.int64)
         self.replica = np.array([x.replica for x in windows], np.int64)
+        self.ids = [(x.source, x.replica) for x in windows]
         self.base = np.zeros(w + 1, np.int64)  # window i's samples are [base[i], base[i + 1]) of the block
         self.gone: np.ndarray | None = None  # the last compaction's consumed samples (over the block), until a gather
         self.held = np.zeros(w, np.int64)  # each window's samples in the block (without the gone ones)
         self._bufs = [np.zeros((6, 0), np.int64), np.zeros((6, 0), np.int64)]  # rows: FIELDS, then the window
         self._side = 0
-        self._pend = np.zeros((len(FIELDS), 0), np.int64)  # what the windows took since the last gather
+        # what the windows took since the last gather: staged here by `add` (kept across steps: thousands of
+        # small arrays allocated and freed each step cost page faults), each chunk listed (window, column, n)
+        self._stage = np.zeros((len(FIELDS), 0), np.int64)
+        self._staged = 0
+        self._log = array("q")
+        for i, x in enumerate(windows):
+            x._i = i
         self._adopt(self._bufs[0][:, :0])
         self.fresh = False
+
+    def stage(self, n: int) -> np.ndarray:
+        """(5, n) of free staging area for a window's `add` to write into (ReplicaWindow._keep takes it)."""
+        at = self._staged
+        if at + n > self._stage.shape[1]:  # a larger area; the chunks so far move with it
+            grown = np.empty((len(FIELDS), 2 * (at + n) + 4096), np.int64)
+            grown[:, :at] = self._stage[:, :at]
+            self._stage = grown
+        return self._stage[:, at:at + n]
 
     def _spare(self, n: int) -> np.ndarray:
         """(6, n) of the buffer that does not hold the columns now (it will)."""
@@ -305,17 +347,14 @@ class WindowStore:
         if (self.gone is None or not drop) and self.fresh and all(w.stored is self for w in ws):
             return
         lens = np.fromiter((w._n for w in ws), np.int64, len(ws))
-        if self.fresh and all(w._home is self for w in ws):
-            # every window is still its slice of the block plus the chunks it took since: one compiled merge
-            chunks = [c for w in ws for c in w._pending]
-            m = int(lens.sum() - self.held.sum())
-            if self._pend.shape[1] < m:  # kept across steps, as the blocks are
-                self._pend = np.empty((len(FIELDS), m + m // 4 + 1024), np.int64)
-            pend = self._pend[:, :m]
-            if chunks:
-                np.concatenate(chunks, axis=1, out=pend)
+        fast = self.fresh and all(w._home is self for w in ws)
+        if fast:  # every window is still its slice of the block plus the chunks it staged since
+            log = np.frombuffer(self._log, np.int64).reshape(-1, 3)
+            log = log[np.argsort(log[:, 0], kind="stable")]  # by window, each window's in the order taken
+            fast = np.array_equal(np.bincount(log[:, 0], log[:, 2], len(ws)), lens - self.held)  # (else: a bug)
+        if fast:  # one compiled merge
             block = self._spare(int(lens.sum()))
-            selectloop.gather(self.block, self.base, self.gone, pend, lens - self.held, block)
+            selectloop.gather(self.block, self.base, self.gone, self._stage, log, block)
         else:  # windows with arrays of their own (restored, compacted on their own): join them
             block = self._spare(int(lens.sum()))
             for i in range(len(FIELDS)):
@@ -325,6 +364,8 @@ class WindowStore:
         np.cumsum(lens, out=self.base[1:])
         self.held = lens
         self.gone = None
+        self._staged = 0
+        self._log = array("q")
         self._adopt(block)
         self._view()
 
@@ -368,37 +409,68 @@ class WindowStore:
             cut = (np.flatnonzero(a_win[1:] != a_win[:-1]) + 1).tolist()
             pos = a_pos.tolist()
             for wi, a, b in zip(a_win[[0, *cut]].tolist(), [0, *cut], [*cut, len(pos)]):
-                ws[wi].skip.update(pos[a:b])
+                ws[wi].skip = ws[wi].skip.union(pos[a:b])  # a new set: WindowCursors may hold the old one
         return full
 
-    def cursors(self) -> list[dict[str, Any]]:
-        """StepPlanner.cursor's window entries: ReplicaWindow.cursor of every window, the samples with
-        partial progress found in one pass over the columns (the block lists windows in order, so each
-        window's are one run of them)."""
-        done = self.cols["done"]
-        nz = np.flatnonzero(done > 0 if self.gone is None else (done > 0) & ~self.gone)
-        runs: dict[int, tuple[int, int]] = {}
-        pos: list[int] = []
-        keys: list[str] = []
-        got: list[int] = []
+    def cursors(self) -> "WindowCursors":
+        """StepPlanner.cursor's window entries as of now (built when read)."""
+        return WindowCursors(self)
+
+
+class WindowCursors:
+    """Every window's cursor entry (ReplicaWindow.cursor) as of one moment, taken cheaply and built when
+    read: the windows' marks as Python ints, their skip sets (replaced, never changed in place), copies of
+    the rare restored progress and live listings, and the samples with partial progress found in one pass
+    over the store's columns (the block lists windows in order: each window's are one run of them). A
+    step's plan carries the cursor before it, which only the journal's checkpoints and replays read."""
+
+    def __init__(self, store: WindowStore):
+        ws = store.windows
+        self.ids = store.ids
+        self.low = [w.low for w in ws]
+        self.next = [w.next_pos for w in ws]
+        self.skip = [w.skip for w in ws]
+        self.odd = {i: (dict(w.restored_done), None if w.listing is None else [list(seg) for seg in w.listing])
+                    for i, w in enumerate(ws) if w.restored_done or w.listing is not None}
+        done = store.cols["done"]
+        nz = np.flatnonzero(done > 0 if store.gone is None else (done > 0) & ~store.gone)
+        self.runs: dict[int, tuple[int, int]] = {}
+        self.pos: list[int] = []
+        self.got: list[int] = []
         if len(nz):
-            wi = self.win[nz]
+            wi = store.win[nz]
             cut = (np.flatnonzero(wi[1:] != wi[:-1]) + 1).tolist()
-            runs = dict(zip(wi[[0, *cut]].tolist(), zip([0, *cut], [*cut, len(nz)])))
-            pos = self.cols["pos"][nz].tolist()
-            keys = list(map(str, pos))
-            got = done[nz].tolist()
+            self.runs = dict(zip(wi[[0, *cut]].tolist(), zip([0, *cut], [*cut, len(nz)])))
+            self.pos = store.cols["pos"][nz].tolist()
+            self.got = done[nz].tolist()
+
+    def build(self) -> list[dict[str, Any]]:
+        runs, pos, got, odd = self.runs, self.pos, self.got, self.odd
+        keys = list(map(str, pos))
         out = []
-        for i, w in enumerate(self.windows):
-            run = runs.get(i)
-            if w.restored_done or w.listing is not None:
-                a, b = run or (0, 0)
-                out.append({"source": w.source, "replica": w.replica, **w._cursor(pos[a:b], got[a:b])})
-            else:  # the common entry, built inline (ReplicaWindow._cursor's keys, in its order)
-                out.append({"source": w.source, "replica": w.replica, "low": w.low, "next": w.next_pos,
-                            "skip": sorted(w.skip) if w.skip else [],
-                            "partial": {} if run is None else dict(zip(keys[run[0]:run[1]], got[run[0]:run[1]]))})
+        for i, ((source, replica), low, nxt, skip) in enumerate(zip(self.ids, self.low, self.next, self.skip)):
+            a, b = runs.get(i, (0, 0))
+            if i in odd:
+                restored, listing = odd[i]
+                out.append({"source": source, "replica": replica,
+                            **_window_cursor(low, nxt, skip, restored, listing, pos[a:b], got[a:b])})
+            else:  # the common entry, built inline (_window_cursor's keys, in its order)
+                out.append({"source": source, "replica": replica, "low": low, "next": nxt,
+                            "skip": sorted(skip) if skip else [], "partial": dict(zip(keys[a:b], got[a:b])) if b else {}})
         return out
+
+
+@dataclass(frozen=True)
+class PlannerCursor:
+    """StepPlanner.cursor() as of one moment; `build()` makes the dict (see WindowCursors)."""
+
+    step: int
+    sampler: dict[str, Any]
+    schedule: dict[str, Any]
+    windows: WindowCursors
+
+    def build(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler, "schedule": self.schedule, "windows": self.windows.build()}
 
 
 @dataclass
@@ -557,7 +629,7 @@ def _coverage_error(layout: StepLayout, pieces: Pieces) -> None:
 class StepPlan:
     layout: StepLayout
     pieces: Pieces  # in layout order is not required; carries replica/pos for loader instructions
-    cursor_before: dict[str, Any]
+    _cursor_before: "dict[str, Any] | PlannerCursor"  # read as cursor_before (built when first read)
     tokens_by_source: np.ndarray
     samples_by_source: np.ndarray
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (only coordinate 0 fetches)
@@ -565,6 +637,13 @@ class StepPlan:
     piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
     retired: np.ndarray | None = None  # uint8 per piece: StepPlanner.retired(pieces), found while compacting
     seg_of_img: np.ndarray | None = None  # routing.image_segments (the segment carrying each image), if known
+
+    @property
+    def cursor_before(self) -> dict[str, Any]:
+        """The planner's cursor before this step (StepPlanner.cursor() then)."""
+        if isinstance(self._cursor_before, PlannerCursor):
+            self._cursor_before = self._cursor_before.build()
+        return self._cursor_before
 
 
 class StepPlanner:
@@ -665,16 +744,12 @@ class StepPlanner:
 
     # -- cursor -------------------------------------------------------------------------
     def cursor(self) -> dict[str, Any]:
-        return {
-            "step": self.next_step,
-            "sampler": self.sampler.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "windows": self._window_cursors(),
-        }
+        return self.cursor_later().build()
 
-    def _window_cursors(self) -> list[dict[str, Any]]:
+    def cursor_later(self) -> PlannerCursor:
+        """The cursor as of now, built when read (StepPlan.cursor_before)."""
         self.store.sync(drop=False)  # right after a step: no copy (the next step's gather drops the consumed)
-        return self.store.cursors()
+        return PlannerCursor(self.next_step, self.sampler.state_dict(), self.schedule.state_dict(), self.store.cursors())
 
     def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
         """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
@@ -833,7 +908,7 @@ class StepPlanner:
         if not self.ready:
             waiting = ", ".join(f"{self.spec.sources[w.source].name}/{w.replica}" for w in self.waiting_for())
             raise RuntimeError(f"step {self.next_step}: windows not full yet ({waiting})")
-        cursor = self.cursor()
+        cursor = self.cursor_later()
         step = self.next_step
         point = self.schedule.at(step)
         snap = self._snapshot()

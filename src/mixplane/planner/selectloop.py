@@ -550,7 +550,7 @@ def warm() -> float:
     block = np.zeros((6, 3), np.int64)
     settle(block[:, :2], np.array([0, 2], np.int64), np.zeros(1, np.int64))
     for gone in (None, np.zeros(1, np.bool_)):
-        gather(block[:, :1], np.array([0, 1], np.int64), gone, block[:5, 2:], np.array([1], np.int64), block[:, 1:])
+        gather(block[:, :1], np.array([0, 1], np.int64), gone, np.zeros((5, 1), np.int64), np.array([[0, 0, 1]]), block[:, 1:])
     _warm_store()
     _warm_s = time.perf_counter() - t0
     return _warm_s
@@ -598,11 +598,11 @@ def _settle(block, base, next_pos):
 
 
 @njit(cache=True, nogil=True)
-def _gather(old, old_base, gone, pend, pend_len, new):
+def _gather(old, old_base, gone, src, chunks, new):
     j = 0
-    q = 0
+    k = 0
     masked = len(gone) > 0
-    for w in range(len(pend_len)):
+    for w in range(len(old_base) - 1):
         for i in range(old_base[w], old_base[w + 1]):
             if masked and gone[i]:
                 continue
@@ -610,22 +610,23 @@ def _gather(old, old_base, gone, pend, pend_len, new):
                 new[c, j] = old[c, i]
             new[5, j] = w
             j += 1
-        for i in range(q, q + pend_len[w]):
-            for c in range(5):
-                new[c, j] = pend[c, i]
-            new[5, j] = w
-            j += 1
-        q += pend_len[w]
+        while k < chunks.shape[0] and chunks[k, 0] == w:
+            for i in range(chunks[k, 1], chunks[k, 1] + chunks[k, 2]):
+                for c in range(5):
+                    new[c, j] = src[c, i]
+                new[5, j] = w
+                j += 1
+            k += 1
 
 
-def gather(old: np.ndarray, old_base: np.ndarray, gone: np.ndarray | None, pend: np.ndarray, pend_len: np.ndarray,
+def gather(old: np.ndarray, old_base: np.ndarray, gone: np.ndarray | None, src: np.ndarray, chunks: np.ndarray,
            new: np.ndarray) -> None:
     """core.WindowStore.sync's merge: window by window, its samples in `old` ([old_base[w], old_base[w + 1]),
-    rows pos, key, tokens, patches, done) but those `gone` marks (the last compaction's), then the
-    `pend_len[w]` samples it took since (the next ones of `pend`), into `new` (6 x total, the window index
-    in row 5)."""
-    _gather(old, np.ascontiguousarray(old_base, np.int64), np.zeros(0, np.bool_) if gone is None else gone, pend,
-            np.ascontiguousarray(pend_len, np.int64), new)
+    rows pos, key, tokens, patches, done) but those `gone` marks (the last compaction's), then what it took
+    since: the chunks (rows of `chunks`: window, first column in `src`, length; by window, each window's in
+    stream order), into `new` (6 x total, the window index in row 5)."""
+    _gather(old, np.ascontiguousarray(old_base, np.int64), np.zeros(0, np.bool_) if gone is None else gone, src,
+            np.ascontiguousarray(chunks, np.int64).reshape(-1, 3), new)
 
 
 def settle(block: np.ndarray, base: np.ndarray, next_pos: np.ndarray) -> tuple[np.ndarray, ...]:
