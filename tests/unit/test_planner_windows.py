@@ -225,3 +225,42 @@ def test_coverage_verifies_the_builders_pairing_and_falls_back_to_a_search():
     with pytest.raises(CoverageError):
         new.plan()
     assert new.cursor() == before
+
+
+def _fill_both(new: StepPlanner, old, rng: np.random.Generator) -> None:
+    """`fill` for the former core, and what it announced to `new` as several LOADER_META per window,
+    windows interleaved at random (each window's in stream order), as loaders' messages arrive."""
+    calls: list[tuple] = []
+    for w in old.windows:  # record what each window takes
+        w.add = lambda *a, w=w, real=w.add: (calls.append((w.source, w.replica, a)), real(*a))  # type: ignore[method-assign]
+    fill(old)
+    for w in old.windows:
+        del w.add
+    queues = []
+    for source, replica, arrays in calls:
+        n = len(arrays[0])
+        cuts = sorted(rng.choice(np.arange(1, n), min(n - 1, int(rng.integers(0, 4))), replace=False).tolist()) if n > 1 else []
+        queues.append([new.window(source, replica), [tuple(x[lo:hi] for x in arrays) for lo, hi in zip([0, *cuts], [*cuts, n])]])
+    while queues:
+        q = queues[int(rng.integers(0, len(queues)))]
+        q[0].add(*q[1].pop(0))
+        if not q[1]:
+            queues.remove(q)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunks_in_any_order_across_windows_plan_as_before(seed):
+    """The store stages what windows take in arrival order and merges it window by window: several
+    LOADER_META per window, windows interleaved, the staging area growing; arrays read between steps (the
+    compacted samples left out) are read-only copies."""
+    rng = np.random.default_rng(seed)
+    spec = make_spec(sources=6, rows=64, seq_len=256, window=32, replicas=1 + seed % 3)
+    new, old = StepPlanner(spec), ref.StepPlanner(spec)
+    for step in range(6):
+        _fill_both(new, old, rng)
+        assert_same_planners(new, old, arrays=step % 2 == 0)
+        assert_same_plans(new.plan(), old.plan(), old)
+        assert_same_planners(new, old, arrays=step % 3 == 0)
+    w = next(w for w in new.windows if len(w))
+    with pytest.raises(ValueError, match="read-only"):
+        w.done[0] = 1

@@ -322,7 +322,7 @@ class WindowStore:
         """(5, n) of free staging area for a window's `add` to write into (ReplicaWindow._keep takes it)."""
         at = self._staged
         if at + n > self._stage.shape[1]:  # a larger area; the chunks so far move with it
-            grown = np.empty((len(FIELDS), 2 * (at + n) + 4096), np.int64)
+            grown = np.empty((len(FIELDS), 2 * (at + n) + 256), np.int64)
             grown[:, :at] = self._stage[:, :at]
             self._stage = grown
         return self._stage[:, at:at + n]
