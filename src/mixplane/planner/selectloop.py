@@ -76,25 +76,29 @@ def _less(k1, s1, k2, s2):
 @njit(cache=True, nogil=True, inline="always")
 def _sift_down(hk, hs, n, j, key, s):
     """(key, s) into the hole at j of a heap of n entries, moving smaller children up. (Sifting the hole to a
-    leaf first and the entry up from there measured no faster; neither did a 4-ary heap.)"""
+    leaf first and the entry up from there measured no faster; neither did a 4-ary heap nor a winner tree.)
+    Unsigned indices: numba adds no negative-index fix-up to the loads on this dependency chain."""
+    one = np.uint64(1)
+    u = np.uint64(j)
+    un = np.uint64(n)
     while True:
-        c = 2 * j + 1
-        if c >= n:
+        c = u + u + one
+        if c >= un:
             break
-        if c + 1 < n:  # the smaller child without a branch (which one it is is a coin toss); equal keys are rare
+        if c + one < un:  # the smaller child without a branch (which one it is is a coin toss); equal keys are rare
             a = hk[c]
-            b = hk[c + 1]
+            b = hk[c + one]
             if a == b:
-                c += np.int64(hs[c + 1] < hs[c])
+                c += np.uint64(hs[c + one] < hs[c])
             else:
-                c += np.int64(b < a)
+                c += np.uint64(b < a)
         if not _less(hk[c], hs[c], key, s):
             break
-        hk[j] = hk[c]
-        hs[j] = hs[c]
-        j = c
-    hk[j] = key
-    hs[j] = s
+        hk[u] = hk[c]
+        hs[u] = hs[c]
+        u = c
+    hk[u] = key
+    hs[u] = s
 
 
 @njit(cache=True, nogil=True, inline="always")
