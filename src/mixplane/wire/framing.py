@@ -309,8 +309,19 @@ def encode_columns(kind: Kind, metas: Mapping[str, Any] | Sequence[Mapping[str, 
     else:
         extra = [f'"arrays":[{d}]}}' for d in descr]
     flags, end = _flags(kind, checksum)
-    return [_frames(kind, flags, ("{" if t == "{}" else t[:-1] + ",") + x, list(b), end)
-            for t, x, b in zip(texts, extra, buffers)]
+    if end:
+        return [_frames(kind, flags, ("{" if t == "{}" else t[:-1] + ",") + x, list(b), end)
+                for t, x, b in zip(texts, extra, buffers)]
+    # _frames inlined (no end marker): the header's fixed part once, each message's length, meta and CRC
+    bodies = [(("{" if t == "{}" else t[:-1] + ",") + x).encode() for t, x in zip(texts, extra)]
+    if max(map(len, bodies)) > MAX_META_BYTES:
+        raise WireError(f"{kind.name}: meta of {max(map(len, bodies))} bytes exceeds {MAX_META_BYTES}")
+    fixed = HEADER.pack(MAGIC, VERSION, int(kind), flags, 0)[:-4]
+    heads = [fixed + len(body).to_bytes(4, "big") + body for body in bodies]
+    if checksum:
+        crc32 = zlib.crc32
+        heads = [h + crc32(h).to_bytes(4, "big") for h in heads]
+    return [[h, *b] for h, b in zip(heads, buffers)]
 
 
 def _nbytes(b: Any) -> int:
