@@ -159,3 +159,17 @@ def test_constructor_columns_are_the_constructor_layouts(seed, in_order, images)
         for name, a in sub.arrays().items():
             got = cols.arrays(c)[name]
             assert got.dtype == a.dtype and np.array_equal(got, a), (c, name)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 70_000)), max_size=60), st.integers(1, 4), st.integers(10, 12))
+def test_compiled_image_offsets_equal_the_numpy_version(imgs, merge, world):
+    """routeloop.image_offsets (a counting sort's offsets, merging patches itself) against routing.image_offsets."""
+    from mixplane.planner import routeloop
+    from mixplane.planner.routing import image_offsets
+    rank = np.array([r for r, _ in imgs], np.int32)
+    patches = np.array([p for _, p in imgs], np.int32)
+    got = routeloop.image_offsets(rank, patches, merge, world)
+    want = image_offsets(rank, patches.astype(np.int64) // merge, world)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

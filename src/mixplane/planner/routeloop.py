@@ -12,7 +12,9 @@ sorted, compiled once (cache=True; `warm` before the planner binds its socket, l
 * `image_lists` -- routing.constructor_images: each constructor's images (those whose text starts on one
                    of its DP ranks, and those an encoder leader of one of its ranks encodes), ascending and
                    without duplicates, as one CSR -- the union of two fan-outs per image in one pass instead
-                   of two expansions, two sorts and a union1d per constructor.
+                   of two expansions, two sorts and a union1d per constructor;
+* `image_offsets` -- routing.image_offsets: each image's offset in the gathered encoder output and every
+                   rank's merged tokens, as a counting sort's offsets.
 
 Same results, bit for bit, as the numpy versions they replace: tests/unit/routing_reference.py keeps
 those, and tests/unit/test_routeloop.py compares both on random inputs.
@@ -232,6 +234,33 @@ def image_lists(img_dp: np.ndarray, img_rank: np.ndarray, dp_off: np.ndarray, dp
                         np.ascontiguousarray(ld_off, i64), np.ascontiguousarray(ld_tgt, np.int32), int(n_constructors))
 
 
+# ---- where each image's tokens sit in the gathered encoder output --------------------------------
+
+@njit(cache=True)
+def _image_offsets(img_rank, img_patches, merge, world):
+    n = len(img_rank)
+    per_rank = np.zeros(world, np.int64)
+    for i in range(n):
+        per_rank[img_rank[i]] += np.int64(img_patches[i]) // merge
+    at = np.empty(world, np.int64)  # where each rank's next image goes: ranks in order, images in step order
+    run = 0
+    for r in range(world):
+        at[r] = run
+        run += per_rank[r]
+    base = np.empty(n, np.int64)
+    for i in range(n):
+        r = img_rank[i]
+        base[i] = at[r]
+        at[r] += np.int64(img_patches[i]) // merge
+    return base, per_rank
+
+
+def image_offsets(img_rank: np.ndarray, img_patches: np.ndarray, merge: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """routing.image_offsets of the images' merged tokens (patches // merge), in two passes (a counting sort's
+    offsets) instead of a bincount, a stable sort and a running sum. Ranks must lie in [0, world)."""
+    return _image_offsets(np.ascontiguousarray(img_rank), np.ascontiguousarray(img_patches), int(merge), int(world))
+
+
 _warm_s: float | None = None
 
 
@@ -246,5 +275,6 @@ def warm() -> float:
     route(z, np.zeros(1, np.int32), 1, np.zeros(1, np.int16), np.zeros(1, np.int32), np.ones(1, np.int32), z, z,
           np.zeros(1, np.uint8), off, np.zeros(1, np.int32), z, z, off, np.zeros(1, np.int32))
     image_lists(z, z, off, np.zeros(1, np.int32), off, np.zeros(1, np.int32), 1)
+    image_offsets(np.zeros(1, np.int32), np.zeros(1, np.int32), 1, 1)
     _warm_s = time.perf_counter() - t0
     return _warm_s

@@ -333,7 +333,10 @@ def image_parts(layout: StepLayout, seg_of_img: np.ndarray | None, dp_fanout: Fa
         return None
     offsets, flat = _image_csr(layout, seg_of_img, dp_fanout, leader_fanout, n_constructors)
     idx = _split(offsets, flat)
-    base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
+    if int(layout.img_rank.min()) >= 0 and int(layout.img_rank.max()) < world:
+        base, enc = routeloop.image_offsets(layout.img_rank, layout.img_patches, merge, world)
+    else:  # not a valid plan; what the numpy version gives (bincount grows past `world`)
+        base, enc = image_offsets(layout.img_rank, layout.img_patches.astype(np.int64) // merge, world)
     top = int(enc.max()) if len(enc) else 0
     # the one array every constructor gets whole: in the narrowest type that holds it (16,384 ranks: 32 kB
     # as uint16 when no rank encodes 64k merged tokens, else 64 kB as int32)
