@@ -55,6 +55,12 @@ def test_reserved_and_unsendable_meta():
         wire.encode(Kind.ACK, {"arrays": 1})
     with pytest.raises(WireError, match="JSON"):
         wire.encode(Kind.ACK, {"x": object()})
+    loop: dict = {}
+    loop["me"] = loop
+    for bad in ({"x": float("nan")}, {"x": float("inf")}, loop, {"x": {1j: 2}}):
+        with pytest.raises(WireError, match="JSON"):
+            wire.encode(Kind.ACK, bad)
+    assert wire.decode(wire.encode(Kind.ACK, {"x": 1})).meta == {"x": 1}  # a failed encode leaves nothing behind
     with pytest.raises(WireError, match="dtype"):
         wire.encode(Kind.ACK, arrays={"o": np.array([object()])})
 

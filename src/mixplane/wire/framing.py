@@ -128,6 +128,11 @@ def _digest(buf: Any) -> str:
 _DTYPES: dict[np.dtype, tuple[np.dtype, str]] = {}  # dtype -> (little-endian dtype, its JSON-quoted str)
 _NAMES: dict[str, str] = {}  # array name -> its JSON string
 _META_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # = json.dumps(.., separators, allow_nan=False)
+# the C encoder JSONEncoder.encode builds on every call, built once (no circular-reference markers: a
+# circular meta ends in RecursionError instead); the same text. None without the _json extension.
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_META_JSON = (_c_make_encoder(None, _META_JSON.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False,
+                                False) if _c_make_encoder is not None else None)
 
 
 def _wire_dtype(dtype: np.dtype, name: str) -> tuple[np.dtype, str]:
@@ -156,8 +161,8 @@ def _meta_text(kind: Kind, meta: Mapping[str, Any] | None) -> str:
     if "arrays" in meta or "sums" in meta:
         raise WireError(f"{kind.name}: meta keys 'arrays' and 'sums' are reserved")
     try:
-        return _META_JSON.encode(meta)
-    except (TypeError, ValueError) as e:
+        return "".join(_C_META_JSON(meta, 0)) if _C_META_JSON is not None else _META_JSON.encode(meta)
+    except (TypeError, ValueError, RecursionError) as e:
         raise WireError(f"{kind.name}: meta cannot be sent as JSON ({e})") from None
 
 
@@ -250,29 +255,34 @@ def _column_parts(col: Column, n: int) -> tuple[str, list[int] | None, list[Any]
 
 
 def _descriptors(columns: Sequence[Column], parts: list[tuple[str, list[int] | None, list[Any]]], n: int) -> list[str]:
-    """Each message's array descriptors (JSON text): consecutive columns cut by the same bounds share one
-    text per item count (a loader's six arrays: one lookup per message), shared columns one text."""
-    runs: list[list[str]] = []
-    i = 0
-    while i < len(columns):
-        pre, counts, _ = parts[i]
-        j = i + 1
-        if counts is None:
-            runs.append([pre] * n)
-        else:
-            while j < len(columns) and columns[j].bounds is columns[i].bounds and parts[j][1] is not None:
-                j += 1
-            pres = [parts[k][0] for k in range(i, j)]
-            cache: dict[int, str] = {}
-            text = []
-            for k in counts:
-                got = cache.get(k)
-                if got is None:
-                    got = cache[k] = ",".join(f"{p}{k}]]" for p in pres)
-                text.append(got)
-            runs.append(text)
-        i = j
-    return runs[0] if len(runs) == 1 else list(map(",".join, zip(*runs)))
+    """Each message's array descriptors (JSON text) from one template: the shared columns' descriptors
+    written once, each cut column's item count a placeholder per distinct `bounds` (a loader's six arrays
+    share one: a cached text per item count; a constructor's segments and images: two)."""
+    groups: dict[int, int] = {}  # id(bounds) -> placeholder
+    counts: list[list[int]] = []
+    pieces = []
+    for col, (pre, cnt, _) in zip(columns, parts):
+        pre = pre.replace("{", "{{").replace("}", "}}")
+        if cnt is None:
+            pieces.append(pre)
+            continue
+        g = groups.setdefault(id(col.bounds), len(groups))
+        if g == len(counts):
+            counts.append(cnt)
+        pieces.append(f"{pre}{{{g}}}]]")
+    template = ",".join(pieces)
+    if not counts:
+        return [template.format()] * n
+    if len(counts) > 1:
+        return list(map(template.format, *counts))
+    cache: dict[int, str] = {}
+    out = []
+    for k in counts[0]:
+        got = cache.get(k)
+        if got is None:
+            got = cache[k] = template.format(k)
+        out.append(got)
+    return out
 
 
 def encode_columns(kind: Kind, metas: Mapping[str, Any] | Sequence[Mapping[str, Any]], columns: Sequence[Column],
