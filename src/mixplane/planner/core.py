@@ -445,18 +445,19 @@ class WindowCursors:
             self.got = done[nz].tolist()
 
     def build(self) -> list[dict[str, Any]]:
-        runs, pos, got, odd = self.runs, self.pos, self.got, self.odd
+        runs, pos, got = self.runs, self.pos, self.got
         keys = list(map(str, pos))
-        out = []
-        for i, ((source, replica), low, nxt, skip) in enumerate(zip(self.ids, self.low, self.next, self.skip)):
+        # the common entry for every window (_window_cursor's keys, in its order), then the partial progress
+        # where there is any, then the windows with restored progress or a listing in full
+        out = [{"source": source, "replica": replica, "low": low, "next": nxt, "skip": sorted(skip) if skip else [],
+                "partial": {}} for (source, replica), low, nxt, skip in zip(self.ids, self.low, self.next, self.skip)]
+        for i, (a, b) in runs.items():
+            out[i]["partial"] = dict(zip(keys[a:b], got[a:b]))
+        for i, (restored, listing) in self.odd.items():
             a, b = runs.get(i, (0, 0))
-            if i in odd:
-                restored, listing = odd[i]
-                out.append({"source": source, "replica": replica,
-                            **_window_cursor(low, nxt, skip, restored, listing, pos[a:b], got[a:b])})
-            else:  # the common entry, built inline (_window_cursor's keys, in its order)
-                out.append({"source": source, "replica": replica, "low": low, "next": nxt,
-                            "skip": sorted(skip) if skip else [], "partial": dict(zip(keys[a:b], got[a:b])) if b else {}})
+            source, replica = self.ids[i]
+            out[i] = {"source": source, "replica": replica, **_window_cursor(self.low[i], self.next[i], self.skip[i], restored,
+                                                                              listing, pos[a:b], got[a:b])}
         return out
 
 
