@@ -68,3 +68,45 @@ def test_row_order_counting_sort_equals_lexsort(seed):
     if done:
         assert np.array_equal(got, want)
     assert np.array_equal(_row_order(rows, key), want)
+
+
+def _layout(rng, n_rows: int, seq_len: int, n: int):
+    rows = np.sort(rng.integers(0, n_rows, n))
+    lens = rng.integers(1, max(2, seq_len // 12), n)
+    return StepLayout(step=7, seq_len=seq_len, dp=1, microbatches=1, rows_per_microbatch=n_rows, seg_row=rows,
+                      seg_source=np.zeros(n, np.int16), seg_key=np.arange(n), seg_start=rng.integers(0, 50, n), seg_len=lens)
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_validate_equals_steplayout_validate(seed):
+    """The compiled validate raises what StepLayout.validate raises (the first failing check, same words), on valid
+    layouts and on layouts broken in one or several ways."""
+    rng = np.random.default_rng(seed)
+    lay = _layout(rng, int(rng.integers(1, 40)), int(rng.integers(8, 300)), int(rng.integers(0, 200)))
+    n = len(lay.seg_row)
+    for _ in range(int(rng.integers(0, 4))):  # damage
+        if not n:
+            break
+        i = int(rng.integers(0, n))
+        what = int(rng.integers(0, 6))
+        if what == 0:
+            lay.seg_row[i] = -1 if rng.random() < 0.5 else lay.rows + int(rng.integers(0, 3))
+        elif what == 1 and n > 1:
+            lay.seg_row[i], lay.seg_row[(i + 1) % n] = lay.seg_row[(i + 1) % n], lay.seg_row[i]
+        elif what == 2:
+            lay.seg_len[i] = -int(rng.integers(0, 3))
+        elif what == 3:
+            lay.seg_start[i] = -1
+        elif what == 4:
+            lay.seg_len[i] = lay.seq_len + int(rng.integers(0, 5))
+        else:
+            lay.seg_key = lay.seg_key[:-1]
+    assert _error(lambda: layoutloop.validate(lay)) == _error(lay.validate)

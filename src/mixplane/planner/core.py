@@ -16,7 +16,7 @@ from typing import Any, Callable, NoReturn
 
 import numpy as np
 
-from mixplane.planner import selectloop
+from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
 from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
 from mixplane.protocol import WindowCursor, window_full
@@ -932,7 +932,7 @@ class StepPlanner:
             pieces = ctx.pieces
             if not isinstance(layout, StepLayout):
                 raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
-            layout.validate()
+            layoutloop.validate(layout)  # StepLayout.validate, compiled
             piece_of_seg = check_coverage(layout, pieces, ctx.built)
         except BaseException:
             self._rollback(snap)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS
+from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
 from mixplane.planner import selectloop  # noqa: F401  (names numba's cache directory before numba loads)
 
 from numba import njit  # noqa: E402
@@ -82,6 +82,48 @@ def order_by_row(rows, key):  # pragma: no cover - compiled
     return out, True
 
 
+@njit(cache=True, nogil=True)
+def _layout_faults(seg_row, seg_start, seg_len, rows, seq_len):  # pragma: no cover - compiled
+    """(row out of range, rows out of order, empty or negative segment, a row over seq_len) in one pass."""
+    n = len(seg_row)
+    bad_range = bad_order = bad_seg = False
+    fill = np.zeros(rows, np.int64)
+    for i in range(n):
+        r = seg_row[i]
+        if r < 0 or r >= rows:
+            bad_range = True
+        elif not bad_range:
+            fill[r] += seg_len[i]
+        if i and r < seg_row[i - 1]:
+            bad_order = True
+        if seg_len[i] <= 0 or seg_start[i] < 0:
+            bad_seg = True
+    over = False
+    if not bad_range:
+        for r in range(rows):
+            if fill[r] > seq_len:
+                over = True
+                break
+    return bad_range, bad_order, bad_seg, over
+
+
+def validate(layout: StepLayout) -> None:
+    """StepLayout.validate in one compiled pass: the same checks, the same first error (ValueError naming the step)."""
+    n = len(layout.seg_row)
+    if any(len(getattr(layout, a)) != n for a in SEGMENT_ARRAYS):
+        raise ValueError(f"step {layout.step}: segment arrays differ in length")
+    bad_range, bad_order, bad_seg, over = _layout_faults(layout.seg_row, layout.seg_start, layout.seg_len, layout.rows,
+                                                         layout.seq_len)
+    if bad_range:
+        raise ValueError(f"step {layout.step}: segment row out of range")
+    if bad_order:
+        raise ValueError(f"step {layout.step}: segments are not ordered by row")
+    if bad_seg:
+        raise ValueError(f"step {layout.step}: empty or negative segment")
+    if over:
+        raise ValueError(f"step {layout.step}: a row holds more than seq_len={layout.seq_len} tokens")
+
+
 _warm_s: float | None = None
 
 
@@ -94,6 +136,7 @@ def warm() -> float:
     gather_columns(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros(1, np.int64),
                    np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, np.int32), np.zeros(1, np.int64))
     order_by_row(np.zeros(2, np.int64), np.arange(2, dtype=np.int64))
+    validate(StepLayout(0, 1, 1, 1, 1, seg_row=[0], seg_source=[0], seg_key=[0], seg_start=[0], seg_len=[1]))
     _warm_s = time.perf_counter() - t0
     return _warm_s
 

@@ -110,7 +110,7 @@ class StepMetrics:
         m = self.m
         m.steps_planned.inc()
         m.planner_step.set(lay.step)
-        m.packing_efficiency.set(lay.row_fill().sum() / float(lay.rows * lay.seq_len))
+        m.packing_efficiency.set(int(lay.seg_len.sum(dtype=np.int64)) / float(lay.rows * lay.seq_len))  # = row_fill().sum()
         real = np.asarray(realized, np.float64)
         total = float(real.sum())
         share = real / total if total else np.zeros(len(real))
