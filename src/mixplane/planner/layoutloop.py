@@ -136,7 +136,8 @@ def warm() -> float:
     gather_columns(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros(1, np.int64),
                    np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, np.int32), np.zeros(1, np.int64))
     order_by_row(np.zeros(2, np.int64), np.arange(2, dtype=np.int64))
-    validate(StepLayout(0, 1, 1, 1, 1, seg_row=[0], seg_source=[0], seg_key=[0], seg_start=[0], seg_len=[1]))
+    one = np.ones(1, np.int64)
+    validate(StepLayout(0, 1, 1, 1, 1, seg_row=one - 1, seg_source=one - 1, seg_key=one - 1, seg_start=one - 1, seg_len=one))
     _warm_s = time.perf_counter() - t0
     return _warm_s
 
