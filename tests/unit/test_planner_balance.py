@@ -172,3 +172,58 @@ def test_pack_balanced_spreads_long_documents():
     long_rows = r[:8]
     assert len(set(long_rows.tolist())) == 8  # one long document per row
     assert B.pack_balanced(L, L * 1.0, 2, 8192) is None  # does not fit
+
+
+def _free_problem(rng):
+    n = int(rng.integers(1, 5000))
+    kind = int(rng.integers(0, 4))
+    if kind == 0:
+        costs = rng.pareto(1.2, n) + 1e-3  # heavy tail: native-resolution images
+    elif kind == 1:
+        costs = rng.integers(1, 4, n).astype(np.float64)  # ties everywhere
+    elif kind == 2:
+        costs = np.where(rng.random(n) < 0.1, 0.0, rng.lognormal(0, 1.5, n))  # zero-cost items
+    else:
+        costs = rng.lognormal(0, 0.3, n)
+    n_bins = int(rng.integers(1, 2000))
+    init = rng.random(n_bins) * float(costs.mean()) * int(rng.integers(1, 6)) if rng.random() < 0.4 else None
+    return costs, n_bins, init
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_open_rounds_one_group_path_equals_the_general_rounds(seed, monkeypatch):
+    """assign() in free count with the one-group rounds and with the former general rounds: the same bin for
+    every item (greedy and karmarkar_karp, with and without initial loads, with groups of bins too)."""
+    from mixplane.planner import balance
+
+    from .balance_reference import old_lpt_open_rounds
+
+    rng = np.random.default_rng(500 + seed)
+    costs, n_bins, init = _free_problem(rng)
+    method = "karmarkar_karp" if seed % 5 == 4 else "greedy"
+    group_size = int(rng.integers(2, 50)) if seed % 3 == 2 else None
+    got = balance.assign(costs, n_bins, method, init=init, group_size=group_size)
+    monkeypatch.setattr(balance, "_lpt_open_rounds", old_lpt_open_rounds)
+    want = balance.assign(costs, n_bins, method, init=init, group_size=group_size)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_open_rounds_one_group_state(seed):
+    """The rounds alone, one group: same bins, same loads, same items left, over 1 to 70 rounds."""
+    from mixplane.planner import balance
+
+    from .balance_reference import old_lpt_open_rounds
+
+    rng = np.random.default_rng(seed)
+    costs, n_bins, init = _free_problem(rng)
+    items = np.flatnonzero(rng.random(len(costs)) < 0.8)
+    loads0 = np.zeros(n_bins) if init is None else init
+    target = np.array([(costs[items].sum() + loads0.sum()) / n_bins])
+    zg, bg = np.zeros(len(costs), np.int64), np.zeros(n_bins, np.int64)
+    rounds = int(rng.integers(1, 70))
+    la, lb = loads0.copy(), loads0.copy()
+    oa, ob = np.full(len(costs), -1, np.int64), np.full(len(costs), -1, np.int64)
+    left_a = balance._lpt_open_rounds(costs, items, zg, bg, la, oa, target, rounds)
+    left_b = old_lpt_open_rounds(costs, items, zg, bg, lb, ob, target, rounds)
+    assert np.array_equal(oa, ob) and np.array_equal(left_a, left_b) and np.array_equal(la, lb)

@@ -178,6 +178,8 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
     o1 = desc_order(costs[items])
     order = o1[np.argsort(ig[o1], kind="stable")] if n_groups > 1 else o1
     items, ig = items[order], ig[order]
+    if n_groups == 1:
+        return _lpt_open_rounds_single(costs, items, loads, out, float(target[0]), max_rounds)
     gcount = np.bincount(ig, minlength=n_groups)
     gstart = np.concatenate([[0], np.cumsum(gcount)[:-1]])
     ptr = np.zeros(n_groups, dtype=np.int64)
@@ -212,6 +214,28 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
         ptr += take
     rest = [items[gstart[g] + ptr[g]: gstart[g] + gcount[g]] for g in range(n_groups) if ptr[g] < gcount[g]]
     return np.concatenate(rest) if rest else items[:0]
+
+
+def _lpt_open_rounds_single(costs: np.ndarray, items: np.ndarray, loads: np.ndarray, out: np.ndarray, target: float,
+                            max_rounds: int) -> np.ndarray:
+    """_lpt_open_rounds for one group of bins (items largest first): the same rounds without the per-group
+    bookkeeping (the image balancer's case, 16,384 encoder ranks: ~15 passes over every bin a round and a
+    three-key sort of the open ones, ~4 ms a step). The same bins for every item."""
+    ptr, n = 0, len(items)
+    for _ in range(max_rounds):
+        if ptr == n:
+            break
+        open_ = loads < target
+        if not open_.any():  # every bin overshot: all take part
+            open_[:] = True
+        cut = loads[open_].min() + costs[items[ptr]]  # within one (next) item of the lightest open bin
+        ob = np.flatnonzero(open_ & (loads <= cut))
+        ob = ob[np.argsort(loads[ob], kind="stable")][: n - ptr]  # lightest first, then by index
+        it = items[ptr: ptr + len(ob)]
+        out[it] = ob
+        loads[ob] += costs[it]  # one item per bin: what the bincount of the general rounds adds
+        ptr += len(ob)
+    return items[ptr:]
 
 
 def _repair_over_target(costs: np.ndarray, items: np.ndarray, out: np.ndarray, loads: np.ndarray,
