@@ -203,3 +203,32 @@ def test_planner_reports_a_registered_constructor_that_stops_talking(spec):
         fake.close(0)
         planner.close()
         ctx.destroy(0)
+
+
+def test_pre_encoded_frames_reach_the_peer_as_the_message_and_a_gone_peer_is_counted(spec):
+    """send_routed(frames=...) (the planner's batch-encoded plans): the peer decodes the message
+    wire.encode would have sent; a departed identity is undeliverable (False, counted), never raised."""
+    import numpy as np
+    ctx = zmq.Context()
+    planner = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"peer-1")
+    try:
+        peer.connect(planner.endpoint)
+        wire.send(peer, Kind.HEARTBEAT, {})
+        _pump(planner, lambda: False, 0.5)  # the ROUTER learns the identity
+        arrays = {"pos": np.arange(5, dtype=np.int64), "big": np.arange(40_000, dtype=np.int32)}  # one zero-copy size
+        frames = wire.encode_columns(Kind.PLAN_LOADER, [{"step": 3}], [wire.Column(n, a, [0, len(a)]) for n, a in arrays.items()])[0]
+        assert planner.send_routed(planner.sock, b"peer-1", Kind.PLAN_LOADER, {"step": 3}, frames=frames) is True
+        assert peer.poll(5000)
+        msg = wire.decode(peer.recv_multipart())
+        assert msg.kind == Kind.PLAN_LOADER and msg.meta == {"step": 3}
+        assert all(np.array_equal(msg.arrays[n], a) for n, a in arrays.items())
+        assert planner.send_routed(planner.sock, b"gone", Kind.PLAN_LOADER, {"step": 3}, frames=frames) is False
+        und = planner.m.registry.get_sample_value("mixplane_wire_bad_messages_total",
+                                                  {"component": "planner", "reason": "undeliverable"})
+        assert und >= 1
+    finally:
+        peer.close(0)
+        planner.close()
+        ctx.destroy(0)
