@@ -110,3 +110,19 @@ def test_validate_equals_steplayout_validate(seed):
         else:
             lay.seg_key = lay.seg_key[:-1]
     assert _error(lambda: layoutloop.validate(lay)) == _error(lay.validate)
+
+
+def test_warm_compiles_what_a_step_calls():
+    """layoutloop.warm() compiles the signatures a planned step uses (StepPlanner's pieces' dtypes): the first step
+    of a planner compiles nothing (a cold compile there would stall its socket for seconds)."""
+    from .planner_helpers import fill, make_spec
+    from mixplane.planner.core import StepPlanner
+
+    layoutloop.warm()
+    kernels = (layoutloop.gather, layoutloop.order_by_row, layoutloop._layout_faults)
+    before = {k: len(k.signatures) for k in kernels}
+    spec = make_spec(sources=3, replicas=1, rows=8, seq_len=128, window=16)
+    planner = StepPlanner(spec)
+    fill(planner)
+    planner.plan()
+    assert {k: len(k.signatures) for k in kernels} == before
