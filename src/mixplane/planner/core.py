@@ -51,9 +51,8 @@ class ReplicaWindow:
     Inside a StepPlanner the arrays are views of the planner's columnar store of every window
     (`WindowStore`): a step gathers, compacts and writes consumption back once for all windows, and
     `add` (one LOADER_META) detaches only its own window until the next step gathers it again. What
-    `add` takes is kept as pending chunks, joined to the arrays only when they are read (the store's
-    gather reads the chunks directly): one concatenation per column and step for all windows, not five
-    per LOADER_META."""
+    `add` takes is kept as pending chunks (in the store's staging area), joined to the arrays only when
+    they are read; the store's gather reads them where they are staged."""
 
     _i: int  # its index among the store's windows (set by the store)
 
@@ -288,8 +287,8 @@ class WindowStore:
     """Every window's samples in one set of columns (window by window, each in stream order), so that a
     step gathers, writes consumption back, compacts and takes cursors with a few vectorised passes
     instead of a Python call per window. The windows' arrays are views of these columns; a window
-    that took new samples since (`add`: one LOADER_META) is no longer `stored` and the next `sync`
-    gathers all of them again (one concatenation per column).
+    that took new samples since (`add`: one LOADER_META, staged here) is no longer `stored` and the
+    next `sync` gathers all of them again (one compiled pass).
 
     Each column lives in one of two buffers kept across steps: a gather writes into the other one (fresh
     multi-MB arrays every step cost more in page faults than the copies themselves), so a window's arrays
