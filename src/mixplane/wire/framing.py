@@ -238,20 +238,28 @@ def _wire_array(a: Any, name: str) -> np.ndarray:
     return a if dt is a.dtype else a.astype(dt, copy=False)
 
 
-def _column_parts(col: Column, n: int) -> tuple[str, list[int] | None, list[Any]]:
-    """(descriptor up to the shape's numbers, each message's item count (None: shared), each message's buffer)."""
+def _column_parts(col: Column, n: int, cuts: dict[tuple[int, int], tuple[np.ndarray, list[int], list[int]]]
+                  ) -> tuple[str, list[int] | None, list[Any]]:
+    """(descriptor up to the shape's numbers, each message's item count (None: shared), each message's buffer).
+    `cuts`: the batch's bounds checked and converted, per (id(bounds), item size) -- columns cut alike share them."""
     a = _wire_array(col.data, col.name)
     pre = f"[{_json_name(col.name)},{_wire_dtype(a.dtype, col.name)[1]},["
     if col.bounds is None:
         return f"{pre}{','.join(map(str, a.shape))}]]", None, [a if a.nbytes >= ZERO_COPY_MIN_BYTES else a.tobytes()] * n
     if a.ndim != 1:
         raise WireError(f"column {col.name!r}: only 1-d arrays are cut into messages (shape {a.shape})")
-    b = np.asarray(col.bounds, np.int64)
-    if len(b) != n + 1 or (n and (b[0] < 0 or b[-1] > len(a) or bool(np.any(b[1:] < b[:-1])))):
+    key = (id(col.bounds), a.dtype.itemsize)
+    got = cuts.get(key)
+    if got is None:
+        b = np.asarray(col.bounds, np.int64)
+        if len(b) != n + 1 or (n and (b[0] < 0 or bool(np.any(b[1:] < b[:-1])))):
+            raise WireError(f"column {col.name!r}: bounds do not cut {len(a)} items into {n} messages")
+        got = cuts[key] = (b, (b[1:] - b[:-1]).tolist(), (b * a.dtype.itemsize).tolist())
+    b, counts, offs = got
+    if n and b[-1] > len(a):
         raise WireError(f"column {col.name!r}: bounds do not cut {len(a)} items into {n} messages")
-    offs = (b * a.dtype.itemsize).tolist()
     mv = a.data.cast("B")
-    return pre, (b[1:] - b[:-1]).tolist(), [mv[lo:hi] for lo, hi in zip(offs[:-1], offs[1:])]
+    return pre, counts, [mv[lo:hi] for lo, hi in zip(offs[:-1], offs[1:])]
 
 
 def _descriptors(columns: Sequence[Column], parts: list[tuple[str, list[int] | None, list[Any]]], n: int) -> list[str]:
@@ -308,7 +316,8 @@ def encode_columns(kind: Kind, metas: Mapping[str, Any] | Sequence[Mapping[str, 
         texts = [_meta_text(kind, m) for m in metas]
     if not columns:
         return [encode(kind, m, checksum=checksum) for m in ([metas] * n if isinstance(metas, Mapping) else metas)]
-    parts = [_column_parts(c, n) for c in columns]
+    cuts: dict[tuple[int, int], tuple[np.ndarray, list[int], list[int]]] = {}
+    parts = [_column_parts(c, n, cuts) for c in columns]
     if not n:
         return []
     descr = _descriptors(columns, parts, n)
