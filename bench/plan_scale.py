@@ -73,7 +73,7 @@ from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
 from mixplane.planner.server import StepMetrics, tune_gc  # noqa: E402
 from mixplane.planner.routing import Fanout, constructor_columns, image_parts, image_routing, image_segments, loader_routes  # noqa: E402
-from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, window_fill_length  # noqa: E402
+from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_text_array, window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
 from mixplane.topology import constructor_groups, dp_ranks_of_group  # noqa: E402
@@ -245,7 +245,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         # PlannerServer._dispatch: cursor after, retire flags, loader instructions, constructor layouts
         t0 = clock()
         lay = plan.layout
-        cursor_after = planner.cursor()
+        cursor_after = planner.cursor_later()
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else planner.retired(p)
         seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
@@ -258,7 +258,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         t0 = clock()  # the frames, counted once the timer stopped (the server sends them instead)
         meta_l = {"session": 0, "step": lay.step, "released_through": -1}
         msg_l = wire.encode_columns(Kind.PLAN_LOADER, meta_l, per_loader.columns())
-        cursor = cursor_array(cursor_after)
+        cursor = cursor_text_array(cursor_after.json())
         extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
         base = lay.meta()
         metas = [{"session": 0, **base, "dp": dp, "dp_ranks": dps, **extra, "broadcast": list(plan.broadcast)}

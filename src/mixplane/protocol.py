@@ -329,7 +329,12 @@ ZIP_CURSOR_BYTES = 4096  # larger cursors travel deflated (zlib): 1,024 sources 
 
 def cursor_array(cursor: Mapping[str, Any]) -> Any:
     """The cursor as the uint8 array PLAN_CONSTRUCTOR carries: JSON, deflated when large."""
-    text = json.dumps(cursor, separators=(",", ":")).encode()
+    return cursor_text_array(json.dumps(cursor, separators=(",", ":")))
+
+
+def cursor_text_array(json_text: str) -> Any:
+    """cursor_array of the cursor whose compact JSON is `json_text` (the planner writes it without the dict)."""
+    text = json_text.encode()
     if len(text) > ZIP_CURSOR_BYTES:
         text = zlib.compress(text, 1)
     return np.frombuffer(text, np.uint8)

@@ -29,7 +29,7 @@ from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
 from mixplane.planner.recovery import LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
-from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array
+from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, cursor_text_array
 from mixplane.planner.routing import (Fanout, constructor_columns, image_parts, image_routing, image_segments,
                                       loader_routes)
 from mixplane.layout import layout_digest
@@ -550,7 +550,7 @@ class PlannerServer(Component, PartitionHosting):
     def _dispatch(self, plan: StepPlan) -> None:
         lay = plan.layout
         step = lay.step
-        cursor_after = self.core.cursor()
+        cursor_after = self.core.cursor_later()  # its JSON written straight from the windows' state (below)
         # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
         p = plan.pieces
         retired = plan.retired if plan.retired is not None else self.core.retired(p)
@@ -567,7 +567,7 @@ class PlannerServer(Component, PartitionHosting):
         if self.inflight.overflowed > overflowed:
             log.warning("step %d: planned steps kept for loader restarts exceed %d; the oldest is forgotten before "
                         "every constructor confirmed it", step, self.inflight.max_steps)
-        cursor = cursor_array(cursor_after)  # serialised once, referenced by every constructor's message
+        cursor = cursor_text_array(cursor_after.json())  # serialised once, referenced by every constructor's message
         self._remember_cursor(step + 1, cursor)
         peers = list(self.constructors.values())
         img = image_parts(lay, seg_of_img, self._dp_fanout, self._leader_fanout, len(self.groups), self._merge,
