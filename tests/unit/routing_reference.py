@@ -135,3 +135,38 @@ def old_constructor_images(layout: StepLayout, seg_of_img: np.ndarray, dp_fanout
         parts.append((img_idx[o], np.searchsorted(cons[o], cuts)))
     (a, ab), (b, bb) = parts
     return [np.union1d(a[ab[c]:ab[c + 1]], b[bb[c]:bb[c + 1]]) for c in range(n_constructors)]
+
+
+def constructor_layouts(layout: StepLayout, dp_ranks: list[list[int]],
+                        image_idx: list[np.ndarray] | None = None) -> list[StepLayout]:
+    """`layout.select_ranks(ranks)` for every constructor's DP ranks, in one pass: segments are listed by
+    row, hence by DP rank, so a rank's segments are one slice (a constructor of consecutive ranks gets
+    views, not copies). Per constructor this costs its own segments, not the whole step's.
+    `image_idx` (constructor_images): each constructor's images; default: every image of the step."""
+    rpr = layout.rows_per_rank
+    bounds = np.searchsorted(layout.seg_row, np.arange(layout.dp + 1, dtype=np.int64) * rpr).tolist()
+    names = ("seg_source", "seg_key", "seg_start", "seg_len")
+    out = []
+    for c, ranks in enumerate(dp_ranks):
+        d = sorted({int(x) for x in ranks})
+        if d and d == list(range(d[0], d[-1] + 1)):
+            sl = slice(bounds[d[0]], bounds[d[-1] + 1])
+            row = layout.seg_row[sl] - np.int32(d[0] * rpr)
+            cols = [getattr(layout, n)[sl] for n in names]
+        else:
+            idx = np.concatenate([np.arange(bounds[x], bounds[x + 1]) for x in d]) if d else np.zeros(0, np.int64)
+            remap = np.full(layout.dp, -1, np.int64)
+            remap[d] = np.arange(len(d))
+            r = layout.seg_row[idx].astype(np.int64)
+            row = remap[r // rpr] * rpr + r % rpr
+            cols = [getattr(layout, n)[idx] for n in names]
+        if image_idx is None:
+            img = (layout.img_source, layout.img_key, layout.img_rank, layout.img_patches)
+        else:
+            ii = image_idx[c]
+            img = (layout.img_source[ii], layout.img_key[ii], layout.img_rank[ii], layout.img_patches[ii])
+        out.append(StepLayout(layout.step, layout.seq_len, len(d), layout.microbatches, layout.rows_per_microbatch,
+                              layout.phase, layout.lr_scale, layout.generation, seg_row=row,
+                              seg_source=cols[0], seg_key=cols[1], seg_start=cols[2], seg_len=cols[3],
+                              img_source=img[0], img_key=img[1], img_rank=img[2], img_patches=img[3]))
+    return out

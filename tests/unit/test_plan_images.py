@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from mixplane.constructor.multimodal import encoder_offsets, encoder_shapes, fuse_batch
 from mixplane.constructor.server import encoder_leaders as constructor_leaders
 from mixplane.planner.core import StepPlanner
-from mixplane.planner.routing import (Fanout, constructor_layouts, image_offsets, image_parts, image_routing,
-                                     image_segments, loader_instructions)
+from mixplane.planner.routing import (Fanout, image_offsets, image_parts, image_routing, image_segments,
+                                     loader_instructions)
 from mixplane.topology import constructor_groups, dp_ranks_of_group, encoder_leaders
 
 from .planner_helpers import fill, make_spec
+from .routing_reference import constructor_layouts
 
 
 @settings(max_examples=60, deadline=None)

@@ -130,7 +130,7 @@ def test_retired_flags_match_a_per_window_check():
 
 
 def test_constructor_layouts_are_what_select_ranks_gives_each_constructor():
-    from mixplane.planner.routing import constructor_layouts
+    from tests.unit.routing_reference import constructor_layouts
 
     planner = StepPlanner(make_spec(sources=3, rows=24, seq_len=128, dp=6, microbatches=2, encoder=True))
     fill(planner, images=True)

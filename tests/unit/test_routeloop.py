@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from mixplane.layout import StepLayout
 from mixplane import wire
-from mixplane.planner.routing import (Fanout, ImageParts, constructor_columns, constructor_images, constructor_layouts,
-                                     loader_instructions, loader_routes)
+from mixplane.planner.routing import (Fanout, ImageParts, constructor_columns, constructor_images, loader_instructions,
+                                     loader_routes)
 
-from tests.unit.routing_reference import old_constructor_images, old_loader_instructions
+from tests.unit.routing_reference import constructor_layouts, old_constructor_images, old_loader_instructions
 
 
 def random_step(seed: int, *, dup_fanout: bool = False):

@@ -420,9 +420,8 @@ def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.
     rows = np.asarray(row_of_piece, dtype=np.int64)
     key = np.arange(n, dtype=np.int64) if within_row_key is None else np.asarray(within_row_key, dtype=np.int64)
     order = _row_order(rows, key)
-    img_mask = p.patches > 0
     if img_rank is None:
-        img_rank = vanilla_image_ranks(ctx.tree, rows[img_mask], ctx.microbatches * ctx.rows_per_microbatch)
+        img_rank = vanilla_image_ranks(ctx.tree, rows[p.patches > 0], ctx.microbatches * ctx.rows_per_microbatch)
     cols, o_img = layoutloop.gather_columns(order, rows, p.source, p.key, p.start, p.length, p.patches, img_rank)
     layout = StepLayout(
         step=ctx.step, seq_len=ctx.seq_len, dp=ctx.dp, microbatches=ctx.microbatches,

@@ -8,12 +8,10 @@ tests/unit/test_layoutloop.py compares it with the numpy version on random piece
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
-from mixplane.planner import selectloop  # noqa: F401  (names numba's cache directory before numba loads)
+from mixplane.planner import selectloop  # first: it names numba's cache directory before numba loads
 
 from numba import njit  # noqa: E402
 
@@ -124,22 +122,14 @@ def validate(layout: StepLayout) -> None:
         raise ValueError(f"step {layout.step}: a row holds more than seq_len={layout.seq_len} tokens")
 
 
-_warm_s: float | None = None
-
-
-def warm() -> float:
+@selectloop.warm_once
+def warm() -> None:
     """Compile (or load from numba's cache) the loop now, not in the first step; the seconds it took."""
-    global _warm_s
-    if _warm_s is not None:
-        return _warm_s
-    t0 = time.perf_counter()
     z = np.zeros(1, np.int64)  # the dtypes StepPlanner.select gives its pieces: a step compiles nothing
     gather_columns(z, z, np.zeros(1, np.int16), z, z, z + 1, z + 1, z)
     order_by_row(np.zeros(2, np.int64), np.arange(2, dtype=np.int64))
     one = np.ones(1, np.int64)
     validate(StepLayout(0, 1, 1, 1, 1, seg_row=one - 1, seg_source=one - 1, seg_key=one - 1, seg_start=one - 1, seg_len=one))
-    _warm_s = time.perf_counter() - t0
-    return _warm_s
 
 
 def gather_columns(order: np.ndarray, rows: np.ndarray, source: np.ndarray, key: np.ndarray, start: np.ndarray,

@@ -22,11 +22,9 @@ those, and tests/unit/test_routeloop.py compares both on random inputs.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from mixplane.planner import selectloop  # noqa: F401  (names numba's cache directory before numba loads)
+from mixplane.planner import selectloop  # first: it names numba's cache directory before numba loads
 
 from numba import njit  # noqa: E402
 
@@ -261,20 +259,12 @@ def image_offsets(img_rank: np.ndarray, img_patches: np.ndarray, merge: int, wor
     return _image_offsets(np.ascontiguousarray(img_rank), np.ascontiguousarray(img_patches), int(merge), int(world))
 
 
-_warm_s: float | None = None
-
-
-def warm() -> float:
+@selectloop.warm_once
+def warm() -> None:
     """Compile (or load from numba's cache) every loop here now, not in the first step; the seconds it took."""
-    global _warm_s
-    if _warm_s is not None:
-        return _warm_s
-    t0 = time.perf_counter()
     z = np.zeros(1, np.int64)
     off = np.array([0, 1], np.int64)
     route(z, np.zeros(1, np.int32), 1, np.zeros(1, np.int16), np.zeros(1, np.int32), np.ones(1, np.int32), z, z,
           np.zeros(1, np.uint8), off, np.zeros(1, np.int32), z, z, off, np.zeros(1, np.int32))
     image_lists(z, z, off, np.zeros(1, np.int32), off, np.zeros(1, np.int32), 1)
     image_offsets(np.zeros(1, np.int32), np.zeros(1, np.int32), 1, 1)
-    _warm_s = time.perf_counter() - t0
-    return _warm_s

@@ -26,9 +26,11 @@ inputs, byte for byte.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -537,16 +539,25 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     return o_cand, o_bin, o_start, o_len
 
 
-_warm_s: float | None = None
+def warm_once(compile_all: Callable[[], None]) -> Callable[[], float]:
+    """A loop module's `warm()`: compile_all() on the first call in a process (numba compiles, or loads from its
+    cache, before the first step needs it); the seconds that took, then that figure at once."""
+    took: list[float] = []
+
+    @functools.wraps(compile_all)
+    def warm() -> float:
+        if not took:
+            t0 = time.perf_counter()
+            compile_all()
+            took.append(time.perf_counter() - t0)
+        return took[0]
+
+    return warm
 
 
-def warm() -> float:
-    """Compile (or load from numba's cache) now, not in the first step; returns the seconds it took
-    (the first call in a process; later calls return that figure at once)."""
-    global _warm_s
-    if _warm_s is not None:
-        return _warm_s
-    t0 = time.perf_counter()
+@warm_once
+def warm() -> None:
+    """Compile (or load from numba's cache) every loop here now, not in the first step; the seconds it took."""
     for policy in POLICY:
         run(np.array([5, 3], np.int64), np.zeros(2, np.int64), np.array([0, 1, 2], np.int64), np.array([0.5, 0.5]),
             np.zeros(2), 5.0, 2.5, 2.5, unit_samples=False, truncate=False, seq_len=4, rows=2, policy=policy)
@@ -556,8 +567,6 @@ def warm() -> float:
     for gone in (None, np.zeros(1, np.bool_)):
         gather(block[:, :1], np.array([0, 1], np.int64), gone, np.zeros((5, 1), np.int64), np.array([[0, 0, 1]]), block[:, 1:])
     _warm_store()
-    _warm_s = time.perf_counter() - t0
-    return _warm_s
 
 
 # ---- the planner's window store: compaction ---------------------------------------------------------
