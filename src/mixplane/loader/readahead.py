@@ -242,7 +242,9 @@ class ReadAhead:
         self._bytes = 0
 
     def close(self) -> None:
-        self.evict_all()
+        self.evict_all()  # cancels every fetch not started yet
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # queued disk-cache writes still run: cancelling them (cancel_futures) lost the pages read last, and a
+            # restarted stream fetched them again over the network
+            self._pool.shutdown(wait=True)
             self._pool = None
