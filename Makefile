@@ -35,9 +35,12 @@ test-integration: $(STAMP) s3rver
 	$(PY) -m pytest tests/integration -q
 
 # etcd, kube-apiserver + kube-controller-manager 1.20.2 (built from Debian's source package, cached in
-# ~/.cache/mixplane/k8s-1.20.2; ~7 min cold), kubectl and prometheus for tests/k8s (apt-get: needs root, as CI is)
+# ~/.cache/mixplane/k8s-1.20.2; ~7 min cold), kubectl and prometheus for tests/k8s (apt-get: needs root, as CI is);
+# the node: kubelet, kube-scheduler, kube-proxy from the same tree, Debian's docker.io, and every image it runs built
+# here (scripts/k8s/images.sh: debootstrap base, pause, the project's Dockerfile, the trainer; ~6 min cold)
 k8s-tools:
-	bash scripts/k8s/build.sh
+	bash scripts/k8s/build.sh node
+	bash scripts/k8s/images.sh
 
 test-k8s: $(STAMP) k8s-tools
 	$(PY) -m pytest tests/k8s -q

@@ -3,7 +3,15 @@
 # Debian's `kubernetes` source package, plus etcd (etcd-server), kubectl (kubernetes-client) and Prometheus from
 # Debian binaries. Idempotent: the Go build is skipped when the cache already holds the binaries.
 # Why from source: Debian bookworm ships only the client; the server binaries come from the same source package.
+#
+#   build.sh          the control plane (what the control-plane-only tests need)
+#   build.sh node     + a node: kubelet, kube-scheduler, kube-proxy (same tree, +3.5 min), the pause binary (gcc -static
+#                     from the tree's build/pause/linux/pause.c) and Debian's docker.io, containerd, runc, tini,
+#                     iptables, conntrack, debootstrap (tests/k8s/cluster.py's node; images: scripts/k8s/images.sh)
 set -euo pipefail
+
+MODE="${1:-control-plane}"
+case "$MODE" in control-plane|node) ;; *) echo "usage: build.sh [node]" >&2; exit 2;; esac
 
 K8S_VERSION="${K8S_VERSION:-1.20.2}"
 HOME="${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}"
@@ -21,22 +29,31 @@ exec 9>"$CACHE/.lock"
 flock 9
 
 need_apt=()
-for p in etcd-server prometheus rsync golang-go golang-github-modern-go-reflect2-dev dpkg-dev; do
+pkgs=(etcd-server prometheus rsync golang-go golang-github-modern-go-reflect2-dev dpkg-dev)
+targets=(kube-apiserver kube-controller-manager)
+if [ "$MODE" = node ]; then
+  pkgs+=(docker.io containerd runc tini iptables nftables conntrack debootstrap gcc libc6-dev iproute2 openssl)
+  targets+=(kubelet kube-scheduler kube-proxy)
+fi
+for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 # kubectl: Debian's kubernetes-client, unless some kubectl is already on PATH (its package may own /usr/bin/kubectl).
 if ! command -v kubectl >/dev/null 2>&1; then need_apt+=(kubernetes-client); fi
 
 apt_updated=0
-apt_update() { if [ "$apt_updated" = 0 ]; then apt-get update -qq; apt_updated=1; fi; }
+apt_update() { if [ "$apt_updated" = 0 ]; then apt-get update -qq -o DPkg::Lock::Timeout=600; apt_updated=1; fi; }
 
 if [ "${#need_apt[@]}" -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   apt_update
-  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # (another apt may be running: wait for its lock rather than fail)
+  apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${need_apt[@]}" >/dev/null
 fi
 
-if [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ]; then
+missing=()
+for b in "${targets[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done
+if [ "${#missing[@]}" -eq 0 ] && { [ "$MODE" != node ] || [ -x "$BIN/pause" ]; }; then
   log "cached: $BIN"
   exit 0
 fi
@@ -87,10 +104,19 @@ export GO111MODULE="${GO111MODULE:-off}"
 export GOFLAGS="${GOFLAGS:-}"
 export KUBE_GIT_VERSION="v$K8S_VERSION" KUBE_GIT_TREE_STATE=clean
 cd "$GOPATH/src/k8s.io/kubernetes"
-log "make WHAT=cmd/kube-apiserver cmd/kube-controller-manager (go $(go env GOVERSION))"
-make WHAT="cmd/kube-apiserver cmd/kube-controller-manager"
-for b in kube-apiserver kube-controller-manager; do
-  f=$(find _output -type f -name "$b" -perm -u+x | head -1)
-  install -m 0755 "$f" "$BIN/$b"
-done
+if [ "${#missing[@]}" -gt 0 ]; then
+  what="${missing[*]/#/cmd/}"
+  log "make WHAT=$what (go $(go env GOVERSION))"
+  make WHAT="$what"
+  for b in "${missing[@]}"; do
+    f=$(find _output -type f -name "$b" -perm -u+x | head -1)
+    install -m 0755 "$f" "$BIN/$b"
+  done
+fi
+if [ "$MODE" = node ] && [ ! -x "$BIN/pause" ]; then
+  # the sandbox image's only binary, from the same tree (kubelet 1.20's default image is k8s.gcr.io/pause:3.2)
+  gcc -Os -static -DVERSION=v3.2-mixplane -o "$BIN/pause.tmp" build/pause/linux/pause.c
+  strip "$BIN/pause.tmp" 2>/dev/null || true
+  mv "$BIN/pause.tmp" "$BIN/pause"
+fi
 log "built: $(ls "$BIN")"

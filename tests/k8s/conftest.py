@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,18 @@ def k8s_cluster(tmp_path_factory) -> Iterator[Cluster]:
         c.stop()
 
 
+@pytest.fixture(scope="session")
+def k8s_node(tmp_path_factory) -> Iterator[Cluster]:
+    """A cluster with a real node (tests/k8s/node.py): dockerd, kubelet, scheduler, kube-proxy, cluster DNS, the
+    images built by scripts/k8s/images.sh; a cluster of its own, so the control-plane-only tests keep theirs."""
+    c = Cluster.start(tmp_path_factory.mktemp("k8snode"), node=True, timeout=180.0)
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert not c.restore_problems, c.restore_problems
+
+
 @pytest.fixture()
 def k8s_namespace(k8s_cluster: Cluster, request) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards (without waiting for its finalizers)."""
@@ -34,6 +47,21 @@ def k8s_namespace(k8s_cluster: Cluster, request) -> Iterator[str]:
         yield name
     finally:
         k8s_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture()
+def k8s_node_namespace(k8s_node: Cluster, request) -> Iterator[str]:
+    """A fresh namespace on the node's cluster (its default ServiceAccount there), deleted afterwards."""
+    base = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())[:40].strip("-")
+    name = f"n{next(_ns_counter)}-{base}".rstrip("-")
+    k8s_node.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 60
+    while k8s_node.kubectl("get", "sa", "default", "-n", name, check=False).returncode and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        yield name
+    finally:
+        k8s_node.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="session")
