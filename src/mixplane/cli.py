@@ -257,9 +257,10 @@ def cmd_handoff(args: argparse.Namespace) -> int:
     return 0
 
 
-def update_message(weights: list[str], step: int, lr_scale: float | None = None,
-                   temperature: float | None = None) -> dict[str, Any]:
-    """The UPDATE_MIXTURE request for `mixplane update`; bad input fails here, before reaching the planner."""
+def update_message(weights: list[str], step: int | None, lr_scale: float | None = None,
+                   temperature: float | None = None, update_id: str | None = None) -> dict[str, Any]:
+    """The weights-form UPDATE_MIXTURE request of `mixplane update --weight`; bad input fails here, before
+    reaching the planner. Without a step the planner takes the first step it has not planned."""
     import math
 
     parsed: dict[str, float] = {}
@@ -272,23 +273,78 @@ def update_message(weights: list[str], step: int, lr_scale: float | None = None,
         if not sep or not k or not (math.isfinite(w) and w >= 0):
             raise ValueError(f"--weight {kv!r}: expected SOURCE=W with W a finite number >= 0")
         parsed[k] = w
-    if step < 0:
+    if step is not None and step < 0:
         raise ValueError(f"--step must be >= 0, got {step}")
-    meta: dict[str, Any] = {"weights": parsed, "effective_step": step}
+    meta: dict[str, Any] = {"weights": parsed}
+    if step is not None:
+        meta["effective_step"] = step
     for name, x in (("lr_scale", lr_scale), ("temperature", temperature)):
         if x is None:
             continue
         if not (math.isfinite(x) and x > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {x}")
         meta[name] = x
+    if update_id is not None:
+        from mixplane.mixing import check_update_id
+
+        meta["update_id"] = check_update_id(update_id)
     return meta
+
+
+def mixture_update_message(path: str, update_id: str | None = None, step: int | None = None) -> dict[str, Any]:
+    """The whole-mixture UPDATE_MIXTURE request of `mixplane update --mixture FILE` (the embedded equivalent of a
+    `kubectl patch` of spec.mixture): FILE is a YAML or JSON mixture section, or a whole spec (a DataMixture
+    resource too) whose `mixture` is taken. Built by mixing.mixture_update_meta, as the operator does; without
+    an update id a new one is made (the same id sent again is acknowledged as a duplicate and changes nothing).
+    A file that is no mixture raises SpecError naming the file and field; the planner checks the rest (sources
+    named, temperature, phases) against the running spec."""
+    import uuid
+
+    from pydantic import ValidationError
+
+    from mixplane.mixing import mixture_update_meta
+    from mixplane.spec import MixtureSpec, Problem, SpecError, read_spec_document, unwrap_document
+
+    doc = read_spec_document(path)
+    if not isinstance(doc, dict):
+        raise SpecError([Problem("<root>", f"expected a mapping (a mixture section or a spec), got {type(doc).__name__}")], path)
+    where = ""
+    mixture: Any = doc
+    if "sources" in doc or ("spec" in doc and ("kind" in doc or "apiVersion" in doc)):
+        raw, prefix = unwrap_document(doc)
+        where = f"{prefix}.mixture" if prefix else "mixture"
+        mixture = raw.get("mixture") or {}
+    elif set(doc) == {"mixture"}:
+        where, mixture = "mixture", doc["mixture"] or {}
+    if not isinstance(mixture, dict):
+        raise SpecError([Problem(where or "<root>", f"expected a mapping, got {type(mixture).__name__}")], path)
+    try:
+        m = MixtureSpec.model_validate(mixture)
+    except ValidationError as e:
+        raise SpecError([Problem(".".join([where] * bool(where) + [str(x) for x in err["loc"]]) or "<root>", err["msg"])
+                         for err in e.errors()], path) from None
+    if step is not None and step < 0:
+        raise ValueError(f"--step must be >= 0, got {step}")
+    return mixture_update_meta(m, update_id if update_id is not None else f"cli-{uuid.uuid4().hex}", step)
 
 
 def cmd_update(args: argparse.Namespace) -> int:
     from mixplane.control import update_mixture
+    from mixplane.spec import SpecError
 
     try:
-        meta = update_message(args.weight, args.step, args.lr_scale, args.temperature)
+        if args.mixture:
+            if args.weight or args.lr_scale is not None or args.temperature is not None:
+                raise ValueError("--mixture carries the whole mixture: give no --weight, --lr-scale or --temperature")
+            meta = mixture_update_message(args.mixture, args.update_id, args.step)
+        elif not args.weight and args.lr_scale is None and args.temperature is None:
+            raise ValueError("nothing to update: give --mixture FILE, or --weight SOURCE=W / --lr-scale / --temperature")
+        else:
+            meta = update_message(args.weight, args.step, args.lr_scale, args.temperature, args.update_id)
+    except SpecError as e:
+        for p in e.problems:
+            print(f"mixplane update: {e.origin}: {p}", file=sys.stderr)
+        return EXIT_INVALID
     except ValueError as e:
         print(f"mixplane update: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -444,9 +500,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0)
     st.set_defaults(fn=cmd_status)
 
-    up = sub.add_parser("update", help="change mixture weights from a given step until the next scheduled phase (or the anneal)")
+    up = sub.add_parser("update", help="adopt a whole mixture section from a step on (--mixture FILE: weights, temperature, "
+                        "phases, anneal), or change weights until the next scheduled phase (--weight)")
     up.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
-    up.add_argument("--step", type=int, required=True)
+    up.add_argument("--step", type=int, help="first step of the change (default: the first step the planner has not planned)")
+    up.add_argument("--mixture", metavar="FILE", help="YAML/JSON mixture section, or a spec whose `mixture` is taken: "
+                    "the planner adopts it whole from --step on (a new generation; later phases at their steps)")
+    up.add_argument("--update-id", help="idempotency key: an id the planner acknowledged before is answered again "
+                    "(duplicate) and changes nothing (default with --mixture: a new id)")
     up.add_argument("--weight", action="append", default=[], metavar="SOURCE=W")
     up.add_argument("--lr-scale", type=float, help="learning-rate multiplier from --step on (finite, > 0)")
     up.add_argument("--temperature", type=float, help="mixture temperature from --step on (finite, > 0)")

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mixplane.spec import AnnealSpec, DataMixtureSpec, PhaseSpec, effective_base_weights
+from mixplane.spec import (AnnealSpec, DataMixtureSpec, MixtureSpec, PhaseSpec, Problem, SpecError,
+                           effective_base_weights, parse_spec)
 
 
 def apply_temperature(weights: np.ndarray, temperature: float) -> np.ndarray:
@@ -201,6 +203,63 @@ class MixtureSchedule:
         self.segments = segments
         if "temperature" in state:
             self.temperature = float(state["temperature"])
+
+
+# ---- live updates: the UPDATE_MIXTURE message of a whole mixture (issue 20) -------------------------------
+MAX_UPDATE_ID = 256  # characters of an update id
+
+
+def check_update_id(update_id: Any) -> str:
+    """An update id: a non-empty string of at most MAX_UPDATE_ID printable characters (ValueError otherwise)."""
+    if not isinstance(update_id, str) or not update_id or len(update_id) > MAX_UPDATE_ID or not update_id.isprintable():
+        raise ValueError(f"update_id must be a non-empty printable string of at most {MAX_UPDATE_ID} characters, "
+                         f"got {update_id!r:.80}")
+    return update_id
+
+
+def mixture_update_meta(spec_or_mixture: DataMixtureSpec | MixtureSpec | Mapping[str, Any], update_id: str,
+                        effective_step: int | None = None) -> dict[str, Any]:
+    """The UPDATE_MIXTURE request that makes a running planner adopt a whole mixture section (weights,
+    temperature, phases, anneal with their lr_scale) from a step on, as a new generation; one builder for
+    `mixplane update --mixture` and the operator (a `kubectl patch` of spec.mixture).
+
+    ``{"mixture": <the spec's mixture section, model_dump(mode="json")>, "update_id": str[, "effective_step": int]}``.
+    Without effective_step the planner takes the first step it has not planned; a step already planned is
+    refused (ERROR naming the planned-through step). The planner acknowledges an update id once: the same id
+    again is answered with the same generation and effective step and `"duplicate": true`, and changes nothing
+    (also after a planner restart). A mapping is checked against the mixture model (pydantic's ValueError);
+    the planner validates the rest (sources named, weights, temperature, phases) against its spec."""
+    if isinstance(spec_or_mixture, DataMixtureSpec):
+        mixture = spec_or_mixture.mixture
+    elif isinstance(spec_or_mixture, MixtureSpec):
+        mixture = spec_or_mixture
+    elif isinstance(spec_or_mixture, Mapping):
+        mixture = MixtureSpec.model_validate(dict(spec_or_mixture))
+    else:
+        raise TypeError(f"expected a DataMixtureSpec, a MixtureSpec or a mapping, got {type(spec_or_mixture).__name__}")
+    meta: dict[str, Any] = {"mixture": mixture.model_dump(mode="json"), "update_id": check_update_id(update_id)}
+    if effective_step is not None:
+        if isinstance(effective_step, bool) or not isinstance(effective_step, int) or effective_step < 0:
+            raise ValueError(f"effective_step must be an integer >= 0, got {effective_step!r}")
+        meta["effective_step"] = int(effective_step)
+    return meta
+
+
+def spec_with_mixture(spec: DataMixtureSpec, mixture: Any) -> DataMixtureSpec:
+    """`spec` with its mixture section replaced by `mixture` (a JSON mapping), validated as a whole spec:
+    SpecError with one problem per broken rule, named by field (``mixture.weights.x: unknown source 'x'``).
+    A running mixture keeps its sources (no weight may name another), its `seed` and its `unit`."""
+    if not isinstance(mixture, Mapping):
+        raise SpecError([Problem("mixture", f"expected a mapping, got {type(mixture).__name__}")], "update")
+    doc = spec.model_dump(mode="json")
+    doc["mixture"] = dict(mixture)
+    new = parse_spec(doc, origin="update")
+    problems = [Problem(f"mixture.{k}", f"cannot change in a running mixture ({getattr(spec.mixture, k)!r} -> "
+                                        f"{getattr(new.mixture, k)!r}); start a new run")
+                for k in ("seed", "unit") if getattr(new.mixture, k) != getattr(spec.mixture, k)]
+    if problems:
+        raise SpecError(problems, "update")
+    return new
 
 
 def slack(n_active: int) -> float:

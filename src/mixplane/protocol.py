@@ -64,7 +64,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.SEEK: Schema({"session": int, "cursor": dict}),
     Kind.STATUS: Schema(),
     Kind.STATUS_REPLY: Schema(),
-    Kind.UPDATE_MIXTURE: Schema({"weights": dict, "effective_step": int}),
+    Kind.UPDATE_MIXTURE: Schema(),  # `mixture` + `update_id` or `weights`: the planner checks it (StepPlanner.apply_update)
     Kind.ACK: Schema(),
     Kind.ERROR: Schema(),
     Kind.SHUTDOWN: Schema(),

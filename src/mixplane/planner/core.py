@@ -19,9 +19,10 @@ import numpy as np
 
 from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
-from mixplane.mixing import DeficitSampler, MixturePoint, MixtureSchedule, apply_temperature, insert_segment, slack
+from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, apply_temperature,
+                             check_update_id, slack, spec_with_mixture)
 from mixplane.protocol import WindowCursor, window_full
-from mixplane.spec import DataMixtureSpec
+from mixplane.spec import DataMixtureSpec, SpecError
 from mixplane.topology import ClientPlaceTree
 
 
@@ -672,6 +673,9 @@ class StepPlan:
         return self._cursor_before
 
 
+UPDATES_KEPT = 1024  # applied mixture updates (and acknowledged update ids) a planner remembers
+
+
 class StepPlanner:
     """Plans steps in order from full windows; holds the sampler and the windows."""
 
@@ -695,6 +699,10 @@ class StepPlanner:
         self.dp = self.tree.backbone.dp
         self.unit_samples = spec.mixture.unit == "samples"
         self._replicated = any(s.replicas > 1 for s in spec.sources)  # candidates() must merge replicas
+        # runtime mixture updates: the events applied, by generation (a rewind applies the newer ones again), and
+        # the acknowledged update ids (update_id -> {update_id, generation, effective_step}), oldest first
+        self.update_log: dict[int, dict[str, Any]] = {}
+        self.acked: dict[str, dict[str, Any]] = {}
 
     def window(self, source: int, replica: int) -> ReplicaWindow:
         try:
@@ -745,18 +753,130 @@ class StepPlanner:
 
     # -- runtime changes ----------------------------------------------------------------
     def update_mixture(self, weights: dict[str, float], effective_step: int, generation: int,
-                       lr_scale: float | None = None, temperature: float | None = None) -> dict[str, Any]:
-        """New weights from `effective_step` on (a new spec generation); returns the journal event.
-
-        Steps already planned cannot change: effective_step must be >= next_step.
-        """
+                       lr_scale: float | None = None, temperature: float | None = None, *,
+                       update_id: str | None = None) -> dict[str, Any]:
+        """New weights from `effective_step` on (a new spec generation) until the next scheduled boundary;
+        returns the journal event. Steps already planned cannot change: effective_step must be >= next_step."""
         planned_through = self.next_step - 1
         seg = self.schedule.update(weights, effective_step, generation, lr_scale,
                                    planned_through=planned_through, temperature=temperature)
         self.generation = max(self.generation, generation)
-        return {"event": "update", "generation": generation, "effective_step": int(effective_step),
-                "planned_through": planned_through, "weights": {k: float(v) for k, v in weights.items()},
-                "lr_scale": lr_scale, "temperature": temperature, "segment": seg.to_json()}
+        event = {"event": "update", "generation": generation, "effective_step": int(effective_step),
+                 "planned_through": planned_through, "weights": {k: float(v) for k, v in weights.items()},
+                 "lr_scale": lr_scale, "temperature": temperature, "segment": seg.to_json()}
+        return self._applied(event, update_id)
+
+    def adopt_mixture(self, mixture: Any, effective_step: int | None, generation: int, *,
+                      update_id: str | None = None) -> dict[str, Any]:
+        """A whole mixture section (weights, temperature, phases, anneal and their lr_scale: the JSON of the
+        spec's `mixture`) in force from `effective_step` (None: the first step not planned) as generation
+        `generation`: from that step on the schedule is MixtureSchedule of the spec with this mixture, later
+        phases at their own steps (MixtureSchedule.rebase). Returns the journal event. ValueError (SpecError
+        naming the field, or a step already planned) and nothing changes when it cannot be adopted."""
+        step = self.next_step if effective_step is None else int(effective_step)
+        new = spec_with_mixture(self.spec, mixture)
+        planned_through = self.next_step - 1
+        segs = self.schedule.rebase(new, step, generation, planned_through=planned_through)
+        self.generation = max(self.generation, generation)
+        event = {"event": "update", "generation": generation, "effective_step": step,
+                 "planned_through": planned_through, "mixture": new.mixture.model_dump(mode="json"),
+                 "segments": [g.to_json() for g in segs]}
+        return self._applied(event, update_id)
+
+    def apply_update(self, meta: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """An UPDATE_MIXTURE request (``mixture`` + ``update_id`` [+ ``effective_step``]: see
+        mixing.mixture_update_meta; or the weights form ``weights`` [+ ``lr_scale``, ``temperature``,
+        ``effective_step``, ``update_id``]) as the next generation. Returns (the journal event, False), or for
+        an update id applied before (the acknowledgment it got: update_id, generation, effective_step; True)
+        without changing anything. ValueError naming what is wrong otherwise (nothing changes)."""
+        uid = meta.get("update_id")
+        if uid is not None:
+            check_update_id(uid)
+            if uid in self.acked:
+                return dict(self.acked[uid]), True
+        step = meta.get("effective_step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"effective_step must be an integer, got {step!r:.40}")
+        if step is not None and step < 0:
+            raise ValueError(f"effective_step must be >= 0, got {step}")
+        generation = self.generation + 1
+        if "mixture" in meta:
+            extra = sorted({"weights", "lr_scale", "temperature"} & set(meta))
+            if extra:
+                raise ValueError(f"an update carries the whole `mixture` or `weights`, not both (also got {', '.join(extra)})")
+            try:
+                return self.adopt_mixture(meta["mixture"], step, generation, update_id=uid), False
+            except SpecError as e:
+                raise ValueError("; ".join(str(p) for p in e.problems)) from None
+        weights = meta.get("weights")
+        if not isinstance(weights, dict):
+            raise ValueError("an update carries `mixture` (the spec's whole mixture section) or `weights` (by source)")
+        parsed: dict[str, float] = {}
+        for k, v in weights.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"weights.{k}: expected a number, got {v!r:.40}")
+            parsed[str(k)] = float(v)
+        extras: list[float | None] = []
+        for name in ("lr_scale", "temperature"):
+            x = meta.get(name)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                raise ValueError(f"{name}: expected a number, got {x!r:.40}")
+            extras.append(None if x is None else float(x))
+        return self.update_mixture(parsed, self.next_step if step is None else step, generation, extras[0], extras[1],
+                                   update_id=uid), False
+
+    def apply_event(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Apply a journaled update event again (replay, recovery) where it was applied first: same generation,
+        effective step and result; returns the event as journaled now."""
+        return self._reapply(event)
+
+    def _reapply(self, event: dict[str, Any], *, rewind: bool = False) -> dict[str, Any]:
+        uid = event.get("update_id")
+        step, gen = int(event["effective_step"]), int(event["generation"])
+        if "mixture" in event:
+            try:
+                return self.adopt_mixture(event["mixture"], step, gen, update_id=uid)
+            except SpecError as e:
+                raise ValueError("; ".join(str(p) for p in e.problems)) from None
+        weights, lr, temp = event["weights"], event.get("lr_scale"), event.get("temperature")
+        if event.get("segment") is not None and rewind:
+            # a rewind: the segment as it was made (the full weights), not the weights relative to another schedule
+            seg = Segment.from_json(event["segment"])
+            weights, lr, temp = dict(zip(self.spec.source_names(), seg.weights)), seg.lr_scale, seg.temperature
+        return self.update_mixture({str(k): float(v) for k, v in weights.items()}, step, gen, lr, temp, update_id=uid)
+
+    def _applied(self, event: dict[str, Any], update_id: str | None) -> dict[str, Any]:
+        gen = int(event["generation"])
+        if update_id is not None:
+            event["update_id"] = update_id
+            self.acked.pop(update_id, None)
+            self.acked[update_id] = {"update_id": update_id, "generation": gen, "effective_step": int(event["effective_step"])}
+            while len(self.acked) > UPDATES_KEPT:
+                del self.acked[next(iter(self.acked))]
+        self.update_log.pop(gen, None)
+        self.update_log[gen] = event
+        while len(self.update_log) > UPDATES_KEPT:
+            del self.update_log[next(iter(self.update_log))]
+        return event
+
+    def remember_updates(self, events: list[dict[str, Any]]) -> None:
+        """Updates a predecessor applied (journal records, oldest first): their ids stay acknowledged and a
+        later rewind keeps the ones newer than its cursor; nothing is applied here (see apply_event)."""
+        for ev in events:
+            gen, uid = int(ev["generation"]), ev.get("update_id")
+            self.update_log.pop(gen, None)
+            self.update_log[gen] = dict(ev)
+            if isinstance(uid, str):
+                self.acked.pop(uid, None)
+                self.acked[uid] = {"update_id": uid, "generation": gen, "effective_step": int(ev["effective_step"])}
+        while len(self.update_log) > UPDATES_KEPT:
+            del self.update_log[next(iter(self.update_log))]
+        while len(self.acked) > UPDATES_KEPT:
+            del self.acked[next(iter(self.acked))]
+
+    def recent_updates(self, n: int = 32) -> list[dict[str, Any]]:
+        """The last `n` acknowledged update ids: {update_id, generation, effective_step}, oldest first."""
+        return [dict(a) for a in list(self.acked.values())[-n:]]
 
     def reconfigure(self, spec: DataMixtureSpec, generation: int) -> None:
         """Adopt a new spec generation's topology / batch / strategy options from next_step on (elastic
@@ -803,14 +923,19 @@ class StepPlanner:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"cursor's mixture state is malformed ({e})") from None
         kept: list[dict[str, Any]] = []
-        if keep_updates:
+        if keep_updates:  # applied again, in the order they were applied, on the cursor's schedule
             gen = max(seg.generation for seg in schedule.segments)
-            for seg in self.schedule.segments:
-                if seg.generation > gen and seg.start_step >= step:
-                    schedule.segments = insert_segment(schedule.segments, seg)
-                    kept.append({"event": "update", "generation": seg.generation, "effective_step": seg.start_step,
-                                 "planned_through": step - 1, "weights": dict(zip(self.spec.source_names(), seg.weights)),
-                                 "lr_scale": seg.lr_scale, "temperature": seg.temperature, "segment": seg.to_json()})
+            newer = [ev for g, ev in sorted(self.update_log.items()) if g > gen and int(ev["effective_step"]) >= step]
+            live, self.schedule, next_step = self.schedule, schedule, self.next_step
+            try:
+                self.next_step = step
+                for ev in newer:
+                    kept.append(self._reapply(ev, rewind=True))
+            except (KeyError, TypeError, ValueError) as e:
+                self.schedule = live
+                raise ValueError(f"a runtime update newer than the cursor cannot be kept ({e})") from None
+            finally:
+                self.next_step = next_step
         # all valid: commit
         self.next_step = step
         self.sampler = sampler

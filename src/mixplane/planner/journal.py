@@ -13,8 +13,10 @@ counters and the mixture schedule. So the journal does not store plans; it store
 * ``step``       — per planned step, ~150 bytes: generation, phase, lr_scale, per-source tokens and
                    samples (up to 64 sources; beyond, their totals: a step record stays ~200 bytes
                    at 1,024 sources), and a digest of the StepLayout (to verify a replay bit for bit);
-* ``update``     — a runtime mixture change: new weights, effective step, the step planned last when
-                   it arrived, the resulting schedule segment;
+* ``update``     — a runtime mixture change: its generation, effective step, the step planned last
+                   when it arrived, the update id when the sender gave one, and either the whole new
+                   ``mixture`` section (with the resulting ``segments``) or new ``weights`` (with
+                   ``lr_scale``, ``temperature`` and the resulting ``segment``);
 * ``spec``       — a new spec generation adopted from a step on (topology / batch changes);
 * ``resume``     — the planner rewound to a client's cursor (a new session);
 * ``recover``    — a restarted planner resumed its session from an earlier anchor's cursor (the journal
@@ -140,7 +142,7 @@ class Journal:
         self._write(step)
 
     def update(self, event: dict[str, Any]) -> None:
-        """A runtime mixture update, as returned by StepPlanner.update_mixture."""
+        """A runtime mixture update, as returned by StepPlanner.update_mixture / adopt_mixture / apply_update."""
         rec = dict(event)
         rec["event"] = "update"
         rec["session"] = self._session
@@ -318,8 +320,7 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
         ev = r["event"]
         if ev == "update":
             if planner.next_step <= int(r["effective_step"]):
-                planner.update_mixture(r["weights"], int(r["effective_step"]), int(r["generation"]),
-                                       r.get("lr_scale"), r.get("temperature"))
+                planner.apply_event(r)
         elif ev == "spec":
             new = parse_spec(r["spec"])
             if r.get("mode", "rebase") == "reconfigure":

@@ -12,7 +12,9 @@ planner on the same journal continues that session instead of starting over:
   loaders' announcements, which the loaders repeat after seeking to the anchor's window cursors — so
   every re-planned step is the one planned before (checked against the journaled digest);
 * :meth:`RecoveryState.updates_after` lists the journaled mixture updates the anchor's cursor does not
-  contain yet, each with the step before which it was applied the first time.
+  contain yet, each with the step before which it was applied the first time; ``history`` holds every update
+  of the journal (any session), so their update ids stay acknowledged (an update sent again after a restart
+  is a duplicate) and a later rewind keeps the ones newer than its cursor.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class RecoveryState:
     anchors: list[Anchor] = field(default_factory=list)
     digests: dict[int, str] = field(default_factory=dict)  # step -> digest of its newest record
     updates: list[dict[str, Any]] = field(default_factory=list)  # mixture updates of the session, one per generation
+    history: list[dict[str, Any]] = field(default_factory=list)  # every update of the journal (any session), newest record per generation
 
     def anchor(self, first_needed: int) -> Anchor:
         """The newest anchor at or before `first_needed` (the first step some constructor may miss)."""
@@ -79,6 +82,12 @@ def read_state(records: list[dict[str, Any]]) -> RecoveryState | None:
     start = records[start_i]
     session = int(start.get("session", 0))
     st = RecoveryState(session, start["cursor"], initial, int(start["step"]) - 1)
+    newest: dict[int, dict[str, Any]] = {}
+    for r in records:  # the ids of every update applied stay acknowledged across restarts and sessions
+        if r.get("event") == "update":
+            newest.pop(int(r["generation"]), None)
+            newest[int(r["generation"])] = r
+    st.history = list(newest.values())
     seen_gen: set[int] = set()
     for i in range(start_i, len(records)):
         r = records[i]

@@ -118,6 +118,7 @@ class StepMetrics:
         m.planner_sources.add_step(plan.tokens_by_source, plan.samples_by_source, probs, share, held)
 
 
+STATUS_UPDATES = 32  # acknowledged mixture updates listed in STATUS
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
@@ -516,20 +517,31 @@ class PlannerServer(Component, PartitionHosting):
                                         "spec": new.model_dump(mode="json")})
 
     def _update(self, identity: bytes, msg: wire.Message) -> None:
-        weights = msg.get("weights", dict)
-        step = msg.get("effective_step", int)
-        lr = msg.meta.get("lr_scale")
-        temperature = msg.meta.get("temperature")
+        """UPDATE_MIXTURE: a whole mixture (mixing.mixture_update_meta) or new weights from a step on, as the next
+        generation, journaled; an update id seen before is acknowledged again (``duplicate``) and changes nothing."""
+        uid = msg.meta.get("update_id")
+        known = isinstance(uid, str) and uid in self.core.acked
+        if not known and (self.recovering is not None or self.replay_updates or self.planned_through < self.recover_through):
+            self._send(identity, Kind.ERROR, {"error": "mixture update refused: the planner is recovering its session "
+                                              f"(re-planning through step {max(self.recover_through, self.planned_through)}); retry"})
+            return
         try:
-            event = self.core.update_mixture({str(a): float(b) for a, b in weights.items()}, step,
-                                             self.core.generation + 1, lr, temperature)
+            event, duplicate = self.core.apply_update(dict(msg.meta))
         except (ValueError, TypeError) as e:
             self._send(identity, Kind.ERROR, {"error": f"mixture update rejected: {e}"})
             return
-        if self.journal is not None:
-            self.journal.update(event)
-        log.info("mixture generation %d from step %d: %s", self.generation, step, weights)
-        self._send(identity, Kind.ACK, {"generation": self.generation, "effective_step": step, "phase": event["segment"]["phase"]})
+        step = int(event["effective_step"])
+        ack: dict[str, Any] = {"generation": int(event["generation"]), "effective_step": step, "duplicate": duplicate,
+                               "planned_through": self.planned_through}
+        if uid is not None:
+            ack["update_id"] = uid
+        if not duplicate:
+            if self.journal is not None:
+                self.journal.update(event)
+            ack["phase"] = self.core.schedule.at(step).phase
+            what = "mixture" if "mixture" in event else f"weights {event.get('weights')}"
+            log.info("mixture generation %d from step %d (update %s): %s", self.generation, step, uid, what)
+        self._send(identity, Kind.ACK, ack)
 
     # -- planning -----------------------------------------------------------------------
     def try_plan(self) -> int:
@@ -621,6 +633,8 @@ class PlannerServer(Component, PartitionHosting):
             **self.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
             "incarnation": self.incarnation, "recovering": self.recovering is not None,
             "recover_through": self.recover_through,
+            # the mixture updates acknowledged (newest last): update_id, generation, effective_step
+            "updates": self.core.recent_updates(STATUS_UPDATES),
         }
 
     # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------
@@ -649,6 +663,7 @@ class PlannerServer(Component, PartitionHosting):
         self.session_start = json.loads(json.dumps(st.session_start))
         self.initial_cursor = json.loads(json.dumps(st.initial_cursor))
         self.core.restore(st.session_start)
+        self.core.remember_updates(st.history)  # their ids stay acknowledged; the newer ones are applied by _recover
         self.core.generation = max(self.core.generation, cursor_generation(st.session_start))
         # partition epochs continue above any its predecessor handed out (they are not journaled): loader
         # messages of the old incarnation's epochs are fenced, those of the re-adopted partitions are not
@@ -750,8 +765,7 @@ class PlannerServer(Component, PartitionHosting):
         """Journaled mixture updates newer than the recovery anchor, applied where they were applied first."""
         while self.replay_updates and self.replay_updates[0][0] <= self.core.next_step:
             _, u = self.replay_updates.pop(0)
-            event = self.core.update_mixture({str(a): float(b) for a, b in u["weights"].items()}, int(u["effective_step"]),
-                                             int(u["generation"]), u.get("lr_scale"), u.get("temperature"))
+            event = self.core.apply_event(u)
             if self.journal is not None:
                 self.journal.update(event)
 
