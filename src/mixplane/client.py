@@ -426,20 +426,27 @@ class MixtureLoader:
                                    if isinstance(silent, dict) else {})
             return
         if msg.kind == Kind.ERROR:
+            step = msg.meta.get("step")
             if msg.meta.get("released") is True:
                 sess = msg.meta.get("session")
                 if isinstance(sess, int) and sess < self._session:
                     return  # an answer from before this rank's rewind: it asked again since
-                if self._rejoined is not None:
-                    self._rewind()
+                if not isinstance(step, int) or step not in self._inflight or step in self._early:
+                    return  # an answer to a request this rank no longer waits for
+                cur = self._rejoined if self._rejoined is not None else self._own_cursor()
+                if cur is not None:
+                    # the step this rank needs is no longer held (it rejoined behind the others, or delivery was
+                    # rewound past it): delivery restarts from this rank's own state, the others ask again
+                    self._rewind(cur)
                     return
             if msg.meta.get("retry"):
-                # delivery restarted (another rank resumed): ask again for what is in flight
-                pending = list(self._inflight)
-                self._inflight.clear()
-                self._early.clear()
-                for s in pending:
-                    self._ask(s)
+                # delivery restarted (another rank rolled back): the steps already here are the same steps (same
+                # plan from the same cursor), so only what has not arrived is asked for again
+                again = ([step] if isinstance(step, int) else list(self._inflight))
+                again = [s for s in again if s in self._inflight and s not in self._early]
+                if again:
+                    self._ask_again(again)
+                    self.re_requests += len(again)
                 return
             raise DeliveryError(f"rank {self.rank}: {where}: {msg.meta.get('error')}")
         if msg.kind != Kind.STEP_DATA:
@@ -481,11 +488,19 @@ class MixtureLoader:
         self._cursor = msg.meta.get("cursor_after")
         return self._to_tensors(msg, step)
 
-    def _rewind(self) -> None:
-        """The rank rejoined a running session but its constructor no longer holds its next step: ask the
-        planner to rewind delivery to this rank's state (a new session; every rank re-asks)."""
-        cur, self._rejoined = self._rejoined, None
-        assert self._planner is not None and cur is not None
+    def _own_cursor(self) -> dict[str, Any] | None:
+        """The cursor of this rank's next step (after the last step it received), when it has one."""
+        cur = self._cursor
+        if isinstance(cur, dict) and cur.get("step") == self.next_step:
+            return cur
+        return None
+
+    def _rewind(self, cur: dict[str, Any]) -> None:
+        """The rank's next step is no longer held by its constructor (it rejoined a running session behind the
+        others, or delivery was rewound past it): ask the planner to restart delivery at this rank's state (a
+        new session; every rank asks again for what it has not received, nobody's steps change)."""
+        self._rejoined = None
+        assert self._planner is not None
         meta: dict[str, Any] = {"cursor": cur, "rank": self.rank, "rewind": True}
         attempt = resume_attempt()
         if attempt is not None:
@@ -495,11 +510,9 @@ class MixtureLoader:
             raise DeliveryError(f"rank {self.rank}: unexpected {ack.kind.name} to resume")
         if isinstance(ack.meta.get("session"), int):
             self._session = ack.meta["session"]
-        pending = list(self._inflight)
-        self._inflight.clear()
-        self._early.clear()
-        for s in pending:
-            self._ask(s)
+        again = [s for s in self._inflight if s not in self._early]
+        if again:
+            self._ask_again(again)
 
     def _why_waiting(self, timeout_s: float = 2.0) -> str:
         """What the planner says the data plane waits for (components gone silent, loader windows not

@@ -147,6 +147,9 @@ class ConstructorServer(PlannerFollower):
         # rank -> last step handed to its socket: what releases steps and bounds requests, so requests
         # from peers that vanish (or claim a rank) cannot make a constructor drop steps a rank still needs
         self.delivered: dict[int, int] = {}
+        # rank -> the furthest step ever handed to it, across sessions: a rewind (another rank rolled back) resets
+        # `delivered`, but a rank that keeps running still asks up to its look-ahead past this (never refused)
+        self.served_high: dict[int, int] = {}
         self.start_step = 0
         self.released_through = -1
         self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
@@ -187,7 +190,7 @@ class ConstructorServer(PlannerFollower):
         # requests of the old session cannot be answered any more; clients re-request
         for ident, step, _rank, _ in self.pending:
             self._to_client(ident, Kind.ERROR, {"error": "delivery restarted (resume); request again", "step": step,
-                                                "retry": True})
+                                                "retry": True, "session": session})
         self.pending.clear()
 
     # -- planner / loader messages (one handler per kind; the component base checks schema and role) ------
@@ -426,6 +429,7 @@ class ConstructorServer(PlannerFollower):
         if not sent:
             return True
         self.delivered[rank] = max(self.delivered.get(rank, self.start_step - 1), step)
+        self.served_high[rank] = max(self.served_high.get(rank, -1), step)
         self.m.constructor_bytes_sent.inc(sum(a.nbytes for a in arrays.values()))
         self.m.constructor_client_wait_seconds.observe(time.monotonic() - since)
         return True
@@ -452,11 +456,15 @@ class ConstructorServer(PlannerFollower):
                                                 "session": self.session})
             return
         if step < self.start_step:
-            self._to_client(ident, Kind.ERROR, {"error": f"step {step} is before this session's first step {self.start_step}", "step": step})
+            # not held here (delivery was rewound past it): a rank that rejoined resumes with a rewind
+            self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is before this session's first step "
+                                                f"{self.start_step}", "step": step, "released": True,
+                                                "session": self.session})
             return
-        # a client asks at most prefetch + 1 steps past what it received
-        horizon = (max(max(self.delivered.values(), default=self.start_step - 1), self.planned_seen) + self.prefetch + 1
-                   + self.spec.runtime.max_lead_steps)
+        # a client asks at most its look-ahead past what it received (in this session or, for a rank that kept
+        # running through another rank's rewind, before it)
+        horizon = (max(max(self.delivered.values(), default=self.start_step - 1), self.served_high.get(rank, -1),
+                       self.planned_seen) + self.prefetch + 1 + self.spec.runtime.max_lead_steps)
         if step > horizon:  # clients ask in order: a far-future step is a bug or garbage, not a prefetch
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name}: step {step} is more than max_lead_steps "
                                                 f"({self.spec.runtime.max_lead_steps}) ahead of what ranks asked for", "step": step})

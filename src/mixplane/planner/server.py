@@ -425,6 +425,8 @@ class PlannerServer(Component, PartitionHosting):
         self.session_start = json.loads(json.dumps(cursor))
         self.session_attempt = attempt
         self.cursor_digests.clear()
+        # another rank resuming at this very point (every rank of a restarted job) rejoins this session
+        self._remember_cursor(int(cursor["step"]), cursor_array(cursor))
         self.need_through = -1
         self.need_by.clear()
         self.complete_by.clear()
