@@ -274,6 +274,7 @@ class HandoffMetrics:
     partitions_hosted: Gauge  # loader host: partitions it serves as primary
     partitions_shadowed: Gauge  # loader host: partitions it keeps warm as a shadow
     warm_samples: Counter  # loader: samples a seek kept (already read and transformed) instead of reading again
+    without_host: Gauge  # planner: partitions no live loader host serves (primary silent, no live shadow)
 
 
 def handoff_metrics(m: Metrics) -> HandoffMetrics:
@@ -287,4 +288,7 @@ def handoff_metrics(m: Metrics) -> HandoffMetrics:
         partitions_shadowed=Gauge("mixplane_loader_host_shadows", "Partitions this loader host keeps warm as a shadow", registry=r),
         warm_samples=Counter("mixplane_loader_warm_samples_total",
                              "Samples a seek kept from what was already read (shadow promotion, replay)", ["source"], registry=r),
+        without_host=Gauge("mixplane_partitions_without_host",
+                           "Partitions no live loader host serves: the primary is silent and no live shadow could take "
+                           "over; delivery of their steps waits for a restart or another host", registry=r),
     )

@@ -70,6 +70,32 @@ def test_shadows_are_promoted_when_the_primary_is_silent_and_the_old_primary_bec
     assert [(m.key, m.to, m.mode) for m in again] == [(A0, "p", "shadow")] and t[A0].shadows == ["p"]
 
 
+def test_only_a_fresh_shadow_is_promoted_and_a_partition_without_one_waits_for_a_host():
+    t = table(shadows=1)
+    up, fresh = {"p", "s"}, {"p", "s"}
+    t.register(Host("p", (A0,)), up.__contains__)
+    t.register(Host("s", (A0,), shadow=True), up.__contains__)
+    assert t.without_host(up.__contains__) == [A1, B0]  # never assigned
+    # the primary died and its shadow 57 ms later: still inside the failover window, but not heard for two beats
+    up.discard("p")
+    fresh.discard("p")
+    fresh.discard("s")
+    assert t.failover(lambda h: h not in up, fresh.__contains__) == []
+    assert t[A0].host == "p" and A0 in t.without_host(up.__contains__)
+    up.discard("s")  # silent past the window too: nothing to promote, the partition waits
+    assert t.failover(lambda h: h not in up, fresh.__contains__) == []
+    # the shadow was alive after all (a late beat): promoted once heard again
+    up.add("s")
+    fresh.add("s")
+    assert [(m.key, m.to) for m in t.failover(lambda h: h not in up, fresh.__contains__)] == [(A0, "s")]
+    assert A0 not in t.without_host(up.__contains__)
+    # both gone again: the restarted primary takes it back (register), the partition has a host
+    up.discard("s")
+    up.add("p")
+    back = t.register(Host("p", (A0,)), up.__contains__)
+    assert [(m.key, m.to, m.mode) for m in back] == [(A0, "p", "primary")] and A0 not in t.without_host(up.__contains__)
+
+
 def test_a_resumed_zombie_is_given_the_shadow_slot_and_a_shadow_never_takes_a_free_partition():
     t = table(shadows=1)
     up = {"p", "s"}

@@ -56,7 +56,7 @@ class LoaderHost(PlannerFollower):
         # SIGSTOP) falls silent at once, while a long tokenizer call in the loop does not look like death
         # (the planner gives a stuck loop a longer budget, planner.hosting)
         self.beat_interval_s = float(getattr(spec.runtime, "failover_after_s", 1.0)) / FAILOVER_BEATS
-        self.loop_turn = time.monotonic()
+        self.loop_turn: float | None = time.monotonic()  # None while an ADOPT is being carried out
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self.planner = self.ctx.socket(zmq.DEALER)
@@ -110,6 +110,15 @@ class LoaderHost(PlannerFollower):
         log.error("%s: the planner refused this host: %s", self.name, msg.meta.get("error"))
 
     def _on_adopt(self, _: bytes, msg: wire.Message) -> None:
+        # opening a partition and filling its window (a cold start, a promotion) is this host's work, not a hung
+        # loop: the loop's clock counts from when it is done (the planner's stall rule, planner.hosting)
+        self.loop_turn = None
+        try:
+            self._adopt(msg)
+        finally:
+            self.loop_turn = time.monotonic()
+
+    def _adopt(self, msg: wire.Message) -> None:
         key = (msg.get("source", int), msg.get("replica", int))
         epoch, mode = msg.get("epoch", int), msg.get("mode", str)
         ld = self._open(key)
@@ -161,8 +170,9 @@ class LoaderHost(PlannerFollower):
         try:
             while not self._beat_stop.wait(self.beat_interval_s):
                 try:
+                    turn = self.loop_turn
                     wire.send(sock, Kind.HEARTBEAT, {"host": self.host_name,
-                                                     "loop_s": round(time.monotonic() - self.loop_turn, 3)},
+                                                     "loop_s": 0.0 if turn is None else round(time.monotonic() - turn, 3)},
                               flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # the planner is away or slow: its own liveness check reports that
@@ -170,6 +180,7 @@ class LoaderHost(PlannerFollower):
             sock.close(0)
 
     def run(self, *, max_seconds: float | None = None) -> None:
+        self.loop_turn = time.monotonic()  # liveness counts from readiness: opening the partitions is start-up
         self._beat_thread = threading.Thread(target=self._beat, name="host-beat", daemon=True)
         self._beat_thread.start()
         try:

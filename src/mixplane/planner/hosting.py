@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +35,8 @@ FAILOVER_CHECK_S = 0.05  # how often silent primaries are looked for (the detect
 RETIRED_KEEP_S = 300.0  # old servers of moved partitions are remembered (and told to release) this long
 FOLLOW_EVERY_S = 0.2  # shadows learn where their primary stands at most this often
 RESHADOW_EVERY_S = 0.5  # how often partitions short of shadows look for a host to keep one
+FRESH_BEATS = 2  # a shadow is promoted only if heard from within this many of its beats (failover_after_s / 4 each)
+DEAF_GAP_BEATS = 1  # a planner loop turn longer than this many host beats is time the planner did not listen
 
 
 class PartitionHosting:
@@ -83,6 +86,12 @@ class PartitionHosting:
         self._next_follow = 0.0
         self._next_reshadow = 0.0
         self._next_failover = 0.0
+        # when the planner's own loop did not turn (a long plan, a re-plan after a restart, no CPU): a host is
+        # failed over for the beats *it* missed, not for the ones the planner was too busy to read
+        self._deaf: deque[tuple[float, float]] = deque(maxlen=64)
+        self._last_turn: float | None = None
+        self._hostless: set[PartitionKey] = set()
+        self._hosting_started = False
 
     def partition_name(self, key: PartitionKey) -> str:
         return f"{self.names[key[0]]}:{key[1]}"
@@ -93,13 +102,32 @@ class PartitionHosting:
                              self.members.silent_for(protocol.host_identity(host))) if t is not None]
         return min(times) if times else None
 
-    def host_alive(self, host: str) -> bool:
-        """Heard from within runtime.failover_after_s (dead or SIGSTOPped processes fall silent at once), and
-        its poll loop turned within LOOP_STALL_FACTOR times that (a loop stuck in one call is hung too)."""
+    def host_missed_s(self, host: str) -> float | None:
+        """How long the host has been silent while the planner listened: its silence less the stretches in
+        which the planner's own loop did not turn (its beats may be waiting unread, not missing)."""
         quiet = self.host_silent_s(host)
+        if quiet is None or not self._deaf:
+            return quiet
+        now = time.monotonic()
+        since = now - quiet
+        deaf = sum(max(0.0, min(b, now) - max(a, since)) for a, b in self._deaf if b > since)
+        return max(0.0, quiet - deaf)
+
+    def host_alive(self, host: str) -> bool:
+        """Heard from within runtime.failover_after_s of the planner listening (dead or SIGSTOPped processes fall
+        silent at once), and its poll loop turned within LOOP_STALL_FACTOR times that (a loop stuck in one call is
+        hung too; the host counts its loop from its readiness, planner.hosting's beats)."""
+        quiet = self.host_missed_s(host)
         if host not in self.host_ids or quiet is None or quiet > self.failover_after_s:
             return False
         return self.host_loop_s.get(host, 0.0) <= max(LOOP_STALL_MIN_S, LOOP_STALL_FACTOR * self.failover_after_s)
+
+    def host_fresh(self, host: str) -> bool:
+        """Alive and heard from within FRESH_BEATS of its beats: what a shadow must be to be promoted (a shadow
+        that died a moment after its primary is still 'alive' when the primary's silence crosses the window)."""
+        quiet = self.host_missed_s(host)
+        return (self.host_alive(host) and quiet is not None
+                and quiet <= FRESH_BEATS * self.failover_after_s / 4)
 
     def on_host_beat(self, msg: Message) -> None:
         host, age = msg.meta.get("host"), msg.meta.get("loop_s")
@@ -109,6 +137,8 @@ class PartitionHosting:
     def hosting_status(self) -> dict[str, Any]:
         st = self.partitions.status(self.names, self.host_alive, self.host_silent_s)
         st["handoffs"] = self.handoff_log[-20:]
+        # partitions no live host serves (their steps wait): STATUS and mixplane_partitions_without_host
+        st["without_host"] = [self.partition_name(k) for k in self.hostless()]
         return st
 
     # -- messages -----------------------------------------------------------------------------------------
@@ -243,6 +273,9 @@ class PartitionHosting:
     def hosting_tick(self, now: float) -> None:
         """Promote shadows of silent primaries, find shadows for partitions short of them, and tell shadows
         where their primaries stand."""
+        if self._last_turn is not None and now - self._last_turn > DEAF_GAP_BEATS * self.failover_after_s / 4:
+            self._deaf.append((self._last_turn, now))  # the loop did not turn: nothing was read meanwhile
+        self._last_turn = now
         if now < self._next_failover:  # the planner loop turns often: look at most every FAILOVER_CHECK_S
             return
         self._next_failover = now + FAILOVER_CHECK_S
@@ -250,13 +283,14 @@ class PartitionHosting:
         def silent(h: str) -> bool:
             return not self.host_alive(h)
 
-        for m in self.partitions.failover(silent):
+        for m in self.partitions.failover(silent, self.host_fresh):
             quiet = self.host_silent_s(m.previous or "")
             log.warning("loader host %s silent for %s s: promoting shadow %s for partition %s", m.previous,
                         "?" if quiet is None else f"{quiet:.2f}", m.to, self.partition_name(m.key))
             self.apply_move(m, "failover")
         if now >= self._next_reshadow:
             self._next_reshadow = now + RESHADOW_EVERY_S
+            self._note_hostless()
             for old in [i for i, (_, _, t) in self.retired_loaders.items() if now - t > RETIRED_KEEP_S]:
                 del self.retired_loaders[old]  # bounded: an old server silent this long is gone
             for m in self.partitions.wanted_shadows(self.host_alive):
@@ -272,6 +306,33 @@ class PartitionHosting:
                     if ident is not None and self._followed.get((key, h)) != cur["low"]:
                         self._followed[(key, h)] = cur["low"]
                         self._send(ident, Kind.FOLLOW, {"source": key[0], "replica": key[1], "cursor": cur})
+
+    def _note_hostless(self) -> None:
+        """Partitions that lost their host with no live shadow to take over: logged once, counted in the gauge;
+        their steps wait for a restart of the host or another one (register)."""
+        now = set(self.hostless())
+        if not self._hosting_started:  # before every partition was served once it is start-up, not a loss
+            self._hosting_started = not now
+            return
+        for key in sorted(now - self._hostless):
+            a = self.partitions.parts[key]
+            quiet = self.host_silent_s(a.host) if a.host else None
+            log.warning("partition %s is without a host: %s, no live shadow (%s); its steps wait for a restart of "
+                        "the host or another host", self.partition_name(key),
+                        "never assigned" if a.host is None else f"host {a.host} silent for "
+                        + ("?" if quiet is None else f"{quiet:.2f} s"),
+                        ", ".join(f"{h} silent for {q:.2f} s" if (q := self.host_silent_s(h)) is not None else h
+                                  for h in a.shadows) or "none")
+        for key in sorted(self._hostless - now):
+            a = self.partitions.parts[key]
+            log.warning("partition %s has a host again: %s", self.partition_name(key), a.host)
+        self._hostless = now
+        self.hm.without_host.set(len(now))
+
+    def hostless(self) -> list[PartitionKey]:
+        """Partitions no live host serves (a loader started without a host, outside the table, counts as one)."""
+        return [k for k in self.partitions.without_host(self.host_alive)
+                if not (self.partitions.parts[k].host is None and k in self.loaders)]
 
     def hosts_watched(self) -> dict[str, str]:
         """Peer names of the hosts' beat threads, for the planner's silence report (STATUS `silent`)."""

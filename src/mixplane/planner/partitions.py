@@ -146,23 +146,43 @@ class PartitionTable:
             if host in a.shadows:
                 a.shadows.remove(host)
 
-    def failover(self, silent: Callable[[str], bool]) -> list[Move]:
-        """Promote a live shadow of every partition whose primary host is silent (dead or hung)."""
+    def failover(self, silent: Callable[[str], bool], fresh: Callable[[str], bool] | None = None) -> list[Move]:
+        """Promote a shadow of every partition whose primary host is silent (dead or hung) -- only a shadow
+        that is `fresh` (heard from recently: by default, not silent). A partition with no fresh shadow keeps
+        its silent primary and waits (:meth:`without_host`): for a shadow that beats again, a restart of the
+        primary or another host (:meth:`register`)."""
         moves = []
         quiet: dict[str, bool] = {}  # one liveness look per host, not per partition
+        recent: dict[str, bool] = {}
 
         def is_silent(h: str) -> bool:
             if h not in quiet:
                 quiet[h] = silent(h)
             return quiet[h]
 
+        def is_fresh(h: str) -> bool:
+            if h not in recent:
+                recent[h] = not is_silent(h) and (fresh is None or fresh(h))
+            return recent[h]
+
         for key, a in sorted(self.parts.items()):
             if a.host is None or not a.shadows or not is_silent(a.host):
                 continue
-            live = [h for h in a.shadows if not is_silent(h)]
+            live = [h for h in a.shadows if is_fresh(h)]
             if live:
                 moves.append(self._assign(key, live[0]))
         return moves
+
+    def without_host(self, alive: Callable[[str], bool]) -> list[PartitionKey]:
+        """Partitions no live host serves: never assigned, or their primary is silent and no shadow took over."""
+        seen: dict[str, bool] = {}
+        out = []
+        for key, a in sorted(self.parts.items()):
+            if a.host is not None and a.host not in seen:
+                seen[a.host] = alive(a.host)
+            if a.host is None or not seen[a.host]:
+                out.append(key)
+        return out
 
     def wanted_shadows(self, alive: Callable[[str], bool]) -> list[Move]:
         """Give every partition with fewer than `shadows_wanted` live shadows one more, from the live hosts
