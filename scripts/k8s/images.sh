@@ -9,8 +9,9 @@
 #                             when /opt/wheels has it, else torch from PyPI) for the end-to-end trainer pods
 #
 # Images live in a Docker data-root of their own, ~/.cache/mixplane/docker (the node's dockerd uses the same one;
-# ~/.cache/mixplane/docker.lock keeps the two apart). Without a dockerd running on it this script starts one
-# (no bridge, no iptables, its own exec-root and pidfile) and stops it by pid. Idempotent: debootstrap runs once
+# ~/.cache/mixplane/docker.lock keeps the two apart). It starts a dockerd of its own on it (no bridge, no iptables,
+# its own exec-root and pidfile) and stops it by pid. (Not the test node's dockerd: its builds could not reach the
+# package index, by the node's network discipline.) Idempotent: debootstrap runs once
 # (its tarball is cached), `docker build` reuses its layers.
 #   MIXPLANE_IMAGES="base pause project trainer"  which to build (default all)
 set -euo pipefail
@@ -42,8 +43,8 @@ if ! [ -x /usr/sbin/dockerd ] || ! [ -x /usr/sbin/debootstrap ] || { want pause 
 fi
 
 mkdir -p "$IMG_CACHE" "$DATA_ROOT"
-exec 8>"$HOME/.cache/mixplane/docker.lock"
-flock 8
+exec 7>"$IMG_CACHE/.lock"  # one build of the cache at a time
+flock 7
 
 # ---- the base rootfs (no dockerd needed) ----
 if want base && [ ! -f "$IMG_CACHE/base.tar" ]; then
@@ -76,7 +77,7 @@ if want base && [ ! -f "$IMG_CACHE/base.tar" ]; then
   log "base rootfs: $(du -h "$IMG_CACHE/base.tar" | cut -f1) in $(( $(date +%s) - t0 )) s"
 fi
 
-# ---- a dockerd on the cache's data-root, unless the caller gave one ----
+# ---- a dockerd of our own on the cache's data-root ----
 RUN=""
 stop_dockerd() {
   [ -n "$RUN" ] || return 0
@@ -90,22 +91,20 @@ stop_dockerd() {
   { grep -o " $RUN/[^ ]*" /proc/self/mountinfo || true; } | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
   rm -rf "$RUN"
 }
-if [ -n "${MIXPLANE_DOCKER_HOST:-}" ]; then
-  export DOCKER_HOST="$MIXPLANE_DOCKER_HOST"
-else
-  RUN=$(mktemp -d /tmp/mixplane-dockerd.XXXXXX)
-  trap stop_dockerd EXIT
-  cat > "$RUN/daemon.json" <<EOF
+exec 8>"$HOME/.cache/mixplane/docker.lock"  # the data-root's lock (a running test node holds it)
+flock 8
+RUN=$(mktemp -d /tmp/mixplane-dockerd.XXXXXX)
+trap stop_dockerd EXIT
+cat > "$RUN/daemon.json" <<EOF
 {"data-root": "$DATA_ROOT", "exec-root": "$RUN/exec", "pidfile": "$RUN/docker.pid",
  "hosts": ["unix://$RUN/docker.sock"], "storage-driver": "overlay2", "exec-opts": ["native.cgroupdriver=cgroupfs"],
  "bridge": "none", "iptables": false, "ip-forward": false, "ip-masq": false, "ip6tables": false,
  "default-runtime": "mixplane-runc", "runtimes": {"mixplane-runc": {"path": "$HERE/runc-clamp"}}}
 EOF
-  /usr/sbin/dockerd --config-file "$RUN/daemon.json" > "$RUN/dockerd.log" 2>&1 8>&- &
-  export DOCKER_HOST="unix://$RUN/docker.sock"
-  for _ in $(seq 1 300); do $DOCKER version >/dev/null 2>&1 && break; sleep 0.2; done
-  $DOCKER version >/dev/null 2>&1 || { tail -30 "$RUN/dockerd.log"; exit 1; }
-fi
+/usr/sbin/dockerd --config-file "$RUN/daemon.json" > "$RUN/dockerd.log" 2>&1 7>&- 8>&- &
+export DOCKER_HOST="unix://$RUN/docker.sock"
+for _ in $(seq 1 300); do $DOCKER version >/dev/null 2>&1 && break; sleep 0.2; done
+$DOCKER version >/dev/null 2>&1 || { tail -30 "$RUN/dockerd.log"; exit 1; }
 
 have() { $DOCKER image inspect "$1" >/dev/null 2>&1; }
 
