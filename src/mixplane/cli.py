@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 EXIT_INVALID = 2
+DEFAULT_RESTARTS = 3  # `mixplane run`: a component that dies is restarted (at most this often in 5 minutes)
+SUPERVISE_EVERY_S = 0.2  # `mixplane run` looks after its components this often (on a thread of its own)
 
 
 def _setup_logging(level: str) -> None:
@@ -158,9 +160,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mixplane.runtime import EmbeddedRuntime
 
     spec = _load(args.file)
-    from mixplane.runtime import ComponentFailed, RestartPolicy
+    from mixplane.runtime import RestartPolicy
 
-    policy = RestartPolicy(budget=args.restarts, hang_after_s=args.hang_after) if args.restarts > 0 else None
+    restarts = 0 if args.fail_fast else args.restarts
+    policy = RestartPolicy(budget=restarts, hang_after_s=args.hang_after) if restarts > 0 else None
     rt = EmbeddedRuntime(spec, args.run_dir, log_level=args.log_level, restart=policy)
     stop = {"flag": False}
 
@@ -184,16 +187,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         last_tok, last_t = 0, time.monotonic()
         t_end = None if args.max_seconds is None else time.monotonic() + args.max_seconds
+        # supervision runs on its own thread: a restart never waits for this loop's status request (which
+        # times out while the planner is down)
+        restarted = {c.name: len(c.restarts) for c in rt.children}
+        rt.supervise_in_background(SUPERVISE_EVERY_S)
         while not stop["flag"] and (t_end is None or time.monotonic() < t_end):
             time.sleep(1.0)
-            try:
-                for name in rt.supervise():
-                    print(f"mixplane: restarted {name}", file=sys.stderr)
-            except ComponentFailed as e:
-                print(f"mixplane: {e}", file=sys.stderr)
+            if rt.failure is not None:
+                print(f"mixplane: {rt.failure}", file=sys.stderr)
                 return 1
+            for c in list(rt.children):
+                if len(c.restarts) > restarted.get(c.name, 0):
+                    print(f"mixplane: restarted {c.name} (restart {len(c.restarts)})", file=sys.stderr)
+                restarted[c.name] = len(c.restarts)
             try:
-                st = rt.status()
+                st = rt.status(timeout_s=2.0)
             except (TimeoutError, RuntimeError) as e:
                 print(f"mixplane: status: {e}", file=sys.stderr)
                 continue
@@ -472,8 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.add_argument("--run-dir")
     r.add_argument("--max-seconds", type=float)
-    r.add_argument("--restarts", type=int, default=0, help="restart a component (planner, constructor or loader) "
-                   "that died, at most N times in 5 minutes each, with backoff (default 0: a dead component stops the run)")
+    r.add_argument("--restarts", type=int, default=DEFAULT_RESTARTS,
+                   help="restart a component (planner, constructor or loader) that died, at most N times in 5 minutes "
+                        f"each, with backoff (default {DEFAULT_RESTARTS}; 0 or --fail-fast: a dead component stops the run)")
+    r.add_argument("--fail-fast", action="store_true", help="stop the run at the first component that exits (no restarts)")
     r.add_argument("--hang-after", type=float, default=None, metavar="S",
                    help="with --restarts: a component silent for S seconds (hung, e.g. SIGSTOP) is killed and restarted")
     r.set_defaults(fn=cmd_run)

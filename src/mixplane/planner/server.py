@@ -316,7 +316,12 @@ class PlannerServer(Component, PartitionHosting):
             self._send(identity, Kind.WELCOME, {"session": self.session, "ranks": ranks,
                                                 "dp_ranks": self.constructors[ci].dp_ranks,
                                                 "start_step": int(self.session_start["step"]),
-                                                "planned_through": self.planned_through, "incarnation": self.incarnation})
+                                                # what ranks may already ask for: a recovering planner counts
+                                                # the steps its predecessor planned (it plans them again)
+                                                "planned_through": max(self.planned_through, self.recover_through,
+                                                                       self.recovering.planned_through
+                                                                       if self.recovering is not None else -1),
+                                                "incarnation": self.incarnation})
             self.fence_constructor(identity)  # partitions that moved: their older epochs are dropped there too
             if fresh:
                 self._rebuild_constructor(ci, identity)
