@@ -133,7 +133,30 @@ def status(endpoint: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[
 
 
 def update_mixture(endpoint: str, meta: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    """Send an UPDATE_MIXTURE (mixing.mixture_update_meta, or the weights form) and return the planner's ACK:
+    ``{"generation", "effective_step", "duplicate", "planned_through", "update_id", "phase" (new updates)}``.
+    Raises TimeoutError (no answer) or RuntimeError with the planner's reason: ``mixture update rejected: ...``
+    (the content or the step is wrong: sending it again fails again) or ``mixture update refused: the planner
+    is recovering ...; retry`` (see update_retryable)."""
     return request(endpoint, Kind.UPDATE_MIXTURE, meta, timeout_s, curve=curve)
+
+
+def update_retryable(error: BaseException | str) -> bool:
+    """Whether sending the same update again may succeed: no answer (the planner is down or restarting) or a
+    planner still recovering its session. False for a rejected update (a field or the step is wrong)."""
+    if isinstance(error, TimeoutError):
+        return True
+    return "mixture update rejected" not in str(error)
+
+
+def update_acknowledged(status: dict[str, Any], update_id: str) -> dict[str, Any] | None:
+    """The planner's acknowledgment of `update_id` in its STATUS reply (``{"update_id", "generation",
+    "effective_step"}``), or None when it is not among the updates listed (the last 32): the level-triggered
+    check of a sender that may have died between sending an update and reading its ACK."""
+    for u in status.get("updates") or ():
+        if isinstance(u, dict) and u.get("update_id") == update_id:
+            return dict(u)
+    return None
 
 
 def resume(endpoint: str, cursor: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+import yaml
 
 from mixplane.client import MixtureLoader
-from mixplane.control import update_mixture
+from mixplane.control import update_acknowledged, update_mixture, update_retryable
 from mixplane.mixing import MixtureSchedule, mixture_update_meta
 from mixplane.replay import replay_step
 from mixplane.runtime import EmbeddedRuntime, RestartPolicy
@@ -92,7 +95,7 @@ def send_until_acked(rt: EmbeddedRuntime, meta: dict, timeout_s: float = 90) -> 
             return update_mixture(rt.planner_endpoint, meta, 2.0, curve=rt.control_curve), reasons
         except (TimeoutError, RuntimeError) as e:
             reasons.append(str(e))
-            assert "rejected" not in str(e), str(e)
+            assert update_retryable(e), str(e)
             assert time.monotonic() < deadline, reasons[-3:]
             time.sleep(0.1)
 
@@ -114,8 +117,11 @@ def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_ex
         again = update_mixture(rt.planner_endpoint, meta, curve=rt.control_curve)  # the operator restarted: sends it again
         assert again["duplicate"] is True and (again["generation"], again["effective_step"]) == (1, eff)
         assert rt.status()["updates"] == [{"update_id": UPDATE_ID, "generation": 1, "effective_step": eff}]
-        with pytest.raises(RuntimeError, match=r"already planned \(planned through step \d+\)"):
+        assert update_acknowledged(rt.status(), UPDATE_ID) == {"update_id": UPDATE_ID, "generation": 1, "effective_step": eff}
+        assert update_acknowledged(rt.status(), "late") is None
+        with pytest.raises(RuntimeError, match=r"already planned \(planned through step \d+\)") as e:
             update_mixture(rt.planner_endpoint, mixture_update_meta(new, "late", 2), curve=rt.control_curve)
+        assert not update_retryable(e.value)
         with pytest.raises(RuntimeError, match=r"mixture\.weights\.zz: unknown source 'zz'"):
             update_mixture(rt.planner_endpoint, {"mixture": {"weights": {"zz": 1.0}}, "update_id": "bad"},
                            curve=rt.control_curve)
@@ -166,10 +172,20 @@ def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_ex
     want = sched.at(eff).probs  # [1, 9, 1] at temperature 2: a .192 b .577 c .192 (not a .279 b .442 c .279)
     assert np.allclose(tok / tok.sum(), want, atol=0.03), (tok / tok.sum(), want)
 
-    # a run given the same update at the same step (sent before it starts) delivers the same batches
+    # a run given the same update at the same step (sent before it starts, through `mixplane update --mixture` with
+    # the patched DataMixture resource) delivers the same batches
+    patched = tmp_path / "patched.yaml"
+    patched.write_text(yaml.safe_dump({"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
+                                       "metadata": {"name": "test"}, "spec": new.model_dump(mode="json")}))
     with EmbeddedRuntime(old, tmp_path / "reference") as ref_rt:
-        ack = update_mixture(ref_rt.planner_endpoint, mixture_update_meta(new, UPDATE_ID, eff), curve=ref_rt.control_curve)
-        assert (ack["generation"], ack["effective_step"]) == (1, eff)
+        cli = [sys.executable, "-m", "mixplane.cli", "update", "--run-dir", str(ref_rt.run_dir), "--mixture", str(patched),
+               "--step", str(eff), "--update-id", UPDATE_ID]
+        r = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        ack = json.loads(r.stdout)
+        assert (ack["generation"], ack["effective_step"], ack["duplicate"]) == (1, eff, False)
+        r = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)["duplicate"] is True, r.stderr
         ref = Gated(ref_rt.planner_endpoint, gate=STEPS).join()
     for r in range(RANKS):
         for b, want_b in zip(got[r], ref[r]):

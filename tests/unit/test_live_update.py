@@ -26,7 +26,7 @@ from mixplane.spec import SpecError
 from .planner_helpers import fill, make_spec, planner_meta, synthetic_loaders
 
 NAMES = ("s0", "s1", "s2", "s3")
-EXAMPLES = 40  # hypothesis examples of the property test (each: 3 planners and a replay of 2-3 steps)
+EXAMPLES = 60  # hypothesis examples of the property test (each: 3 planners and a replay of 2-3 steps)
 BUG_CAUGHT: list[int] = []  # examples where the pre-issue-20 operator message was checked and failed
 
 
@@ -300,3 +300,79 @@ def test_cli_mixture_file_forms(tmp_path):
     with pytest.raises(SpecError) as e:
         mixture_update_message(str(bad))
     assert {p.path for p in e.value.problems} == {"weights.s0", "tempreature"} and e.value.origin == str(bad)
+
+
+def test_planner_server_acks_once_lists_updates_and_refuses_new_ones_while_recovering(tmp_path):
+    """The planner server's UPDATE_MIXTURE handler (in process, over its real socket): ACK, duplicate ACK, STATUS's
+    updates; a restarted planner (same run dir, its journal) still recovering answers the known id as a duplicate
+    and refuses a new update with a retryable reason; a malformed request gets an ERROR, not silence."""
+    import zmq
+
+    from mixplane import wire
+    from mixplane.control import update_retryable
+    from mixplane.planner.server import PlannerServer
+    from mixplane.wire import Kind
+
+    from .test_component import _pump
+
+    spec = make_spec(sources=3, weights={"s0": 1, "s1": 1, "s2": 1}, temperature=2.0)
+    new = make_spec(sources=3, weights={"s0": 1, "s1": 9, "s2": 1}, temperature=2.0,
+                    anneal={"start_step": 30, "weights": {"s2": 0.0}, "lr_scale": 0.5})
+    meta = mixture_update_meta(new, "op/1", 12)
+    ctx = zmq.Context()
+
+    def ask(planner, kind, m):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(planner.endpoint)
+        try:
+            wire.send(s, kind, m)
+            got: list = []
+
+            def answered() -> bool:
+                if s.poll(0):
+                    got.append(wire.recv(s)[1])
+                return bool(got)
+
+            _pump(planner, answered)
+            assert got, "no answer"
+            return got[0]
+        finally:
+            s.close(0)
+
+    try:
+        first = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None, run_dir=str(tmp_path))
+        first.open_run = True  # anonymous admin requests (no CURVE in this test)
+        try:
+            ack = ask(first, Kind.UPDATE_MIXTURE, meta)
+            assert ack.kind == Kind.ACK and ack.meta["duplicate"] is False
+            assert (ack.meta["generation"], ack.meta["effective_step"], ack.meta["update_id"]) == (1, 12, "op/1")
+            dup = ask(first, Kind.UPDATE_MIXTURE, meta)
+            assert dup.kind == Kind.ACK and dup.meta["duplicate"] is True and dup.meta["effective_step"] == 12
+            st = ask(first, Kind.STATUS, {})
+            assert st.meta["updates"] == [{"update_id": "op/1", "generation": 1, "effective_step": 12}]
+            assert st.meta["generation"] == 1
+            bad = ask(first, Kind.UPDATE_MIXTURE, {"effective_step": 3})
+            assert bad.kind == Kind.ERROR and "carries `mixture`" in bad.meta["error"]
+            assert not update_retryable(bad.meta["error"])
+        finally:
+            first.close()
+        records = read_journal(tmp_path / "journal.jsonl")
+        upd = [r for r in records if r["event"] == "update"]
+        assert len(upd) == 1 and upd[0]["update_id"] == "op/1" and upd[0]["mixture"] == new.mixture.model_dump(mode="json")
+
+        second = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None, run_dir=str(tmp_path))
+        second.open_run = True
+        try:
+            assert second.recovering is not None  # waits for its constructors
+            dup = ask(second, Kind.UPDATE_MIXTURE, meta)
+            assert dup.kind == Kind.ACK and dup.meta["duplicate"] is True
+            assert (dup.meta["generation"], dup.meta["effective_step"]) == (1, 12)
+            other = ask(second, Kind.UPDATE_MIXTURE, mixture_update_meta(spec, "op/2"))
+            assert other.kind == Kind.ERROR and "recovering" in other.meta["error"] and update_retryable(other.meta["error"])
+            st = ask(second, Kind.STATUS, {})
+            assert st.meta["updates"] == [{"update_id": "op/1", "generation": 1, "effective_step": 12}]
+        finally:
+            second.close()
+    finally:
+        ctx.destroy(0)
