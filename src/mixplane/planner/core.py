@@ -676,6 +676,16 @@ class StepPlan:
 UPDATES_KEPT = 1024  # applied mixture updates (and acknowledged update ids) a planner remembers
 
 
+def _number(name: str, x: Any) -> float:
+    """A number of a request (ValueError naming it otherwise: bool, text, an integer too large for a float)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {x!r:.40}")
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name}: {str(x)[:20]}... is too large") from None
+
+
 class StepPlanner:
     """Plans steps in order from full windows; holds the sampler and the windows."""
 
@@ -811,17 +821,8 @@ class StepPlanner:
         weights = meta.get("weights")
         if not isinstance(weights, dict):
             raise ValueError("an update carries `mixture` (the spec's whole mixture section) or `weights` (by source)")
-        parsed: dict[str, float] = {}
-        for k, v in weights.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"weights.{k}: expected a number, got {v!r:.40}")
-            parsed[str(k)] = float(v)
-        extras: list[float | None] = []
-        for name in ("lr_scale", "temperature"):
-            x = meta.get(name)
-            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
-                raise ValueError(f"{name}: expected a number, got {x!r:.40}")
-            extras.append(None if x is None else float(x))
+        parsed = {str(k): _number(f"weights.{k}", v) for k, v in weights.items()}
+        extras = [None if meta.get(name) is None else _number(name, meta[name]) for name in ("lr_scale", "temperature")]
         return self.update_mixture(parsed, self.next_step if step is None else step, generation, extras[0], extras[1],
                                    update_id=uid), False
 

@@ -534,7 +534,7 @@ class PlannerServer(Component, PartitionHosting):
             return
         try:
             event, duplicate = self.core.apply_update(dict(msg.meta))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, ArithmeticError) as e:  # a peer's request must never take the planner down
             self._send(identity, Kind.ERROR, {"error": f"mixture update rejected: {e}"})
             return
         step = int(event["effective_step"])
