@@ -3,10 +3,13 @@
 Weights follow KempnerForge (seed 002): base weights, temperature (p_i ∝ w_i^(1/T)), phases with
 `start_step` / `lr_scale` and the `anneal` shortcut (one final phase). In a phase and in the anneal
 a source not named falls back to its base weight; a source is dropped only by an explicit 0.
-Unlike KempnerForge, changes take effect at their step, not at an epoch boundary. A runtime update
-is a segment of the same schedule that lasts until the next scheduled boundary: later spec phases
-(and the anneal) still start at their steps, with their weights as written, so resume lands in the
-right phase. Batches carry the spec's phase index; the update is identified by its generation.
+Unlike KempnerForge, changes take effect at their step, not at an epoch boundary. A live update of
+the whole mixture (a new spec generation: `mixture_update_meta` builds the UPDATE_MIXTURE request,
+`MixtureSchedule.rebase` adopts it) makes the schedule from its effective step on that of the new
+spec — temperature, phases, anneal as written. A weights-only runtime update (`update`) is a segment
+of the same schedule that lasts until the next scheduled boundary: later spec phases (and the anneal)
+still start at their steps, with their weights as written, so resume lands in the right phase.
+Batches carry the phase index; an update is identified by its generation.
 
 The sampler is stratified, not random (see DeficitSampler): it schedules sources earliest-
 deadline-first against their target shares of what has been placed in the current segment.
