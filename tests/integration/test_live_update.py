@@ -32,8 +32,8 @@ KEYS = ("input_ids", "source_ids", "segment_source", "segment_key", "segment_sta
 UPDATE_ID = "default/mix/generation-2"
 
 
-def specs(root):
-    runtime = {"window": 64, "metrics": False, "journal_every": 5, "prefetch_s": 0, "max_lead_steps": 4}
+def specs(root, journal_every: int):
+    runtime = {"window": 64, "metrics": False, "journal_every": journal_every, "prefetch_s": 0, "max_lead_steps": 4}
     old = parse_spec(token_mixture(root, runtime=runtime, mixture={"weights": {"a": 1.0, "b": 1.0, "c": 1.0},
                                                                    "temperature": 2.0, "seed": 7}))
     # the patch: b 1 -> 9 and an anneal that takes c to 0 from step 26 (lr_scale 0.5), temperature still 2
@@ -100,8 +100,11 @@ def send_until_acked(rt: EmbeddedRuntime, meta: dict, timeout_s: float = 90) -> 
             time.sleep(0.1)
 
 
-def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_exact(token_sources, tmp_path):
-    old, new = specs(token_sources["root"])
+@pytest.mark.parametrize("journal_every", [5, 100])
+def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_exact(token_sources, tmp_path, journal_every):
+    """journal_every 100: the restarted planner re-plans from step 0 and applies the journaled update again where it
+    was applied first (_apply_replayed_updates); 5: from a checkpoint whose cursor may already hold it."""
+    old, new = specs(token_sources["root"], journal_every)
     run_dir = tmp_path / "patched"
     rt = EmbeddedRuntime(old, run_dir, restart=RestartPolicy(budget=2, window_s=600, backoff_s=0.1)).start()
     try:
@@ -154,6 +157,8 @@ def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_ex
     updates = [r for r in records if r["event"] == "update"]
     assert updates and all(u["update_id"] == UPDATE_ID and u["generation"] == 1 and u["effective_step"] == eff
                            and u["mixture"] == new.mixture.model_dump(mode="json") for u in updates)
+    if journal_every == 100:  # re-planned from the open record: the update applied again and journaled again
+        assert "re-planning steps 0.." in log and len(updates) == 2, [ln for ln in log.splitlines() if "re-planning" in ln]
 
     # what was delivered: the old mixture before the effective step, the new spec's schedule from it on
     sched = MixtureSchedule(new)

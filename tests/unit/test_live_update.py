@@ -376,3 +376,40 @@ def test_planner_server_acks_once_lists_updates_and_refuses_new_ones_while_recov
             second.close()
     finally:
         ctx.destroy(0)
+
+
+def test_a_rewind_journals_the_kept_update_and_replay_plans_every_step_again(tmp_path):
+    """The server's RESUME sequence on a journal: a whole-mixture update for step 9, a rewind to step 4 (a new
+    session: the update kept, journaled after the resume record), steps 4..14 again; replan rebuilds each."""
+    old = make_spec(sources=3, weights={"s0": 1, "s1": 1, "s2": 1}, temperature=0.5,
+                    phases=[{"start_step": 12, "weights": {"s0": 6}, "lr_scale": 0.5}])
+    new = make_spec(sources=3, weights={"s0": 1, "s1": 5, "s2": 2}, temperature=3.0,
+                    anneal={"start_step": 11, "weights": {"s2": 0.0}, "lr_scale": 0.2})
+    path = tmp_path / "journal.jsonl"
+    p = StepPlanner(old)
+    plans: dict = {}
+    with Journal(path, every=3) as j:
+        j.open(old, 0, p.cursor())
+        for plan in run_through(p, 5).values():
+            j.step(plan)
+            plans[plan.layout.step] = plan
+        event, _ = p.apply_update(mixture_update_meta(new, "u9", 9))
+        j.update(event)
+        for plan in run_through(p, 10).values():
+            j.step(plan)
+        cur = plans[4].cursor_before
+        kept = p.restore(cur, keep_updates=True)
+        j.resume(cur, 1)
+        for e in kept:
+            j.update(e)
+        assert [(e["update_id"], e["effective_step"]) for e in kept] == [("u9", 9)]
+        again = run_through(p, 14)
+        for plan in again.values():
+            j.step(plan)
+    sched = MixtureSchedule(new)
+    assert delivered_matches(p, sched, range(9, 15)) and again[12].layout.lr_scale == 0.2
+    fill_r = synthetic_loaders(planner_meta())
+    for s in (4, 8, 9, 11, 14):
+        same_plans({s: again[s]}, {s: replan(path, s, fill_r)})
+    state = read_state(read_journal(path))
+    assert state is not None and [u["update_id"] for u in state.history] == ["u9"]
