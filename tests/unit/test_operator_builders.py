@@ -182,7 +182,7 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
     import zmq
 
     from mixplane.operator.builders import MAX_POD_KEYS, component_key_items, pod_rank_keys, pod_rank_ranges
-    from mixplane.operator.handlers import existing_keys, with_pod_keys
+    from mixplane.operator.keys import existing_keys, with_pod_keys
     from mixplane.wire import has_rank_keys, load_keys, load_roles
 
     spec = demo_spec()  # dp 2 x tp 2, 2 ranks per node: 2 trainer pods

@@ -85,10 +85,10 @@ def test_status_schema_and_printer_columns():
     v = crd_manifest()["spec"]["versions"][0]
     assert v["subresources"] == {"status": {}}
     cols = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
-    assert list(cols) == ["Phase", "Step", "Sources", "Loaders", "Ready", "Age"]
+    assert list(cols) == ["Phase", "Step", "Sources", "Loaders", "Ready", "Realised", "Age"]
     status = v["schema"]["openAPIV3Schema"]["properties"]["status"]
     cond = status["properties"]["conditions"]["items"]["properties"]
-    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded"]
+    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "MixtureApplied"]
     assert "observedGeneration" in status["properties"] and "observedGeneration" in cond
     src = status["properties"]["sources"]["items"]["properties"]
     assert {"name", "targetWeight", "realisedWeight", "partitions", "loaderPods"} <= set(src)

@@ -29,7 +29,7 @@ SINGULAR = "datamixture"
 SHORT_NAMES = ["dmix"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MixtureApplied")
 PHASES = ("Pending", "Profiling", "Running", "Updating", "Degraded", "Failed")
 # spec fields whose model default must not be written by the API server: `name` defaults to metadata.name
 NO_SERVER_DEFAULT = {"name"}
@@ -42,7 +42,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(..., description="Ready: every component is up; Progressing: children or a mixture update are being rolled out; Degraded: a component is failing.")
+    type: Literal["Ready", "Progressing", "Degraded", "MixtureApplied"] = Field(..., description="Ready: every component is up; Progressing: children, a handoff or a mixture update are being rolled out; Degraded: a component is failing; MixtureApplied: the planner acknowledged the mixture the object holds (False: pending or refused, with the reason).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="Condition status.")
     reason: str = Field("", description="One CamelCase word saying why.")
     message: str = Field("", description="Human-readable detail.")
@@ -100,6 +100,37 @@ class ProfilingStatus(_Status):
     time: str | None = Field(None, description="When the state was last observed to change (RFC 3339).")
 
 
+class LayoutStatus(_Status):
+    shares: dict[str, float] | None = Field(None, description="Shares the scaling policy sized the loader pods for (absent: the schedule's).")
+    hosts: dict[str, str] = Field(default_factory=dict, description="The loader layout being served or moved to: loader host -> its partitions (source:replica, comma-separated).")
+    draining: list[str] = Field(default_factory=list, description="Loader hosts outside the layout that still serve a partition: their Deployments stay until the planner handed it over.")
+    settling: bool = Field(False, description="A handoff just finished: the scaling policy ignores the planner's waits for one interval.")
+
+
+class ScalerStatus(_Status):
+    observedAt: float | None = Field(None, description="When the scaling policy last observed the planner (seconds since the epoch).")
+    last: dict[str, float] = Field(default_factory=dict, description="The planner's planned tokens at that time (the measured trainer rate).")
+    state: dict[str, Any] = Field(default_factory=dict, description="The policy's allocations, moving averages, counters and corrected costs.")
+
+
+class MixtureUpdateState(_Status):
+    generation: int = Field(..., ge=0, description="metadata.generation whose mixture this is.")
+    digest: str = Field(..., description="Digest of spec.mixture.")
+    updateId: str = Field(..., description="The id the planner applies once (<uid>/<generation>).")
+    state: Literal["Acknowledged", "Pending", "Refused"] = Field(..., description="Acknowledged by the planner, pending (not sent, or the planner was unreachable), or refused (retried with backoff).")
+    effectiveStep: int | None = Field(None, ge=0, description="First step planned with this mixture.")
+    plannerGeneration: int | None = Field(None, ge=0, description="The planner's mixture generation for it.")
+    attempts: int = Field(0, ge=0, description="Sends that failed so far.")
+    retryAt: float | None = Field(None, description="Next try (seconds since the epoch).")
+    reason: str = Field("", description="Why it is in this state.")
+
+
+class ChildrenStatus(_Status):
+    hash: str = Field(..., description="Digest of the children last applied.")
+    appliedAt: float = Field(..., description="When (seconds since the epoch).")
+    generation: int | None = Field(None, ge=0, description="metadata.generation they were rendered from.")
+
+
 class MixtureStatus(_Status):
     """What the operator reports; `model_dump(by_alias=True, exclude_none=True)` is a valid status patch."""
 
@@ -115,6 +146,10 @@ class MixtureStatus(_Status):
     sidecars: list[SidecarStatus] = Field(default_factory=list, description="Sidecar placement: loader processes per trainer pod slot.")
     scaling: list[ScalingStatus] = Field(default_factory=list, description="Mixture-driven scaling decisions (last 20).")
     profiling: ProfilingStatus | None = Field(None, description="The profiling Jobs, when the sources were profiled in the cluster (kubernetes.source_secret, or the operator could not read them).")
+    layout: LayoutStatus | None = Field(None, description="The loader layout the operator keeps or moves to (kept here so that a restarted operator continues it).")
+    scaler: ScalerStatus | None = Field(None, description="The scaling policy's state.")
+    mixtureUpdate: MixtureUpdateState | None = Field(None, description="The live update of spec.mixture: sent, acknowledged or retried.")
+    children: ChildrenStatus | None = Field(None, description="The children last applied.")
 
 
 # ---- pydantic JSON schema -> Kubernetes structural schema ----
@@ -241,6 +276,8 @@ def crd_manifest() -> dict[str, Any]:
                     {"name": "Sources", "type": "integer", "jsonPath": ".status.sourceCount"},
                     {"name": "Loaders", "type": "integer", "jsonPath": ".status.loaderPods"},
                     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Realised", "type": "string", "jsonPath": ".status.sources[*].realisedWeight",
+                     "description": "Realised share per source in the current phase, in spec.sources order."},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
                 "schema": {"openAPIV3Schema": {

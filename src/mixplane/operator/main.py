@@ -17,7 +17,7 @@ def run_operator(namespace: str | None = None, *, stop_flag: threading.Event | N
     import mixplane.operator.handlers  # noqa: F401 - registers the handlers
 
     from mixplane.operator.admission import start_from_env
-    from mixplane.operator.handlers import kube
+    from mixplane.operator.kube import kube
 
     logging.getLogger("kopf").setLevel(logging.INFO)
     if liveness is None and os.environ.get("MIXPLANE_HEALTH_PORT"):  # the chart's livenessProbe: GET /healthz

@@ -26,6 +26,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mixplane.operator.autopartition import (
     LoaderBudget,
@@ -123,11 +124,16 @@ class MixtureScaler:
         """Cores each source's pods are sized for (before headroom)."""
         return dict(self.alloc)
 
-    def _pack(self) -> PodPlan:
-        # pack_pods sizes by share x tokens/s x cost; express each allocation in those terms
-        shares = {n: (self.alloc[n] / (self.tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0)
-                  for n, c in self.costs.items()}
-        return pack_pods(list(self.costs.values()), self.partitions, shares, self.tokens_per_s, self.bounds,
+    def _pack(self, tokens_per_s: float | None = None, costs: Mapping[str, SourceCost] | None = None) -> PodPlan:
+        # pack_pods sizes by share x tokens/s x cost; express each allocation in those terms (at the rate and costs of
+        # the interval that packed: kept, so a restored scaler repacks to the very same figures)
+        tps = self.tokens_per_s if tokens_per_s is None else tokens_per_s
+        costs = dict(self.costs) if costs is None else dict(costs)
+        self.packed_tokens_per_s = tps
+        self.packed_costs = {n: c.cpu_s_per_token for n, c in costs.items()}
+        shares = {n: (self.alloc[n] / (tps * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0)
+                  for n, c in costs.items()}
+        return pack_pods(list(costs.values()), self.partitions, shares, tps, self.bounds,
                          self.budget, what=f"scaling interval {self.interval}")
 
     def _correct_costs(self, obs: Observation) -> None:
@@ -181,6 +187,49 @@ class MixtureScaler:
             self.plan = self._pack()
             self.decisions.extend(out)
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must outlive the operator process (kept in status.scaler): allocations, the moving averages, the
+        threshold counters, corrected costs and the rate. JSON-ready; `load_state_dict` restores it."""
+        return {"interval": self.interval, "tokensPerSecond": self.tokens_per_s,
+                "packedTokensPerSecond": self.packed_tokens_per_s, "packedCosts": dict(self.packed_costs),
+                "alloc": {n: self.alloc[n] for n in self.order},
+                "history": {n: list(self.history[n]) for n in self.order},
+                "above": dict(self.above), "below": dict(self.below),
+                "costs": {n: self.costs[n].cpu_s_per_token for n in self.order}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s figures; a source the state does not name keeps its fresh values (a state of
+        another set of sources is refused)."""
+        names = set(self.order)
+        for key in ("alloc", "history", "above", "below", "costs", "packedCosts"):
+            got = state.get(key) or {}
+            if not isinstance(got, Mapping) or set(got) - names:
+                raise ValueError(f"status.scaler.{key}: sources {sorted(set(got) - names) if isinstance(got, Mapping) else got} "
+                                 f"are not the mixture's")
+        self.interval = int(state.get("interval") or 0)
+        tps = float(state.get("tokensPerSecond") or self.tokens_per_s)
+        if math.isfinite(tps) and tps > 0:
+            self.tokens_per_s = tps
+        for n, v in (state.get("alloc") or {}).items():
+            self.alloc[n] = float(v)
+        for n, h in (state.get("history") or {}).items():
+            self.history[n] = deque((float(x) for x in h), maxlen=self.config.window)
+        for n, v in (state.get("above") or {}).items():
+            self.above[n] = int(v)
+        for n, v in (state.get("below") or {}).items():
+            self.below[n] = int(v)
+        for n, v in (state.get("costs") or {}).items():
+            c = self.costs[n]
+            self.costs[n] = SourceCost(c.name, float(v), c.memory_per_partition, c.max_partitions)
+        packed = {n: SourceCost(c.name, float((state.get("packedCosts") or {}).get(n, c.cpu_s_per_token)), c.memory_per_partition,
+                                c.max_partitions) for n, c in self.costs.items()}
+        self.plan = self._pack(float(state.get("packedTokensPerSecond") or self.tokens_per_s), packed)
+
+    def shares(self, tokens_per_s: float) -> dict[str, float]:
+        """The allocations as shares of `tokens_per_s`, the rate the pods are sized for (what `pack_pods` takes)."""
+        return {n: (self.alloc[n] / (tokens_per_s * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0)
+                for n, c in self.costs.items()}
 
     def supply_tokens_per_s(self) -> dict[str, float]:
         cpu = self.plan.source_cpu()

@@ -1,0 +1,247 @@
+"""The operator's level-triggered reconcile as pure functions: what it observed in, what to do out.
+
+One pass (`decide`) reads the DataMixture as it is now (spec, annotations, status), its loader Deployments, the
+readiness of its components and the planner's STATUS (or None when unreachable), and returns:
+
+  intent     the status fields that record *decisions* (scaling shares and the scaler's state, the loader layout
+             being moved to and the hosts draining, the live update being sent, the scaling decisions). The shell
+             writes it first, so an operator killed in the middle of acting finds its decision in the status and
+             carries it out again (every action below is idempotent);
+  apply      the children to (re-)apply, or none when status.children says this very set is applied;
+  handoffs   partitions to move to the host the layout wants (the planner's HANDOFF, at a step boundary);
+  delete     loader Deployments outside the layout that the planner's table shows serve nothing. A Deployment is
+             never deleted while its host serves a partition, nor while the planner cannot be asked;
+  update     the UPDATE_MIXTURE meta to send now (whole mixture, idempotent id), or None;
+  status     the rest of the status (phase, conditions, per source figures), written after acting.
+
+Nothing is kept in the operator's memory: a restarted operator (or a new version of it) continues from the status
+and what it observes. A status written by an operator that kept its decisions in memory has no `layout`: the
+loader Deployments that exist are then the active layout, and none is deleted before the planner moved its
+partitions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixplane.operator.builders import ANN_HOST, API_GROUP, ClusterOptions
+from mixplane.operator.reconcile import (
+    Desired,
+    condition,
+    costs_of,
+    desired,
+    inputs_of,
+    now as now_text,
+    planner_source_figures,
+    segments_of,
+    spec_of,
+    status_of,
+)
+from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
+from mixplane.operator.updates import UpdatePlan, condition_of, history, plan_update
+
+RESYNC_S = 300.0  # children are re-applied at least this often (someone may have deleted or edited one)
+DECISIONS = 20
+
+
+@dataclass(frozen=True)
+class Observed:
+    body: Mapping[str, Any]  # the DataMixture as read at the start of the pass
+    opts: ClusterOptions
+    profile: Mapping[str, Any]
+    keys: Mapping[str, tuple[str, str]]
+    loaders: Mapping[str, Mapping[str, Any]]  # the mixture's loader Deployments now, by name
+    planner: Mapping[str, Any] | None  # planner STATUS; None: not reachable
+    ready: tuple[bool, str]  # (all components ready, who is not)
+    now: float  # wall clock, seconds since the epoch
+    scale_interval_s: float = 30.0
+    profiling: Mapping[str, Any] | None = None  # status.profiling entry when the profile came from Jobs
+    profile_failure: str = ""
+
+
+@dataclass(frozen=True)
+class Actions:
+    desired: Desired
+    intent: dict[str, Any]
+    apply: list[dict[str, Any]]
+    children_hash: str
+    handoffs: list[tuple[str, str]]
+    delete: list[str]
+    update: UpdatePlan
+    status: dict[str, Any]
+    decisions: list[Decision] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
+
+
+def desired_hosts(d: Desired) -> dict[str, str]:
+    """partition "src:r" -> the loader host (launch component name) the rendered layout puts it on."""
+    out = {}
+    for obj in d.objects:
+        ann = obj["metadata"].get("annotations") or {}
+        if obj["kind"] == "Deployment" and ANN_HOST in ann and obj["spec"].get("replicas", 1):
+            for p in filter(None, ann.get(f"{API_GROUP}/partitions", "").split(",")):
+                out[p] = ann[ANN_HOST]
+    return out
+
+
+def children_hash(objects: Sequence[Mapping[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(list(objects), sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _status(body: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(body.get("status") or {})
+
+
+def run_scaler(obs: Observed, spec: Any, step: int) -> tuple[dict[str, float] | None, dict[str, Any] | None, list[Decision]]:
+    """One interval of the scaling policy when it is due: (shares or None when it never decided, the scaler's state
+    to keep, the decisions of this interval). Not due, or no planner to observe: the kept shares and state."""
+    st = _status(obs.body)
+    layout = dict(st.get("layout") or {})
+    kept_shares = layout.get("shares")
+    kept = dict(st.get("scaler") or {})
+    if obs.planner is None or obs.now - float(kept.get("observedAt") or 0.0) < obs.scale_interval_s * 0.999:
+        return kept_shares, (kept or None), []
+    costs = costs_of(obs.profile, spec)
+    inp = inputs_of(obs.body)
+    segs = segments_of(spec, obs.profile)
+    parts = {s["name"]: s["partitions"] for s in st.get("sources") or [] if isinstance(s, Mapping) and s.get("partitions")}
+    if len(parts) != len(costs):
+        return kept_shares, (kept or None), []
+    now_step = max(0, int(obs.planner.get("planned_through", 0)))  # -1 before the first plan
+    sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= now_step][-1], inp.tokens_per_s, budget=inp.budget)
+    if kept.get("state"):
+        try:
+            sc.load_state_dict(kept["state"])
+        except (ValueError, TypeError, KeyError):
+            pass  # a state of another set of sources (the mixture changed them): start the policy afresh
+    tps = inp.tokens_per_s
+    last = kept.get("last") or {}
+    planned = float(obs.planner.get("tokens_planned", 0) or 0)
+    if last:
+        dt = obs.now - float(last.get("time") or 0.0)
+        if dt > 0 and planned > float(last.get("tokensPlanned") or 0):
+            tps = (planned - float(last["tokensPlanned"])) / dt
+    if inp.scale_on == "declared":
+        tps = inp.tokens_per_s  # the mixture asked to be sized for its declared trainer rate, not the measured one
+    # while partitions are handed over (and the interval after) the planner waits for the moving windows: that says
+    # nothing about what a source costs
+    settling = bool(layout.get("draining")) or bool(layout.get("settling"))
+    waiting = frozenset() if settling else frozenset(str(w).split("/")[0] for w in obs.planner.get("waiting") or [])
+    delivered = delivered_rates(obs.planner)
+    decisions = sc.observe(Observation(step, tps, waiting, delivered))
+    shares = sc.shares(inp.tokens_per_s) if decisions else kept_shares
+    state = {"observedAt": round(obs.now, 3), "last": {"time": round(obs.now, 3), "tokensPlanned": planned},
+             "state": sc.state_dict()}
+    return shares, state, decisions
+
+
+def delivered_rates(st: Mapping[str, Any]) -> dict[str, float]:
+    """Per source tokens/s the planner measured (STATUS source_tokens_per_s, in `sources` order)."""
+    names = list(st.get("sources") or [])
+    rates = list(st.get("source_tokens_per_s") or [])
+    return {n: float(r) for n, r in zip(names, rates)} if len(names) == len(rates) else {}
+
+
+def loader_moves(obs: Observed, d: Desired) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(handoffs to request, loader Deployments to delete, hosts draining) to reach the layout of `d`."""
+    want = desired_hosts(d)
+    keep = {o["metadata"]["name"] for o in d.objects if o["kind"] == "Deployment"}
+    old = {name: str((dep.get("metadata", {}).get("annotations") or {}).get(ANN_HOST) or name)
+           for name, dep in obs.loaders.items() if name not in keep}
+    if obs.planner is None:
+        return [], [], sorted(set(old.values()))  # nobody can say what they serve: every old loader stays
+    table = {"partitions": obs.planner.get("partitions") or {}, "hosts": obs.planner.get("hosts") or {}}
+    moves, draining = handoff_moves(want, table)
+    serving = {str(a.get("host")) for a in table["partitions"].values() if isinstance(a, Mapping) and a.get("host")}
+    delete = sorted(n for n, h in old.items() if h not in serving)
+    return moves, delete, sorted(h for h in set(old.values()) if h in serving | draining)
+
+
+def decide(obs: Observed) -> Actions:
+    """One level-triggered pass (see the module docstring). Raises ReconcileError for an object that cannot be
+    turned into children (the shell reports it as the Failed phase)."""
+    body = obs.body
+    st = _status(body)
+    spec = spec_of(body)
+    step = int(obs.planner.get("planned_through", 0)) if obs.planner else int(st.get("step") or 0)
+    step = max(0, step)
+    shares, scaler_state, decisions = run_scaler(obs, spec, step)
+    d = desired(body, obs.opts, obs.profile, obs.keys, step=step, shares=shares)
+    moves, delete, draining = loader_moves(obs, d)
+    upd = plan_update(body, spec, obs.planner, obs.now)
+
+    layout_prev = dict(st.get("layout") or {})
+    want = desired_hosts(d)
+    layout = {"shares": shares, "hosts": {h: ",".join(sorted(p for p, x in want.items() if x == h)) for h in sorted(set(want.values()))},
+              "draining": draining, "settling": bool(layout_prev.get("draining")) and not draining}
+    intent: dict[str, Any] = {"layout": layout, "mixtureUpdate": upd.state}
+    if scaler_state is not None:
+        intent["scaler"] = scaler_state
+    if decisions:
+        pods = {s.name: sum(1 for x in (d.pods.pods_of(s.name) if d.pods is not None else []) if not x.idle) for s in spec.sources}
+        rec = [{"step": step, "source": x.source, "direction": x.direction, "fromCores": round(x.from_cores, 4),
+                "toCores": round(x.to_cores, 4), "interval": x.interval, "time": now_text(), "loaderPods": pods.get(x.source, 0)}
+               for x in decisions]
+        intent["scaling"] = (list(st.get("scaling") or []) + rec)[-DECISIONS:]
+
+    h = children_hash(d.objects)
+    applied = dict(st.get("children") or {})
+    missing = any(o["kind"] == "Deployment" and o["metadata"]["name"] not in obs.loaders
+                  and (o["metadata"].get("labels") or {}).get("mixplane.io/role") == "loader" for o in d.objects)
+    due = applied.get("hash") != h or missing or obs.now - float(applied.get("appliedAt") or 0.0) >= RESYNC_S
+    status = final_status(obs, d, upd, spec, applied_hash=h if due else str(applied.get("hash")),
+                          applied_at=obs.now if due else float(applied.get("appliedAt") or 0.0), draining=draining)
+    return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining)
+
+
+def final_status(obs: Observed, d: Desired, upd: UpdatePlan, spec: Any, *, applied_hash: str, applied_at: float,
+                 draining: Sequence[str]) -> dict[str, Any]:
+    """Phase, conditions, per source figures and the children applied (written after acting)."""
+    body = obs.body
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = _status(body).get("conditions") or []
+    ready, waiting = obs.ready
+    fallback = [n for n, p in (obs.profile.get("sources") or {}).items() if p.get("source") == "fallback"]
+    why = f"{obs.profile_failure}; " if obs.profile_failure else ""
+    degraded = (True, "FallbackCosts", f"{why}sources not profiled, sized by kind: {', '.join(fallback)}") if fallback \
+        else (False, "AsPlanned", "")
+    if upd.state.get("state") != "Acknowledged":
+        progressing = (True, "MixtureUpdate", str(upd.state.get("reason") or "rolling out the new mixture"))
+    elif draining:
+        progressing = (True, "Handoff", f"loaders {', '.join(draining)} stay until their partitions moved")
+    else:
+        progressing = ((not ready), "RollingOut" if not ready else "Converged",
+                       f"waiting for: {waiting}" if waiting else "all children applied")
+    out = status_of(body, d, obs.opts, obs.profile, ready=ready, progressing=progressing, degraded=degraded,
+                    planner_status=obs.planner)
+    if obs.planner is None:
+        out["step"] = int(_status(body).get("step") or out.get("step") or 0)  # what was last seen, not the schedule's
+        kept = {s.get("name"): s for s in _status(body).get("sources") or [] if isinstance(s, Mapping)}
+        for s in out["sources"]:  # the planner's last figures stay until it answers again
+            for k in ("realisedWeight", "deliveredTokensPerSecond"):
+                if k in kept.get(s["name"], {}):
+                    s[k] = kept[s["name"]][k]
+    else:
+        live = planner_source_figures(obs.planner)
+        for s in out["sources"]:
+            s.update(live.get(s["name"], {}))
+    ok, reason, msg = condition_of(upd.state)
+    out["conditions"].append(condition("MixtureApplied", ok, reason, msg, gen, prev))
+    if upd.state.get("state") != "Acknowledged" and out["phase"] in ("Running", "Pending"):
+        out["phase"] = "Updating"
+    was = (_status(body).get("mixtureUpdate") or {}).get("state")
+    if upd.state.get("state") == "Acknowledged" and was in ("Pending", "Refused"):  # acknowledged in this pass
+        out["updates"] = history(list(_status(body).get("updates") or []), upd.state, spec)
+    if obs.profiling is not None:
+        out["profiling"] = dict(obs.profiling)
+    out["children"] = {"hash": applied_hash, "appliedAt": round(applied_at, 3), "generation": gen}
+    return out
+
+
+def status_patch(current: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of `new` that differ from `current` (a merge patch; empty when nothing changed)."""
+    return {k: v for k, v in new.items() if current.get(k) != v}

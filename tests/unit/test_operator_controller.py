@@ -1,0 +1,213 @@
+"""The level-triggered pass as pure functions: decisions live in the status, nothing in memory.
+
+An operator restarted at any point continues from the status and what it observes: a scaled layout stays, no
+loader Deployment goes before the planner's table shows it serves nothing, a live update is sent with one id
+until it is acknowledged, and a scaler restored from the status decides what one never restarted decides.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from mixplane.operator.builders import ClusterOptions
+from mixplane.operator.controller import Observed, decide, desired_hosts, status_patch
+from mixplane.operator.reconcile import ANN_TPS, costs_of, desired, segments_of, spec_of
+from mixplane.operator.scaling import MixtureScaler, Observation
+from mixplane.operator.updates import after_send, applied_by_planner, mixture_digest, plan_update
+from tests.unit.operator_testdata import FakeKeys
+
+MIB = 1 << 20
+OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
+KEYS = FakeKeys({r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")})
+PROFILE = {"version": 1, "sources": {"web": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 * MIB},
+                                     "code": {"cpu_s_per_token": 6e-5, "memory_per_partition": 40 * MIB}}}
+PHASE = 32
+
+
+def body(status=None, generation=1, weights=None, temperature=1.0):
+    return {
+        "apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "u-1", "generation": generation,
+                     "annotations": {ANN_TPS: "30000", "mixplane.io/scale-on": "declared"}},
+        "spec": {
+            "sources": [{"name": "web", "uri": "s3://b/web", "tokenizer": "/t.json"},
+                        {"name": "code", "uri": "s3://b/code", "tokenizer": "/t.json"}],
+            "mixture": {"weights": weights or {"web": 0.9, "code": 0.1}, "seed": 11, "temperature": temperature,
+                        "phases": [{"start_step": PHASE, "weights": {"web": 0.2, "code": 0.8}}]},
+            "batch": {"sequences": 4, "seq_len": 128},
+            "topology": {"modules": {"backbone": {"dp": 2}}},
+            "strategy": {"name": "vanilla"},
+        },
+        "status": status or {},
+    }
+
+
+def observed(b, *, loaders=None, planner=None, now=1000.0, interval=30.0):
+    return Observed(b, OPTS, PROFILE, KEYS, loaders or {}, planner, (True, ""), now, interval)
+
+
+def loader_deps(d):
+    return {o["metadata"]["name"]: o for o in d.objects if o["kind"] == "Deployment"
+            and o["metadata"]["labels"].get("mixplane.io/role") == "loader"}
+
+
+def host(dep):
+    return dep["metadata"]["annotations"]["mixplane.io/host"]
+
+
+def table(served: dict[str, str], alive=()):
+    """A planner STATUS with its partition table: partition -> host, hosts alive."""
+    hosts = {h: {"alive": True} for h in set(served.values()) | set(alive)}
+    return {"planned_through": 10, "sources": ["web", "code"], "tokens_planned": 1000,
+            "partitions": {p: {"host": h} for p, h in served.items()}, "hosts": hosts}
+
+
+def scaled_shares():
+    return {"web": 0.2, "code": 0.8}
+
+
+def test_a_scaled_layout_kept_in_the_status_survives_a_restart_and_nothing_is_deleted_blind():
+    first = decide(observed(body()))
+    base = loader_deps(first.desired)
+    assert len(base) == 1  # web and code share one pod before the phase
+    st = {**first.intent, **first.status, "layout": {**first.intent["layout"], "shares": scaled_shares()}}
+    # a restarted operator: the same object (decisions in its status), the old shared pod still running, no planner
+    again = decide(observed(body(st), loaders=base, planner=None))
+    scaled = loader_deps(again.desired)
+    assert set(scaled) != set(base) and len(scaled) == 3  # the scaled layout, not the schedule's
+    assert again.delete == [] and again.handoffs == []
+    assert again.draining == [host(next(iter(base.values())))]
+    # the status without the scaled shares (what a memo-keeping operator wrote) renders the schedule's layout
+    legacy = {k: v for k, v in st.items() if k != "layout"}
+    plain = decide(observed(body(legacy), loaders={**base, **scaled}, planner=None))
+    assert set(loader_deps(plain.desired)) == set(base)
+    assert plain.delete == []  # the scaled Deployments stay: nobody said their partitions moved
+
+
+def test_old_loaders_go_only_once_the_planner_table_shows_they_serve_nothing():
+    first = decide(observed(body()))
+    (old_dep,) = loader_deps(first.desired)
+    old = host(loader_deps(first.desired)[old_dep])
+    st = {**first.intent, **first.status, "layout": {**first.intent["layout"], "shares": scaled_shares()}}
+    b = body(st)
+    d = decide(observed(b, loaders=loader_deps(first.desired))).desired
+    want = desired_hosts(d)
+    new_hosts = set(want.values())
+    loaders = {**loader_deps(first.desired), **loader_deps(d)}
+    # the old host serves everything, the new ones are up: hand over, delete nothing
+    a = decide(observed(b, loaders=loaders, planner=table({p: old for p in want}, alive=new_hosts)))
+    assert sorted(a.handoffs) == sorted(want.items()) and a.delete == [] and a.draining == [old]
+    # a new host not alive yet: no handoff to it
+    dead = sorted(new_hosts)[0]
+    t = table({p: old for p in want}, alive=new_hosts)
+    t["hosts"][dead]["alive"] = False
+    a = decide(observed(b, loaders=loaders, planner=t))
+    assert all(to != dead for _, to in a.handoffs) and a.delete == []
+    # one partition moved, another still on the old host: the old one stays
+    moved = dict.fromkeys(want, old)
+    first_p = sorted(want)[0]
+    moved[first_p] = want[first_p]
+    a = decide(observed(b, loaders=loaders, planner=table(moved, alive=new_hosts)))
+    assert a.delete == [] and (first_p, want[first_p]) not in a.handoffs
+    # everything moved: the old Deployment goes, nothing is draining
+    a = decide(observed(b, loaders=loaders, planner=table(dict(want), alive=new_hosts)))
+    assert a.delete == [old_dep] and a.handoffs == [] and a.draining == []
+
+
+def test_children_are_applied_when_they_change_and_not_on_every_tick():
+    first = decide(observed(body()))
+    assert first.apply  # nothing applied yet
+    st = {**first.intent, **first.status}
+    again = decide(observed(body(st), loaders=loader_deps(first.desired), now=1001.0))
+    assert again.apply == [] and again.children_hash == first.children_hash
+    # a child that disappeared is applied again
+    assert decide(observed(body(st), loaders={}, now=1001.0)).apply
+    # and a resync after RESYNC_S even when nothing changed
+    assert decide(observed(body(st), loaders=loader_deps(first.desired), now=1000.0 + 301)).apply
+
+
+def test_a_patch_becomes_one_pending_update_sent_until_acknowledged_exactly_once():
+    first = decide(observed(body()))
+    assert first.update.state["state"] == "Acknowledged" and not first.update.send  # the mixture it started with
+    st = {**first.intent, **first.status}
+    patched = body(st, generation=2, weights={"web": 0.1, "code": 0.9}, temperature=2.0)
+    spec = spec_of(patched)
+    p = plan_update(patched, spec, None, 2000.0)
+    assert p.send and p.state["state"] == "Pending" and p.state["updateId"] == "u-1/2"
+    assert p.state["digest"] == mixture_digest(spec) != st["mixtureUpdate"]["digest"]
+    # unreachable: backoff doubles; refused: the reason is kept and it is retried too
+    s1 = after_send(p.state, error="timeout", now=2000.0)
+    assert s1["state"] == "Pending" and s1["retryAt"] == 2001.0 and s1["attempts"] == 1
+    s2 = after_send(s1, error="mixture.weights: unknown source x", refused=True, now=2001.0)
+    assert s2["state"] == "Refused" and s2["retryAt"] == 2003.0 and "unknown source" in s2["reason"]
+    again = body({**st, "mixtureUpdate": s2}, generation=2, weights={"web": 0.1, "code": 0.9}, temperature=2.0)
+    assert not plan_update(again, spec, None, 2002.0).send  # not before retryAt
+    assert plan_update(again, spec, None, 2003.0).send
+    # the planner's STATUS lists the id (the ack was lost with a killed operator): acknowledged without sending
+    planner = {"updates": [{"update_id": "u-1/1x", "effective_step": 3}, {"update_id": "u-1/2", "effective_step": 17, "generation": 4}]}
+    assert applied_by_planner(planner, "u-1/2")["effective_step"] == 17
+    seen = plan_update(again, spec, planner, 2002.0)
+    assert not seen.send and seen.acknowledged_now and seen.state["effectiveStep"] == 17
+    # the whole pass records it once in status.updates, and a later pass adds nothing
+    acts = decide(observed(again, planner={**table({}), **planner}))
+    assert [u["generation"] for u in acts.status["updates"]] == [2] and acts.status["updates"][0]["effectiveStep"] == 17
+    done = {**again["status"], **acts.intent, **acts.status, "mixtureUpdate": acts.update.state}
+    later = decide(observed(body(done, generation=2, weights={"web": 0.1, "code": 0.9}, temperature=2.0),
+                            planner={**table({}), **planner}))
+    assert "updates" not in status_patch(done, later.status) and not later.update.send
+    # a newer patch while one is pending supersedes it
+    newer = body({**st, "mixtureUpdate": s2}, generation=3, weights={"web": 0.5, "code": 0.5})
+    q = plan_update(newer, spec_of(newer), None, 2002.0)
+    assert q.send and q.state["updateId"] == "u-1/3" and q.state["attempts"] == 0
+
+
+def test_the_scaler_restored_from_the_status_decides_what_one_never_restarted_decides():
+    rng = random.Random(5)
+    b = body()
+    spec = spec_of(b)
+    costs = costs_of(PROFILE, spec)
+    segs = segments_of(spec, PROFILE)
+    parts = {"web": 1, "code": 2}
+
+    def fresh():
+        return MixtureScaler(costs, parts, segs, segs[0][1], 30000.0)
+
+    ref, restarted = fresh(), fresh()
+    for i in range(60):
+        obs = Observation(step=i * 2, tokens_per_s=30000.0 * rng.uniform(0.5, 1.5),
+                          waiting=frozenset(rng.sample(["web", "code"], rng.randint(0, 1))),
+                          delivered_tokens_per_s={"web": rng.uniform(1e3, 3e4), "code": rng.uniform(1e2, 1e4)})
+        a = ref.observe(obs)
+        state = copy.deepcopy(restarted.state_dict())
+        restarted = fresh()  # a new operator process every interval
+        restarted.load_state_dict(state)
+        b_ = restarted.observe(obs)
+        assert a == b_, i
+        assert ref.state_dict() == restarted.state_dict()
+    assert ref.decisions  # the sequence did make the policy act
+    with pytest.raises(ValueError, match="not the mixture's"):
+        fresh().load_state_dict({"alloc": {"other": 1.0}})
+
+
+def test_the_scaler_runs_only_when_its_interval_is_due_and_its_state_rides_in_the_intent():
+    first = decide(observed(body()))
+    st = {**first.intent, **first.status}
+    planner = table({})
+    a = decide(observed(body(st), planner=planner, now=5000.0))
+    assert a.intent["scaler"]["observedAt"] == 5000.0 and a.intent["scaler"]["state"]["interval"] == 1
+    st2 = {**st, **a.intent}
+    b = decide(observed(body(st2), planner=planner, now=5010.0))  # within the interval: state unchanged
+    assert b.intent["scaler"] == a.intent["scaler"]
+    c = decide(observed(body(st2), planner=planner, now=5031.0))
+    assert c.intent["scaler"]["state"]["interval"] == 2
+    # the planner unreachable: the kept state stays as it was
+    assert decide(observed(body(st2), planner=None, now=6000.0)).intent["scaler"] == a.intent["scaler"]
+
+
+def test_desired_hosts_follow_the_shares():
+    b = body()
+    d = desired(b, OPTS, PROFILE, KEYS, step=0, shares=scaled_shares())
+    assert sorted(desired_hosts(d)) == ["code:0", "code:1", "web:0"]
