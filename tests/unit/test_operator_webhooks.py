@@ -121,3 +121,39 @@ def test_mutate_review():
     unlabelled = trainer_pod()
     del unlabelled["metadata"]["labels"]["mixplane.io/mixture"]
     assert mutate_review(review(unlabelled), lambda n, s, pod: INJ)["response"] == {"uid": "u-1", "allowed": True}
+
+
+def test_an_update_of_a_running_mixture_is_refused_where_it_cannot_be_taken_live():
+    from mixplane.operator.webhooks import review_change
+
+    running = {**mixture(), "status": {"phase": "Running"}}
+
+    def change(**spec):
+        new = mixture(**spec)
+        out = validate_review({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                               "request": {"uid": "u", "operation": "UPDATE", "object": new, "oldObject": running}})
+        return out["response"]
+
+    # the mixture changes live: weights, temperature, phases
+    assert change(mixture={"weights": {"web": 0.1, "code": 0.9}, "temperature": 2.0,
+                           "phases": [{"start_step": 50, "weights": {"web": 1.0}}]})["allowed"] is True
+    # weights that sum to 0 are refused by the spec's own rules, with the field
+    zero = change(mixture={"weights": {"web": 0.0, "code": 0.0}})
+    assert zero["allowed"] is False and "spec.mixture.weights" in zero["status"]["message"]
+    # a renamed source, a moved uri, another seed, batch or topology: refused with the field path
+    renamed = mixture(sources=[{"name": "web", "uri": "/data/web", "kind": "tokens", "columns": ["tokens"]},
+                               {"name": "code2", "uri": "/data/code", "kind": "tokens", "columns": ["tokens"]}],
+                      mixture={"weights": {"web": 0.7, "code2": 0.3}})
+    assert review_change(running, renamed)[0].startswith("spec.sources: a running mixture's sources cannot be")
+    moved = mixture(sources=[{"name": "web", "uri": "/data/web2", "kind": "tokens", "columns": ["tokens"]},
+                             {"name": "code", "uri": "/data/code", "kind": "tokens", "columns": ["tokens"]}])
+    assert review_change(running, moved) == [
+        "spec.sources[0].uri: cannot change on a running mixture (was '/data/web', now '/data/web2'): the loaders' "
+        "cursors point into the data it names"]
+    seeded = change(mixture={"weights": {"web": 0.7, "code": 0.3}, "seed": 9})
+    assert seeded["allowed"] is False and seeded["status"]["message"].startswith("spec.mixture.seed: cannot change")
+    assert change(batch={"sequences": 16, "seq_len": 256})["status"]["message"].startswith("spec.batch:")
+    assert change(topology={"modules": {"backbone": {"dp": 4}}})["status"]["message"].startswith("spec.topology:")
+    # before it runs (no phase yet, or Failed) any valid change is a new start
+    assert review_change(mixture(), moved) == []
+    assert review_change({**mixture(), "status": {"phase": "Failed"}}, moved) == []

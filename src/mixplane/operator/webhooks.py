@@ -55,6 +55,49 @@ def review_mixture(obj: Mapping[str, Any]) -> list[str]:
     return []
 
 
+# phases in which nothing runs yet (or nothing could start): any change is still a new start
+NOT_RUNNING = (None, "", "Pending", "Profiling", "Failed")
+
+
+def _source_identity(src: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: src.get(k) for k in ("name", "uri", "kind", "columns", "tokenizer") if k in src}
+
+
+def review_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """What an UPDATE of a running DataMixture changes that its running components cannot take live, each as
+    `spec.field.path: message`. The mixture (weights, temperature, phases, anneal, lr_scale) changes live; the
+    sources' identity, the mixture's seed, the global batch and the topology belong to every cursor and journal
+    record of the run. A mixture that is not running yet (no status phase, Pending, Profiling, Failed) takes any
+    valid change."""
+    if ((old.get("status") or {}).get("phase")) in NOT_RUNNING:
+        return []
+    o, n = dict(old.get("spec") or {}), dict(new.get("spec") or {})
+    out = []
+    os_, ns_ = list(o.get("sources") or []), list(n.get("sources") or [])
+    names_o = [s.get("name") for s in os_ if isinstance(s, Mapping)]
+    names_n = [s.get("name") for s in ns_ if isinstance(s, Mapping)]
+    if names_o != names_n:
+        out.append(f"spec.sources: a running mixture's sources cannot be added, removed, renamed or reordered "
+                   f"(was {names_o}, now {names_n}); create a new DataMixture for another set of sources")
+    else:
+        for i, (a, b) in enumerate(zip(os_, ns_)):
+            for k, v in _source_identity(a).items():
+                if _source_identity(b).get(k) != v:
+                    out.append(f"spec.sources[{i}].{k}: cannot change on a running mixture (was {v!r}, now "
+                               f"{_source_identity(b).get(k)!r}): the loaders' cursors point into the data it names")
+    seed_o, seed_n = (o.get("mixture") or {}).get("seed"), (n.get("mixture") or {}).get("seed")
+    if seed_o != seed_n:
+        out.append(f"spec.mixture.seed: cannot change on a running mixture (was {seed_o}, now {seed_n}): "
+                   f"the journal and every trainer's cursor belong to it")
+    if (o.get("batch") or {}) != (n.get("batch") or {}):
+        out.append("spec.batch: the global batch of a running mixture cannot change (trainers' steps and cursors count it)")
+    if (o.get("topology") or {}) != (n.get("topology") or {}):
+        out.append("spec.topology: cannot change on a running mixture through the resource yet; trainers reshard a "
+                   "running mixture themselves (MixtureLoader state_dict at the new world size, RESHARD), or create "
+                   "a new DataMixture")
+    return out
+
+
 def admission_response(review: Mapping[str, Any], allowed: bool, message: str = "",
                        patch: Sequence[Mapping[str, Any]] | None = None, code: int = 422) -> dict[str, Any]:
     """The AdmissionReview answer to `review` (admission.k8s.io/v1)."""
@@ -75,6 +118,9 @@ def validate_review(review: Mapping[str, Any]) -> dict[str, Any]:
     if request.get("operation") == "DELETE" or not isinstance(obj, dict):
         return admission_response(review, True)
     problems = review_mixture(obj)
+    prior = request.get("oldObject")
+    if not problems and request.get("operation") == "UPDATE" and isinstance(prior, dict):
+        problems = review_change(prior, obj)
     return admission_response(review, not problems, "; ".join(problems))
 
 
