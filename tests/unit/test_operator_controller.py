@@ -211,3 +211,31 @@ def test_desired_hosts_follow_the_shares():
     b = body()
     d = desired(b, OPTS, PROFILE, KEYS, step=0, shares=scaled_shares())
     assert sorted(desired_hosts(d)) == ["code:0", "code:1", "web:0"]
+
+
+def test_shadow_loaders_are_rendered_like_their_primaries_and_a_promoted_shadow_is_not_handed_back():
+    b = body()
+    b["spec"]["runtime"] = {"shadow_loaders": 1}
+    first = decide(observed(b))
+    deps = loader_deps(first.desired)
+    shadows = {n: d for n, d in deps.items() if "mixplane.io/shadow-of" in d["metadata"]["annotations"]}
+    primaries = {n: d for n, d in deps.items() if n not in shadows}
+    assert len(shadows) == len(primaries) == 1
+    (sd,), (pd,) = shadows.values(), primaries.values()
+    assert sd["metadata"]["annotations"]["mixplane.io/shadow-of"] == host(pd)
+    assert sd["metadata"]["annotations"]["mixplane.io/partitions"] == pd["metadata"]["annotations"]["mixplane.io/partitions"]
+    # sized and scaled like the primary, started as a shadow, kept off the primary's node where possible
+    c_s, c_p = sd["spec"]["template"]["spec"]["containers"][0], pd["spec"]["template"]["spec"]["containers"][0]
+    assert c_s["resources"] == c_p["resources"] and sd["spec"]["replicas"] == pd["spec"]["replicas"]
+    assert "--shadow" in c_s["args"] and "--shadow" not in c_p["args"]
+    for d in (sd, pd):
+        term = d["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"]["mixplane.io/loader-group"] == \
+            pd["spec"]["template"]["metadata"]["labels"]["mixplane.io/loader-group"]
+    # the layout wants the primary; a partition its shadow serves after a failover stays there, nothing is deleted
+    want = desired_hosts(first.desired)
+    assert set(want.values()) == {host(pd)}
+    st = {**first.intent, **first.status}
+    promoted = table(dict.fromkeys(want, host(sd)), alive=[host(pd)])
+    a = decide(observed(body(st) | {"spec": b["spec"]}, loaders=deps, planner=promoted))
+    assert a.handoffs == [] and a.delete == [] and a.draining == []

@@ -54,6 +54,8 @@ MIB = 1 << 20
 # trainer pods whose ranks get a key pair of their own: ~400 bytes a pod, a Secret holds at most 1 MiB
 MAX_POD_KEYS = 2048
 ANN_HOST = f"{API_GROUP}/host"  # a loader Deployment's host name in the planner's partition table
+ANN_SHADOW_OF = f"{API_GROUP}/shadow-of"  # a shadow loader Deployment: the primary host whose partitions it stands by for
+LABEL_LOADER_GROUP = f"{API_GROUP}/loader-group"  # a primary and its shadows (spread over nodes)
 
 
 @dataclass(frozen=True)
@@ -431,13 +433,23 @@ def loader_deployment_name(opts: ClusterOptions, component: Any) -> str:
 
 
 def loader_deployment(component: Any, opts: ClusterOptions, digest: str, *, cpu: float, memory: int,
-                      replicas: int = 1, cpu_limit: float | None = 1.0) -> dict[str, Any]:
-    """One loader pod group: a process hosting these partitions (0 replicas while none has weight)."""
+                      replicas: int = 1, cpu_limit: float | None = 1.0, shadow_of: str | None = None,
+                      spread: bool = False) -> dict[str, Any]:
+    """One loader pod group: a process hosting these partitions (0 replicas while none has weight). A shadow
+    (runtime.shadow_loaders; `shadow_of` names its primary's host) opens the same partitions and stands by; its pods
+    prefer nodes without the primary's (a lost node must not take both)."""
     name = loader_deployment_name(opts, component)
     parts = ",".join(f"{p.source}:{p.replica}" for p in component.partitions)
-    meta = _meta(opts, name, "loader", component.name, annotations={f"{API_GROUP}/partitions": parts, ANN_HOST: component.name})
+    ann = {f"{API_GROUP}/partitions": parts, ANN_HOST: component.name, **({ANN_SHADOW_OF: shadow_of} if shadow_of else {})}
+    meta = _meta(opts, name, "loader", component.name, annotations=ann)
     tmpl = pod_template(opts, "loader", component.name, [container(component, opts, resources(cpu, memory, opts, cpu_limit=cpu_limit))], digest)
     tmpl["metadata"]["annotations"][f"{API_GROUP}/partitions"] = parts
+    group = dns_label(shadow_of or component.name)
+    tmpl["metadata"]["labels"][LABEL_LOADER_GROUP] = group
+    if spread:
+        tmpl["spec"]["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                "labelSelector": {"matchLabels": {LABEL_MIXTURE: opts.name, LABEL_LOADER_GROUP: group}}}}]}}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": int(replicas), "strategy": {"type": "Recreate"},  # a partition is read by one process
                      "selector": {"matchLabels": selector(opts, "loader", component.name)}, "template": tmpl}}
@@ -523,13 +535,24 @@ def children(spec: Any, plan: Any, opts: ClusterOptions, keys: Mapping[str, tupl
     out += [planner_deployment(plan, opts, digest, journal_claim=opts.journal_claim if claim else None), planner_service(opts)]
     if plan.of_role("constructor"):
         out += [constructor_statefulset(plan, opts, digest), constructor_service(opts)]
+    primary_of = shadow_primaries(plan)
     for c in plan.of_role("loader"):
-        if c.name in sidecars:
+        if c.name in sidecars or primary_of.get(c.name) in sidecars:
             continue
-        cpu, mem, replicas = (loader_resources or {}).get(c.name, (c.resources.cpu, c.resources.memory_bytes, 1))
-        out.append(loader_deployment(c, opts, digest, cpu=cpu, memory=mem, replicas=replicas))
+        first = primary_of.get(c.name, c.name)  # a shadow is sized and scaled like its primary
+        cpu, mem, replicas = (loader_resources or {}).get(first, (c.resources.cpu, c.resources.memory_bytes, 1))
+        out.append(loader_deployment(c, opts, digest, cpu=cpu, memory=mem, replicas=replicas,
+                                     shadow_of=primary_of.get(c.name), spread=bool(primary_of)))
     out += [loaders_service(opts)] + network_policies(opts) + disruption_budgets(opts)
     return out
+
+
+def shadow_primaries(plan: Any) -> dict[str, str]:
+    """Shadow loader component -> its primary (the loader of the same partitions that is not a shadow)."""
+    loaders = plan.of_role("loader")
+    primary = {c.partitions: c.name for c in loaders if not c.shadow}
+    return {c.name: primary[c.partitions] for c in loaders if c.shadow and c.partitions in primary}
+
 
 
 def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:

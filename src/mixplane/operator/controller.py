@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixplane.operator.builders import ANN_HOST, API_GROUP, ClusterOptions
+from mixplane.operator.builders import ANN_HOST, ANN_SHADOW_OF, API_GROUP, ClusterOptions
 from mixplane.operator.reconcile import (
     Desired,
     condition,
@@ -78,13 +78,24 @@ class Actions:
 
 
 def desired_hosts(d: Desired) -> dict[str, str]:
-    """partition "src:r" -> the loader host (launch component name) the rendered layout puts it on."""
+    """partition "src:r" -> the loader host (launch component name) the rendered layout puts it on (its primary)."""
     out = {}
     for obj in d.objects:
         ann = obj["metadata"].get("annotations") or {}
-        if obj["kind"] == "Deployment" and ANN_HOST in ann and obj["spec"].get("replicas", 1):
+        if obj["kind"] == "Deployment" and ANN_HOST in ann and ANN_SHADOW_OF not in ann and obj["spec"].get("replicas", 1):
             for p in filter(None, ann.get(f"{API_GROUP}/partitions", "").split(",")):
                 out[p] = ann[ANN_HOST]
+    return out
+
+
+def standby_hosts(d: Desired) -> dict[str, set[str]]:
+    """primary host -> its shadows' hosts in the rendered layout (a partition a shadow serves after a failover is
+    where the layout wants it: it is not handed back)."""
+    out: dict[str, set[str]] = {}
+    for obj in d.objects:
+        ann = obj["metadata"].get("annotations") or {}
+        if obj["kind"] == "Deployment" and ANN_SHADOW_OF in ann:
+            out.setdefault(ann[ANN_SHADOW_OF], set()).add(ann[ANN_HOST])
     return out
 
 
@@ -156,6 +167,10 @@ def loader_moves(obs: Observed, d: Desired) -> tuple[list[tuple[str, str]], list
         return [], [], sorted(set(old.values()))  # nobody can say what they serve: every old loader stays
     table = {"partitions": obs.planner.get("partitions") or {}, "hosts": obs.planner.get("hosts") or {}}
     moves, draining = handoff_moves(want, table)
+    standby = standby_hosts(d)
+    current = {p: (a.get("host") if isinstance(a, Mapping) else None) for p, a in table["partitions"].items()}
+    moves = [(p, to) for p, to in moves if current.get(p) not in standby.get(to, set())]
+    draining = {h for h in draining if not any(h in hs for hs in standby.values())}
     serving = {str(a.get("host")) for a in table["partitions"].values() if isinstance(a, Mapping) and a.get("host")}
     delete = sorted(n for n, h in old.items() if h not in serving)
     return moves, delete, sorted(h for h in set(old.values()) if h in serving | draining)

@@ -1,0 +1,223 @@
+"""Operator chaos: the operator SIGKILLed between API calls, over and over, while a mixture scales up at a phase,
+takes a live update and scales down again with handoffs. Trainers must get exactly the batches of a run whose
+operator never died, no loader Deployment may go before the planner moved its partitions, every update is
+acknowledged once, and the operator left alone at the end converges to the children a never-killed one renders.
+
+The cut points: `MIXPLANE_OPERATOR_KILL_AFTER_CALLS=N` makes the operator SIGKILL itself before its N-th mutating
+API call (status patch, apply, delete) -- N drawn at random for every start, so kills fall before the intent is
+written, between the intent and the children, between a handoff and a deletion, between an update's send and
+its acknowledgment. Some starts are instead killed from outside at a random time (mid-request, mid-send).
+
+No kubelet: as in test_scaling, a thread here runs the loader Deployments as local processes. Before it stops
+the process of a Deployment the operator deleted, it asks the planner whether that host still serves a partition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from mixplane import control
+from mixplane.operator.builders import ClusterOptions
+from mixplane.operator.keys import existing_keys
+from mixplane.operator.reconcile import desired, inputs_of, spec_of
+from mixplane.runtime import EmbeddedRuntime
+from mixplane.spec import parse_spec
+from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, status_of, trainer_keys, wait_for
+from tests.k8s.test_scaling import PHASE, digest, scaling_mixture
+from tests.unit.operator_testdata import write_text_and_images
+
+pytestmark = pytest.mark.timeout(1500)
+STEPS = int(os.environ.get("MIXPLANE_CHAOS_STEPS", "150"))
+UPDATE_AT = 70  # the trainers' step at which the live update is patched in
+MIN_KILLS = int(os.environ.get("MIXPLANE_OPERATOR_KILLS", "50"))
+CALM = {"web": 0.9, "code": 0.1}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_text_and_images(tmp_path_factory.mktemp("chaos-data"), text_rows=3000, images=4, side=64)
+
+
+class Kubelet(threading.Thread):
+    """Runs the mixture's loader Deployments as local processes; a Deployment deleted while its host still serves a
+    partition in the planner's table is recorded as a violation (the check runs before its process stops)."""
+
+    def __init__(self, cluster, ns, pods: LocalPods, planner_host: str, admin):
+        super().__init__(daemon=True)
+        self.cluster, self.ns, self.pods, self.planner_host, self.admin = cluster, ns, pods, planner_host, admin
+        self.running: dict[str, str] = {}
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+        self.violations: list[str] = []
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def serving(self, host: str) -> list[str]:
+        st = control.status(f"tcp://127.0.0.1:{self.pods.planner_port}", 5.0, curve=self.admin)
+        return [p for p, a in (st.get("partitions") or {}).items() if a.get("host") == host]
+
+    def sync(self) -> None:
+        deps = {d["metadata"]["name"]: d for d in get(self.cluster, "deployments", "-n", self.ns, "-l",
+                                                       "mixplane.io/instance=demo,mixplane.io/role=loader")["items"]}
+        for name in list(self.running):
+            if name not in deps or not deps[name]["spec"].get("replicas", 1):
+                host = self.hosts[name]
+                still = self.serving(host)
+                if still:
+                    self.violations.append(f"{name} deleted while host {host} serves {still}")
+                self.pods.stop_pod(f"{name}-0")
+                del self.running[name]
+                self.stopped.append(name)
+        for name, d in deps.items():
+            if name not in self.running and d["spec"].get("replicas", 1):
+                self.pods.start(f"{name}-0", d["spec"]["template"], self.planner_host)
+                self.running[name] = d["metadata"]["annotations"]["mixplane.io/partitions"]
+                self.hosts[name] = d["metadata"]["annotations"]["mixplane.io/host"]
+                self.started.append(name)
+
+    hosts: dict[str, str] = {}
+
+    def run(self) -> None:
+        try:
+            while not self.stop_flag.wait(0.3):
+                self.sync()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def loader_children(cluster, ns):
+    out = {}
+    for d in get(cluster, "deployments", "-n", ns, "-l", "mixplane.io/instance=demo,mixplane.io/role=loader")["items"]:
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        out[d["metadata"]["name"]] = (d["metadata"]["annotations"]["mixplane.io/partitions"], d["spec"].get("replicas", 1),
+                                      json.dumps(c.get("resources"), sort_keys=True), c["args"])
+    return out
+
+
+def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, data, tmp_path):
+    cluster, ns = crd, k8s_namespace
+    rng = random.Random(20261126)
+    pods = LocalPods(cluster, ns, tmp_path / "pods")
+    (tmp_path / "pods").mkdir()
+    planner_host = f"demo-planner.{ns}.svc:7000"
+    env = {"MIXPLANE_OPERATOR_PLANNER": f"tcp://127.0.0.1:{pods.planner_port}", "MIXPLANE_SCALE_INTERVAL_S": "1"}
+    kills: list[str] = []
+    got: dict[int, list] = {}
+    trainer_error: list[BaseException] = []
+    kubelet = None
+    with operator(cluster, ns, **env):  # a calm start: the children exist, the profile is kept
+        apply(cluster, scaling_mixture(ns, data))
+        kids = applied(cluster, ns)
+        wait_for("status", lambda: status_of(cluster, ns).get("mixtureUpdate"), 60)
+    try:
+        spec_json = get(cluster, "configmap", "demo-spec", "-n", ns)["data"]["spec.json"]
+        pods.start("demo-planner-0", kids[("Deployment", "demo-planner")]["spec"]["template"], planner_host)
+        sts = kids[("StatefulSet", "demo-constructor")]
+        for i in range(sts["spec"]["replicas"]):
+            pods.start(f"demo-constructor-{i}", sts["spec"]["template"], planner_host)
+        keys = existing_keys(get(cluster, "secret", "demo-keys", "-n", ns))
+        from mixplane.operator.keys import admin_key_dir
+
+        admin = control.ControlCurve(admin_key_dir("demo", f"{ns}-test", keys))
+        kubelet = Kubelet(cluster, ns, pods, planner_host, admin)
+        kubelet.sync()
+        kubelet.start()
+        tkeys = trainer_keys(cluster, ns, tmp_path / "trainer-keys")
+        progress = {"step": -1}
+
+        def keep(batch):
+            progress["step"] = int(batch["step"])
+            return digest(batch)
+
+        def train():
+            try:
+                got.update(run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", tkeys, 2, STEPS, timeout=1200, keep=keep,
+                                        pause_s=0.25))
+            except BaseException as e:  # noqa: BLE001
+                trainer_error.append(e)
+
+        trainers = threading.Thread(target=train)
+        trainers.start()
+        patched = False
+        while trainers.is_alive() or len(kills) < MIN_KILLS:
+            if not patched and progress["step"] >= UPDATE_AT:
+                # the live update: back to the calm mixture without the phase (scales code down, hands partitions back)
+                cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge", "-p",
+                                json.dumps({"spec": {"mixture": {"weights": CALM, "phases": [], "temperature": 2.0}}}))
+                patched = True
+            outside = rng.random() < 0.2
+            n = rng.randint(1, 6)
+            extra = {} if outside else {"MIXPLANE_OPERATOR_KILL_AFTER_CALLS": str(n)}
+            with operator(cluster, ns, **env, **extra) as op:
+                deadline = time.monotonic() + (rng.uniform(1.0, 6.0) if outside else 40.0)
+                while op.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if op.poll() is None:
+                    op.send_signal(signal.SIGKILL)
+                    op.wait(10)
+                    kills.append("outside")
+                else:
+                    assert op.returncode == -signal.SIGKILL, op.log_text()[-3000:]
+                    line = [x for x in op.log_text().splitlines() if "fault point" in x]
+                    kills.append(line[-1].split("(", 1)[-1].rstrip(")") if line else "?")
+            if len(kills) > 4 * MIN_KILLS + 200:
+                break
+        trainers.join()
+        assert not trainer_error, trainer_error
+        assert patched
+        # left alone, the operator converges: the update acknowledged, nothing draining, the calm layout
+        with operator(cluster, ns, **env) as op:
+            st = wait_for("convergence", lambda: (lambda s: s if (s.get("mixtureUpdate") or {}).get("state") == "Acknowledged"
+                                                  and not (s.get("layout") or {}).get("draining") else None)(status_of(cluster, ns)),
+                          120, abort=lambda final: None)
+            final_loaders = wait_for("the calm layout", lambda: (lambda x: x if len(x) == 1 else None)(loader_children(cluster, ns)), 90)
+        assert kubelet.error is None, kubelet.error
+        assert not kubelet.violations, kubelet.violations
+        plan_status = control.status(f"tcp://127.0.0.1:{pods.planner_port}", 5.0, curve=admin)
+    finally:
+        if kubelet is not None:
+            kubelet.stop_flag.set()
+            kubelet.join(10)
+        pods.stop()
+
+    print(f"operator chaos: {len(kills)} kills: " + json.dumps({k: kills.count(k) for k in sorted(set(kills))}))
+    assert len(kills) >= MIN_KILLS
+    # every update acknowledged exactly once: one entry in the status, one application in the planner
+    ups = st.get("updates") or []
+    assert [u["generation"] for u in ups] == [2], ups
+    ids = [u["update_id"] for u in plan_status.get("updates") or []]
+    assert ids.count(st["mixtureUpdate"]["updateId"]) == 1, ids
+    effective = int(st["mixtureUpdate"]["effectiveStep"])
+    assert effective > UPDATE_AT
+    # the same children as a never-killed operator renders for the final state: the calm mixture's single pod
+    body = get(cluster, "datamixture", "demo", "-n", ns)
+    prof = json.loads(body["metadata"]["annotations"]["mixplane.io/profile"])
+    spec = spec_of(body)
+    expect = desired(body, ClusterOptions(name="demo", namespace=ns, image="mixplane:test"), prof, keys,
+                     step=int(st["step"]), shares=(st.get("layout") or {}).get("shares"))
+    exp = {o["metadata"]["name"]: o["metadata"]["annotations"]["mixplane.io/partitions"] for o in expect.objects
+           if o["kind"] == "Deployment" and o["metadata"]["labels"].get("mixplane.io/role") == "loader"}
+    assert {k: v[0] for k, v in final_loaders.items()} == exp
+    assert inputs_of(body).tokens_per_s > 0 and spec.mixture.temperature == 2.0
+
+    # the reference: the same spec in an embedded run that never scaled nor had an operator, given the same update
+    # at the same step
+    from mixplane.mixing import mixture_update_meta
+
+    ref_spec = parse_spec(json.loads(spec_json))
+    with EmbeddedRuntime(ref_spec, tmp_path / "reference") as rt:
+        control.update_mixture(rt.planner_endpoint, mixture_update_meta(spec, "reference", effective_step=effective),
+                               10.0, curve=control.ControlCurve(str(rt.key_dir)))
+        ref = run_trainers(rt.planner_endpoint, rt.key_dir, 2, STEPS, timeout=600, keep=digest)
+    for r in (0, 1):
+        assert len(got[r]) == STEPS
+        diff = [i for i, (a, b) in enumerate(zip(got[r], ref[r])) if a != b]
+        assert not diff, f"rank {r}: steps {diff[:10]} differ from the run whose operator never died"
+    assert PHASE < UPDATE_AT
