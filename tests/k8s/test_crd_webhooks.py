@@ -89,8 +89,8 @@ def test_status_subresource_and_printer_columns(crd: Cluster, k8s_namespace: str
     obj2 = crd.api(path)
     assert obj2["status"]["step"] == 42 and obj2["metadata"]["generation"] == obj["metadata"]["generation"]
     table = crd.kubectl("-n", k8s_namespace, "get", "dmix", "st").stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "STEP", "SOURCES", "LOADERS", "READY", "AGE"]
-    assert table[1].split()[:6] == ["st", "Running", "42", "2", "3", "True"]
+    assert table[0].split() == ["NAME", "PHASE", "STEP", "SOURCES", "LOADERS", "READY", "REALISED", "AGE"]
+    assert table[1].split()[:7] == ["st", "Running", "42", "2", "3", "True", "0.69"]
 
 
 # ---- webhooks, called by the API server ----
