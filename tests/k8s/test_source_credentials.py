@@ -148,7 +148,7 @@ def test_loaders_read_the_bucket_with_the_secrets_credentials_only(crd, k8s_name
     profiled = status_of(cluster, ns)["sources"][0]["profile"]
     with operator(cluster, ns, MIXPLANE_PROFILE_POLL_S="1") as again:
         line = wait_for("the restarted operator's reconcile", lambda: next(
-            (x for x in again.log_text().splitlines() if "children applied" in x), None), 60)
+            (x for x in again.log_text().splitlines() if "reconciled:" in x), None), 60)
     assert "'objects'" in line and "profiling" not in line, line
     assert [j["metadata"]["uid"] for j in get(cluster, "jobs", "-n", ns, "-l", "mixplane.io/profile-of=demo")["items"]] == [job["metadata"]["uid"]]
     assert status_of(cluster, ns)["sources"][0]["profile"] == profiled

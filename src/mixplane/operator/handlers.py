@@ -42,6 +42,7 @@ PLURAL = "datamixtures"
 API_VERSION = f"{API_GROUP}/{VERSION}"
 SCALE_INTERVAL_S = float(os.environ.get("MIXPLANE_SCALE_INTERVAL_S", "30"))
 TICK_S = float(os.environ.get("MIXPLANE_RECONCILE_INTERVAL_S", str(min(5.0, SCALE_INTERVAL_S))))
+PROFILE_POLL_S = float(os.environ.get("MIXPLANE_PROFILE_POLL_S", "5"))
 PLANNER_TIMEOUT_S = float(os.environ.get("MIXPLANE_OPERATOR_PLANNER_TIMEOUT_S", "3"))
 log = logging.getLogger("mixplane.operator")
 
@@ -259,3 +260,15 @@ def on_change(body: Any, memo: Any, logger: Any, **_: Any) -> None:
 def on_tick(body: Any, memo: Any, logger: Any, **_: Any) -> None:
     """The same pass every TICK_S: scaling (when its interval is due), handoffs, update retries, figures."""
     _pass(body, memo, logger)
+
+
+def _profiling(status: Any, **_: Any) -> bool:
+    return bool(status) and status.get("phase") == "Profiling"
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=PROFILE_POLL_S, initial_delay=PROFILE_POLL_S, when=_profiling)
+def on_profiling(body: Any, memo: Any, logger: Any, **_: Any) -> None:
+    """While the profiling Jobs run, the pass looks at them this often; once they are done the children are applied."""
+    out = _pass(body, memo, logger)
+    if "profiling" not in out:
+        logger.info(f"reconciled after profiling by Job: {out}")
