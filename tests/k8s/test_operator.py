@@ -9,6 +9,7 @@ local ports as its own pod IP would keep them apart), then a MixtureLoader recei
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -159,9 +160,14 @@ def test_manifests_are_runnable_and_a_weight_patch_is_live(crd, k8s_namespace, d
 
             # kubectl patch of the weights: pairs off -> its loader Deployments run 0 replicas, and the
             # running planner takes the new mixture at a step boundary recorded in the status
+            t0 = time.monotonic()
             cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge",
                             "-p", json.dumps({"spec": {"mixture": {"weights": {"text": 1.0, "pairs": 0.0}}}}))
-            st = wait_for("the update's step", lambda: (status_of(cluster, ns).get("updates") or [None])[-1], 60)
+            st = wait_for("the update's step", lambda: (status_of(cluster, ns).get("updates") or [None])[-1], 60, every=0.05)
+            print(f"kubectl patch -> acknowledged in the status: {time.monotonic() - t0:.2f} s")
+            mu = status_of(cluster, ns)["mixtureUpdate"]
+            assert mu["state"] == "Acknowledged" and mu["effectiveStep"] == st["effectiveStep"]
+            assert {c["type"]: c["status"] for c in status_of(cluster, ns)["conditions"]}["MixtureApplied"] == "True"
             assert st["effectiveStep"] >= 6 and st["weights"]["pairs"] == 0.0
             deps = children(cluster, ns)
             for (kind, name), o in deps.items():

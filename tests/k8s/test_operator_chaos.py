@@ -26,7 +26,8 @@ import pytest
 from mixplane import control
 from mixplane.operator.builders import ClusterOptions
 from mixplane.operator.keys import existing_keys
-from mixplane.operator.reconcile import desired, inputs_of, spec_of
+from mixplane.operator.reconcile import desired, inputs_of, segments_of, spec_of
+from mixplane.operator.scaling import ScalingConfig, projected_shares
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, status_of, trainer_keys, wait_for
@@ -34,7 +35,7 @@ from tests.k8s.test_scaling import PHASE, digest, scaling_mixture
 from tests.unit.operator_testdata import write_text_and_images
 
 pytestmark = pytest.mark.timeout(1500)
-STEPS = int(os.environ.get("MIXPLANE_CHAOS_STEPS", "150"))
+STEPS = int(os.environ.get("MIXPLANE_CHAOS_STEPS", "240"))
 UPDATE_AT = 70  # the trainers' step at which the live update is patched in
 MIN_KILLS = int(os.environ.get("MIXPLANE_OPERATOR_KILLS", "50"))
 CALM = {"web": 0.9, "code": 0.1}
@@ -152,8 +153,16 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
                 cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge", "-p",
                                 json.dumps({"spec": {"mixture": {"weights": CALM, "phases": [], "temperature": 2.0}}}))
                 patched = True
+                # the two cuts that matter most for "acknowledged exactly once": before the update is sent, and after
+                # the planner acknowledged it but before the status says so
+                for at in ("update", "after-update"):
+                    with operator(cluster, ns, **env, MIXPLANE_OPERATOR_KILL_AT=at) as op:
+                        wait_for(f"the cut at {at}", lambda op=op: op.poll() is not None, 60)
+                        assert op.returncode == -signal.SIGKILL, op.log_text()[-3000:]
+                        kills.append(at)
+                continue
             outside = rng.random() < 0.2
-            n = rng.randint(1, 6)
+            n = rng.randint(1, 14)  # a pass that applies every child makes ~14 calls: cuts land in every stage
             extra = {} if outside else {"MIXPLANE_OPERATOR_KILL_AFTER_CALLS": str(n)}
             with operator(cluster, ns, **env, **extra) as op:
                 deadline = time.monotonic() + (rng.uniform(1.0, 6.0) if outside else 40.0)
@@ -166,18 +175,32 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
                 else:
                     assert op.returncode == -signal.SIGKILL, op.log_text()[-3000:]
                     line = [x for x in op.log_text().splitlines() if "fault point" in x]
-                    kills.append(line[-1].split("(", 1)[-1].rstrip(")") if line else "?")
+                    kills.append(line[-1].split("(", 1)[-1].rstrip(")").split(" ")[0] if line else "?")
             if len(kills) > 4 * MIN_KILLS + 200:
                 break
         trainers.join()
         assert not trainer_error, trainer_error
         assert patched
-        # left alone, the operator converges: the update acknowledged, nothing draining, the calm layout
-        with operator(cluster, ns, **env) as op:
+        # left alone, the operator converges: the update acknowledged, nothing draining, and the loader Deployments a
+        # scaler never restarted settles at for the final mixture (its projected shares)
+        body = get(cluster, "datamixture", "demo", "-n", ns)
+        prof = json.loads(body["metadata"]["annotations"]["mixplane.io/profile"])
+        spec = spec_of(body)
+
+        def expected():
+            step = int(status_of(cluster, ns).get("step") or 0)
+            proj = projected_shares(segments_of(spec, prof), step, ScalingConfig().lookahead_steps)
+            d = desired(body, ClusterOptions(name="demo", namespace=ns, image="mixplane:test"), prof, keys, step=step, shares=proj)
+            return proj, {o["metadata"]["name"]: o["metadata"]["annotations"]["mixplane.io/partitions"] for o in d.objects
+                          if o["kind"] == "Deployment" and o["metadata"]["labels"].get("mixplane.io/role") == "loader"}
+
+        with operator(cluster, ns, **env):
             st = wait_for("convergence", lambda: (lambda s: s if (s.get("mixtureUpdate") or {}).get("state") == "Acknowledged"
-                                                  and not (s.get("layout") or {}).get("draining") else None)(status_of(cluster, ns)),
-                          120, abort=lambda final: None)
-            final_loaders = wait_for("the calm layout", lambda: (lambda x: x if len(x) == 1 else None)(loader_children(cluster, ns)), 90)
+                                                  and s.get("updates")
+                                                  and not (s.get("layout") or {}).get("draining")
+                                                  and {k: v[0] for k, v in loader_children(cluster, ns).items()} == expected()[1]
+                                                  else None)(status_of(cluster, ns)), 180)
+        proj, _ = expected()
         assert kubelet.error is None, kubelet.error
         assert not kubelet.violations, kubelet.violations
         plan_status = control.status(f"tcp://127.0.0.1:{pods.planner_port}", 5.0, curve=admin)
@@ -196,15 +219,9 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
     assert ids.count(st["mixtureUpdate"]["updateId"]) == 1, ids
     effective = int(st["mixtureUpdate"]["effectiveStep"])
     assert effective > UPDATE_AT
-    # the same children as a never-killed operator renders for the final state: the calm mixture's single pod
-    body = get(cluster, "datamixture", "demo", "-n", ns)
-    prof = json.loads(body["metadata"]["annotations"]["mixplane.io/profile"])
-    spec = spec_of(body)
-    expect = desired(body, ClusterOptions(name="demo", namespace=ns, image="mixplane:test"), prof, keys,
-                     step=int(st["step"]), shares=(st.get("layout") or {}).get("shares"))
-    exp = {o["metadata"]["name"]: o["metadata"]["annotations"]["mixplane.io/partitions"] for o in expect.objects
-           if o["kind"] == "Deployment" and o["metadata"]["labels"].get("mixplane.io/role") == "loader"}
-    assert {k: v[0] for k, v in final_loaders.items()} == exp
+    # the shares the status keeps are those a scaler never restarted settles at
+    shares = (st.get("layout") or {}).get("shares") or {}
+    assert set(shares) == set(proj) and all(abs(shares[k] - proj[k]) <= 1e-9 * max(1.0, proj[k]) for k in proj), (shares, proj)
     assert inputs_of(body).tokens_per_s > 0 and spec.mixture.temperature == 2.0
 
     # the reference: the same spec in an embedded run that never scaled nor had an operator, given the same update

@@ -193,7 +193,9 @@ def decide(obs: Observed) -> Actions:
     want = desired_hosts(d)
     layout = {"shares": shares, "hosts": {h: ",".join(sorted(p for p, x in want.items() if x == h)) for h in sorted(set(want.values()))},
               "draining": draining, "settling": bool(layout_prev.get("draining")) and not draining}
-    intent: dict[str, Any] = {"layout": layout, "mixtureUpdate": upd.state}
+    # (the live update's state is not an intent: its id follows from the object, and its acknowledgment is written
+    # together with status.updates in the final patch, so the two never disagree)
+    intent: dict[str, Any] = {"layout": layout}
     if scaler_state is not None:
         intent["scaler"] = scaler_state
     if decisions:
@@ -217,8 +219,6 @@ def final_status(obs: Observed, d: Desired, upd: UpdatePlan, spec: Any, *, appli
                  draining: Sequence[str]) -> dict[str, Any]:
     """Phase, conditions, per source figures and the children applied (written after acting)."""
     body = obs.body
-    gen = (body.get("metadata") or {}).get("generation")
-    prev = _status(body).get("conditions") or []
     ready, waiting = obs.ready
     fallback = [n for n, p in (obs.profile.get("sources") or {}).items() if p.get("source") == "fallback"]
     why = f"{obs.profile_failure}; " if obs.profile_failure else ""
@@ -244,16 +244,30 @@ def final_status(obs: Observed, d: Desired, upd: UpdatePlan, spec: Any, *, appli
         live = planner_source_figures(obs.planner)
         for s in out["sources"]:
             s.update(live.get(s["name"], {}))
-    ok, reason, msg = condition_of(upd.state)
-    out["conditions"].append(condition("MixtureApplied", ok, reason, msg, gen, prev))
-    if upd.state.get("state") != "Acknowledged" and out["phase"] in ("Running", "Pending"):
-        out["phase"] = "Updating"
-    was = (_status(body).get("mixtureUpdate") or {}).get("state")
-    if upd.state.get("state") == "Acknowledged" and was in ("Pending", "Refused"):  # acknowledged in this pass
-        out["updates"] = history(list(_status(body).get("updates") or []), upd.state, spec)
+    out["phase"] = "Updating" if upd.state.get("state") != "Acknowledged" and out["phase"] in ("Running", "Pending") else out["phase"]
+    out = with_update(out, body, spec, upd.state)
     if obs.profiling is not None:
         out["profiling"] = dict(obs.profiling)
-    out["children"] = {"hash": applied_hash, "appliedAt": round(applied_at, 3), "generation": gen}
+    out["children"] = {"hash": applied_hash, "appliedAt": round(applied_at, 3), "generation": (body.get("metadata") or {}).get("generation")}
+    return out
+
+
+def with_update(status: Mapping[str, Any], body: Mapping[str, Any], spec: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """`status` with the live update `state` in it: status.mixtureUpdate, the MixtureApplied condition, the phase
+    (Updating while not acknowledged), and the update added once to status.updates when it was acknowledged now."""
+    out = dict(status)
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = _status(body).get("conditions") or []
+    ok, reason, msg = condition_of(state)
+    out["conditions"] = [c for c in out.get("conditions") or [] if c.get("type") != "MixtureApplied"] + \
+        [condition("MixtureApplied", ok, reason, msg, gen, prev)]
+    if ok and out.get("phase") == "Updating":
+        out["phase"] = "Running" if all(c.get("status") == "True" for c in out["conditions"] if c.get("type") == "Ready") \
+            else "Pending"
+    prev_updates = list(_status(body).get("updates") or [])
+    if ok and not state.get("initial") and all(int(u.get("generation", -1)) != int(state["generation"]) for u in prev_updates):
+        out["updates"] = history(prev_updates, state, spec)  # acknowledged in this pass: recorded once
+    out["mixtureUpdate"] = dict(state)
     return out
 
 

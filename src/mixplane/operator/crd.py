@@ -123,6 +123,7 @@ class MixtureUpdateState(_Status):
     attempts: int = Field(0, ge=0, description="Sends that failed so far.")
     retryAt: float | None = Field(None, description="Next try (seconds since the epoch).")
     reason: str = Field("", description="Why it is in this state.")
+    initial: bool | None = Field(None, description="The mixture the planner was started with (not a live update).")
 
 
 class ChildrenStatus(_Status):

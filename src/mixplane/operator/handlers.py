@@ -30,12 +30,12 @@ from typing import Any
 import kopf
 
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
-from mixplane.operator.controller import Observed, decide, status_patch
+from mixplane.operator.controller import Observed, decide, status_patch, with_update
 from mixplane.operator.keys import admin_key_dir, keys_for
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
 from mixplane.operator.reconcile import ReconcileError, condition, spec_of
-from mixplane.operator.updates import after_send, history
+from mixplane.operator.updates import after_send
 
 VERSION = "v1alpha1"
 PLURAL = "datamixtures"
@@ -65,6 +65,7 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
     ep = planner_endpoint(opts)
     if kind == "status":
         return control.status(ep, timeout_s, curve=curve)
+    kube().fault.hit(f"{kind} {meta.get('partition', '')}".strip())  # a request that changes the run: a cut point too
     if kind == "handoff":
         return control.handoff(ep, meta["partition"], meta["to"], timeout_s, curve=curve)
     return control.update_mixture(ep, meta, timeout_s, curve=curve)
@@ -204,18 +205,11 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
             except (TimeoutError, OSError) as e:
                 state = after_send(state, error=str(e), now=now)
             else:
+                kube().fault.hit("after-update", mutating=False)  # acknowledged by the planner, not yet recorded
                 state = after_send(state, ack=ack)
-                final["updates"] = history(list(current.get("updates") or []), state, spec)
                 logger.info(f"mixture update {state['updateId']} in force from step {state['effectiveStep']}"
                             f"{' (acknowledged before)' if ack.get('duplicate') else ''}")
-        if state.get("state") != "Acknowledged":
-            from mixplane.operator.updates import condition_of
-
-            ok, reason, msg = condition_of(state)
-            gen = body["metadata"].get("generation")
-            final["conditions"] = [c for c in final["conditions"] if c["type"] != "MixtureApplied"] + \
-                [condition("MixtureApplied", ok, reason, msg, gen, current.get("conditions") or [])]
-    final["mixtureUpdate"] = state
+        final = with_update(final, body, spec, state)
     # 6. the rest of the status
     _write_status(k, body, current, final)
     return {"objects": len(acts.apply), "handoffs": len(acts.handoffs), "deleted": acts.delete,

@@ -3,7 +3,8 @@
 A thin shell: server-side apply (idempotent, owned fields only), get / list / delete, and the status
 subresource. Every call that changes something passes `mutating()`, where a fault-injection point can stop
 the process between two API calls (MIXPLANE_OPERATOR_KILL_AFTER_CALLS=N: SIGKILL itself before its N-th
-mutating call; the operator-chaos tests use it to cut a reconcile at every point in turn).
+mutating call; MIXPLANE_OPERATOR_KILL_AT=LABEL: at a named cut point; the operator-chaos tests use them to cut a
+reconcile at every point in turn). Both are unset in production.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 FIELD_MANAGER = "mixplane-operator"
 KILL_AFTER_ENV = "MIXPLANE_OPERATOR_KILL_AFTER_CALLS"
+KILL_AT_ENV = "MIXPLANE_OPERATOR_KILL_AT"
 
 
 class KubeError(RuntimeError):
@@ -28,22 +30,25 @@ class KubeError(RuntimeError):
 
 
 class FaultPoint:
-    """Counts mutating API calls; with a limit, the process SIGKILLs itself at the call that reaches it."""
+    """Counts mutating calls; with a limit, the process SIGKILLs itself at the call that reaches it. With `at`
+    (MIXPLANE_OPERATOR_KILL_AT), it SIGKILLs itself at the first cut point whose label starts with it (e.g. `update`:
+    before sending the live update, `after-update`: right after the planner acknowledged it)."""
 
-    def __init__(self, limit: int | None):
+    def __init__(self, limit: int | None, at: str | None = None):
         self.limit = limit
+        self.at = at or None
         self.calls = 0
         self._lock = threading.Lock()
 
     @classmethod
     def from_env(cls) -> "FaultPoint":
         raw = os.environ.get(KILL_AFTER_ENV, "").strip()
-        return cls(int(raw) if raw else None)
+        return cls(int(raw) if raw else None, os.environ.get(KILL_AT_ENV, "").strip() or None)
 
-    def hit(self, what: str) -> None:
+    def hit(self, what: str, *, mutating: bool = True) -> None:
         with self._lock:
-            self.calls += 1
-            if self.limit is not None and self.calls >= self.limit:
+            self.calls += mutating
+            if (self.limit is not None and mutating and self.calls >= self.limit) or (self.at and what.startswith(self.at)):
                 # the chaos tests read this line to know where the cut fell
                 print(f"mixplane operator fault point: SIGKILL before mutating call {self.calls} ({what})", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -72,7 +72,8 @@ def plan_update(body: Mapping[str, Any], spec: Any, planner_status: Mapping[str,
     digest = mixture_digest(spec)
     if not prev:
         return UpdatePlan({"generation": gen, "digest": digest, "updateId": update_id(body), "state": "Acknowledged",
-                           "effectiveStep": 0, "attempts": 0, "reason": "the mixture the planner started with"}, False)
+                           "effectiveStep": 0, "attempts": 0, "reason": "the mixture the planner started with",
+                           "initial": True}, False)
     if prev.get("digest") != digest:
         prev = {"generation": gen, "digest": digest, "updateId": update_id(body), "state": "Pending", "attempts": 0,
                 "retryAt": now, "reason": "new mixture"}
