@@ -131,7 +131,7 @@ class MixtureSpec(_Model):
     weights: dict[str, float] = Field(default_factory=dict, description="Base weights by source name; empty means equal weights.")
     temperature: float = Field(1.0, description="p_i ∝ w_i^(1/T); T > 1 flattens the mixture (KempnerForge semantics).")
     unit: Literal["tokens", "samples"] = Field("tokens", description="Whether weights are fractions of tokens or of samples.")
-    phases: list[PhaseSpec] = Field(default_factory=list, max_length=MAX_PHASES, description="Step-triggered weight changes (curriculum). A runtime mixture update lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
+    phases: list[PhaseSpec] = Field(default_factory=list, max_length=MAX_PHASES, description="Step-triggered weight changes (curriculum). A live update of the whole mixture section (a `kubectl patch` of spec.mixture, `mixplane update --mixture`) replaces the phases from its effective step on with the new section's; a weights-only update (`mixplane update --weight`) lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
     anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
     seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
 
