@@ -134,7 +134,10 @@ def _umount_under(*roots: Path) -> None:
 def egress_rules(cgroup: str) -> list[tuple[str, str, list[str]]]:
     """(table, chain, rule) of the discipline: filter rules that reject, mangle rules that mark (for conntrack)."""
     rules: list[tuple[str, str, list[str]]] = []
-    # the chain every path into / through the host jumps to; sources: the containers, and the cluster's processes
+    # the chain every path into / through the host jumps to; sources: the containers, and the cluster's processes.
+    # Only what they open is judged: a reply (to the host's own connection into a pod, e.g. the API server calling a
+    # webhook through its Service, masqueraded to the bridge address) is let through.
+    rules.append(("filter", CHAIN, ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "RETURN"]))
     for d in ALLOWED:
         rules.append(("filter", CHAIN, ["-d", d, "-j", "RETURN"]))
     rules.append(("filter", CHAIN, ["-d", LINK_LOCAL, "-j", "REJECT"]))

@@ -1,0 +1,274 @@
+"""End to end on the real node, as a user would: `helm install` the chart with the image built here, `kubectl
+apply` a DataMixture reading an S3 bucket (moto on the docker bridge, the keys in a Secret), two trainer Jobs of
+the trainer image (the webhook injects the planner endpoint and each pod's rank-bound key) train N steps and print
+per-step digests that equal an embedded `mixplane run` of the same spec, step for step and rank for rank;
+`kubectl get dmix` shows phase, step and realised weights; `kubectl delete datamixture` leaves nothing behind.
+
+Kubernetes 1.20 has no Indexed Jobs (completionMode came in 1.21): each trainer slot is a Job of its own whose pod
+carries `mixplane.io/trainer-index` (the webhook's first way to a slot). The planner journal's claim binds to a
+hostPath PersistentVolume the test creates (a bare cluster has no provisioner). The pods' CPU requests are scaled
+to a tenth by a test webhook (tests/k8s/shrink.py): sized for real nodes, they would not fit the test node's 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+from mixplane.control import KEYS_SUBDIR
+from tests.conftest import write_token_source
+from tests.k8s import node as nodemod
+from tests.k8s.cluster import Cluster, free_port
+from tests.k8s.e2e_trainer import digest
+from tests.k8s.helpers import run_trainers, wait_for
+from tests.k8s.shrink import LABEL as SHRINK_LABEL
+from tests.k8s.shrink import shrink_cpu
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "mixplane"
+TRAINER = Path(__file__).with_name("e2e_trainer.py")
+STEPS = 12
+WORLD = 2
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_cpu_requests(k8s_node: Cluster) -> Iterator[None]:
+    """The operator asks a core for the planner and each constructor: a tenth of that fits the 2-core test node."""
+    with shrink_cpu(k8s_node, 0.1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def bucket(k8s_node: Cluster, tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
+    """moto's S3 server on the docker bridge (pods reach it; nothing else is needed) with two token sources."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    from tests.s3server import ACCESS_KEY, SECRET_KEY, REGION
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address=nodemod.BRIDGE_IP, port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    root = tmp_path_factory.mktemp("e2e-sources")
+    write_token_source(root / "a", rows=1200, files=2, mean_len=60, seed=1)
+    write_token_source(root / "b", rows=800, files=2, mean_len=150, seed=2)
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION, scheme="http",
+                           endpoint_override=f"{host}:{port}", allow_bucket_creation=True)
+    fs.create_dir("corpus")
+    for src in ("a", "b"):
+        for f in sorted((root / src).iterdir()):
+            with fs.open_output_stream(f"corpus/{src}/{f.name}") as out:
+                out.write(f.read_bytes())
+    creds = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION,
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    try:
+        yield endpoint, creds
+    finally:
+        server.stop()
+
+
+def spec(endpoint: str, placement: str) -> dict:
+    return {
+        "sources": [{"name": n, "uri": f"s3://corpus/{n}/*.parquet", "endpoint": endpoint, "region": "us-east-1",
+                     "kind": "tokens", "columns": ["tokens"], "shuffle": "rowgroup"} for n in ("a", "b")],
+        "mixture": {"weights": {"a": 0.6, "b": 0.4}, "seed": 11},
+        "batch": {"sequences": 4, "seq_len": 128, "microbatches": 1},
+        "topology": {"modules": {"backbone": {"dp": WORLD}}, "ranks_per_node": 1},
+        "strategy": {"name": "vanilla"},
+        "runtime": {"window": 16, "constructors": "per_node", "metrics": True},
+        "kubernetes": {"placement": placement, "source_secret": "s3-creds", "journal_mb": 64, "trainer_pods": WORLD,
+                       "sidecar_cpu": 0.5, "sidecar_memory_mb": 512},
+    }
+
+
+def kget(c: Cluster, *args: str) -> dict:
+    return json.loads(c.kubectl("get", *args, "-o", "json").stdout)
+
+
+def install_chart(c: Cluster, ns: str) -> helm.Config:
+    cfg = helm.Config(kubeconfig_path=str(c.kubeconfig), namespace=ns)
+    repo, tag = c.image.split(":")
+    # (1.20 sets no kubernetes.io/metadata.name label); shrink: the test node's 2 cores (tests/k8s/shrink.py)
+    c.kubectl("label", "namespace", ns, "mixplane-e2e=yes", f"{SHRINK_LABEL}=yes")
+    cfg.install(str(CHART), "mixplane", {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+                                         "webhook": {"namespaceSelector": {"matchLabels": {"mixplane-e2e": "yes"}}}},
+                namespace=ns, timeout=180)
+    c.kubectl("-n", ns, "wait", "--for=condition=Available", "deployment", "--all", "--timeout=180s", timeout=200)
+    return cfg
+
+
+def journal_volume(c: Cluster, ns: str) -> str:
+    """A hostPath PersistentVolume the journal's claim can bind (no class: the claim asks none, no default class)."""
+    d = c.workdir / "pv" / ns
+    d.mkdir(parents=True, exist_ok=True)
+    os.chown(d, 10001, 10001)
+    name = f"journal-{ns}"[:63]
+    c.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Retain",
+                 "claimRef": {"namespace": ns, "name": "demo-journal"}, "hostPath": {"path": str(d), "type": "Directory"}}}))
+    return name
+
+
+def trainer_job(ns: str, rank: int, image: str) -> dict:
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"train-{rank}", "namespace": ns},
+            "spec": {"backoffLimit": 0, "template": {
+                "metadata": {"labels": {"mixplane.io/mixture": "demo", "mixplane.io/trainer-index": str(rank)}},
+                "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
+                         # the injected key files are a Secret volume of mode 0400: a non-root trainer reads them
+                         # through its fsGroup (the kubelet gives the group read access)
+                         "securityContext": {"fsGroup": 10001},
+                         "containers": [{"name": "train", "image": image, "imagePullPolicy": "Never",
+                                         "command": ["python", "/trainer/e2e_trainer.py"],
+                                         "env": [{"name": "TRAINER_RANK", "value": str(rank)},
+                                                 {"name": "WORLD_SIZE", "value": str(WORLD)},
+                                                 {"name": "STEPS", "value": str(STEPS)},
+                                                 {"name": "MIXPLANE_TIMEOUT_S", "value": "120"}],
+                                         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "readOnlyRootFilesystem": True,
+                                                             "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                                         "volumeMounts": [{"name": "trainer", "mountPath": "/trainer"},
+                                                          {"name": "tmp", "mountPath": "/tmp"}]}],
+                         "volumes": [{"name": "trainer", "configMap": {"name": "trainer"}}, {"name": "tmp", "emptyDir": {}}]}}}}
+
+
+def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path) -> dict[tuple[int, int], str]:
+    """The same spec through the embedded runtime (`mixplane run`), two MixtureLoader ranks: (step, rank) -> digest."""
+    doc = {"name": "demo", **{k: v for k, v in spec(endpoint, placement).items() if k != "kubernetes"}}
+    f = tmp / "mixture.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, **creds, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.Popen([sys.executable, "-m", "mixplane.cli", "run", str(f), "--run-dir", str(tmp / "run"),
+                            "--max-seconds", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        planner = None
+        lines = []
+        deadline = time.monotonic() + 120
+        while planner is None and time.monotonic() < deadline:
+            line = run.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "export MIXPLANE_PLANNER=" in line:
+                planner = line.split("export MIXPLANE_PLANNER=", 1)[1].split(")")[0].strip()
+        assert planner, "".join(lines)[-3000:]
+        import threading
+
+        threading.Thread(target=lambda: [None for _ in run.stdout], daemon=True).start()
+        got = run_trainers(planner, tmp / "run" / KEYS_SUBDIR, WORLD, STEPS, timeout=240,
+                           keep=lambda b: (int(b["step"]), digest(b)))
+    finally:
+        run.terminate()
+        try:
+            run.wait(30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+    return {(s, r): d for r, items in got.items() for s, d in items}
+
+
+@pytest.mark.parametrize("placement", ["remote"])
+def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespace: str, bucket, tmp_path, placement):
+    c, ns = k8s_node, k8s_node_namespace
+    endpoint, creds = bucket
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    cfg = install_chart(c, ns)
+    timings["helm install -> operator Available"] = time.monotonic() - t0
+    try:
+        c.kubectl("-n", ns, "create", "secret", "generic", "s3-creds", *[f"--from-literal={k}={v}" for k, v in creds.items()])
+        pv = journal_volume(c, ns)
+        c.kubectl("-n", ns, "create", "configmap", "trainer", f"--from-file=e2e_trainer.py={TRAINER}")
+        mix = {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
+               "metadata": {"name": "demo", "namespace": ns, "annotations": {"mixplane.io/tokens-per-second": "30000"}},
+               "spec": spec(endpoint, placement)}
+        t1 = time.monotonic()
+        # the operator is Ready once its webhook listens; kube-proxy programs the Service's endpoint a moment later
+        wait_for("the mixture accepted by the webhook",
+                 lambda: c.kubectl("apply", "-f", "-", input=json.dumps(mix), check=False).returncode == 0, 30, 1.0)
+
+        def rolled_out() -> bool:
+            st = kget(c, "datamixture", "demo", "-n", ns).get("status") or {}
+            if not st.get("plannerEndpoint"):
+                return False
+            work = kget(c, "deployments,statefulsets", "-n", ns, "-l", "mixplane.io/instance=demo")["items"]
+            return bool(work) and all((o.get("status") or {}).get("readyReplicas", 0) == o["spec"]["replicas"] for o in work)
+
+        wait_for("the mixture's components Ready", rolled_out, 300, 1.0,
+                 abort=lambda final: (c.kubectl("-n", ns, "get", "pods,dmix,jobs", "-o", "wide", check=False).stdout + "\n"
+                                      + c.kubectl("-n", ns, "logs", "deploy/mixplane", "--tail=60", check=False).stdout) if final else None)
+        timings["apply -> components Ready"] = time.monotonic() - t1
+        t2 = time.monotonic()
+        image = f"mixplane-trainer:{c.image.split(':')[1]}"
+        for rank in range(WORLD):
+            c.kubectl("apply", "-f", "-", input=json.dumps(trainer_job(ns, rank, image)))
+
+        def jobs_done() -> bool:
+            jobs = [kget(c, "job", f"train-{r}", "-n", ns).get("status") or {} for r in range(WORLD)]
+            if any(j.get("failed") for j in jobs):
+                raise AssertionError(f"a trainer Job failed: {jobs}\n" + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo",
+                                                                                 "--tail=50", check=False).stdout)
+            return all(j.get("succeeded") for j in jobs)
+
+        wait_for("the trainer Jobs", jobs_done, 600, 1.0)
+        timings["trainer Jobs -> complete"] = time.monotonic() - t2
+        got: dict[tuple[int, int], str] = {}
+        for rank in range(WORLD):
+            (pod,) = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
+            envs = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+            assert (envs.get("MIXPLANE_PLANNER") or "").startswith(f"tcp://demo-planner.{ns}.svc:"), envs
+            assert envs.get("MIXPLANE_CURVE_NAME", "").startswith("client-r"), envs  # the pod's rank-bound key
+            log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"]).stdout
+            for line in log.splitlines():
+                if line.startswith("{") and '"digest"' in line:
+                    o = json.loads(line)
+                    got[(o["step"], o["rank"])] = o["digest"]
+        assert len(got) == STEPS * WORLD, sorted(got)
+
+        # the operator reads the planner's progress on its timer (30 s)
+        wait_for("the status's step", lambda: int((kget(c, "datamixture", "demo", "-n", ns).get("status") or {})
+                                                   .get("step") or 0) >= STEPS - 1, 120, 2.0)
+        table = c.kubectl("-n", ns, "get", "dmix").stdout
+        st = kget(c, "datamixture", "demo", "-n", ns)["status"]
+        realised = {s["name"]: s.get("realisedWeight") for s in st["sources"]}
+        assert all(isinstance(v, (int, float)) for v in realised.values()), realised
+        print(f"\n{table}realised weights: {realised}; conditions: "
+              + "; ".join(f"{x['type']}={x['status']} ({x.get('reason')}: {x.get('message')})" for x in st.get("conditions") or []))
+
+        want = reference(endpoint, creds, placement, tmp_path)
+        steps = sorted({s for s, _ in got})
+        assert sorted(got) == sorted(k for k in want if k[0] in steps), (sorted(got), sorted(want))
+        diff = [k for k in got if got[k] != want[k]]
+        assert not diff, f"digests differ at (step, rank) {diff[:10]}"
+        print(f"digests equal to the embedded run: {len(got)} (steps {steps[0]}..{steps[-1]} x ranks 0..{WORLD - 1}); "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+
+        # delete: nothing of the mixture is left (pods, Services, Secrets, ConfigMaps, PVC, NetworkPolicies, ...)
+        for r in range(WORLD):
+            c.kubectl("-n", ns, "delete", "job", f"train-{r}", "--cascade=foreground", "--wait=true", "--timeout=60s", check=False)
+        c.kubectl("-n", ns, "delete", "datamixture", "demo", "--wait=true", "--timeout=120s", timeout=150)
+
+        def leftovers() -> list[str]:
+            kinds = "pods,services,secrets,configmaps,persistentvolumeclaims,networkpolicies,deployments,statefulsets," \
+                    "serviceaccounts,poddisruptionbudgets,jobs"
+            items = kget(c, kinds, "-n", ns, "-l", "mixplane.io/instance=demo")["items"]
+            return [f"{o['kind']}/{o['metadata']['name']}" for o in items]
+
+        wait_for("every child of the mixture gone", lambda: not leftovers(), 120, 1.0)
+        assert kget(c, "pv", pv)["status"]["phase"] == "Released"  # its claim was deleted with the mixture
+    finally:
+        c.kubectl("delete", "pv", f"journal-{ns}"[:63], "--wait=false", check=False)
+        cfg.uninstall("mixplane", timeout=120)
