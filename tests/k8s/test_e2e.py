@@ -180,7 +180,10 @@ def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path) -
     return {(s, r): d for r, items in got.items() for s, d in items}
 
 
-@pytest.mark.parametrize("placement", ["remote"])
+@pytest.mark.parametrize("placement", ["remote", pytest.param("sidecar", marks=pytest.mark.xfail(
+    strict=True, reason="operator: its status patch under sidecar placement is refused by the CRD's schema (422: "
+                        "status.sidecars.partitions must be of type string, got null): the status (planner endpoint) "
+                        "is never written; the wait ends at the operator's traceback"))])
 def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespace: str, bucket, tmp_path, placement):
     c, ns = k8s_node, k8s_node_namespace
     endpoint, creds = bucket
@@ -207,31 +210,46 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
             work = kget(c, "deployments,statefulsets", "-n", ns, "-l", "mixplane.io/instance=demo")["items"]
             return bool(work) and all((o.get("status") or {}).get("readyReplicas", 0) == o["spec"]["replicas"] for o in work)
 
-        wait_for("the mixture's components Ready", rolled_out, 300, 1.0,
-                 abort=lambda final: (c.kubectl("-n", ns, "get", "pods,dmix,jobs", "-o", "wide", check=False).stdout + "\n"
-                                      + c.kubectl("-n", ns, "logs", "deploy/mixplane", "--tail=60", check=False).stdout) if final else None)
+        def operator_failed(final: bool) -> str | None:
+            """Stops the wait at once when a handler of the operator raised (it would only retry the same)."""
+            log = c.kubectl("-n", ns, "logs", "deploy/mixplane", "--tail=200", check=False).stdout
+            if final or "Traceback" in log:
+                return (c.kubectl("-n", ns, "get", "pods,dmix,jobs", "-o", "wide", check=False).stdout + "\n"
+                        + log[-6000:])
+            return None
+
+        wait_for("the mixture's components Ready", rolled_out, 300, 2.0, abort=operator_failed)
         timings["apply -> components Ready"] = time.monotonic() - t1
         t2 = time.monotonic()
         image = f"mixplane-trainer:{c.image.split(':')[1]}"
         for rank in range(WORLD):
             c.kubectl("apply", "-f", "-", input=json.dumps(trainer_job(ns, rank, image)))
 
-        def jobs_done() -> bool:
-            jobs = [kget(c, "job", f"train-{r}", "-n", ns).get("status") or {} for r in range(WORLD)]
-            if any(j.get("failed") for j in jobs):
-                raise AssertionError(f"a trainer Job failed: {jobs}\n" + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo",
-                                                                                 "--tail=50", check=False).stdout)
-            return all(j.get("succeeded") for j in jobs)
+        def train_container(rank: int) -> dict | None:
+            pods = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
+            return next((x for p in pods for x in (p.get("status") or {}).get("containerStatuses") or []
+                         if x["name"] == "train"), None)
 
-        wait_for("the trainer Jobs", jobs_done, 600, 1.0)
-        timings["trainer Jobs -> complete"] = time.monotonic() - t2
+        def trainers_done() -> bool:
+            # the trainer container's end (under sidecar placement the pod's loader containers go on)
+            states = [((train_container(r) or {}).get("state") or {}).get("terminated") for r in range(WORLD)]
+            if any(t and t["exitCode"] != 0 for t in states):
+                raise AssertionError(f"a trainer failed: {states}\n" + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo",
+                                                                              "-c", "train", "--tail=50", check=False).stdout)
+            return all(states)
+
+        wait_for("the trainers", trainers_done, 600, 1.0)
+        timings["trainer Jobs -> trained"] = time.monotonic() - t2
         got: dict[tuple[int, int], str] = {}
         for rank in range(WORLD):
             (pod,) = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
             envs = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
             assert (envs.get("MIXPLANE_PLANNER") or "").startswith(f"tcp://demo-planner.{ns}.svc:"), envs
             assert envs.get("MIXPLANE_CURVE_NAME", "").startswith("client-r"), envs  # the pod's rank-bound key
-            log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"]).stdout
+            if placement == "sidecar":  # the webhook added the pod's loader containers beside the trainer
+                names = [x["name"] for x in pod["spec"]["containers"]]
+                assert len(names) > 1 and names[0] == "train", names
+            log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"], "-c", "train").stdout
             for line in log.splitlines():
                 if line.startswith("{") and '"digest"' in line:
                     o = json.loads(line)
