@@ -14,10 +14,20 @@ the look-ahead for more steps to cover a recovery (`--independent-ranks`: no bar
 * reference — no failure;
 * chaos — the same spec, while a seeded schedule SIGKILLs components at random steps of the run (every
   role whose restart the runtime supervises: loaders — primaries and shadows when the spec has shadows —,
-  constructors and the planner; `--roles` chooses), restarts one trainer rank from the state_dict it saved
-  (after SIGKILL of its process), and changes DP 4 -> 2 once at a step boundary (live resharding:
-  trainer ranks stop at the boundary, `EmbeddedRuntime.reshard` changes the running data plane, the new
-  world's ranks resume from the state_dict). The reference run does the same DP change without failures.
+  constructors and the planner; `--roles` chooses), restarts one trainer rank after SIGKILL of its process
+  from its last checkpoint (trainers save their state_dict every `--checkpoint-every` steps, 20: the rank
+  rolls back and receives the steps after its checkpoint again), and changes DP 4 -> 2 once at a step
+  boundary (live resharding: trainer ranks stop at the boundary, `EmbeddedRuntime.reshard` changes the
+  running data plane, the new world's ranks resume from the state_dict). With shadows (default
+  `--shadows 1`) every 8th scheduled kill from the 2nd on is a *double* kill (a loader primary and its
+  shadow SIGKILLed 57 ms apart) and from the 3rd on a *zombie* (a loader primary SIGSTOPped for 3 s, then
+  resumed). Both runs apply the same live mixture updates at the same steps; in the chaos run the planner
+  is SIGKILLed 0.5 s after the first update's acknowledgment (role `update+planner`). The reference run
+  does the same DP change and updates without failures.
+
+The runtime runs at the documented defaults (`journal_every` 100, `prefetch_s` 10, `max_lead_steps` 32,
+`heartbeat_s` 2, `failover_after_s` 1; only `window` 64 and metrics off) and is supervised as `mixplane run`
+supervises: a thread, the default restart backoff (the budget is unlimited).
 
 Every trainer rank writes, per step, the (step, rank) it received, its segments (source, key, start,
 length) and a digest of its tokens, together with its state_dict (one line, so a SIGKILL never separates
@@ -25,8 +35,9 @@ the two). The runs are compared record by record:
 
 * lost — samples (segments) of the reference that the chaos run never delivered;
 * duplicated — samples the chaos run delivered more often than the reference (a (step, rank) committed
-  twice counts too);
-* mismatched_steps — steps where any rank's record differs from the reference;
+  twice by a rank that did not restart counts too);
+* mismatched_steps — steps where any rank's record differs from the reference, plus steps a rolled-back
+  rank received again differently (`rolled_back_steps_redelivered`: received again, identical);
 * stall — per kill: the longest gap between two consecutive steps any rank received that ends after the
   kill and began within 5 s of it (ranks first drain what they prefetched), minus the reference's median
   step gap (what the failure cost the trainer); by role, max and p50; kills close together share gaps;
@@ -39,7 +50,9 @@ its journal and compares their tokens with what the rank got (bit for bit).
 
 The last stdout line: {"steps", "kills", "kills_by_role", "lost", "duplicated", "mismatched_steps",
 "max_stall_s", "max_stall_s_by_role", "p50_stall_s", "ettr", "replay_checked", "replay_bit_exact", ...}.
-`--quick`: ~1.5 minutes (60 steps, 3 kills, 10 replays).
+`--quick`: ~3 minutes (120 steps, 3 kills, 10 replays). `--compute-s 0.02`: very short steps (the look-ahead
+is then capped at `max_lead_steps`: 0.64 s of training; `lookahead_plus_2_s` in the JSON is the bound the
+stalls are held to).
 """
 
 from __future__ import annotations
@@ -61,6 +74,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 sys.path.insert(0, str(SRC))
+# the runtime's components (child processes) run this checkout's code too, not an installed mixplane
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 RANKS = 4
 RESHARD_DP = 2
@@ -104,8 +119,9 @@ def spec_doc(root: Path, *, shadows: int = 0) -> dict[str, Any]:
         "batch": {"sequences": ROWS, "seq_len": SEQ, "microbatches": 1},
         "topology": {"modules": {"backbone": {"dp": RANKS}}},
         "strategy": {"name": "vanilla"},
-        "runtime": {"window": 64, "metrics": False, "journal_every": 10, "step_timeout_s": 120,
-                    "heartbeat_s": 0.5},
+        # the documented defaults (journal_every, prefetch_s, max_lead_steps, heartbeat_s, failover_after_s,
+        # step_timeout_s): a small window and no metrics ports only
+        "runtime": {"window": 64, "metrics": False},
     }
     if shadows:
         doc["runtime"]["shadow_loaders"] = shadows
@@ -163,15 +179,15 @@ def trainer(args: argparse.Namespace) -> int:
     from mixplane.client import MixtureLoader
 
     out = Path(args.out)
+    ckpt = out.with_suffix(".ckpt")
     state = None
-    if out.exists():  # restarted: continue right after the last step this rank committed
+    if out.exists():  # restarted: a torn last line (killed while writing) is not committed, cut it
         text = out.read_text()
-        if not text.endswith("\n"):  # a torn last line (killed while writing): not committed, cut it
+        if not text.endswith("\n"):
             text = text[:text.rfind("\n") + 1]
             out.write_text(text)
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        if lines:
-            state = json.loads(lines[-1])["state"]
+    if ckpt.exists():  # restarted: roll back to the last checkpoint (steps after it are trained again)
+        state = json.loads(ckpt.read_text())
     if state is None and args.state:
         state = json.loads(Path(args.state).read_text())
     loader = MixtureLoader(args.planner, rank=args.rank, max_steps=args.stop, timeout_s=120)
@@ -187,9 +203,14 @@ def trainer(args: argparse.Namespace) -> int:
             step = int(b["step"])
             segs = [list(t) for t in zip(*(b[k].tolist() for k in ("segment_source", "segment_key", "segment_start", "segment_len")))]
             digest = hashlib.blake2b(b["input_ids"].numpy().tobytes(), digest_size=12).hexdigest()
+            st = loader.state_dict()
             f.write(json.dumps({"step": step, "rank": args.rank, "t": time.time(), "segs": segs, "digest": digest,
-                                "state": loader.state_dict()}) + "\n")
+                                "state": st}) + "\n")
             f.flush()
+            if (step + 1) % args.checkpoint_every == 0:  # the trainer's checkpoint (with the model's, every N steps)
+                tmp = ckpt.with_suffix(".tmp")
+                tmp.write_text(json.dumps(st))
+                os.replace(tmp, ckpt)
             time.sleep(args.compute_s)  # the training step
             if barrier is not None:  # the all-reduce: every rank of the world finished this step
                 barrier.send(json.dumps({"world": args.world, "rank": args.rank, "step": step}).encode())
@@ -212,11 +233,22 @@ class Run:
         self.rt: Any = None
         self.reshard_s = 0.0
         self._tails: dict[Path, tuple[int, int]] = {}  # record file -> (bytes counted, lines counted)
+        self.trainer_errors = 0
+        self.stopped: dict[int, float] = {}  # SIGSTOPped pid -> when it is resumed
+        # live updates: (global step reached, effective step, weights), the same in both runs; effective far
+        # enough ahead that no planner has planned it yet (the look-ahead is at most max_lead_steps + 2 steps)
+        n = args.steps
+        self.updates: list[tuple[int, int, dict[str, float]]] = [
+            (max(2, n // 20), max(2, n // 20) + 50, {"a": 0.2, "b": 0.3, "c": 0.5}),
+            (n // 2 + n // 10, n // 2 + n // 10 + 50, {"a": 0.6, "b": 0.2, "c": 0.2})]
+        self.updates = [u for u in self.updates if u[1] < n and not (u[0] <= n // 2 <= u[1] + 2)]
+        self.update_log: list[dict[str, Any]] = []
 
     def spawn(self, rank: int, stop: int, state: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--planner", self.rt.planner_endpoint,
                "--rank", str(rank), "--stop", str(stop), "--out", str(self.records / f"rank{rank}-w{self.world}.jsonl"),
-               "--compute-s", str(self.args.compute_s), "--world", str(self.world)]
+               "--compute-s", str(self.args.compute_s), "--world", str(self.world),
+               "--checkpoint-every", str(self.args.checkpoint_every)]
         if self.barrier is not None:
             cmd += ["--barrier", self.barrier.endpoint]
         if state is not None:
@@ -225,6 +257,85 @@ class Run:
         log = open(self.dir / f"trainer-{rank}-w{self.world}.log", "ab")
         self.trainers[rank] = subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+
+    # -- events beyond a single SIGKILL (issue 22): a primary and its shadow killed 57 ms apart, a SIGSTOPped
+    # ("zombie") loader resumed 3 s later, a live mixture update followed by a planner SIGKILL 0.5 s after its
+    # acknowledgment (the update itself happens in both runs, at the same step)
+    def event(self, at: int) -> bool:
+        idx = len([k for k in self.kills if k["role"] not in ("trainer", "update+planner", "shadow-of-double")])
+        kind = "kill"
+        if self.args.shadows and idx % 8 == 1:
+            kind = "double"
+        elif self.args.shadows and idx % 8 == 2:
+            kind = "zombie"
+        if kind == "kill":
+            vs = self.victims()
+            if not vs:
+                return False
+            role, c = self.rng.choice(vs)
+            os.kill(c.proc.pid, signal.SIGKILL)
+            self.kills.append({"role": role, "name": c.name, "t": time.time(), "step": at})
+            return True
+        try:
+            parts = self.rt.partitions()["partitions"]
+        except Exception:  # noqa: BLE001 - the planner is restarting: another time
+            return False
+        served = sorted({(p["host"], p["shadows"][0] if p["shadows"] else None) for p in parts.values()},
+                        key=lambda x: (x[0] or "", x[1] or ""))
+        served = [x for x in served if x[0] and (kind == "zombie" or x[1])]
+        if not served:
+            return False
+        host, shadow = self.rng.choice(served)
+        prim = next((c for c in self.rt.children if c.name == host and c.proc.poll() is None), None)
+        if prim is None:
+            return False
+        if kind == "zombie":
+            os.kill(prim.proc.pid, signal.SIGSTOP)
+            self.stopped[prim.proc.pid] = time.monotonic() + 3.0
+            self.kills.append({"role": "zombie", "name": host, "t": time.time(), "step": at})
+            return True
+        sh = next((c for c in self.rt.children if c.name == shadow and c.proc.poll() is None), None)
+        os.kill(prim.proc.pid, signal.SIGKILL)
+        t = time.time()
+        time.sleep(0.057)
+        if sh is not None:
+            os.kill(sh.proc.pid, signal.SIGKILL)
+        self.kills.append({"role": "double", "name": f"{host}+{shadow}", "t": t, "step": at})
+        return True
+
+    def resume_stopped(self) -> None:
+        now = time.monotonic()
+        for pid, until in list(self.stopped.items()):
+            if now >= until:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                del self.stopped[pid]
+
+    def updates_due(self) -> None:
+        """The run's live mixture updates (both runs, at the same global steps and effective steps); in the chaos
+        run the planner is SIGKILLed 0.5 s after the first one was acknowledged."""
+        from mixplane import control
+
+        while self.updates and self.progress() >= self.updates[0][0]:
+            at, eff, weights = self.updates.pop(0)
+            t_end = time.monotonic() + 60
+            while True:
+                try:
+                    ack = control.update_mixture(self.rt.planner_endpoint, {"weights": weights, "effective_step": eff},
+                                                 timeout_s=30, curve=self.rt.control_curve)
+                    break
+                except (RuntimeError, TimeoutError) as e:  # a planner restarting or recovering: ask again
+                    if time.monotonic() > t_end or "rejected" in str(e):
+                        raise
+                    time.sleep(0.2)
+            self.update_log.append({"at": at, "effective_step": eff, "generation": ack.get("generation")})
+            if self.chaos and len(self.update_log) == 1:
+                time.sleep(0.5)
+                planner = next(c for c in self.rt.children if c.name == "planner")
+                os.kill(planner.proc.pid, signal.SIGKILL)
+                self.kills.append({"role": "update+planner", "name": "planner", "t": time.time(), "step": at})
 
     def victims(self) -> list[tuple[str, Any]]:
         """Live components of the roles that may be killed; a loader process is a "shadow" when it is the
@@ -271,9 +382,12 @@ class Run:
         from mixplane.runtime import EmbeddedRuntime, RestartPolicy
 
         self.records.mkdir(parents=True, exist_ok=True)
-        policy = RestartPolicy(budget=10_000, window_s=3600.0, backoff_s=0.05, backoff_max_s=0.5,
-                               roles=tuple(r for r in ("loader", "constructor", "planner") if r in self.args.supervised))
+        # supervision as `mixplane run` does it: its default backoff, on a thread of its own (the budget is
+        # unlimited: the run kills far more often than the default 3 restarts per 5 minutes)
+        policy = RestartPolicy(budget=10_000, roles=tuple(r for r in ("loader", "constructor", "planner")
+                                                          if r in self.args.supervised))
         self.rt = EmbeddedRuntime(self.spec, self.dir / "run", restart=policy, log_level="WARNING").start()
+        self.rt.supervise_in_background(0.2)
         self.barrier = None if self.args.independent_ranks else StepBarrier()
         self.barrier_used = self.barrier is not None
         try:
@@ -290,7 +404,7 @@ class Run:
             state_file.write_text(json.dumps(last["state"]))
             deadline = time.monotonic() + 120
             while self.restarting() and time.monotonic() < deadline:  # a component restart still under way
-                self.rt.supervise()
+                self.rt.check()
                 time.sleep(0.05)
             t_r = time.monotonic()
             self.rt.reshard({"modules": {"backbone": {"dp": RESHARD_DP}}}, last["state"], attempt=f"{self.name}-reshard")
@@ -323,16 +437,15 @@ class Run:
                 raise TimeoutError(f"{self.name}: trainers did not finish within {self.args.timeout_s:g}s")
             for r, p in self.trainers.items():
                 if p.returncode not in (None, 0, -signal.SIGKILL):
+                    self.trainer_errors += 1
                     raise RuntimeError(f"{self.name}: trainer rank {r} exited with {p.returncode} "
                                        f"(see {self.dir}/trainer-{r}-w{self.world}.log)")
-            self.rt.supervise()
-            if plan and self.progress() >= plan[0] and not self.restarting():
-                vs = self.victims()  # none while the planner restarts: try again on the next round
-                if vs:
+            self.rt.check()
+            self.updates_due()
+            if plan and self.progress() >= plan[0] and not self.restarting() and not self.stopped:
+                if self.event(plan[0]):  # none while the planner restarts: try again on the next round
                     plan.pop(0)
-                    role, c = self.rng.choice(vs)
-                    os.kill(c.proc.pid, signal.SIGKILL)
-                    self.kills.append({"role": role, "name": c.name, "t": time.time()})
+            self.resume_stopped()
             if tk_at is not None and self.committed(1) >= tk_at:
                 p = self.trainers[1]
                 os.kill(p.pid, signal.SIGKILL)
@@ -350,10 +463,13 @@ class Run:
 
 
 # ------------------------------------------------------------------------------------------- compare
-def load(run: Run) -> tuple[dict[tuple[int, int, int], dict], int]:
-    """(world, step, rank) -> record (the last one committed), and how many (step, rank) were committed twice."""
+def load(run: Run) -> tuple[dict[tuple[int, int, int], dict], int, int, int]:
+    """(world, step, rank) -> record (the first one committed); (step, rank)s committed again by a rank that rolled
+    back to its checkpoint (identical: expected), committed again differently (a mismatch), and committed again by
+    a rank that did not restart (a duplicate)."""
     out: dict[tuple[int, int, int], dict] = {}
-    twice = 0
+    again = differ = twice = 0
+    restarted = {k["name"] for k in run.kills if k["role"] == "trainer"}
     for f in sorted(run.records.glob("rank*-w*.jsonl")):
         world = int(f.stem.split("-w")[1])
         for ln in f.read_text().splitlines():
@@ -362,19 +478,24 @@ def load(run: Run) -> tuple[dict[tuple[int, int, int], dict], int]:
             except ValueError:
                 continue
             key = (world, rec["step"], rec["rank"])
-            if key in out:
+            if key not in out:
+                out[key] = rec
+            elif f"rank{rec['rank']}" not in restarted:
                 twice += 1
-            out[key] = rec
-    return out, twice
+            elif (out[key]["segs"], out[key]["digest"]) == (rec["segs"], rec["digest"]):
+                again += 1
+            else:
+                differ += 1
+    return out, again, differ, twice
 
 
-def stalls(run: Run, ref_gap: float, horizon_s: float = 5.0) -> list[dict[str, Any]]:
+def stalls(run: Run, ref_gap: float, horizon_s: float = 12.0) -> list[dict[str, Any]]:
     """Per kill: the longest gap between consecutive steps of any rank that ends after the kill and began
     before kill + horizon_s (ranks first drain what was prefetched, so the stall may start after the kill),
     minus the reference's median gap. The gaps of a restarted trainer rank around its own restart count
     for that restart only — with synchronous ranks every rank's gap around it (they all wait for it)."""
     times: dict[tuple[int, int], list[float]] = {}
-    recs, _ = load(run)
+    recs = load(run)[0]
     for (w, _step, rank), rec in recs.items():
         times.setdefault((rank, w), []).append(rec["t"])
     for v in times.values():
@@ -424,7 +545,8 @@ def replay_check(run: Run, recs: dict, n: int, seed: int) -> tuple[int, int, lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="about 1.5 minutes: 60 steps, 3 kills")
+    ap.add_argument("--quick", action="store_true", help="about 3 minutes: 120 steps, 3 kills (a double kill and a zombie "
+                    "among them), an update + planner kill, a trainer rollback")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
     ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
@@ -434,7 +556,10 @@ def main() -> int:
     ap.add_argument("--independent-ranks", action="store_true",
                     help="no step barrier: each rank consumes at its own pace (not how data-parallel training runs)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--shadows", type=int, default=0, help="runtime.shadow_loaders of the spec")
+    ap.add_argument("--shadows", type=int, default=1, help="runtime.shadow_loaders of the spec (the double kill and "
+                    "the zombie need 1)")
+    ap.add_argument("--checkpoint-every", type=int, default=20,
+                    help="trainers save their state_dict every N steps; a restarted rank rolls back to it")
     ap.add_argument("--no-trainer-restart", dest="trainer_restart", action="store_false")
     ap.add_argument("--timeout-s", type=float, default=7200.0)
     ap.add_argument("--work", default=None, help="work directory (default: a fresh one under the cache)")
@@ -451,7 +576,7 @@ def main() -> int:
     if args.role == "trainer":
         return trainer(args)
     if args.quick:
-        args.steps, args.kills, args.replays = min(args.steps, 60), min(args.kills, 3), min(args.replays, 10)
+        args.steps, args.kills, args.replays = min(args.steps, 120), min(args.kills, 3), min(args.replays, 10)
     # only roles the runtime restarts can be killed without failing the run
     args.roles = ",".join(r for r in args.roles.split(",")
                           if r in args.supervised.split(",") or (r == "shadow" and "loader" in args.supervised))
@@ -469,13 +594,14 @@ def main() -> int:
     chaos_wall = chaos.run()
     (chaos.dir / "kills.json").write_text(json.dumps(chaos.kills))  # the stall analysis can be redone offline
 
-    want, _ = load(ref)
-    got, twice = load(chaos)
+    want = load(ref)[0]
+    got, rolled_back, redelivered_differently, twice = load(chaos)
     # training time: first to last step any rank received (the runtimes' start-up is not training time)
     ref_wall = max(r["t"] for r in want.values()) - min(r["t"] for r in want.values())
     chaos_wall = max(r["t"] for r in got.values()) - min(r["t"] for r in got.values())
     mismatched = sorted({k[1] for k in set(want) | set(got)
                          if k not in want or k not in got or (want[k]["segs"], want[k]["digest"]) != (got[k]["segs"], got[k]["digest"])})
+    mismatched_n = len(mismatched) + redelivered_differently
     wc = Counter(tuple(s) for r in want.values() for s in r["segs"])
     gc = Counter(tuple(s) for r in got.values() for s in r["segs"])
     lost = sum((wc - gc).values())
@@ -496,7 +622,9 @@ def main() -> int:
     print(json.dumps({"kills_detail": [{k: v for k, v in s.items() if k != "t"} for s in st]}))
     print(json.dumps({
         "steps": args.steps, "kills": len(chaos.kills), "kills_by_role": dict(Counter(k["role"] for k in chaos.kills)),
-        "lost": lost, "duplicated": duplicated, "mismatched_steps": len(mismatched),
+        "lost": lost, "duplicated": duplicated, "mismatched_steps": mismatched_n,
+        "rolled_back_steps_redelivered": rolled_back, "trainer_errors": chaos.trainer_errors + ref.trainer_errors,
+        "updates": chaos.update_log,
         "max_stall_s": round(max(all_st, default=0.0), 3),
         "max_stall_s_by_role": {r: round(max(v), 3) for r, v in by_role.items()},
         "p50_stall_s": round(statistics.median(all_st), 3) if all_st else 0.0,
@@ -506,7 +634,10 @@ def main() -> int:
         "reshard_s": [round(ref.reshard_s, 2), round(chaos.reshard_s, 2)],
         "ranks": RANKS, "dp_change": [RANKS, RESHARD_DP, chaos.reshard_at], "compute_s": args.compute_s,
         "supervised": args.supervised, "shadows": args.shadows, "synchronous_ranks": not args.independent_ranks,
-        "prefetch_s": spec.runtime.prefetch_s,
+        "prefetch_s": spec.runtime.prefetch_s, "journal_every": spec.runtime.journal_every,
+        "heartbeat_s": spec.runtime.heartbeat_s, "checkpoint_every": args.checkpoint_every,
+        "lookahead_plus_2_s": round(min(spec.runtime.prefetch_s, spec.runtime.max_lead_steps * args.compute_s) + 2, 3),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }))
     return 0
 

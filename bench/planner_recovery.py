@@ -34,6 +34,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
+# the runtime's components (child processes) run this checkout's code too, not an installed mixplane
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from chaos import CACHE, ROWS, SEQ, write_sources  # noqa: E402
 

@@ -54,6 +54,7 @@ log = logging.getLogger("mixplane.client")
 PROBE_S = 1.0  # the client beats to its constructor this often (a restarted one is noticed before its steps are due)
 DEFAULT_PREFETCH = 2  # steps requested ahead at least (and before the trainer's step time is known)
 STEP_TIMES = 9  # the trainer's time per step is the median of this many recent steps
+RETRY_S = 0.2  # a planner request refused with a retry flag (the planner is recovering) is sent again this often
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
                  "bool": torch.bool}
@@ -238,17 +239,24 @@ class MixtureLoader:
 
     # -- connection -----------------------------------------------------------------------
     def _request(self, sock: zmq.Socket, kind: Kind, meta: dict[str, Any], what: str) -> wire.Message:
-        wire.send(sock, kind, meta)
-        try:
-            _, msg = wire.recv_timeout(sock, self.timeout_s, what=f"answer to {what}")
-        except wire.PeerTimeout:
-            raise DeliveryError(f"rank {self.rank}: no answer to {what} from the planner at {self.planner_endpoint} "
-                                f"within {self.timeout_s:g}s") from None
-        except WireError as e:
-            raise DeliveryError(f"rank {self.rank}: malformed answer to {what} from {self.planner_endpoint}: {e}") from None
-        if msg.kind == Kind.ERROR:
-            raise DeliveryError(f"rank {self.rank}: {what} refused by {self.planner_endpoint}: {msg.meta.get('error')}")
-        return msg
+        """One request to the planner; a refusal with a retry flag (a restarted planner still recovering its
+        session) is asked again every RETRY_S until `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            wire.send(sock, kind, meta)
+            try:
+                _, msg = wire.recv_timeout(sock, max(0.001, deadline - time.monotonic()), what=f"answer to {what}")
+            except wire.PeerTimeout:
+                raise DeliveryError(f"rank {self.rank}: no answer to {what} from the planner at {self.planner_endpoint} "
+                                    f"within {self.timeout_s:g}s") from None
+            except WireError as e:
+                raise DeliveryError(f"rank {self.rank}: malformed answer to {what} from {self.planner_endpoint}: {e}") from None
+            if msg.kind == Kind.ERROR and msg.meta.get("retry") is True and time.monotonic() + RETRY_S < deadline:
+                time.sleep(RETRY_S)
+                continue
+            if msg.kind == Kind.ERROR:
+                raise DeliveryError(f"rank {self.rank}: {what} refused by {self.planner_endpoint}: {msg.meta.get('error')}")
+            return msg
 
     def _connect(self) -> None:
         p = self._socket()

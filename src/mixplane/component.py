@@ -161,6 +161,7 @@ class Endpoint:
     curve: bool = False  # a CURVE server: the sender's role comes from its key
     members: bool = True  # record senders in the membership table
     monitor: Any = None  # CURVE servers: handshake failures (peers refused before any message) are counted
+    connects: bool = False  # the monitor also reports (re)connections (a follower's planner socket)
 
 
 #: socket-monitor events of a refused connection, by the reason label they are counted under
@@ -205,9 +206,12 @@ class Component:
                      server: bool = False, members: bool = True) -> Endpoint:
         """Register a socket (configured and bound / connected by the caller) and its handler table."""
         e = Endpoint(sock, label, dict(handlers), routed, server, server and self.security.enabled, members)
-        if e.curve:
-            events = 0
-            for ev in HANDSHAKE_FAILURES:
+        # a follower's planner socket: a reconnection (a restarted planner bound its endpoint again) is acted on at
+        # once (on_connected), not at the next beat
+        e.connects = label == "planner" and not server and getattr(self, "follows_planner", False)
+        if e.curve or e.connects:
+            events = zmq.EVENT_CONNECTED if e.connects else 0
+            for ev in HANDSHAKE_FAILURES if e.curve else ():
                 events |= ev
             try:
                 e.monitor = sock.get_monitor_socket(events)
@@ -232,6 +236,9 @@ class Component:
                     ev = parse_monitor_message(frames)
                 except (ValueError, IndexError, TypeError):
                     continue
+                if e.connects and int(ev.get("event", 0)) == zmq.EVENT_CONNECTED:
+                    self.on_connected(e)
+                    continue
                 reason = HANDSHAKE_FAILURES.get(int(ev.get("event", 0)))
                 if reason is None:
                     continue
@@ -242,6 +249,9 @@ class Component:
                                  ev.get("endpoint", b"").decode(errors="replace") if isinstance(ev.get("endpoint"), bytes)
                                  else ev.get("endpoint"))
         return n
+
+    def on_connected(self, e: Endpoint) -> None:
+        """A connected socket (re)connected to its peer (see Endpoint.connects)."""
 
     def entry(self, label: str) -> Endpoint:
         return next(e for e in self.endpoints if e.label == label)
@@ -453,6 +463,7 @@ class PlannerFollower(Component):
 
     planner: Any  # the DEALER to the planner, set by the subclass
     planner_incarnation: str | None = None  # the incarnation of the planner that welcomed this component
+    follows_planner = True  # its planner socket reports reconnections (on_connected)
 
     def _on_shutdown(self, _: bytes, msg: wire.Message) -> None:
         self.stopped = True
@@ -477,6 +488,13 @@ class PlannerFollower(Component):
                              self.planner_incarnation, inc)
             self.welcomed = False
             self.hello()
+
+    def on_connected(self, e: Endpoint) -> None:
+        """The planner socket reconnected: a restarted planner may be listening there now. Beat to it at once (it
+        answers a component it has not registered with its incarnation: we say HELLO again) instead of at the
+        next interval -- up to a second of a planner's restart."""
+        if e.label == "planner" and self.welcomed:
+            self.send_direct(self.planner, Kind.HEARTBEAT, {"t": time.time(), "role": self.component}, quiet=True)
 
     def on_liveness(self, now: float) -> None:
         """Beat to the planner each interval (once registered) and report it when it goes silent."""

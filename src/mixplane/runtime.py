@@ -364,7 +364,17 @@ class EmbeddedRuntime:
                 self.children.insert(i, fresh)
                 fresh.restarts = [*c.restarts, now]
                 fresh.exit_codes = [*c.exit_codes, code]
-                self._wait_ready([fresh])
+                fresh.info = dict(c.info)  # its endpoints: pinned, the same as its predecessor's
+                try:
+                    self._wait_ready([fresh])
+                except (RuntimeError, TimeoutError) as e:
+                    # it died (or hung) while starting: another exit of the component, restarted by the policy
+                    # on the next look (its budget counts it), not the end of supervision
+                    if fresh.proc.poll() is None:
+                        fresh.proc.kill()
+                        fresh.proc.wait(10)
+                    log.warning("%s did not start: %s", c.name, str(e).splitlines()[0])
+                    continue
                 fresh.info = {**c.info, **fresh.info}
                 restarted.append(c.name)
                 log.warning("%s restarted (pid %d, restart %d)", c.name, fresh.proc.pid, len(fresh.restarts))
@@ -396,8 +406,16 @@ class EmbeddedRuntime:
         meta: dict[str, Any] = {"topology": topology, "cursor": cursor}
         if attempt is not None:
             meta["attempt"] = attempt
+        t_end = time.monotonic() + timeout_s
         try:
-            reply = request(self.planner_endpoint or "", Kind.RESHARD, meta, timeout_s, curve=self.control_curve)
+            while True:
+                try:
+                    reply = request(self.planner_endpoint or "", Kind.RESHARD, meta, timeout_s, curve=self.control_curve)
+                    break
+                except RuntimeError as e:  # a restarted planner still recovering its session: ask again
+                    if "recovering" not in str(e) or time.monotonic() > t_end:
+                        raise
+                    time.sleep(0.2)
         except BaseException:
             self.children = before
             raise

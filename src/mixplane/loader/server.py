@@ -538,6 +538,8 @@ def serve_loaders(loaders: list[LoaderServer] | Callable[[], list[LoaderServer]]
                 comp = by_sock.get(sock)
                 if comp is not None and getattr(comp, "planner", None) is sock:  # not closed by an earlier message
                     comp.drain(comp.entry("planner"))
+            for comp in by_sock.values():  # a reconnected planner socket (a restarted planner): beat to it now
+                comp.drain_monitors()
             now = time.monotonic()
             if host is not None:
                 host.registration_tick(now)

@@ -384,7 +384,19 @@ class PlannerServer(Component, PartitionHosting):
         else:
             self.pending_routes.append((identity, rank))
 
+    def _recovering_refusal(self, identity: bytes, what: str) -> bool:
+        """A restarted planner that has not yet re-planned its predecessor's steps cannot rewind or reshard (its
+        recovery would then restore the journal's anchor over it): the request is refused with a retry flag."""
+        if self.recovering is None and self.planned_through >= self.recover_through:
+            return False
+        self._send(identity, Kind.ERROR, {"error": f"{what} refused: the planner is recovering its session (re-planning "
+                                          f"through step {max(self.recover_through, self.planned_through)}); retry",
+                                          "retry": True})
+        return True
+
     def _on_resume(self, identity: bytes, msg: wire.Message) -> None:
+        if self._recovering_refusal(identity, "resume"):
+            return
         cursor = msg.get("cursor", dict)
         attempt = msg.meta.get("attempt")
         self._resume(identity, cursor, attempt if isinstance(attempt, str) else None, rewind=msg.meta.get("rewind") is True)
@@ -477,6 +489,8 @@ class PlannerServer(Component, PartitionHosting):
         so `mixplane replay` plans every later step with the new topology."""
         from mixplane.spec import SpecError, parse_spec
 
+        if self._recovering_refusal(identity, "reshard"):
+            return
         cursor = msg.get("cursor", dict)
         doc = self.spec.model_dump(mode="json")
         doc["topology"] = msg.get("topology", dict)
