@@ -142,17 +142,19 @@ def test_planner_sigkill_mid_run_recovers_from_the_journal_with_identical_batche
     _, first, gap, rt = kill_mid_run(token_sources, run_dir, "planner", reference, journal_every=journal_every,
                                      hold_loader_s=1.0)
     log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
-    assert "recovering session 0: re-planning steps" in log and "recovery complete" in log, log[-3000:]
+    # constructors that hold the cursor after their last complete step make the planner re-plan from there (often
+    # nothing), not from the journal's last checkpoint
+    assert "recovering session 0: " in log and "recovery complete" in log, log[-3000:]
     assert "differs from the journal" not in log
     records = [json.loads(x) for x in (run_dir / "journal.jsonl").read_text().splitlines() if x.strip()]
     assert [r["event"] for r in records].count("open") == 1 and any(r["event"] == "recover" for r in records)
     for name in ("constructor-0", "loader-a-0"):
         comp_log = (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
         assert "the planner was restarted" in comp_log, (name, comp_log[-2000:])
-    line = next(x for x in log.splitlines() if "re-planning steps" in x)
+    line = next(x for x in log.splitlines() if "recovering session 0: " in x)
     print(json.dumps({"planner_restart_stall_s": round(first, 3), "planner_restart_max_gap_s": round(gap, 3),
                       "killed_after_steps": KILL_AFTER, "steps": STEPS, "journal_every": journal_every,
-                      "replanned": line.split("re-planning steps ")[1].split(" ")[0]}))
+                      "replanned": line.split("re-planning steps ")[1].split(" ")[0] if "re-planning" in line else "none"}))
     assert gap <= 10.0
 
 

@@ -152,6 +152,7 @@ class ConstructorServer(PlannerFollower):
         self.served_high: dict[int, int] = {}
         self.start_step = 0
         self.released_through = -1
+        self.released_cursor: dict[str, Any] | None = None  # the cursor after step released_through (if known)
         self.planned_seen = -1  # the last step a PLAN_CONSTRUCTOR of this session announced
         self._need_sent = 0.0
         self._repair_asked: dict[int, float] = {}  # step -> when its spans were last asked for again
@@ -174,11 +175,24 @@ class ConstructorServer(PlannerFollower):
         wire.send(self.planner, Kind.HELLO, {"role": "constructor", "index": self.index, "data_endpoint": self.data_endpoint,
                                              "client_endpoint": self.client_endpoint, "metrics_port": self.metrics_port,
                                              # what it holds: a restarted planner recovers from the first step missing here
-                                             "session": self.session, "complete_through": self.complete_through})
+                                             "session": self.session, "complete_through": self.complete_through,
+                                             **({"cursor": cur} if (cur := self.cursor_after_complete()) else {})})
         self.mark_hello()
+
+    def cursor_after_complete(self) -> dict[str, Any] | None:
+        """The cursor of the first step not complete here (after complete_through), when this constructor has it: a
+        restarted planner re-plans from there instead of from its journal's last checkpoint (up to journal_every
+        steps earlier)."""
+        done = self.complete_through
+        if done < 0 or self.session < 0:
+            return None
+        st = self.steps.get(done)
+        cur = st.cursor_after if st is not None else (self.released_cursor if done == self.released_through else None)
+        return cur if isinstance(cur, dict) and cur.get("step") == done + 1 else None
 
     def _reset(self, session: int, start_step: int) -> None:
         self.session = session
+        self.released_cursor = None
         self.steps.clear()
         self.asked_through = start_step - 1
         self.start_step = start_step
@@ -513,9 +527,11 @@ class ConstructorServer(PlannerFollower):
                             self.last_request.get(r, before) - self.ahead.get(r, self.prefetch) - 1)
                         for r in self.ranks)
             waiting = {step for _, step, _, _ in self.pending}
-            for s in [s for s in self.steps if s < floor and s not in waiting]:
+            for s in sorted(s for s in self.steps if s < floor and s not in waiting):
+                if s > self.released_through:
+                    self.released_through = s
+                    self.released_cursor = self.steps[s].cursor_after
                 del self.steps[s]
-                self.released_through = max(self.released_through, s)
 
     # -- loop ---------------------------------------------------------------------------
     # -- payload integrity: a damaged SAMPLES message is refused, counted by sender and asked for again --------

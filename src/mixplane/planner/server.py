@@ -28,7 +28,7 @@ from mixplane.planner import layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
-from mixplane.planner.recovery import LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
+from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, cursor_text_array
 from mixplane.planner.routing import (Fanout, constructor_columns, image_parts, image_routing, image_segments,
                                       loader_routes)
@@ -183,6 +183,7 @@ class PlannerServer(Component, PartitionHosting):
         self.recover_digests: dict[int, str] = {}
         self.replay_updates: list[tuple[int, dict[str, Any]]] = []
         self.hello_complete: dict[int, int | None] = {}  # constructor -> complete_through it reported (None: holds nothing)
+        self.hello_cursor: dict[int, dict[str, Any]] = {}  # constructor -> the cursor after its complete_through
         self.journal = None
         if run_dir:
             path = os.path.join(run_dir, "journal.jsonl")
@@ -704,6 +705,11 @@ class PlannerServer(Component, PartitionHosting):
         sess, done = msg.meta.get("session"), msg.meta.get("complete_through")
         holds = isinstance(sess, int) and sess == self.session and isinstance(done, int)
         self.hello_complete[ci] = done if holds and isinstance(done, int) else None
+        cur = msg.meta.get("cursor")  # the cursor after complete_through (recovery starts there, not at the journal's)
+        if holds and isinstance(cur, dict):
+            self.hello_cursor[ci] = cur
+        else:
+            self.hello_cursor.pop(ci, None)
         if old is not None:
             self.m.constructor_rejoins.labels(str(ci)).inc()
             self.need_by.pop(old.identity, None)
@@ -767,6 +773,12 @@ class PlannerServer(Component, PartitionHosting):
         start = int(self.session_start["step"])
         first = min(start if done is None else done + 1 for done in self.hello_complete.values())
         anchor = st.anchor(first)
+        # re-plan only what a constructor may miss: from the cursor of `first` that a constructor holds (the
+        # cursor after its last complete step), else from the journal's newest anchor before it (up to
+        # journal_every steps earlier). Each re-planned step is checked against its journaled digest.
+        held = [c for ci, c in sorted(self.hello_cursor.items()) if self.hello_complete.get(ci) == first - 1]
+        if held and first > anchor.step and self.recovering_cursor_ok(held[0], first):
+            anchor = Anchor(first, held[0], "constructor", -1)
         self.core.restore(anchor.cursor)
         gen = cursor_generation(anchor.cursor)
         self.replay_updates = st.updates_after(gen)
@@ -778,9 +790,25 @@ class PlannerServer(Component, PartitionHosting):
             self.journal.recover(anchor.cursor, self.session, st.planned_through, self.incarnation)
         self.recovering = None
         self.m.planner_recoveries.inc()
-        log.warning("recovering session %d: re-planning steps %d..%d from the journal's %s at step %d (constructors "
-                    "complete through %s)", self.session, anchor.step, st.planned_through, anchor.event, anchor.step,
-                    {i: d for i, d in sorted(self.hello_complete.items())})
+        done = {i: d for i, d in sorted(self.hello_complete.items())}
+        if anchor.step > st.planned_through:
+            log.warning("recovering session %d: nothing to re-plan (constructors complete through %s); recovery "
+                        "complete: planning continues at step %d", self.session, done, anchor.step)
+            return
+        log.warning("recovering session %d: re-planning steps %d..%d from the %s at step %d (constructors "
+                    "complete through %s)", self.session, anchor.step, st.planned_through,
+                    "cursor a constructor holds" if anchor.index < 0 else f"journal's {anchor.event}", anchor.step, done)
+
+    def recovering_cursor_ok(self, cursor: dict[str, Any], step: int) -> bool:
+        """A constructor's cursor for `step` that this planner can restore (else the journal's anchor is used)."""
+        try:
+            if int(cursor["step"]) != step:
+                return False
+            self.core.restore(cursor)  # validates it (restored again by the caller)
+        except Exception as e:  # noqa: BLE001 - a peer's cursor must never take the planner down
+            log.warning("a constructor's cursor of step %d cannot be restored (%s): recovering from the journal", step, e)
+            return False
+        return True
 
     def _apply_replayed_updates(self) -> None:
         """Journaled mixture updates newer than the recovery anchor, applied where they were applied first."""
