@@ -174,6 +174,8 @@ def one_run(spec: Any, work: Path, args: argparse.Namespace, i: int) -> dict[str
         rt.stop()
     m = re.findall(r"re-planning steps (\d+)\.\.(\d+)", log_text)
     replanned = [int(m[-1][0]), int(m[-1][1])] if m else None
+    if "nothing to re-plan" in log_text.rsplit("planner restarted", 1)[-1]:
+        replanned = []  # the constructors held every step the killed planner had planned
     stall = 0.0
     for ts in ranks.times.values():
         gaps = [b - a for a, b in zip(ts, ts[1:]) if b > t_kill]
@@ -181,7 +183,8 @@ def one_run(spec: Any, work: Path, args: argparse.Namespace, i: int) -> dict[str
     return {"kill_at_step": args.kill_at, "planned_through_at_kill": before["planned_through"],
             "restart_s": None if t_answer is None else round(t_answer - t_kill, 3),
             "recovered_s": None if t_done is None else round(t_done - t_kill, 3),
-            "replanned": replanned, "replanned_steps": None if replanned is None else replanned[1] - replanned[0] + 1,
+            "replanned": replanned,
+            "replanned_steps": None if replanned is None else (replanned[1] - replanned[0] + 1 if replanned else 0),
             "stall_s": round(max(stall, 0.0), 3)}
 
 
