@@ -28,14 +28,18 @@ def digest(batch: Any) -> str:
 def main() -> int:
     from mixplane.client import MixtureLoader
 
+    import time
+
     rank, world, steps = int(os.environ["TRAINER_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["STEPS"])
+    step_s = float(os.environ.get("STEP_SECONDS", "0"))  # a training step's time
     print(json.dumps({"rank": rank, "planner": os.environ.get("MIXPLANE_PLANNER"),
                       "curve_name": os.environ.get("MIXPLANE_CURVE_NAME")}), flush=True)
     loader = MixtureLoader(rank=rank, world_size=world)
     n = 0
     for batch in loader:
-        print(json.dumps({"step": int(batch["step"]), "rank": rank, "digest": digest(batch)}), flush=True)
+        print(json.dumps({"step": int(batch["step"]), "rank": rank, "digest": digest(batch), "t": time.time()}), flush=True)
         n += 1
+        time.sleep(step_s)
         if n >= steps:
             break
     loader.close()

@@ -125,7 +125,7 @@ def journal_volume(c: Cluster, ns: str) -> str:
     return name
 
 
-def trainer_job(ns: str, rank: int, image: str) -> dict:
+def trainer_job(ns: str, rank: int, image: str, steps: int = STEPS, step_s: float = 0.0) -> dict:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"train-{rank}", "namespace": ns},
             "spec": {"backoffLimit": 0, "template": {
                 "metadata": {"labels": {"mixplane.io/mixture": "demo", "mixplane.io/trainer-index": str(rank)}},
@@ -137,7 +137,8 @@ def trainer_job(ns: str, rank: int, image: str) -> dict:
                                          "command": ["python", "/trainer/e2e_trainer.py"],
                                          "env": [{"name": "TRAINER_RANK", "value": str(rank)},
                                                  {"name": "WORLD_SIZE", "value": str(WORLD)},
-                                                 {"name": "STEPS", "value": str(STEPS)},
+                                                 {"name": "STEPS", "value": str(steps)},
+                                                 {"name": "STEP_SECONDS", "value": str(step_s)},
                                                  {"name": "MIXPLANE_TIMEOUT_S", "value": "120"}],
                                          "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "readOnlyRootFilesystem": True,
                                                              "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
@@ -146,7 +147,7 @@ def trainer_job(ns: str, rank: int, image: str) -> dict:
                          "volumes": [{"name": "trainer", "configMap": {"name": "trainer"}}, {"name": "tmp", "emptyDir": {}}]}}}}
 
 
-def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path) -> dict[tuple[int, int], str]:
+def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, steps: int = STEPS) -> dict[tuple[int, int], str]:
     """The same spec through the embedded runtime (`mixplane run`), two MixtureLoader ranks: (step, rank) -> digest."""
     doc = {"name": "demo", **{k: v for k, v in spec(endpoint, placement).items() if k != "kubernetes"}}
     f = tmp / "mixture.yaml"
@@ -169,7 +170,7 @@ def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path) -
         import threading
 
         threading.Thread(target=lambda: [None for _ in run.stdout], daemon=True).start()
-        got = run_trainers(planner, tmp / "run" / KEYS_SUBDIR, WORLD, STEPS, timeout=240,
+        got = run_trainers(planner, tmp / "run" / KEYS_SUBDIR, WORLD, steps, timeout=240,
                            keep=lambda b: (int(b["step"]), digest(b)))
     finally:
         run.terminate()
