@@ -221,3 +221,21 @@ def test_live_reshard_to_tensor_parallel_keeps_the_global_sequence(token_sources
         lead = leaders[coords[r].dp]
         for s in range(BOUNDARY, STEPS):
             assert np.array_equal(after[r][s]["input_ids"], after[lead][s]["input_ids"]), (r, s)
+
+
+def test_every_rank_rolls_back_across_a_live_dp_change_to_a_checkpoint_saved_before_it(token_sources, tmp_path, reference,
+                                                                                       monkeypatch):
+    """The job checkpoints at step 4 (DP 2), changes DP 2 -> 4 live at step 7, runs on to step 12 and then restarts
+    every rank of its new world from the step-4 checkpoint: the data plane rewinds across the DP change and the
+    global sequence of every step from 4 on is the failure-free run's (split over 4 ranks now)."""
+    with EmbeddedRuntime(spec(token_sources["root"], 2), tmp_path / "run") as rt:
+        _, ckpt = fetch(rt.planner_endpoint, 2, stop=4)
+        _, states = fetch(rt.planner_endpoint, 2, start=4, stop=BOUNDARY, state=ckpt[0])
+        rt.reshard({"modules": {"backbone": {"dp": 4}}}, states[1], attempt="dp-change")
+        monkeypatch.setenv("MIXPLANE_RESUME_ID", "dp-change")
+        fetch(rt.planner_endpoint, 4, start=BOUNDARY, stop=12, state=states[0])
+        monkeypatch.setenv("MIXPLANE_RESUME_ID", "rollback")  # the job's next launch
+        got, _ = fetch(rt.planner_endpoint, 4, start=4, stop=STEPS, state=json.loads(json.dumps(ckpt[0])))
+        st = rt.status()
+    assert st["constructors"] == 4
+    assert_same_global(reference, got, range(4, STEPS))
