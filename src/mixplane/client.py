@@ -6,6 +6,8 @@
         ...
     state = loader.state_dict()              # save with the model checkpoint
     loader.load_state_dict(state)            # resume exactly: same batches, no repeats, no gaps
+    loader.report_loss(step, *source_loss(token_loss, batch["source_ids"], len(loader.sources), batch["labels"]))
+                                             # per-source loss to the planner, at most one report per MIXPLANE_LOSS_REPORT_S
 
 Configuration (argument, else environment): ``planner`` / MIXPLANE_PLANNER; ``rank`` / RANK (torchrun),
 checked against WORLD_SIZE and the mixture's topology — or ``coords={"dp": .., "pp": .., "cp": .., "tp": ..}``,
@@ -54,6 +56,8 @@ log = logging.getLogger("mixplane.client")
 PROBE_S = 1.0  # the client beats to its constructor this often (a restarted one is noticed before its steps are due)
 DEFAULT_PREFETCH = 2  # steps requested ahead at least (and before the trainer's step time is known)
 STEP_TIMES = 9  # the trainer's time per step is the median of this many recent steps
+LOSS_REPORT_S = 1.0  # per-source losses go to the planner at most this often (report_loss)
+CLOSE_REPORT_LINGER_MS = 1000  # a loss report sent by close() may take this long to leave
 RETRY_S = 0.2  # a planner request refused with a retry flag (the planner is recovering) is sent again this often
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
@@ -211,6 +215,16 @@ class MixtureLoader:
         self.re_requests = 0  # GET_STEPs sent again after the constructor was restarted
         self.damaged = 0  # STEP_DATA messages refused as damaged or truncated (and asked for again)
         self._require_sums = False
+        # per-source loss reports to the planner (report_loss): sums since the last report, sent at most every
+        # loss_report_s seconds (MIXPLANE_LOSS_REPORT_S, default 1)
+        lr_s = _env_float("MIXPLANE_LOSS_REPORT_S")
+        self.loss_report_s = float(lr_s) if lr_s is not None else LOSS_REPORT_S
+        self._loss_sum: np.ndarray | None = None
+        self._loss_tokens: np.ndarray | None = None
+        self._loss_from: int | None = None
+        self._loss_through = -1
+        self._loss_sent = time.monotonic()
+        self.loss_reports_sent = 0
         self._server_silent: dict[str, float] = {}  # peers the constructor reports silent (name -> seconds), from its beats  # the mixture checksums payloads: STEP_DATA without them is refused
         if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
             curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
@@ -579,6 +593,48 @@ class MixtureLoader:
                 raise DeliveryError(f"rank {self.rank}: step {step}: tensor {name!r} has dtype {dt}")
             out[name] = torch.empty(tuple(shape), dtype=tdt)
 
+    # -- per-source loss to the planner ------------------------------------------------------
+    def report_loss(self, step: int, loss_sum: Any, tokens: Any, *, flush: bool = False) -> bool:
+        """Add what this rank trained on at `step` — per source (``self.sources`` order) the sum of its tokens'
+        losses and how many tokens had a label (:func:`source_loss` computes both from ``source_ids``) — and send
+        the sums to the planner when ``loss_report_s`` has passed since the last report (or `flush`): one
+        LOSS_REPORT per interval whatever the step rate. The planner does not answer; True when one was sent."""
+        ls = np.asarray(loss_sum.detach().cpu() if isinstance(loss_sum, torch.Tensor) else loss_sum, np.float64).reshape(-1)
+        tk = np.asarray(tokens.detach().cpu() if isinstance(tokens, torch.Tensor) else tokens, np.float64).reshape(-1)
+        if self.sources and (len(ls) != len(self.sources) or len(tk) != len(self.sources)):
+            raise ValueError(f"rank {self.rank}: report_loss for {len(ls)} / {len(tk)} sources, the mixture has "
+                             f"{len(self.sources)} ({', '.join(self.sources)})")
+        if self._loss_sum is None or len(self._loss_sum) != len(ls):
+            self._loss_sum, self._loss_tokens = np.zeros(len(ls)), np.zeros(len(ls))
+        assert self._loss_tokens is not None
+        self._loss_sum += ls
+        self._loss_tokens += tk
+        step = int(step)
+        if self._loss_from is None:
+            self._loss_from = step
+        self._loss_through = max(self._loss_through, step)
+        if flush or time.monotonic() - self._loss_sent >= self.loss_report_s:
+            return self.flush_loss()
+        return False
+
+    def flush_loss(self) -> bool:
+        """Send what report_loss gathered since the last report (nothing when there is nothing)."""
+        if self._loss_sum is None or self._loss_from is None or self._planner is None:
+            return False
+        assert self._loss_tokens is not None
+        tokens = [int(round(t)) for t in self._loss_tokens]
+        loss = [float(v) if t else 0.0 for v, t in zip(self._loss_sum, tokens)]
+        meta = {"rank": self.rank, "from_step": self._loss_from, "step": self._loss_through, "loss": loss, "tokens": tokens}
+        try:
+            wire.send(self._planner, Kind.LOSS_REPORT, meta, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False  # the planner's queue is full: the sums stay and go with the next report
+        self._loss_sum = self._loss_tokens = None
+        self._loss_from, self._loss_through = None, -1
+        self._loss_sent = time.monotonic()
+        self.loss_reports_sent += 1
+        return True
+
     # -- resume ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue right after the last step this rank received."""
@@ -603,9 +659,15 @@ class MixtureLoader:
         self._cursor = None
 
     def close(self) -> None:
+        reported = False
+        if self._planner is not None:
+            try:
+                reported = self.flush_loss()
+            except Exception:  # closing never fails on a report
+                pass
         for s in (self._sock, self._planner):
             if s is not None:
-                s.close(0)
+                s.close(CLOSE_REPORT_LINGER_MS if reported and s is self._planner else 0)  # the last report still goes
         self._sock = self._planner = None
         self._inflight.clear()
         self._early.clear()
@@ -636,6 +698,21 @@ def _waiting_text(status: dict[str, Any], planner: str) -> str:
     if not parts:
         parts.append(f"planned through step {status.get('planned_through')}, no component silent")
     return f"; planner at {planner}: " + "; ".join(parts)
+
+
+def source_loss(token_loss: torch.Tensor, source_ids: torch.Tensor, n_sources: int,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per source: the sum of the tokens' losses and how many tokens count — those of a source (``source_ids`` >= 0)
+    whose label is not -100 (when `labels` is given; else every token of a source). `token_loss`: the unreduced
+    loss of each token, same shape as `source_ids`. Float64 sums and int64 counts, for MixtureLoader.report_loss."""
+    src = source_ids.reshape(-1).to(torch.int64)
+    keep = src >= 0
+    if labels is not None:
+        keep &= labels.reshape(-1) != -100
+    s = src[keep]
+    w = token_loss.detach().reshape(-1)[keep].to(torch.float64)
+    return (torch.bincount(s, weights=w, minlength=n_sources)[:n_sources],
+            torch.bincount(s, minlength=n_sources)[:n_sources].to(torch.int64))
 
 
 def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:

@@ -133,6 +133,10 @@ class Metrics:
     payload_damaged: Counter
     # every component: which one this endpoint is (join key for process_* metrics on dashboards)
     component_info: Gauge
+    # trainers' per-source loss reports (appended; issue 23)
+    loss_reports: Counter
+    source_loss: Gauge
+    source_loss_tokens: Counter
 
 
 def make_metrics(component: str) -> Metrics:
@@ -209,6 +213,11 @@ def make_metrics(component: str) -> Metrics:
                           "Payload messages (SAMPLES, STEP_DATA) refused as damaged or truncated, by sender",
                           lbl + ["kind", "sender"]),
         component_info=g("mixplane_component_info", "1 per component endpoint; joins process_* metrics to the component", lbl),
+        loss_reports=c("mixplane_planner_loss_reports_total", "Per-source loss reports received from trainer ranks"),
+        source_loss=g("mixplane_planner_source_loss", "Mean token loss per source over the newest report of each trainer rank",
+                      ["source"]),
+        source_loss_tokens=c("mixplane_planner_source_loss_tokens_total", "Tokens whose loss trainer ranks reported, per source",
+                             ["source"]),
     )
     m.component_info.labels(component).set(1)
     ProcessCollector(registry=r)  # process_resident_memory_bytes etc.: memory per component on the dashboard

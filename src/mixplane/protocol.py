@@ -14,6 +14,7 @@ No sockets, no processes: this module only describes messages.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, overload
@@ -76,6 +77,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.FENCE: Schema({"source": int, "replica": int, "epoch": int}),
     Kind.HANDOFF: Schema({"partition": str, "to": str}),
     Kind.RESEND: Schema({"session": int, "constructor": int, "from_step": int}),
+    Kind.LOSS_REPORT: Schema({"rank": int, "from_step": int, "step": int, "loss": list, "tokens": list}),
 }
 
 
@@ -220,7 +222,7 @@ def window_fill_length(samples: int, unconsumed_tokens: int, tokens: np.ndarray,
 COMPONENT, CLIENT, ADMIN, ANONYMOUS = "component", "client", "admin", "anonymous"
 ROLES = (COMPONENT, CLIENT, ADMIN, ANONYMOUS)
 #: kinds that change what a run does (stop it, change its mixture, rewind or reset delivery)
-CONTROL_KINDS = frozenset({Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD,
+CONTROL_KINDS = frozenset({Kind.LOSS_REPORT, Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD,
                            Kind.ADOPT, Kind.RELEASE, Kind.FOLLOW, Kind.FENCE, Kind.HANDOFF})
 _ANY = frozenset(ROLES)
 #: which roles may send each kind; control kinds never include ANONYMOUS (see :func:`allowed`)
@@ -239,6 +241,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.FENCE: frozenset({COMPONENT}),
     Kind.HANDOFF: frozenset({ADMIN}),
     Kind.RESEND: frozenset({COMPONENT}),
+    Kind.LOSS_REPORT: frozenset({COMPONENT, CLIENT, ADMIN}),  # a trainer's per-source losses (they steer adaptive mixtures)
     # the data plane's own messages come from components only once peers are authenticated
     Kind.HELLO: frozenset({COMPONENT, ANONYMOUS}),
     Kind.LOADER_META: frozenset({COMPONENT, ANONYMOUS}),
@@ -248,7 +251,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
 
 
 #: kinds in which a trainer client names its rank (meta field ``rank``): bound to its key (see rank_claim_ok)
-RANK_KINDS = frozenset({Kind.ROUTE, Kind.GET_STEP, Kind.RESUME})
+RANK_KINDS = frozenset({Kind.ROUTE, Kind.GET_STEP, Kind.RESUME, Kind.LOSS_REPORT})
 Ranks = tuple[int, int]  # the ranks a client key is bound to, first..last inclusive
 
 
@@ -385,3 +388,54 @@ def plan_images(msg: Message, n_listed: int, world: int) -> tuple[Any, Any, int]
     if not isinstance(n, int) or isinstance(n, bool) or n < n_listed:
         raise WireError(f"{msg.kind.name}: field {STEP_IMAGES!r} must be an int >= the {n_listed} listed images")
     return base, enc.astype(np.int64), n
+
+
+# ---------------------------------------------------------------------------------------------- loss reports
+MAX_LOSS_SOURCES = 1 << 16  # a report names at most this many sources
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """What a trainer rank trained on from `from_step` through `step`: per source (the mixture's source order)
+    the sum of its tokens' losses and how many tokens had a label."""
+
+    rank: int
+    from_step: int
+    step: int
+    loss: tuple[float, ...]
+    tokens: tuple[int, ...]
+
+
+def parse_loss_report(meta: Mapping[str, Any], n_sources: int) -> LossReport:
+    """A LOSS_REPORT's meta as a LossReport; WireError naming the field when it is not one (lengths other than
+    the mixture's sources, a loss that is not a finite number >= 0, a count that is not an integer >= 0, a loss
+    without tokens, steps out of order)."""
+    def bad(what: str) -> WireError:
+        return WireError(f"LOSS_REPORT: {what}")
+
+    vals = {}
+    for name in ("rank", "from_step", "step"):
+        v = meta.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise bad(f"{name} must be an integer >= 0, got {v!r}")
+        vals[name] = v
+    if vals["from_step"] > vals["step"]:
+        raise bad(f"from_step {vals['from_step']} is after step {vals['step']}")
+    loss, tokens = meta.get("loss"), meta.get("tokens")
+    for name, v in (("loss", loss), ("tokens", tokens)):
+        if not isinstance(v, list) or len(v) != n_sources or len(v) > MAX_LOSS_SOURCES:
+            raise bad(f"{name} must list one value per source ({n_sources}), got "
+                      f"{len(v) if isinstance(v, list) else type(v).__name__}")
+    assert isinstance(loss, list) and isinstance(tokens, list)
+    out_l: list[float] = []
+    out_t: list[int] = []
+    for i, (lv, tv) in enumerate(zip(loss, tokens)):
+        if isinstance(tv, bool) or not isinstance(tv, int) or tv < 0:
+            raise bad(f"tokens[{i}] must be an integer >= 0, got {tv!r}")
+        if isinstance(lv, bool) or not isinstance(lv, (int, float)) or not math.isfinite(lv) or lv < 0:
+            raise bad(f"loss[{i}] must be a finite number >= 0, got {lv!r}")
+        if tv == 0 and lv != 0:
+            raise bad(f"loss[{i}] is {lv} over 0 tokens")
+        out_l.append(float(lv))
+        out_t.append(tv)
+    return LossReport(vals["rank"], vals["from_step"], vals["step"], tuple(out_l), tuple(out_t))

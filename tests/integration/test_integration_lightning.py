@@ -11,6 +11,7 @@ lr_scale of its step.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -36,6 +37,7 @@ def reference(token_sources, tmp_path_factory):
     base = tmp_path_factory.mktemp("pl-ref")
     with EmbeddedRuntime(spec(token_sources["root"], 2), base / "run") as rt:
         assert run(rt, base / "out", 2) == 0, (base / "out" / "log.txt").read_text()[-4000:]
+        (base / "out" / "status.json").write_text(json.dumps(rt.status()))
     return base / "out"
 
 
@@ -88,3 +90,13 @@ def test_lightning_optimizer_steps_use_the_mixture_lr_scale(token_sources, refer
         assert [x["lr_step"] for x in lrs] == list(range(STEPS))
         for x in lrs:
             assert x["lr"] == pytest.approx(x["sched"] * lr_scale_at(sp, x["lr_step"]), rel=1e-12), f"rank {r} step {x['lr_step']}"
+
+
+def test_lightning_per_source_losses_reach_the_planner(reference):
+    """The ranks' per-source token losses went to the planner (bounded rate: far fewer reports than microbatches)
+    and it counted exactly the tokens trained on with a label, per source, through the last step."""
+    got = json.loads((reference / "status.json").read_text())["source_loss"]
+    trained = sum(x["n"] for rs in records(reference, 2).values() for x in rs if "ids" in x)
+    assert got["through"] == STEPS - 1 and 2 <= got["reports"] <= 2 * STEPS
+    assert sum(got["tokens"]) == trained and all(t > 0 for t in got["tokens"])
+    assert all(m is not None and 0 < m < 20 for m in got["mean"])

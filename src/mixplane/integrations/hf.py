@@ -42,16 +42,18 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from mixplane.client import MixtureLoader
+from mixplane.client import MixtureLoader, source_loss
 from mixplane.integrations.steps import LRScale, MicrobatchStream, unwrap_optimizer
 
 log = logging.getLogger("mixplane.integrations.hf")
 STATE_FILE = "mixplane_rank{rank}.json"
+SOURCE_KEY = "mixplane_source_ids"  # per-token source index in a batch (MixplaneTrainer removes it before the model)
 
 
-def flatten(mb: dict[str, torch.Tensor], *, flash_attn_kwargs: bool = True) -> dict[str, Any]:
+def flatten(mb: dict[str, torch.Tensor], *, flash_attn_kwargs: bool = True, with_sources: bool = False) -> dict[str, Any]:
     """A mixture microbatch (rows of packed documents) as one padding-free ``[1, tokens]`` batch in the layout
-    of ``DataCollatorWithFlattening``: documents (and each row's padding tail) are its sequences."""
+    of ``DataCollatorWithFlattening``: documents (and each row's padding tail) are its sequences. `with_sources`:
+    also ``SOURCE_KEY`` (the tokens' source indices), which MixplaneTrainer takes out before the model sees it."""
     ids = mb["input_ids"].reshape(1, -1).to(torch.int64)
     pos = mb["position_ids"].reshape(1, -1).to(torch.int64)
     nxt = mb["labels"].reshape(1, -1).to(torch.int64)  # label of token t = the next token of its document
@@ -59,6 +61,8 @@ def flatten(mb: dict[str, torch.Tensor], *, flash_attn_kwargs: bool = True) -> d
     labels[:, 1:] = nxt[:, :-1]  # the collator's form: the token itself, -100 where a sequence starts
     labels[pos == 0] = -100
     out: dict[str, Any] = {"input_ids": ids, "labels": labels, "shift_labels": nxt, "position_ids": pos}
+    if with_sources:
+        out[SOURCE_KEY] = mb["source_ids"].reshape(1, -1)
     if flash_attn_kwargs:
         cu = mb["cu_seqlens"].to(torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
@@ -70,8 +74,9 @@ class HFMixtureLoader(MicrobatchStream):
     """A rank's padding-free microbatches (see :func:`flatten`) with ``state_dict`` / ``load_state_dict``."""
 
     def __init__(self, loader: MixtureLoader | None = None, *, accumulation: int | None = None,
-                 flash_attn_kwargs: bool = True) -> None:
-        super().__init__(loader, transform=lambda mb: flatten(mb, flash_attn_kwargs=flash_attn_kwargs),
+                 flash_attn_kwargs: bool = True, with_sources: bool = False) -> None:
+        super().__init__(loader, transform=lambda mb: flatten(mb, flash_attn_kwargs=flash_attn_kwargs,
+                                                              with_sources=with_sources),
                          accumulation=accumulation, what="TrainingArguments.gradient_accumulation_steps")
 
 
@@ -99,6 +104,7 @@ class MixplaneCallback(TrainerCallback):
             self.lr_scale = apply_lr_scale(opt, self.stream)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.stream.loader.flush_loss()  # the per-source losses gathered since the last report
         if self.lr_scale is not None:
             self.lr_scale.remove()
             self.lr_scale = None
@@ -137,19 +143,45 @@ class MixplaneTrainerMixin:
     ``flash_attn_kwargs`` (default True)."""
 
     def __init__(self, *args: Any, mixture_loader: MixtureLoader | None = None, flash_attn_kwargs: bool = True,
-                 **kwargs: Any) -> None:
+                 report_loss: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         targs = self.args  # type: ignore[attr-defined]
         if not targs.ignore_data_skip:
             targs.ignore_data_skip = True  # the stream resumes itself: the Trainer must not re-read batches to skip
         loader = mixture_loader if mixture_loader is not None else MixtureLoader(rank=targs.process_index)
+        self.mixplane_report_loss = report_loss
         self.mixplane = HFMixtureLoader(loader, accumulation=targs.gradient_accumulation_steps,
-                                        flash_attn_kwargs=flash_attn_kwargs)
+                                        flash_attn_kwargs=flash_attn_kwargs, with_sources=report_loss)
         self.mixplane_callback = MixplaneCallback(self.mixplane, targs.process_index)
         self.add_callback(self.mixplane_callback)  # type: ignore[attr-defined]
 
     def get_train_dataloader(self) -> Any:
         return self.mixplane
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The Trainer's loss; with ``report_loss``, also each source's token losses of this microbatch (from the
+        model's logits and ``shift_labels``) to the planner (MixtureLoader.report_loss: at a bounded rate)."""
+        src = inputs.pop(SOURCE_KEY, None)
+        if src is None or not self.mixplane_report_loss or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,  # type: ignore[misc]
+                                        num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,  # type: ignore[misc]
+                                             num_items_in_batch=num_items_in_batch)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        if logits is not None and "shift_labels" in inputs:
+            self.mixplane_report(logits, inputs["shift_labels"], src)
+        return (loss, outputs) if return_outputs else loss
+
+    def mixplane_report(self, logits: torch.Tensor, shift_labels: torch.Tensor, source_ids: torch.Tensor) -> None:
+        loader = self.mixplane.loader
+        with torch.no_grad():
+            tok = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                    shift_labels.reshape(-1), ignore_index=-100, reduction="none")
+            n = len(loader.sources) or int(source_ids.max()) + 1
+            s, c = source_loss(tok, source_ids, n, shift_labels)
+        if self.mixplane.step is not None:
+            loader.report_loss(self.mixplane.step, s, c)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:

@@ -26,9 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from mixplane.client import MixtureLoader
+from mixplane.client import MixtureLoader, source_loss
 from mixplane.integrations.steps import INDEX_KEY, LRScale, MicrobatchStream, unwrap_optimizer
 
 
@@ -68,7 +69,19 @@ class MixtureDataModule(pl.LightningDataModule):
             batch = module.on_before_batch_transfer(batch, dataloader_idx)  # Lightning calls only ours
         return batch
 
+    def report_loss(self, token_loss: torch.Tensor, batch: dict[str, Any]) -> None:
+        """Call from ``training_step`` with the unreduced loss of every token (the shape of ``batch["labels"]``):
+        each source's token losses go to the planner (summed by ``source_ids``, sent at a bounded rate)."""
+        if self.stream is None:
+            return
+        loader = self.stream.loader
+        n = len(loader.sources) or int(batch["source_ids"].max()) + 1
+        s, c = source_loss(token_loss, batch["source_ids"], n, batch["labels"])
+        loader.report_loss(int(batch["step"]), s, c)
+
     def teardown(self, stage: str) -> None:
+        if self.stream is not None:
+            self.stream.loader.flush_loss()
         for s in self.lr_scales:
             s.remove()
         self.lr_scales = []

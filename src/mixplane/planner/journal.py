@@ -167,6 +167,12 @@ class Journal:
         self._write({"event": "recover", "session": session, "step": int(cursor["step"]),
                      "planned_through": int(planned_through), "incarnation": incarnation, "cursor": cursor})
 
+    def loss(self, report: Any) -> None:
+        """A trainer rank's per-source loss report as the planner received it (protocol.LossReport); replay,
+        recovery and rewinds skip these records."""
+        self._write({"event": "loss", "session": self._session, "rank": report.rank, "from_step": report.from_step,
+                     "step": report.step, "loss": list(report.loss), "tokens": list(report.tokens)})
+
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()

@@ -28,6 +28,7 @@ from mixplane.planner import layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
+from mixplane.planner.losses import SourceLosses
 from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, cursor_text_array
 from mixplane.planner.routing import (Fanout, constructor_columns, image_parts, image_routing, image_segments,
@@ -148,6 +149,7 @@ class PlannerServer(Component, PartitionHosting):
             Kind.RESEND: self._on_resend_request,
             Kind.RESHARD: self._on_reshard,
             Kind.HANDOFF: self.on_handoff,
+            Kind.LOSS_REPORT: self._on_loss_report,
         }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
         self.groups = constructor_groups(spec)
@@ -167,6 +169,7 @@ class PlannerServer(Component, PartitionHosting):
         lead = spec.runtime.max_lead_steps + 2 * spec.runtime.prefetch_steps + 2
         self.inflight = InFlight(max_steps=4 * lead + 64)
         self.names = spec.source_names()
+        self.losses = SourceLosses(len(self.names))  # trainers' per-source loss reports (LOSS_REPORT)
         self._step_metrics: StepMetrics | None = None
         self.hm = handoff_metrics(self.m)
         self.init_hosting()  # partition table and loader hosts (planner.hosting)
@@ -404,6 +407,20 @@ class PlannerServer(Component, PartitionHosting):
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
         self._send(identity, Kind.STATUS_REPLY, self.status())
+
+    def _on_loss_report(self, identity: bytes, msg: wire.Message) -> None:
+        """A trainer rank's per-source loss sums (one-way: no answer). Gathered (STATUS `source_loss`), exported
+        (mixplane_planner_source_loss{source}, ..._loss_tokens_total{source}) and journaled as received."""
+        report = protocol.parse_loss_report(msg.meta, len(self.names))  # WireError: counted and dropped
+        self.losses.add(report)
+        self.m.loss_reports.inc()
+        for name, recent, t in zip(self.names, self.losses.recent(), report.tokens):
+            if t:
+                self.m.source_loss_tokens.labels(name).inc(t)
+            if recent is not None:
+                self.m.source_loss.labels(name).set(recent)
+        if self.journal is not None:
+            self.journal.loss(report)
 
     def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
         self.stopped = True
@@ -657,6 +674,9 @@ class PlannerServer(Component, PartitionHosting):
             "recover_through": self.recover_through,
             # the mixture updates acknowledged (newest last): update_id, generation, effective_step
             "updates": self.core.recent_updates(STATUS_UPDATES),
+            # trainers' per-source loss reports: reports, through (newest step), tokens, mean (all reports) and
+            # recent (the newest report of each rank) per source, None where no token was reported
+            "source_loss": self.losses.status(),
         }
 
     # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------

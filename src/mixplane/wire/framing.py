@@ -82,6 +82,7 @@ class Kind(enum.IntEnum):
     FENCE = 43  # planner -> constructor: drop SAMPLES of a partition's older epochs
     HANDOFF = 44  # admin -> planner: move a partition to another loader host at a step boundary
     RESEND = 22  # planner -> loader: push the SAMPLES of recent steps again to a restarted constructor
+    LOSS_REPORT = 50  # trainer client -> planner: per-source token loss sums and token counts (one-way: no answer)
 
 
 # bulk data: checksummed and closed by an end-of-message marker unless runtime.checksum_payloads is off

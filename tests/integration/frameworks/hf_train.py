@@ -17,7 +17,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from mixplane.integrations.hf import MixplaneTrainer
+from mixplane.integrations.hf import SOURCE_KEY, MixplaneTrainer
 
 
 def main() -> int:
@@ -39,11 +39,12 @@ def main() -> int:
 
     class Recording(MixplaneTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[override]
+            counted = int(((inputs["shift_labels"] != -100) & (inputs[SOURCE_KEY] >= 0)).sum())
             loss = super().training_step(model, inputs, num_items_in_batch)
             s = self.mixplane
             mb = seen_mb[s.step] = seen_mb.get(s.step, -1) + 1  # the Trainer trains a step's microbatches in order
             rec.write(json.dumps({"step": s.step, "mb": mb, "ids": inputs["input_ids"].reshape(-1).tolist(),
-                                  "keys": sorted(inputs), "loss": float(loss)}) + "\n")
+                                  "keys": sorted(inputs), "loss": float(loss), "n": counted}) + "\n")
             rec.flush()
             return loss
 

@@ -40,11 +40,16 @@ def main() -> int:
 
         def training_step(self, batch, batch_idx):
             logits = self.model(batch["input_ids"].long(), batch["position_ids"].long())
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1).long(), ignore_index=-100)
+            tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1).long(), ignore_index=-100,
+                                  reduction="none")
+            valid = batch["labels"].reshape(-1) != -100
+            loss = tok.sum() / valid.sum()
+            self.trainer.datamodule.report_loss(tok.reshape(batch["labels"].shape), batch)
             step = int(batch["step"])
             mb = self.seen[step] = self.seen.get(step, -1) + 1
             rec.write(json.dumps({"step": step, "mb": mb, "ids": batch["input_ids"].reshape(-1).tolist(),
-                                  "loss": float(loss), "keys": sorted(batch)}) + "\n")
+                                  "loss": float(loss), "keys": sorted(batch),
+                                  "n": int((valid & (batch["source_ids"].reshape(-1) >= 0)).sum())}) + "\n")
             rec.flush()
             return loss
 
