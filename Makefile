@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# the CPU build of torch that lies on these machines; must come before anything that depends on torch
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[torch,test,k8s,bench,s3test,hf,lightning]'
+	$(PY) -m pip install --quiet -e '.[torch,test,k8s,bench,s3test,hf,lightning,megatron]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
