@@ -106,3 +106,53 @@ def test_hf_per_source_losses_reach_the_planner(reference):
     assert got["through"] == STEPS - 1 and 2 <= got["reports"] <= 2 * STEPS
     assert sum(got["tokens"]) == trained and all(t > 0 for t in got["tokens"])
     assert all(m is not None and 0 < m < 20 for m in got["mean"])
+
+
+def test_accelerate_loop_passes_the_loader_through_and_checkpoints_it(token_sources, tmp_path):
+    """accelerate without the Trainer: prepare() hands the per-rank loader back unchanged (no dispatcher, no
+    IterableDatasetShard), register_for_checkpointing puts its state into save_state, and load_state in a new
+    process-like setup (new Accelerator, new loader) continues with the same microbatches."""
+    import torch
+    from accelerate import Accelerator
+
+    from mixplane.client import MixtureLoader
+    from mixplane.integrations.hf import apply_lr_scale, hf_loader
+
+    def setup(rt):
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        model = torch.nn.Embedding(1024, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = hf_loader(MixtureLoader(rt.planner_endpoint, rank=0, max_steps=6, timeout_s=90), accumulation=ACCUM)
+        model, opt, prepared = acc.prepare(model, opt, loader)
+        assert prepared is loader
+        acc.register_for_checkpointing(loader)
+        return acc, model, opt, loader
+
+    def train(acc, model, opt, loader, steps):
+        seen = []
+        for _ in range(steps * ACCUM):
+            batch = next(loader)
+            with acc.accumulate(model):
+                loss = model(batch["input_ids"]).float().pow(2).mean()
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            seen.append((loader.step, batch["input_ids"].reshape(-1).tolist()))
+        return seen
+
+    with EmbeddedRuntime(spec(token_sources["root"], 1), tmp_path / "run") as rt:
+        acc, model, opt, loader = setup(rt)
+        scale = apply_lr_scale(opt, loader)
+        train(acc, model, opt, loader, 2)
+        acc.save_state(str(tmp_path / "ckpt"))
+        after = train(acc, model, opt, loader, 2)
+        loader.close()
+        assert [s for s, _ in after] == [2, 2, 3, 3]
+        sp = spec(token_sources["root"], 1)
+        assert [s for _, s in scale.applied] == [lr_scale_at(sp, st) for st in range(4)]  # one optimizer step per step
+
+        acc2, model2, opt2, loader2 = setup(rt)
+        acc2.load_state(str(tmp_path / "ckpt"))
+        again = train(acc2, model2, opt2, loader2, 2)
+        loader2.close()
+    assert again == after
