@@ -432,7 +432,7 @@ class Run:
         """Until every trainer of this world finished: kill on schedule, supervise, restart a trainer once."""
         deadline = time.monotonic() + self.args.timeout_s
         tk_at = self.rng.randint(stop // 4, max(stop // 4 + 1, stop // 2)) if trainer_kill else None
-        while any(p.poll() is None for p in self.trainers.values()):
+        while [p.poll() for p in self.trainers.values()].count(None):  # every rank polled: a failed one is seen
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name}: trainers did not finish within {self.args.timeout_s:g}s")
             for r, p in self.trainers.items():

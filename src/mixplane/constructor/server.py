@@ -460,6 +460,12 @@ class ConstructorServer(PlannerFollower):
     def _on_get_step(self, ident: bytes, msg: wire.Message) -> None:
         step = msg.get("step", int)
         rank = msg.get("rank", int)
+        if self.session < 0:
+            # a restarted constructor that the planner has not welcomed yet (it does not know its ranks): the request
+            # waits; the WELCOME's session start answers it with a retry (see _reset), and the client asks again
+            if not any(p[0] == ident and p[1] == step and p[2] == rank for p in self.pending):
+                self.pending.append((ident, step, rank, time.monotonic()))
+            return
         if rank not in self.ranks:
             self._to_client(ident, Kind.ERROR, {"error": f"{self.name} does not serve rank {rank} (serves {self.ranks})"})
             return
