@@ -4,6 +4,8 @@ that are not the registered loader / constructor."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -94,4 +96,35 @@ def test_planner_ignores_window_and_pacing_messages_from_strangers(spec):
         assert len(planner.core.window(0, 0)) == 0
     finally:
         planner.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_request_before_the_welcome_waits_and_is_answered_with_a_retry(spec):
+    """A restarted constructor does not know its ranks until the planner's WELCOME: a rank's request that reaches it
+    first waits (it used to be refused: 'does not serve rank 0 (serves [])', a DeliveryError in the trainer) and the
+    WELCOME answers it with a retry, so the client asks again."""
+    ctx = zmq.Context()
+    cons = ConstructorServer(spec, 0, "tcp://127.0.0.1:9", context=ctx, metrics_port=None)
+    client = ctx.socket(zmq.DEALER)
+    try:
+        client.connect(cons.client_endpoint)
+        wire.send(client, Kind.GET_STEP, {"step": 12, "rank": 0, "ahead": 2})
+        deadline = time.monotonic() + 5
+        while not cons.pending and time.monotonic() < deadline:
+            cons.drain(cons.entry("client"))
+        assert [(p[1], p[2]) for p in cons.pending] == [(12, 0)]
+        assert not client.poll(200), "answered before the WELCOME"
+        cons.on_planner(wire.Message(Kind.WELCOME, {"ranks": [0], "dp_ranks": [0], "session": 0, "start_step": 10,
+                                                    "planned_through": 11}))
+        assert client.poll(5000)
+        _, msg = wire.recv(client)
+        assert msg.kind == Kind.ERROR and msg.meta.get("retry") is True and msg.meta.get("step") == 12, msg.meta
+        wire.send(client, Kind.GET_STEP, {"step": 12, "rank": 0, "ahead": 2})  # asked again: now a request it keeps
+        deadline = time.monotonic() + 5
+        while not cons.pending and time.monotonic() < deadline:
+            cons.drain(cons.entry("client"))
+        assert [(p[1], p[2]) for p in cons.pending] == [(12, 0)] and cons.last_request == {0: 12}
+    finally:
+        client.close(0)
+        cons.close()
         ctx.destroy(linger=0)
