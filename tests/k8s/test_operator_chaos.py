@@ -132,9 +132,11 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
         kubelet.start()
         tkeys = trainer_keys(cluster, ns, tmp_path / "trainer-keys")
         progress = {"step": -1}
+        stamps: list[float] = []
 
         def keep(batch):
             progress["step"] = int(batch["step"])
+            stamps.append(time.monotonic())
             return digest(batch)
 
         def train():
@@ -147,12 +149,20 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
         trainers = threading.Thread(target=train)
         trainers.start()
         patched = False
+        patched_at = acked_at = None
+        stages: list[str] = []
+
+        def stage() -> str:
+            if not patched:
+                return "scale-up" if progress["step"] < PHASE + 8 else "phase"
+            return "update" if acked_at is None else "scale-down"
         while trainers.is_alive() or len(kills) < MIN_KILLS:
             if not patched and progress["step"] >= UPDATE_AT:
                 # the live update: back to the calm mixture without the phase (scales code down, hands partitions back)
                 cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge", "-p",
                                 json.dumps({"spec": {"mixture": {"weights": CALM, "phases": [], "temperature": 2.0}}}))
                 patched = True
+                patched_at = time.monotonic()
                 # the two cuts that matter most for "acknowledged exactly once": before the update is sent, and after
                 # the planner acknowledged it but before the status says so
                 for at in ("update", "after-update"):
@@ -160,6 +170,7 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
                         wait_for(f"the cut at {at}", lambda op=op: op.poll() is not None, 60)
                         assert op.returncode == -signal.SIGKILL, op.log_text()[-3000:]
                         kills.append(at)
+                        stages.append("update")
                 continue
             outside = rng.random() < 0.2
             n = rng.randint(1, 14)  # a pass that applies every child makes ~14 calls: cuts land in every stage
@@ -172,10 +183,14 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
                     op.send_signal(signal.SIGKILL)
                     op.wait(10)
                     kills.append("outside")
+                    stages.append(stage())
                 else:
                     assert op.returncode == -signal.SIGKILL, op.log_text()[-3000:]
                     line = [x for x in op.log_text().splitlines() if "fault point" in x]
                     kills.append(line[-1].split("(", 1)[-1].rstrip(")").split(" ")[0] if line else "?")
+                    stages.append(stage())
+            if patched and acked_at is None and (status_of(cluster, ns).get("updates") or []):
+                acked_at = time.monotonic()
             if len(kills) > 4 * MIN_KILLS + 200:
                 break
         trainers.join()
@@ -201,6 +216,8 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
                                                   and {k: v[0] for k, v in loader_children(cluster, ns).items()} == expected()[1]
                                                   else None)(status_of(cluster, ns)), 180)
         proj, _ = expected()
+        if acked_at is None:  # acknowledged only once the operator was left alone
+            acked_at = time.monotonic()
         assert kubelet.error is None, kubelet.error
         assert not kubelet.violations, kubelet.violations
         plan_status = control.status(f"tcp://127.0.0.1:{pods.planner_port}", 5.0, curve=admin)
@@ -210,7 +227,12 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
             kubelet.join(10)
         pods.stop()
 
-    print(f"operator chaos: {len(kills)} kills: " + json.dumps({k: kills.count(k) for k in sorted(set(kills))}))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    print("operator chaos: " + json.dumps({
+        "kills": len(kills), "by_cut": {k: kills.count(k) for k in sorted(set(kills))},
+        "by_stage": {k: stages.count(k) for k in sorted(set(stages))},
+        "patch_to_ack_s": None if acked_at is None or patched_at is None else round(acked_at - patched_at, 2),
+        "longest_trainer_stall_s": round(max(gaps), 2) if gaps else None, "steps": STEPS}))
     assert len(kills) >= MIN_KILLS
     # every update acknowledged exactly once: one entry in the status, one application in the planner
     ups = st.get("updates") or []

@@ -199,9 +199,11 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
         else:
             try:
                 ack = planner_request(opts, keys, "update", mixture_update_meta(spec, str(state["updateId"])))
-            except RuntimeError as e:
-                state = after_send(state, error=str(e), refused=True, now=now)
-                logger.warning(f"mixture update {state['updateId']} refused by the planner: {e}")
+            except RuntimeError as e:  # an ERROR answer: rejected (a field, the step), or a planner still recovering
+                from mixplane.control import update_retryable
+
+                state = after_send(state, error=str(e), refused=not update_retryable(e), now=now)
+                logger.warning(f"mixture update {state['updateId']} not taken by the planner: {e}")
             except (TimeoutError, OSError) as e:
                 state = after_send(state, error=str(e), now=now)
             else:
