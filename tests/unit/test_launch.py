@@ -175,7 +175,6 @@ def test_a_constructor_announces_its_advertised_host_with_the_bound_ports(tmp_pa
                 port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
                 assert ep == f"tcp://localhost:{port}" and int(port) > 0
         finally:
-            for s in (srv.data, srv.clients, srv.planner):
-                s.close(0)
+            srv.close()  # every socket, the planner socket's connection monitor too
     finally:
         ctx.term()
