@@ -1,0 +1,103 @@
+"""Adaptive mixtures, the method (issue 23 item 5; mixplane.adaptive): DoReMi's exponentiated-gradient update on
+per-source excess loss, with bounds. On a synthetic workload whose per-source losses are known functions of the
+tokens each source has received, the weights follow the method's prediction (an independent numpy transcription of
+the paper's update), the source whose loss stays furthest above its reference gains weight, and the bounds hold."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mixplane.adaptive import AdaptiveConfig, doremi_step, interval_losses, project
+
+SOURCES = ("web", "code", "math")
+FLOOR = np.array([2.0, 1.2, 1.6])  # irreducible loss of each source
+SCALE = np.array([1.0, 3.0, 6.0])  # how far above it a fresh model starts
+HALF = np.array([4e5, 2e5, 8e5])  # tokens after which the reducible part has halved (power law)
+REF = FLOOR + 0.05  # reference losses: what a well-trained model reaches
+
+
+def loss_after(tokens_seen: np.ndarray) -> np.ndarray:
+    """Mean token loss of each source once it has been trained on `tokens_seen` of its tokens."""
+    return FLOOR + SCALE * (1 + tokens_seen / HALF) ** -0.5
+
+
+def paper_update(w: np.ndarray, loss: np.ndarray, ref: np.ndarray, eta: float, c: float) -> np.ndarray:
+    """DoReMi, Algorithm 1, one step (numpy, no bounds): alpha <- normalise(alpha * exp(eta * lambda)),
+    then (1 - c) alpha + c u, with lambda = max(L - L_ref, 0)."""
+    lam = np.maximum(loss - ref, 0.0)
+    a = w * np.exp(eta * lam)
+    a = a / a.sum()
+    return (1 - c) * a + c / len(w)
+
+
+def simulate(cfg: AdaptiveConfig, updates: int, tokens_per_update: float, w0: np.ndarray):
+    """The weights over `updates` intervals (running loss totals as the planner keeps them), and the prediction."""
+    seen = np.zeros(3)
+    sums, counts = np.zeros(3), np.zeros(3, np.int64)
+    w, pred = w0.copy(), w0.copy()
+    traj, ptraj = [w.copy()], [pred.copy()]
+    for _ in range(updates):
+        got = np.floor(w * tokens_per_update).astype(np.int64)
+        before_s, before_n = sums.copy(), counts.copy()
+        seen += got
+        lossnow = loss_after(seen)
+        sums += lossnow * got
+        counts += got
+        interval = interval_losses(sums.tolist(), counts.tolist(), before_s.tolist(), before_n.tolist())
+        assert interval == pytest.approx(lossnow.tolist(), rel=1e-9)
+        w = np.array(doremi_step(w.tolist(), interval, REF.tolist(), cfg))
+        pred = paper_update(pred, loss_after(ptraj_seen(ptraj, tokens_per_update)), REF, cfg.step_size, cfg.smoothing)
+        traj.append(w.copy())
+        ptraj.append(pred.copy())
+    return np.array(traj), np.array(ptraj)
+
+
+def ptraj_seen(ptraj: list[np.ndarray], tokens_per_update: float) -> np.ndarray:
+    """Tokens each source has received under the predicted weights so far."""
+    return sum(np.floor(p * tokens_per_update) for p in ptraj)
+
+
+def test_weights_follow_the_methods_prediction_on_a_synthetic_workload():
+    cfg = AdaptiveConfig(every_steps=100, reference_loss=dict(zip(SOURCES, REF)), step_size=0.5, smoothing=1e-3)
+    cfg.check(SOURCES)
+    traj, pred = simulate(cfg, updates=12, tokens_per_update=2e5, w0=np.array([0.6, 0.3, 0.1]))
+    np.testing.assert_allclose(traj, pred, rtol=1e-12, atol=1e-15)
+    # the source furthest above its reference (math: largest and slowest-falling reducible loss) gains weight,
+    # the one closest to it (web) loses
+    assert traj[-1][2] > traj[0][2] + 0.3 and traj[-1][0] < traj[0][0] - 0.3
+    assert np.allclose(traj.sum(1), 1.0)
+
+
+def test_bounds_and_the_largest_change_per_update_hold():
+    cfg = AdaptiveConfig(every_steps=100, reference_loss=dict(zip(SOURCES, REF)), step_size=2.0, smoothing=0.0,
+                         min_weight=0.1, max_weight=0.6, max_change=0.05)
+    traj, _ = simulate(cfg, updates=15, tokens_per_update=2e5, w0=np.array([0.6, 0.3, 0.1]))
+    assert np.all(traj >= 0.1 - 1e-12) and np.all(traj <= 0.6 + 1e-12)
+    assert np.max(np.abs(np.diff(traj, axis=0))) <= 0.05 + 1e-12
+    assert np.allclose(traj.sum(1), 1.0)
+    assert traj[-1][2] == pytest.approx(0.6)  # math reached its ceiling, 0.05 at a time
+
+
+def test_missing_reports_change_nothing_and_the_update_is_deterministic():
+    cfg = AdaptiveConfig(every_steps=10, reference_loss={"web": 1.0, "code": 1.0, "math": 1.0}, step_size=1.0, smoothing=0.0)
+    w = [0.5, 0.3, 0.2]
+    assert doremi_step(w, [None, None, None], [1.0, 1.0, 1.0], cfg) == pytest.approx(w)
+    # a source without a report keeps no excess: only the others' excess moves the weights
+    a = doremi_step(w, [3.0, None, 1.0], [1.0, 1.0, 1.0], cfg)
+    e = math.exp(2.0)
+    assert a == pytest.approx([0.5 * e / (0.5 * e + 0.5), 0.3 / (0.5 * e + 0.5), 0.2 / (0.5 * e + 0.5)])
+    assert doremi_step(w, [3.0, None, 1.0], [1.0, 1.0, 1.0], cfg) == a  # bit for bit
+    assert interval_losses([10.0, 5.0], [10, 4], [4.0, 5.0], [4, 4]) == [1.0, None]
+
+
+def test_configuration_errors_name_the_field():
+    for cfg, what in [(AdaptiveConfig(every_steps=0, reference_loss={}), "every_steps"),
+                      (AdaptiveConfig(every_steps=1, reference_loss={"zz": 1.0}), "reference_loss.zz: unknown source"),
+                      (AdaptiveConfig(every_steps=1, reference_loss={}, min_weight=0.5), "min_weight"),
+                      (AdaptiveConfig(every_steps=1, reference_loss={}, max_change=0.0), "max_change")]:
+        with pytest.raises(ValueError, match=what):
+            cfg.check(SOURCES)
+    assert project([0.9, 0.05, 0.05], 0.1, 0.8) == pytest.approx([0.8, 0.1, 0.1])
