@@ -51,4 +51,4 @@ class SourceLosses:
 
     def status(self) -> dict[str, object]:
         return {"reports": self.reports, "through": self.through, "tokens": self.tokens.tolist(),
-                "mean": self.mean(), "recent": self.recent()}
+                "loss_sum": self.loss_sum.tolist(), "mean": self.mean(), "recent": self.recent()}

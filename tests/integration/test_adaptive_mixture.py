@@ -1,0 +1,104 @@
+"""Adaptive mixtures against the real planner (issue 23 item 5, first form): two trainer ranks report per-source
+losses that are known per source (a: 2, b: 3, c: 5 per token); an AdaptiveController turns each 4-step interval's
+losses into DoReMi weights and sends them as whole-mixture live updates. The losses it saw are the reported ones,
+its weights follow the method's closed form (c, furthest above its reference, gains), every update is a new
+generation the planner acknowledged and delivered from its effective step on, and `mixplane replay` rebuilds a
+delivered batch after the last update bit for bit from the journal."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mixplane.adaptive import AdaptiveConfig
+from mixplane.adaptivectl import AdaptiveController
+from mixplane.client import MixtureLoader, source_loss
+from mixplane.replay import replay_step
+from mixplane.runtime import EmbeddedRuntime
+from mixplane.spec import parse_spec
+from tests.conftest import token_mixture
+
+STEPS, EVERY = 28, 4
+LOSS = {"a": 2.0, "b": 3.0, "c": 5.0}
+REF = {"a": 2.0, "b": 2.9, "c": 3.0}
+
+
+def test_adaptive_controller_moves_the_weights_by_the_reported_losses(token_sources, tmp_path):
+    sp = parse_spec(token_mixture(token_sources["root"], runtime={"window": 64, "metrics": False, "journal_every": 5,
+                                                                 "max_lead_steps": 2, "prefetch_steps": 1}))
+    names = sp.source_names()
+    got: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    errors: list[BaseException] = []
+    cfg = AdaptiveConfig(every_steps=EVERY, reference_loss=REF, step_size=0.5, smoothing=0.0, max_change=0.2)
+    run_dir = tmp_path / "run"
+    with EmbeddedRuntime(sp, run_dir) as rt:
+        ctl = AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve)
+
+        def trainer(r: int) -> None:
+            try:
+                loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=STEPS, timeout_s=90, prefetch=1)
+                loader.loss_report_s = 0.0
+                per_source = None
+                for b in loader:
+                    if per_source is None:
+                        per_source = torch_tensor([LOSS[n] for n in loader.sources])
+                    tok = per_source[b["source_ids"].clamp(min=0).long()]  # each token's loss: its source's
+                    loader.report_loss(int(b["step"]), *source_loss(tok, b["source_ids"], len(loader.sources), b["labels"]))
+                    got[r][int(b["step"])] = {"ids": b["input_ids"].numpy().copy(), "gen": int(b["generation"]),
+                                              "seg": b["segment_key"].numpy().copy()}
+                    time.sleep(0.1)  # a trainer's step: the controller keeps up
+                loader.close()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 180
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            ctl.poll()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(10)
+        assert not errors, errors[0]
+        status = rt.status()
+
+    ups = ctl.updates
+    assert len(ups) >= 3, f"{len(ups)} updates"
+    # the losses the controller used are the reported ones; the weights follow DoReMi's closed form
+    w = np.array([sp.mixture.weights[n] for n in names], float)
+    w /= w.sum()
+    for u in ups:
+        # a source with no token in the interval (its share shrank) has no loss: no excess
+        assert [x for x in u.losses if x is not None] == pytest.approx([LOSS[n] for n, x in zip(names, u.losses) if x is not None],
+                                                                        rel=1e-9)
+        assert u.losses[names.index("c")] is not None
+        excess = np.array([LOSS[n] - REF[n] if x is not None else 0.0 for n, x in zip(names, u.losses)])
+        target = w * np.exp(0.5 * np.maximum(excess, 0))
+        target /= target.sum()
+        step = min(1.0, 0.2 / np.abs(target - w).max())
+        w = w + step * (target - w)
+        assert u.weights == pytest.approx(w.tolist(), rel=1e-12)
+    assert ups[-1].weights[names.index("c")] > 0.5 > sp.mixture.weights["c"]
+    # each update a new generation, acknowledged, delivered from its effective step on
+    assert [u.generation for u in ups] == sorted({u.generation for u in ups})
+    assert [x["update_id"] for x in status["updates"]][-len(ups):] == [f"adaptive-{u.interval}" for u in ups]
+    for r in range(2):
+        for s, b in got[r].items():
+            applied = [u.generation for u in ups if u.effective_step <= s]
+            assert b["gen"] == (applied[-1] if applied else 0), f"rank {r} step {s}"
+    delivered = [u for u in ups if u.effective_step < STEPS]
+    assert len(delivered) >= 2  # (a later one takes effect after the run's last step)
+    out = replay_step(sp, step=STEPS - 1, rank=0, run_dir=str(run_dir), save=str(tmp_path / "r.npz"))
+    assert out["digest_match"]
+    assert np.array_equal(np.load(tmp_path / "r.npz")["input_ids"], got[0][STEPS - 1]["ids"])
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64)
+
