@@ -8,11 +8,18 @@ planner adopts it from the first step it has not planned, as a new generation in
 ``mixplane replay`` and a planner restarted from its journal (the update ids answered as duplicates, the update
 re-applied at its step) stay bit-exact with what was delivered.
 
+Effective step: with ``delay_steps`` set, the k-th update takes effect at step ``k·every_steps + delay_steps`` — the
+same step in every run, so two runs whose trainers report the same losses get the same generations at the same
+steps, also when the planner is killed and recovers in between (a restarted planner answers an id it journaled as a
+duplicate, and its loss totals come back from the journal's loss records). ``delay_steps`` must exceed how far the
+planner plans ahead of the trainers (``runtime.max_lead_steps`` + ``prefetch_steps`` + the clients' look-ahead); an
+update that arrives after its step was planned is sent again for the first step not planned (``late`` in
+:class:`AdaptiveUpdate`), which is the only form without ``delay_steps``.
+
 Policy for trainers that report late or never: the planner never waits for reports; the controller waits for the
 interval to be covered (``source_loss.through``) and sends nothing until then, so the mixture stays as it is (a
-source without a report in the interval keeps no excess loss). What is not deterministic across two runs is the
-step at which an update takes effect: it is the first step the planner had not planned when the update arrived,
-which depends on how far ahead of the trainers the planner runs (the journal records it, so a replay is exact).
+source without a report in the interval keeps no excess loss). A planner that is restarting or recovering (no
+answer, or a retryable refusal) is asked again at the next poll.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class AdaptiveUpdate:
     weights: list[float]
     generation: int
     effective_step: int
+    late: bool = False  # its fixed step was already planned: it took effect at the first step not planned
 
 
 @dataclass
@@ -42,6 +50,7 @@ class AdaptiveController:
     config: AdaptiveConfig
     curve: Any = None
     timeout_s: float = 5.0
+    delay_steps: int | None = None
     updates: list[AdaptiveUpdate] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -60,7 +69,10 @@ class AdaptiveController:
 
     def poll(self) -> AdaptiveUpdate | None:
         """One look at the planner: the update sent, or None (the interval is not reported yet)."""
-        st = control.status(self.endpoint, self.timeout_s, curve=self.curve)
+        try:
+            st = control.status(self.endpoint, self.timeout_s, curve=self.curve)
+        except (TimeoutError, RuntimeError):
+            return None  # the planner is restarting: look again at the next poll
         sl = st.get("source_loss") or {}
         boundary = (self.k + 1) * self.config.every_steps
         if int(sl.get("through", -1)) < boundary - 1:
@@ -70,10 +82,25 @@ class AdaptiveController:
         losses = interval_losses(sums, tokens, self._sum, self._tokens, self.config.min_tokens)
         new = doremi_step(self.weights, losses, self.reference, self.config)
         mixture = self.spec.mixture.model_copy(update={"weights": dict(zip(self.names, new))})
-        ack = control.update_mixture(self.endpoint, mixture_update_meta(mixture, f"adaptive-{self.k + 1}"),
-                                     self.timeout_s, curve=self.curve)
+        uid = f"adaptive-{self.k + 1}"
+        step = boundary + self.delay_steps if self.delay_steps is not None else None
+        late = False
+        try:
+            try:
+                ack = control.update_mixture(self.endpoint, mixture_update_meta(mixture, uid, step), self.timeout_s,
+                                             curve=self.curve)
+            except RuntimeError as e:
+                if step is None or "already planned" not in str(e):
+                    raise
+                late = True
+                ack = control.update_mixture(self.endpoint, mixture_update_meta(mixture, uid), self.timeout_s,
+                                             curve=self.curve)
+        except (TimeoutError, RuntimeError) as e:
+            if control.update_retryable(e):
+                return None  # restarting or recovering: the same update (same id) again at the next poll
+            raise
         self.k += 1
         self._sum, self._tokens, self.weights = sums, tokens, new
-        up = AdaptiveUpdate(self.k, losses, new, int(ack.get("generation", -1)), int(ack.get("effective_step", -1)))
+        up = AdaptiveUpdate(self.k, losses, new, int(ack.get("generation", -1)), int(ack.get("effective_step", -1)), late)
         self.updates.append(up)
         return up

@@ -102,3 +102,72 @@ def torch_tensor(values):
 
     return torch.tensor(values, dtype=torch.float64)
 
+
+
+def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig, delay: int):
+    """Two trainer ranks reporting constant per-source losses, an AdaptiveController with fixed effective steps, and
+    (kill_at) a SIGKILL of the planner once the trainers passed that step (supervision restarts it)."""
+    import os
+    import signal
+
+    from mixplane.runtime import RestartPolicy
+
+    got: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    errors: list[BaseException] = []
+    rt = EmbeddedRuntime(sp, run_dir, restart=RestartPolicy(budget=2, window_s=600, backoff_s=0.1)).start()
+    killed = None
+    try:
+        rt.supervise_in_background(0.1)
+        ctl = AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve, timeout_s=2.0, delay_steps=delay)
+
+        def trainer(r: int) -> None:
+            try:
+                loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=STEPS, timeout_s=120, prefetch=1)
+                loader.loss_report_s = 0.0
+                per_source = torch_tensor([LOSS[n] for n in sp.source_names()])
+                for b in loader:
+                    tok = per_source[b["source_ids"].clamp(min=0).long()]
+                    loader.report_loss(int(b["step"]), *source_loss(tok, b["source_ids"], 3, b["labels"]))
+                    got[r][int(b["step"])] = {"ids": b["input_ids"].numpy().copy(), "gen": int(b["generation"])}
+                    time.sleep(0.1)
+                loader.close()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 240
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            ctl.poll()
+            if kill_at is not None and killed is None and min(len(got[0]), len(got[1])) > kill_at:
+                killed = rt.child("planner").proc.pid
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        for t in threads:
+            t.join(10)
+        assert not errors, errors[0]
+        if kill_at is not None:
+            assert killed is not None and rt.child("planner").proc.pid != killed
+        return got, ctl.updates
+    finally:
+        rt.stop()
+
+
+def test_an_adaptive_run_with_a_planner_sigkill_gives_the_same_generations_and_batches(token_sources, tmp_path):
+    sp = parse_spec(token_mixture(token_sources["root"], runtime={"window": 64, "metrics": False, "journal_every": 5,
+                                                                 "max_lead_steps": 2, "prefetch_steps": 1}))
+    # min_weight keeps every source in every step: each interval's per-source mean is its constant loss, whichever
+    # reports a killed planner lost
+    cfg = AdaptiveConfig(every_steps=EVERY, reference_loss=REF, step_size=0.5, smoothing=0.0, min_weight=0.15,
+                         max_change=0.1)
+    ref, ref_ups = adaptive_run(sp, tmp_path / "ref", kill_at=None, cfg=cfg, delay=8)
+    got, ups = adaptive_run(sp, tmp_path / "kill", kill_at=10, cfg=cfg, delay=8)
+    key = [(u.interval, u.generation, u.effective_step, u.weights, u.late) for u in ref_ups]
+    assert [(u.interval, u.generation, u.effective_step, u.weights, u.late) for u in ups][: len(key)] == key[: len(ups)]
+    assert len([u for u in ref_ups if u.effective_step < STEPS]) >= 3 and not any(u.late for u in ref_ups + ups)
+    for r in range(2):
+        assert sorted(got[r]) == sorted(ref[r]) == list(range(STEPS))
+        for s in range(STEPS):
+            assert got[r][s]["gen"] == ref[r][s]["gen"], f"rank {r} step {s}: generation"
+            assert np.array_equal(got[r][s]["ids"], ref[r][s]["ids"]), f"rank {r} step {s}: other tokens"

@@ -196,6 +196,7 @@ class PlannerServer(Component, PartitionHosting):
                 self.journal.open(spec, self.generation, self.session_start, self.session)
             else:
                 self._adopt_session(self.recovering)
+                self._restore_losses(path)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
         # resuming from one of them rejoins the session instead of rewinding every rank; bounded)
         self.cursor_digests: dict[int, bytes] = {}
@@ -421,6 +422,15 @@ class PlannerServer(Component, PartitionHosting):
                 self.m.source_loss.labels(name).set(recent)
         if self.journal is not None:
             self.journal.loss(report)
+
+    def _restore_losses(self, path: str) -> None:
+        """A restarted planner's loss totals: the reports its predecessors journaled as received."""
+        try:
+            for r in journal_file.read_journal(path):
+                if r.get("event") == "loss":
+                    self.losses.add(protocol.parse_loss_report(r, len(self.names)))
+        except (JournalError, WireError, ValueError) as e:
+            log.warning("loss reports in %s not restored (%s): totals start again", path, e)
 
     def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
         self.stopped = True
