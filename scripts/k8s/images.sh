@@ -14,6 +14,7 @@
 # package index, by the node's network discipline.) Idempotent: debootstrap runs once
 # (its tarball is cached), `docker build` reuses its layers.
 #   MIXPLANE_IMAGES="base pause project trainer"  which to build (default all)
+#   MIXPLANE_IMAGES_COLD=1                          rebuild the project and trainer images without the layer cache
 set -euo pipefail
 
 HOME="${HOME:-$(getent passwd "$(id -u)" | cut -d: -f6)}"
@@ -31,6 +32,8 @@ PROJECT_TAG="mixplane:$VERSION"
 TRAINER_TAG="mixplane-trainer:$VERSION"
 TORCH_PIN=$(grep -o 'torch==[0-9.]*' "$REPO/pyproject.toml" | head -1)
 WANT="${MIXPLANE_IMAGES:-base pause project trainer}"
+NOCACHE=""
+if [ -n "${MIXPLANE_IMAGES_COLD:-}" ]; then NOCACHE="--no-cache"; fi
 MIRROR="${MIXPLANE_DEBIAN_MIRROR:-}"
 export DEBIAN_FRONTEND=noninteractive
 
@@ -136,7 +139,7 @@ if want project; then
   # the build stage tagged too: untagged, `image prune` below would remove it and with it the layer cache
   for target in "--target build -t ${PROJECT_TAG}-build" "-t $PROJECT_TAG"; do
     # shellcheck disable=SC2086
-    $DOCKER build -q --network host --build-arg "PYTHON_IMAGE=$BASE_TAG" $target "$ctx" >/dev/null \
+    $DOCKER build -q $NOCACHE --network host --build-arg "PYTHON_IMAGE=$BASE_TAG" $target "$ctx" >/dev/null \
       || { $DOCKER build --network host --build-arg "PYTHON_IMAGE=$BASE_TAG" $target "$ctx" 2>&1 | tail -40; exit 1; }
   done
   rm -rf "$ctx"
@@ -151,7 +154,7 @@ if want trainer; then
   cp "$HERE/trainer.Dockerfile" "$ctx/Dockerfile"
   find "$ctx" -exec touch -h -d 2020-01-01 {} +
   log "docker build $TRAINER_TAG (${wheel:-$TORCH_PIN from PyPI})"
-  $DOCKER build -q --network host --build-arg "BASE=$PROJECT_TAG" --build-arg "TORCH=$TORCH_PIN" -t "$TRAINER_TAG" "$ctx" >/dev/null \
+  $DOCKER build -q $NOCACHE --network host --build-arg "BASE=$PROJECT_TAG" --build-arg "TORCH=$TORCH_PIN" -t "$TRAINER_TAG" "$ctx" >/dev/null \
     || { $DOCKER build --network host --build-arg "BASE=$PROJECT_TAG" --build-arg "TORCH=$TORCH_PIN" -t "$TRAINER_TAG" "$ctx" 2>&1 | tail -40; exit 1; }
   rm -rf "$ctx"
   log "$TRAINER_TAG: $(( $(date +%s) - t0 )) s, $($DOCKER image inspect -f '{{.Size}}' "$TRAINER_TAG") bytes"

@@ -2,7 +2,8 @@
 apply` a DataMixture reading an S3 bucket (moto on the docker bridge, the keys in a Secret), two trainer Jobs of
 the trainer image (the webhook injects the planner endpoint and each pod's rank-bound key) train N steps and print
 per-step digests that equal an embedded `mixplane run` of the same spec, step for step and rank for rank;
-`kubectl get dmix` shows phase, step and realised weights; `kubectl delete datamixture` leaves nothing behind.
+`kubectl get dmix` shows phase, step and realised weights; Debian's Prometheus scrapes the components through their
+pods' prometheus.io annotations and every dashboard query answers; `kubectl delete datamixture` leaves nothing behind.
 
 Kubernetes 1.20 has no Indexed Jobs (completionMode came in 1.21): each trainer slot is a Job of its own whose pod
 carries `mixplane.io/trainer-index` (the webhook's first way to a slot). The planner journal's claim binds to a
@@ -20,6 +21,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+
 import helm_python as helm
 import pytest
 import yaml
@@ -27,7 +32,8 @@ import yaml
 from mixplane.control import KEYS_SUBDIR
 from tests.conftest import write_token_source
 from tests.k8s import node as nodemod
-from tests.k8s.cluster import Cluster, free_port
+from mixplane.operator.dashboard import PANELS
+from tests.k8s.cluster import Cluster, binaries, free_port
 from tests.k8s.e2e_trainer import digest
 from tests.k8s.helpers import run_trainers, wait_for
 from tests.k8s.shrink import LABEL as SHRINK_LABEL
@@ -147,6 +153,48 @@ def trainer_job(ns: str, rank: int, image: str, steps: int = STEPS, step_s: floa
                          "volumes": [{"name": "trainer", "configMap": {"name": "trainer"}}, {"name": "tmp", "emptyDir": {}}]}}}}
 
 
+def annotated_targets(c: Cluster, ns: str) -> list[dict]:
+    """file_sd targets of the namespace's running pods whose prometheus.io annotations ask to be scraped."""
+    out = []
+    for pod in kget(c, "pods", "-n", ns)["items"]:
+        ann = pod["metadata"].get("annotations") or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if ann.get("prometheus.io/scrape") == "true" and ip and pod["status"].get("phase") == "Running":
+            out.append({"targets": [f"{ip}:{ann['prometheus.io/port']}"],
+                        "labels": {"pod": pod["metadata"]["name"], "__metrics_path__": ann.get("prometheus.io/path", "/metrics")}})
+    return out
+
+
+@contextmanager
+def prometheus(c: Cluster, ns: str, tmp: Path) -> Iterator[str]:
+    """Debian's Prometheus on the host scraping the pods whose prometheus.io annotations ask for it (the operator's
+    components). Debian builds it without kubernetes_sd, so the test discovers them: the pods' annotations, read from
+    the API server, become a file_sd target file (what kubernetes_sd + the usual relabelling give); yields its URL."""
+    (tmp / "targets.json").write_text(json.dumps(annotated_targets(c, ns)))
+    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+           "scrape_configs": [{"job_name": "mixplane-pods",
+                               "file_sd_configs": [{"files": [str(tmp / "targets.json")], "refresh_interval": "1s"}]}]}
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 - the child writes it until the end
+    proc = subprocess.Popen([binaries(("prometheus",))["prometheus"], f"--config.file={tmp / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+def prom_query(base: str, expr: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
 def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, steps: int = STEPS) -> dict[tuple[int, int], str]:
     """The same spec through the embedded runtime (`mixplane run`), two MixtureLoader ranks: (step, rank) -> digest."""
     doc = {"name": "demo", **{k: v for k, v in spec(endpoint, placement).items() if k != "kubernetes"}}
@@ -221,6 +269,8 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
 
         wait_for("the mixture's components Ready", rolled_out, 300, 2.0, abort=operator_failed)
         timings["apply -> components Ready"] = time.monotonic() - t1
+        prom_cm = prometheus(c, ns, tmp_path)
+        prom = prom_cm.__enter__()
         t2 = time.monotonic()
         image = f"mixplane-trainer:{c.image.split(':')[1]}"
         for rank in range(WORLD):
@@ -235,8 +285,13 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
             # the trainer container's end (under sidecar placement the pod's loader containers go on)
             states = [((train_container(r) or {}).get("state") or {}).get("terminated") for r in range(WORLD)]
             if any(t and t["exitCode"] != 0 for t in states):
+                comps = "".join(f"\n== {p['metadata']['name']} ({p['status'].get('phase')})\n"
+                                + c.kubectl("-n", ns, "logs", p["metadata"]["name"], "--all-containers", "--tail=25",
+                                            check=False).stdout
+                                for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/instance=demo")["items"])
                 raise AssertionError(f"a trainer failed: {states}\n" + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo",
-                                                                              "-c", "train", "--tail=50", check=False).stdout)
+                                                                              "-c", "train", "--tail=50", check=False).stdout
+                                     + comps)
             return all(states)
 
         wait_for("the trainers", trainers_done, 600, 1.0)
@@ -262,10 +317,28 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                                                    .get("step") or 0) >= STEPS - 1, 120, 2.0)
         table = c.kubectl("-n", ns, "get", "dmix").stdout
         st = kget(c, "datamixture", "demo", "-n", ns)["status"]
+        assert st["phase"] == "Running", st
         realised = {s["name"]: s.get("realisedWeight") for s in st["sources"]}
         assert all(isinstance(v, (int, float)) for v in realised.values()), realised
         print(f"\n{table}realised weights: {realised}; conditions: "
               + "; ".join(f"{x['type']}={x['status']} ({x.get('reason')}: {x.get('message')})" for x in st.get("conditions") or []))
+
+        # Prometheus found the components through their pods' annotations; every dashboard query answers
+        def targets_up() -> list[str]:
+            with urllib.request.urlopen(f"{prom}/api/v1/targets", timeout=10) as r:
+                active = json.loads(r.read())["data"]["activeTargets"]
+            return [t["labels"]["pod"] for t in active if t["health"] == "up"]
+
+        wait_for("Prometheus scraping the planner, constructors and loaders", lambda: len(targets_up()) >= 4, 60, 1.0,
+                 tolerate=True)
+        exprs = [(pnl.title, q.expr) for pnl in PANELS for q in pnl.queries]
+        answered = {e: prom_query(prom, e) for _, e in exprs}
+        with_data = [t for t, e in exprs if answered[e]]
+        print(f"Prometheus: {len(targets_up())} pods scraped through their annotations; {len(exprs)} dashboard queries "
+              f"answered, {len(with_data)} with data; without: {sorted({t for t, e in exprs if not answered[e]})}")
+        prom_cm.__exit__(None, None, None)
+        # (the rank imbalance is the balancing strategies' figure: this mixture plans with vanilla)
+        assert set(with_data) >= {t for t, _ in exprs} - {"Rank imbalance"}, with_data
 
         want = reference(endpoint, creds, placement, tmp_path)
         steps = sorted({s for s, _ in got})

