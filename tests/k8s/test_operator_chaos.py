@@ -32,6 +32,7 @@ from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, status_of, trainer_keys, wait_for
 from tests.k8s.test_scaling import PHASE, digest, scaling_mixture
+from tests.k8s.test_scaling import Kubelet as ScalingKubelet
 from tests.unit.operator_testdata import write_text_and_images
 
 pytestmark = pytest.mark.timeout(1500)
@@ -46,51 +47,22 @@ def data(tmp_path_factory):
     return write_text_and_images(tmp_path_factory.mktemp("chaos-data"), text_rows=3000, images=4, side=64)
 
 
-class Kubelet(threading.Thread):
-    """Runs the mixture's loader Deployments as local processes; a Deployment deleted while its host still serves a
-    partition in the planner's table is recorded as a violation (the check runs before its process stops)."""
+class Kubelet(ScalingKubelet):
+    """test_scaling's kubelet; a Deployment deleted while its host still serves a partition in the planner's table is
+    recorded as a violation (checked before its process stops)."""
+
+    every_s = 0.3
 
     def __init__(self, cluster, ns, pods: LocalPods, planner_host: str, admin):
-        super().__init__(daemon=True)
-        self.cluster, self.ns, self.pods, self.planner_host, self.admin = cluster, ns, pods, planner_host, admin
-        self.running: dict[str, str] = {}
-        self.started: list[str] = []
-        self.stopped: list[str] = []
+        super().__init__(cluster, ns, pods, planner_host)
+        self.admin = admin
         self.violations: list[str] = []
-        self.stop_flag = threading.Event()
-        self.error: BaseException | None = None
 
-    def serving(self, host: str) -> list[str]:
+    def before_stop(self, name: str) -> None:
         st = control.status(f"tcp://127.0.0.1:{self.pods.planner_port}", 5.0, curve=self.admin)
-        return [p for p, a in (st.get("partitions") or {}).items() if a.get("host") == host]
-
-    def sync(self) -> None:
-        deps = {d["metadata"]["name"]: d for d in get(self.cluster, "deployments", "-n", self.ns, "-l",
-                                                       "mixplane.io/instance=demo,mixplane.io/role=loader")["items"]}
-        for name in list(self.running):
-            if name not in deps or not deps[name]["spec"].get("replicas", 1):
-                host = self.hosts[name]
-                still = self.serving(host)
-                if still:
-                    self.violations.append(f"{name} deleted while host {host} serves {still}")
-                self.pods.stop_pod(f"{name}-0")
-                del self.running[name]
-                self.stopped.append(name)
-        for name, d in deps.items():
-            if name not in self.running and d["spec"].get("replicas", 1):
-                self.pods.start(f"{name}-0", d["spec"]["template"], self.planner_host)
-                self.running[name] = d["metadata"]["annotations"]["mixplane.io/partitions"]
-                self.hosts[name] = d["metadata"]["annotations"]["mixplane.io/host"]
-                self.started.append(name)
-
-    hosts: dict[str, str] = {}
-
-    def run(self) -> None:
-        try:
-            while not self.stop_flag.wait(0.3):
-                self.sync()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
+        still = [p for p, a in (st.get("partitions") or {}).items() if a.get("host") == self.hosts[name]]
+        if still:
+            self.violations.append(f"{name} deleted while host {self.hosts[name]} serves {still}")
 
 
 def loader_children(cluster, ns):

@@ -76,10 +76,13 @@ def digest(batch) -> str:
 class Kubelet(threading.Thread):
     """Runs the loader Deployments of the mixture as local processes, stops those that go away or go to 0."""
 
+    every_s = 0.5
+
     def __init__(self, cluster, ns, pods: LocalPods, planner_host: str):
         super().__init__(daemon=True)
         self.cluster, self.ns, self.pods, self.planner_host = cluster, ns, pods, planner_host
         self.running: dict[str, str] = {}  # Deployment -> its partitions annotation
+        self.hosts: dict[str, str] = {}  # Deployment -> its host in the planner's partition table
         self.started: list[str] = []
         self.stopped: list[str] = []
         self.stop_flag = threading.Event()
@@ -90,6 +93,7 @@ class Kubelet(threading.Thread):
                                                        "mixplane.io/instance=demo,mixplane.io/role=loader")["items"]}
         for name in list(self.running):
             if name not in deps or not deps[name]["spec"].get("replicas", 1):
+                self.before_stop(name)
                 self.pods.stop_pod(f"{name}-0")
                 del self.running[name]
                 self.stopped.append(name)
@@ -97,11 +101,15 @@ class Kubelet(threading.Thread):
             if name not in self.running and d["spec"].get("replicas", 1):
                 self.pods.start(f"{name}-0", d["spec"]["template"], self.planner_host)
                 self.running[name] = d["metadata"]["annotations"]["mixplane.io/partitions"]
+                self.hosts[name] = d["metadata"]["annotations"]["mixplane.io/host"]
                 self.started.append(name)
+
+    def before_stop(self, name: str) -> None:
+        """Called before the process of a Deployment that went away (or to 0) is stopped."""
 
     def run(self) -> None:
         try:
-            while not self.stop_flag.wait(0.5):
+            while not self.stop_flag.wait(self.every_s):
                 self.sync()
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e

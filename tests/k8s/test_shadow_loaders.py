@@ -19,12 +19,11 @@ from mixplane.operator.keys import admin_key_dir, existing_keys
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, trainer_keys, wait_for
-from tests.k8s.test_scaling import Kubelet, digest
+from tests.k8s.test_scaling import Kubelet, digest, scaling_mixture
 from tests.unit.operator_testdata import write_text_and_images
 
 pytestmark = pytest.mark.timeout(600)
 STEPS, KILL_AT = 40, 12
-MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +32,11 @@ def data(tmp_path_factory):
 
 
 def shadow_mixture(ns, data):
-    prof = {"version": 1, "sources": {"web": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 * MIB},
-                                      "code": {"cpu_s_per_token": 3e-6, "memory_per_partition": 40 * MIB}}}
-    return {
-        "apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
-        "metadata": {"name": "demo", "namespace": ns,
-                     "annotations": {"mixplane.io/tokens-per-second": "30000", "mixplane.io/profile": json.dumps(prof),
-                                     "mixplane.io/scale-on": "declared"}},
-        "spec": {
-            "sources": [{"name": "web", "uri": data["text"], "tokenizer": data["tokenizer"]},
-                        {"name": "code", "uri": data["text"], "tokenizer": data["tokenizer"]}],
-            "mixture": {"weights": {"web": 0.6, "code": 0.4}, "seed": 3},
-            "batch": {"sequences": 4, "seq_len": 128},
-            "topology": {"modules": {"backbone": {"dp": 2}}},
-            "strategy": {"name": "vanilla"},
-            "runtime": {"window": 16, "failover_after_s": 1.0, "shadow_loaders": 1},
-            "kubernetes": {"journal_mb": 0},
-        },
-    }
+    """test_scaling's mixture without the phase, every loader with a shadow."""
+    m = scaling_mixture(ns, data)
+    m["spec"]["mixture"] = {"weights": {"web": 0.6, "code": 0.4}, "seed": 3}
+    m["spec"]["runtime"] = {"window": 16, "failover_after_s": 1.0, "shadow_loaders": 1}
+    return m
 
 
 def test_a_lost_primary_loader_is_replaced_by_its_shadow_and_the_batches_stay(crd, k8s_namespace, data, tmp_path):
