@@ -195,8 +195,10 @@ def prom_query(base: str, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
-def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, steps: int = STEPS) -> dict[tuple[int, int], str]:
-    """The same spec through the embedded runtime (`mixplane run`), two MixtureLoader ranks: (step, rank) -> digest."""
+def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, steps: int = STEPS,
+              update: tuple[dict, int] | None = None) -> dict[tuple[int, int], str]:
+    """The same spec through the embedded runtime (`mixplane run`), two MixtureLoader ranks: (step, rank) -> digest.
+    `update`: (mixture section, step) given to `mixplane update --mixture --step` before the trainers start."""
     doc = {"name": "demo", **{k: v for k, v in spec(endpoint, placement).items() if k != "kubernetes"}}
     f = tmp / "mixture.yaml"
     f.write_text(yaml.safe_dump(doc))
@@ -218,6 +220,12 @@ def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, s
         import threading
 
         threading.Thread(target=lambda: [None for _ in run.stdout], daemon=True).start()
+        if update is not None:
+            (tmp / "update.yaml").write_text(yaml.safe_dump(update[0]))
+            r = subprocess.run([sys.executable, "-m", "mixplane.cli", "update", "--run-dir", str(tmp / "run"), "--mixture",
+                                str(tmp / "update.yaml"), "--step", str(update[1])], capture_output=True, text=True, env=env,
+                               timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
         got = run_trainers(planner, tmp / "run" / KEYS_SUBDIR, WORLD, steps, timeout=240,
                            keep=lambda b: (int(b["step"]), digest(b)))
     finally:
@@ -285,7 +293,8 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
             # the trainer container's end (under sidecar placement the pod's loader containers go on)
             states = [((train_container(r) or {}).get("state") or {}).get("terminated") for r in range(WORLD)]
             if any(t and t["exitCode"] != 0 for t in states):
-                comps = "".join(f"\n== {p['metadata']['name']} ({p['status'].get('phase')})\n"
+                comps = "".join(f"\n== {p['metadata']['name']} ({p['status'].get('phase')}; "
+                                f"{[(x['name'], x['restartCount'], x.get('lastState')) for x in p['status'].get('containerStatuses') or []]})\n"
                                 + c.kubectl("-n", ns, "logs", p["metadata"]["name"], "--all-containers", "--tail=25",
                                             check=False).stdout
                                 for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/instance=demo")["items"])
