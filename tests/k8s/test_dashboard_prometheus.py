@@ -21,7 +21,7 @@ import urllib.request
 
 import yaml
 
-from mixplane.client import MixtureLoader
+from mixplane.client import MixtureLoader, source_loss
 from mixplane.control import KEYS_SUBDIR
 from mixplane.operator.dashboard import PANELS
 from tests.conftest import token_mixture
@@ -102,9 +102,13 @@ def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path,
         def consume(rank: int) -> None:
             try:
                 loader = MixtureLoader(planner, rank=rank, timeout_s=60)
-                for _ in loader:
+                for batch in loader:
                     if stop.is_set():
                         break
+                    # what a trainer reports after its step: per-source token losses (here 1 + source id), for the loss panel
+                    ids = batch["source_ids"]
+                    loss_sum, tokens = source_loss((ids.clamp(min=0) + 1).double(), ids, len(loader.sources))
+                    loader.report_loss(int(batch["step"]), loss_sum, tokens)
                     time.sleep(0.05)  # a trainer's step time: keeps the run going while Prometheus scrapes
                 loader.close()
             except BaseException as e:  # surfaced below
@@ -130,6 +134,7 @@ def test_every_panel_query_returns_data_from_a_real_run(token_sources, tmp_path,
             target = series("Realised vs target weight", 1)
             assert set(target) == {"a", "b", "c"} and all(abs(target[k] - v) < 1e-9 for k, v in {"a": 0.5, "b": 0.3, "c": 0.2}.items())
             assert series("Source Loaders per source") == {"a": 1.0, "b": 1.0, "c": 1.0}
+            assert series("Loss per source") == {"a": 1.0, "b": 2.0, "c": 3.0}  # the reported 1 + source index
             assert all(v >= 1.0 for v in series("Rank imbalance").values())
             quarantined = series("Quarantined pages")
             assert quarantined["c"] > 0 and quarantined["a"] == quarantined["b"] == 0, quarantined

@@ -41,6 +41,10 @@ PANELS: tuple[Panel, ...] = (
         Query("max by (source) (mixplane_planner_realized_fraction)", "{{source}} realised"),
         Query("max by (source) (mixplane_planner_target_fraction)", "{{source}} target")),
         "Share of each source in the current phase: realised by the planner vs the mixture's target."),
+    Panel("Loss per source", "short", (
+        Query("max by (source) (mixplane_planner_source_loss)", "{{source}}"),),
+        "Mean token loss of each source in the trainer ranks' newest reports (MixtureLoader.report_loss): read it beside "
+        "the realised weights, e.g. to see what a mixture change or an adaptive mixture does to each source."),
     Panel("Loader window depth", "short", (
         Query("sum by (source) (mixplane_planner_window_samples)", "{{source}} window (planner)"),
         Query("sum by (source) (mixplane_loader_buffer_samples)", "{{source}} read buffer (loaders)")),
