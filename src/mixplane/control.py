@@ -141,6 +141,22 @@ def update_mixture(endpoint: str, meta: dict[str, Any], timeout_s: float = 5.0, 
     return request(endpoint, Kind.UPDATE_MIXTURE, meta, timeout_s, curve=curve)
 
 
+def reshard(endpoint: str, meta: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
+    """Send a RESHARD (`{"topology": ..., "reshard_id": ...}`: from the first step the planner has not planned; or
+    with a trainer's `cursor`) and return the planner's ACK: ``{"step", "generation", "world_size", "constructors",
+    "session", "reshard_id", "duplicate", "spec"}``. Raises TimeoutError (no answer) or RuntimeError with the
+    planner's reason: ``reshard rejected: ...`` (sending it again fails again) or ``reshard refused: ...; retry``."""
+    return request(endpoint, Kind.RESHARD, meta, timeout_s, curve=curve)
+
+
+def reshard_acknowledged(status: dict[str, Any] | None, reshard_id: str) -> dict[str, Any] | None:
+    """The planner's record of reshard `reshard_id` in a STATUS reply (`reshards`), or None."""
+    for r in (status or {}).get("reshards") or []:
+        if isinstance(r, dict) and r.get("reshard_id") == reshard_id:
+            return dict(r)
+    return None
+
+
 def update_retryable(error: BaseException | str) -> bool:
     """Whether sending the same update again may succeed: no answer (the planner is down or restarting) or a
     planner still recovering its session. False for a rejected update (a field or the step is wrong)."""

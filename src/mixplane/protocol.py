@@ -70,7 +70,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.ERROR: Schema(),
     Kind.SHUTDOWN: Schema(),
     Kind.RESET: Schema({"session": int, "start_step": int}),
-    Kind.RESHARD: Schema({"topology": dict, "cursor": dict}),
+    Kind.RESHARD: Schema({"topology": dict}),  # + `cursor` (a trainer's) or `reshard_id` (the next unplanned step)
     Kind.ADOPT: Schema({"source": int, "replica": int, "epoch": int, "mode": str}),
     Kind.RELEASE: Schema({"source": int, "replica": int, "epoch": int}),
     Kind.FOLLOW: Schema({"source": int, "replica": int, "cursor": dict}),

@@ -382,8 +382,8 @@ class EmbeddedRuntime:
             (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
         return restarted
 
-    def reshard(self, topology: dict[str, Any], state: dict[str, Any], *, attempt: str | None = None,
-                timeout_s: float = 30.0) -> dict[str, Any]:
+    def reshard(self, topology: dict[str, Any], state: dict[str, Any] | None = None, *, attempt: str | None = None,
+                reshard_id: str | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
         """Elastic resharding of the running data plane (issue 11 item 6): the trainer's topology becomes
         `topology` (a spec `topology` mapping: modules with dp / pp / cp / tp) from the step of `state`
         (a rank's `MixtureLoader.state_dict()`, or its cursor) on; the global batch stays the same.
@@ -393,19 +393,29 @@ class EmbeddedRuntime:
         spec file is rewritten, so components restarted later start with the new topology. Trainer ranks
         of the new world resume with `load_state_dict(state)`; with MIXPLANE_RESUME_ID set to `attempt`
         their resumes do not replan what was planned since. Returns the planner's answer (step, generation,
-        world_size, constructors, spec)."""
+        world_size, constructors, spec).
+
+        Without `state`, with a `reshard_id` (what the operator sends for a patch of spec.topology): the planner
+        takes the first step it has not planned, with its own cursor there; the answer says which (`step`). An id
+        is applied once: the same id again is answered with the same step (`duplicate`) and changes nothing."""
         from mixplane.spec import DataMixtureSpec as _Spec
 
-        cursor = state.get("cursor") if "windows" not in state else state
-        if not isinstance(cursor, dict):
+        cursor = None if state is None else state.get("cursor") if "windows" not in state else state
+        if state is None and reshard_id is None:
+            raise ValueError("reshard needs a state_dict (or cursor), or a reshard_id (from the next step not planned)")
+        if state is not None and not isinstance(cursor, dict):
             raise ValueError("reshard needs a state_dict (or cursor) saved after the first step")
         before = list(self.children)
         old = [c for c in before if c.component is not None and c.component.role == "constructor"]
         self.children = [c for c in before if c not in old]  # their exit is on purpose, not a failure
         self._rank_keys_for(topology)  # ranks a bigger world adds get their keys before they knock
-        meta: dict[str, Any] = {"topology": topology, "cursor": cursor}
+        meta: dict[str, Any] = {"topology": topology}
+        if cursor is not None:
+            meta["cursor"] = cursor
         if attempt is not None:
             meta["attempt"] = attempt
+        if reshard_id is not None:
+            meta["reshard_id"] = reshard_id
         t_end = time.monotonic() + timeout_s
         try:
             while True:
@@ -419,6 +429,9 @@ class EmbeddedRuntime:
         except BaseException:
             self.children = before
             raise
+        if reply.get("duplicate"):
+            self.children = before  # acknowledged before: nothing was stopped, nothing to start
+            return reply
         new = _Spec.model_validate(reply["spec"])
         if self.key_dir is not None and new.runtime.rank_binding != "off" and new.world_size <= MAX_RANK_KEYS:
             wire.ensure_rank_keys(self.key_dir, new.world_size)  # ranks of the new world get their keys too

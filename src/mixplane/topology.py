@@ -389,3 +389,13 @@ def encoder_leaders(spec: DataMixtureSpec) -> np.ndarray:
     rank its leader's images; the planner lists those images in the rank's constructor's plan."""
     mod = place_tree(spec).image_module
     return np.asarray(mod.consumer_leader("WORLD")[mod.consumer_index("WORLD")], np.int64)
+
+
+def topology_digest(spec: DataMixtureSpec) -> str:
+    """A short digest of the spec's topology and of how constructors are placed on it: a constructor whose spec
+    file says another topology than the planner's (a ConfigMap mounted before a live reshard) must not serve."""
+    import hashlib
+    import json
+
+    doc = {"topology": spec.topology.model_dump(mode="json"), "constructors": spec.runtime.constructors}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]

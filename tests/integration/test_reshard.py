@@ -239,3 +239,68 @@ def test_every_rank_rolls_back_across_a_live_dp_change_to_a_checkpoint_saved_bef
         st = rt.status()
     assert st["constructors"] == 4
     assert_same_global(reference, got, range(4, STEPS))
+
+
+def test_reshard_by_id_at_the_next_unplanned_step_once_journaled_and_replayed(token_sources, tmp_path, reference, monkeypatch):
+    """What the operator sends for a patch of spec.topology: RESHARD with an id and no cursor. The planner takes the
+    first step it has not planned (its own cursor there), acknowledges the id once (the same id again: the same step,
+    `duplicate`, no constructor replaced), lists it in STATUS and journals it; the new world (DP 1) resumes from a
+    DP-2 rank's state_dict at an earlier step and gets the global sequence of a run that never resharded; replay is
+    exact before and after; a planner started again on the journal knows the id and serves the journaled topology
+    even with the old spec file."""
+    from mixplane import control
+    from mixplane.planner.server import PlannerServer
+    from mixplane.wire import Kind, Message
+
+    run_dir = tmp_path / "byid"
+    with EmbeddedRuntime(spec(token_sources["root"], 2), run_dir) as rt:
+        before, states = fetch(rt.planner_endpoint, 2, stop=BOUNDARY)
+        planned = rt.status()["planned_through"]
+        assert planned >= BOUNDARY - 1
+        reply = rt.reshard({"modules": {"backbone": {"dp": 1}}}, reshard_id="ns/demo/topology-2")
+        assert reply["step"] == planned + 1 and reply["world_size"] == 1 and reply["duplicate"] is False, reply
+        pids = sorted(c.proc.pid for c in rt.children)
+        again = rt.reshard({"modules": {"backbone": {"dp": 1}}}, reshard_id="ns/demo/topology-2")
+        assert again["duplicate"] is True and again["step"] == reply["step"] and again["generation"] == reply["generation"]
+        assert sorted(c.proc.pid for c in rt.children) == pids  # nothing stopped, nothing started
+        st = rt.status()
+        assert [r["reshard_id"] for r in st["reshards"]] == ["ns/demo/topology-2"] and st["world_size"] == 1
+        assert control.reshard_acknowledged(st, "ns/demo/topology-2")["step"] == reply["step"]
+        with pytest.raises(RuntimeError, match="reshard rejected: give a cursor"):
+            control.reshard(rt.planner_endpoint, {"topology": {"modules": {"backbone": {"dp": 2}}}}, 10.0,
+                            curve=rt.control_curve)
+        # the new world's one rank resumes from its checkpoint (step BOUNDARY <= the reshard's step: a rewind)
+        after, _ = fetch(rt.planner_endpoint, 1, start=BOUNDARY, state=states[0])
+    assert_same_global(reference, before, range(0, BOUNDARY))
+    assert_same_global(reference, after, range(BOUNDARY, STEPS))
+    journal = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
+    recs = [r for r in journal if r["event"] == "spec" and r.get("reshard_id") == "ns/demo/topology-2"]
+    assert len(recs) == 1 and recs[0]["effective_step"] == reply["step"] and recs[0]["mode"] == "reconfigure"
+    sp = spec(token_sources["root"], 2)
+    for step, rank, got in ((BOUNDARY - 1, 1, before), (BOUNDARY, 0, after), (reply["step"], 0, after), (STEPS - 1, 0, after)):
+        out = replay_step(sp, step=step, rank=rank, run_dir=str(run_dir), save=str(tmp_path / f"b{step}.npz"))
+        assert out["digest_match"], (step, out)
+        saved = np.load(tmp_path / f"b{step}.npz")
+        assert np.array_equal(saved["input_ids"], got[rank][step]["input_ids"]), (step, rank)
+    # a planner started again on this journal with the old (DP 2) spec file: the id is known, the topology journaled
+    server = PlannerServer(sp, "tcp://127.0.0.1:0", run_dir=str(run_dir), metrics_port=None)
+    try:
+        assert server.spec.world_size == 1 and len(server.groups) == 1
+        sent: list[tuple[Kind, dict]] = []
+        monkeypatch.setattr(server, "_send", lambda ident, kind, meta=None, *a, **k: sent.append((kind, meta or {})) or True)
+        server.handle(b"admin", Message(Kind.RESHARD, {"topology": {"modules": {"backbone": {"dp": 1}}},
+                                                       "reshard_id": "ns/demo/topology-2"}))
+        assert sent and sent[-1][0] == Kind.ACK and sent[-1][1]["duplicate"] is True
+        assert sent[-1][1]["step"] == reply["step"], sent[-1]
+        # a constructor whose spec file is still of the old topology (a ConfigMap mounted before the reshard) is
+        # told to stop and not registered; one of the served topology is welcomed
+        from mixplane.topology import topology_digest
+
+        hello = {"role": "constructor", "index": 0, "data_endpoint": "tcp://127.0.0.1:1", "client_endpoint": "tcp://127.0.0.1:2"}
+        server.handle(b"stale", Message(Kind.HELLO, {**hello, "topology": topology_digest(sp)}))
+        assert sent[-1][0] == Kind.SHUTDOWN and not server.constructors
+        server.handle(b"fresh", Message(Kind.HELLO, {**hello, "topology": topology_digest(server.spec)}))
+        kinds = [k for k, _ in sent]
+        assert Kind.WELCOME in kinds[kinds.index(Kind.SHUTDOWN):] and server.constructors[0].identity == b"fresh"
+    finally:
+        server.close()

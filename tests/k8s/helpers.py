@@ -193,14 +193,37 @@ class LocalPods:
                     for it in v["configMap"].get("items") or [{"key": k, "path": k} for k in cm["data"]]:
                         (d / it["path"]).write_text(cm["data"][it["key"]])
                 elif "secret" in v:
-                    os.chmod(d, 0o700)
-                    sec = get(self.cluster, "secret", v["secret"]["secretName"], "-n", self.ns)
-                    for it in v["secret"].get("items") or [{"key": k, "path": k} for k in sec["data"]]:
-                        f = d / it["path"]
-                        f.write_bytes(base64.b64decode(sec["data"][it["key"]]))
-                        os.chmod(f, 0o600)
+                    self.write_secret(d, v["secret"]["secretName"], v["secret"].get("items"))
+                elif "projected" in v:  # secrets projected into one dir (a component's key dir)
+                    self.write_projected(d, v["projected"])
                 out[m["mountPath"]] = str(d)
         return out
+
+    def write_secret(self, d: Path, name: str, items: list[Mapping[str, Any]] | None, optional: bool = False) -> None:
+        """A Secret's keys (or `items` of it) as files in `d` (0600), as the kubelet mounts a secret volume."""
+        os.chmod(d, 0o700)
+        r = self.cluster.kubectl("get", "secret", name, "-n", self.ns, "-o", "json", check=not optional)
+        if r.returncode:
+            return
+        data = json.loads(r.stdout).get("data") or {}
+        for it in items or [{"key": k, "path": k} for k in data]:
+            f = d / it["path"]
+            f.write_bytes(base64.b64decode(data[it["key"]]))
+            os.chmod(f, 0o600)
+
+    def write_projected(self, d: Path, projected: Mapping[str, Any]) -> None:
+        """A projected volume's secrets in `d`; called again, it refreshes them (what the kubelet does every sync:
+        keys added to a Secret appear, keys removed from it go)."""
+        for src in projected.get("sources") or []:
+            if "secret" in src:
+                sec = src["secret"]
+                if not sec.get("items"):  # a whole Secret: what it no longer holds goes away
+                    r = self.cluster.kubectl("get", "secret", sec["name"], "-n", self.ns, "-o", "json", check=False)
+                    keep = set((json.loads(r.stdout).get("data") or {}) if not r.returncode else ())
+                    for f in d.glob("client-r*"):
+                        if f.name not in keep:
+                            f.unlink()
+                self.write_secret(d, sec["name"], sec.get("items"), optional=bool(sec.get("optional")))
 
     def start(self, pod_name: str, template: Mapping[str, Any], planner_host: str, *,
               only: Callable[[Mapping[str, Any]], bool] | None = None) -> list[subprocess.Popen]:

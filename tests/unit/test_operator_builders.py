@@ -197,17 +197,23 @@ def test_each_trainer_pod_gets_a_key_bound_to_its_ranks(tmp_path):
     _, objs = render_mixture(spec, OPTS, plan.pods_at(0), plan.partitions, pairs)
     secret = by(objs, "Secret")["demo-keys"]
     assert {"client-r0-1.key", "client-r0-1.key_secret", "client-r2-3.key", "client-r2-3.key_secret"} <= set(secret["stringData"])
+    public = by(objs, "Secret")["demo-trainer-keys"]  # the trainer pods' public halves only, projected whole
+    assert set(public["stringData"]) == {"client-r0-1.key", "client-r2-3.key"}
     for o in objs:
         if o["kind"] not in ("Deployment", "StatefulSet"):
             continue
-        (vol,) = [v for v in o["spec"]["template"]["spec"]["volumes"] if "secret" in v]
-        items = [it["key"] for it in vol["secret"]["items"]]
-        assert "client-r0-1.key" in items and "client-r2-3.key" in items, o["metadata"]["name"]
+        (vol,) = [v for v in o["spec"]["template"]["spec"]["volumes"] if v["name"] == "keys"]
+        keys_src, trainer_src = (x["secret"] for x in vol["projected"]["sources"])
+        items = [it["key"] for it in keys_src["items"]]
+        assert keys_src["name"] == "demo-keys" and trainer_src == {"name": "demo-trainer-keys", "optional": True}
         assert not [i for i in items if i.startswith(("client", "admin")) and i.endswith("_secret")], items
+        assert not [i for i in items if i.startswith("client-r")], items  # not in the template: a new world restarts nothing
     d = tmp_path / "component"
     d.mkdir()
     for item in component_key_items(replace(OPTS, rank_keys=pod_rank_keys(spec))):
         (d / item).write_text(secret["stringData"][item])
+    for item, text in public["stringData"].items():
+        (d / item).write_text(text)
     roles = load_roles(d)
     assert roles[pairs["client-r0-1"][0].encode()] == "client:0-1" and roles[pairs["client-r2-3"][0].encode()] == "client:2-3"
     assert has_rank_keys(d)  # rank_binding auto: the components require rank-bound claims

@@ -8,6 +8,7 @@ until it is acknowledged, and a scaler restored from the status decides what one
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
@@ -239,3 +240,82 @@ def test_shadow_loaders_are_rendered_like_their_primaries_and_a_promoted_shadow_
     promoted = table(dict.fromkeys(want, host(sd)), alive=[host(pd)])
     a = decide(observed(body(st) | {"spec": b["spec"]}, loaders=deps, planner=promoted))
     assert a.handoffs == [] and a.delete == [] and a.draining == []
+
+
+def topo_body(status, generation, dp):
+    b = body(status, generation=generation)
+    b["spec"]["topology"] = {"modules": {"backbone": {"dp": dp}}}
+    return b
+
+
+def kids(acts):
+    return {(o["kind"], o["metadata"]["name"]): o for o in acts.desired.objects}
+
+
+def test_a_topology_patch_is_one_reshard_and_the_new_world_is_rendered_only_once_the_planner_took_it():
+    from mixplane.operator.topology import after_send as topo_after_send, plan_topology, reshard_meta, served_body
+    from mixplane.topology import topology_digest
+
+    first = decide(observed(body()))
+    t0 = first.topology.state
+    assert t0["state"] == "Acknowledged" and t0["initial"] and not first.topology.send and t0["worldSize"] == 2
+    before = kids(first)
+    st = {**first.intent, **first.status}
+    # kubectl patch spec.topology dp 2 -> 1: one RESHARD with an id, no cursor; children still of the served world
+    patched = topo_body(st, 2, 1)
+    acts = decide(observed(patched, planner=table({}), now=2000.0))
+    t = acts.topology.state
+    assert acts.topology.send and t["state"] == "Pending" and t["reshardId"] == "u-1/topology-2" and t["worldSize"] == 1
+    # written first, as a merge patch: what the stored state has and this one not is nulled (initial, effectiveStep)
+    assert acts.intent["topology"] == {**t, "initial": None, "effectiveStep": None}
+    assert t["was"]["modules"]["backbone"]["dp"] == 2
+    assert reshard_meta(spec_of(patched), t) == {"topology": spec_of(patched).topology.model_dump(mode="json"),
+                                                 "reshard_id": "u-1/topology-2"}
+    now = kids(acts)
+    assert now[("StatefulSet", "demo-constructor")]["spec"]["replicas"] == 2
+    assert json.loads(now[("ConfigMap", "demo-spec")]["data"]["spec.json"])["topology"]["modules"]["backbone"]["dp"] == 2
+    # the new world's trainer keys are issued beside the old one's before the planner switches
+    assert {"client-r0-1.key_secret", "client-r0-0.key_secret"} <= set(now[("Secret", "demo-keys")]["stringData"])
+    assert set(now[("Secret", "demo-trainer-keys")]["stringData"]) == {"client-r0-1.key", "client-r0-0.key"}
+    assert acts.status["phase"] == "Updating"
+    cond = {c["type"]: c for c in acts.status["conditions"]}["TopologyApplied"]
+    assert cond["status"] == "False" and cond["reason"] == "ReshardPending"
+    # the planner's key dir does not hold the new world's trainer key yet (the kubelet refreshes the projected Secret
+    # late): no RESHARD until it does, or the new world's trainers would be refused
+    wait = decide(observed(patched, planner={**table({}), "trainer_keys": ["client-r0-1"]}, now=2000.0))
+    assert not wait.topology.send and "client-r0-0" in wait.topology.state["reason"] and wait.topology.pending
+    assert decide(observed(patched, planner={**table({}), "trainer_keys": ["client-r0-0", "client-r0-1"]}, now=2000.0)).topology.send
+    # no answer: retried with backoff; a refusal is kept with its reason
+    s1 = topo_after_send(t, error="timeout", now=2000.0)
+    assert s1["state"] == "Pending" and s1["retryAt"] == 2001.0
+    s2 = topo_after_send(s1, error="reshard rejected: the global batch must stay the same", refused=True, now=2001.0)
+    assert s2["state"] == "Refused" and s2["retryAt"] == 2003.0 and s2["was"] == t["was"]
+    assert not plan_topology(topo_body({**st, "topology": s2}, 2, 1), spec_of(patched), None, 2002.0).send
+    # the planner's STATUS lists the id (an operator killed after the send): acknowledged without sending again
+    planner = {**table({}), "reshards": [{"reshard_id": "u-1/topology-2", "step": 23, "generation": 3, "world_size": 1}],
+               "topology_digest": topology_digest(spec_of(patched))}
+    pending = topo_body({**st, "topology": s2}, 2, 1)
+    done = decide(observed(pending, planner=planner, now=2002.0))
+    assert done.topology.acknowledged_now and not done.topology.send
+    assert done.topology.state["effectiveStep"] == 23 and "was" not in done.topology.state
+    assert [c["effectiveStep"] for c in done.status["topologyChanges"]] == [23]
+    after = kids(done)
+    # the new world: constructors resized and replaced (their template hashes the topology), keys of the new world
+    # only; the planner and the loaders keep their pod templates (nothing restarts them)
+    assert after[("StatefulSet", "demo-constructor")]["spec"]["replicas"] == 1
+    tmpl = lambda k, name: k[name]["spec"]["template"]  # noqa: E731
+    assert tmpl(after, ("StatefulSet", "demo-constructor")) != tmpl(before, ("StatefulSet", "demo-constructor"))
+    assert tmpl(after, ("Deployment", "demo-planner")) == tmpl(before, ("Deployment", "demo-planner"))
+    for (kind, name), o in before.items():
+        if kind == "Deployment" and o["metadata"]["labels"].get("mixplane.io/role") == "loader":
+            assert tmpl(after, (kind, name)) == o["spec"]["template"], name
+    assert set(after[("Secret", "demo-trainer-keys")]["stringData"]) == {"client-r0-0.key"}
+    assert done.status["phase"] != "Updating"
+    # recorded once: a later pass adds nothing and sends nothing
+    kept = {**pending["status"], **done.intent, **done.status}
+    later = decide(observed(topo_body(kept, 2, 1), planner=planner, now=2003.0))
+    assert not later.topology.send and "topologyChanges" not in status_patch(kept, later.status)
+    assert served_body(topo_body(kept, 2, 1), later.topology.state)["spec"]["topology"]["modules"]["backbone"]["dp"] == 1
+    # a newer patch while one is pending supersedes it and keeps the world served before both
+    newer = plan_topology(topo_body({**st, "topology": s2}, 3, 4), spec_of(topo_body({}, 3, 4)), None, 2002.0)
+    assert newer.send and newer.state["reshardId"] == "u-1/topology-3" and newer.state["was"] == t["was"]

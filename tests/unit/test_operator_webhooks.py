@@ -153,7 +153,54 @@ def test_an_update_of_a_running_mixture_is_refused_where_it_cannot_be_taken_live
     seeded = change(mixture={"weights": {"web": 0.7, "code": 0.3}, "seed": 9})
     assert seeded["allowed"] is False and seeded["status"]["message"].startswith("spec.mixture.seed: cannot change")
     assert change(batch={"sequences": 16, "seq_len": 256})["status"]["message"].startswith("spec.batch:")
-    assert change(topology={"modules": {"backbone": {"dp": 4}}})["status"]["message"].startswith("spec.topology:")
+    # the topology changes live (the operator reshards): see test_a_running_mixtures_topology_changes_live_within_its_batch
+    assert change(topology={"modules": {"backbone": {"dp": 4}}})["allowed"] is True
     # before it runs (no phase yet, or Failed) any valid change is a new start
     assert review_change(mixture(), moved) == []
     assert review_change({**mixture(), "status": {"phase": "Failed"}}, moved) == []
+
+
+def test_a_running_mixtures_topology_changes_live_within_its_batch():
+    """DP, TP, PP, CP and ranks per node change live (RESHARD); what the running data plane cannot take is refused
+    with the topology's field path: a world the global batch cannot divide, a sidecar layout whose trainer pods would
+    change, trainer pod keys rank_binding: required cannot give the new world."""
+    from mixplane.operator.webhooks import review_change, topology_paths
+
+    def change(old, **spec):
+        new = {**old, "spec": {**old["spec"], **spec}}
+        new.pop("status", None)
+        out = validate_review({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                               "request": {"uid": "u", "operation": "UPDATE", "object": new, "oldObject": old}})
+        return out["response"]
+
+    running = {**mixture(), "status": {"phase": "Running"}}
+    for topo in ({"dp": 1}, {"dp": 4}, {"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}, {"dp": 2, "cp": 2}, {"dp": 4, "tp": 2}):
+        assert change(running, topology={"modules": {"backbone": topo}}) == {"uid": "u", "allowed": True}, topo
+    assert change(running, topology={"modules": {"backbone": {"dp": 2}}, "ranks_per_node": 1})["allowed"] is True
+    # a world the batch (8 sequences) cannot divide: named by the topology's field, not spec.batch
+    three = change(running, topology={"modules": {"backbone": {"dp": 3}}})
+    assert three["allowed"] is False
+    assert three["status"]["message"] == ("spec.topology.modules.backbone.dp: the running mixture cannot take this world "
+                                          "(spec.batch: 8 sequences per step do not divide into dp (3) x microbatches (1))")
+    cp3 = change(running, topology={"modules": {"backbone": {"dp": 2, "cp": 3}}})
+    assert cp3["allowed"] is False and cp3["status"]["message"].startswith("spec.topology.modules.backbone.cp: ")
+    # the same world before the mixture runs: the spec's own message (a new start, nothing to reshard)
+    assert change(mixture(), topology={"modules": {"backbone": {"dp": 3}}})["status"]["message"].startswith("spec.batch: ")
+    # a batch change together with the topology is a batch change
+    both = change(running, topology={"modules": {"backbone": {"dp": 4}}}, batch={"sequences": 16, "seq_len": 256})
+    assert both["allowed"] is False and both["status"]["message"].startswith("spec.batch:")
+    # sidecar loaders live in trainer pods: their number cannot change under a running mixture
+    side = {**mixture(topology={"modules": {"backbone": {"dp": 2}}, "ranks_per_node": 1},
+                      kubernetes={"placement": "sidecar"}), "status": {"phase": "Running"}}
+    refused = change(side, topology={"modules": {"backbone": {"dp": 4}}, "ranks_per_node": 1})
+    assert refused["allowed"] is False and refused["status"]["message"].startswith(
+        "spec.topology.modules.backbone.dp: kubernetes.placement sidecar fixes the loader containers of 2 trainer pods")
+    assert change(side, topology={"modules": {"backbone": {"dp": 2, "tp": 2}}, "ranks_per_node": 2})["allowed"] is True
+    # rank_binding: required needs one key per trainer pod: 3 pods cannot split a world of 4 into blocks
+    req = {**mixture(topology={"modules": {"backbone": {"dp": 2}}}, runtime={"rank_binding": "required"},
+                     kubernetes={"trainer_pods": 2}), "status": {"phase": "Running"}}
+    assert change(req, topology={"modules": {"backbone": {"dp": 1}}})["allowed"] is False
+    assert "runtime.rank_binding: required" in review_change(req, {**req, "spec": {**req["spec"], "topology": {"modules": {"backbone": {"dp": 1}}}}})[0]
+    assert topology_paths({"topology": {"modules": {"backbone": {"dp": 2}}}},
+                          {"topology": {"modules": {"backbone": {"dp": 1, "tp": 2}}, "ranks_per_node": 2}}) == [
+        "spec.topology.modules.backbone.dp", "spec.topology.modules.backbone.tp", "spec.topology.ranks_per_node"]

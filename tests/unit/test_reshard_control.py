@@ -21,8 +21,9 @@ def test_only_the_admin_may_reshard():
     for role in (protocol.CLIENT, protocol.COMPONENT, protocol.ANONYMOUS):
         assert not protocol.allowed(Kind.RESHARD, role)
     assert protocol.allowed(Kind.RESHARD, protocol.ANONYMOUS, open_run=False) is False
-    with pytest.raises(WireError, match="cursor"):
-        protocol.check(Message(Kind.RESHARD, {"topology": {}}))
+    with pytest.raises(WireError, match="topology"):
+        protocol.check(Message(Kind.RESHARD, {"cursor": {}}))
+    protocol.check(Message(Kind.RESHARD, {"topology": {}, "reshard_id": "ns/m/topology-2"}))  # by id: no cursor
 
 
 def test_spec_at_follows_a_journaled_reconfigure(tmp_path):

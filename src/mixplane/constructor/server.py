@@ -25,7 +25,7 @@ from mixplane.metrics import handoff_metrics
 from mixplane.protocol import plan_cursor
 from mixplane.spec import DataMixtureSpec
 from mixplane.tokens import resolve_image_token_id
-from mixplane.topology import backbone_coords, place_tree
+from mixplane.topology import backbone_coords, place_tree, topology_digest
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.constructor")
@@ -176,7 +176,9 @@ class ConstructorServer(PlannerFollower):
                                              "client_endpoint": self.client_endpoint, "metrics_port": self.metrics_port,
                                              # what it holds: a restarted planner recovers from the first step missing here
                                              "session": self.session, "complete_through": self.complete_through,
-                                             **({"cursor": cur} if (cur := self.cursor_after_complete()) else {})})
+                                             **({"cursor": cur} if (cur := self.cursor_after_complete()) else {}),
+                                             # the planner stops a constructor whose spec is of another topology
+                                             "topology": topology_digest(self.spec)})
         self.mark_hello()
 
     def cursor_after_complete(self) -> dict[str, Any] | None:

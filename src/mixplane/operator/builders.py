@@ -76,6 +76,9 @@ class ClusterOptions:
     command: tuple[str, ...] = ("mixplane",)
     # rank-bound trainer keys (`client-r<A>-<B>`, one per trainer pod): components mount their public halves
     rank_keys: tuple[str, ...] = ()
+    # the trainer pod keys of a world being moved to (a topology change not acknowledged yet): issued beside
+    # rank_keys, so the new world's trainer pods find theirs in the Secret before they start
+    extra_rank_keys: tuple[str, ...] = ()
     # the Secret whose keys are every loader container's environment (storage credentials), kubernetes.source_secret
     source_secret: str | None = None
     # PodDisruptionBudget's API: policy/v1 (Kubernetes >= 1.21; v1beta1 is gone from 1.25), v1beta1 on older servers
@@ -92,6 +95,11 @@ class ClusterOptions:
     @property
     def secret_name(self) -> str:
         return f"{self.name}-keys"
+
+    @property
+    def trainer_keys_name(self) -> str:
+        """The Secret of the trainer pods' public keys only (what components admit; projected into their key dir)."""
+        return f"{self.name}-trainer-keys"
 
     @property
     def configmap_name(self) -> str:
@@ -189,16 +197,21 @@ def _ports(component: Any) -> list[dict[str, Any]]:
 
 
 def component_key_items(opts: ClusterOptions) -> tuple[str, ...]:
-    """A component's key files: its pairs and the public key of every peer it admits (trainer pods' rank keys too,
-    whose file names tell the ZAP handler which ranks each may claim)."""
-    return COMPONENT_KEY_ITEMS + tuple(f"{n}.key" for n in opts.rank_keys)
+    """A component's key files from the mixture's key Secret: its pairs and the public keys of the roles it admits.
+    The trainer pods' rank keys (`client-r<A>-<B>.key`, whose file names tell the ZAP handler which ranks each may
+    claim) come from the trainer-keys Secret, projected whole into the same directory (`_volumes`)."""
+    return COMPONENT_KEY_ITEMS
 
 
 def _volumes(opts: ClusterOptions) -> list[dict[str, Any]]:
+    # the key dir is one projected volume: the component's items of the key Secret, and every public key of the
+    # trainer-keys Secret. The pod template does not list trainer keys, so a new world's keys (a topology change)
+    # reach running components as the kubelet refreshes the volume -- the planner is not restarted for them
     return [
         {"name": "spec", "configMap": {"name": opts.configmap_name, "items": [{"key": "spec.json", "path": "spec.json"}]}},
-        {"name": "keys", "secret": {"secretName": opts.secret_name, "defaultMode": 0o400,
-                                    "items": [{"key": k, "path": k} for k in component_key_items(opts)]}},
+        {"name": "keys", "projected": {"defaultMode": 0o400, "sources": [
+            {"secret": {"name": opts.secret_name, "items": [{"key": k, "path": k} for k in component_key_items(opts)]}},
+            {"secret": {"name": opts.trainer_keys_name, "optional": True}}]}},
         {"name": "run", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
@@ -259,11 +272,16 @@ def spec_json(spec: Any) -> str:
     return spec.model_dump_json(indent=1)
 
 
-def spec_hash(spec: Any) -> str:
+def spec_hash(spec: Any, *, topology: bool = False) -> str:
     """Pods restart when the resolved spec changes (the ConfigMap alone would not restart them), except
-    for the mixture: weights and phases reach the running planner live (UPDATE_MIXTURE), never by a restart."""
+    for the mixture: weights and phases reach the running planner live (UPDATE_MIXTURE), never by a restart;
+    and except for the topology (`topology=False`): a new trainer world reaches the running planner live
+    (RESHARD), and loaders do not depend on it. Constructors do (`topology=True`): a topology change replaces
+    them with pods that read the new spec."""
     doc = json.loads(spec_json(spec))
     doc.pop("mixture", None)
+    if not topology:
+        doc.pop("topology", None)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -335,16 +353,23 @@ def spec_options(opts: ClusterOptions, spec: Any) -> ClusterOptions:
 def key_secret(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
     """CURVE key pairs laid out as a key dir, `<name>.key` (public) and `<name>.key_secret`: one per role and one
     per trainer pod (`opts.rank_keys`)."""
-    missing = [r for r in (*ROLES, *opts.rank_keys) if r not in keys]
+    missing = [r for r in (*ROLES, *opts.rank_keys, *opts.extra_rank_keys) if r not in keys]
     if missing:
         raise ValueError(f"CURVE keys missing for {', '.join(missing)}")
     data: dict[str, str] = {}
-    for role in (*ROLES, *opts.rank_keys):
+    for role in (*ROLES, *opts.rank_keys, *opts.extra_rank_keys):
         public, secret = keys[role]
         data[f"{role}.key"] = cert_text(public)
         data[f"{role}.key_secret"] = cert_text(public, secret)
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(opts, opts.secret_name, "keys"),
             "stringData": data}
+
+
+def trainer_key_secret(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    """The public halves of the trainer pods' key pairs (`<name>.key`), nothing secret: projected whole into every
+    component's key dir (so a grown or shrunk world's keys reach running components without a new pod template)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(opts, opts.trainer_keys_name, "keys"),
+            "stringData": {f"{n}.key": cert_text(keys[n][0]) for n in (*opts.rank_keys, *opts.extra_rank_keys)}}
 
 
 def journal_claim(spec: Any, opts: ClusterOptions) -> dict[str, Any] | None:
@@ -529,12 +554,12 @@ def children(spec: Any, plan: Any, opts: ClusterOptions, keys: Mapping[str, tupl
     opts = spec_options(opts, spec)
     digest = spec_hash(spec)
     claim = journal_claim(spec, opts)
-    out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys)]
+    out = [service_account(opts), config_map(spec, opts), key_secret(opts, keys), trainer_key_secret(opts, keys)]
     if claim is not None:
         out.append(claim)
     out += [planner_deployment(plan, opts, digest, journal_claim=opts.journal_claim if claim else None), planner_service(opts)]
     if plan.of_role("constructor"):
-        out += [constructor_statefulset(plan, opts, digest), constructor_service(opts)]
+        out += [constructor_statefulset(plan, opts, spec_hash(spec, topology=True)), constructor_service(opts)]
     primary_of = shadow_primaries(plan)
     for c in plan.of_role("loader"):
         if c.name in sidecars or primary_of.get(c.name) in sidecars:

@@ -12,6 +12,9 @@ readiness of its components and the planner's STATUS (or None when unreachable),
   delete     loader Deployments outside the layout that the planner's table shows serve nothing. A Deployment is
              never deleted while its host serves a partition, nor while the planner cannot be asked;
   update     the UPDATE_MIXTURE meta to send now (whole mixture, idempotent id), or None;
+  topology   the RESHARD to send now for a patched spec.topology (idempotent id, no cursor: the planner takes the
+             first step it has not planned). Until the planner acknowledged it the children stay those of the world
+             it serves (operator/topology.py: served_body), with the new world's trainer keys issued beside;
   status     the rest of the status (phase, conditions, per source figures), written after acting.
 
 Nothing is kept in the operator's memory: a restarted operator (or a new version of it) continues from the status
@@ -25,10 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mixplane.operator.builders import ANN_HOST, ANN_SHADOW_OF, API_GROUP, ClusterOptions
+from mixplane.operator.builders import ANN_HOST, ANN_SHADOW_OF, API_GROUP, ClusterOptions, pod_rank_keys
 from mixplane.operator.reconcile import (
     Desired,
     condition,
@@ -42,6 +45,8 @@ from mixplane.operator.reconcile import (
     status_of,
 )
 from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
+from mixplane.operator import topology as topo_state
+from mixplane.operator.topology import TopologyPlan, plan_topology, served_body
 from mixplane.operator.updates import UpdatePlan, condition_of, history, plan_update
 
 RESYNC_S = 300.0  # children are re-applied at least this often (someone may have deleted or edited one)
@@ -75,6 +80,7 @@ class Actions:
     status: dict[str, Any]
     decisions: list[Decision] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
+    topology: TopologyPlan | None = None
 
 
 def desired_hosts(d: Desired) -> dict[str, str]:
@@ -185,7 +191,17 @@ def decide(obs: Observed) -> Actions:
     step = int(obs.planner.get("planned_through", 0)) if obs.planner else int(st.get("step") or 0)
     step = max(0, step)
     shares, scaler_state, decisions = run_scaler(obs, spec, step)
-    d = desired(body, obs.opts, obs.profile, obs.keys, step=step, shares=shares)
+    try:
+        new_keys = pod_rank_keys(spec)
+    except ValueError as e:
+        from mixplane.operator.reconcile import ReconcileError
+
+        raise ReconcileError(f"spec.topology: {e}") from None
+    topo = plan_topology(body, spec, obs.planner, obs.now, new_keys)
+    opts = obs.opts
+    if topo.pending:  # the new world's trainer keys are issued now, its children once the planner switched to it
+        opts = replace(opts, extra_rank_keys=new_keys)
+    d = desired(served_body(body, topo.state), opts, obs.profile, obs.keys, step=step, shares=shares)
     moves, delete, draining = loader_moves(obs, d)
     upd = plan_update(body, spec, obs.planner, obs.now)
 
@@ -195,7 +211,8 @@ def decide(obs: Observed) -> Actions:
               "draining": draining, "settling": bool(layout_prev.get("draining")) and not draining}
     # (the live update's state is not an intent: its id follows from the object, and its acknowledgment is written
     # together with status.updates in the final patch, so the two never disagree)
-    intent: dict[str, Any] = {"layout": layout}
+    # the topology change is an intent: the world served until the planner acknowledges (`was`) is kept in it
+    intent: dict[str, Any] = {"layout": layout, "topology": topo_state.status_value(body, topo.state)}
     if scaler_state is not None:
         intent["scaler"] = scaler_state
     if decisions:
@@ -212,7 +229,8 @@ def decide(obs: Observed) -> Actions:
     due = applied.get("hash") != h or missing or obs.now - float(applied.get("appliedAt") or 0.0) >= RESYNC_S
     status = final_status(obs, d, upd, spec, applied_hash=h if due else str(applied.get("hash")),
                           applied_at=obs.now if due else float(applied.get("appliedAt") or 0.0), draining=draining)
-    return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining)
+    status = with_topology(status, body, topo.state)
+    return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining, topo)
 
 
 def final_status(obs: Observed, d: Desired, upd: UpdatePlan, spec: Any, *, applied_hash: str, applied_at: float,
@@ -268,6 +286,27 @@ def with_update(status: Mapping[str, Any], body: Mapping[str, Any], spec: Any, s
     if ok and not state.get("initial") and all(int(u.get("generation", -1)) != int(state["generation"]) for u in prev_updates):
         out["updates"] = history(prev_updates, state, spec)  # acknowledged in this pass: recorded once
     out["mixtureUpdate"] = dict(state)
+    return out
+
+
+def with_topology(status: Mapping[str, Any], body: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """`status` with the topology `state` in it: status.topology, the TopologyApplied condition, the phase (Updating
+    while the planner has not acknowledged), and the change added once to status.topologyChanges when acknowledged."""
+    out = dict(status)
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = _status(body).get("conditions") or []
+    ok, reason, msg = topo_state.condition_of(state)
+    out["conditions"] = [c for c in out.get("conditions") or [] if c.get("type") != "TopologyApplied"] + \
+        [condition("TopologyApplied", ok, reason, msg, gen, prev)]
+    if not ok and out.get("phase") in ("Running", "Pending"):
+        out["phase"] = "Updating"
+    elif ok and out.get("phase") == "Updating" and (out.get("mixtureUpdate") or {}).get("state", "Acknowledged") == "Acknowledged":
+        out["phase"] = "Running" if all(c.get("status") == "True" for c in out["conditions"] if c.get("type") == "Ready") \
+            else "Pending"
+    changes = list(_status(body).get("topologyChanges") or [])
+    if ok and not state.get("initial") and all(int(u.get("generation", -1)) != int(state["generation"]) for u in changes):
+        out["topologyChanges"] = topo_state.history(changes, state)  # acknowledged in this pass: recorded once
+    out["topology"] = topo_state.status_value(body, state)
     return out
 
 

@@ -29,7 +29,7 @@ SINGULAR = "datamixture"
 SHORT_NAMES = ["dmix"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MixtureApplied")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied")
 PHASES = ("Pending", "Profiling", "Running", "Updating", "Degraded", "Failed")
 # spec fields whose model default must not be written by the API server: `name` defaults to metadata.name
 NO_SERVER_DEFAULT = {"name"}
@@ -42,7 +42,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "Progressing", "Degraded", "MixtureApplied"] = Field(..., description="Ready: every component is up; Progressing: children, a handoff or a mixture update are being rolled out; Degraded: a component is failing; MixtureApplied: the planner acknowledged the mixture the object holds (False: pending or refused, with the reason).")
+    type: Literal["Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied"] = Field(..., description="Ready: every component is up; Progressing: children, a handoff or a mixture update are being rolled out; Degraded: a component is failing; MixtureApplied: the planner acknowledged the mixture the object holds (False: pending or refused, with the reason); TopologyApplied: the planner serves the topology the object holds (False: a reshard pending or refused, with the reason).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="Condition status.")
     reason: str = Field("", description="One CamelCase word saying why.")
     message: str = Field("", description="Human-readable detail.")
@@ -126,6 +126,29 @@ class MixtureUpdateState(_Status):
     initial: bool | None = Field(None, description="The mixture the planner was started with (not a live update).")
 
 
+class TopologyState(_Status):
+    generation: int = Field(..., ge=0, description="metadata.generation whose topology this is.")
+    digest: str = Field(..., description="Digest of spec.topology (and of how constructors are placed on it).")
+    served: dict[str, Any] | None = Field(None, description="The topology the planner serves once this is acknowledged.")
+    was: dict[str, Any] | None = Field(None, description="While a change is pending: the topology served before it (the children stay rendered with it).")
+    reshardId: str = Field("", description="The id the planner applies once (<uid>/topology-<generation>).")
+    state: Literal["Acknowledged", "Pending", "Refused"] = Field(..., description="Acknowledged by the planner, pending (not sent, or no answer), or refused (retried with backoff).")
+    effectiveStep: int | None = Field(None, ge=0, description="First step planned for this world.")
+    worldSize: int | None = Field(None, ge=1, description="Trainer ranks of this world.")
+    plannerGeneration: int | None = Field(None, ge=0, description="The planner's spec generation for it.")
+    attempts: int = Field(0, ge=0, description="Sends that failed so far.")
+    retryAt: float | None = Field(None, description="Next try (seconds since the epoch).")
+    reason: str = Field("", description="Why it is in this state.")
+    initial: bool | None = Field(None, description="The topology the planner was started with (not a live change).")
+
+
+class TopologyChange(_Status):
+    generation: int = Field(..., ge=0, description="metadata.generation of the change.")
+    effectiveStep: int = Field(..., ge=0, description="First step planned for the new world.")
+    worldSize: int = Field(..., ge=0, description="Trainer ranks of the new world.")
+    reshardId: str = Field("", description="The planner's id of it.")
+
+
 class ChildrenStatus(_Status):
     hash: str = Field(..., description="Digest of the children last applied.")
     appliedAt: float = Field(..., description="When (seconds since the epoch).")
@@ -150,6 +173,8 @@ class MixtureStatus(_Status):
     layout: LayoutStatus | None = Field(None, description="The loader layout the operator keeps or moves to (kept here so that a restarted operator continues it).")
     scaler: ScalerStatus | None = Field(None, description="The scaling policy's state.")
     mixtureUpdate: MixtureUpdateState | None = Field(None, description="The live update of spec.mixture: sent, acknowledged or retried.")
+    topology: TopologyState | None = Field(None, description="The live change of spec.topology (RESHARD): sent, acknowledged (from which step the new world is served) or retried.")
+    topologyChanges: list[TopologyChange] = Field(default_factory=list, description="Topology changes acknowledged and the step each took effect at (last 20).")
     children: ChildrenStatus | None = Field(None, description="The children last applied.")
 
 

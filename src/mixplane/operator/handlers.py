@@ -9,8 +9,10 @@ order that survives being cut anywhere (the operator SIGKILLed between two API c
     2. the children are applied (server-side apply: idempotent);
     3. partitions are handed to the hosts the layout wants (the planner's HANDOFF, at a step boundary);
     4. loader Deployments outside the layout are deleted once the planner's table shows they serve nothing;
-    5. the live update is sent (the whole mixture, with an id the planner applies once);
-    6. the rest of the status (phase, conditions, figures, the update's acknowledgment) is written.
+    5. the live update is sent (the whole mixture, with an id the planner applies once), then a topology change
+       (RESHARD with an id the planner applies once, at the first step it has not planned);
+    6. the rest of the status (phase, conditions, figures, the acknowledgments) is written. A topology change
+       acknowledged in this pass is followed at once by another pass: it renders the new world's children.
 
 Nothing that must outlive the process is kept in memory; kopf's `memo` holds only a lock that keeps two passes
 over one object from interleaving inside this process. Create, resume (operator start), spec changes and a timer
@@ -30,7 +32,8 @@ from typing import Any
 import kopf
 
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
-from mixplane.operator.controller import Observed, decide, status_patch, with_update
+from mixplane.operator import topology as topo_state
+from mixplane.operator.controller import Observed, decide, status_patch, with_topology, with_update
 from mixplane.operator.keys import admin_key_dir, keys_for
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
@@ -57,8 +60,8 @@ def planner_endpoint(opts: ClusterOptions) -> str:
 
 def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], kind: str, meta: dict[str, Any],
                     timeout_s: float = PLANNER_TIMEOUT_S) -> dict[str, Any]:
-    """STATUS, HANDOFF or UPDATE_MIXTURE with the admin key. Raises TimeoutError / OSError (not reachable) or
-    RuntimeError (the planner answered an error)."""
+    """STATUS, HANDOFF, UPDATE_MIXTURE or RESHARD with the admin key. Raises TimeoutError / OSError (not reachable)
+    or RuntimeError (the planner answered an error)."""
     from mixplane import control
 
     curve = control.ControlCurve(admin_key_dir(opts.name, opts.namespace, keys))
@@ -68,6 +71,8 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
     kube().fault.hit(f"{kind} {meta.get('partition', '')}".strip())  # a request that changes the run: a cut point too
     if kind == "handoff":
         return control.handoff(ep, meta["partition"], meta["to"], timeout_s, curve=curve)
+    if kind == "reshard":
+        return control.reshard(ep, meta, max(timeout_s, 10.0), curve=curve)
     return control.update_mixture(ep, meta, timeout_s, curve=curve)
 
 
@@ -139,7 +144,7 @@ def _write_status(k: Kube, body: Mapping[str, Any], current: dict[str, Any], new
     return current
 
 
-def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None) -> dict[str, Any]:
+def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None, _again: bool = True) -> dict[str, Any]:
     """One level-triggered pass over the DataMixture `namespace/name` (see the module docstring)."""
     k = k or kube()
     body = k.get(API_VERSION, "DataMixture", namespace, name)
@@ -154,7 +159,11 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
             _write_status(k, body, current, profiling_status(body, profiled))
             return {"profiling": profiled.jobs}
         try:
-            keys = keys_for(k.get("v1", "Secret", namespace, opts.secret_name), pod_rank_keys(spec))
+            # the trainer pods' keys of the world the planner serves and, while a topology change is pending, of the
+            # world asked for (its pods find their keys before they start)
+            served = spec_of(topo_state.served_body(body, current.get("topology") or {}))
+            worlds = tuple(dict.fromkeys((*pod_rank_keys(served), *pod_rank_keys(spec))))
+            keys = keys_for(k.get("v1", "Secret", namespace, opts.secret_name), worlds)
         except ValueError as e:  # more trainer pods than a Secret holds keys for, under rank_binding: required
             raise ReconcileError(str(e)) from None
         loaders = {d["metadata"]["name"]: d for d in k.list("apps/v1", "Deployment", namespace,
@@ -212,10 +221,38 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
                 logger.info(f"mixture update {state['updateId']} in force from step {state['effectiveStep']}"
                             f"{' (acknowledged before)' if ack.get('duplicate') else ''}")
         final = with_update(final, body, spec, state)
+    topo = acts.topology.state if acts.topology is not None else {}
+    resharded = False
+    if acts.topology is not None and acts.topology.send:
+        now = time.time()
+        if obs.planner is None:
+            topo = topo_state.after_send(topo, error="no answer to STATUS", now=now)
+        else:
+            try:
+                ack = planner_request(opts, keys, "reshard", topo_state.reshard_meta(spec, topo))
+            except RuntimeError as e:
+                refused = "retry" not in str(e)
+                topo = topo_state.after_send(topo, error=str(e), refused=refused, now=now)
+                logger.warning(f"topology change {topo['reshardId']} not taken by the planner: {e}")
+            except (TimeoutError, OSError) as e:
+                topo = topo_state.after_send(topo, error=str(e), now=now)
+            else:
+                kube().fault.hit("after-reshard", mutating=False)  # acknowledged by the planner, not yet recorded
+                topo = topo_state.after_send(topo, ack=ack)
+                resharded = True
+                logger.info(f"topology change {topo['reshardId']}: world of {topo.get('worldSize')} ranks from step "
+                            f"{topo['effectiveStep']}{' (acknowledged before)' if ack.get('duplicate') else ''}")
+        final = with_topology(final, body, topo)
+    elif acts.topology is not None:
+        final = with_topology(final, body, topo)
+        resharded = acts.topology.acknowledged_now
     # 6. the rest of the status
     _write_status(k, body, current, final)
-    return {"objects": len(acts.apply), "handoffs": len(acts.handoffs), "deleted": acts.delete,
-            "update": state.get("state"), "step": final.get("step")}
+    out = {"objects": len(acts.apply), "handoffs": len(acts.handoffs), "deleted": acts.delete,
+           "update": state.get("state"), "topology": topo.get("state"), "step": final.get("step")}
+    if resharded and _again:  # the planner serves the new world: render its children now, not a tick later
+        out["after_reshard"] = reconcile_once(namespace, name, logger, k, _again=False)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- kopf wiring

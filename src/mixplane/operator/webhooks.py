@@ -63,12 +63,78 @@ def _source_identity(src: Mapping[str, Any]) -> dict[str, Any]:
     return {k: src.get(k) for k in ("name", "uri", "kind", "columns", "tokenizer") if k in src}
 
 
+def topology_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The field paths of spec.topology that differ (`spec.topology.modules.backbone.dp`, ...)."""
+    o, n = dict(old.get("topology") or {}), dict(new.get("topology") or {})
+    out = []
+    om, nm = dict(o.get("modules") or {}), dict(n.get("modules") or {})
+    for m in [*om, *[x for x in nm if x not in om]]:
+        a, b = om.get(m), nm.get(m)
+        if a == b:
+            continue
+        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+            out.append(f"spec.topology.modules.{m}")
+            continue
+        out += [f"spec.topology.modules.{m}.{k}" for k in [*a, *[x for x in b if x not in a]] if a.get(k) != b.get(k)]
+    out += [f"spec.topology.{k}" for k in [*o, *[x for x in n if x not in o]] if k != "modules" and o.get(k) != n.get(k)]
+    return out
+
+
+def _running(obj: Mapping[str, Any]) -> bool:
+    return ((obj.get("status") or {}).get("phase")) not in NOT_RUNNING
+
+
+def topology_change_problems(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """What a running mixture cannot take of a change of its topology (both objects valid). The data plane reshards
+    live (RESHARD at the first step not planned): DP, TP, PP, CP, ranks per node, module layouts -- any world the
+    spec's rules accept whose global batch is the running one. Not live: a changed global batch (rows per step, the
+    sequence length), sidecar loaders placed on a number of trainer pods that would change, trainer pod keys that
+    `runtime.rank_binding: required` cannot give the new world."""
+    from mixplane.operator.builders import pod_rank_keys, trainer_pods
+
+    where = ", ".join(topology_paths(old.get("spec") or {}, new.get("spec") or {})) or "spec.topology"
+    try:
+        a = parse_spec(_spec_doc(old))
+        b = parse_spec(_spec_doc(new))
+    except SpecError:
+        return []  # the spec's own rules answer (review_mixture)
+    out = []
+    if (a.rows_per_step, a.batch.seq_len) != (b.rows_per_step, b.batch.seq_len):
+        out.append(f"{where}: the new world would change the global batch of a running mixture ({a.rows_per_step} -> "
+                   f"{b.rows_per_step} rows of {b.batch.seq_len} tokens per step); trainers' steps and cursors count it")
+    if b.kubernetes.placement == "sidecar" and trainer_pods(a) != trainer_pods(b):
+        out.append(f"{where}: kubernetes.placement sidecar fixes the loader containers of {trainer_pods(a)} trainer pods for "
+                   f"the run; the new world has {trainer_pods(b)} (set kubernetes.trainer_pods to keep them, or create a "
+                   f"new DataMixture)")
+    try:
+        pod_rank_keys(b)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
+    return out
+
+
+def _spec_doc(obj: Mapping[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(dict(obj.get("spec") or {}))
+    doc.setdefault("name", (obj.get("metadata") or {}).get("name") or "mixture")
+    return doc
+
+
+def explain_topology(old: Mapping[str, Any], new: Mapping[str, Any], problems: list[str]) -> list[str]:
+    """The spec's own problems of an UPDATE that changed only the topology of a running mixture, named by the
+    topology's field path: a world its batch cannot divide is a refusal of the new topology, not of spec.batch."""
+    o, n = dict(old.get("spec") or {}), dict(new.get("spec") or {})
+    if not _running(old) or o.get("topology") == n.get("topology") or o.get("batch") != n.get("batch"):
+        return problems
+    where = ", ".join(topology_paths(o, n)) or "spec.topology"
+    return [f"{where}: the running mixture cannot take this world ({p})" if p.startswith("spec.batch") else p for p in problems]
+
+
 def review_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """What an UPDATE of a running DataMixture changes that its running components cannot take live, each as
-    `spec.field.path: message`. The mixture (weights, temperature, phases, anneal, lr_scale) changes live; the
-    sources' identity, the mixture's seed, the global batch and the topology belong to every cursor and journal
-    record of the run. A mixture that is not running yet (no status phase, Pending, Profiling, Failed) takes any
-    valid change."""
+    `spec.field.path: message`. The mixture (weights, temperature, phases, anneal, lr_scale) changes live, and so
+    does the topology (the operator reshards: `topology_change_problems` says what of it cannot); the sources'
+    identity, the mixture's seed and the global batch belong to every cursor and journal record of the run. A
+    mixture that is not running yet (no status phase, Pending, Profiling, Failed) takes any valid change."""
     if ((old.get("status") or {}).get("phase")) in NOT_RUNNING:
         return []
     o, n = dict(old.get("spec") or {}), dict(new.get("spec") or {})
@@ -91,10 +157,8 @@ def review_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
                    f"the journal and every trainer's cursor belong to it")
     if (o.get("batch") or {}) != (n.get("batch") or {}):
         out.append("spec.batch: the global batch of a running mixture cannot change (trainers' steps and cursors count it)")
-    if (o.get("topology") or {}) != (n.get("topology") or {}):
-        out.append("spec.topology: cannot change on a running mixture through the resource yet; trainers reshard a "
-                   "running mixture themselves (MixtureLoader state_dict at the new world size, RESHARD), or create "
-                   "a new DataMixture")
+    if (o.get("topology") or {}) != (n.get("topology") or {}) and not out:
+        out += topology_change_problems(old, new)
     return out
 
 
@@ -119,6 +183,8 @@ def validate_review(review: Mapping[str, Any]) -> dict[str, Any]:
         return admission_response(review, True)
     problems = review_mixture(obj)
     prior = request.get("oldObject")
+    if problems and request.get("operation") == "UPDATE" and isinstance(prior, dict):
+        problems = explain_topology(prior, obj, problems)
     if not problems and request.get("operation") == "UPDATE" and isinstance(prior, dict):
         problems = review_change(prior, obj)
     return admission_response(review, not problems, "; ".join(problems))

@@ -149,12 +149,16 @@ class Journal:
         self._write(rec)
 
     def spec_change(self, spec: DataMixtureSpec, generation: int, effective_step: int, planned_through: int,
-                    mode: str = "rebase") -> None:
+                    mode: str = "rebase", reshard_id: str | None = None) -> None:
         """A new spec generation from effective_step on (mode 'rebase': its mixture replaces what follows;
-        'reconfigure': its topology / batch take over at the next step)."""
-        self._write({"event": "spec", "session": self._session, "generation": generation, "mode": mode,
-                     "effective_step": effective_step, "planned_through": planned_through,
-                     "spec": spec.model_dump(mode="json")})
+        'reconfigure': its topology / batch take over at the next step; `reshard_id`: the id of the RESHARD that
+        asked for it, acknowledged once also after a restart)."""
+        rec = {"event": "spec", "session": self._session, "generation": generation, "mode": mode,
+               "effective_step": effective_step, "planned_through": planned_through,
+               "spec": spec.model_dump(mode="json")}
+        if reshard_id is not None:
+            rec["reshard_id"] = reshard_id
+        self._write(rec)
 
     def resume(self, cursor: dict[str, Any], session: int) -> None:
         self._session = session
@@ -280,13 +284,21 @@ def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
     if anchor_i is None:
         raise JournalError(f"step {step}: the journal has no cursor at or before it")
     spec_rec = None
+    spec_i = -1
     for i in range(anchor_i, -1, -1):
         r = records[i]
         if r["event"] in ("open", "spec") and (r["event"] == "open" or r.get("planned_through", -1) < int(records[anchor_i]["step"])):
-            spec_rec = r
+            spec_rec, spec_i = r, i
             break
     if spec_rec is None:
         raise JournalError(f"step {step}: no spec recorded before its cursor")
+    # a topology change (a reshard: mode 'reconfigure') stays in force for everything planned after it, also for
+    # the steps before its effective step that a later rewind (a trainer resuming from an older state) plans again
+    for i in range(anchor_i, spec_i, -1):
+        r = records[i]
+        if r["event"] == "spec" and r.get("mode") == "reconfigure":
+            spec_rec = r
+            break
     gen = int(spec_rec["generation"])
     # updates recorded before the anchor are already inside the anchor's schedule state
     return ReplayPlan(spec_rec["spec"], gen, records[anchor_i], records[anchor_i + 1:end + 1],

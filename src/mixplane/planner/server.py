@@ -37,7 +37,7 @@ from mixplane.layout import layout_digest
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
-from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group
+from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group, topology_digest
 from mixplane.wire import Column, Kind, WireError
 
 log = logging.getLogger("mixplane.planner")
@@ -120,6 +120,7 @@ class StepMetrics:
 
 
 STATUS_UPDATES = 32  # acknowledged mixture updates listed in STATUS
+RESHARDS_KEPT = 32  # acknowledged reshard ids (listed in STATUS; answered as duplicates)
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
@@ -188,6 +189,7 @@ class PlannerServer(Component, PartitionHosting):
         self.hello_complete: dict[int, int | None] = {}  # constructor -> complete_through it reported (None: holds nothing)
         self.hello_cursor: dict[int, dict[str, Any]] = {}  # constructor -> the cursor after its complete_through
         self.journal = None
+        self.reshard_acks: dict[str, dict[str, Any]] = {}  # reshard id -> its acknowledgment (oldest first)
         if run_dir:
             path = os.path.join(run_dir, "journal.jsonl")
             self.recovering = self._read_journal_state(path)
@@ -197,10 +199,11 @@ class PlannerServer(Component, PartitionHosting):
             else:
                 self._adopt_session(self.recovering)
                 self._restore_losses(path)
+                self._journaled_reshards(path)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
         # resuming from one of them rejoins the session instead of rewinding every rank; bounded)
         self.cursor_digests: dict[int, bytes] = {}
-        self._adopt_topology(spec)
+        self._adopt_topology(self.spec)
 
     def _adopt_topology(self, spec: DataMixtureSpec) -> None:
         """Constructor groups and the dp-rank / rank fan-outs of `spec`'s topology (start, reshard)."""
@@ -215,6 +218,7 @@ class PlannerServer(Component, PartitionHosting):
         self._dp_fanout = Fanout.from_lists(dp_to)  # dp rank -> constructors serving it
         self._rank_fanout = Fanout.from_lists(rank_to)  # global rank -> its constructor
         self._leader_fanout, self._merge = image_routing(spec, self.groups)  # per-constructor image lists
+        self.topology_digest = topology_digest(spec)
 
     @property
     def planned_through(self) -> int:
@@ -312,6 +316,14 @@ class PlannerServer(Component, PartitionHosting):
             ci = msg.get("index", int)
             if not 0 <= ci < len(self.groups):
                 raise WireError(f"HELLO from constructor {ci}, but the topology has {len(self.groups)}")
+            theirs = msg.meta.get("topology")
+            if isinstance(theirs, str) and theirs != self.topology_digest:
+                # its spec file is of another topology (a ConfigMap mounted before a reshard): it would cut the
+                # batches for other ranks. Stopped; restarted, it reads the spec again
+                log.warning("constructor %d registers with another topology (%s, the planner serves %s): told to stop",
+                            ci, theirs, self.topology_digest)
+                self._send(identity, Kind.SHUTDOWN)
+                return
             ranks = self.groups[ci]
             old = self.constructors.get(ci)
             self.constructors[ci] = ConstructorPeer(ci, identity, msg.get("data_endpoint", str),
@@ -508,18 +520,42 @@ class PlannerServer(Component, PartitionHosting):
         return self.cursor_digests.get(step) == got
 
     def _on_reshard(self, identity: bytes, msg: wire.Message) -> None:
-        """Elastic resharding in a running system: from the cursor's step on, plan for a new topology (DP /
-        TP / PP / CP; the global batch stays what it was). The mixing does not depend on the topology, so
-        the global sequence of samples is the one the old topology would have got, only distributed
-        differently. The planner rewinds to the cursor (a new session), tells the old constructors to stop,
-        waits for the new topology's constructors to register, then welcomes the loaders again (new
-        constructor endpoints, the window's cursor). The journal records the new spec before the rewind,
-        so `mixplane replay` plans every later step with the new topology."""
+        """Elastic resharding in a running system: plan for a new topology (DP / TP / PP / CP; the global batch
+        stays what it was) from a step on. Two forms:
+
+        * with a trainer's `cursor` (EmbeddedRuntime.reshard): from the cursor's step, rewinding to it;
+        * with a `reshard_id` and no cursor (the operator, for a patch of the DataMixture's spec.topology): from
+          the first step this planner has not planned, with its own cursor there (nothing planned is re-planned).
+          An id is acknowledged once: the same id again gets the same answer (``duplicate``) and changes nothing,
+          also after a restart (the journal's spec record holds it).
+
+        The mixing does not depend on the topology, so the global sequence of samples is the one the old topology
+        would have got, only distributed differently. The planner starts a new session at that step, tells the old
+        constructors to stop, waits for the new topology's constructors to register, then welcomes the loaders
+        again (new constructor endpoints, the window's cursor). The journal records the new spec before the
+        session's resume record, so `mixplane replay` plans every later step with the new topology."""
         from mixplane.spec import SpecError, parse_spec
 
+        rid = msg.meta.get("reshard_id")
+        if rid is not None and not isinstance(rid, str):
+            self._send(identity, Kind.ERROR, {"error": "reshard rejected: reshard_id must be text"})
+            return
+        if rid is not None and rid in self.reshard_acks:
+            self._send(identity, Kind.ACK, {**self.reshard_acks[rid], "duplicate": True,
+                                            "spec": self.spec.model_dump(mode="json")})
+            return
         if self._recovering_refusal(identity, "reshard"):
             return
-        cursor = msg.get("cursor", dict)
+        cursor = msg.meta.get("cursor")
+        if cursor is None:
+            if rid is None:
+                self._send(identity, Kind.ERROR, {"error": "reshard rejected: give a cursor (a trainer's state) or a "
+                                                  "reshard_id (from the first step not planned yet)"})
+                return
+            cursor = self.core.cursor()  # the first step not planned, as this planner stands there
+        elif not isinstance(cursor, dict):
+            self._send(identity, Kind.ERROR, {"error": "reshard rejected: cursor must be a mapping"})
+            return
         doc = self.spec.model_dump(mode="json")
         doc["topology"] = msg.get("topology", dict)
         try:
@@ -543,27 +579,89 @@ class PlannerServer(Component, PartitionHosting):
         attempt = msg.meta.get("attempt")
         self.session_attempt = attempt if isinstance(attempt, str) else None
         self.cursor_digests.clear()
+        self._remember_cursor(step, cursor_array(cursor))  # the new world's ranks resuming at this very step rejoin
         self.need_through = -1
         self.need_by.clear()
         self.complete_by.clear()
         self.inflight.clear()
+        self.layouts.clear()
+        self.released_by.clear()
+        self.rebuild.clear()
         self.constructors = {}
         self.pending_routes = []
         self.pending_loader_welcome = set(self.loaders)  # welcomed once the new constructors registered
         for c in old:
             self._send(c.identity, Kind.SHUTDOWN)
         if self.journal is not None:
-            self.journal.spec_change(new, generation, step, step - 1, mode="reconfigure")
+            self.journal.spec_change(new, generation, step, step - 1, mode="reconfigure", reshard_id=rid)
             self.journal.resume(cursor, self.session)
             for event in kept:
                 self.journal.update(event)
         self.m.reshards.inc()
         bb = new.topology.backbone()[1]
-        log.warning("resharded at step %d (session %d, generation %d): dp %d pp %d cp %d tp %d, %d constructor(s)",
-                    step, self.session, generation, bb.dp, bb.pp, bb.cp, bb.tp, len(self.groups))
-        self._send(identity, Kind.ACK, {"session": self.session, "step": step, "generation": generation,
-                                        "world_size": new.world_size, "constructors": len(self.groups),
+        log.warning("resharded at step %d (session %d, generation %d%s): dp %d pp %d cp %d tp %d, %d constructor(s)",
+                    step, self.session, generation, f", reshard {rid}" if rid else "", bb.dp, bb.pp, bb.cp, bb.tp,
+                    len(self.groups))
+        ack = {"session": self.session, "step": step, "generation": generation, "world_size": new.world_size,
+               "constructors": len(self.groups)}
+        if rid is not None:
+            self._remember_reshard({"reshard_id": rid, **ack})
+        self._send(identity, Kind.ACK, {**ack, **({"reshard_id": rid, "duplicate": False} if rid is not None else {}),
                                         "spec": new.model_dump(mode="json")})
+
+    def trainer_keys(self) -> list[str]:
+        """Names of the rank-bound trainer keys in the key dir (`client-r<A>-<B>`), sorted; empty for an open run."""
+        d = self.security.key_dir
+        if not d:
+            return []
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return []
+        return sorted(n[: -len(wire.PUBLIC_SUFFIX)] for n in names if n.startswith("client-r") and n.endswith(wire.PUBLIC_SUFFIX)
+                      and wire.ranks_of_key_name(n[: -len(wire.PUBLIC_SUFFIX)]) is not None)
+
+    def _remember_reshard(self, ack: dict[str, Any]) -> None:
+        self.reshard_acks.pop(str(ack["reshard_id"]), None)
+        self.reshard_acks[str(ack["reshard_id"])] = ack
+        while len(self.reshard_acks) > RESHARDS_KEPT:
+            del self.reshard_acks[next(iter(self.reshard_acks))]
+
+    def _journaled_reshards(self, path: str) -> None:
+        """After a restart: the reshard ids the journal acknowledged (answered as duplicates from now on), and the
+        topology of the newest reshard, which this planner serves whatever its spec file says (a ConfigMap may be
+        mounted late; the journal is what the session ran)."""
+        from mixplane.spec import parse_spec
+
+        try:
+            records = journal_file.read_journal(path)
+        except (JournalError, OSError, ValueError):
+            return
+        last = None
+        for r in records:
+            if r.get("event") == "spec" and r.get("mode") == "reconfigure":
+                last = r
+                if isinstance(r.get("reshard_id"), str):
+                    try:
+                        sp = parse_spec(r["spec"])
+                    except Exception:  # noqa: BLE001 - a record we cannot read names no world: skip it
+                        continue
+                    self._remember_reshard({"reshard_id": r["reshard_id"], "session": int(r.get("session", 0)) + 1,
+                                            "step": int(r["effective_step"]), "generation": int(r["generation"]),
+                                            "world_size": sp.world_size, "constructors": len(constructor_groups(sp))})
+        if last is None:
+            return
+        try:
+            journaled = parse_spec({**self.spec.model_dump(mode="json"), "topology": last["spec"]["topology"]})
+        except Exception as e:  # noqa: BLE001 - keep the spec file's topology, say why
+            log.error("the journal's last reshard cannot be read (%s): serving the spec file's topology", e)
+            return
+        if journaled.topology != self.spec.topology:
+            log.warning("the journal's last reshard (step %s) changed the topology: serving it, not the spec file's",
+                        last.get("effective_step"))
+            self.core.reconfigure(journaled, max(self.core.generation, int(last["generation"])))
+            self.core.strategy = resolve_strategy(journaled)
+            self.spec = journaled
 
     def _update(self, identity: bytes, msg: wire.Message) -> None:
         """UPDATE_MIXTURE: a whole mixture (mixing.mixture_update_meta) or new weights from a step on, as the next
@@ -687,6 +785,12 @@ class PlannerServer(Component, PartitionHosting):
             # trainers' per-source loss reports: reports, through (newest step), tokens, mean (all reports) and
             # recent (the newest report of each rank) per source, None where no token was reported
             "source_loss": self.losses.status(),
+            # the topology served and the reshards acknowledged by id (newest last): reshard_id, step, generation
+            "world_size": self.spec.world_size, "topology_digest": self.topology_digest,
+            "reshards": list(self.reshard_acks.values())[-RESHARDS_KEPT:],
+            # the trainer keys this planner's key dir holds now (a projected Secret refreshed by the kubelet): the
+            # operator reshards to a new world once its trainers' keys are here
+            "trainer_keys": self.trainer_keys(),
         }
 
     # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------
