@@ -263,12 +263,20 @@ class EmbeddedRuntime:
             plan = plan.with_planner(self.planner_endpoint)
             rest = [self._spawn(c) for c in plan.components if c.role != "planner"]
             self._wait_ready(rest)
-            (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+            self._write_endpoints()
             self._export_client_env()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _write_endpoints(self) -> None:
+        """<run_dir>/endpoints.json, replaced atomically: a reader (mixplane status --run-dir, a test, a trainer
+        launcher) never sees it half written while the supervisor rewrites it after a restart."""
+        path = self.run_dir / ENDPOINTS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.endpoints(), indent=1))
+        os.replace(tmp, path)
 
     def endpoints(self) -> dict[str, Any]:
         return {"planner": self.planner_endpoint, "run_dir": str(self.run_dir),
@@ -379,7 +387,7 @@ class EmbeddedRuntime:
                 restarted.append(c.name)
                 log.warning("%s restarted (pid %d, restart %d)", c.name, fresh.proc.pid, len(fresh.restarts))
         if restarted:
-            (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+            self._write_endpoints()
         return restarted
 
     def reshard(self, topology: dict[str, Any], state: dict[str, Any] | None = None, *, attempt: str | None = None,
@@ -450,7 +458,7 @@ class EmbeddedRuntime:
         assert self.planner_endpoint is not None
         fresh = [self._spawn(c) for c in plan.with_planner(self.planner_endpoint).components if c.role == "constructor"]
         self._wait_ready(fresh)
-        (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(self.endpoints(), indent=1))
+        self._write_endpoints()
         log.warning("resharded at step %s: %d constructor(s) replaced by %d", reply.get("step"), len(old), len(fresh))
         return reply
     def supervise_in_background(self, interval_s: float = 0.2) -> threading.Thread:
