@@ -13,7 +13,9 @@ the spec as it is then) and the projected key volumes of running pods (refreshed
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import threading
 import time
 
@@ -157,7 +159,10 @@ def train(planner: str, keys, world: int, stop: int, *, state: dict | None = Non
     return got, states, times
 
 
-def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_namespace, data, tmp_path):
+@pytest.mark.parametrize("cuts", [(), ("reshard", "after-reshard")], ids=["calm", "operator-killed"])
+def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_namespace, data, tmp_path, cuts):
+    """`cuts`: the operator is SIGKILLed at these points of the change before one is left alone -- before the RESHARD
+    is sent, and after the planner acknowledged it but before the status says so: the change is applied once."""
     cluster, ns = crd, k8s_namespace
     pods = LocalPods(cluster, ns, tmp_path / "pods")
     (tmp_path / "pods").mkdir()
@@ -165,7 +170,10 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
     endpoint = f"tcp://127.0.0.1:{pods.planner_port}"
     env = {"MIXPLANE_OPERATOR_PLANNER": endpoint, "MIXPLANE_SCALE_INTERVAL_S": "1", "MIXPLANE_RECONCILE_INTERVAL_S": "0.5"}
     kubelet = None
-    with operator(cluster, ns, **env) as op:
+    kills: list[str] = []
+    stack = contextlib.ExitStack()
+    with stack:
+        op = stack.enter_context(operator(cluster, ns, **env))
         try:
             apply(cluster, topology_mixture(ns, data, 2))
             kids = applied(cluster, ns)
@@ -185,6 +193,15 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
             cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge",
                             "-p", json.dumps({"spec": {"topology": {"modules": {"backbone": {"dp": 1}}}}}))
             t_patch = time.monotonic()
+            if cuts:
+                stack.close()  # the calm operator goes; each of these is killed at its cut
+                for at in cuts:
+                    with operator(cluster, ns, **env, MIXPLANE_OPERATOR_KILL_AT=at) as cut:
+                        wait_for(f"the cut at {at}", lambda cut=cut: cut.poll() is not None, 60)
+                        assert cut.returncode == -signal.SIGKILL, cut.log_text()[-3000:]
+                        assert "fault point: SIGKILL before mutating call" in cut.log_text() and f"({at}" in cut.log_text()
+                        kills.append(at)
+                op = stack.enter_context(operator(cluster, ns, **env))
             st = wait_for("the reshard's acknowledgment", lambda: (lambda s: s if (s.get("topology") or {}).get("state")
                                                                   == "Acknowledged" and s["topology"].get("worldSize") == 1
                                                                   else None)(status_of(cluster, ns)), 60, every=0.05)
@@ -212,7 +229,7 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
             pods.stop()
 
     stall = min(new_times[0]) - t_stop
-    print(f"topology change dp 2 -> 1: longest trainer stall {stall:.2f} s (old world's last batch -> new world's "
+    print(f"{'operator killed at ' + ', '.join(cuts) + ': ' if cuts else ''}topology change dp 2 -> 1: longest trainer stall {stall:.2f} s (old world's last batch -> new world's "
           f"first batch; patch -> status.topology Acknowledged {t_ack - t_patch:.2f} s, acknowledged -> first batch "
           f"{min(new_times[0]) - t_ack:.2f} s); reshard step {st['topology']['effectiveStep']}, the new world resumed at "
           f"step {K}; kubelet: {kubelet.events}")
@@ -222,7 +239,11 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
     assert [c["effectiveStep"] for c in final["topologyChanges"]] == [topo["effectiveStep"]]
     assert {c["type"]: c["status"] for c in final["conditions"]}["TopologyApplied"] == "True"
     assert "was" not in topo and "initial" not in topo
-    assert f"world of 1 ranks from step {topo['effectiveStep']}" in oplog
+    if not cuts:
+        assert f"world of 1 ranks from step {topo['effectiveStep']}" in oplog
+    else:  # sent once before the kill after the acknowledgment; the operator left alone observed it in STATUS
+        assert kills == list(cuts) and "world of 1 ranks from step" not in oplog  # observed in STATUS: not sent again
+    assert planner_log.count("resharded at step") == 1  # the planner applied it once
     # the constructors were resized and replaced; the planner never restarted (same process, same pod template)
     assert sts["spec"]["replicas"] == 1
     assert "deleted demo-constructor-1" in kubelet.events and "replaced demo-constructor-0" in kubelet.events
