@@ -211,6 +211,10 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
                 get(cluster, "secret", "demo-keys", "-n", ns)["data"]), 30)
             assert "client-r0-0.key_secret" in secret and "client-r0-0.key" in get(
                 cluster, "secret", "demo-trainer-keys", "-n", ns)["data"]
+            # and the old world's key goes from both Secrets once the change is acknowledged
+            wait_for("the old world's key to go", lambda: not [
+                n for sec in ("demo-keys", "demo-trainer-keys")
+                for n in get(cluster, "secret", sec, "-n", ns)["data"] if n.startswith("client-r0-1.")], 30)
             new, _, new_times = train(endpoint, trainer_keys(cluster, ns, tmp_path / "keys-new"), 1, STEPS, state=states[0])
             assert kubelet.error is None, kubelet.error
             final = status_of(cluster, ns)

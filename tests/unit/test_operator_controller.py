@@ -310,6 +310,12 @@ def test_a_topology_patch_is_one_reshard_and_the_new_world_is_rendered_only_once
         if kind == "Deployment" and o["metadata"]["labels"].get("mixplane.io/role") == "loader":
             assert tmpl(after, (kind, name)) == o["spec"]["template"], name
     assert set(after[("Secret", "demo-trainer-keys")]["stringData"]) == {"client-r0-0.key"}
+    # what server-side apply of stringData leaves in the Secrets is removed by name: the old world's pod keys only
+    from mixplane.operator.topology import stale_trainer_keys
+
+    data = {"server.key": "x", "client.key": "x", "client-r0-1.key": "x", "client-r0-1.key_secret": "x", "client-r0-0.key": "x"}
+    assert stale_trainer_keys(data, ("client-r0-0",)) == ["client-r0-1.key", "client-r0-1.key_secret"]
+    assert stale_trainer_keys(data, ("client-r0-0", "client-r0-1")) == [] and stale_trainer_keys(None, ()) == []
     assert done.status["phase"] != "Updating"
     # recorded once: a later pass adds nothing and sends nothing
     kept = {**pending["status"], **done.intent, **done.status}

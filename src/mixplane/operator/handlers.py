@@ -183,6 +183,14 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
     # 2. children
     for obj in acts.apply:
         k.apply(obj)
+    if acts.topology is not None and not acts.topology.pending and not acts.topology.state.get("initial"):
+        # after a topology change, the old world's trainer keys go (idempotent: nothing stale, nothing patched)
+        for secret in (opts.secret_name, opts.trainer_keys_name):
+            have = k.get("v1", "Secret", namespace, secret)
+            stale = topo_state.stale_trainer_keys((have or {}).get("data"), worlds)
+            if stale:
+                k.patch("v1", "Secret", namespace, secret, {"data": {x: None for x in stale}})
+                logger.info(f"topology: removed the keys of trainer pods the world no longer has from {secret}: {', '.join(stale)}")
     # 3. handoffs
     for part, to in acts.handoffs:
         try:

@@ -132,6 +132,20 @@ class Kube:
         except DynamicApiError as e:
             raise self._wrap(e, what) from None
 
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch of an object (None values remove fields): what server-side apply cannot take away,
+        e.g. keys of a Secret rendered as stringData."""
+        from kubernetes.dynamic.exceptions import DynamicApiError
+
+        what = f"patch {kind} {namespace}/{name}"
+        self.fault.hit(what)
+        try:
+            out = self._res(api_version, kind).patch(body=dict(body), name=name, namespace=namespace,
+                                                     content_type="application/merge-patch+json")
+        except DynamicApiError as e:
+            raise self._wrap(e, what) from None
+        return dict(out.to_dict())
+
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         """A JSON merge patch of the status subresource (None values remove fields)."""
         from kubernetes.dynamic.exceptions import DynamicApiError
