@@ -7,6 +7,7 @@ spec's temperature, lr_scale and anneal (a source annealed to 0 gets nothing). R
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -157,8 +158,13 @@ def test_whole_mixture_update_is_acked_once_survives_a_planner_sigkill_and_is_ex
     updates = [r for r in records if r["event"] == "update"]
     assert updates and all(u["update_id"] == UPDATE_ID and u["generation"] == 1 and u["effective_step"] == eff
                            and u["mixture"] == new.mixture.model_dump(mode="json") for u in updates)
-    if journal_every == 100:  # re-planned from the open record: the update applied again and journaled again
-        assert "re-planning steps 0.." in log and len(updates) == 2, [ln for ln in log.splitlines() if "re-planning" in ln]
+    if journal_every == 100:
+        # the restarted planner re-plans from the first step a constructor may miss (its cursor) or, without one, from
+        # the journal's open record; re-planning from before the effective step applies the journaled update again
+        # (and journals it again); from after it, the restored cursor's schedule already holds the update
+        replanned = re.search(r"re-planning steps (\d+)\.\.", log)
+        assert replanned or "nothing to re-plan" in log, [ln for ln in log.splitlines() if "re-plan" in ln]
+        assert len(updates) == (2 if replanned and int(replanned.group(1)) <= eff else 1), (replanned, len(updates))
 
     # what was delivered: the old mixture before the effective step, the new spec's schedule from it on
     sched = MixtureSchedule(new)
