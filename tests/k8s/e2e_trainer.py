@@ -1,6 +1,7 @@
 """The end-to-end tests' trainer (mounted from a ConfigMap into the mixplane-trainer image): what a user's training
 script does with mixplane -- `MixtureLoader()` with the environment the pod webhook injected (MIXPLANE_PLANNER, the
-pod's rank-bound CURVE key) -- for STEPS steps, printing one JSON line per step with a digest of the batch.
+pod's rank-bound CURVE key) -- for STEPS steps, printing one JSON line per step with a digest of the batch, and reporting a stand-in loss per
+source (`MixtureLoader.report_loss`, what the dashboard's loss panel shows).
 Also imported by the tests for the same digest of the embedded reference run."""
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def digest(batch: Any) -> str:
 
 
 def main() -> int:
-    from mixplane.client import MixtureLoader
+    import torch
+
+    from mixplane.client import MixtureLoader, source_loss
 
     import time
 
@@ -38,6 +41,10 @@ def main() -> int:
     n = 0
     for batch in loader:
         print(json.dumps({"step": int(batch["step"]), "rank": rank, "digest": digest(batch), "t": time.time()}), flush=True)
+        if "source_ids" in batch:  # a stand-in token loss (no model here), reported per source as a trainer does
+            token_loss = (batch["source_ids"].to(torch.float64) + 1.0) * 0.5
+            loader.report_loss(int(batch["step"]), *source_loss(token_loss, batch["source_ids"], len(loader.sources),
+                                                                batch.get("labels")))
         n += 1
         time.sleep(step_s)
         if n >= steps:
