@@ -415,8 +415,10 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
     return {
         "phase": phase, "observedGeneration": gen, "plannerEndpoint": opts.planner_endpoint, "step": step,
         "sourceCount": len(d.spec.sources), "loaderPods": sum(1 for x in pods.pods if not x.idle and x.name not in slot_of),
+        # a slot without loaders has no `partitions` (an empty string reaches the API server as null through the
+        # client's merge patch, which the CRD's schema refuses)
         **({"sidecars": [{"slot": k, "pods": [p.name for p in ps],
-                          "partitions": ",".join(f"{s}:{r}" for p in ps for s, r in p.members),
+                          **({"partitions": parts} if (parts := ",".join(f"{s}:{r}" for p in ps for s, r in p.members)) else {}),
                           "cpu": round(sum(p.cpu for p in ps), 3)} for k, ps in enumerate(d.sidecars.slots)]}
            if d.sidecars is not None else {}),
         "conditions": [condition("Ready", ready, "ComponentsReady" if ready else "ComponentsNotReady",
