@@ -240,7 +240,8 @@ def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, s
 @pytest.mark.parametrize("placement", ["remote", pytest.param("sidecar", marks=pytest.mark.xfail(
     strict=True, reason="sidecar placement on the real node: the mixture rolls out now (the status patch refused for an "
                         "empty sidecars.partitions is fixed), but the trainer pod is admitted with its train container "
-                        "only: the pod webhook injects no loader containers into it (not yet diagnosed)"))])
+                        "only and fails: the pod webhook injects no loader containers into it (not diagnosed; a larger "
+                        "sidecar budget, 1 core / 2 GiB, did not change it, so the resolver may refuse the pod)"))])
 def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespace: str, bucket, tmp_path, placement):
     c, ns = k8s_node, k8s_node_namespace
     endpoint, creds = bucket
