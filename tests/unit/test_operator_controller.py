@@ -311,7 +311,7 @@ def test_a_topology_patch_is_one_reshard_and_the_new_world_is_rendered_only_once
             assert tmpl(after, (kind, name)) == o["spec"]["template"], name
     assert set(after[("Secret", "demo-trainer-keys")]["stringData"]) == {"client-r0-0.key"}
     # what server-side apply of stringData leaves in the Secrets is removed by name: the old world's pod keys only
-    from mixplane.operator.topology import stale_trainer_keys
+    from mixplane.operator.keys import stale_trainer_keys
 
     data = {"server.key": "x", "client.key": "x", "client-r0-1.key": "x", "client-r0-1.key_secret": "x", "client-r0-0.key": "x"}
     assert stale_trainer_keys(data, ("client-r0-0",)) == ["client-r0-1.key", "client-r0-1.key_secret"]

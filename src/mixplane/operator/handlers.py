@@ -34,7 +34,7 @@ import kopf
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
 from mixplane.operator import topology as topo_state
 from mixplane.operator.controller import Observed, decide, status_patch, with_topology, with_update
-from mixplane.operator.keys import admin_key_dir, keys_for
+from mixplane.operator.keys import admin_key_dir, keys_for, stale_trainer_keys
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
 from mixplane.operator.reconcile import ReconcileError, condition, spec_of
@@ -187,7 +187,7 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
         # after a topology change, the old world's trainer keys go (idempotent: nothing stale, nothing patched)
         for secret in (opts.secret_name, opts.trainer_keys_name):
             have = k.get("v1", "Secret", namespace, secret)
-            stale = topo_state.stale_trainer_keys((have or {}).get("data"), worlds)
+            stale = stale_trainer_keys((have or {}).get("data"), worlds)
             if stale:
                 k.patch("v1", "Secret", namespace, secret, {"data": {x: None for x in stale}})
                 logger.info(f"topology: removed the keys of trainer pods the world no longer has from {secret}: {', '.join(stale)}")

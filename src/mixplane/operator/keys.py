@@ -86,3 +86,17 @@ def keys_for(secret: Mapping[str, Any] | None, pod_keys: tuple[str, ...] | None 
     """The Secret's key pairs (new ones for a new mixture); with `pod_keys`, completed with the trainer pods' keys."""
     keys = existing_keys(secret) or new_keys()
     return keys if pod_keys is None else with_pod_keys(keys, pod_keys)
+
+
+def stale_trainer_keys(secret_data: Mapping[str, Any] | None, wanted: tuple[str, ...]) -> list[str]:
+    """Entries of a key Secret's data for trainer pods the world served no longer has (`client-r<A>-<B>.key` and
+    `.key_secret`), to remove once a topology change is acknowledged (server-side apply of stringData leaves them)."""
+    from mixplane.wire import ranks_of_key_name
+
+    keep = set(wanted)
+    out = []
+    for item in secret_data or {}:
+        name = str(item).split(".", 1)[0]
+        if ranks_of_key_name(name) is not None and name not in keep:
+            out.append(str(item))
+    return sorted(out)

@@ -186,17 +186,3 @@ def condition_of(state: Mapping[str, Any]) -> tuple[bool, str, str]:
                                       f"(generation {state.get('generation')})")
     reason = "ReshardRefused" if s == "Refused" else "ReshardPending"
     return False, reason, f"generation {state.get('generation')}: {state.get('reason', '')} (attempt {state.get('attempts', 0)})"
-
-
-def stale_trainer_keys(secret_data: Mapping[str, Any] | None, wanted: tuple[str, ...]) -> list[str]:
-    """Entries of a key Secret's data for trainer pods the world served no longer has (`client-r<A>-<B>.key` and
-    `.key_secret`), to remove once a topology change is acknowledged (server-side apply of stringData leaves them)."""
-    from mixplane.wire import ranks_of_key_name
-
-    keep = set(wanted)
-    out = []
-    for item in secret_data or {}:
-        name = str(item).split(".", 1)[0]
-        if ranks_of_key_name(name) is not None and name not in keep:
-            out.append(str(item))
-    return sorted(out)
