@@ -15,8 +15,8 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+import transformers  # noqa: E402,F401 - installed by make test (extra hf): a missing install fails
+import accelerate  # noqa: E402,F401
 
 from mixplane.runtime import EmbeddedRuntime  # noqa: E402
 from tests.integration.frameworks.common import DIE_AT, SAVE_AT, STEPS, lr_scale_at, records, rows_by_step, spec, torchrun  # noqa: E402

@@ -17,8 +17,8 @@ import shutil
 import numpy as np
 import pytest
 
-pytest.importorskip("lightning")
-torch = pytest.importorskip("torch")
+import lightning  # noqa: E402,F401 - installed by make test (extra lightning): a missing install fails
+import torch  # noqa: E402
 
 from mixplane.runtime import EmbeddedRuntime  # noqa: E402
 from tests.integration.frameworks.common import DIE_AT, SAVE_AT, STEPS, lr_scale_at, records, rows_by_step, spec, torchrun  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401 - installed by make test (extra megatron): a missing install fails, it is not skipped
 
 from mixplane.runtime import EmbeddedRuntime  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("torchtitan")
+import torchtitan  # noqa: E402,F401 - installed by make test: a missing install fails, it is not skipped
 
 from mixplane.runtime import EmbeddedRuntime  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
