@@ -16,7 +16,7 @@ from mixplane.runtime import Child, EmbeddedRuntime
 from mixplane.spec import parse_spec
 from tests.conftest import token_mixture
 
-STEPS = 30
+STEPS = 80  # more than KILL_AFTER + max_lead_steps (32): the look-ahead cannot hold every step before the kill
 KILL_AFTER = 8  # steps every rank received before the loader is stopped, then killed
 RANKS = 2
 KEYS = ("input_ids", "labels", "source_ids", "segment_source", "segment_key", "segment_start")

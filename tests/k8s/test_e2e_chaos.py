@@ -1,8 +1,8 @@
 """Chaos on the real node during a trainer run (issue 21 item 5, the part done so far): while two trainer pods train,
 a loader pod is deleted (`kubectl delete pod`) and a constructor's container is killed (`docker kill`: the kubelet
 restarts it in the same pod); in a second run the planner pod is deleted (its journal on the PVC; the Deployment
-starts a new one) -- that one fails today (xfail, see its reason). The trainers' per-step digests are then compared with an embedded run of the same spec: lost, duplicated and
-mismatched samples 0 (every (step, rank) once, each digest equal); the longest stall after each kill is reported by
+starts a new one, which recovers from the journal). The trainers' per-step digests are then compared with an embedded
+run of the same spec: lost, duplicated and mismatched samples 0 (every (step, rank) once, each digest equal); the longest stall after each kill is reported by
 role. Setup as in test_e2e.py (chart, S3 on the bridge, hostPath journal, CPU requests shrunk)."""
 
 from __future__ import annotations
@@ -36,12 +36,7 @@ def _pod(c: Cluster, ns: str, selector: str) -> str:
     return items[0]["metadata"]["name"]
 
 
-@pytest.mark.parametrize("roles", [("loader", "constructor"), pytest.param(("planner",), marks=pytest.mark.xfail(
-    strict=False, reason="possibly fixed by the recovery session (a restarted constructor now holds requests that "
-                         "arrive before its WELCOME instead of refusing them): not re-run on the node yet; was: "
-                        "recovery: after the planner pod is deleted and its Deployment's new pod recovers from the journal "
-                        "on the PVC, the constructors serve no rank ('constructor:0 does not serve rank 0 (serves [])') and "
-                        "the trainers fail with DeliveryError"))], ids=["loader+constructor", "planner"])
+@pytest.mark.parametrize("roles", [("loader", "constructor"), ("planner",)], ids=["loader+constructor", "planner"])
 def test_kills_during_training_lose_nothing(k8s_node: Cluster, k8s_node_namespace: str, bucket, tmp_path, roles):  # noqa: F811
     c, ns = k8s_node, k8s_node_namespace
     endpoint, creds = bucket
