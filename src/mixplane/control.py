@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from mixplane import wire
+from mixplane.protocol import acknowledgment
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
 
@@ -169,10 +170,7 @@ def update_acknowledged(status: dict[str, Any], update_id: str) -> dict[str, Any
     """The planner's acknowledgment of `update_id` in its STATUS reply (``{"update_id", "generation",
     "effective_step"}``), or None when it is not among the updates listed (the last 32): the level-triggered
     check of a sender that may have died between sending an update and reading its ACK."""
-    for u in status.get("updates") or ():
-        if isinstance(u, dict) and u.get("update_id") == update_id:
-            return dict(u)
-    return None
+    return acknowledgment(status, "updates", "update_id", update_id)
 
 
 def resume(endpoint: str, cursor: dict[str, Any], timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:

@@ -439,3 +439,13 @@ def parse_loss_report(meta: Mapping[str, Any], n_sources: int) -> LossReport:
         out_l.append(float(lv))
         out_t.append(tv)
     return LossReport(vals["rank"], vals["from_step"], vals["step"], tuple(out_l), tuple(out_t))
+
+
+def acknowledgment(status: Mapping[str, Any], field: str, id_field: str, request_id: str) -> dict[str, Any] | None:
+    """The planner's record of request `request_id` in its STATUS reply's list `field` (``updates``: live mixture
+    updates by ``update_id``, ``reshards``: topology changes by ``reshard_id``), or None when it is not listed: the
+    level-triggered check of a sender that may have died between sending a request and reading its ACK."""
+    for r in status.get(field) or ():
+        if isinstance(r, Mapping) and r.get(id_field) == request_id:
+            return dict(r)
+    return None

@@ -46,8 +46,9 @@ from mixplane.operator.reconcile import (
 )
 from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
 from mixplane.operator import topology as topo_state
-from mixplane.operator.topology import TopologyPlan, plan_topology, served_body
-from mixplane.operator.updates import UpdatePlan, condition_of, history, plan_update
+from mixplane.operator.requests import RequestPlan
+from mixplane.operator.topology import plan_topology, served_body
+from mixplane.operator.updates import condition_of, history, plan_update
 
 RESYNC_S = 300.0  # children are re-applied at least this often (someone may have deleted or edited one)
 DECISIONS = 20
@@ -76,11 +77,11 @@ class Actions:
     children_hash: str
     handoffs: list[tuple[str, str]]
     delete: list[str]
-    update: UpdatePlan
+    update: RequestPlan
     status: dict[str, Any]
     decisions: list[Decision] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
-    topology: TopologyPlan | None = None
+    topology: RequestPlan | None = None
 
 
 def desired_hosts(d: Desired) -> dict[str, str]:
@@ -233,7 +234,7 @@ def decide(obs: Observed) -> Actions:
     return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining, topo)
 
 
-def final_status(obs: Observed, d: Desired, upd: UpdatePlan, spec: Any, *, applied_hash: str, applied_at: float,
+def final_status(obs: Observed, d: Desired, upd: RequestPlan, spec: Any, *, applied_hash: str, applied_at: float,
                  draining: Sequence[str]) -> dict[str, Any]:
     """Phase, conditions, per source figures and the children applied (written after acting)."""
     body = obs.body

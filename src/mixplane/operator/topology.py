@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from mixplane.operator.updates import backoff_s
-
-HISTORY = 20
+from mixplane.operator import requests
+from mixplane.operator.requests import RequestPlan
 
 
 def digest_of(spec: Any) -> str:
@@ -49,19 +47,6 @@ def reshard_id(body: Mapping[str, Any]) -> str:
     return f"{md.get('uid', '')}/topology-{int(md.get('generation') or 0)}"
 
 
-@dataclass(frozen=True)
-class TopologyPlan:
-    """What to keep in status.topology, whether to send RESHARD now, and whether it was observed acknowledged now."""
-
-    state: dict[str, Any]
-    send: bool
-    acknowledged_now: bool = False
-
-    @property
-    def pending(self) -> bool:
-        return self.state.get("state") != "Acknowledged"
-
-
 def topology_of(spec: Any) -> dict[str, Any]:
     return dict(spec.topology.model_dump(mode="json"))
 
@@ -72,14 +57,11 @@ def reshard_meta(spec: Any, state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def acknowledged_by_planner(planner_status: Mapping[str, Any] | None, rid: str) -> dict[str, Any] | None:
-    for r in (planner_status or {}).get("reshards") or []:
-        if isinstance(r, Mapping) and r.get("reshard_id") == rid:
-            return dict(r)
-    return None
+    return requests.listed(planner_status, "reshards", "reshard_id", rid)
 
 
 def plan_topology(body: Mapping[str, Any], spec: Any, planner_status: Mapping[str, Any] | None, now: float,
-                  trainer_keys: tuple[str, ...] = ()) -> TopologyPlan:
+                  trainer_keys: tuple[str, ...] = ()) -> RequestPlan:
     """The topology state for the object as it is now, and whether to send RESHARD in this pass.
 
     A mixture without a recorded state (just created, or written by an operator that kept none) is taken as served
@@ -92,25 +74,21 @@ def plan_topology(body: Mapping[str, Any], spec: Any, planner_status: Mapping[st
     if not prev:
         if serving is None or serving == digest:
             # (no empty text nor null in the status: a merge patch turns "" into null, which the schema refuses)
-            return TopologyPlan({"generation": gen, "digest": digest, "served": topology_of(spec),
+            return RequestPlan({"generation": gen, "digest": digest, "served": topology_of(spec),
                                  "state": "Acknowledged", "effectiveStep": 0, "worldSize": int(spec.world_size),
                                  "attempts": 0, "reason": "the topology the planner started with", "initial": True}, False)
         prev = {"digest": "", "served": None}  # served: unknown; rendered with the spec's own (see served_topology)
     if prev.get("digest") != digest:
         served = prev.get("served") if prev.get("state") == "Acknowledged" else prev.get("was", prev.get("served"))
-        prev = {"generation": gen, "digest": digest, "served": topology_of(spec), **({"was": served} if served else {}),
-                "reshardId": reshard_id(body), "state": "Pending", "worldSize": int(spec.world_size), "attempts": 0,
-                "retryAt": now, "reason": "new topology"}
-    if prev.get("state") == "Acknowledged":
-        return TopologyPlan(prev, False)
-    seen = acknowledged_by_planner(planner_status, str(prev.get("reshardId")))
-    if seen is not None:
-        return TopologyPlan(acknowledged(prev, seen), False, acknowledged_now=True)
+        prev = requests.pending({"generation": gen, "digest": digest, "served": topology_of(spec),
+                                 **({"was": served} if served else {}), "reshardId": reshard_id(body),
+                                 "worldSize": int(spec.world_size)}, now, "new topology")
     missing = keys_missing(planner_status, trainer_keys)
-    if missing:  # the new world's trainers would be refused: wait until the kubelet refreshed the planner's key dir
-        return TopologyPlan({**prev, "reason": f"waiting for the planner's key dir to hold the new world's trainer keys "
-                                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"}, False)
-    return TopologyPlan(prev, now >= float(prev.get("retryAt") or 0.0))
+    # the new world's trainers would be refused: wait until the kubelet refreshed the planner's key dir
+    hold = (f"waiting for the planner's key dir to hold the new world's trainer keys ({', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''})") if missing else None
+    return requests.advance(prev, acknowledged_by_planner(planner_status, str(prev.get("reshardId"))), now,
+                            acknowledged, hold=hold)
 
 
 def keys_missing(planner_status: Mapping[str, Any] | None, trainer_keys: tuple[str, ...]) -> list[str]:
@@ -124,24 +102,15 @@ def keys_missing(planner_status: Mapping[str, Any] | None, trainer_keys: tuple[s
 
 
 def acknowledged(state: Mapping[str, Any], ack: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in state.items() if k not in ("retryAt", "was")}
-    out.update(state="Acknowledged", effectiveStep=int(ack.get("step", 0)), reason="acknowledged by the planner")
-    if ack.get("world_size") is not None:
-        out["worldSize"] = int(ack["world_size"])
-    if ack.get("generation") is not None:
-        out["plannerGeneration"] = int(ack["generation"])
-    return out
+    extra = {k: int(ack[a]) for k, a in (("worldSize", "world_size"), ("plannerGeneration", "generation"))
+             if ack.get(a) is not None}
+    return requests.acknowledged(state, int(ack.get("step", 0)), extra, drop=("was",))
 
 
 def after_send(state: Mapping[str, Any], *, ack: Mapping[str, Any] | None = None, error: str | None = None,
                refused: bool = False, now: float = 0.0) -> dict[str, Any]:
     """The state after one RESHARD: acknowledged, or (error) retried with backoff."""
-    if ack is not None:
-        return acknowledged(state, ack)
-    attempts = int(state.get("attempts") or 0) + 1
-    return {**state, "state": "Refused" if refused else "Pending", "attempts": attempts,
-            "retryAt": round(now + backoff_s(attempts), 3),
-            "reason": (f"refused by the planner: {error}" if refused else f"planner not reachable: {error}")[:900]}
+    return requests.after_send(state, acknowledged, ack=ack, error=error, refused=refused, now=now)
 
 
 def status_value(body: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
@@ -172,17 +141,13 @@ def served_body(body: Mapping[str, Any], state: Mapping[str, Any]) -> Mapping[st
 
 def history(prev: list[Mapping[str, Any]], state: Mapping[str, Any]) -> list[dict[str, Any]]:
     """status.topologyChanges with the acknowledged change `state` added once (keyed by generation)."""
-    entry = {"generation": int(state["generation"]), "effectiveStep": int(state.get("effectiveStep") or 0),
-             "worldSize": int(state.get("worldSize") or 0), "reshardId": str(state.get("reshardId") or "-")}
-    kept = [dict(u) for u in prev if int(u.get("generation", -1)) != entry["generation"]]
-    return (kept + [entry])[-HISTORY:]
+    return requests.recorded(prev, {"generation": int(state["generation"]),
+                                    "effectiveStep": int(state.get("effectiveStep") or 0),
+                                    "worldSize": int(state.get("worldSize") or 0),
+                                    "reshardId": str(state.get("reshardId") or "-")})
 
 
 def condition_of(state: Mapping[str, Any]) -> tuple[bool, str, str]:
     """(ok, reason, message) of the TopologyApplied condition."""
-    s = state.get("state")
-    if s == "Acknowledged":
-        return True, "Acknowledged", (f"world of {state.get('worldSize')} ranks served from step {state.get('effectiveStep', 0)} "
-                                      f"(generation {state.get('generation')})")
-    reason = "ReshardRefused" if s == "Refused" else "ReshardPending"
-    return False, reason, f"generation {state.get('generation')}: {state.get('reason', '')} (attempt {state.get('attempts', 0)})"
+    return requests.condition(state, f"world of {state.get('worldSize')} ranks served from step "
+                                     f"{state.get('effectiveStep', 0)} (generation {state.get('generation')})", "Reshard")

@@ -23,11 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
-HISTORY = 20
+from mixplane.operator import requests
+from mixplane.operator.requests import RequestPlan
 
 
 def mixture_digest(spec: Any) -> str:
@@ -41,28 +40,12 @@ def update_id(body: Mapping[str, Any]) -> str:
     return f"{md.get('uid', '')}/{int(md.get('generation') or 0)}"
 
 
-def backoff_s(attempts: int) -> float:
-    return BACKOFF_S[min(max(attempts - 1, 0), len(BACKOFF_S) - 1)]
-
-
-@dataclass(frozen=True)
-class UpdatePlan:
-    """What to keep in status.mixtureUpdate and whether to send the update now."""
-
-    state: dict[str, Any]
-    send: bool
-    acknowledged_now: bool = False  # observed in the planner's STATUS in this pass
-
-
 def applied_by_planner(planner_status: Mapping[str, Any] | None, uid: str) -> dict[str, Any] | None:
     """The planner's record of update `uid` (STATUS `updates`), or None."""
-    for u in (planner_status or {}).get("updates") or []:
-        if isinstance(u, Mapping) and u.get("update_id") == uid:
-            return dict(u)
-    return None
+    return requests.listed(planner_status, "updates", "update_id", uid)
 
 
-def plan_update(body: Mapping[str, Any], spec: Any, planner_status: Mapping[str, Any] | None, now: float) -> UpdatePlan:
+def plan_update(body: Mapping[str, Any], spec: Any, planner_status: Mapping[str, Any] | None, now: float) -> RequestPlan:
     """The update state for the object as it is now, and whether to send UPDATE_MIXTURE in this pass.
 
     A mixture without a recorded update state (just created, or written by an operator that kept none) is taken
@@ -71,53 +54,33 @@ def plan_update(body: Mapping[str, Any], spec: Any, planner_status: Mapping[str,
     gen = int((body.get("metadata") or {}).get("generation") or 0)
     digest = mixture_digest(spec)
     if not prev:
-        return UpdatePlan({"generation": gen, "digest": digest, "updateId": update_id(body), "state": "Acknowledged",
-                           "effectiveStep": 0, "attempts": 0, "reason": "the mixture the planner started with",
-                           "initial": True}, False)
+        return RequestPlan({"generation": gen, "digest": digest, "updateId": update_id(body), "state": "Acknowledged",
+                            "effectiveStep": 0, "attempts": 0, "reason": "the mixture the planner started with",
+                            "initial": True}, False)
     if prev.get("digest") != digest:
-        prev = {"generation": gen, "digest": digest, "updateId": update_id(body), "state": "Pending", "attempts": 0,
-                "retryAt": now, "reason": "new mixture"}
-    if prev.get("state") == "Acknowledged":
-        return UpdatePlan(prev, False)
-    seen = applied_by_planner(planner_status, str(prev.get("updateId")))
-    if seen is not None:
-        return UpdatePlan(acknowledged(prev, seen), False, acknowledged_now=True)
-    due = now >= float(prev.get("retryAt") or 0.0)
-    return UpdatePlan(prev, due)
+        prev = requests.pending({"generation": gen, "digest": digest, "updateId": update_id(body)}, now, "new mixture")
+    return requests.advance(prev, applied_by_planner(planner_status, str(prev.get("updateId"))), now, acknowledged)
 
 
 def acknowledged(state: Mapping[str, Any], ack: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in state.items() if k not in ("retryAt",)}
-    out.update(state="Acknowledged", effectiveStep=int(ack.get("effective_step", 0)),
-               reason="acknowledged by the planner")
-    if ack.get("generation") is not None:
-        out["plannerGeneration"] = int(ack["generation"])
-    return out
+    extra = {} if ack.get("generation") is None else {"plannerGeneration": int(ack["generation"])}
+    return requests.acknowledged(state, int(ack.get("effective_step", 0)), extra)
 
 
 def after_send(state: Mapping[str, Any], *, ack: Mapping[str, Any] | None = None, error: str | None = None,
                refused: bool = False, now: float = 0.0) -> dict[str, Any]:
     """The state after one UPDATE_MIXTURE: acknowledged, or (error) retried with backoff."""
-    if ack is not None:
-        return acknowledged(state, ack)
-    attempts = int(state.get("attempts") or 0) + 1
-    return {**state, "state": "Refused" if refused else "Pending", "attempts": attempts,
-            "retryAt": round(now + backoff_s(attempts), 3),
-            "reason": (f"refused by the planner: {error}" if refused else f"planner not reachable: {error}")[:900]}
+    return requests.after_send(state, acknowledged, ack=ack, error=error, refused=refused, now=now)
 
 
 def history(prev: list[Mapping[str, Any]], state: Mapping[str, Any], spec: Any) -> list[dict[str, Any]]:
     """status.updates with the acknowledged update `state` added once (keyed by generation)."""
-    entry = {"generation": int(state["generation"]), "effectiveStep": int(state.get("effectiveStep") or 0),
-             "weights": {k: float(v) for k, v in spec.mixture.weights.items()}}
-    kept = [dict(u) for u in prev if int(u.get("generation", -1)) != entry["generation"]]
-    return (kept + [entry])[-HISTORY:]
+    return requests.recorded(prev, {"generation": int(state["generation"]),
+                                    "effectiveStep": int(state.get("effectiveStep") or 0),
+                                    "weights": {k: float(v) for k, v in spec.mixture.weights.items()}})
 
 
 def condition_of(state: Mapping[str, Any]) -> tuple[bool, str, str]:
     """(ok, reason, message) of the MixtureApplied condition."""
-    s = state.get("state")
-    if s == "Acknowledged":
-        return True, "Acknowledged", f"generation {state.get('generation')} in force from step {state.get('effectiveStep', 0)}"
-    reason = "UpdateRefused" if s == "Refused" else "UpdatePending"
-    return False, reason, f"generation {state.get('generation')}: {state.get('reason', '')} (attempt {state.get('attempts', 0)})"
+    return requests.condition(state, f"generation {state.get('generation')} in force from step "
+                                     f"{state.get('effectiveStep', 0)}", "Update")
