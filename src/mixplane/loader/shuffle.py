@@ -311,3 +311,57 @@ class RowPlan(EpochPlan):
 
     def skip_blocks(self, k: int) -> None:
         self.j = min(self.rows, self.j + k * self.block)
+
+
+class RangePlan(EpochPlan):
+    """Slots [lo, hi) of another epoch plan (a piece of a re-partitioned source, :mod:`mixplane.repartition`),
+    its blocks cut at both ends; reading starts at slot ``start`` (lo <= start <= hi). The slots before
+    ``start`` are replayed on integer ids only (``skip_to`` skips whole blocks where the mode can), so a
+    piece reads the same rows in the same order as the plan it is cut from."""
+
+    def __init__(self, inner: EpochPlan, lo: int, hi: int, start: int, skip_to: Callable[[EpochPlan, int], int]):
+        if not 0 <= lo <= start <= hi:
+            raise ValueError(f"range plan: need 0 <= lo {lo} <= start {start} <= hi {hi}")
+        self.inner, self.lo, self.hi = inner, int(lo), int(hi)
+        self.rows = self.hi - self.lo
+        at = skip_to(inner, start) if start > 0 else 0
+        self._pending: tuple[np.ndarray, list[int]] | None = None
+        while at < start:
+            nb = inner.next_block()
+            if nb is None:
+                break
+            ids, done = nb
+            if at + len(ids) > start:
+                self._pending = (ids[start - at :], done)
+                at = start
+                break
+            at += len(ids)
+        self._at = at  # plan slot of the next block's first row
+
+    def next_block(self):
+        if self._at >= self.hi:
+            return None
+        if self._pending is not None:
+            (ids, done), self._pending = self._pending, None
+        else:
+            nb = self.inner.next_block()
+            if nb is None:
+                return None
+            ids, done = nb
+        if self._at + len(ids) > self.hi:
+            ids = ids[: self.hi - self._at]
+        self._at += len(ids)
+        return ids, done
+
+    # read-ahead hints of the plan it is cut from
+    @property
+    def order(self):
+        return getattr(self.inner, "order", None)
+
+    @property
+    def frontier(self) -> int:
+        return int(getattr(self.inner, "frontier", 0))
+
+    def peek(self, blocks: int) -> np.ndarray:
+        peek = getattr(self.inner, "peek", None)
+        return peek(blocks) if peek is not None else np.zeros(0, np.int64)

@@ -27,11 +27,12 @@ from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.sourcereader import SourceReader
 from mixplane.loader.pagereader import IOStats, ParquetError, int64_array
 from mixplane.loader.policies import (
-    MAX_PAGE_READS, MIN_PART_ROWS, READ_BUDGET, OrderKey, Segment, policy_for,
+    MAX_PAGE_READS, MIN_PART_ROWS, READ_BUDGET, OrderKey, Segment, ShufflePolicy, policy_for,
 )
 from mixplane.loader.quarantine import QuarantineLog
-from mixplane.loader.shuffle import EpochPlan, PageParts, epoch_rng
+from mixplane.loader.shuffle import EpochPlan, PageParts, RangePlan, epoch_rng
 from mixplane.loader.unitcache import SLAB_LIVE_RATIO
+from mixplane.repartition import Layout, Piece, RepartitionError
 from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
 
@@ -117,6 +118,11 @@ class SourceStream:
         self._text_cap = int(source.max_doc_bytes) + 4  # > max_doc_bytes once cut back to a character boundary
         self._layout = PageParts(np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._base_epoch, self._base_pos = 0, 0
+        # a re-partitioned source (mixplane.repartition): pieces of older plans read before the own epochs
+        self._prefix: tuple[Piece, ...] = ()
+        self._piece = -1  # index of the piece being read; -1: an own epoch
+        self._skip_pos: np.ndarray | None = None  # positions of the piece's consumed slots
+        self._policies: dict[tuple[int, int], ShufflePolicy] = {(self.partition, self.num_partitions): self.policy}
         self.dry = False
         self._dry_since: float | None = None
         self._last_status = 0.0
@@ -227,7 +233,51 @@ class SourceStream:
             return 0
         return self.policy.epoch_rows(self.index, seg, epoch, self._parts)
 
+    def _policy_of(self, partition: int, num_partitions: int) -> ShufflePolicy:
+        key = (int(partition), int(num_partitions))
+        pol = self._policies.get(key)
+        if pol is None:
+            pol = self._policies[key] = policy_for(self.mode, OrderKey(self.seed, self.name, *key),
+                                                   page_reads=self.page_reads, row_block=self.row_block)
+        return pol
+
+    def epoch_rows(self, epoch: int, partition: int, num_partitions: int) -> int:
+        """Slots of epoch ``epoch`` of partition ``partition`` of ``num_partitions`` of this source (no data
+        read): what :func:`mixplane.repartition.repartition` needs to cut the old partitions' remainders."""
+        seg = self._segment(epoch)
+        if seg is None:
+            return 0
+        return self._policy_of(partition, num_partitions).epoch_rows(self.index, seg, epoch, self._parts)
+
+    def _set_piece(self, t: int, start: int, offset: int = 0) -> None:
+        """Read prefix piece ``t`` (its first slot at position ``start``) from its slot ``offset`` on."""
+        pc = self._prefix[t]
+        pol = self._policy_of(pc.partition, pc.num_partitions)
+        seg = self._segment(pc.epoch)
+        if seg is None:
+            raise StreamError(f"source {self.name!r}: piece {pc.to_json()} names an epoch this source does not have")
+        inner = pol.plan(self.index, seg, pc.epoch, self._parts, self.buffer_rows)
+        if pc.hi > inner.rows:
+            raise StreamError(f"source {self.name!r}: piece {pc.to_json()} ends past its plan's {inner.rows} slots "
+                              "(the files changed since the re-partition?)")
+        self._piece = t
+        self._epoch = pc.epoch
+        self._epoch_start = start
+        self._plan_obj: EpochPlan | None = RangePlan(inner, pc.lo, pc.hi, pc.lo + offset, pol.skip_to)
+        self._epoch_len = len(pc)
+        self._layout = pol.layout(self.index, inner)
+        self._plan_read_ahead()
+        self._block = np.zeros(0, np.int64)
+        self._block_done: list[int] = []
+        self._block_start = start + offset
+        self._off = 0
+        self._epoch_delivered = 0
+        self._skip_pos = (np.asarray(pc.skip, np.int64) - pc.lo + start) if pc.skip else None
+        self.cache.new_epoch()
+
     def _set_epoch(self, epoch: int, start: int) -> None:
+        self._piece = -1
+        self._skip_pos = None
         self._epoch = epoch
         self._epoch_start = start
         self._plan_obj = self._plan(epoch)
@@ -235,7 +285,7 @@ class SourceStream:
         self._layout = self.policy.layout(self.index, self._plan_obj)
         self._plan_read_ahead()
         self._block = np.zeros(0, np.int64)
-        self._block_done: list[int] = []
+        self._block_done = []
         self._block_start = start
         self._off = 0
         self._epoch_delivered = 0
@@ -296,8 +346,16 @@ class SourceStream:
     def seek(self, position: int) -> None:
         """Continue at slot ``position``, exactly as an unbroken stream would (no data is read)."""
         position = int(position)
-        if position < self._base_pos:
-            raise ValueError(f"position {position} is before this stream's start ({self._base_pos})")
+        first = self._base_pos - sum(len(p) for p in self._prefix)
+        if position < first:
+            raise ValueError(f"position {position} is before this stream's start ({first})")
+        if position < self._base_pos:  # in the prefix of a re-partitioned source
+            start = first
+            for t, pc in enumerate(self._prefix):
+                if position < start + len(pc):
+                    self._set_piece(t, start, position - start)
+                    return
+                start += len(pc)
         e, start = self._base_epoch, self._base_pos
         while True:
             n = self._epoch_rows(e)
@@ -400,7 +458,8 @@ class SourceStream:
         """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds)."""
         n = int(n)
         # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
-        self.cache.before_take(self._plan_obj, self._layout, self._block[self._off :])
+        self.cache.before_take(getattr(self._plan_obj, "inner", self._plan_obj), self._layout,
+                               self._block[self._off :])
         keys: list[np.ndarray] = []
         poss: list[np.ndarray] = []
         parts: dict[str, list[pa.Array]] = {c: [] for c in self.columns}
@@ -415,8 +474,14 @@ class SourceStream:
             self._read_ahead()
             want = min(n - got, len(self._block) - self._off)
             rows = self._block[self._off : self._off + want]
-            good, cols = self._gather(rows)
             pos = self.position + np.arange(want, dtype=np.int64)
+            keep = None if self._skip_pos is None else ~np.isin(pos, self._skip_pos)
+            if keep is None or keep.all():
+                good, cols = self._gather(rows)
+            else:  # slots consumed before a re-partition stay empty
+                kept, cols = self._gather(rows[keep])
+                good = np.zeros(want, bool)
+                good[np.flatnonzero(keep)[kept]] = True
             self._off += want
             k = int(good.sum())
             if k:
@@ -451,6 +516,13 @@ class SourceStream:
 
     def _advance_epoch(self, deadline: float | None) -> bool:
         """Move to the next epoch (segment); for a dry live source wait for new files."""
+        if self._piece >= 0:  # the next piece of the prefix, or the first own epoch after it
+            nxt_start = self._epoch_start + self._epoch_len
+            if self._piece + 1 < len(self._prefix):
+                self._set_piece(self._piece + 1, nxt_start)
+            else:
+                self._set_epoch(self._base_epoch, nxt_start)
+            return True
         if self._epoch_len and self._epoch_delivered == 0 and not self.live:
             raise StreamError(f"source {self.name!r}: every page of partition {self.partition} in epoch "
                               f"{self._epoch} is quarantined ({self.quarantine.counts()})")
@@ -480,7 +552,7 @@ class SourceStream:
     def status(self) -> dict:
         return {"source": self.name, "mode": self.mode, "partition": self.partition,
                 "num_partitions": self.num_partitions, "position": self.position, "epoch": self._epoch,
-                "files": len(self.index.files), "rows": self.index.num_rows, "pages": self.index.num_pages,
+                "prefix_pieces": len(self._prefix), "files": len(self.index.files), "rows": self.index.num_rows, "pages": self.index.num_pages,
                 "index_bytes": self.index.nbytes, "index_bytes_per_page": self.index.bytes_per_page,
                 "bytes_read": self.stats.bytes_read, "reads": self.stats.reads, "live": self.live, "dry": self.dry,
                 "dry_seconds": (time.monotonic() - self._dry_since) if self._dry_since is not None else 0.0,
@@ -501,6 +573,8 @@ class SourceStream:
               "epoch": self._epoch, "epoch_start": self._epoch_start, "base_epoch": self._base_epoch,
               "base_position": self._base_pos, "fingerprint": self.index.fingerprint(),
               "buffer_rows": self.buffer_rows, "page_reads": self.page_reads}
+        if self._prefix:
+            st["prefix"] = [p.to_json() for p in self._prefix]
         if self.live:
             st["segments"] = [list(s.paths) for s in self.segments]
         return st
@@ -520,6 +594,10 @@ class SourceStream:
             log.warning("source %r: files changed since the state was saved; the order will differ", self.name)
         same = (st["partition"], st["num_partitions"]) == (self.partition, self.num_partitions)
         if same:
+            try:
+                self._prefix = tuple(Piece.parse(p) for p in st.get("prefix", []))
+            except RepartitionError as e:
+                raise ValueError(f"stream state: {e}") from None
             self._base_epoch, self._base_pos = int(st["base_epoch"]), int(st["base_position"])
             self.seek(int(st["position"]))
             return
@@ -530,8 +608,26 @@ class SourceStream:
 
     def start_epoch(self, epoch: int, position: int = 0) -> None:
         """Make slot ``position`` the start of ``epoch`` (used when replicas change at an epoch boundary)."""
+        self._prefix = ()
         self._base_epoch, self._base_pos = int(epoch), int(position)
         self.seek(int(position))
+
+    def set_layout(self, layout: Layout) -> None:
+        """Read ``layout`` (a partition of a re-partitioned source, :mod:`mixplane.repartition`): its prefix
+        pieces from position 0, then own epochs from ``layout.epoch``; the stream is at position 0."""
+        if (layout.partition, layout.num_partitions) != (self.partition, self.num_partitions):
+            raise ValueError(f"source {self.name!r}: layout of partition {layout.partition} of "
+                             f"{layout.num_partitions} given to partition {self.partition} of {self.num_partitions}")
+        if self.live and layout.prefix:
+            raise StreamError(f"source {self.name!r}: a live source cannot be re-partitioned")
+        self._prefix = tuple(layout.prefix)
+        self._base_epoch, self._base_pos = int(layout.epoch), layout.prefix_rows
+        self.seek(0)
+
+    def layout(self) -> Layout:
+        """What this stream reads, as a :class:`mixplane.repartition.Layout` (a stream moved to another
+        epoch by ``start_epoch`` counts its positions from there; the layout is from position 0)."""
+        return Layout(self.partition, self.num_partitions, self._prefix, self._base_epoch)
 
     def listing(self) -> list[list[str]] | None:
         """A live source's file listing as positions count over it: its segments in order (None: static)."""
