@@ -216,3 +216,77 @@ def parse_cursors(v: Any, n: int, source: str) -> list[tuple[int, tuple[int, ...
         except (TypeError, ValueError):
             raise RepartitionError(f"source {source!r}: cursor {c!r} is not [low, [skip...]]") from None
     return out
+
+
+def parse_record(v: Any, old_partitions: int, names: Sequence[str]) -> dict[str, Any]:
+    """A re-partition record (the planner's, the journal's) checked and normalised:
+    {source, name, step, from, partitions, cursors: [[low, [consumed...]] per old partition]}.
+    RepartitionError naming the field."""
+    if not isinstance(v, Mapping):
+        raise RepartitionError(f"a re-partition record is a mapping, not {type(v).__name__}")
+    try:
+        si = int(v["source"])
+    except (KeyError, TypeError, ValueError):
+        raise RepartitionError("re-partition: source must be a source index") from None
+    if not 0 <= si < len(names):
+        raise RepartitionError(f"re-partition: source {si} is not a source of the mixture (it has {len(names)})")
+    name = names[si]
+    if v.get("name", name) != name:
+        raise RepartitionError(f"re-partition: source {si} is {name!r}, the record says {v.get('name')!r}")
+    try:
+        step, frm, m = int(v["step"]), int(v["from"]), int(v["partitions"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RepartitionError(f"source {name!r}: re-partition record needs integer step, from and partitions ({e})") \
+            from None
+    if step < 0:
+        raise RepartitionError(f"source {name!r}: re-partition step {step} is negative")
+    if frm != old_partitions:
+        raise RepartitionError(f"source {name!r}: the record re-partitions from {frm} partitions, the source has "
+                               f"{old_partitions}")
+    if not 1 <= m <= MAX_PARTITIONS:
+        raise RepartitionError(f"source {name!r}: partitions must be in [1, {MAX_PARTITIONS}], not {m}")
+    if m == frm:
+        raise RepartitionError(f"source {name!r}: partitions: the source already has {m} partitions")
+    cursors = parse_cursors(v.get("cursors"), frm, name)
+    if any(low < 0 for low, _ in cursors):
+        raise RepartitionError(f"source {name!r}: cursors: a low position is negative")
+    return {"source": si, "name": name, "step": step, "from": frm, "partitions": m,
+            "cursors": [[low, sorted(set(skip))] for low, skip in cursors]}
+
+
+def parse_partitioning(v: Any, replicas: Sequence[int], names: Sequence[str]) -> dict[int, list[dict[str, Any]]]:
+    """A planner cursor's ``partitioning`` ({source index: [records, oldest first]}; None: none) checked: each
+    source's chain starts at its spec replicas and each record starts where the one before left off."""
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise RepartitionError("partitioning must be a mapping of source index to records")
+    out: dict[int, list[dict[str, Any]]] = {}
+    for k, recs in v.items():
+        try:
+            si = int(k)
+        except (TypeError, ValueError):
+            raise RepartitionError(f"partitioning: {k!r} is not a source index") from None
+        if not 0 <= si < len(names):
+            raise RepartitionError(f"partitioning: no source {si}")
+        if not isinstance(recs, (list, tuple)) or not recs:
+            raise RepartitionError(f"partitioning of source {names[si]!r}: a non-empty list of records")
+        chain, n, step = [], int(replicas[si]), 0
+        for r in recs:
+            rec = parse_record(r, n, names)
+            if rec["source"] != si or rec["step"] < step:
+                raise RepartitionError(f"partitioning of source {names[si]!r}: records out of order")
+            chain.append(rec)
+            n, step = rec["partitions"], rec["step"]
+        out[si] = chain
+    return out
+
+
+def layouts_after(replicas: int, records: Sequence[Mapping[str, Any]], epoch_rows: EpochRows, *,
+                  source: str = "?") -> list[Layout]:
+    """The partitions' layouts after the records (oldest first) of a source of ``replicas`` partitions."""
+    lays = initial_layouts(int(replicas))
+    for rec in records:
+        lays = repartition(lays, parse_cursors(rec["cursors"], len(lays), source), int(rec["partitions"]), epoch_rows,
+                           source=source)
+    return lays

@@ -24,6 +24,7 @@ from mixplane.loader.window import LoaderWindow
 from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
 from mixplane.planner.journal import archived, read_journal, replan
 from mixplane.control import default_run_dir
+from mixplane.repartition import layouts_after
 from mixplane.spec import DataMixtureSpec, overlong_limit
 from mixplane.topology import backbone_coords
 
@@ -31,6 +32,8 @@ LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before g
 
 # (spec, source index, replica) -> (stream, transform) of that loader replica
 ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[SourceStream, Transform]]
+# (spec, source index, replica, the source's re-partition records) -> the same, of a re-partitioned source
+PartitionOpener = Callable[[DataMixtureSpec, int, int, list[dict[str, Any]]], tuple[SourceStream, Transform]]
 
 
 class ReplayError(RuntimeError):
@@ -41,6 +44,19 @@ def open_replica(spec: DataMixtureSpec, source_index: int, replica: int) -> tupl
     """The stream and transform a Source Loader of this replica reads with (as `loader.server` opens them)."""
     src = spec.sources[source_index]
     stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
+    return stream, make_transform(src)
+
+
+def open_partition(spec: DataMixtureSpec, source_index: int, replica: int,
+                   records: list[dict[str, Any]]) -> tuple[SourceStream, Transform]:
+    """The stream and transform of a partition of a re-partitioned source (`records`: the planner's re-partition
+    records of the source, oldest first; none: `open_replica`): its read order from `mixplane.repartition`."""
+    if not records:
+        return open_replica(spec, source_index, replica)
+    src = spec.sources[source_index]
+    m = int(records[-1]["partitions"])
+    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=m)
+    stream.set_layout(layouts_after(src.replicas, records, stream.epoch_rows, source=src.name)[replica])
     return stream, make_transform(src)
 
 
@@ -56,17 +72,23 @@ class ReplayLoaders:
     serves one mixture (the sources of the first planner it fills); `close()` closes the streams.
     """
 
-    def __init__(self, opener: ReplicaOpener = open_replica):
+    def __init__(self, opener: ReplicaOpener = open_replica, partition_opener: PartitionOpener = open_partition):
         self.opener = opener
+        self.partition_opener = partition_opener
         self.spec: DataMixtureSpec | None = None
-        self._windows: dict[tuple[int, int], tuple[ReplicaWindow, LoaderWindow]] = {}
-        self._next: dict[tuple[int, int], int] = {}  # the planner window's next position after our last announcement
+        # keyed by (source, replica, the source's partitioning): a re-partitioned source's partitions read other orders
+        self._windows: dict[tuple[int, int, str], tuple[ReplicaWindow, LoaderWindow]] = {}
+        self._next: dict[tuple[int, int, str], int] = {}  # the planner window's next position after our last announcement
+        self._current: dict[tuple[int, int], tuple[int, int, str]] = {}  # (source, replica) -> its key now
 
     def __call__(self, planner: StepPlanner) -> None:
         self.spec = planner.spec
+        self._current = {}
         for w in planner.windows:
-            key = (w.source, w.replica)
-            lw = self._window(planner.spec, w)
+            recs = getattr(planner, "partitioning", {}).get(w.source, [])  # (a reference planner has none)
+            key = (w.source, w.replica, ";".join(f"{r['step']}:{r['partitions']}" for r in recs))
+            self._current[(w.source, w.replica)] = key
+            lw = self._window(planner.spec, w, key, recs)
             if not self._consumed(w, lw):
                 lw.seek(w.cursor())
             a = lw.fill()
@@ -81,8 +103,8 @@ class ReplayLoaders:
                                   f"window ({len(lw.buffer)} samples, {lw.unconsumed_tokens} tokens) disagrees with the "
                                   f"planner's ({len(w)} samples, {w.unconsumed_tokens} tokens)")
 
-    def _window(self, spec: DataMixtureSpec, w: ReplicaWindow) -> LoaderWindow:
-        key = (w.source, w.replica)
+    def _window(self, spec: DataMixtureSpec, w: ReplicaWindow, key: tuple[int, int, str],
+                records: list[dict[str, Any]]) -> LoaderWindow:
         have = self._windows.get(key)
         if have is not None and have[0] is w:
             return have[1]
@@ -90,7 +112,8 @@ class ReplayLoaders:
             lw = have[1]
             self._next.pop(key, None)
         else:
-            stream, transform = self.opener(spec, w.source, w.replica)
+            stream, transform = (self.partition_opener(spec, w.source, w.replica, records) if records
+                                 else self.opener(spec, w.source, w.replica))
             live = bool(getattr(spec.sources[w.source], "live", False))
             lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
                               read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec))
@@ -100,7 +123,7 @@ class ReplayLoaders:
     def _consumed(self, w: ReplicaWindow, lw: LoaderWindow) -> bool:
         """Mirror the planner's consumption into the loader window (span what was delivered, retire what
         is used up); False if the two windows no longer describe the same stream prefix."""
-        if self._next.get((w.source, w.replica)) != w.next_pos or w.restored_done:
+        if self._next.get(self._current[(w.source, w.replica)]) != w.next_pos or w.restored_done:
             return False
         if w.skip and max(w.skip) >= w.next_pos:
             return False
@@ -123,7 +146,8 @@ class ReplayLoaders:
 
     def span(self, source: int, replica: int, pos: int, start: int, length: int) -> tuple[int, np.ndarray]:
         """(key, tokens[start : start + length + 1]) of a sample in a replica's window, as its loader ships it."""
-        have = self._windows.get((source, replica))
+        key = self._current.get((source, replica))
+        have = self._windows.get(key) if key is not None else None
         if have is None:
             raise KeyError(f"no loader window for source {source} replica {replica}")
         return have[1].span(pos, start, length)

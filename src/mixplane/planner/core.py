@@ -22,6 +22,7 @@ from mixplane.layout import StepLayout
 from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, apply_temperature,
                              check_update_id, slack, spec_with_mixture)
 from mixplane.protocol import WindowCursor, window_full
+from mixplane.repartition import RepartitionError, parse_partitioning, parse_record
 from mixplane.spec import DataMixtureSpec, SpecError
 from mixplane.topology import ClientPlaceTree
 
@@ -473,9 +474,13 @@ class PlannerCursor:
     sampler: dict[str, Any]
     schedule: dict[str, Any]
     windows: WindowCursors
+    partitioning: dict[str, list[dict[str, Any]]] | None = None  # re-partitioned sources: their records
 
     def build(self) -> dict[str, Any]:
-        return {"step": self.step, "sampler": self.sampler, "schedule": self.schedule, "windows": self.windows.build()}
+        out = {"step": self.step, "sampler": self.sampler, "schedule": self.schedule, "windows": self.windows.build()}
+        if self.partitioning:
+            out["partitioning"] = self.partitioning
+        return out
 
     def json(self) -> str:
         """json.dumps(self.build(), separators=(",", ":")), the same text, written without the dicts: the cursor
@@ -496,8 +501,9 @@ class PlannerCursor:
             built = w.build()
             for i in sorted(w.odd):
                 parts.insert(i, compact(built[i]))
+        tail = f',"partitioning":{compact(self.partitioning)}' if self.partitioning else ""
         return (f'{{"step":{self.step},"sampler":{compact(self.sampler)},"schedule":{compact(self.schedule)},'
-                f'"windows":[{",".join(parts)}]}}')
+                f'"windows":[{",".join(parts)}]{tail}}}')
 
 
 @dataclass
@@ -696,6 +702,8 @@ class StepPlanner:
         self.n_sources = len(spec.sources)
         self.sampler = DeficitSampler(self.n_sources)
         self.strategy = strategy or vanilla_strategy
+        # re-partitioned sources (mixplane.repartition): source index -> the records applied, oldest first
+        self.partitioning: dict[int, list[dict[str, Any]]] = {}
         self.windows: list[ReplicaWindow] = []
         for si, s in enumerate(spec.sources):
             lo, tokens, hi = spec.window_bounds(si)
@@ -709,6 +717,7 @@ class StepPlanner:
         self.dp = self.tree.backbone.dp
         self.unit_samples = spec.mixture.unit == "samples"
         self._replicated = any(s.replicas > 1 for s in spec.sources)  # candidates() must merge replicas
+        self._spec_replicas = [s.replicas for s in spec.sources]
         # runtime mixture updates: the events applied, by generation (a rewind applies the newer ones again), and
         # the acknowledged update ids (update_id -> {update_id, generation, effective_step}), oldest first
         self.update_log: dict[int, dict[str, Any]] = {}
@@ -889,6 +898,78 @@ class StepPlanner:
         self.dp = self.tree.backbone.dp
         self.generation = max(self.generation, generation)
 
+    # -- re-partitioning (mixplane.repartition) ----------------------------------------------
+    def partitions(self, source: int) -> int:
+        """The partitions (loader replicas, windows) source `source` has now."""
+        recs = self.partitioning.get(source)
+        return int(recs[-1]["partitions"]) if recs else int(self._spec_replicas[source])
+
+    def _counts(self, partitioning: dict[int, list[dict[str, Any]]]) -> list[int]:
+        return [int(partitioning[si][-1]["partitions"]) if partitioning.get(si) else int(n)
+                for si, n in enumerate(self._spec_replicas)]
+
+    def _partitioning_json(self) -> dict[str, list[dict[str, Any]]] | None:
+        return {str(si): list(recs) for si, recs in sorted(self.partitioning.items())} if self.partitioning else None
+
+    def repartition(self, source: int, partitions: int) -> dict[str, Any]:
+        """Re-partition source `source` into `partitions` from `next_step` on: the record (journaled; what the
+        loaders and replay build the new partitions' layouts from) of the old windows' cursors. Samples a window
+        holds but the steps so far did not consume are read again by the new partitions; a sample partly
+        delivered counts as read (the rest of it is not delivered). RepartitionError naming the field."""
+        names = [s.name for s in self.spec.sources]
+        if not 0 <= int(source) < self.n_sources:
+            raise RepartitionError(f"source: no source {source} (the mixture has {self.n_sources})")
+        src = self.spec.sources[source]
+        if src.live:
+            raise RepartitionError(f"source {src.name!r}: a live source is read by one partition; it cannot be "
+                                   "re-partitioned")
+        old = self.partitions(source)
+        self.store.sync(drop=False)
+        cursors = []
+        for r in range(old):
+            c = self.window(source, r).cursor()
+            consumed = {int(p) for p in c["skip"]} | {int(p) for p in c["partial"]}
+            cursors.append([int(c["low"]), sorted(p for p in consumed if p >= int(c["low"]))])
+        record = {"source": int(source), "name": src.name, "step": self.next_step, "from": old,
+                  "partitions": int(partitions), "cursors": cursors}
+        record = parse_record(record, old, names)  # range checks (partitions in [1, MAX], not the same count)
+        self.apply_repartition(record)
+        return record
+
+    def apply_repartition(self, record: dict[str, Any]) -> None:
+        """Apply a re-partition record (a journaled one in replay and recovery) at `next_step`."""
+        si = int(record["source"])
+        rec = parse_record(record, self.partitions(si) if 0 <= si < self.n_sources else 0,
+                           [s.name for s in self.spec.sources])
+        if int(rec["step"]) != self.next_step:
+            raise RepartitionError(f"source {rec['name']!r}: re-partition recorded at step {rec['step']}, the planner "
+                                   f"is at step {self.next_step}")
+        self.partitioning = {**self.partitioning, si: [*self.partitioning.get(si, []), rec]}
+        self._rebuild_windows({si})
+
+    def _rebuild_windows(self, fresh: set[int]) -> None:
+        """Windows for the partition counts now: new (empty, cursor 0) for the sources in `fresh`, the others kept
+        with what they hold."""
+        self.store.sync()
+        kept: list[ReplicaWindow] = []
+        ws: list[ReplicaWindow] = []
+        for si in range(self.n_sources):
+            lo, tokens, hi = self.spec.window_bounds(si)
+            for r in range(self.partitions(si)):
+                w = self._by_id.get((si, r))
+                if si in fresh or w is None:
+                    w = ReplicaWindow(si, r, lo, tokens, hi)
+                else:
+                    kept.append(w)
+                ws.append(w)
+        for w in kept:  # their arrays become their own (the old store's block is not written again)
+            w.pos = w.pos.copy()
+        self.windows = ws
+        self._by_id = {(w.source, w.replica): w for w in ws}
+        self.store = WindowStore(ws)
+        self._taken = None
+        self._replicated = any(n > 1 for n in self._counts(self.partitioning))
+
     # -- cursor -------------------------------------------------------------------------
     def cursor(self) -> dict[str, Any]:
         return self.cursor_later().build()
@@ -896,7 +977,8 @@ class StepPlanner:
     def cursor_later(self) -> PlannerCursor:
         """The cursor as of now, built when read (StepPlan.cursor_before)."""
         self.store.sync(drop=False)  # right after a step: no copy (the next step's gather drops the consumed)
-        return PlannerCursor(self.next_step, self.sampler.state_dict(), self.schedule.state_dict(), self.store.cursors())
+        return PlannerCursor(self.next_step, self.sampler.state_dict(), self.schedule.state_dict(), self.store.cursors(),
+                             self._partitioning_json())
 
     def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
         """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
@@ -912,10 +994,16 @@ class StepPlanner:
             raise ValueError(f"cursor is malformed ({e})") from None
         if step < 0:
             raise ValueError(f"cursor step {step} is negative")
-        if set(by_id) != {(w.source, w.replica) for w in self.windows}:
+        try:
+            partitioning = parse_partitioning(cur.get("partitioning"), self._spec_replicas,
+                                              [s.name for s in self.spec.sources])
+        except RepartitionError as e:
+            raise ValueError(f"cursor: {e}") from None
+        counts = self._counts(partitioning)
+        if set(by_id) != {(si, r) for si, n in enumerate(counts) for r in range(n)}:
             raise ValueError("cursor was made for a different set of sources / loader replicas")
-        for w in self.windows:
-            ReplicaWindow.parse_cursor(by_id[(w.source, w.replica)])
+        for key in by_id:
+            ReplicaWindow.parse_cursor(by_id[key])
         sampler = DeficitSampler(self.n_sources)
         schedule = MixtureSchedule(self.spec)
         try:
@@ -941,6 +1029,9 @@ class StepPlanner:
         self.next_step = step
         self.sampler = sampler
         self.schedule = schedule
+        if partitioning != self.partitioning:  # a cursor from before (or after) a re-partition: its windows
+            self.partitioning = partitioning
+            self._rebuild_windows(set(range(self.n_sources)))
         for w in self.windows:
             w.restore(by_id[(w.source, w.replica)])
         return kept

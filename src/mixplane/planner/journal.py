@@ -18,6 +18,9 @@ counters and the mixture schedule. So the journal does not store plans; it store
                    ``mixture`` section (with the resulting ``segments``) or new ``weights`` (with
                    ``lr_scale``, ``temperature`` and the resulting ``segment``);
 * ``spec``       — a new spec generation adopted from a step on (topology / batch changes);
+* ``repartition``— a source re-partitioned from a step on (``mixplane.repartition``): its old windows'
+                   cursors and the new number of partitions, what loaders and replay build the new
+                   partitions' read orders from;
 * ``resume``     — the planner rewound to a client's cursor (a new session);
 * ``recover``    — a restarted planner resumed its session from an earlier anchor's cursor (the journal
                    records it re-plans from there follow; see ``planner.recovery``).
@@ -159,6 +162,10 @@ class Journal:
         if reshard_id is not None:
             rec["reshard_id"] = reshard_id
         self._write(rec)
+
+    def repartition(self, record: dict[str, Any]) -> None:
+        """A re-partition (StepPlanner.repartition's record), applied before step ``record['step']``."""
+        self._write({**record, "event": "repartition", "session": self._session})
 
     def resume(self, cursor: dict[str, Any], session: int) -> None:
         self._session = session
@@ -307,6 +314,12 @@ def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
 
 # ---- replay -------------------------------------------------------------------------------------
 
+def _applied(planner: StepPlanner, rec: dict[str, Any]) -> bool:
+    """Whether the planner's cursor already holds this re-partition (an anchor taken at its step, after it)."""
+    have = planner.partitioning.get(int(rec["source"]), [])
+    return any(int(h["step"]) == int(rec["step"]) and h["cursors"] == rec["cursors"] for h in have)
+
+
 def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
            strategy: Any = None, verify: bool = True, base_dir: str | None = None) -> StepPlan:
     """Plan journaled step `step` again and return its StepPlan (layout, pieces, cursor before it).
@@ -347,6 +360,9 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
             else:
                 planner.schedule.rebase(new, int(r["effective_step"]), int(r["generation"]),
                                         planned_through=planner.next_step - 1)
+        elif ev == "repartition":
+            if planner.next_step == int(r["step"]) and not _applied(planner, r):
+                planner.apply_repartition(r)
         elif ev == "step":
             s = int(r["step"])
             journaled[s] = r
