@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -41,26 +41,41 @@ class AdaptiveConfig:
     max_weight: float = 1.0
     max_change: float = 1.0  # largest |w_new - w| of any source per update
     min_tokens: int = 1  # a source's interval loss counts only over at least this many tokens
+    delay_steps: int | None = None  # the k-th update takes effect at k·every_steps + delay_steps (None: first unplanned)
 
-    def check(self, sources: Sequence[str]) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"mixture.adaptive.{what}")
+    @classmethod
+    def of(cls, section: Mapping[str, Any]) -> "AdaptiveConfig":
+        """The configuration of a spec's `mixture.adaptive` section (its JSON; `method` is DoReMi's, the only one)."""
+        return cls(**{k: v for k, v in section.items() if k != "method"})
+
+    def problems(self, sources: Sequence[str]) -> list[tuple[str, str]]:
+        """(field under mixture.adaptive, what is wrong) for every rule the configuration breaks."""
+        out: list[tuple[str, str]] = []
         if self.every_steps < 1:
-            raise bad(f"every_steps must be >= 1, got {self.every_steps}")
+            out.append(("every_steps", f"every_steps must be >= 1, got {self.every_steps}"))
+        if self.delay_steps is not None and self.delay_steps < 0:
+            out.append(("delay_steps", f"delay_steps must be >= 0, got {self.delay_steps}"))
         if not (self.step_size > 0 and math.isfinite(self.step_size)):
-            raise bad(f"step_size must be > 0, got {self.step_size}")
+            out.append(("step_size", f"step_size must be > 0, got {self.step_size}"))
         if not 0 <= self.smoothing < 1:
-            raise bad(f"smoothing must be in [0, 1), got {self.smoothing}")
+            out.append(("smoothing", f"smoothing must be in [0, 1), got {self.smoothing}"))
         k = len(sources)
-        if not (0 <= self.min_weight <= 1 / k <= self.max_weight <= 1):
-            raise bad(f"min_weight {self.min_weight} <= 1/{k} <= max_weight {self.max_weight} <= 1 does not hold")
+        if not (0 <= self.min_weight <= 1 / max(k, 1) <= self.max_weight <= 1):
+            out.append(("min_weight", f"min_weight {self.min_weight} <= 1/{k} <= max_weight {self.max_weight} <= 1 does not hold"))
         if not 0 < self.max_change <= 1:
-            raise bad(f"max_change must be in (0, 1], got {self.max_change}")
+            out.append(("max_change", f"max_change must be in (0, 1], got {self.max_change}"))
+        if self.min_tokens < 1:
+            out.append(("min_tokens", f"min_tokens must be >= 1, got {self.min_tokens}"))
         for name, v in self.reference_loss.items():
             if name not in sources:
-                raise bad(f"reference_loss.{name}: unknown source")
-            if not (v >= 0 and math.isfinite(v)):
-                raise bad(f"reference_loss.{name} must be a finite number >= 0, got {v}")
+                out.append((f"reference_loss.{name}", f"reference_loss.{name}: unknown source"))
+            elif not (v >= 0 and math.isfinite(v)):
+                out.append((f"reference_loss.{name}", f"reference_loss.{name} must be a finite number >= 0, got {v}"))
+        return out
+
+    def check(self, sources: Sequence[str]) -> None:
+        for _, what in self.problems(sources)[:1]:
+            raise ValueError(f"mixture.adaptive.{what}")
 
 
 def interval_losses(loss_sum: Sequence[float], tokens: Sequence[int], before_sum: Sequence[float],
@@ -107,3 +122,56 @@ def doremi_step(weights: Sequence[float], losses: Sequence[float | None], refere
     move = max(abs(t - c) for t, c in zip(target, cur))
     s = 1.0 if move <= cfg.max_change else cfg.max_change / move
     return [c + s * (t - c) for t, c in zip(target, cur)]
+
+
+@dataclass(frozen=True)
+class AdaptiveState:
+    """What an adaptive mixture carries from one update to the next: `k` updates made, the weights in force (the
+    mixture's base weights, normalised, in the mixture's source order) and the loss totals at the k-th interval's
+    end. The planner journals it with each update, so a restarted planner continues from the last one."""
+
+    k: int
+    weights: tuple[float, ...]
+    loss_sum: tuple[float, ...]
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def start(cls, weights: Sequence[float]) -> "AdaptiveState":
+        total = sum(weights)
+        n = len(weights)
+        return cls(0, tuple(float(w) / total for w in weights), (0.0,) * n, (0,) * n)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"k": self.k, "weights": list(self.weights), "loss_sum": list(self.loss_sum), "tokens": list(self.tokens)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "AdaptiveState":
+        return cls(int(d["k"]), tuple(float(x) for x in d["weights"]), tuple(float(x) for x in d["loss_sum"]),
+                   tuple(int(x) for x in d["tokens"]))
+
+    def reweighted(self, weights: Sequence[float]) -> "AdaptiveState":
+        """The same intervals with other weights in force (a live update of the mixture replaced them)."""
+        total = sum(weights)
+        return AdaptiveState(self.k, tuple(float(w) / total for w in weights), self.loss_sum, self.tokens)
+
+
+def advance(state: AdaptiveState, loss_sum: Sequence[float], tokens: Sequence[int], through: int,
+            reference: Sequence[float | None], cfg: AdaptiveConfig) -> tuple[AdaptiveState, list[float | None]] | None:
+    """The next update, once the loss reports cover interval k+1 (`through`: the newest step a report covered; the
+    totals are those received so far): the new state (its weights the mixture from the update's step on) and the
+    interval's mean loss per source. None while the interval is not covered: nothing changes, nothing waits."""
+    boundary = (state.k + 1) * cfg.every_steps
+    if through < boundary - 1:
+        return None
+    losses = interval_losses(loss_sum, tokens, state.loss_sum, state.tokens, cfg.min_tokens)
+    new = doremi_step(state.weights, losses, reference, cfg)
+    return AdaptiveState(state.k + 1, tuple(new), tuple(float(x) for x in loss_sum), tuple(int(x) for x in tokens)), losses
+
+
+def effective_step(k: int, cfg: AdaptiveConfig, next_unplanned: int) -> tuple[int, bool]:
+    """Where the k-th update takes effect: k·every_steps + delay_steps, or the first step not planned when that one
+    was planned already or no delay is set (then `late` is True for a set delay)."""
+    if cfg.delay_steps is None:
+        return next_unplanned, False
+    want = k * cfg.every_steps + cfg.delay_steps
+    return (want, False) if want >= next_unplanned else (next_unplanned, True)

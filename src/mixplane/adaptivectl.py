@@ -24,11 +24,12 @@ answer, or a retryable refusal) is asked again at the next poll.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from mixplane import control
-from mixplane.adaptive import AdaptiveConfig, doremi_step, interval_losses
+from mixplane.adaptive import AdaptiveConfig, AdaptiveState, advance, effective_step
 from mixplane.mixing import mixture_update_meta
 from mixplane.spec import DataMixtureSpec
 
@@ -50,22 +51,24 @@ class AdaptiveController:
     config: AdaptiveConfig
     curve: Any = None
     timeout_s: float = 5.0
-    delay_steps: int | None = None
+    delay_steps: int | None = None  # overrides config.delay_steps when set
     updates: list[AdaptiveUpdate] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.spec.mixture.phases or self.spec.mixture.anneal is not None:
             raise ValueError("mixture.adaptive: a mixture with phases or an anneal cannot adapt its weights (the next "
                              "phase would replace them)")
+        if self.delay_steps is not None:
+            self.config = dataclasses.replace(self.config, delay_steps=self.delay_steps)
         self.names = self.spec.source_names()
         self.config.check(self.names)
         w = self.spec.mixture.weights
-        total = sum(float(w[n]) for n in self.names)
-        self.weights = [float(w[n]) / total for n in self.names]
+        self.state = AdaptiveState.start([float(w[n]) for n in self.names])
         self.reference = [self.config.reference_loss.get(n) for n in self.names]
-        self.k = 0
-        self._sum = [0.0] * len(self.names)
-        self._tokens = [0] * len(self.names)
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.state.weights)
 
     def poll(self) -> AdaptiveUpdate | None:
         """One look at the planner: the update sent, or None (the interval is not reported yet)."""
@@ -74,23 +77,21 @@ class AdaptiveController:
         except (TimeoutError, RuntimeError):
             return None  # the planner is restarting: look again at the next poll
         sl = st.get("source_loss") or {}
-        boundary = (self.k + 1) * self.config.every_steps
-        if int(sl.get("through", -1)) < boundary - 1:
+        nxt = advance(self.state, sl.get("loss_sum") or [], sl.get("tokens") or [], int(sl.get("through", -1)),
+                      self.reference, self.config)
+        if nxt is None:
             return None
-        sums = [float(x) for x in sl["loss_sum"]]
-        tokens = [int(x) for x in sl["tokens"]]
-        losses = interval_losses(sums, tokens, self._sum, self._tokens, self.config.min_tokens)
-        new = doremi_step(self.weights, losses, self.reference, self.config)
-        mixture = self.spec.mixture.model_copy(update={"weights": dict(zip(self.names, new))})
-        uid = f"adaptive-{self.k + 1}"
-        step = boundary + self.delay_steps if self.delay_steps is not None else None
+        new, losses = nxt
+        mixture = self.spec.mixture.model_copy(update={"weights": dict(zip(self.names, new.weights))})
+        uid = f"adaptive-{new.k}"
+        step, _ = effective_step(new.k, self.config, 0)  # the fixed step; the planner says when it was planned
         late = False
         try:
             try:
-                ack = control.update_mixture(self.endpoint, mixture_update_meta(mixture, uid, step), self.timeout_s,
-                                             curve=self.curve)
+                ack = control.update_mixture(self.endpoint, mixture_update_meta(
+                    mixture, uid, step if self.config.delay_steps is not None else None), self.timeout_s, curve=self.curve)
             except RuntimeError as e:
-                if step is None or "already planned" not in str(e):
+                if self.config.delay_steps is None or "already planned" not in str(e):
                     raise
                 late = True
                 ack = control.update_mixture(self.endpoint, mixture_update_meta(mixture, uid), self.timeout_s,
@@ -99,8 +100,8 @@ class AdaptiveController:
             if control.update_retryable(e):
                 return None  # restarting or recovering: the same update (same id) again at the next poll
             raise
-        self.k += 1
-        self._sum, self._tokens, self.weights = sums, tokens, new
-        up = AdaptiveUpdate(self.k, losses, new, int(ack.get("generation", -1)), int(ack.get("effective_step", -1)), late)
+        self.state = new
+        up = AdaptiveUpdate(new.k, losses, list(new.weights), int(ack.get("generation", -1)),
+                            int(ack.get("effective_step", -1)), late)
         self.updates.append(up)
         return up

@@ -127,12 +127,26 @@ class AnnealSpec(_Model):
     lr_scale: float = Field(1.0, description="Learning-rate multiplier during annealing.")
 
 
+class AdaptiveSpec(_Model):
+    method: Literal["doremi"] = Field("doremi", description="DoReMi's exponentiated-gradient update on each source's excess loss over `reference_loss` (Xie et al., 2023; where mixplane departs from it: docs/integrations.md).")
+    every_steps: int = Field(..., ge=1, le=10**9, description="One update of the weights per this many steps, from the trainers' per-source loss reports (`MixtureLoader.report_loss`).")
+    delay_steps: int | None = Field(None, ge=0, le=10**9, description="The k-th update takes effect at step k·every_steps + delay_steps, the same step in every run (it must exceed how far the planner plans ahead: `runtime.max_lead_steps` plus the clients' look-ahead; an update whose step was planned already takes the first step not planned). Unset: the first step not planned when the reports cover the interval.")
+    reference_loss: dict[str, float] = Field(default_factory=dict, description="Reference loss per source; a source's excess loss is its interval's mean token loss minus this (sources not named: no excess).")
+    step_size: float = Field(1.0, description="η of the exponentiated-gradient step (> 0).")
+    smoothing: float = Field(1e-3, description="Mix with the uniform distribution after each step, in [0, 1).")
+    min_weight: float = Field(0.0, description="No source's weight goes below this.")
+    max_weight: float = Field(1.0, description="No source's weight goes above this.")
+    max_change: float = Field(1.0, description="Largest change of any source's weight per update, in (0, 1].")
+    min_tokens: int = Field(1, ge=1, description="A source's interval loss counts only over at least this many reported tokens.")
+
+
 class MixtureSpec(_Model):
     weights: dict[str, float] = Field(default_factory=dict, description="Base weights by source name; empty means equal weights.")
     temperature: float = Field(1.0, description="p_i ∝ w_i^(1/T); T > 1 flattens the mixture (KempnerForge semantics).")
     unit: Literal["tokens", "samples"] = Field("tokens", description="Whether weights are fractions of tokens or of samples.")
     phases: list[PhaseSpec] = Field(default_factory=list, max_length=MAX_PHASES, description="Step-triggered weight changes (curriculum). A live update of the whole mixture section (a `kubectl patch` of spec.mixture, `mixplane update --mixture`) replaces the phases from its effective step on with the new section's; a weights-only update (`mixplane update --weight`) lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
     anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
+    adaptive: AdaptiveSpec | None = Field(None, description="Weights that follow the trainers' per-source losses: the planner turns the reported losses into new weights every `every_steps` steps, each update a new generation in the journal (resume, recovery and replay stay exact). Exclusive with `phases` and `anneal`.")
     seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
 
 
@@ -568,6 +582,15 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
         merged = {**base, **{k: v for k, v in m.anneal.weights.items() if k in known}}  # unnamed keep their base weight
         if sum(merged.values()) <= 0:
             out.append(Problem(f"{p}mixture.anneal.weights", "weights must have a positive sum"))
+
+    if m.adaptive is not None:
+        if m.phases or m.anneal is not None:
+            out.append(Problem(f"{p}mixture.adaptive", "an adaptive mixture cannot have phases or an anneal (the next "
+                               "phase would replace the adapted weights)"))
+        from mixplane.adaptive import AdaptiveConfig
+
+        for field, what in AdaptiveConfig.of(m.adaptive.model_dump(mode="json")).problems(names):
+            out.append(Problem(f"{p}mixture.adaptive.{field}", what))
 
     b = spec.batch
     if b.seq_len <= 0:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from mixplane.adaptive import AdaptiveConfig
-from mixplane.adaptivectl import AdaptiveController
+from mixplane.adaptivectl import AdaptiveController, AdaptiveUpdate
+from mixplane.planner.journal import read_journal
 from mixplane.client import MixtureLoader, source_loss
 from mixplane.replay import replay_step
 from mixplane.runtime import EmbeddedRuntime
@@ -104,9 +105,22 @@ def torch_tensor(values):
 
 
 
-def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig, delay: int):
-    """Two trainer ranks reporting constant per-source losses, an AdaptiveController with fixed effective steps, and
-    (kill_at) a SIGKILL of the planner once the trainers passed that step (supervision restarts it)."""
+def journaled_updates(run_dir) -> list[AdaptiveUpdate]:
+    """The adaptive updates a planner made itself (mixture.adaptive), from its journal (once each: a recovered planner
+    journals the updates it applies again)."""
+    seen: dict[int, AdaptiveUpdate] = {}
+    for r in read_journal(str(run_dir / "journal.jsonl")):
+        a = r.get("adaptive") if r.get("event") == "update" else None
+        if a is not None and a["k"] not in seen:
+            seen[a["k"]] = AdaptiveUpdate(a["k"], a["losses"], a["weights"], int(r["generation"]),
+                                          int(r["effective_step"]), a["late"])
+    return [seen[k] for k in sorted(seen)]
+
+
+def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig | None, delay: int):
+    """Two trainer ranks reporting constant per-source losses, an AdaptiveController with fixed effective steps (cfg;
+    None: the spec's mixture.adaptive, the planner adapts by itself), and (kill_at) a SIGKILL of the planner once the
+    trainers passed that step (supervision restarts it)."""
     import os
     import signal
 
@@ -118,7 +132,8 @@ def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig, delay
     killed = None
     try:
         rt.supervise_in_background(0.1)
-        ctl = AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve, timeout_s=2.0, delay_steps=delay)
+        ctl = None if cfg is None else AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve,
+                                                          timeout_s=2.0, delay_steps=delay)
 
         def trainer(r: int) -> None:
             try:
@@ -139,7 +154,8 @@ def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig, delay
             t.start()
         deadline = time.monotonic() + 240
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            ctl.poll()
+            if ctl is not None:
+                ctl.poll()
             if kill_at is not None and killed is None and min(len(got[0]), len(got[1])) > kill_at:
                 killed = rt.child("planner").proc.pid
                 os.kill(killed, signal.SIGKILL)
@@ -149,7 +165,7 @@ def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig, delay
         assert not errors, errors[0]
         if kill_at is not None:
             assert killed is not None and rt.child("planner").proc.pid != killed
-        return got, ctl.updates
+        return got, (ctl.updates if ctl is not None else journaled_updates(run_dir))
     finally:
         rt.stop()
 
@@ -171,3 +187,32 @@ def test_an_adaptive_run_with_a_planner_sigkill_gives_the_same_generations_and_b
         for s in range(STEPS):
             assert got[r][s]["gen"] == ref[r][s]["gen"], f"rank {r} step {s}: generation"
             assert np.array_equal(got[r][s]["ids"], ref[r][s]["ids"]), f"rank {r} step {s}: other tokens"
+
+
+def test_mixture_adaptive_in_the_spec_the_planner_adapts_as_the_controller_would_also_through_a_sigkill(token_sources,
+                                                                                                       tmp_path):
+    """`mixture.adaptive` in the spec: the planner turns the reports into the same updates (intervals, generations,
+    effective steps, weights bit for bit) and so the same batches as an AdaptiveController with that configuration,
+    and a planner SIGKILLed mid-run (its adaptive state from the journal) changes none of it."""
+    section = {"every_steps": EVERY, "delay_steps": 8, "reference_loss": REF, "step_size": 0.5, "smoothing": 0.0,
+               "min_weight": 0.15, "max_change": 0.1}
+    doc = token_mixture(token_sources["root"], runtime={"window": 64, "metrics": False, "journal_every": 5,
+                                                        "max_lead_steps": 2, "prefetch_steps": 1})
+    sp = parse_spec(doc)
+    adaptive = parse_spec({**doc, "mixture": {**doc["mixture"], "adaptive": section}})
+    cfg = AdaptiveConfig.of({k: v for k, v in section.items() if k != "delay_steps"})
+    ref, ref_ups = adaptive_run(sp, tmp_path / "controller", kill_at=None, cfg=cfg, delay=8)
+    alone, ups = adaptive_run(adaptive, tmp_path / "planner", kill_at=None, cfg=None, delay=8)
+    killed, kill_ups = adaptive_run(adaptive, tmp_path / "planner-kill", kill_at=10, cfg=None, delay=8)
+    key = [(u.interval, u.generation, u.effective_step, list(u.weights), u.late) for u in ref_ups]
+    assert len([u for u in ref_ups if u.effective_step < STEPS]) >= 3
+    for got_ups in (ups, kill_ups):
+        mine = [(u.interval, u.generation, u.effective_step, list(u.weights), u.late) for u in got_ups]
+        n = min(len(mine), len(key))
+        assert n >= 3 and mine[:n] == key[:n]
+    for got in (alone, killed):
+        for r in range(2):
+            assert sorted(got[r]) == list(range(STEPS))
+            for s in range(STEPS):
+                assert got[r][s]["gen"] == ref[r][s]["gen"], f"rank {r} step {s}: generation"
+                assert np.array_equal(got[r][s]["ids"], ref[r][s]["ids"]), f"rank {r} step {s}: other tokens"

@@ -101,3 +101,34 @@ def test_configuration_errors_name_the_field():
         with pytest.raises(ValueError, match=what):
             cfg.check(SOURCES)
     assert project([0.9, 0.05, 0.05], 0.1, 0.8) == pytest.approx([0.8, 0.1, 0.1])
+
+
+def test_the_planners_adaptation_follows_the_rule_and_takes_live_updates_as_its_new_start():
+    from mixplane.adaptive import AdaptiveState, advance, effective_step
+    from mixplane.planner.adaptation import Adaptation
+
+    section = {"every_steps": 10, "delay_steps": 4, "reference_loss": {"web": 1.0, "code": 1.0, "math": 1.0},
+               "step_size": 1.0, "smoothing": 0.0}
+    mix = {"weights": {"web": 2.0, "code": 1.0, "math": 1.0}, "temperature": 2.0, "adaptive": section}
+    a = Adaptation(SOURCES, mix)
+    assert a.state == AdaptiveState.start([2.0, 1.0, 1.0]) and a.state.weights == (0.5, 0.25, 0.25)
+    assert a.next_update([5.0, 1.0, 1.0], [5, 1, 1], 8, 12) is None  # interval 1 (steps 0..9) not covered yet
+    meta, rec = a.next_update([5.0, 1.0, 1.0], [5, 1, 1], 9, 12)
+    cfg = AdaptiveConfig.of(section)
+    want, losses = advance(AdaptiveState.start([2.0, 1.0, 1.0]), [5.0, 1.0, 1.0], [5, 1, 1], 9, [1.0] * 3, cfg)
+    assert rec == {**want.to_json(), "losses": losses, "late": False} and losses == [1.0, 1.0, 1.0]
+    assert meta == {"mixture": {**mix, "weights": dict(zip(SOURCES, want.weights))}, "update_id": "adaptive-1",
+                    "effective_step": 14}
+    assert a.state.k == 0  # the state moves on once applied
+    a.applied(rec, meta["mixture"])
+    assert a.state == want and a.status() == {"updates": 1, "every_steps": 10, "weights": dict(zip(SOURCES, want.weights))}
+    # the next one is late: step 24 was planned already -> the first step not planned
+    meta2, rec2 = a.next_update([30.0, 1.0, 1.0], [10, 2, 2], 19, 30)
+    assert meta2["effective_step"] == 30 and rec2["late"] and rec2["losses"] == [5.0, 0.0, 0.0]
+    assert effective_step(2, cfg, 20) == (24, False) and effective_step(2, AdaptiveConfig.of({**section, "delay_steps": None}), 20) == (20, False)
+    # a live update: its weights are where adaptation goes on from, the intervals and loss totals stay
+    a.replaced({**mix, "weights": {"web": 1.0, "code": 1.0, "math": 2.0}})
+    assert a.state.k == 1 and a.state.weights == (0.25, 0.25, 0.5) and a.state.loss_sum == want.loss_sum
+    a.replaced({"weights": {"web": 1.0}})  # no adaptive section: adaptation stops
+    assert a.state is None and a.status() is None and a.next_update([1.0] * 3, [1] * 3, 100, 101) is None
+    assert Adaptation(SOURCES, {"weights": {}}).state is None

@@ -404,3 +404,23 @@ def test_readme_quickstart_mixture_is_valid():
     _, bb = spec.topology.backbone()
     assert (bb.tp, bb.pp, bb.cp) == (1, 1, 1) and spec.world_size == bb.dp
     assert "tp_group=" in readme and "meta_only" in readme
+
+
+def test_an_adaptive_mixture_is_checked_field_by_field(good):
+    good["mixture"]["adaptive"] = {"every_steps": 50, "reference_loss": {"a": 2.0, "c": 1.5}, "min_weight": 0.1}
+    assert problems(good) == []
+    assert parse_spec(good).mixture.adaptive.delay_steps is None
+    good["mixture"]["adaptive"] = {"every_steps": 50, "reference_loss": {"web": 2.0, "b": float("inf")},
+                                   "min_weight": 0.5, "max_change": 0.0, "smoothing": 1.0}
+    good["mixture"]["phases"] = [{"start_step": 10, "weights": {"a": 1}}]
+    assert problems(good) == [
+        "mixture.adaptive: an adaptive mixture cannot have phases or an anneal (the next phase would replace the "
+        "adapted weights)",
+        "mixture.adaptive.smoothing: smoothing must be in [0, 1), got 1.0",
+        "mixture.adaptive.min_weight: min_weight 0.5 <= 1/3 <= max_weight 1.0 <= 1 does not hold",
+        "mixture.adaptive.max_change: max_change must be in (0, 1], got 0.0",
+        "mixture.adaptive.reference_loss.web: reference_loss.web: unknown source",
+        "mixture.adaptive.reference_loss.b: reference_loss.b must be a finite number >= 0, got inf"]
+    good["mixture"].pop("phases")
+    good["mixture"]["adaptive"] = {"every_steps": 0, "method": "ado"}
+    assert sorted(p.split(":")[0] for p in problems(good)) == ["mixture.adaptive.every_steps", "mixture.adaptive.method"]

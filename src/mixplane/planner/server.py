@@ -28,6 +28,7 @@ from mixplane.planner import layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
+from mixplane.planner.adaptation import Adaptation
 from mixplane.planner.losses import SourceLosses
 from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, cursor_text_array
@@ -171,6 +172,7 @@ class PlannerServer(Component, PartitionHosting):
         self.inflight = InFlight(max_steps=4 * lead + 64)
         self.names = spec.source_names()
         self.losses = SourceLosses(len(self.names))  # trainers' per-source loss reports (LOSS_REPORT)
+        self.adaptation = Adaptation(self.names, spec.mixture.model_dump(mode="json"))  # mixture.adaptive
         self._step_metrics: StepMetrics | None = None
         self.hm = handoff_metrics(self.m)
         self.init_hosting()  # partition table and loader hosts (planner.hosting)
@@ -434,14 +436,45 @@ class PlannerServer(Component, PartitionHosting):
                 self.m.source_loss.labels(name).set(recent)
         if self.journal is not None:
             self.journal.loss(report)
+        self._adapt()
+
+    def _adapt(self) -> None:
+        """mixture.adaptive: once the reports cover the next interval, its weights as the next generation
+        (planner.adaptation); never while the journal's own updates are still being applied again."""
+        if self.recovering is not None or self.replay_updates or self.planned_through < self.recover_through:
+            return
+        nxt = self.adaptation.next_update(self.losses.loss_sum.tolist(), self.losses.tokens.tolist(),
+                                          self.losses.through, self.core.next_step)
+        if nxt is None:
+            return
+        meta, record = nxt
+        try:
+            event, duplicate = self.core.apply_update(meta)
+        except (ValueError, TypeError, ArithmeticError) as e:
+            log.error("adaptive mixture update %s not applied: %s", meta["update_id"], e)
+            return
+        self.adaptation.applied(record, meta["mixture"])
+        if not duplicate:
+            event["adaptive"] = record
+            if self.journal is not None:
+                self.journal.update(event)
+        log.info("adaptive mixture: update %d, generation %d from step %d%s: %s", record["k"], int(event["generation"]),
+                 int(event["effective_step"]), " (late)" if record["late"] else "",
+                 ", ".join(f"{n} {w:.4f}" for n, w in zip(self.names, record["weights"])))
 
     def _restore_losses(self, path: str) -> None:
-        """A restarted planner's loss totals: the reports its predecessors journaled as received."""
+        """A restarted planner's loss totals (the reports its predecessors journaled as received) and its adaptive
+        mixture's state (the last journaled adaptive update, and the mixture updates after it)."""
         try:
             for r in journal_file.read_journal(path):
                 if r.get("event") == "loss":
                     self.losses.add(protocol.parse_loss_report(r, len(self.names)))
-        except (JournalError, WireError, ValueError) as e:
+                elif r.get("event") == "update" and isinstance(r.get("mixture"), dict):
+                    if isinstance(r.get("adaptive"), dict):
+                        self.adaptation.restore(r["adaptive"], r["mixture"])
+                    else:
+                        self.adaptation.replaced(r["mixture"])
+        except (JournalError, WireError, ValueError, KeyError, TypeError) as e:
             log.warning("loss reports in %s not restored (%s): totals start again", path, e)
 
     def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
@@ -685,6 +718,9 @@ class PlannerServer(Component, PartitionHosting):
         if not duplicate:
             if self.journal is not None:
                 self.journal.update(event)
+            # a live update replaces the weights an adaptive mixture goes on from (and its configuration)
+            self.adaptation.replaced(event["mixture"] if "mixture" in event else
+                                     {**self.adaptation.mixture, "weights": event.get("weights") or {}})
             ack["phase"] = self.core.schedule.at(step).phase
             what = "mixture" if "mixture" in event else f"weights {event.get('weights')}"
             log.info("mixture generation %d from step %d (update %s): %s", self.generation, step, uid, what)
@@ -785,6 +821,8 @@ class PlannerServer(Component, PartitionHosting):
             # trainers' per-source loss reports: reports, through (newest step), tokens, mean (all reports) and
             # recent (the newest report of each rank) per source, None where no token was reported
             "source_loss": self.losses.status(),
+            # mixture.adaptive: updates made and the weights in force (None: the mixture does not adapt)
+            "adaptive": self.adaptation.status(),
             # the topology served and the reshards acknowledged by id (newest last): reshard_id, step, generation
             "world_size": self.spec.world_size, "topology_digest": self.topology_digest,
             "reshards": list(self.reshard_acks.values())[-RESHARDS_KEPT:],
@@ -949,6 +987,8 @@ class PlannerServer(Component, PartitionHosting):
         while self.replay_updates and self.replay_updates[0][0] <= self.core.next_step:
             _, u = self.replay_updates.pop(0)
             event = self.core.apply_event(u)
+            if "adaptive" in u:  # the adaptive state it carried stays with it (the next restart reads it)
+                event["adaptive"] = u["adaptive"]
             if self.journal is not None:
                 self.journal.update(event)
 
