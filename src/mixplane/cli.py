@@ -118,7 +118,7 @@ def cmd_loader(args: argparse.Namespace) -> int:
     logging.getLogger("mixplane.loader").info("allocator: %s", configure_allocator())
     from mixplane.control import write_ready
     from mixplane.launch import loader_name
-    from mixplane.loader.group import parse_members
+    from mixplane.loader.host import parse_members
     from mixplane.loader.host import LoaderHost
 
     spec = _component_spec(args)

@@ -143,11 +143,6 @@ def message_identity(frame: Any, curve: bool) -> tuple[str, protocol.Ranks | Non
     return protocol.parse_user_id(uid)  # authenticated, unknown role: a client without control rights
 
 
-def message_role(frame: Any, curve: bool) -> str:
-    """The sender's role: the ZAP User-Id of a CURVE peer (set by wire.Authenticator), else anonymous."""
-    return message_identity(frame, curve)[0]
-
-
 # ------------------------------------------------------------------------------------------------ the base
 @dataclass
 class Endpoint:

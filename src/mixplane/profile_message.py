@@ -7,8 +7,10 @@ sources through the loader, re-exports it."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 PROFILE_VERSION = 1
@@ -19,6 +21,27 @@ SLIM_FIELDS = ("cpu_s_per_token", "memory_per_partition", "max_partitions", "mea
 # environment variables whose values never leave a profiling pod (storage credentials from kubernetes.source_secret)
 _SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|SESSION|AUTH|SIGNATURE", re.IGNORECASE)
 
+
+class PartitionError(ValueError):
+    """The mixture cannot be served within the budget; the message names the source, segment and resource."""
+
+
+@dataclass(frozen=True)
+class SourceCost:
+    """What one source costs to serve: measured by `mixplane profile`, never guessed."""
+
+    name: str
+    cpu_s_per_token: float  # CPU seconds per delivered token (page read + decode + transform)
+    memory_per_partition: int  # bytes one Source Loader of this source holds (buffers + file access state)
+    max_partitions: int = 1 << 20  # data-parallel bound (e.g. row groups or files of the source)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cpu_s_per_token) and self.cpu_s_per_token >= 0):
+            raise PartitionError(f"source {self.name}: cpu_s_per_token must be a finite number >= 0, got {self.cpu_s_per_token}")
+        if self.memory_per_partition < 0:
+            raise PartitionError(f"source {self.name}: memory_per_partition must be >= 0, got {self.memory_per_partition}")
+        if self.max_partitions < 1:
+            raise PartitionError(f"source {self.name}: max_partitions must be >= 1, got {self.max_partitions}")
 
 
 def _g6(x: float) -> float:
@@ -99,8 +122,6 @@ def parse_message(text: str) -> dict[str, Any]:
 
 def costs_from_profile(profile: dict[str, Any]) -> list[Any]:
     """The auto-partitioner's inputs from a profile (as printed, or kept in the status)."""
-    from mixplane.operator.autopartition import PartitionError, SourceCost
-
     if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION or not isinstance(profile.get("sources"), dict):
         raise PartitionError(f"not a mixplane profile (version {PROFILE_VERSION}): expected {{version, sources}}")
     out = []

@@ -273,10 +273,6 @@ def parse_user_id(uid: str) -> tuple[str, Ranks | None]:
     return role, (lo, hi)
 
 
-def user_id(role: str, ranks: Ranks | None = None) -> str:
-    return role if ranks is None else f"{role}:{ranks[0]}-{ranks[1]}"
-
-
 def rank_claim_ok(kind: Kind, meta: Mapping[str, Any], role: str, ranks: Ranks | None, *, required: bool) -> bool:
     """Whether a peer may make the rank claim in a message of ``kind``: components and admins always;
     a client key bound to ranks only for those ranks; a shared (unbound) client key unless the run

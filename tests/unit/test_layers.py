@@ -26,7 +26,7 @@ def test_component_processes_do_not_import_torch():
     code = (
         "import sys\n"
         "from mixplane import cli\n"
-        "import mixplane.planner.server, mixplane.loader.server, mixplane.loader.group, mixplane.loader.memory\n"
+        "import mixplane.planner.server, mixplane.loader.server, mixplane.loader.host, mixplane.loader.memory\n"
         "import mixplane.constructor.server, mixplane.runtime, mixplane.checks\n"
         "cli.build_parser().parse_args(['planner', '--spec', 'x.json'])\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"

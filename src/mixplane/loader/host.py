@@ -188,3 +188,13 @@ class LoaderHost(PlannerFollower):
         finally:
             self._beat_stop.set()
             self._beat_thread.join(5)
+
+
+def parse_members(spec: DataMixtureSpec, text: str) -> list[tuple[int, int]]:
+    """The partitions named on a loader's command line (``--sources a,b:1``: source name [: replica]) as
+    (source index, replica) pairs; an unknown source name is an error naming it."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, rep = item.partition(":")
+        out.append((spec.source_index(name), int(rep or 0)))
+    return out

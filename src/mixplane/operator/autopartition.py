@@ -28,33 +28,13 @@ data-plane handoff (issue 11); until then a move restarts the loaders involved.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mixplane.profile_message import PartitionError, SourceCost  # noqa: F401 - what a profile says of a source
+
 MIB = 1 << 20
-
-
-class PartitionError(ValueError):
-    """The mixture cannot be served within the budget; the message names the source, segment and resource."""
-
-
-@dataclass(frozen=True)
-class SourceCost:
-    """What one source costs to serve: measured by `mixplane profile`, never guessed."""
-
-    name: str
-    cpu_s_per_token: float  # CPU seconds per delivered token (page read + decode + transform)
-    memory_per_partition: int  # bytes one Source Loader of this source holds (buffers + file access state)
-    max_partitions: int = 1 << 20  # data-parallel bound (e.g. row groups or files of the source)
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.cpu_s_per_token) and self.cpu_s_per_token >= 0):
-            raise PartitionError(f"source {self.name}: cpu_s_per_token must be a finite number >= 0, got {self.cpu_s_per_token}")
-        if self.memory_per_partition < 0:
-            raise PartitionError(f"source {self.name}: memory_per_partition must be >= 0, got {self.memory_per_partition}")
-        if self.max_partitions < 1:
-            raise PartitionError(f"source {self.name}: max_partitions must be >= 1, got {self.max_partitions}")
 
 
 @dataclass(frozen=True)
@@ -341,11 +321,6 @@ def place_sidecars(pods: PodPlan, slots: int, cpu: float, memory: int) -> Sideca
 def idle_fraction(plan: PodPlan, demand_cores: float) -> float:
     """Share of the pods' requested CPU not needed to meet `demand_cores`."""
     return 0.0 if plan.cpu <= 0 else max(0.0, 1.0 - demand_cores / plan.cpu)
-
-
-def schedule_shares(names: Sequence[str], segments: Iterable[tuple[int, Sequence[float]]]) -> list[tuple[int, dict[str, float]]]:
-    """(start step, probabilities) pairs -> the shares `auto_partition` takes."""
-    return [(int(start), {n: float(p) for n, p in zip(names, probs)}) for start, probs in segments]
 
 
 def spec_schedule(spec: DataMixtureSpec, mean_tokens: Mapping[str, float] | None = None) -> list[tuple[int, dict[str, float]]]:

@@ -79,9 +79,6 @@ class PartitionTable:
     def hosted_by(self, host: str) -> list[PartitionKey]:
         return sorted(k for k, a in self.parts.items() if a.host == host)
 
-    def shadowed_by(self, host: str) -> list[PartitionKey]:
-        return sorted(k for k, a in self.parts.items() if host in a.shadows)
-
     # -- changes --------------------------------------------------------------------------------------------
     def _assign(self, key: PartitionKey, host: str) -> Move:
         a = self[key]
@@ -140,12 +137,6 @@ class PartitionTable:
             raise HandoffError(f"partition {key} is already served by {to!r}")
         return self._assign(key, to)
 
-    def forget_host(self, host: str) -> None:
-        """A host that went away for good: it shadows nothing any more (its primaries stay until moved)."""
-        for a in self.parts.values():
-            if host in a.shadows:
-                a.shadows.remove(host)
-
     def failover(self, silent: Callable[[str], bool], fresh: Callable[[str], bool] | None = None) -> list[Move]:
         """Promote a shadow of every partition whose primary host is silent (dead or hung) -- only a shadow
         that is `fresh` (heard from recently: by default, not silent). A partition with no fresh shadow keeps
@@ -203,11 +194,6 @@ class PartitionTable:
                     if m is not None:
                         moves.append(m)
         return moves
-
-    def drop_shadow(self, key: PartitionKey, host: str) -> None:
-        a = self[key]
-        if host in a.shadows:
-            a.shadows.remove(host)
 
     def status(self, names: list[str], alive: Callable[[str], bool],
                silent_s: Callable[[str], float | None]) -> dict[str, Any]:
