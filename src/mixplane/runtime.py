@@ -61,6 +61,7 @@ class Child:
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # when a restart of this dead child is due
     started: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None  # when its ready file appeared (how long it ran healthy counts from there)
     exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
 
 
@@ -77,22 +78,36 @@ class RestartPolicy:
     loader re-registers and the planner resends what it had planned for it (planner/inflight.py); a
     restarted planner recovers from its journal; a restarted constructor gets its layouts from the planner
     and its spans from the loaders again. Every restarted component binds the endpoints of its first
-    incarnation, so its peers simply reconnect."""
+    incarnation, so its peers simply reconnect.
+
+    An incarnation that ran `stable_s` after it was ready and then died is restarted at once (no backoff: it
+    is no crash loop, and every second of a planner restart is a stall of the trainers); the backoff is for
+    components dying sooner. With `standby` the runtime keeps one warm standby process (mixplane.standby:
+    interpreter started, every component's modules imported, the planner's compiled loops loaded) that takes
+    over the next component to die instead of a new interpreter; a new standby is started `standby_after_s`
+    after it took over."""
 
     budget: int = 3
     window_s: float = 300.0
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    stable_s: float = 5.0
+    standby: bool = True
+    standby_after_s: float = 1.0
     roles: tuple[str, ...] = ("planner", "constructor", "loader")
     # a component silent this long (planner STATUS `silent`; the planner itself: no answer to STATUS) is hung:
     # it is killed (SIGKILL) and restarted like a dead one. None: hangs are reported, not acted on
     hang_after_s: float | None = None
 
-    def delay(self, history: list[float], now: float) -> float | None:
-        """Seconds to wait before the next restart, or None when the budget within the window is spent."""
+    def delay(self, history: list[float], now: float, ran_s: float | None = None) -> float | None:
+        """Seconds to wait before the next restart, or None when the budget within the window is spent.
+        `ran_s`: how long the incarnation that died ran after it was ready (None: it never was); at least
+        `stable_s` restarts it at once."""
         recent = [t for t in history if now - t < self.window_s]
         if len(recent) >= self.budget:
             return None
+        if ran_s is not None and ran_s >= self.stable_s:
+            return 0.0
         return min(self.backoff_max_s, self.backoff_s * (2 ** len(recent)))
 
 
@@ -134,6 +149,10 @@ class EmbeddedRuntime:
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
         self._lock = threading.RLock()  # supervise() and stop() from different threads
+        # the warm standby (RestartPolicy.standby): a prepared process that becomes the next component to die
+        self._standby: subprocess.Popen | None = None
+        self._standby_due: float | None = None  # when to start the next one (None: not wanted)
+        self._standby_deaths = 0  # standbys that died before taking over (a standby that cannot start: give up)
 
     def _key_dir(self) -> Path | None:
         """Where the run's CURVE keys live: the spec's `runtime.curve.key_dir` when given, else (secure by
@@ -231,6 +250,82 @@ class EmbeddedRuntime:
         self.children.append(c)
         return c
 
+    # -- warm standby (RestartPolicy.standby) -------------------------------------------------
+    @property
+    def _standby_ready_file(self) -> Path:
+        return self.run_dir / "ready" / "standby.json"
+
+    def _spawn_standby(self) -> None:
+        ready = self._standby_ready_file
+        ready.unlink(missing_ok=True)
+        logf = open(self.run_dir / "logs" / "standby.log", "ab")
+        cmd = [self.python, "-m", "mixplane.standby", "--ready-file", str(ready)]
+        self._standby = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                         preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        logf.close()
+        self._standby_due = None
+
+    def _tend_standby(self, now: float) -> None:
+        """Start the standby when one is due; notice one that died before taking over (restarted later, given
+        up after 3 such deaths in a row: restarts then start a new interpreter, as without a standby)."""
+        if self.restart is None or not self.restart.standby:
+            return
+        sb = self._standby
+        if sb is not None and sb.poll() is not None:
+            self._standby = None
+            self._standby_deaths += 1
+            giving_up = self._standby_deaths >= 3
+            log.warning("the warm standby (pid %d) exited with code %s%s; see %s", sb.pid, sb.returncode,
+                        ": no more standbys, restarts start new processes" if giving_up else "",
+                        self.run_dir / "logs" / "standby.log")
+            self._standby_due = None if giving_up else now + 5.0
+        if self._standby is None and self._standby_due is not None and now >= self._standby_due:
+            self._spawn_standby()
+
+    def _take_standby(self, comp: Component, now: float) -> Child | None:
+        """Hand `comp` to the warm standby when one is prepared (its ready file): it becomes the component as a
+        new `python -m mixplane.cli` would. None: no standby ready (start a new process instead)."""
+        sb = self._standby
+        if sb is None or sb.poll() is not None or sb.stdin is None or read_ready(self._standby_ready_file) is None:
+            return None
+        ready = Path(comp.ready_file)
+        ready.unlink(missing_ok=True)
+        order = {"argv": ["--log-level", self.log_level, *comp.args], "env": {**os.environ, **comp.env},
+                 "log": str(self.run_dir / "logs" / f"{comp.name}.log")}
+        self._standby = None
+        self._standby_deaths = 0
+        assert self.restart is not None
+        self._standby_due = now + self.restart.standby_after_s
+        try:
+            sb.stdin.write((json.dumps(order) + "\n").encode())
+            sb.stdin.close()
+        except OSError as e:  # it died just now: a new process instead
+            log.warning("the warm standby (pid %d) could not take over %s: %s", sb.pid, comp.name, e)
+            sb.kill()
+            sb.wait(10)
+            return None
+        c = Child(comp.name, sb, ready, component=comp)
+        self.children.append(c)
+        log.info("%s: the warm standby (pid %d) takes over", comp.name, sb.pid)
+        return c
+
+    def _stop_standby(self) -> None:
+        sb, self._standby, self._standby_due = self._standby, None, None
+        if sb is None:
+            return
+        if sb.poll() is None:
+            try:
+                if sb.stdin is not None:
+                    sb.stdin.close()  # end of input: it exits
+            except OSError:
+                pass
+            sb.send_signal(signal.SIGTERM)
+        try:
+            sb.wait(5)
+        except subprocess.TimeoutExpired:
+            sb.kill()
+            sb.wait(5)
+
     def _wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for c in children:
@@ -242,8 +337,9 @@ class EmbeddedRuntime:
                     raise ComponentFailed(f"{c.name}: the runtime stopped while it was being restarted")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{c.name} not ready after {READY_TIMEOUT_S:.0f}s (log: {self.run_dir / 'logs' / (c.name + '.log')})")
-                time.sleep(0.02)
+                time.sleep(0.01)
             c.info = info
+            c.ready_at = time.monotonic()
 
     def start(self) -> EmbeddedRuntime:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -265,6 +361,8 @@ class EmbeddedRuntime:
             self._wait_ready(rest)
             self._write_endpoints()
             self._export_client_env()
+            if self.restart is not None and self.restart.standby:
+                self._standby_due = time.monotonic()  # started by the first supervise(): nobody restarts before
         except BaseException:
             self.stop()
             raise
@@ -347,6 +445,7 @@ class EmbeddedRuntime:
             self._next_hang_check = now + min(1.0, hang / 4)
             self._kill_hung(now)
         restarted = []
+        self._tend_standby(now)
         for i, c in enumerate(self.children):
             code = c.proc.poll()
             if code is None:
@@ -356,7 +455,7 @@ class EmbeddedRuntime:
             if self.restart is None or role not in self.restart.roles:
                 raise ComponentFailed(f"{c.name} exited with code {code}; see {log_file}")
             if c.restart_at is None:
-                wait = self.restart.delay(c.restarts, now)
+                wait = self.restart.delay(c.restarts, now, None if c.ready_at is None else now - c.ready_at)
                 if wait is None:
                     raise ComponentFailed(f"{c.name} exited with code {code} and was restarted {len(c.restarts)} times "
                                           f"within {self.restart.window_s:g}s (the budget): giving up; exit codes of its "
@@ -366,7 +465,9 @@ class EmbeddedRuntime:
             if now >= c.restart_at:
                 assert c.component is not None
                 self.children.pop(i)
-                fresh = self._spawn(pinned(c.component, c.info))  # appended: move it back to its place
+                comp = pinned(c.component, c.info)
+                # appended: moved back to its place below
+                fresh = self._take_standby(comp, now) or self._spawn(comp)
                 fresh.component = c.component
                 self.children.remove(fresh)
                 self.children.insert(i, fresh)
@@ -511,6 +612,8 @@ class EmbeddedRuntime:
             self._supervisor.join(timeout_s)
         self._supervisor = None
         self._restore_env()
+        with self._lock:
+            self._stop_standby()
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)

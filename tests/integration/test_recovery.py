@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mixplane.client import MixtureLoader
+from mixplane.control import read_ready
 from mixplane.runtime import ComponentFailed, EmbeddedRuntime, RestartPolicy
 from mixplane.spec import parse_spec
 from tests.conftest import token_mixture
@@ -156,6 +157,57 @@ def test_planner_sigkill_mid_run_recovers_from_the_journal_with_identical_batche
                       "killed_after_steps": KILL_AFTER, "steps": STEPS, "journal_every": journal_every,
                       "replanned": line.split("re-planning steps ")[1].split(" ")[0] if "re-planning" in line else "none"}))
     assert gap <= 10.0
+
+
+def test_a_warm_standby_takes_over_a_dead_planner_without_backoff(token_sources, tmp_path, reference):
+    """RestartPolicy.standby (the default; issue 22): the runtime keeps a prepared process (interpreter started,
+    the components' modules imported, the planner's compiled loops loaded) that becomes the restarted planner; a
+    planner that ran `stable_s` after it was ready is restarted without backoff; a new standby is prepared
+    behind it; the batches are those of a failure-free run; stop() leaves no standby behind."""
+    policy = RestartPolicy(budget=2, window_s=600, stable_s=1.0)  # the default backoff (0.5 s): not paid here
+    run_dir = tmp_path / "standby"
+    standby_file = run_dir / "ready" / "standby.json"
+    rt = EmbeddedRuntime(spec(token_sources["root"]), run_dir, restart=policy).start()
+    try:
+        rt.supervise_in_background(0.1)
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.2)
+        fetch.wait_for(KILL_AFTER // 2)
+        deadline = time.monotonic() + 120
+        while (prepared := read_ready(standby_file)) is None:
+            assert time.monotonic() < deadline, (run_dir / "logs" / "standby.log").read_text(errors="replace")
+            time.sleep(0.05)
+        standby_pid = prepared["pid"]
+        old = rt.child("planner")
+        assert old.ready_at is not None
+        time.sleep(max(0.0, policy.stable_s - (time.monotonic() - old.ready_at)))
+        incarnation = rt.status()["incarnation"]
+        os.kill(old.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while True:  # kill -> the new planner answers STATUS
+            assert time.monotonic() - killed_at < 60, "the planner was not restarted"
+            try:
+                if rt.status(timeout_s=0.3)["incarnation"] != incarnation:
+                    break
+            except (TimeoutError, RuntimeError, OSError):
+                pass
+        restart_s = time.monotonic() - killed_at
+        got = fetch.join()
+        rt.check()
+        fresh = rt.child("planner")
+        assert fresh.proc.pid == standby_pid and fresh.exit_codes == [-signal.SIGKILL]
+        deadline = time.monotonic() + 120
+        while (again := read_ready(standby_file)) is None or again["pid"] == standby_pid:
+            assert time.monotonic() < deadline, "no new standby after the take-over"
+            time.sleep(0.05)
+    finally:
+        rt.stop()
+    assert_identical(got, reference)
+    for pid in (standby_pid, again["pid"]):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
+    assert "recovery complete" in log and "differs from the journal" not in log, log[-3000:]
+    print(json.dumps({"standby_planner_restart_s": round(restart_s, 3)}))
 
 
 def test_constructor_sigkill_mid_run_is_rebuilt_with_identical_batches(token_sources, tmp_path, reference):

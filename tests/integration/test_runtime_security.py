@@ -150,6 +150,14 @@ def test_restart_policy_backoff_and_budget_are_pure_arithmetic():
     assert p.delay([98.0, 99.0], 100.0) == 1.5  # capped
     assert p.delay([97.0, 98.0, 99.0], 100.0) is None  # budget spent within the window
     assert p.delay([10.0, 20.0, 30.0], 100.0) == 0.5  # old restarts no longer count
+    # an incarnation that ran stable_s (default 5 s) after it was ready died of something else than its start:
+    # restarted at once; one that died sooner (or never got ready) is backed off; the budget still counts
+    assert p.delay([], 100.0, ran_s=5.0) == 0.0
+    assert p.delay([99.0], 100.0, ran_s=600.0) == 0.0
+    assert p.delay([99.0], 100.0, ran_s=4.9) == 1.0
+    assert p.delay([], 100.0, ran_s=None) == 0.5
+    assert p.delay([97.0, 98.0, 99.0], 100.0, ran_s=600.0) is None
+    assert RestartPolicy(stable_s=1.0).delay([], 0.0, ran_s=1.5) == 0.0
 
 
 def test_a_killed_loader_is_restarted_until_its_budget_is_spent(token_sources, tmp_path):
