@@ -27,7 +27,7 @@ from typing import Any
 
 # what a component's start imports and compiles, paid before the order (mixplane.cli's commands import these)
 MODULES = ("mixplane.cli", "mixplane.control", "mixplane.planner.server", "mixplane.constructor.server",
-           "mixplane.loader.host", "mixplane.loader.group", "mixplane.loader.memory")
+           "mixplane.loader.host", "mixplane.loader.memory")
 
 
 class OrderError(ValueError):

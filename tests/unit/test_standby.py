@@ -84,3 +84,14 @@ def test_a_standby_exits_at_the_end_of_its_input(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_every_module_a_standby_prepares_exists():
+    """A module renamed or removed under the standby's list would make every standby die at start (and restarts
+    fall back to new interpreters): each must import."""
+    import importlib
+
+    from mixplane.standby import MODULES
+
+    for name in MODULES:
+        importlib.import_module(name)
