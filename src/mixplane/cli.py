@@ -266,6 +266,26 @@ def cmd_handoff(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repartition(args: argparse.Namespace) -> int:
+    """Read a source with another number of partitions from a step boundary on (mixplane.repartition). The
+    new partitions are served by the loader processes named with --hosts (one per partition), else partition k
+    below the current count stays where it is and the others go to the live loader processes serving least (start
+    empty ones first: `mixplane loader --spec S --planner EP --host-name NAME`)."""
+    from mixplane.control import repartition
+
+    if args.partitions is None:
+        raise SystemExit("mixplane repartition: give the new number of partitions (--partitions M)")
+    hosts = [h for h in (args.hosts or "").split(",") if h] or None
+    endpoint, curve = _control_target(args)
+    try:
+        out = repartition(endpoint, args.source, args.partitions, args.timeout, step=args.step, hosts=hosts, curve=curve)
+    except (TimeoutError, RuntimeError) as e:
+        print(f"mixplane repartition: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def update_message(weights: list[str], step: int | None, lr_scale: float | None = None,
                    temperature: float | None = None, update_id: str | None = None) -> dict[str, Any]:
     """The weights-form UPDATE_MIXTURE request of `mixplane update --weight`; bad input fails here, before
@@ -534,7 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
     ho.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
     ho.add_argument("--timeout", type=float, default=5.0)
     ho.set_defaults(fn=cmd_handoff)
-    for c in (st, up, ho):  # a secured run (the default) answers only its admin key
+    rp = sub.add_parser("repartition", help="read a source with another number of partitions from a step boundary "
+                        "on (the new partitions share the unread rest of the epoch; nothing is read twice or skipped)")
+    rp.add_argument("source", help="the source's name")
+    rp.add_argument("--partitions", type=int, help="the new number of partitions (1..1024)")
+    rp.add_argument("--step", type=int, help="the step it applies from (default: the first step not planned)")
+    rp.add_argument("--hosts", help="comma-separated loader host names, one per new partition")
+    rp.add_argument("--planner", help="planner endpoint (default: from --run-dir)")
+    rp.add_argument("--timeout", type=float, default=5.0)
+    rp.set_defaults(fn=cmd_repartition)
+    for c in (st, up, ho, rp):  # a secured run (the default) answers only its admin key
         c.add_argument("--run-dir", help="the run's directory: planner endpoint and keys (printed by `mixplane run`)")
         c.add_argument("--curve-dir", help="key directory of a secured run (default: $MIXPLANE_CURVE_DIR, else RUN_DIR/keys)")
 

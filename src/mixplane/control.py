@@ -188,6 +188,24 @@ def handoff(endpoint: str, partition: str, to_host: str, timeout_s: float = 5.0,
     return request(endpoint, Kind.HANDOFF, {"partition": partition, "to": to_host}, timeout_s, curve=curve)
 
 
+def repartition(endpoint: str, source: str, partitions: int, timeout_s: float = 5.0, *, step: int | None = None,
+                hosts: list[str] | None = None, curve: Any = None) -> dict[str, Any]:
+    """Read `source` with `partitions` partitions from step `step` (default: the first step not planned yet) on
+    (mixplane.repartition). `hosts`: the loader hosts (processes) of the new partitions, one per partition
+    (default: partition k < the old count stays on its host, the others go to the live hosts serving least).
+
+    Returns ``{"source", "from", "partitions", "step"}`` once the planner has accepted it; it applies it when every
+    step before `step` is complete at every constructor (STATUS ``repartitions`` says when). Raises RuntimeError
+    with the planner's reason naming the field (unknown source, partitions out of range, a live source, a step
+    already planned, an unknown host). Needs the admin key unless the run is open."""
+    meta: dict[str, Any] = {"source": source, "partitions": int(partitions)}
+    if step is not None:
+        meta["step"] = int(step)
+    if hosts:
+        meta["hosts"] = list(hosts)
+    return request(endpoint, Kind.REPARTITION, meta, timeout_s, curve=curve)
+
+
 def partitions(endpoint: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
     """The planner's partition table: ``{"partitions": {"a:0": {"host", "epoch", "shadows"}}, "hosts": {name:
     {"partitions", "shadows", "alive", "silent_s", "launched_as_shadow"}}, "handoffs": [recent moves]}``."""

@@ -76,6 +76,7 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.FOLLOW: Schema({"source": int, "replica": int, "cursor": dict}),
     Kind.FENCE: Schema({"source": int, "replica": int, "epoch": int}),
     Kind.HANDOFF: Schema({"partition": str, "to": str}),
+    Kind.REPARTITION: Schema({"source": str, "partitions": int}),  # + `step` (default: the first unplanned), `hosts`
     Kind.RESEND: Schema({"session": int, "constructor": int, "from_step": int}),
     Kind.LOSS_REPORT: Schema({"rank": int, "from_step": int, "step": int, "loss": list, "tokens": list}),
 }
@@ -223,7 +224,7 @@ COMPONENT, CLIENT, ADMIN, ANONYMOUS = "component", "client", "admin", "anonymous
 ROLES = (COMPONENT, CLIENT, ADMIN, ANONYMOUS)
 #: kinds that change what a run does (stop it, change its mixture, rewind or reset delivery)
 CONTROL_KINDS = frozenset({Kind.LOSS_REPORT, Kind.SHUTDOWN, Kind.UPDATE_MIXTURE, Kind.RESUME, Kind.SEEK, Kind.RESET, Kind.RESHARD,
-                           Kind.ADOPT, Kind.RELEASE, Kind.FOLLOW, Kind.FENCE, Kind.HANDOFF})
+                           Kind.ADOPT, Kind.RELEASE, Kind.FOLLOW, Kind.FENCE, Kind.HANDOFF, Kind.REPARTITION})
 _ANY = frozenset(ROLES)
 #: which roles may send each kind; control kinds never include ANONYMOUS (see :func:`allowed`)
 ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
@@ -240,6 +241,7 @@ ALLOWED_ROLES: dict[Kind, frozenset[str]] = {
     Kind.FOLLOW: frozenset({COMPONENT}),
     Kind.FENCE: frozenset({COMPONENT}),
     Kind.HANDOFF: frozenset({ADMIN}),
+    Kind.REPARTITION: frozenset({ADMIN}),  # re-partitioning a source: the runtime / operator / CLI
     Kind.RESEND: frozenset({COMPONENT}),
     Kind.LOSS_REPORT: frozenset({COMPONENT, CLIENT, ADMIN}),  # a trainer's per-source losses (they steer adaptive mixtures)
     # the data plane's own messages come from components only once peers are authenticated

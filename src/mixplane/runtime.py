@@ -392,6 +392,64 @@ class EmbeddedRuntime:
     def partitions(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The planner's partition table: which loader process serves (and shadows) each partition."""
         return control.partitions(self.planner_endpoint or "", timeout_s, curve=self.control_curve)
+
+    def add_loader_host(self, name: str, timeout_s: float = 60.0) -> Child:
+        """Start a loader process with no partitions (it serves what the planner hands it) and wait until the
+        planner lists it alive."""
+        plan = self.plan()
+        ready = str(self.run_dir / "ready" / f"{name}.json")
+        args = ["loader", "--spec", plan.target.spec_file, "--ready-file", ready, "--host-name", name,
+                "--planner", self.planner_endpoint or ""]
+        if self.key_dir:
+            args += ["--curve-dir", str(self.key_dir)]
+        with self._lock:
+            c = self._spawn(Component("loader", name, tuple(args), env={"PYTHONUNBUFFERED": "1"}, ready_file=ready))
+        self._wait_ready([c])
+        deadline = time.monotonic() + timeout_s
+        while not self.partitions().get("hosts", {}).get(name, {}).get("alive"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"loader host {name} did not register with the planner within {timeout_s:g}s")
+            time.sleep(0.05)
+        return c
+
+    def repartition(self, source: str, partitions: int, *, step: int | None = None, timeout_s: float = 60.0,
+                    wait: bool = True) -> dict[str, Any]:
+        """Read `source` with `partitions` partitions from `step` (default: the first step not planned) on
+        (mixplane.repartition; control.repartition). Partition k below the current count stays in its process;
+        each further one gets a loader process of its own, started here first. With `wait`, returns once the
+        planner applied it (its STATUS entry: step, from, partitions, hosts, applied_after_s)."""
+        st = self.status()
+        names = st.get("sources", [])
+        if source not in names:
+            raise ValueError(f"source: no source {source!r} (the mixture has {', '.join(names)})")
+        old = int(st.get("source_partitions", {}).get(source, 0))
+        table = st.get("partitions", {})
+        hosts: list[str] = []
+        for k in range(int(partitions)):
+            cur = table.get(f"{source}:{k}", {}).get("host") if k < old else None
+            if cur is None:
+                n = 0
+                while f"loader-{source}-p{k}-{n}" in {c.name for c in self.children}:
+                    n += 1
+                cur = f"loader-{source}-p{k}-{n}"
+                self.add_loader_host(cur, timeout_s)
+            hosts.append(cur)
+        ack = control.repartition(self.planner_endpoint or "", source, int(partitions), timeout_s, step=step,
+                                  hosts=hosts if 1 <= int(partitions) <= 1024 else None, curve=self.control_curve)
+        if not wait:
+            return ack
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for r in reversed(self.status().get("repartitions", [])):
+                if r["source"] == source and r["step"] == ack["step"]:
+                    if r.get("error"):
+                        raise RuntimeError(f"re-partition of {source!r} not applied: {r['error']}")
+                    if r.get("applied"):
+                        return r
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"re-partition of {source!r} at step {ack['step']} not applied within {timeout_s:g}s")
+            time.sleep(0.05)
     def child(self, name: str) -> Child:
         """The current incarnation of a component (safe while the background supervisor restarts it)."""
         with self._lock:

@@ -159,3 +159,20 @@ def test_a_second_re_partition_and_bad_requests(spec, tmp_path):
         q.restore(bad)
     with pytest.raises(RepartitionError, match="recorded at step 3"):
         q.apply_repartition(dict(p.partitioning[0][0], step=3))  # from 2 to 3, but the planner is past step 3
+
+
+def test_the_partition_table_takes_the_new_partitions_under_new_epochs():
+    from mixplane.planner.partitions import HandoffError, Host, PartitionTable
+
+    t = PartitionTable([(0, 0), (0, 1), (1, 0)])
+    for h, wants in (("h0", ((0, 0),)), ("h1", ((0, 1),)), ("h2", ((1, 0),)), ("new", ())):
+        t.register(Host(h, wants), lambda _: True)
+    with pytest.raises(HandoffError, match="no loader host 'nope'"):
+        t.repartition(0, 2, ["h0", "nope", "new"])
+    assert set(t.parts) == {(0, 0), (0, 1), (1, 0)}  # nothing changed
+    moves = t.repartition(0, 2, ["h0", "h1", "new"])
+    assert [(m.key, m.to, m.epoch, m.previous) for m in moves] == [((0, 0), "h0", 2, "h0"), ((0, 1), "h1", 2, "h1"),
+                                                                   ((0, 2), "new", 1, None)]
+    assert t.claim((0, 0), "h0", 2) and not t.claim((0, 0), "h0", 1)  # the old partition's server is fenced
+    moves = t.repartition(0, 3, ["new"])
+    assert set(t.parts) == {(0, 0), (1, 0)} and moves[0].epoch == 3 and t.hosted_by("h1") == []

@@ -79,16 +79,33 @@ class LoaderHost(PlannerFollower):
             self._open(key).restore_snapshot()
 
     # -- partitions --------------------------------------------------------------------------------------
-    def _open(self, key: tuple[int, int]) -> LoaderServer:
+    def _open(self, key: tuple[int, int], partitioning: list[dict[str, Any]] | None = None) -> LoaderServer:
+        """The server of a partition, opened if needed. `partitioning` (ADOPT of a re-partitioned source): the
+        source's re-partition records; a server opened with other records (the old partition of that number)
+        is closed and the partition opened again with its new read order."""
+        recs = list(partitioning or [])
         ld = self.loaders.get(key)
+        if ld is not None and ld.partitioning != recs:
+            log.warning("%s: partition %s:%d re-partitioned (%d -> %s partitions): opened again", self.name,
+                        ld.source.name, key[1], ld.source.replicas if not ld.partitioning else
+                        ld.partitioning[-1]["partitions"], recs[-1]["partitions"] if recs else ld.source.replicas)
+            ld.release()
+            ld.close()
+            del self.loaders[key]
+            ld = None
         if ld is None:
             si, r = key
-            if not 0 <= si < len(self.spec.sources) or not 0 <= r < self.spec.sources[si].replicas:
+            parts = int(recs[-1]["partitions"]) if recs else (self.spec.sources[si].replicas
+                                                              if 0 <= si < len(self.spec.sources) else 0)
+            if not 0 <= si < len(self.spec.sources) or not 0 <= r < parts:
                 raise WireError(f"no partition: source {si} replica {r}")
             port, self._first_metrics_port = (self._first_metrics_port, None) if self._first_metrics_port is not None \
                 else (0 if self.metrics and not self.merged_metrics else None, None)
-            ld = LoaderServer(self.spec, si, r, self.planner_endpoint, context=self.ctx, metrics_port=port,
-                              host=self.host_name, mode="dormant", state_dir=self.state_dir)
+            try:
+                ld = LoaderServer(self.spec, si, r, self.planner_endpoint, context=self.ctx, metrics_port=port,
+                                  host=self.host_name, mode="dormant", state_dir=self.state_dir, partitioning=recs)
+            except (ValueError, KeyError, TypeError) as e:  # records that do not fit the files: named, not fatal
+                raise WireError(f"ADOPT of {self.spec.sources[si].name}:{r}: {e}") from None
             self.loaders[key] = ld
         return ld
 
@@ -121,7 +138,13 @@ class LoaderHost(PlannerFollower):
     def _adopt(self, msg: wire.Message) -> None:
         key = (msg.get("source", int), msg.get("replica", int))
         epoch, mode = msg.get("epoch", int), msg.get("mode", str)
-        ld = self._open(key)
+        recs = msg.meta.get("partitioning")
+        if recs is not None and not (isinstance(recs, list) and all(isinstance(r, dict) for r in recs)):
+            raise WireError("ADOPT: field 'partitioning' must be a list of re-partition records")
+        if mode == "dormant" and key not in self.loaders:
+            return
+        ld = self._open(key, recs if mode != "dormant" else (self.loaders[key].partitioning if key in self.loaders
+                                                              else None))
         if mode == "primary":
             if ld.mode == "primary" and ld.epoch == epoch:
                 return

@@ -18,6 +18,7 @@ from mixplane import protocol, wire
 from mixplane.component import DRAIN_BATCH, Component, Endpoint, PlannerFollower
 from mixplane.loader import snapshot
 from mixplane.loader.stream import open_stream
+from mixplane.repartition import layouts_after
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
 from mixplane.metrics import handoff_metrics
@@ -33,11 +34,13 @@ class LoaderServer(PlannerFollower):
 
     def __init__(self, spec: DataMixtureSpec, source_index: int, replica: int, planner_endpoint: str,
                  *, context: zmq.Context | None = None, metrics_port: int | None = 0, epoch: int = 0,
-                 host: str | None = None, mode: str = "primary", state_dir: str | None = None):
+                 host: str | None = None, mode: str = "primary", state_dir: str | None = None,
+                 partitioning: list[dict[str, Any]] | None = None):
         """`mode`: "primary" serves the partition at `epoch` (connects to the planner and says HELLO);
         "shadow" keeps a warm window that follows the planner's cursor and sends nothing; "dormant"
         holds the partition open and does nothing. A host (loader.host) switches modes as the planner's
-        partition table says (`serve`, `follow`, `release`)."""
+        partition table says (`serve`, `follow`, `release`). `partitioning`: the source's re-partition records
+        (ADOPT of a re-partitioned source): the partition reads its layout (mixplane.repartition)."""
         source = spec.sources[source_index]
         super().__init__(spec, f"loader:{source.name}:{replica}", context=context, metrics_port=metrics_port, logger=log)
         self.si = source_index
@@ -56,7 +59,12 @@ class LoaderServer(PlannerFollower):
         self.outbox: list[deque[list[Any]]] = []
         self._outbox_stuck_since: float | None = None
         self.constructor_endpoints: list[str] = []
-        self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=self.source.replicas)
+        self.partitioning = list(partitioning or [])
+        parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else self.source.replicas
+        self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=parts)
+        if self.partitioning:
+            self.stream.set_layout(layouts_after(self.source.replicas, self.partitioning, self.stream.epoch_rows,
+                                                 source=self.source.name)[replica])
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
                                    read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec))
         self._quarantined_seen = 0

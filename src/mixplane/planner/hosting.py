@@ -93,6 +93,12 @@ class PartitionHosting:
         self._hostless: set[PartitionKey] = set()
         self._hosting_started = False
 
+    def partitioning_meta(self, key: PartitionKey) -> dict[str, Any]:
+        """What ADOPT carries for a partition of a re-partitioned source: the source's re-partition records, from
+        which the host builds the partition's read order (mixplane.repartition); nothing for the others."""
+        recs = self.core.partitioning.get(key[0])
+        return {"partitioning": recs} if recs else {}
+
     def partition_name(self, key: PartitionKey) -> str:
         return f"{self.names[key[0]]}:{key[1]}"
 
@@ -152,6 +158,10 @@ class PartitionHosting:
             if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
                 raise WireError("HELLO (host): field 'partitions' must be a list of [source, replica]")
             wants.append((int(p[0]), int(p[1])))
+        if self.core.partitioning:  # re-partitioned sources: what the table gives this host now, not its launch list
+            moved = set(self.core.partitioning)
+            wants = [k for k in wants if k[0] not in moved] + \
+                [k for k, a in sorted(self.partitions.parts.items()) if k[0] in moved and a.host == name]
         shadow = bool(msg.meta.get("shadow", False))
         if name in self.host_ids and self.host_ids[name] != identity:
             log.warning("loader host %s registered again (restart?)", name)
@@ -226,7 +236,7 @@ class PartitionHosting:
         if m.mode == "shadow":
             if host is not None:
                 self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "shadow",
-                                              "cursor": self.follow_cursor(key)})
+                                              "cursor": self.follow_cursor(key), **self.partitioning_meta(key)})
                 self._followed.pop((key, m.to), None)
             return
         old = self.loaders.pop(key, None)
@@ -246,7 +256,8 @@ class PartitionHosting:
                                      "t": time.time()})
             del self.handoff_log[:-100]
         if host is not None:
-            self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "primary"})
+            self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "primary",
+                                          **self.partitioning_meta(key)})
 
     def fence_constructor(self, identity: bytes) -> None:
         """A constructor (re)registered: tell it the epoch of every partition that moved."""

@@ -28,6 +28,9 @@ class InFlight:
     max_steps: int
     steps: deque[tuple[int, Mapping[LoaderKey, Instructions]]] = field(default_factory=deque)
     overflowed: int = 0  # steps forgotten before every constructor confirmed them (a restart then loses them)
+    # loader -> the first step whose instructions are its (a re-partitioned source's partition: earlier steps were
+    # another partition's of the same number, which read another order)
+    since: dict[LoaderKey, int] = field(default_factory=dict)
 
     def record(self, step: int, per_loader: Mapping[LoaderKey, Instructions]) -> None:
         if self.steps and step <= self.steps[-1][0]:
@@ -44,10 +47,12 @@ class InFlight:
 
     def clear(self) -> None:
         self.steps.clear()
+        self.since.clear()
 
     def for_loader(self, key: LoaderKey) -> list[tuple[int, Instructions]]:
         """(step, instructions) this loader replica must send again after a restart, in plan order."""
-        return [(s, per[key]) for s, per in self.steps if key in per and len(per[key].pos)]
+        first = self.since.get(key, 0)
+        return [(s, per[key]) for s, per in self.steps if s >= first and key in per and len(per[key].pos)]
 
     @staticmethod
     def low_position(replay: list[tuple[int, Instructions]]) -> int:

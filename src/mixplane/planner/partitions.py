@@ -137,6 +137,24 @@ class PartitionTable:
             raise HandoffError(f"partition {key} is already served by {to!r}")
         return self._assign(key, to)
 
+    def repartition(self, source: int, old: int, hosts: list[str]) -> list[Move]:
+        """Source `source` goes from `old` partitions to ``len(hosts)``, partition k served by ``hosts[k]``: the old
+        partitions' entries go (with their shadows: they read the old orders); a new partition with the number of an
+        old one takes the next epoch (the old server's messages are fenced), the others start at epoch 1. Returns the
+        primary moves to carry out (HandoffError for an unknown host: nothing changes)."""
+        unknown = sorted({h for h in hosts if h not in self.hosts})
+        if unknown:
+            raise HandoffError(f"no loader host {', '.join(map(repr, unknown))} registered (known: "
+                               f"{', '.join(sorted(self.hosts)) or 'none'})")
+        prev = {r: self.parts.pop((source, r)) for r in range(old) if (source, r) in self.parts}
+        moves = []
+        for k, host in enumerate(hosts):
+            before = prev.get(k)
+            a = Assignment(host=host, epoch=(before.epoch if before is not None else 0) + 1)
+            self.parts[(source, k)] = a
+            moves.append(Move((source, k), host, "primary", a.epoch, before.host if before is not None else None))
+        return moves
+
     def failover(self, silent: Callable[[str], bool], fresh: Callable[[str], bool] | None = None) -> list[Move]:
         """Promote a shadow of every partition whose primary host is silent (dead or hung) -- only a shadow
         that is `fresh` (heard from recently: by default, not silent). A partition with no fresh shadow keeps

@@ -24,6 +24,7 @@ from mixplane import protocol, wire
 from mixplane.component import Component, peer_name
 from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
+from mixplane.planner.repartitioning import PlannerRepartition
 from mixplane.planner import layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
@@ -125,7 +126,7 @@ RESHARDS_KEPT = 32  # acknowledged reshard ids (listed in STATUS; answered as du
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
-class PlannerServer(Component, PartitionHosting):
+class PlannerServer(Component, PartitionHosting, PlannerRepartition):
     component = "planner"
 
     def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
@@ -151,6 +152,7 @@ class PlannerServer(Component, PartitionHosting):
             Kind.RESEND: self._on_resend_request,
             Kind.RESHARD: self._on_reshard,
             Kind.HANDOFF: self.on_handoff,
+            Kind.REPARTITION: self.on_repartition,
             Kind.LOSS_REPORT: self._on_loss_report,
         }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
@@ -176,6 +178,7 @@ class PlannerServer(Component, PartitionHosting):
         self._step_metrics: StepMetrics | None = None
         self.hm = handoff_metrics(self.m)
         self.init_hosting()  # partition table and loader hosts (planner.hosting)
+        self.init_repartitioning()  # re-partitions of running sources (planner.repartitioning)
         self.state = PlannerState()
         self.run_dir = run_dir
         # recovery (issue 11): this process's incarnation, in WELCOME and heartbeats, so followers notice a
@@ -506,6 +509,10 @@ class PlannerServer(Component, PartitionHosting):
             # planned (and may be gone), starts a new session that re-creates them.
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
+        problem = self.partitioning_problem(cursor)  # planner.repartitioning
+        if problem is not None:
+            self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {problem}"})
+            return
         try:
             kept = self.core.restore(cursor, keep_updates=True)
         except Exception as e:  # noqa: BLE001 - a peer's cursor must never take the planner down
@@ -729,7 +736,9 @@ class PlannerServer(Component, PartitionHosting):
     # -- planning -----------------------------------------------------------------------
     def try_plan(self) -> int:
         planned = 0
+        self.repartition_tick()
         while (self.all_constructors and self.recovering is None and len(self.loaders) == len(self.core.windows)
+               and not self.repartition_holds()
                and not self.pending_loader_welcome and self.planned_through < max(self.need_through, self.recover_through)
                and self.core.ready):
             t0 = time.perf_counter()
@@ -814,6 +823,7 @@ class PlannerServer(Component, PartitionHosting):
             # registered components silent past the liveness miss budget: name -> seconds silent
             "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
             **self.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
+            **self.repartition_status(),  # "repartitions" pending and applied, "source_partitions" now
             "incarnation": self.incarnation, "recovering": self.recovering is not None,
             "recover_through": self.recover_through,
             # the mixture updates acknowledged (newest last): update_id, generation, effective_step

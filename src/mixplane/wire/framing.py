@@ -81,6 +81,7 @@ class Kind(enum.IntEnum):
     FOLLOW = 42  # planner -> loader host: where a shadowed partition's primary stands (warm window)
     FENCE = 43  # planner -> constructor: drop SAMPLES of a partition's older epochs
     HANDOFF = 44  # admin -> planner: move a partition to another loader host at a step boundary
+    REPARTITION = 45  # admin -> planner: read a source with another number of partitions from a step boundary
     RESEND = 22  # planner -> loader: push the SAMPLES of recent steps again to a restarted constructor
     LOSS_REPORT = 50  # trainer client -> planner: per-source token loss sums and token counts (one-way: no answer)
 

@@ -1,0 +1,218 @@
+"""The planner's side of re-partitioning a running source (REPARTITION; the rule: mixplane.repartition).
+
+Mixed into :class:`~mixplane.planner.server.PlannerServer`. A request names a source, the new number of partitions
+and optionally the step (default: the first one not planned) and the hosts of the new partitions. The planner
+plans up to that step and holds there until every step before it is complete at every constructor (the old
+partitions' servers have delivered everything planned for them); then, between two steps:
+
+* `StepPlanner.repartition` turns the old windows' cursors into the journaled record and gives the source fresh
+  windows (cursor 0);
+* the old partitions' servers are told to RELEASE; the partition table gives partition k to its host under the
+  next epoch of its number (constructors FENCE older epochs: nothing of the old order can be mixed in);
+* each host is told to ADOPT its new partition, with the source's records (`partitioning`): it opens the stream
+  with the partition's layout and says HELLO; the planner welcomes it at position 0 and planning goes on.
+
+The trainers see a stall only if their prefetch runs out while the new partitions open and fill their windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from mixplane.planner.partitions import HandoffError, PartitionKey
+from mixplane.repartition import MAX_PARTITIONS, RepartitionError
+from mixplane.wire import Kind, Message
+
+if TYPE_CHECKING:
+    from mixplane.planner.core import StepPlanner
+    from mixplane.planner.inflight import InFlight
+    from mixplane.planner.partitions import Move, PartitionTable
+
+log = logging.getLogger("mixplane.planner")
+REPARTITIONS_KEPT = 32  # re-partitions listed in STATUS
+
+
+class PlannerRepartition:
+    """Pending and applied re-partitions. Expects the PlannerServer / PartitionHosting attributes declared here."""
+
+    spec: Any
+    core: StepPlanner
+    names: list[str]
+    loaders: dict[tuple[int, int], bytes]
+    constructors: dict[int, Any]
+    complete_by: dict[bytes, int]
+    pending_loader_welcome: set[tuple[int, int]]
+    inflight: InFlight
+    partitions: PartitionTable
+    host_ids: dict[str, bytes]
+    retired_loaders: dict[bytes, tuple[PartitionKey, int, float]]
+    journal: Any
+    recovering: Any
+    _step_metrics: Any
+
+    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: Any = None) -> bool:
+        raise NotImplementedError
+
+    def host_alive(self, host: str) -> bool:
+        raise NotImplementedError
+
+    def apply_move(self, m: Move, reason: str) -> None:
+        raise NotImplementedError
+
+    def _release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def planned_through(self) -> int:
+        raise NotImplementedError
+
+    def init_repartitioning(self) -> None:
+        self.pending_repartitions: dict[int, dict[str, Any]] = {}  # source -> the request waiting for its step
+        self.repartition_log: list[dict[str, Any]] = []  # accepted and applied, for STATUS (bounded)
+
+    # -- the request -------------------------------------------------------------------------------------------
+    def on_repartition(self, identity: bytes, msg: Message) -> None:
+        try:
+            ack = self.request_repartition(msg.meta)
+        except (RepartitionError, HandoffError, ValueError, TypeError) as e:
+            self._send(identity, Kind.ERROR, {"error": f"repartition rejected: {e}"})
+            return
+        self._send(identity, Kind.ACK, ack)
+
+    def request_repartition(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Check a REPARTITION request and keep it until its step (RepartitionError naming the field)."""
+        name = meta.get("source")
+        if name not in self.names:
+            raise RepartitionError(f"source: no source {name!r} (the mixture has {', '.join(self.names)})")
+        si = self.names.index(name)
+        src = self.spec.sources[si]
+        if src.live:
+            raise RepartitionError(f"source {name!r}: a live source is read by one partition; it cannot be "
+                                   "re-partitioned")
+        m = meta.get("partitions")
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= MAX_PARTITIONS:
+            raise RepartitionError(f"partitions: must be an integer in [1, {MAX_PARTITIONS}], not {m!r}")
+        old = self.core.partitions(si)
+        if m == old and si not in self.pending_repartitions:
+            raise RepartitionError(f"partitions: source {name!r} already has {m} partitions")
+        if self.recovering is not None:
+            raise RepartitionError("the planner is recovering its session; retry")
+        first = self.core.next_step
+        step = meta.get("step", first)
+        if not isinstance(step, int) or isinstance(step, bool) or step < first:
+            raise RepartitionError(f"step: {step!r} is planned already (the first step not planned is {first})")
+        hosts = meta.get("hosts")
+        if hosts is not None:
+            if not isinstance(hosts, list) or len(hosts) != m or not all(isinstance(h, str) for h in hosts):
+                raise RepartitionError(f"hosts: a list of {m} loader host names, one per new partition")
+            unknown = [h for h in hosts if h not in self.host_ids]
+            if unknown:
+                raise RepartitionError(f"hosts: no loader host {', '.join(map(repr, unknown))} registered")
+        if si in self.pending_repartitions:
+            raise RepartitionError(f"source {name!r}: a re-partition at step "
+                                   f"{self.pending_repartitions[si]['step']} is pending")
+        req = {"source": name, "from": old, "partitions": m, "step": step, "hosts": hosts, "applied": False,
+               "t": time.time()}
+        self.pending_repartitions[si] = req
+        self.repartition_log.append(req)
+        del self.repartition_log[:-REPARTITIONS_KEPT]
+        log.warning("re-partition of source %r from %d to %d partitions accepted for step %d", name, old, m, step)
+        return {k: req[k] for k in ("source", "from", "partitions", "step")}
+
+    # -- applying it at its step -----------------------------------------------------------------------------
+    def repartition_holds(self) -> bool:
+        """Whether planning must wait: a re-partition is due at the next step and not applied yet."""
+        return any(r["step"] <= self.core.next_step for r in self.pending_repartitions.values())
+
+    def repartition_tick(self) -> None:
+        """Apply the re-partitions due at the next step once every step before it is complete everywhere."""
+        if not self.pending_repartitions:
+            return
+        nxt = self.core.next_step
+        due = [si for si, r in self.pending_repartitions.items() if r["step"] <= nxt]
+        if not due or not self.constructors:
+            return
+        done = [self.complete_by.get(c.identity, -1) for c in self.constructors.values()]
+        if len(done) < len(self.constructors) or min(done) < nxt - 1:
+            return
+        for si in sorted(due):
+            self._apply_repartition(si, self.pending_repartitions.pop(si))
+
+    def _hosts_for(self, si: int, old: int, m: int, asked: list[str] | None) -> list[str]:
+        """Partition k < old stays on its host if it is alive; the others go to the live hosts serving least."""
+        if asked:
+            return list(asked)
+        live = [h for h, hh in sorted(self.partitions.hosts.items()) if not hh.shadow and self.host_alive(h)]
+        if not live:
+            raise HandoffError("no live loader host to serve the new partitions")
+        load = {h: len(self.partitions.hosted_by(h)) for h in live}
+        for r in range(old):
+            a = self.partitions.parts.get((si, r))
+            if a is not None and a.host in load:
+                load[a.host] -= 1  # its old partition goes
+        out: list[str] = []
+        for k in range(m):
+            a = self.partitions.parts.get((si, k))
+            if k < old and a is not None and a.host in load:
+                h = a.host
+            else:
+                h = min(live, key=lambda x: (load[x], x))
+            load[h] += 1
+            out.append(h)
+        return out
+
+    def _apply_repartition(self, si: int, req: dict[str, Any]) -> None:
+        name = self.names[si]
+        old = self.core.partitions(si)
+        t0 = time.monotonic()
+        try:
+            hosts = self._hosts_for(si, old, int(req["partitions"]), req.get("hosts"))
+            record = self.core.repartition(si, int(req["partitions"]))
+        except (RepartitionError, HandoffError) as e:
+            req["error"] = str(e)
+            log.error("re-partition of source %r not applied: %s", name, e)
+            return
+        if self.journal is not None:
+            self.journal.repartition(record)
+        now = time.monotonic()
+        for r in range(old):  # the old servers delivered everything planned for them: released
+            key = (si, r)
+            ident = self.loaders.pop(key, None)
+            self.pending_loader_welcome.discard(key)
+            epoch = self.partitions.parts[key].epoch if key in self.partitions.parts else 0
+            for h in (self.partitions.parts[key].shadows if key in self.partitions.parts else []):
+                hid = self.host_ids.get(h)
+                if hid is not None:  # a shadow of the old order: dormant
+                    self._send(hid, Kind.ADOPT, {"source": si, "replica": r, "epoch": epoch, "mode": "dormant"})
+            if ident is not None:
+                self.retired_loaders[ident] = (key, epoch, now)
+                self._release(ident, key, epoch)
+        self._step_metrics = None  # per-window metrics: labelled again for the new windows
+        moves = self.partitions.repartition(si, old, hosts)
+        for k in range(len(hosts)):
+            self.inflight.since[(si, k)] = int(record["step"])
+        for mv in moves:
+            self.apply_move(mv, "repartition")
+        req.update(applied=True, hosts=hosts, applied_after_s=round(now - t0, 4), applied_at=time.time())
+        log.warning("source %r re-partitioned from %d to %d partitions at step %d (hosts %s)", name, old,
+                    record["partitions"], record["step"], ", ".join(hosts))
+
+    def partitioning_problem(self, cursor: Any) -> str | None:
+        """Why the running loaders cannot serve a cursor (a trainer's RESUME): it was taken with other partitions
+        of a source than the ones running now (before a re-partition, or in a run re-partitioned otherwise). The
+        loader processes and the partition table follow the planner's re-partitions only forwards."""
+        theirs = cursor.get("partitioning") if isinstance(cursor, dict) else None
+        mine = {str(si): recs for si, recs in sorted(self.core.partitioning.items())}
+        if (theirs or {}) == mine:
+            return None
+        return ("the cursor was taken with other partitions of " + ", ".join(
+            repr(self.names[int(k)]) for k in sorted(set(mine) | set(theirs or {}), key=int)
+            if (theirs or {}).get(k) != mine.get(k)) + " than this run reads now ("
+            + ("re-partitioned at step " + ", ".join(str(r["step"]) for recs in mine.values() for r in recs)
+               if mine else "not re-partitioned") + "); a resume across a re-partition is not supported")
+
+    def repartition_status(self) -> dict[str, Any]:
+        return {"repartitions": [dict(r) for r in self.repartition_log[-REPARTITIONS_KEPT:]],
+                "source_partitions": {n: self.core.partitions(i) for i, n in enumerate(self.names)}}
