@@ -119,3 +119,38 @@ def test_handoff_moves_go_to_live_target_hosts_and_old_hosts_drain():
     assert draining == {"loaders-a-0+1"}  # still serves a:1 (and a:0 until the move lands): its pod stays
     table["partitions"] = {"a:0": {"host": "loader-a-0"}, "a:1": {"host": "loader-a-1"}, "b:0": {"host": "loader-b-0"}}
     assert handoff_moves(want, table) == ([], set())
+
+
+def test_a_source_needing_more_cores_than_its_partitions_can_use_is_wanted_repartitioned():
+    """One partition is one single-threaded loader process (pod_cpu = 1 core): an allocation of 2.4 cores cannot be
+    read by 1 partition, whatever the pods. The scaler wants ceil(2.4 x 1.05) = 3 partitions, keeps that wish in its
+    state (status.scaler) until the planner acknowledges it, then packs the new partitions into pods of <= 1 core."""
+    costs = [SourceCost("code", 1.5e-6, 48 * MIB), SourceCost("docs", 1.4e-6, 32 * MIB)]
+    sched = [(0, {"code": 0.2, "docs": 0.8}), (50, {"code": 0.8, "docs": 0.2})]
+    sc = MixtureScaler(costs, {"code": 1, "docs": 3}, sched, sched[0][1], TPS,
+                       config=ScalingConfig(lookahead_steps=0, window=1, consecutive=1))
+    assert sc.observe(Observation(step=10, tokens_per_s=TPS)) == [] and sc.wanted_repartitions() == []
+    sc.observe(Observation(step=60, tokens_per_s=TPS))  # code: 0.8 x 2e6 x 1.5e-6 = 2.4 cores
+    assert sc.allocated_cores()["code"] == pytest.approx(2.4)
+    (w,) = sc.wanted_repartitions()
+    assert (w.source, w.from_partitions, w.to_partitions, w.interval) == ("code", 1, 3, 2)
+    assert max(p.cpu for p in sc.plan.pods if any(s == "code" for s, _ in p.members)) > 1.0  # one pod cannot use it
+    # the wish survives an operator restart (status.scaler) and is not repeated with a new interval
+    state = sc.state_dict()
+    again = MixtureScaler(costs, {"code": 1, "docs": 3}, sched, sched[0][1], TPS,
+                          config=ScalingConfig(lookahead_steps=0, window=1, consecutive=1))
+    again.load_state_dict(state)
+    assert again.wanted_repartitions() == [w]
+    again.observe(Observation(step=70, tokens_per_s=TPS))
+    assert again.wanted_repartitions() == [w]
+    # acknowledged: 3 partitions, every pod of code within one core, nothing wanted any more (also after a restart)
+    again.repartitioned("code", 3)
+    assert again.wanted_repartitions() == [] and again.partitions["code"] == 3
+    code_pods = [p for p in again.plan.pods if any(s == "code" for s, _ in p.members)]
+    assert sorted(r for p in code_pods for s, r in p.members if s == "code") == [0, 1, 2]
+    assert all(p.cpu <= 1.0 + 1e-9 for p in code_pods)
+    third = MixtureScaler(costs, {"code": 1, "docs": 3}, sched, sched[0][1], TPS)
+    third.load_state_dict(again.state_dict())
+    assert third.partitions["code"] == 3 and third.wanted_repartitions() == []
+    with pytest.raises(ValueError, match="no source 'web'"):
+        again.repartitioned("web", 2)

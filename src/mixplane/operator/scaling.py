@@ -9,7 +9,13 @@ its allocation (scale up) or below `down_ratio` of it (scale down, idle reclaim)
 intervals, re-targets that source. The new allocation is packed into pods with the auto-partitioner's
 packer, so the decision is a :class:`PodPlan` the builders render (pods added, removed, resized).
 
-Partitions stay fixed: scaling changes how many pods host a source's partitions and their CPU. A
+Partitions follow demand only through the data plane's re-partition (issue 20 item 4, mixplane.repartition): one
+partition is one single-threaded loader process and uses at most ``pod_cpu`` cores, so a source allocated more
+than its partitions can use is *wanted* re-partitioned (:meth:`MixtureScaler.wanted_repartitions`: ceil(cores x
+headroom / pod_cpu) partitions, within ``max_per_source`` and the source's ``max_partitions``; never fewer). The
+wanted re-partitions are kept in the scaler's state (status.scaler); :meth:`MixtureScaler.repartitioned` takes the
+planner's acknowledgment (REPARTITION) and packs the new partitions. Until then scaling changes how many pods host
+a source's partitions and their CPU. A
 partition that changes pods moves with the data plane's partition handoff (issue 11, planner.partitions):
 the new pod starts with the partition in its args and registers as a shadow of it while the old pod still
 serves it; the operator then asks the planner to hand it over (`handoff_moves`, HANDOFF at a step
@@ -64,6 +70,26 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class RepartitionWanted:
+    """A source whose allocation needs more partitions than it has (one partition uses at most pod_cpu cores)."""
+
+    source: str
+    from_partitions: int
+    to_partitions: int
+    cores: float  # the allocation that needs them
+    interval: int  # the interval that first wanted this count
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.from_partitions, "to": self.to_partitions, "cores": self.cores, "interval": self.interval}
+
+
+def partitions_for(cores: float, cost: SourceCost, bounds: PartitionBounds) -> int:
+    """Partitions a source needs to read `cores` worth of work: each is one process using at most pod_cpu."""
+    need = max(1, math.ceil(max(0.0, cores) * bounds.headroom / bounds.pod_cpu - 1e-9))
+    return int(min(need, bounds.max_per_source, cost.max_partitions))
+
+
+@dataclass(frozen=True)
 class Decision:
     source: str
     direction: str  # "up" | "down"
@@ -111,6 +137,7 @@ class MixtureScaler:
         self.below = {n: 0 for n in self.order}
         self.interval = 0
         self.decisions: list[Decision] = []
+        self.wanted: dict[str, RepartitionWanted] = {}  # sources to re-partition (kept until acknowledged)
         self.plan = self._pack()
 
     def set_schedule(self, segments: Sequence[tuple[int, Mapping[str, float]]]) -> None:
@@ -186,7 +213,35 @@ class MixtureScaler:
         if out:
             self.plan = self._pack()
             self.decisions.extend(out)
+        self._want_partitions()
         return out
+
+    def _want_partitions(self) -> None:
+        for n in self.order:
+            need = partitions_for(self.alloc[n], self.costs[n], self.bounds)
+            have = int(self.partitions[n])
+            if need <= have:
+                self.wanted.pop(n, None)
+            elif n not in self.wanted or self.wanted[n].to_partitions != need:
+                self.wanted[n] = RepartitionWanted(n, have, need, self.alloc[n], self.interval)
+
+    def wanted_repartitions(self) -> list[RepartitionWanted]:
+        """The re-partitions the allocations need now, in source order (REPARTITION requests to send)."""
+        return [self.wanted[n] for n in self.order if n in self.wanted]
+
+    def repartitioned(self, source: str, partitions: int) -> None:
+        """The planner acknowledged (applied) a re-partition: the source's pods are packed for its new partitions."""
+        if source not in self.partitions:
+            raise ValueError(f"repartitioned: no source {source!r}")
+        if int(partitions) < 1:
+            raise ValueError(f"repartitioned: partitions of {source!r} must be >= 1, not {partitions}")
+        self.partitions[source] = int(partitions)
+        w = self.wanted.get(source)
+        if w is not None and w.to_partitions <= int(partitions):
+            del self.wanted[source]
+        self.plan = self._pack(self.packed_tokens_per_s, {n: SourceCost(c.name, self.packed_costs.get(n, c.cpu_s_per_token),
+                                                                         c.memory_per_partition, c.max_partitions)
+                                                          for n, c in self.costs.items()})
 
     def state_dict(self) -> dict[str, Any]:
         """What must outlive the operator process (kept in status.scaler): allocations, the moving averages, the
@@ -196,13 +251,15 @@ class MixtureScaler:
                 "alloc": {n: self.alloc[n] for n in self.order},
                 "history": {n: list(self.history[n]) for n in self.order},
                 "above": dict(self.above), "below": dict(self.below),
-                "costs": {n: self.costs[n].cpu_s_per_token for n in self.order}}
+                "costs": {n: self.costs[n].cpu_s_per_token for n in self.order},
+                "partitions": {n: int(self.partitions[n]) for n in self.order},
+                "repartitions": {n: w.to_json() for n, w in self.wanted.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s figures; a source the state does not name keeps its fresh values (a state of
         another set of sources is refused)."""
         names = set(self.order)
-        for key in ("alloc", "history", "above", "below", "costs", "packedCosts"):
+        for key in ("alloc", "history", "above", "below", "costs", "packedCosts", "partitions", "repartitions"):
             got = state.get(key) or {}
             if not isinstance(got, Mapping) or set(got) - names:
                 raise ValueError(f"status.scaler.{key}: sources {sorted(set(got) - names) if isinstance(got, Mapping) else got} "
@@ -219,6 +276,10 @@ class MixtureScaler:
             self.above[n] = int(v)
         for n, v in (state.get("below") or {}).items():
             self.below[n] = int(v)
+        for n, v in (state.get("partitions") or {}).items():  # re-partitions acknowledged (the spec says the first)
+            self.partitions[n] = int(v)
+        self.wanted = {n: RepartitionWanted(n, int(w["from"]), int(w["to"]), float(w["cores"]), int(w["interval"]))
+                       for n, w in (state.get("repartitions") or {}).items()}
         for n, v in (state.get("costs") or {}).items():
             c = self.costs[n]
             self.costs[n] = SourceCost(c.name, float(v), c.memory_per_partition, c.max_partitions)
