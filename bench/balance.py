@@ -87,6 +87,7 @@ LLAMA_12B = {"hidden": 4608, "layers": 45, "heads": 36, "ffn_hidden": 16384, "vo
 VIT_2B = {"hidden": 1664, "layers": 48, "heads": 16, "ffn_hidden": 8192, "vocab": 1, "gated_mlp": False}
 TEXT_WEIGHTS = {"code": 0.4, "man": 0.3, "docs": 0.3}
 LENGTHS_FILE = HERE / "data" / "demo_token_lengths.npz"
+CALIBRATION: dict | None = None  # --calibration: seconds per FLOP (mixplane calibrate) for both models
 BLOCK = 1 << 16
 DISTS = ("text", "coyo", "text-packed", "coyo-packed")
 IMAGE_DISTS = ("coyo", "navit")
@@ -230,13 +231,13 @@ def make_spec(gpus: int, bs: int, seq: int, dist: str, mesh: dict | None = None)
     mesh = mesh or MESHES[gpus]
     world = gpus
     modules = {"backbone": dict(mesh)}
-    model = {"backbone": LLAMA_12B}
+    model = {"backbone": {**LLAMA_12B, **({"calibration": CALIBRATION} if CALIBRATION else {})}}
     if dist in IMAGE_DISTS:
         sources = [{"name": dist, "uri": f"/bench/{dist}", "kind": "image_text", "tokenizer": "/bench/tok.json",
                     "columns": ["image", "caption"]}]
         weights = {dist: 1.0}
         modules["encoder"] = {"dp": world}
-        model["encoder"] = VIT_2B
+        model["encoder"] = {**VIT_2B, **({"calibration": CALIBRATION} if CALIBRATION else {})}
     else:
         sources = [{"name": n, "uri": f"/bench/{n}", "kind": "tokens"} for n in TEXT_WEIGHTS]
         weights = TEXT_WEIGHTS
@@ -361,7 +362,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a subset that ends within 60 s")
     ap.add_argument("--steps", type=int, default=None, help="steps planned per row (default 3, quick 1)")
     ap.add_argument("--recompute", action="store_true", help="rebuild the demo token counts")
+    ap.add_argument("--calibration", metavar="JSON", help="a calibration (mixplane calibrate's `calibration` object) "
+                    "applied to both models: costs, balancing and the simulated step are then in measured seconds")
     args = ap.parse_args()
+    global CALIBRATION
+    if args.calibration:
+        CALIBRATION = json.loads(Path(args.calibration).read_text())
     lengths = demo_lengths(args.recompute)
     if args.quick:
         grid = [(g, 144, s, d) for g in (288, 1152) for s in (4096, 16384) for d in DISTS]

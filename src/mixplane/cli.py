@@ -446,6 +446,42 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Time the model's kernels, fit the cost model's coefficients, print them and (--write) put them in the spec."""
+    import yaml
+
+    from mixplane.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.file)
+    except SpecError as e:
+        print("\n".join(f"{e.origin}: {p}" for p in e.problems), file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        from mixplane.calibrate import calibrate, with_calibration
+    except ImportError as e:  # torch is the client's extra
+        print(f"mixplane calibrate needs torch (pip install 'mixplane[torch]'): {e}", file=sys.stderr)
+        return 1
+    module = args.module or spec.topology.backbone()[0]
+    if module not in spec.topology.modules:
+        print(f"{args.file}: --module {module}: not a module of topology.modules ({', '.join(spec.topology.modules)})",
+              file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        cal, report = calibrate(spec, module, device=args.device, max_hidden=args.max_hidden,
+                                microbatch_count=args.microbatches, repeats=args.repeats)
+    except (ValueError, RuntimeError) as e:
+        print(f"{args.file}: calibration failed: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"calibration": cal.model_dump(mode="json"), "report": report}, indent=1))
+    if args.write:
+        doc = yaml.safe_load(Path(args.file).read_text())
+        out = with_calibration(doc, module, cal)
+        Path(args.write).write_text(yaml.safe_dump(out, sort_keys=False))
+        print(f"wrote {args.write} (model.{module}.calibration)", file=sys.stderr)
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     try:
         from mixplane.operator.main import run_operator
@@ -577,6 +613,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the result for the operator (compact, <= 4096 bytes: a pod's termination message), "
                          "or the error with credential-like environment values redacted")
     pf.set_defaults(fn=cmd_profile)
+
+    ca = sub.add_parser("calibrate", help="time the model's kernels with torch and fit the cost model's seconds per FLOP "
+                                          "(model.<module>.calibration)")
+    ca.add_argument("file")
+    ca.add_argument("--module", help="the module to calibrate (default: the backbone)")
+    ca.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+    ca.add_argument("--max-hidden", type=int, default=256,
+                    help="on a CPU, time a layer of at most this hidden size (hidden, heads and MLP shrunk by one factor)")
+    ca.add_argument("--microbatches", type=int, default=16, help="packed microbatches timed")
+    ca.add_argument("--repeats", type=int, default=3, help="runs per microbatch (the fastest counts)")
+    ca.add_argument("--write", metavar="FILE", help="write the spec with the calibration set to FILE")
+    ca.set_defaults(fn=cmd_calibrate)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator")
     op.add_argument("--namespace")

@@ -193,6 +193,14 @@ class TopologySpec(_Model):
         return None
 
 
+class CostCalibration(_Model):
+    linear_s_per_flop: float = Field(..., gt=0, description="Measured seconds per training FLOP of the token-wise work: projections, MLP, LM head (matrix multiplies).")
+    pair_s_per_flop: float = Field(..., gt=0, description="Measured seconds per training FLOP of attention scores and their weighted sum (the term quadratic in a document's length).")
+    document_s: float = Field(0.0, ge=0, description="Measured fixed seconds per document (attention segment) for the whole model: kernel launches and per-segment work that does not scale with its length.")
+    device: str = Field("", description="Where it was measured (`mixplane calibrate`: the torch device and its name).")
+    measured_hidden: int | None = Field(None, ge=1, description="The hidden size the kernels were timed at, when smaller than the model's (a CPU calibration of a large model); the coefficients are then applied to the model's own FLOP counts.")
+
+
 class ModelDims(_Model):
     hidden: int = Field(4096, ge=1, description="Hidden size.")
     layers: int = Field(32, ge=1, description="Transformer layers.")
@@ -202,6 +210,7 @@ class ModelDims(_Model):
     vocab: int = Field(32000, ge=1, description="Vocabulary size (the LM head's cost).")
     moe_topk: int = Field(1, ge=1, description="Experts per token (1 for dense).")
     gated_mlp: bool = Field(True, description="SwiGLU-style MLP with three matrices.")
+    calibration: CostCalibration | None = Field(None, description="Seconds per FLOP measured on the trainer's hardware (`mixplane calibrate` writes it): the cost model then predicts time, with the token-wise and attention terms weighted by how fast each runs, plus a fixed cost per document. Unset: FLOPs.")
 
 
 class StrategySpec(_Model):

@@ -98,3 +98,55 @@ def test_dims_come_from_the_spec():
     assert isinstance(resolve_cost(spec, "encoder"), EncoderCost)
     with pytest.raises(ValueError, match="unknown cost"):
         resolve_cost(spec, "flops")
+
+
+def test_a_calibration_turns_flops_into_seconds_per_term_and_document():
+    from mixplane.spec import CostCalibration
+
+    dims = ModelDims(hidden=64, layers=4, heads=4, vocab=1000)
+    plain = TransformerFlops.from_dims(dims)
+    cal = TransformerFlops.from_dims(dims.model_copy(update={"calibration": CostCalibration(
+        linear_s_per_flop=2e-12, pair_s_per_flop=8e-12, document_s=1e-4)}))
+    assert not plain.calibrated and cal.calibrated
+    assert cal.linear_flops_per_token == plain.linear_per_token and cal.pair_flops == plain.per_pair
+    L = np.array([0, 1, 100, 2048])
+    pairs = L * (L + 1) / 2
+    want = 2e-12 * plain.linear_per_token * L + 8e-12 * plain.per_pair * pairs + 1e-4 * (L > 0)
+    assert cal(L) == pytest.approx(want, rel=1e-12)
+    assert cal(L)[0] == 0.0  # an empty piece costs nothing, not a document's fixed cost
+
+
+def test_fit_calibration_recovers_the_coefficients_that_made_the_times():
+    from mixplane.planner.cost import fit_calibration, microbatch_features
+
+    f = TransformerFlops.from_dims(ModelDims(hidden=256, layers=1, heads=2, vocab=1), lm_head=False)
+    rng = np.random.default_rng(3)
+    docs = [[2048], [1024, 1024], [256] * 8, [64] * 32] + [list(rng.integers(16, 400, size=rng.integers(1, 6)))
+                                                          for _ in range(20)]
+    X = microbatch_features(f, docs)
+    assert X[0, 2] == 1 and X[3, 2] == 32 and X[0, 0] == pytest.approx(f.linear_flops_per_token * 2048)
+    truth = np.array([9e-12, 4e-11, 8e-4])
+    a, b, c = fit_calibration(X, X @ truth)
+    assert (a, b, c) == pytest.approx(tuple(truth), rel=1e-6)
+    noisy = X @ truth * rng.uniform(0.97, 1.03, len(docs))
+    a, b, c = fit_calibration(X, noisy)
+    assert a == pytest.approx(9e-12, rel=0.1) and b == pytest.approx(4e-11, rel=0.2) and c >= 0
+    a, b, c = fit_calibration(X, X[:, :2] @ truth[:2])  # no per-document cost: none is fitted
+    assert c == pytest.approx(0.0, abs=1e-9) and a == pytest.approx(9e-12, rel=1e-6)
+    with pytest.raises(ValueError, match="positive times"):
+        fit_calibration(X[:2], np.ones(2))
+    with pytest.raises(ValueError, match="positive times"):
+        fit_calibration(X, np.r_[0.0, np.ones(len(docs) - 1)])
+
+
+def test_without_a_measurable_attention_term_the_fit_says_so_or_falls_back_to_the_token_rate():
+    from mixplane.planner.cost import fit_calibration, microbatch_features
+
+    f = TransformerFlops.from_dims(ModelDims(hidden=64, layers=1, heads=2, vocab=1), lm_head=False)
+    docs = [[256], [128, 128], [64] * 4, [16] * 16, [100, 50], [30, 30, 30]]
+    X = microbatch_features(f, docs)
+    t = 1e-11 * X[:, 0] + 2e-4 * X[:, 2] - 1e-13 * X[:, 1]  # longer documents a little *cheaper*: no positive b
+    with pytest.raises(ValueError, match="do not determine"):
+        fit_calibration(X, t)
+    a, b, c = fit_calibration(X, t, pair_fallback=True)
+    assert a == b > 0 and c > 0

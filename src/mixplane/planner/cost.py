@@ -60,12 +60,23 @@ class TransformerFlops:
     causal: bool = True
     train_factor: float = 3.0
     kv_dim: float | None = None  # width of K and V (kv_heads x head_dim); None: hidden (no GQA)
+    # a calibration (spec model.<m>.calibration): seconds per FLOP of each term and per document; 1, 1, 0: FLOPs
+    linear_scale: float = 1.0
+    pair_scale: float = 1.0
+    per_document: float = 0.0
 
     @classmethod
     def from_dims(cls, dims: ModelDims, *, causal: bool = True, lm_head: bool = True) -> "TransformerFlops":
+        cal = dims.calibration
         return cls(hidden=dims.hidden, layers=dims.layers, ffn=default_ffn(dims),
                    vocab=dims.vocab if lm_head else 0, topk=dims.moe_topk, gated=dims.gated_mlp, causal=causal,
-                   kv_dim=kv_width(dims))
+                   kv_dim=kv_width(dims),
+                   **({} if cal is None else {"linear_scale": cal.linear_s_per_flop, "pair_scale": cal.pair_s_per_flop,
+                                              "per_document": cal.document_s}))
+
+    @property
+    def calibrated(self) -> bool:
+        return (self.linear_scale, self.pair_scale, self.per_document) != (1.0, 1.0, 0.0)
 
     @property
     def projection_per_token(self) -> float:
@@ -76,6 +87,12 @@ class TransformerFlops:
 
     @property
     def linear_per_token(self) -> float:
+        """Cost per token of everything but attention scores (FLOPs, or seconds when calibrated)."""
+        return self.linear_scale * self.linear_flops_per_token
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """Training FLOPs per token of everything but attention scores (uncalibrated)."""
         h = float(self.hidden)
         mats = 3.0 if self.gated else 2.0
         per_layer = self.projection_per_token + 2.0 * mats * h * self.ffn * self.topk
@@ -83,12 +100,19 @@ class TransformerFlops:
 
     @property
     def per_pair(self) -> float:
+        """Cost per (query, key) pair (FLOPs, or seconds when calibrated)."""
+        return self.pair_scale * self.pair_flops
+
+    @property
+    def pair_flops(self) -> float:
+        """Training FLOPs per (query, key) pair (uncalibrated)."""
         return self.train_factor * self.layers * 4.0 * float(self.hidden)
 
     def __call__(self, length: np.ndarray) -> np.ndarray:
         L = np.asarray(length, dtype=np.float64)
         pairs = L * (L + 1.0) * 0.5 if self.causal else L * L
-        return self.linear_per_token * L + self.per_pair * pairs
+        out = self.linear_per_token * L + self.per_pair * pairs
+        return out + self.per_document * (L > 0) if self.per_document else out
 
     def attention_share(self, length: float) -> float:
         """Fraction of a document's cost spent in attention scores (how quadratic it is)."""
@@ -175,3 +199,62 @@ def resolve_cost(spec: DataMixtureSpec, fn: Any) -> CostFn:
         obj = getattr(importlib.import_module(mod), attr)
         return obj(spec) if isinstance(obj, type) else obj
     raise ValueError(f"unknown cost function {fn!r} (backbone, encoder, tokens, pkg.mod:fn or a callable)")
+
+
+# ---- calibration: the cost model's coefficients from measured times (`mixplane calibrate`) --------------------
+def microbatch_features(flops: TransformerFlops, documents: "list[np.ndarray] | list[list[int]]") -> np.ndarray:
+    """Per microbatch (its documents' lengths): [token-wise training FLOPs, attention-pair FLOPs, documents] of
+    `flops`' model -- what calibration regresses measured seconds on."""
+    out = np.zeros((len(documents), 3), np.float64)
+    for i, docs in enumerate(documents):
+        L = np.asarray(docs, np.float64)
+        L = L[L > 0]
+        pairs = L * (L + 1.0) * 0.5 if flops.causal else L * L
+        out[i] = (flops.linear_flops_per_token * L.sum(), flops.pair_flops * pairs.sum(), float(len(L)))
+    return out
+
+
+def fit_calibration(features: np.ndarray, seconds: np.ndarray, *, pair_fallback: bool = False) -> tuple[float, float, float]:
+    """Seconds per token-wise FLOP, per pair FLOP and per document, >= 0 each, minimising the *relative* squared
+    error of the predicted microbatch times (with and without the per-document term; the better fit whose
+    coefficients are all >= 0 wins). ValueError when no positive cost per token-wise and per pair FLOP fits --
+    unless `pair_fallback`: then a pair FLOP is taken at the token-wise rate (the result's b == a says so)."""
+    X = np.asarray(features, np.float64)
+    t = np.asarray(seconds, np.float64)
+    if X.ndim != 2 or X.shape[1] != 3 or len(X) != len(t) or len(t) < 3 or not np.all(t > 0):
+        raise ValueError("calibration needs >= 3 microbatches with positive times and 3 features each")
+    w = 1.0 / t
+    best: tuple[float, np.ndarray] | None = None
+    for mask in ((0, 1, 2), (0, 1)):
+        cols = list(mask)
+        A = X[:, cols] * w[:, None]
+        scale = np.where(A.max(axis=0) > 0, A.max(axis=0), 1.0)
+        coef, *_ = np.linalg.lstsq(A / scale, np.ones_like(t), rcond=None)
+        coef = coef / scale
+        if np.any(coef < 0) or coef[0] <= 0 or coef[1] <= 0:
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        err = float(np.sum(((X @ full) / t - 1.0) ** 2))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    if best is None and pair_fallback:
+        # attention too small a share of these microbatches to be measured apart (tiny models, short documents):
+        # a pair FLOP is taken at the token-wise rate, the per-document cost still fitted
+        for fallback in ((0, 2), (0,)):
+            cols = list(fallback)
+            A = X[:, cols] * w[:, None]
+            scale = np.where(A.max(axis=0) > 0, A.max(axis=0), 1.0)
+            coef, *_ = np.linalg.lstsq(A / scale, np.ones_like(t), rcond=None)
+            coef = coef / scale
+            if np.all(coef >= 0) and coef[0] > 0:
+                full = np.zeros(3)
+                full[cols] = coef
+                full[1] = full[0]
+                best = (0.0, full)
+                break
+    if best is None:
+        raise ValueError("the measured times do not determine a positive cost per token-wise and per pair FLOP "
+                         "(too few or too noisy measurements: time longer documents)")
+    a, b, c = (float(x) for x in best[1])
+    return a, b, c
