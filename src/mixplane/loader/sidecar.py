@@ -4,6 +4,7 @@ never fatal: it is ignored and rebuilt."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -20,7 +21,7 @@ from mixplane.loader.files import BESIDE_DIR
 from mixplane.loader.pageindex import ColumnPages, FileIndex
 from mixplane.loader.pagereader import ColumnInfo
 
-INDEX_VERSION = 3
+INDEX_VERSION = 4  # 4: two .npz members (meta, data) instead of one per array
 
 
 def default_cache_dir() -> str | None:
@@ -98,21 +99,37 @@ def save_sidecar(fi: FileIndex, file: str) -> None:
 
 
 def _sidecar_arrays(fi: FileIndex) -> dict[str, np.ndarray]:
-    arrays: dict[str, np.ndarray] = {"rg_rows": fi.rg_rows}
+    """Two members, ``meta`` (JSON) and ``data`` (every array's bytes, 8-aligned, where ``meta["arrays"]`` says):
+    an .npz member costs a zip entry and a header parse on each load, so 13 small arrays per file made the
+    sidecars most of a warm start's time at 10^4-10^5 files (bench/startup.py)."""
+    schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
+                       + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
+    parts: list[tuple[str, np.ndarray]] = [("schema", np.frombuffer(schema.serialize().to_pybytes(), np.uint8)),
+                                           ("rg_rows", np.asarray(fi.rg_rows))]
+    for i, c in enumerate(fi.columns):
+        cp = fi.pages[c.name]
+        parts += [(f"{i}.{f}", np.ascontiguousarray(getattr(cp, f))) for f in ColumnPages.FIELDS]
+    layout, chunks, off = [], [], 0
+    for name, a in parts:
+        layout.append([name, a.dtype.str, int(a.size), off])
+        raw = a.tobytes()
+        pad = -len(raw) % 8
+        chunks.append(raw + b"\0" * pad)
+        off += len(raw) + pad
     meta = {"version": INDEX_VERSION, "path": fi.path, "size": fi.size, "mtime_ns": fi.mtime_ns, "num_rows": fi.num_rows,
             "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type, "type_length": c.type_length,
                          "max_def": c.max_def, "max_rep": c.max_rep, "list_def": c.list_def, "item_def": c.item_def,
                          "leaf_schema": c.leaf_schema.hex(), "struct_depth": c.struct_depth}
-                        for c in fi.columns]}
-    schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
-                       + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
-    arrays["schema"] = np.frombuffer(schema.serialize().to_pybytes(), np.uint8)
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    for i, c in enumerate(fi.columns):
-        cp = fi.pages[c.name]
-        for f in ColumnPages.FIELDS:
-            arrays[f"{i}.{f}"] = getattr(cp, f)
-    return arrays
+                        for c in fi.columns],
+            "arrays": layout}
+    return {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8),
+            "data": np.frombuffer(b"".join(chunks), np.uint8)}
+
+
+@functools.lru_cache(maxsize=64)
+def _schema(data: bytes) -> pa.Schema:
+    """The files of a source share their schema: read it once, not once per file."""
+    return pa.ipc.read_schema(pa.py_buffer(data))
 
 
 def load_sidecar(file: str | io.BytesIO, path: str, size: int, mtime_ns: int, columns: list[str]) -> FileIndex | None:
@@ -124,14 +141,21 @@ def load_sidecar(file: str | io.BytesIO, path: str, size: int, mtime_ns: int, co
             if (meta["version"] != INDEX_VERSION or meta["path"] != path or meta["size"] != size
                     or meta["mtime_ns"] != mtime_ns or [c["name"] for c in meta["columns"]] != list(columns)):
                 return None
-            schema = pa.ipc.read_schema(pa.py_buffer(bytes(z["schema"])))
-            cols, pages = [], {}
-            for i, c in enumerate(meta["columns"]):
-                c = dict(c, leaf_schema=bytes.fromhex(c["leaf_schema"]))
-                cols.append(ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type, **c))
-                pages[c["name"]] = ColumnPages(**{f: z[f"{i}.{f}"] for f in ColumnPages.FIELDS})
-            return FileIndex(path=path, size=size, mtime_ns=mtime_ns, num_rows=meta["num_rows"], rg_rows=z["rg_rows"],
-                             columns=cols, pages=pages)
+            data = z["data"]
+        arrays = {}
+        for name, dt, count, off in meta["arrays"]:
+            dtype = np.dtype(dt)
+            if off < 0 or off + count * dtype.itemsize > len(data):
+                return None
+            arrays[name] = data[off: off + count * dtype.itemsize].view(dtype)  # views of the one buffer read
+        schema = _schema(arrays["schema"].tobytes())
+        cols, pages = [], {}
+        for i, c in enumerate(meta["columns"]):
+            c = dict(c, leaf_schema=bytes.fromhex(c["leaf_schema"]))
+            cols.append(ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type, **c))
+            pages[c["name"]] = ColumnPages(**{f: arrays[f"{i}.{f}"] for f in ColumnPages.FIELDS})
+        return FileIndex(path=path, size=size, mtime_ns=mtime_ns, num_rows=meta["num_rows"], rg_rows=arrays["rg_rows"],
+                         columns=cols, pages=pages)
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError, pa.ArrowException, zlib.error):
         return None
     except Exception:  # a damaged sidecar is never fatal: rebuild it

@@ -1,0 +1,153 @@
+"""A source's files are indexed by a bounded pool of threads (issue 24): the index, the bad files and what each
+lost are exactly those of indexing one file after another, on real Parquet files, with the sidecar cache cold
+and warm; on an S3 server behind 100 ms of latency per request the pool overlaps the round trips."""
+
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.unit.loader_testdata import write_source
+from mixplane.loader import indexscan as scan
+from mixplane.loader.pagereader import IOStats
+from mixplane.loader.stream import open_stream
+from mixplane.spec import SourceSpec
+
+COLUMNS = ["text", "row"]
+
+
+def _source(tmp_path, nfiles=24):
+    """nfiles real files, with and without OffsetIndexes, one of each bad kind among them."""
+    d = str(tmp_path / "src")
+    paths, table = write_source(d, nfiles=nfiles, rows=300, row_group_size=120, page_index=[True, True, False])
+    with open(paths[3], "r+b") as f:  # corrupt footer length: not readable
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\xff\xff\xff\x7fPAR1")
+    open(paths[7], "wb").close()  # empty
+    t = pq.read_table(paths[11])  # a column of another type: a mismatch
+    pq.write_table(t.set_column(t.column_names.index("row"), "row", t.column("row").cast(pa.string())), paths[11])
+    pq.write_table(t.drop_columns(["text"]), paths[15])  # no column text
+    return d, paths
+
+
+def _build(paths, threads, monkeypatch, cache_dir=None, **kw):
+    monkeypatch.setenv("MIXPLANE_INDEX_THREADS", str(threads))
+    bad = []
+    idx = scan.build_source_index(paths, COLUMNS, cache_dir=cache_dir, on_bad=bad.append, **kw)
+    return idx, bad
+
+
+def _same(a, b):
+    assert [f.path for f in a.files] == [f.path for f in b.files]
+    assert a.fingerprint() == b.fingerprint() and a.num_rows == b.num_rows and a.num_units == b.num_units
+    for c in COLUMNS:
+        assert a.cols[c].keys() == b.cols[c].keys()
+        for k in a.cols[c]:
+            np.testing.assert_array_equal(a.cols[c][k], b.cols[c][k], err_msg=f"{c}.{k}")
+    assert list(a.bad_files) == list(b.bad_files)
+    assert [getattr(e, "pages_lost", None) for e in a.bad_files.values()] == \
+           [getattr(e, "pages_lost", None) for e in b.bad_files.values()]
+
+
+def test_pool_builds_exactly_the_sequential_index_bad_files_included(tmp_path, monkeypatch):
+    _, paths = _source(tmp_path)
+    one, bad1 = _build(paths, 1, monkeypatch)
+    many, bad8 = _build(paths, 8, monkeypatch)
+    _same(one, many)
+    assert set(one.bad_files) == {paths[3], paths[7], paths[11], paths[15]}
+    assert len(one.files) == len(paths) - 4
+    # reported as one by one: unreadable files in path order, then the type mismatch found against the majority
+    assert [e.file for e in bad1] == [e.file for e in bad8] == [paths[3], paths[7], paths[15], paths[11]]
+
+
+def test_pool_with_the_sidecar_cache_cold_then_warm(tmp_path, monkeypatch):
+    _, paths = _source(tmp_path)
+    ref, _ = _build(paths, 1, monkeypatch)
+    cache = str(tmp_path / "cache")
+    cold, _ = _build(paths, 6, monkeypatch, cache_dir=cache)
+    _same(ref, cold)
+    # one sidecar per readable file (the mismatched one too: it is refused against the source, not unreadable),
+    # none half written
+    assert sorted(n.split(".parquet.")[0] for n in os.listdir(cache)) == sorted(
+        os.path.basename(p)[: -len(".parquet")] for p in paths if p not in (paths[3], paths[7], paths[15]))
+    stats = IOStats()
+    warm, _ = _build(paths, 6, monkeypatch, cache_dir=cache, stats=stats)
+    _same(ref, warm)
+    # only the bad files are read again (a sidecar is kept only for a good file)
+    assert 0 < stats.reads and stats.bytes_read < sum(os.path.getsize(p) for p in paths) / 4
+
+
+def test_files_missing_or_changed_after_listing_are_bad_files_named_and_the_rest_indexed(tmp_path, monkeypatch):
+    from mixplane.loader.files import list_source_files
+
+    d, paths = _source(tmp_path, nfiles=16)
+    files = list_source_files(d)
+    os.remove(paths[5])  # gone between the listing and the read
+    with open(paths[9], "r+b") as f:  # rewritten shorter: the listing's size no longer holds
+        f.truncate(os.path.getsize(paths[9]) // 2)
+    one, _ = _build(files.paths, 1, monkeypatch, sizes=files.sizes, mtimes=files.mtimes_ns)
+    many, bad = _build(files.paths, 8, monkeypatch, sizes=files.sizes, mtimes=files.mtimes_ns)
+    _same(one, many)
+    assert {paths[5], paths[9]} <= set(many.bad_files)
+    assert any(paths[5] in str(e) for e in bad) and any(paths[9] in str(e) for e in bad)
+    assert len(many.files) == 16 - 6
+
+
+def test_index_threads_setting_is_checked(tmp_path, monkeypatch):
+    assert scan.index_workers(None, 1000) == scan.LOCAL_INDEX_THREADS
+    assert scan.index_workers(None, 2) == 2
+    monkeypatch.setenv("MIXPLANE_INDEX_THREADS", "0")
+    with pytest.raises(ValueError, match="MIXPLANE_INDEX_THREADS"):
+        scan.index_workers(None, 10)
+    monkeypatch.setenv("MIXPLANE_INDEX_THREADS", "many")
+    with pytest.raises(ValueError, match="MIXPLANE_INDEX_THREADS"):
+        scan.index_workers(None, 10)
+
+
+def test_stream_over_the_pool_delivers_what_the_sequential_stream_does(tmp_path, monkeypatch):
+    d, paths = _source(tmp_path, nfiles=16)
+    spec = SourceSpec(name="pool", uri=d, columns=COLUMNS, kind="text")
+    got = []
+    for threads in (1, 5):
+        monkeypatch.setenv("MIXPLANE_INDEX_THREADS", str(threads))
+        s = open_stream(spec, seed=3, buffer_rows=200, cache_dir=None)
+        r = s.take(2000)
+        got.append((r.keys.tolist(), r.columns["row"].to_pylist(), r.columns["text"].to_pylist(), s.quarantine.counts()))
+    assert got[0] == got[1]
+
+
+@pytest.mark.timeout(120)
+def test_pool_overlaps_round_trips_on_s3(tmp_path, monkeypatch):
+    from tests.s3server import MotoS3, S3Proxy, credentials_env
+    from mixplane.loader.files import list_source_files
+
+    for k, v in credentials_env().items():
+        monkeypatch.setenv(k, v)
+    server = MotoS3(process=True)  # its own process: the server does not share this interpreter's lock
+    proxy = None
+    try:
+        d = str(tmp_path / "src")
+        write_source(d, nfiles=16, rows=200, row_group_size=100)
+        server.upload_dir(d, "corpus", "pool")
+        proxy = S3Proxy(server.endpoint, latency_s=0.1)
+        files = list_source_files("s3://corpus/pool/", endpoint=proxy.endpoint)
+        assert len(files.paths) == 16
+        took = {}
+        for threads in (1, 16):
+            t0 = time.monotonic()
+            idx, bad = _build(files.paths, threads, monkeypatch, sizes=files.sizes, mtimes=files.mtimes_ns,
+                              filesystem=files.filesystem)
+            took[threads] = time.monotonic() - t0
+            assert not bad and len(idx.files) == 16
+            if threads == 1:
+                ref = idx
+        _same(ref, idx)
+        # >= 2 requests of >= 100 ms per file: 16 files one by one take >= 3.2 s; 16 at once about 2 round trips
+        assert took[1] >= 3.2 and took[16] < took[1] / 2, took
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        server.stop()
