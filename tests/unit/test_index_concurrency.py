@@ -151,3 +151,83 @@ def test_pool_overlaps_round_trips_on_s3(tmp_path, monkeypatch):
         if proxy is not None:
             proxy.stop()
         server.stop()
+
+
+def _good_source(tmp_path, nfiles=12):
+    d = str(tmp_path / "good")
+    paths, _ = write_source(d, nfiles=nfiles, rows=300, row_group_size=120, page_index=[True, False])
+    return paths
+
+
+def test_a_listing_seen_before_is_read_from_its_pack_alone(tmp_path, monkeypatch):
+    from mixplane.loader import sidecar
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    paths = _good_source(tmp_path)
+    ref, _ = _build(paths, 1, monkeypatch)
+    cache = tmp_path / "cache"
+    cold, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    _same(ref, cold)
+    packs = sorted(cache.glob(sidecar.PACK_PREFIX + "*.npz"))
+    assert len(packs) == 1
+    for p in cache.iterdir():  # only the pack left: the warm start reads it and nothing else
+        if p not in packs:
+            p.unlink()
+    stats = IOStats()
+    warm, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    _same(ref, warm)
+    assert stats.reads == 0 and stats.bytes_read == 0
+    assert [f.columns for f in warm.files] == [f.columns for f in ref.files]
+
+
+def test_a_changed_listing_or_a_damaged_pack_falls_back_to_the_files(tmp_path, monkeypatch):
+    from mixplane.loader import sidecar
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    paths = _good_source(tmp_path)
+    cache = tmp_path / "cache"
+    _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    (pack,) = cache.glob(sidecar.PACK_PREFIX + "*.npz")
+    # a file rewritten: another listing, another pack; the index is the new file's
+    t = pq.read_table(paths[4]).slice(0, 100)
+    pq.write_table(t, paths[4], row_group_size=50)
+    fresh, _ = _build(paths, 1, monkeypatch)
+    again, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    _same(fresh, again)
+    assert again.files[4].num_rows == 100 and len(list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))) == 2
+    # a damaged pack is ignored
+    (new_pack,) = set(cache.glob(sidecar.PACK_PREFIX + "*.npz")) - {pack}
+    new_pack.write_bytes(new_pack.read_bytes()[:200])
+    stats = IOStats()
+    damaged, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    _same(fresh, damaged)
+
+
+def test_no_pack_for_a_listing_with_a_bad_file(tmp_path, monkeypatch):
+    from mixplane.loader import sidecar
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    _, paths = _source(tmp_path)
+    cache = tmp_path / "cache"
+    _, bad = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    assert bad and not list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))
+    _, bad_again = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    assert [e.file for e in bad_again] == [e.file for e in bad]  # reported on every start
+
+
+def test_stream_from_a_pack_delivers_what_the_cold_stream_does(tmp_path, monkeypatch):
+    from mixplane.loader import sidecar
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    paths = _good_source(tmp_path)
+    spec = SourceSpec(name="pack", uri=os.path.dirname(paths[0]), columns=COLUMNS, kind="text")
+    cache = str(tmp_path / "cache")
+    got = []
+    for _ in range(2):  # cold (writes the pack), then warm (reads it)
+        stats = IOStats()
+        s = open_stream(spec, seed=5, buffer_rows=150, cache_dir=cache, stats=stats)
+        if got:
+            assert stats.reads == 0  # nothing read for the index
+        r = s.take(3000)
+        got.append((r.keys.tolist(), r.columns["row"].to_pylist(), r.columns["text"].to_pylist()))
+    assert got[0] == got[1]

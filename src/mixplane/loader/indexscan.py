@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from mixplane.loader import pagereader as pr
-from mixplane.loader import remote
+from mixplane.loader import remote, sidecar
 from mixplane.loader.pageindex import ColumnPages, FileIndex, SourceIndex
 from mixplane.loader.pagereader import (
     ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader,
@@ -335,7 +335,10 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
 
+    bad_now: list[str] = []
+
     def bad(path: str, e: ParquetError) -> None:
+        bad_now.append(path)
         idx.bad_files[path] = e
         if on_bad is not None:
             on_bad(e)
@@ -357,8 +360,13 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
         except ParquetError as e:
             return e
 
-    # every file's index in path order, whatever order the pool finishes them in: the same index as one by one
-    for (path, _, _), got in zip(ids, _in_order(one, ids, index_workers(filesystem, len(ids)))):
+    # a listing seen before: its pack holds every file's index (one read, not one per file)
+    pack = sidecar.pack_path(cache_dir, columns, ids) if cache_dir and len(ids) >= sidecar.PACK_MIN_FILES else None
+    packed = sidecar.load_pack(pack, columns, ids) if pack and os.path.exists(pack) else None
+    # else every file's index in path order, whatever order the pool finishes them in: the same as one by one
+    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, len(ids)))
+    any_bad_chunks = False
+    for (path, _, _), got in zip(ids, results):
         if isinstance(got, ParquetError):
             bad(path, got)
             continue
@@ -377,9 +385,15 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             bad(fi.path, e)
             continue
         for e in fi.bad_chunks:
+            any_bad_chunks = True
             if on_bad_chunk is not None:
                 on_bad_chunk(e)
     idx.finish()
+    if pack and packed is None and not any_bad_chunks and not bad_now and len(readable) == len(ids):
+        try:  # only a listing whose every file is good: a bad file is read (and reported) again on every start
+            sidecar.save_pack(readable, pack)
+        except OSError as e:
+            log.debug("cannot write the page-index pack %s: %s", pack, e)
     if kept:
         prune_stale_indexes(kept, current, filesystem)
     return idx

@@ -160,3 +160,105 @@ def load_sidecar(file: str | io.BytesIO, path: str, size: int, mtime_ns: int, co
         return None
     except Exception:  # a damaged sidecar is never fatal: rebuild it
         return None
+
+
+# ----------------------------------------------------------------------------------------------
+# a source's pack: the indexes of every file of one listing in one file
+
+PACK_PREFIX = "source-"
+PACK_MIN_FILES = 256  # smaller listings use the per-file sidecars only
+
+
+def pack_path(cache_dir: str, columns: list[str], ids: list[tuple[str, int, int]]) -> str:
+    """Where the pack of exactly these files (path, size, mtime, in this order) and columns is kept: the name is a
+    hash of them, so a warm start finds it from the listing alone, and any file added, removed or rewritten
+    makes it another pack (then the per-file sidecars still serve the unchanged files)."""
+    h = hashlib.sha256(f"v{INDEX_VERSION}|{','.join(columns)}\n".encode())
+    for p, s, m in ids:
+        h.update(f"{p}|{s}|{m}\n".encode())
+    return os.path.join(cache_dir, f"{PACK_PREFIX}{h.hexdigest()[:32]}.npz")
+
+
+def _column_meta(fi: FileIndex) -> str:
+    schema = pa.schema([pa.field(f"v{i}", c.value_type) for i, c in enumerate(fi.columns)]
+                       + [pa.field(f"a{i}", c.arrow_type) for i, c in enumerate(fi.columns)])
+    return json.dumps({"schema": schema.serialize().to_pybytes().hex(),
+                       "columns": [{"name": c.name, "leaf": c.leaf, "physical_type": c.physical_type,
+                                    "type_length": c.type_length, "max_def": c.max_def, "max_rep": c.max_rep,
+                                    "list_def": c.list_def, "item_def": c.item_def, "leaf_schema": c.leaf_schema.hex(),
+                                    "struct_depth": c.struct_depth} for c in fi.columns]})
+
+
+def save_pack(fis: list[FileIndex], file: str) -> None:
+    """One .npz for a whole listing: per file (path, size, mtime, rows, its column layout), and each array of
+    every file concatenated with its lengths -- one read instead of one per file on a warm start."""
+    layouts: dict[str, int] = {}
+    files = []
+    for fi in fis:
+        cm = _column_meta(fi)
+        files.append([fi.path, fi.size, fi.mtime_ns, fi.num_rows, layouts.setdefault(cm, len(layouts))])
+    ncols = len(fis[0].columns) if fis else 0
+    arrays: dict[str, np.ndarray] = {
+        "meta": np.frombuffer(json.dumps({"version": INDEX_VERSION, "files": files, "layouts": list(layouts)}).encode(),
+                              np.uint8),
+        "rg_rows": np.concatenate([fi.rg_rows for fi in fis]) if fis else np.zeros(0, np.int64),
+        "rg_rows.len": np.array([len(fi.rg_rows) for fi in fis], np.int64)}
+    for i in range(ncols):
+        for f in ColumnPages.FIELDS:
+            parts = [getattr(fi.pages[fi.columns[i].name], f) for fi in fis]
+            arrays[f"{i}.{f}"] = np.concatenate(parts)
+            arrays[f"{i}.{f}.len"] = np.array([len(a) for a in parts], np.int64)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            np.savez(out, **arrays)
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _split(data: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    ends = np.cumsum(lens).tolist()
+    starts = [0] + ends[:-1]
+    return [data[a:b] for a, b in zip(starts, ends)]
+
+
+def load_pack(file: str, columns: list[str], ids: list[tuple[str, int, int]]) -> list[FileIndex] | None:
+    """The indexes in a pack, if it holds exactly the files `ids` (path, size, mtime, in order) at these columns;
+    None when it is missing, damaged or another listing's (then the files are read one by one)."""
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            files = meta["files"]
+            if meta["version"] != INDEX_VERSION or len(files) != len(ids) or any(
+                    (f[0], f[1], f[2]) != t for f, t in zip(files, ids)):
+                return None
+            layouts = []
+            for text in meta["layouts"]:
+                lay = json.loads(text)
+                if [c["name"] for c in lay["columns"]] != list(columns):
+                    return None
+                schema = _schema(bytes.fromhex(lay["schema"]))
+                layouts.append([ColumnInfo(value_type=schema.field(f"v{i}").type, arrow_type=schema.field(f"a{i}").type,
+                                           **dict(c, leaf_schema=bytes.fromhex(c["leaf_schema"])))
+                                for i, c in enumerate(lay["columns"])])
+            rg = _split(z["rg_rows"], z["rg_rows.len"])
+            per = {(i, f): _split(z[f"{i}.{f}"], z[f"{i}.{f}.len"]) for i in range(len(columns)) for f in ColumnPages.FIELDS}
+        if len(rg) != len(files) or any(len(v) != len(files) for v in per.values()):
+            return None
+        out = []
+        for k, (path, size, mtime, rows, lay) in enumerate(files):
+            cols = layouts[lay]
+            pages = {c.name: ColumnPages(**{f: per[(i, f)][k] for f in ColumnPages.FIELDS}) for i, c in enumerate(cols)}
+            out.append(FileIndex(path=path, size=size, mtime_ns=mtime, num_rows=rows, rg_rows=rg[k], columns=cols,
+                                 pages=pages))
+        return out
+    except (OSError, ValueError, KeyError, TypeError, IndexError, json.JSONDecodeError, pa.ArrowException, zlib.error):
+        return None
+    except Exception:  # a damaged pack is never fatal: the files are indexed one by one
+        return None
