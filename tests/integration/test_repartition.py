@@ -6,6 +6,8 @@ or skipped; the longest trainer stall is measured."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import defaultdict
 
@@ -20,6 +22,7 @@ from mixplane.samples import key_epoch, key_row
 from mixplane.spec import parse_spec
 from tests.conftest import token_mixture, write_token_source
 from tests.integration.test_loader_restart import KEYS, RANKS, STEPS, Fetcher
+from tests.integration.test_runtime import fetch as fetch_with_states
 
 AT = 14  # the step the re-partition applies from
 ROWS_A = 160
@@ -57,9 +60,16 @@ def longest_gap(times, lo, hi):
     return max(float(np.max(np.diff(times[r][lo:hi]))) for r in range(RANKS))
 
 
-def test_repartition_of_a_running_source(small_a, tmp_path):
+@pytest.fixture(scope="module")
+def first_run(small_a, tmp_path_factory):
+    d = tmp_path_factory.mktemp("first")
+    return d, run(small_a, d / "a", 3)
+
+
+def test_repartition_of_a_running_source(small_a, first_run, tmp_path):
     root = small_a
-    got, times, entry, st, table, hosts_s = run(root, tmp_path / "a", 3)
+    base, (got, times, entry, st, table, hosts_s) = first_run
+    run_a = base / "a"
     assert entry["applied"] and entry["from"] == 2 and entry["partitions"] == 3 and entry["step"] == AT
     assert st["source_partitions"]["a"] == 3
     assert set(k for k in table["partitions"] if k.startswith("a:")) == {"a:0", "a:1", "a:2"}
@@ -90,7 +100,7 @@ def test_repartition_of_a_running_source(small_a, tmp_path):
     firsts = {k for k, v in spans.items() if 0 in v}
     # every epoch the re-partition's remainders finish (those before the new partitions' own first epoch E) has
     # every row started exactly once; later epochs are read by partitions at their own pace (no repeat: above)
-    journal = [json.loads(x) for x in (tmp_path / "a" / "journal.jsonl").read_text().splitlines() if x.strip()]
+    journal = [json.loads(x) for x in (run_a / "journal.jsonl").read_text().splitlines() if x.strip()]
     (rec,) = [x for x in journal if x.get("event") == "repartition"]
     assert rec["step"] == AT and rec["from"] == 2 and rec["partitions"] == 3 and len(rec["cursors"]) == 2
     spec = make_spec(root)
@@ -105,7 +115,7 @@ def test_repartition_of_a_running_source(small_a, tmp_path):
     # mixplane replay rebuilds steps around the change bit-exact from the journal
     for s in (AT - 1, AT, AT + 2, STEPS - 1):
         for r in range(RANKS):
-            out = replay_step(spec, step=s, rank=r, run_dir=str(tmp_path / "a"), save=str(tmp_path / f"r{s}-{r}.npz"))
+            out = replay_step(spec, step=s, rank=r, run_dir=str(run_a), save=str(tmp_path / f"r{s}-{r}.npz"))
             assert out["digest_match"], (s, r)
             saved = np.load(tmp_path / f"r{s}-{r}.npz")
             for k in ("input_ids", "segment_key", "segment_start"):
@@ -117,6 +127,60 @@ def test_repartition_of_a_running_source(small_a, tmp_path):
                                             "stall_s": round(stall, 3), "median_step_gap_s": round(steady, 3),
                                             "hosts_started_s": round(hosts_s, 2),
                                             "applied_after_s": entry["applied_after_s"]}))
+
+
+def test_loaders_killed_after_the_repartition_change_no_batch(small_a, first_run, tmp_path):
+    """SIGKILL the process of a new partition, then the one that kept partition 0, after the change: each restarted
+    process registers again, the planner hands it its new partition (with the records: the new read order) and has
+    it resend the steps in flight; every rank's batches equal the run without kills."""
+    _, (reference, *_rest) = first_run
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "kill") as rt:
+        ack = rt.repartition("a", 3, step=AT, wait=False)
+        assert ack["step"] == AT
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.02)
+        table = None
+        for after, part in ((AT + 8, "a:2"), (AT + 24, "a:0")):
+            deadline = time.monotonic() + 120
+            while fetch.delivered() < after and not fetch.errors:
+                assert time.monotonic() < deadline, "no progress"
+                time.sleep(0.01)
+            table = rt.partitions()
+            host = table["partitions"][part]["host"]
+            victim = next(c for c in rt.children if c.name == host)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait(10)
+            rt._spawn(victim.component)  # what the runtime's supervision does
+        got = fetch.join()
+        table = rt.partitions()
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(STEPS))
+        for s in range(STEPS):
+            for k in KEYS:
+                assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
+    assert table["partitions"]["a:2"]["epoch"] >= 2 and table["partitions"]["a:0"]["epoch"] >= 3
+
+
+def test_trainers_resume_from_a_state_taken_after_the_change_in_a_new_run(small_a, first_run, tmp_path):
+    """Every rank saves its state_dict after step AT + 6 of a re-partitioned run; a new run of the same spec (source a
+    in 2 partitions) resumes from those states: the planner adopts the cursor's partitioning (3 partitions, the
+    records' read orders) and every rank gets exactly the batches of the run that never stopped."""
+    _, (reference, *_rest) = first_run
+    save = AT + 6
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "one") as rt:
+        rt.repartition("a", 3, step=AT, wait=False)
+        states: dict = {"at": save}
+        fetch_with_states(rt.planner_endpoint, RANKS, save + 4, states=states)
+    assert set(states["saved"]) == set(range(RANKS))
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "two") as rt:
+        got = fetch_with_states(rt.planner_endpoint, RANKS, STEPS, start=states["saved"])
+        st = rt.status()
+    assert st["source_partitions"]["a"] == 3
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(save + 1, STEPS))
+        for b in got[r]:
+            s = int(b["step"])
+            for k in KEYS:
+                assert np.array_equal(b[k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
 
 
 def test_bad_requests_are_refused_naming_the_field(small_a, tmp_path):

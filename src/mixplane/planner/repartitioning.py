@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from mixplane.planner.partitions import HandoffError, PartitionKey
-from mixplane.repartition import MAX_PARTITIONS, RepartitionError
+from mixplane.repartition import MAX_PARTITIONS, RepartitionError, parse_partitioning
 from mixplane.wire import Kind, Message
 
 if TYPE_CHECKING:
@@ -176,6 +176,14 @@ class PlannerRepartition:
             return
         if self.journal is not None:
             self.journal.repartition(record)
+        self._retable(si, old, hosts, int(record["step"]))
+        req.update(applied=True, hosts=hosts, applied_after_s=round(time.monotonic() - t0, 4), applied_at=time.time())
+        log.warning("source %r re-partitioned from %d to %d partitions at step %d (hosts %s)", name, old,
+                    record["partitions"], record["step"], ", ".join(hosts))
+
+    def _retable(self, si: int, old: int, hosts: list[str], step: int) -> None:
+        """Source `si` is read by ``len(hosts)`` partitions from `step` on (the planner's windows are already
+        theirs): the old servers are released, the table takes the new partitions, their hosts are told to ADOPT."""
         now = time.monotonic()
         for r in range(old):  # the old servers delivered everything planned for them: released
             key = (si, r)
@@ -192,26 +200,33 @@ class PlannerRepartition:
         self._step_metrics = None  # per-window metrics: labelled again for the new windows
         moves = self.partitions.repartition(si, old, hosts)
         for k in range(len(hosts)):
-            self.inflight.since[(si, k)] = int(record["step"])
+            self.inflight.since[(si, k)] = step
         for mv in moves:
             self.apply_move(mv, "repartition")
-        req.update(applied=True, hosts=hosts, applied_after_s=round(now - t0, 4), applied_at=time.time())
-        log.warning("source %r re-partitioned from %d to %d partitions at step %d (hosts %s)", name, old,
-                    record["partitions"], record["step"], ", ".join(hosts))
 
-    def partitioning_problem(self, cursor: Any) -> str | None:
-        """Why the running loaders cannot serve a cursor (a trainer's RESUME): it was taken with other partitions
-        of a source than the ones running now (before a re-partition, or in a run re-partitioned otherwise). The
-        loader processes and the partition table follow the planner's re-partitions only forwards."""
-        theirs = cursor.get("partitioning") if isinstance(cursor, dict) else None
-        mine = {str(si): recs for si, recs in sorted(self.core.partitioning.items())}
-        if (theirs or {}) == mine:
-            return None
-        return ("the cursor was taken with other partitions of " + ", ".join(
-            repr(self.names[int(k)]) for k in sorted(set(mine) | set(theirs or {}), key=int)
-            if (theirs or {}).get(k) != mine.get(k)) + " than this run reads now ("
-            + ("re-partitioned at step " + ", ".join(str(r["step"]) for recs in mine.values() for r in recs)
-               if mine else "not re-partitioned") + "); a resume across a re-partition is not supported")
+    def partitioning_plan(self, cursor: Any) -> list[tuple[int, int, int, list[str]]]:
+        """A cursor taken with other partitions of a source than the running ones (a trainer resuming from a state
+        taken after a re-partition in a new run, or before one in this run): per such source (index, partitions now,
+        partitions of the cursor, their hosts), checked before anything changes (RepartitionError / HandoffError)."""
+        theirs = parse_partitioning(cursor.get("partitioning") if isinstance(cursor, dict) else None,
+                                    [s.replicas for s in self.spec.sources], self.names)
+        out = []
+        for si in sorted(set(theirs) | set(self.core.partitioning)):
+            if theirs.get(si, []) == self.core.partitioning.get(si, []):
+                continue
+            old = self.core.partitions(si)
+            new = int(theirs[si][-1]["partitions"]) if theirs.get(si) else int(self.spec.sources[si].replicas)
+            out.append((si, old, new, self._hosts_for(si, old, new, None)))
+        return out
+
+    def realign_partitions(self, plan: list[tuple[int, int, int, list[str]]]) -> None:
+        """After `core.restore` adopted a cursor's partitioning (`partitioning_plan`): the partition table and the
+        loader hosts follow it — the running partitions released, each of the cursor's opened by its host with the
+        cursor's records (its read order) under a new epoch."""
+        for si, old, new, hosts in plan:
+            self._retable(si, old, hosts, self.core.next_step)
+            log.warning("source %r: partitions %d -> %d to serve the resumed cursor (hosts %s)", self.names[si], old, new,
+                        ", ".join(hosts))
 
     def repartition_status(self) -> dict[str, Any]:
         return {"repartitions": [dict(r) for r in self.repartition_log[-REPARTITIONS_KEPT:]],

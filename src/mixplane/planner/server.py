@@ -509,15 +509,13 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             # planned (and may be gone), starts a new session that re-creates them.
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
-        problem = self.partitioning_problem(cursor)  # planner.repartitioning
-        if problem is not None:
-            self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {problem}"})
-            return
         try:
+            realign = self.partitioning_plan(cursor)  # another partitioning of a source (planner.repartitioning)
             kept = self.core.restore(cursor, keep_updates=True)
         except Exception as e:  # noqa: BLE001 - a peer's cursor must never take the planner down
             self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {e}"})
             return
+        self.realign_partitions(realign)
         self.session += 1
         self.session_start = json.loads(json.dumps(cursor))
         self.session_attempt = attempt
@@ -604,10 +602,12 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                 raise ValueError("the global batch must stay the same")
             strategy = resolve_strategy(new)
             step = int(cursor["step"])
+            realign = self.partitioning_plan(cursor)  # a cursor of another partitioning (planner.repartitioning)
             kept = self.core.restore(cursor, keep_updates=True)  # validates before changing anything
         except (SpecError, ValueError, KeyError, TypeError) as e:
             self._send(identity, Kind.ERROR, {"error": f"reshard rejected: {e}"})
             return
+        self.realign_partitions(realign)
         old = list(self.constructors.values())
         generation = self.core.generation + 1
         self.core.reconfigure(new, generation)
