@@ -231,3 +231,19 @@ def test_stream_from_a_pack_delivers_what_the_cold_stream_does(tmp_path, monkeyp
         r = s.take(3000)
         got.append((r.keys.tolist(), r.columns["row"].to_pylist(), r.columns["text"].to_pylist()))
     assert got[0] == got[1]
+
+
+def test_files_added_in_rounds_give_the_index_of_one_build(tmp_path, monkeypatch):
+    """A live source adds files to its index round by round: only the new files are folded in, and the arrays
+    are those of indexing every file at once."""
+    from mixplane.loader.pageindex import SourceIndex
+
+    paths = _good_source(tmp_path, nfiles=10)
+    whole, _ = _build(paths, 1, monkeypatch)
+    idx = SourceIndex(COLUMNS)
+    for lo, hi in ((0, 1), (1, 1), (1, 4), (4, 9), (9, 10)):
+        scan.build_source_index(paths[lo:hi], COLUMNS, cache_dir=None, index=idx)
+        part, _ = _build(paths[:hi], 1, monkeypatch)
+        _same(part, idx)
+    _same(whole, idx)
+    assert idx.unit_of_rows([0, idx.num_rows - 1]).tolist() == whole.unit_of_rows([0, whole.num_rows - 1]).tolist()

@@ -150,6 +150,10 @@ class SourceIndex:
         self.bad_files: dict[str, ParquetError] = {}
         self.col_info: list[ColumnInfo] | None = None
         self._file_cols: dict[tuple[int, str], ColumnInfo] = {}
+        self.file_row_start: np.ndarray = np.zeros(1, np.int64)
+        self.cols: dict[str, dict[str, np.ndarray]] = {}
+        self._folded = 0  # files already in the arrays (_rebuild folds in only those after them)
+        self._last_folded: FileIndex | None = None
         self._rebuild()
 
     # -- building --
@@ -205,19 +209,34 @@ class SourceIndex:
         total = sum(int(np.sum(self.cols[c]["chunk_raw_len"])) for c in self.columns if c in self.cols)
         return total / self.num_rows
 
+    _DTYPES = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
+               "chunk_dict_len": np.int32, "chunk_raw_len": np.int64, "chunk_row_start": np.int64, "chunk_rows": np.int64,
+               "unit_off": np.int64, "unit_len": np.int32, "unit_rows": np.int32, "unit_pages": np.int16,
+               "chunk_nunits": np.int64}
+
     def _rebuild(self) -> None:
+        """Fold the files added since the last call into the source's arrays. Only the new files are walked (a live
+        source that gains a few files to 10^5 indexed ones does not rebuild them all); files replaced or removed
+        since (never done by the loader) rebuild everything."""
         F = len(self.files)
-        self.file_row_start = np.zeros(F + 1, np.int64)
-        for i, f in enumerate(self.files):
-            self.file_row_start[i + 1] = self.file_row_start[i] + f.num_rows
-        self.num_rows = int(self.file_row_start[-1])
-        self.cols: dict[str, dict[str, np.ndarray]] = {}
+        k0 = self._folded
+        if k0 > F or (k0 and self.files[k0 - 1] is not self._last_folded):
+            k0 = 0
+        new = self.files[k0:]
+        starts = np.zeros(F + 1, np.int64)
+        if k0:
+            starts[: k0 + 1] = self.file_row_start[: k0 + 1]
+        if new:
+            starts[k0 + 1:] = starts[k0] + np.cumsum(np.array([f.num_rows for f in new], np.int64))
+        self.file_row_start = starts
+        self.num_rows = int(starts[-1])
+        old = self.cols if k0 else {}
+        self.cols = {}
         for c in self.columns:
-            parts: dict[str, list] = {k: [] for k in ("chunk_file", "chunk_rg", "chunk_codec", "chunk_dict_off",
-                                                      "chunk_dict_len", "chunk_raw_len", "chunk_row_start", "chunk_rows", "unit_off",
-                                                      "unit_len", "unit_rows", "unit_pages", "chunk_nunits")}
-            file_units = [0]
-            for fi_i, f in enumerate(self.files):
+            parts: dict[str, list] = {k: [] for k in self._DTYPES}
+            file_units = []
+            units = 0
+            for fi_i, f in enumerate(new, k0):
                 cp = f.pages[c]
                 rg_start = np.concatenate([[0], np.cumsum(f.rg_rows)])[:-1]
                 parts["chunk_file"].append(np.full(len(cp.chunk_rg), fi_i, np.int32))
@@ -226,25 +245,34 @@ class SourceIndex:
                 parts["chunk_dict_off"].append(cp.chunk_dict_off)
                 parts["chunk_dict_len"].append(cp.chunk_dict_len)
                 parts["chunk_raw_len"].append(cp.chunk_raw_len)
-                parts["chunk_row_start"].append(self.file_row_start[fi_i] + rg_start[cp.chunk_rg])
+                parts["chunk_row_start"].append(starts[fi_i] + rg_start[cp.chunk_rg])
                 parts["chunk_rows"].append(f.rg_rows[cp.chunk_rg])
                 parts["chunk_nunits"].append(np.diff(cp.chunk_first_unit))
                 for k in ("unit_off", "unit_len", "unit_rows", "unit_pages"):
                     parts[k].append(getattr(cp, k))
-                file_units.append(file_units[-1] + len(cp.unit_off))
-            dts = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
-                   "chunk_dict_len": np.int32, "chunk_raw_len": np.int64, "chunk_row_start": np.int64, "chunk_rows": np.int64, "unit_off": np.int64,
-                   "unit_len": np.int32, "unit_rows": np.int32, "unit_pages": np.int16, "chunk_nunits": np.int64}
-            a = {k: (np.concatenate(v).astype(dts[k]) if v else np.zeros(0, dts[k])) for k, v in parts.items()}
-            a["chunk_first_unit"] = np.concatenate([[0], np.cumsum(a.pop("chunk_nunits"))]).astype(np.int64)
-            a["file_first_unit"] = np.array(file_units, np.int64)
+                units += len(cp.unit_off)
+                file_units.append(units)
+            a = {k: (np.concatenate(v).astype(self._DTYPES[k]) if v else np.zeros(0, self._DTYPES[k])) for k, v in parts.items()}
+            prev = old.get(c)
+            u0 = int(prev["chunk_first_unit"][-1]) if prev is not None else 0
+            a["chunk_first_unit"] = u0 + np.concatenate([[0], np.cumsum(a.pop("chunk_nunits"))]).astype(np.int64)
+            a["file_first_unit"] = u0 + np.array([0] + file_units, np.int64)
             nun = len(a["unit_off"])
             # the source row of each unit's first row: chunk row start + rows of earlier units in the chunk
-            chunk_of_unit = np.repeat(np.arange(len(a["chunk_rg"])), np.diff(a["chunk_first_unit"]))
+            first = a["chunk_first_unit"] - u0
+            chunk_of_unit = np.repeat(np.arange(len(a["chunk_rg"])), np.diff(first))
             cum = np.concatenate([[0], np.cumsum(a["unit_rows"].astype(np.int64))])
             a["unit_row_start"] = (a["chunk_row_start"][chunk_of_unit] + cum[:-1]
-                                   - cum[a["chunk_first_unit"][chunk_of_unit]]) if nun else np.zeros(0, np.int64)
+                                   - cum[first[chunk_of_unit]]) if nun else np.zeros(0, np.int64)
+            if prev is not None:
+                for k, v in a.items():
+                    if k in ("chunk_first_unit", "file_first_unit"):  # both start with the previous part's end
+                        a[k] = np.concatenate([prev[k][:-1], v])
+                    else:
+                        a[k] = np.concatenate([prev[k], v])
             self.cols[c] = a
+        self._folded = F
+        self._last_folded = self.files[-1] if F else None
         p = self.cols[self.columns[0]] if self.columns else None
         self.primary = p
         self.num_units = len(p["unit_off"]) if p is not None else 0
