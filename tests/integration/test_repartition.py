@@ -17,7 +17,7 @@ import pytest
 from mixplane.loader.stream import open_stream
 from mixplane.repartition import layouts_after
 from mixplane.replay import replay_step
-from mixplane.runtime import EmbeddedRuntime
+from mixplane.runtime import EmbeddedRuntime, RestartPolicy
 from mixplane.samples import key_epoch, key_row
 from mixplane.spec import parse_spec
 from tests.conftest import token_mixture, write_token_source
@@ -181,6 +181,41 @@ def test_trainers_resume_from_a_state_taken_after_the_change_in_a_new_run(small_
             s = int(b["step"])
             for k in KEYS:
                 assert np.array_equal(b[k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
+
+
+def test_a_planner_killed_after_the_change_recovers_the_new_partitions(small_a, first_run, tmp_path):
+    """SIGKILL the planner after the re-partition; the restarted planner's table follows the journal's records, the
+    loader hosts registering again are handed their new partitions back, the recovery starts at or after the
+    re-partition's checkpoint, and every rank's batches equal the run without a kill."""
+    _, (reference, *_rest) = first_run
+    run_dir = tmp_path / "planner-kill"
+    rt = EmbeddedRuntime(make_spec(small_a), run_dir, restart=RestartPolicy(budget=2, window_s=600, backoff_s=0.1)).start()
+    try:
+        rt.supervise_in_background(0.1)
+        rt.repartition("a", 3, step=AT, wait=False)
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.02)
+        deadline = time.monotonic() + 120
+        while fetch.delivered() < AT + 10 and not fetch.errors:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.01)
+        victim = rt.child("planner")
+        old_pid = victim.proc.pid
+        os.kill(old_pid, signal.SIGKILL)
+        got = fetch.join()
+        rt.check()
+        assert rt.child("planner").proc.pid != old_pid
+        st = rt.status()
+    finally:
+        rt.stop()
+    log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
+    assert "the journal re-partitioned 'a' to 3 partitions" in log, log[-3000:]
+    assert "differs from the journal" not in log and "would re-plan across" not in log
+    assert st["source_partitions"]["a"] == 3
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(STEPS))
+        for s in range(STEPS):
+            for k in KEYS:
+                assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
 
 
 def test_bad_requests_are_refused_naming_the_field(small_a, tmp_path):

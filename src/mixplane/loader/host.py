@@ -116,6 +116,10 @@ class LoaderHost(PlannerFollower):
     def hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "host", "host": self.host_name,
                                              "partitions": [[si, r] for si, r in self.wants],
+                                             # what it serves or held for a re-partitioned source (a restarted
+                                             # planner may have told it to release already): handed back to it
+                                             "serving": [[si, r] for (si, r), ld in sorted(self.loaders.items())
+                                                         if ld.mode == "primary" or ld.partitioning],
                                              "shadow": self.launched_as_shadow})
         self.mark_hello()
 

@@ -45,6 +45,7 @@ class PartitionHosting:
     spec: Any
     core: StepPlanner
     names: list[str]
+    table_records: dict[int, list[dict[str, Any]]]  # planner.repartitioning
     loaders: dict[tuple[int, int], bytes]
     constructors: dict[int, Any]
     pending_loader_welcome: set[tuple[int, int]]
@@ -96,7 +97,7 @@ class PartitionHosting:
     def partitioning_meta(self, key: PartitionKey) -> dict[str, Any]:
         """What ADOPT carries for a partition of a re-partitioned source: the source's re-partition records, from
         which the host builds the partition's read order (mixplane.repartition); nothing for the others."""
-        recs = self.core.partitioning.get(key[0])
+        recs = self.table_records.get(key[0])
         return {"partitioning": recs} if recs else {}
 
     def partition_name(self, key: PartitionKey) -> str:
@@ -158,10 +159,14 @@ class PartitionHosting:
             if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
                 raise WireError("HELLO (host): field 'partitions' must be a list of [source, replica]")
             wants.append((int(p[0]), int(p[1])))
-        if self.core.partitioning:  # re-partitioned sources: what the table gives this host now, not its launch list
-            moved = set(self.core.partitioning)
+        if self.table_records:  # re-partitioned sources: what the table gives this host, not its launch list
+            moved = set(self.table_records)
+            serving = msg.meta.get("serving", [])  # after a planner restart: what it served (planner.repartitioning)
+            had = {(int(p[0]), int(p[1])) for p in serving if isinstance(p, list) and len(p) == 2
+                   and all(isinstance(x, int) and not isinstance(x, bool) for x in p)} if isinstance(serving, list) else set()
             wants = [k for k in wants if k[0] not in moved] + \
-                [k for k, a in sorted(self.partitions.parts.items()) if k[0] in moved and a.host == name]
+                [k for k, a in sorted(self.partitions.parts.items()) if k[0] in moved
+                 and (a.host == name or (a.host is None and k in had))]
         shadow = bool(msg.meta.get("shadow", False))
         if name in self.host_ids and self.host_ids[name] != identity:
             log.warning("loader host %s registered again (restart?)", name)

@@ -163,6 +163,11 @@ class Journal:
             rec["reshard_id"] = reshard_id
         self._write(rec)
 
+    def checkpoint(self, cursor: dict[str, Any]) -> None:
+        """A checkpoint out of turn: the cursor before step ``cursor['step']`` (a re-partition writes one at its step,
+        so a recovery or replay after it never has to plan across it)."""
+        self._write({"event": "checkpoint", "step": int(cursor["step"]), "session": self._session, **cursor_field(cursor)})
+
     def repartition(self, record: dict[str, Any]) -> None:
         """A re-partition (StepPlanner.repartition's record), applied before step ``record['step']``."""
         self._write({**record, "event": "repartition", "session": self._session})

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from mixplane.planner.partitions import HandoffError, PartitionKey
+from mixplane.planner.partitions import Assignment, HandoffError, PartitionKey
 from mixplane.repartition import MAX_PARTITIONS, RepartitionError, parse_partitioning
 from mixplane.wire import Kind, Message
 
@@ -69,6 +69,9 @@ class PlannerRepartition:
         raise NotImplementedError
 
     def init_repartitioning(self) -> None:
+        # the re-partitions the partition table and the loader hosts follow (source -> records): the planner's own
+        # after a change; after a restart, the journal's, while the core still stands at the session's start
+        self.table_records: dict[int, list[dict[str, Any]]] = {}
         self.pending_repartitions: dict[int, dict[str, Any]] = {}  # source -> the request waiting for its step
         self.repartition_log: list[dict[str, Any]] = []  # accepted and applied, for STATUS (bounded)
 
@@ -176,6 +179,7 @@ class PlannerRepartition:
             return
         if self.journal is not None:
             self.journal.repartition(record)
+            self.journal.checkpoint(self.core.cursor())  # a recovery after this never re-plans across it
         self._retable(si, old, hosts, int(record["step"]))
         req.update(applied=True, hosts=hosts, applied_after_s=round(time.monotonic() - t0, 4), applied_at=time.time())
         log.warning("source %r re-partitioned from %d to %d partitions at step %d (hosts %s)", name, old,
@@ -198,6 +202,7 @@ class PlannerRepartition:
                 self.retired_loaders[ident] = (key, epoch, now)
                 self._release(ident, key, epoch)
         self._step_metrics = None  # per-window metrics: labelled again for the new windows
+        self.table_records = {k: list(v) for k, v in self.core.partitioning.items()}
         moves = self.partitions.repartition(si, old, hosts)
         for k in range(len(hosts)):
             self.inflight.since[(si, k)] = step
@@ -227,6 +232,52 @@ class PlannerRepartition:
             self._retable(si, old, hosts, self.core.next_step)
             log.warning("source %r: partitions %d -> %d to serve the resumed cursor (hosts %s)", self.names[si], old, new,
                         ", ".join(hosts))
+
+    # -- a restarted planner ----------------------------------------------------------------------------------
+    def journaled_partitioning(self, records: list[dict[str, Any]]) -> None:
+        """After a restart (the session adopted from the journal): the partition table takes the partitions the
+        session ended with -- its start cursor's, then every `repartition` record of the session -- so the loader
+        hosts registering again are handed the partitions they serve (with the records). The planner's windows
+        follow when the recovery restores its anchor (a re-partition writes one at its step)."""
+        starts = [i for i, r in enumerate(records) if r.get("event") in ("open", "resume")]
+        if not starts:
+            return
+        i0 = starts[-1]
+        session = int(records[i0].get("session", 0))
+        replicas = [s.replicas for s in self.spec.sources]
+        try:
+            final = parse_partitioning(records[i0]["cursor"].get("partitioning"), replicas, self.names)
+            for r in records[i0 + 1:]:
+                if r.get("event") == "repartition" and int(r.get("session", session)) == session:
+                    si = int(r["source"])
+                    final[si] = [*final.get(si, []), r]
+            final = parse_partitioning({str(k): v for k, v in final.items()}, replicas, self.names) if final else {}
+        except (RepartitionError, KeyError, TypeError, ValueError) as e:
+            log.error("the journal's re-partitions cannot be read (%s): the table follows the spec", e)
+            return
+        if not final:
+            return
+        base = int(time.time())  # above any epoch the predecessor handed out, as planner recovery does
+        for si, recs in final.items():
+            self.partitions.repartition(si, int(self.spec.sources[si].replicas), [])
+            for k in range(int(recs[-1]["partitions"])):
+                self.partitions.parts[(si, k)] = Assignment(epoch=base)
+        self.table_records = final
+        log.warning("the journal re-partitioned %s: the partition table follows it", ", ".join(
+            f"{self.names[si]!r} to {recs[-1]['partitions']} partitions" for si, recs in sorted(final.items())))
+
+    def recovery_anchor(self, anchor: Any, anchors: list[Any]) -> Any:
+        """A recovery that would re-plan across a re-partition (a constructor lost steps before it) starts at the
+        re-partition's own checkpoint instead: the loaders serve only the new partitions now. Logged: the steps
+        before it cannot be rebuilt for that constructor."""
+        mine = anchor.cursor.get("partitioning") or {}
+        later = [a for a in anchors if a.step > anchor.step and (a.cursor.get("partitioning") or {}) != mine]
+        if not later:
+            return anchor
+        first = min(later, key=lambda a: (a.step, -a.index))
+        log.error("recovery from step %d would re-plan across the re-partition at step %d: re-planning from step %d "
+                  "(a constructor missing earlier steps cannot get them again)", anchor.step, first.step, first.step)
+        return first
 
     def repartition_status(self) -> dict[str, Any]:
         return {"repartitions": [dict(r) for r in self.repartition_log[-REPARTITIONS_KEPT:]],

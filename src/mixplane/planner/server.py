@@ -205,6 +205,10 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                 self._adopt_session(self.recovering)
                 self._restore_losses(path)
                 self._journaled_reshards(path)
+                try:  # the partitions the session ended with (planner.repartitioning)
+                    self.journaled_partitioning(journal_file.read_journal(path))
+                except (JournalError, OSError, ValueError) as e:
+                    log.error("re-partitions in %s not read (%s): the partition table follows the spec", path, e)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
         # resuming from one of them rejoins the session instead of rewinding every rank; bounded)
         self.cursor_digests: dict[int, bytes] = {}
@@ -961,6 +965,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         held = [c for ci, c in sorted(self.hello_cursor.items()) if self.hello_complete.get(ci) == first - 1]
         if held and first > anchor.step and self.recovering_cursor_ok(held[0], first):
             anchor = Anchor(first, held[0], "constructor", -1)
+        anchor = self.recovery_anchor(anchor, st.anchors)  # never across a re-partition (planner.repartitioning)
         self.core.restore(anchor.cursor)
         gen = cursor_generation(anchor.cursor)
         self.replay_updates = st.updates_after(gen)
