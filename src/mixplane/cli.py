@@ -482,6 +482,41 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prep(args: argparse.Namespace) -> int:
+    """Offline stages on Spark: `dedup` (weighted MinHash, LSH, vertex cover) and `depsort` (dependency order)."""
+    try:
+        from mixplane.prep import spark as prep
+    except ImportError as e:
+        print(f"mixplane prep needs pyspark and a JDK: {e}", file=sys.stderr)
+        return 1
+    sess = prep.session(master=args.master)
+    try:
+        df = sess.read.parquet(args.input)
+        need = {"dedup": ["id", "text"] + (["repo", "fork", "stars"] if getattr(args, "repo_level", False) else []),
+                "depsort": ["repo", "path", "text"]}[args.stage]
+        missing = [c for c in need if c not in df.columns]
+        if missing:
+            print(f"{args.input}: column(s) {', '.join(missing)} missing (has {', '.join(df.columns)})", file=sys.stderr)
+            return EXIT_INVALID
+        if args.stage == "depsort":
+            prep.depsort(df).join(df, ["repo", "path"]).orderBy("repo", "order").write.mode("overwrite").parquet(args.output)
+            print(json.dumps({"stage": "depsort", "output": args.output}))
+            return 0
+        opts = prep.DedupOptions(num_hashes=args.num_hashes, seed=args.seed, code=args.code)
+        reports = []
+        for th, (kept, report) in prep.dedup(df, sorted(set(args.threshold)), opts, repo_level=args.repo_level).items():
+            out = args.output if len(args.threshold) == 1 else f"{args.output.rstrip('/')}/threshold={th}"
+            kept.write.mode("overwrite").parquet(out)
+            reports.append({**report, "output": out})
+        print(json.dumps(reports))
+        return 0
+    except ValueError as e:
+        print(f"{args.input}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    finally:
+        sess.stop()
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     try:
         from mixplane.operator.main import run_operator
@@ -625,6 +660,25 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--repeats", type=int, default=3, help="runs per microbatch (the fastest counts)")
     ca.add_argument("--write", metavar="FILE", help="write the spec with the calibration set to FILE")
     ca.set_defaults(fn=cmd_calibrate)
+
+    pr = sub.add_parser("prep", help="offline stages on Spark that write Parquet for the loaders: dedup, depsort")
+    prs = pr.add_subparsers(dest="stage", required=True)
+    dd = prs.add_parser("dedup", help="near-duplicate removal: weighted MinHash, LSH, connected components, vertex cover")
+    dd.add_argument("input", help="Parquet with columns id, text (and repo, fork, stars for --repo-level)")
+    dd.add_argument("output", help="Parquet directory of the kept rows (one per threshold under it when several)")
+    dd.add_argument("--threshold", type=float, action="append", required=True,
+                    help="weighted Jaccard similarity at which documents are near-duplicates (repeatable)")
+    dd.add_argument("--repo-level", action="store_true", help="keep or drop whole repositories (originals over forks)")
+    dd.add_argument("--code", action="store_true", help="code tokens (identifiers, numbers, punctuation) instead of words")
+    dd.add_argument("--num-hashes", type=int, default=128)
+    dd.add_argument("--seed", type=int, default=1)
+    dd.add_argument("--master", default="local[*]", help="Spark master (local[*], spark://..., k8s://...)")
+    dd.set_defaults(fn=cmd_prep)
+    ds = prs.add_parser("depsort", help="each repository's files in dependency order (Python syntax trees)")
+    ds.add_argument("input", help="Parquet with columns repo, path, text")
+    ds.add_argument("output", help="Parquet directory: the rows with their `order`, sorted by repo and order")
+    ds.add_argument("--master", default="local[*]")
+    ds.set_defaults(fn=cmd_prep)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator")
     op.add_argument("--namespace")
