@@ -38,6 +38,7 @@ from mixplane.wire import Kind
 
 log = logging.getLogger("mixplane.runtime")
 READY_TIMEOUT_S = 120.0
+RESTART_WAIT_S = 0.5  # supervise() waits this long for the components it restarted (a standby's take-over)
 KEY_ROLES = ("server", "component", "client", "admin")
 MAX_RANK_KEYS = 4096  # embedded runs generate one client key per trainer rank up to this world size  # binding sockets present `server`; peers their role's pair
 CLIENT_ENV = ("MIXPLANE_CURVE_DIR", "MIXPLANE_CURVE_NAME")
@@ -62,6 +63,7 @@ class Child:
     restart_at: float | None = None  # when a restart of this dead child is due
     started: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # when its ready file appeared (how long it ran healthy counts from there)
+    starting: bool = False  # a restarted incarnation whose ready file has not appeared yet (supervise() looks)
     exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
 
 
@@ -93,7 +95,7 @@ class RestartPolicy:
     backoff_max_s: float = 10.0
     stable_s: float = 5.0
     standby: bool = True
-    standby_after_s: float = 1.0
+    standby_after_s: float = 0.5
     roles: tuple[str, ...] = ("planner", "constructor", "loader")
     # a component silent this long (planner STATUS `silent`; the planner itself: no answer to STATUS) is hung:
     # it is killed (SIGKILL) and restarted like a dead one. None: hangs are reported, not acted on
@@ -283,11 +285,13 @@ class EmbeddedRuntime:
             self._spawn_standby()
 
     def _take_standby(self, comp: Component, now: float) -> Child | None:
-        """Hand `comp` to the warm standby when one is prepared (its ready file): it becomes the component as a
-        new `python -m mixplane.cli` would. None: no standby ready (start a new process instead)."""
+        """Hand `comp` to the warm standby: it becomes the component as a new `python -m mixplane.cli` would. A
+        standby still preparing takes the order too (it reads it once prepared: always sooner than a new process,
+        which would prepare from the start). None: no standby (start a new process instead)."""
         sb = self._standby
-        if sb is None or sb.poll() is not None or sb.stdin is None or read_ready(self._standby_ready_file) is None:
+        if sb is None or sb.poll() is not None or sb.stdin is None:
             return None
+        prepared = read_ready(self._standby_ready_file) is not None
         ready = Path(comp.ready_file)
         ready.unlink(missing_ok=True)
         order = {"argv": ["--log-level", self.log_level, *comp.args], "env": {**os.environ, **comp.env},
@@ -306,7 +310,7 @@ class EmbeddedRuntime:
             return None
         c = Child(comp.name, sb, ready, component=comp)
         self.children.append(c)
-        log.info("%s: the warm standby (pid %d) takes over", comp.name, sb.pid)
+        log.info("%s: the warm standby (pid %d, %s) takes over", comp.name, sb.pid, "prepared" if prepared else "preparing")
         return c
 
     def _stop_standby(self) -> None:
@@ -502,7 +506,7 @@ class EmbeddedRuntime:
         if hang is not None and self.planner_endpoint and now >= self._next_hang_check:
             self._next_hang_check = now + min(1.0, hang / 4)
             self._kill_hung(now)
-        restarted = []
+        restarted = self._started(now)
         self._tend_standby(now)
         for i, c in enumerate(self.children):
             code = c.proc.poll()
@@ -532,22 +536,45 @@ class EmbeddedRuntime:
                 fresh.restarts = [*c.restarts, now]
                 fresh.exit_codes = [*c.exit_codes, code]
                 fresh.info = dict(c.info)  # its endpoints: pinned, the same as its predecessor's
-                try:
-                    self._wait_ready([fresh])
-                except (RuntimeError, TimeoutError) as e:
-                    # it died (or hung) while starting: another exit of the component, restarted by the policy
-                    # on the next look (its budget counts it), not the end of supervision
-                    if fresh.proc.poll() is None:
-                        fresh.proc.kill()
-                        fresh.proc.wait(10)
-                    log.warning("%s did not start: %s", c.name, str(e).splitlines()[0])
-                    continue
-                fresh.info = {**c.info, **fresh.info}
-                restarted.append(c.name)
-                log.warning("%s restarted (pid %d, restart %d)", c.name, fresh.proc.pid, len(fresh.restarts))
+                fresh.starting = True
+        # not waited for here: another component that died meanwhile is restarted at once, not after this one
+        # started (a new interpreter takes seconds on a loaded machine)
+        restarted += self._started(time.monotonic(), wait_s=RESTART_WAIT_S)
         if restarted:
             self._write_endpoints()
         return restarted
+
+    def _started(self, now: float, wait_s: float = 0.0) -> list[str]:
+        """The restarted incarnations that announced themselves ready (within `wait_s`: a standby takes over in
+        ~0.1 s); one that died while starting is another exit (restarted by the policy on the next look, its
+        budget counts it), one not ready after READY_TIMEOUT_S is killed (likewise)."""
+        done: list[str] = []
+        deadline = now + wait_s
+        while True:
+            pending = False
+            for c in self.children:
+                if not c.starting:
+                    continue
+                info = read_ready(c.ready_file)
+                if info is not None:
+                    c.starting, c.ready_at = False, time.monotonic()
+                    c.info = {**c.info, **info}
+                    done.append(c.name)
+                    log.warning("%s restarted (pid %d, restart %d)", c.name, c.proc.pid, len(c.restarts))
+                elif c.proc.poll() is not None:
+                    c.starting = False
+                    log.warning("%s did not start: exited with code %s while starting (see %s)", c.name,
+                                c.proc.returncode, self.run_dir / "logs" / f"{c.name}.log")
+                elif time.monotonic() - c.started > READY_TIMEOUT_S:
+                    c.starting = False
+                    log.warning("%s did not start: not ready after %.0fs; killing it", c.name, READY_TIMEOUT_S)
+                    c.proc.kill()
+                    c.proc.wait(10)
+                else:
+                    pending = True
+            if not pending or time.monotonic() >= deadline or self._stop_supervising.is_set():
+                return done
+            time.sleep(0.01)
 
     def reshard(self, topology: dict[str, Any], state: dict[str, Any] | None = None, *, attempt: str | None = None,
                 reshard_id: str | None = None, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -210,6 +210,30 @@ def test_a_warm_standby_takes_over_a_dead_planner_without_backoff(token_sources,
     print(json.dumps({"standby_planner_restart_s": round(restart_s, 3)}))
 
 
+def test_components_that_die_together_are_restarted_together(token_sources, tmp_path, reference):
+    """Supervision does not wait for one restarted component to be ready before it restarts the next: a
+    constructor and a loader SIGKILLed together (no standby: both start new interpreters, seconds on a loaded
+    machine) are started again in the same look, and the batches are those of a failure-free run."""
+    policy = RestartPolicy(budget=2, window_s=600, backoff_s=0.1, standby=False)
+    rt = EmbeddedRuntime(spec(token_sources["root"]), tmp_path / "together", restart=policy).start()
+    try:
+        rt.supervise_in_background(0.1)
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.05)
+        fetch.wait_for(KILL_AFTER)
+        victims = [rt.child("constructor-0"), rt.child("loader-a-0")]
+        for v in victims:
+            os.kill(v.proc.pid, signal.SIGKILL)
+        got = fetch.join()
+        rt.check()
+        fresh = [rt.child(v.name) for v in victims]
+    finally:
+        rt.stop()
+    assert_identical(got, reference)
+    assert all(f.exit_codes == [-signal.SIGKILL] and f.ready_at is not None for f in fresh)
+    # restarted in the same look (a blocking restart would start the second one after the first was ready)
+    assert abs(fresh[0].started - fresh[1].started) < 0.3, [f.started for f in fresh]
+
+
 def test_constructor_sigkill_mid_run_is_rebuilt_with_identical_batches(token_sources, tmp_path, reference):
     run_dir = tmp_path / "constructor-kill"
     _, first, gap, rt = kill_mid_run(token_sources, run_dir, "constructor", reference, hold_loader_s=1.0)
