@@ -27,7 +27,8 @@ the look-ahead for more steps to cover a recovery (`--independent-ranks`: no bar
 
 The runtime runs at the documented defaults (`journal_every` 100, `prefetch_s` 10, `max_lead_steps` 32,
 `heartbeat_s` 2, `failover_after_s` 1; only `window` 64 and metrics off) and is supervised as `mixplane run`
-supervises: a thread, the default restart backoff (the budget is unlimited).
+supervises: a thread, the default restart backoff and its warm standby process (the budget is unlimited;
+`--no-standby`: every restart starts a new interpreter).
 
 Every trainer rank writes, per step, the (step, rank) it received, its segments (source, key, start,
 length) and a digest of its tokens, together with its state_dict (one line, so a SIGKILL never separates
@@ -385,7 +386,7 @@ class Run:
         # supervision as `mixplane run` does it: its default backoff, on a thread of its own (the budget is
         # unlimited: the run kills far more often than the default 3 restarts per 5 minutes)
         policy = RestartPolicy(budget=10_000, roles=tuple(r for r in ("loader", "constructor", "planner")
-                                                          if r in self.args.supervised))
+                                                          if r in self.args.supervised), standby=not self.args.no_standby)
         self.rt = EmbeddedRuntime(self.spec, self.dir / "run", restart=policy, log_level="WARNING").start()
         self.rt.supervise_in_background(0.2)
         self.barrier = None if self.args.independent_ranks else StepBarrier()
@@ -551,6 +552,8 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=24, help="component kills scheduled (the trainer restart is extra)")
     ap.add_argument("--roles", default="loader,shadow,constructor,planner", help="roles that may be killed")
     ap.add_argument("--supervised", default="loader,constructor,planner", help="roles the runtime restarts (comma list)")
+    ap.add_argument("--no-standby", action="store_true", help="no warm standby process (mixplane run --no-standby): "
+                    "every restart starts a new interpreter")
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--compute-s", type=float, default=0.25, help="simulated training time per step (s)")
     ap.add_argument("--independent-ranks", action="store_true",
@@ -633,7 +636,7 @@ def main() -> int:
         "reference_wall_s": round(ref_wall, 2), "chaos_wall_s": round(chaos_wall, 2),
         "reshard_s": [round(ref.reshard_s, 2), round(chaos.reshard_s, 2)],
         "ranks": RANKS, "dp_change": [RANKS, RESHARD_DP, chaos.reshard_at], "compute_s": args.compute_s,
-        "supervised": args.supervised, "shadows": args.shadows, "synchronous_ranks": not args.independent_ranks,
+        "supervised": args.supervised, "standby": not args.no_standby, "shadows": args.shadows, "synchronous_ranks": not args.independent_ranks,
         "prefetch_s": spec.runtime.prefetch_s, "journal_every": spec.runtime.journal_every,
         "heartbeat_s": spec.runtime.heartbeat_s, "checkpoint_every": args.checkpoint_every,
         "lookahead_plus_2_s": round(min(spec.runtime.prefetch_s, spec.runtime.max_lead_steps * args.compute_s) + 2, 3),

@@ -80,10 +80,10 @@ class Ranks:
 class Embedded:
     """The runtime in this process, supervised on its own thread (what `mixplane run` does)."""
 
-    def __init__(self, spec: Any, run_dir: Path):
+    def __init__(self, spec: Any, run_dir: Path, standby: bool = True):
         from mixplane.runtime import EmbeddedRuntime, RestartPolicy
 
-        self.rt = EmbeddedRuntime(spec, run_dir, restart=RestartPolicy(), log_level="INFO").start()
+        self.rt = EmbeddedRuntime(spec, run_dir, restart=RestartPolicy(standby=standby), log_level="INFO").start()
         self.rt.supervise_in_background(0.2)
         self.endpoint = self.rt.planner_endpoint
         self.run_dir = self.rt.run_dir
@@ -143,7 +143,7 @@ class Cli:
 
 
 def one_run(spec: Any, work: Path, args: argparse.Namespace, i: int) -> dict[str, Any]:
-    rt: Any = Cli(spec, work / f"run{i}", args.cli_args.split()) if args.cli else Embedded(spec, work / f"run{i}")
+    rt: Any = Cli(spec, work / f"run{i}", args.cli_args.split()) if args.cli else Embedded(spec, work / f"run{i}", not args.no_standby)
     try:
         ranks = Ranks(rt.endpoint, args.step_s, args.kill_at + args.after)
         while len(ranks.times[0]) < args.kill_at:
@@ -196,6 +196,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--work", default=None)
     ap.add_argument("--cli", action="store_true", help="run the data plane as `mixplane run` (a process) instead of in here")
+    ap.add_argument("--no-standby", action="store_true", help="embedded: no warm standby process (every restart "
+                    "starts a new interpreter; with --cli: --cli-args --no-standby)")
     ap.add_argument("--cli-args", default="", help="extra arguments of `mixplane run` (e.g. '--restarts 3')")
     args = ap.parse_args()
     from mixplane.spec import parse_spec
@@ -207,7 +209,8 @@ def main() -> int:
     for r in runs:
         print(json.dumps(r), flush=True)
     load = os.getloadavg()
-    print(json.dumps({"step_s": args.step_s, "supervision": "mixplane run " + args.cli_args if args.cli else "embedded",
+    print(json.dumps({"step_s": args.step_s, "supervision": "mixplane run " + args.cli_args if args.cli else
+                      "embedded" + (" --no-standby" if args.no_standby else ""),
                       "journal_every": spec.runtime.journal_every,
                       "prefetch_s": spec.runtime.prefetch_s, "max_lead_steps": spec.runtime.max_lead_steps,
                       "runs": runs, "max_stall_s": max(r["stall_s"] for r in runs),
