@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -230,3 +232,16 @@ def test_bad_requests_are_refused_naming_the_field(small_a, tmp_path):
                 control.repartition(ep, kw.pop("source"), kw.pop("partitions"), 5.0, curve=curve, **kw)
         with pytest.raises(RuntimeError, match="step: -1 is planned already"):
             control.repartition(ep, "a", 3, 5.0, step=-1, curve=curve)
+        # the command line: refusals name the field (exit 1), an accepted request prints the planner's answer
+        cli = [sys.executable, "-m", "mixplane.cli", "repartition", "a", "--run-dir", str(rt.run_dir)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        bad = subprocess.run([*cli, "--partitions", "5000"], capture_output=True, text=True, timeout=60, env=env)
+        assert bad.returncode == 1 and "partitions: must be an integer in [1, 1024], not 5000" in bad.stderr
+        ok = subprocess.run([*cli, "--partitions", "3", "--step", "500"], capture_output=True, text=True, timeout=60,
+                            env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout) == {"source": "a", "from": 2, "partitions": 3, "step": 500}
+        (pending,) = rt.status()["repartitions"]
+        assert pending["step"] == 500 and not pending["applied"]
+        with pytest.raises(RuntimeError, match="a re-partition at step 500 is pending"):
+            control.repartition(ep, "a", 4, 5.0, curve=curve)
