@@ -220,6 +220,32 @@ def test_a_planner_killed_after_the_change_recovers_the_new_partitions(small_a, 
                 assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
 
 
+def test_a_state_from_before_the_change_brings_the_old_partitions_back(small_a, first_run, tmp_path):
+    """A run re-partitioned at its very first step (3 partitions) is resumed from states saved at step 6 of a run
+    that was still in 2 partitions then: the planner goes back to the 2 partitions of the cursor (the hosts re-open
+    the spec's read orders) and the ranks get exactly that run's steps 7..13 (after 13 the saved run re-partitioned,
+    this one does not)."""
+    _, (reference, *_rest) = first_run
+    save = 6
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "saved") as rt:
+        states: dict = {"at": save}
+        fetch_with_states(rt.planner_endpoint, RANKS, save + 2, states=states)
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "back") as rt:
+        entry = rt.repartition("a", 3, step=0, timeout_s=60)
+        assert entry["applied"] and entry["step"] == 0 and rt.status()["source_partitions"]["a"] == 3
+        got = fetch_with_states(rt.planner_endpoint, RANKS, AT + 6, start=states["saved"])
+        st = rt.status()
+        log = (tmp_path / "back" / "logs" / "planner.log").read_text(errors="replace")
+    assert st["source_partitions"]["a"] == 2 and "partitions 3 -> 2 to serve the resumed cursor" in log
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(save + 1, AT + 6))
+        for b in got[r]:
+            s = int(b["step"])
+            if s < AT:
+                for k in KEYS:
+                    assert np.array_equal(b[k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
+
+
 def test_bad_requests_are_refused_naming_the_field(small_a, tmp_path):
     with EmbeddedRuntime(make_spec(small_a), tmp_path / "bad") as rt:
         from mixplane import control
