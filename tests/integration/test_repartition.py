@@ -258,6 +258,10 @@ def test_bad_requests_are_refused_naming_the_field(small_a, tmp_path):
                 control.repartition(ep, kw.pop("source"), kw.pop("partitions"), 5.0, curve=curve, **kw)
         with pytest.raises(RuntimeError, match="step: -1 is planned already"):
             control.repartition(ep, "a", 3, 5.0, step=-1, curve=curve)
+        # more partitions than the source has pages: refused before anything starts (the runtime reads the index)
+        with pytest.raises(ValueError, match="partitions: source 'a': .* cannot be split into 1000 partitions"):
+            rt.repartition("a", 1000)
+        assert rt.status()["repartitions"] == []
         # the command line: refusals name the field (exit 1), an accepted request prints the planner's answer
         cli = [sys.executable, "-m", "mixplane.cli", "repartition", "a", "--run-dir", str(rt.run_dir)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
