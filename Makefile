@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# the CPU build of torch that lies on these machines; must come before anything that depends on torch
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[torch,test,k8s,bench,s3test,hf,lightning,megatron,prep]'
+	$(PY) -m pip install --quiet -e '.[torch,test,k8s,bench,s3test,hf,lightning,megatron,prep,iceberg]'
 	# the torchtitan extra without its resolver conflicts (see pyproject.toml): exactly its pins, no dependencies
 	$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1
 	rm -f $(VENV)/.installed-*

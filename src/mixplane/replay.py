@@ -197,9 +197,18 @@ def spec_at(path: str | Path, step: int, default: DataMixtureSpec) -> DataMixtur
     except Exception:  # noqa: BLE001 - an older journal without a usable spec record: the given spec
         return default
     journaled = parse_spec(doc)
-    if journaled.topology == default.topology:
-        return default
-    return default.model_copy(update={"topology": journaled.topology})
+    out = default
+    if journaled.topology != default.topology:
+        out = out.model_copy(update={"topology": journaled.topology})
+    # an Iceberg source is read at the snapshot the run pinned (loader.iceberg): the table may have moved on
+    pinned = {s.name: s.uri for s in journaled.sources}
+    sources = [s.model_copy(update={"uri": pinned[s.name]})
+               if s.uri.startswith("iceberg://") and pinned.get(s.name, s.uri) != s.uri
+               and pinned[s.name].split("@", 1)[0] == s.uri.split("@", 1)[0] else s
+               for s in out.sources]
+    if sources != list(out.sources):
+        out = out.model_copy(update={"sources": sources})
+    return out
 
 
 def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | None = None, save: str | None = None,

@@ -32,6 +32,7 @@ from mixplane.control import (
     request,
 )
 from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan
+from mixplane.loader.iceberg import pin_sources
 from mixplane.planner import journal
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
@@ -354,6 +355,12 @@ class EmbeddedRuntime:
         if kept:
             log.info("previous journal kept as %s", kept)
         self._make_keys()
+        # Iceberg sources read the snapshot current now, in every component and in the journal (loader.iceberg)
+        pinned = pin_sources(self.spec)
+        for old, new in zip(self.spec.sources, pinned.sources):
+            if old.uri != new.uri:
+                log.info("source %s: %s pinned to %s", old.name, old.uri, new.uri)
+        self.spec = pinned
         plan = self.plan()
         Path(plan.target.spec_file).write_text(self.spec.model_dump_json(indent=1))
         try:

@@ -94,7 +94,7 @@ class ImageSpec(_Model):
 
 class SourceSpec(_Model):
     name: str = Field(..., pattern=NAME_PATTERN, max_length=40, description="Unique source name (used in metrics, pods and mixture weights).")
-    uri: str = Field(..., min_length=1, description="A Parquet file, directory, or glob; local or a pyarrow.fs URI (s3://, gs://, hdfs://).")
+    uri: str = Field(..., min_length=1, description="A Parquet file, directory, or glob; local or a pyarrow.fs URI (s3://, gs://, hdfs://); or an Iceberg table `iceberg://<catalog>/<namespace>.<table>[@<snapshot-id>]` (pyiceberg catalogs; `mixplane run` pins the current snapshot unless the source is live).")
     columns: list[str] = Field(default_factory=lambda: ["text"], min_length=1, description="Columns to read. text: [text]; tokens: [token ids]; image_text: [image bytes, caption].")
     kind: Literal["text", "tokens", "image_text"] = Field("text", description="How samples are turned into tokens.")
     tokenizer: str | None = Field(None, description="Path of a Hugging Face `tokenizers` JSON file (required for text and image_text).")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from mixplane.loader.iceberg import IcebergError, data_files, is_iceberg
 from mixplane.loader.remote import RemoteError, fsspec_filesystem, gcs_filesystem, s3_filesystem, with_retries
 
 GLOB_CHARS = "*?["
@@ -42,6 +43,8 @@ def _has_glob(s: str) -> bool:
 def list_source_files(uri: str, *, endpoint: str | None = None, region: str | None = None) -> SourceFiles:
     """All Parquet files of a source, sorted by path so every process sees the same order.
     ``endpoint`` / ``region``: an S3-compatible endpoint override and region for ``s3://`` uris."""
+    if is_iceberg(uri):
+        return _list_iceberg(uri, endpoint, region)
     if "://" not in uri:
         fs: pafs.FileSystem = pafs.LocalFileSystem()
         path = os.path.expanduser(uri)
@@ -65,6 +68,32 @@ def list_source_files(uri: str, *, endpoint: str | None = None, region: str | No
             out.paths.append(info.path if "://" in uri else os.path.abspath(info.path))
             out.sizes.append(int(info.size or 0))
             out.mtimes_ns.append(int(info.mtime_ns or 0))
+    return out
+
+
+def _list_iceberg(uri: str, endpoint: str | None, region: str | None) -> SourceFiles:
+    """The data files of an Iceberg table's snapshot (loader.iceberg), on the filesystem they live on."""
+    try:
+        _, _, files = data_files(uri)
+    except IcebergError as e:
+        raise SourceFilesError(str(e)) from None
+    schemes = {p.split("://", 1)[0] if "://" in p else "file" for p, _ in files}
+    if len(schemes) > 1:
+        raise SourceFilesError(f"{uri}: data files on several filesystems ({', '.join(sorted(schemes))})")
+    scheme = schemes.pop() if schemes else "file"
+    if scheme == "file":
+        fs: pafs.FileSystem = pafs.LocalFileSystem()
+    elif scheme in ("s3", "s3a"):
+        fs = s3_filesystem(endpoint=endpoint, region=region)
+    elif scheme in ("gs", "gcs"):
+        fs = gcs_filesystem(endpoint=endpoint)
+    else:
+        raise SourceFilesError(f"{uri}: data files on {scheme}://, which mixplane does not read")
+    out = SourceFiles(uri=uri, filesystem=fs)
+    for path, size in files:
+        out.paths.append(path.split("://", 1)[1] if "://" in path else path)  # file:///a -> /a, s3://b/k -> b/k
+        out.sizes.append(size)
+        out.mtimes_ns.append(0)  # an Iceberg data file never changes once written
     return out
 
 

@@ -1,0 +1,101 @@
+"""Iceberg tables and snapshots as sources, through pyiceberg's SQL catalog (SQLite) over local files: a snapshot's
+data files are what the source reads (exactly its rows, through the page-level reader), `mixplane run` pins the
+current snapshot, and a replay after the table moved on reads the pinned one bit for bit; bad references are
+named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from mixplane.client import MixtureLoader
+from mixplane.loader.files import SourceFilesError, list_source_files
+from mixplane.loader.iceberg import IcebergError, parse_ref, pin, pin_sources
+from mixplane.loader.stream import open_stream
+from mixplane.replay import replay_step
+from mixplane.runtime import EmbeddedRuntime
+from mixplane.samples import key_epoch
+from mixplane.spec import SourceSpec, parse_spec
+from tests.conftest import token_mixture
+
+
+def docs(rng, n, start):
+    lens = np.maximum(1, rng.lognormal(np.log(80), 0.8, n).astype(np.int64))
+    return pa.table({"tokens": pa.array([rng.integers(3, 1000, k) for k in lens], pa.list_(pa.int64())),
+                     "id": pa.array(np.arange(start, start + n), pa.int64())})
+
+
+@pytest.fixture()
+def table(tmp_path, monkeypatch):
+    """Catalog `test` (SQLite, warehouse under tmp_path) with table ns.docs written in two appends."""
+    from pyiceberg.catalog import load_catalog
+
+    monkeypatch.setenv("PYICEBERG_CATALOG__TEST__URI", f"sqlite:///{tmp_path}/catalog.db")
+    monkeypatch.setenv("PYICEBERG_CATALOG__TEST__WAREHOUSE", f"file://{tmp_path}/warehouse")
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "index-cache"))
+    cat = load_catalog("test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    cat.create_namespace("ns")
+    rng = np.random.default_rng(0)
+    first, second = docs(rng, 900, 0), docs(rng, 600, 900)
+    t = cat.create_table("ns.docs", schema=first.schema)
+    t.append(first)
+    s1 = t.current_snapshot().snapshot_id
+    t.append(second)
+    t = cat.load_table("ns.docs")
+    return {"catalog": cat, "table": t, "s1": s1, "s2": t.current_snapshot().snapshot_id, "first": first,
+            "second": second, "more": docs(rng, 500, 1500)}
+
+
+def test_a_snapshot_is_exactly_its_data_files_and_rows(table):
+    s1, s2 = table["s1"], table["s2"]
+    f1 = list_source_files(f"iceberg://test/ns.docs@{s1}")
+    f2 = list_source_files("iceberg://test/ns.docs")
+    assert len(f1.paths) == 1 and len(f2.paths) == 2 and set(f1.paths) < set(f2.paths)
+    assert all(p.startswith("/") and p.endswith(".parquet") for p in f2.paths) and sum(f2.sizes) > 0
+    assert pin("iceberg://test/ns.docs") == f"iceberg://test/ns.docs@{s2}"
+    assert parse_ref(f"iceberg://test/ns.docs@{s1}").snapshot == s1
+    # the page-level reader over the snapshot: one epoch is every row of the snapshot once, none of the later one
+    for sid, want in ((s1, table["first"]), (s2, pa.concat_tables([table["first"], table["second"]]))):
+        src = SourceSpec(name="ice", uri=f"iceberg://test/ns.docs@{sid}", kind="tokens", columns=["tokens", "id"],
+                         shuffle="page")
+        r = open_stream(src, seed=3).take(want.num_rows + 5)
+        first_epoch = key_epoch(r.keys) == 0
+        assert first_epoch.sum() == want.num_rows
+        ids = r.columns["id"].to_numpy()[first_epoch]
+        assert sorted(ids.tolist()) == want.column("id").to_pylist()
+        got = {int(i): t for i, t in zip(ids, r.columns["tokens"].to_pylist()[: first_epoch.sum()])}
+        assert all(got[int(i)] == t for i, t in zip(want.column("id").to_pylist(), want.column("tokens").to_pylist()))
+
+
+def test_bad_references_are_named(table):
+    for uri, what in [("iceberg://test/ns.nope", "no table 'ns.nope'"), ("iceberg://test/docs", "not an Iceberg source uri"),
+                      (f"iceberg://test/ns.docs@{table['s2'] + 1}", "has no snapshot"),
+                      ("iceberg://nocat/ns.docs", "catalog 'nocat' cannot be loaded")]:
+        with pytest.raises(SourceFilesError, match=what):
+            list_source_files(uri)
+    with pytest.raises(IcebergError, match="no table"):
+        pin("iceberg://test/ns.nope")
+
+
+def test_a_run_pins_the_snapshot_and_replay_reads_it_after_the_table_moved_on(table, token_sources, tmp_path):
+    doc = token_mixture(token_sources["root"])
+    doc["sources"] = [*doc["sources"][:2], {"name": "ice", "uri": "iceberg://test/ns.docs", "kind": "tokens",
+                                            "columns": ["tokens"], "shuffle": "page"}]
+    doc["mixture"] = {"weights": {"a": 0.3, "b": 0.3, "ice": 0.4}, "seed": 7}
+    spec = parse_spec(doc)
+    assert pin_sources(spec).sources[2].uri == f"iceberg://test/ns.docs@{table['s2']}"
+    run_dir = tmp_path / "run"
+    got = []
+    with EmbeddedRuntime(spec, run_dir) as rt:
+        assert rt.spec.sources[2].uri.endswith(f"@{table['s2']}")
+        loader = MixtureLoader(rt.planner_endpoint, rank=0, max_steps=12, timeout_s=90)
+        for b in loader:
+            got.append(b["input_ids"].numpy().copy())
+        loader.close()
+    assert f"@{table['s2']}" in (run_dir / "spec.json").read_text()
+    table["table"].append(table["more"])  # the table moves on
+    assert len(list_source_files("iceberg://test/ns.docs").paths) == 3
+    out = replay_step(spec, step=11, rank=0, run_dir=str(run_dir), save=str(tmp_path / "r.npz"))
+    assert out["digest_match"] and out["tokens_by_source"]["ice"] > 0
+    assert np.array_equal(np.load(tmp_path / "r.npz")["input_ids"], got[11])
