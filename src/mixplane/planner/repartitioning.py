@@ -146,6 +146,9 @@ class PlannerRepartition:
     def _hosts_for(self, si: int, old: int, m: int, asked: list[str] | None) -> list[str]:
         """Partition k < old stays on its host if it is alive; the others go to the live hosts serving least."""
         if asked:
+            dead = [h for h in asked if not self.host_alive(h)]
+            if dead:
+                raise HandoffError(f"hosts: loader host {', '.join(map(repr, sorted(set(dead))))} is not alive")
             return list(asked)
         live = [h for h, hh in sorted(self.partitions.hosts.items()) if not hh.shadow and self.host_alive(h)]
         if not live:
