@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from mixplane import settings
+
 log = logging.getLogger("mixplane.operator.admission")
 MAX_BODY = 8 << 20
 
@@ -95,12 +97,12 @@ def make_server(host: str, port: int, cert_dir: str | None, get_mixture: Callabl
 
 
 def start_from_env(get_mixture: Callable[[str, str], Any]) -> ThreadingHTTPServer | None:
-    port = os.environ.get("MIXPLANE_WEBHOOK_PORT")
+    port = settings.get("MIXPLANE_WEBHOOK_PORT")
     if not port:
         return None
-    srv = make_server(os.environ.get("MIXPLANE_WEBHOOK_HOST", "0.0.0.0"), int(port), os.environ.get("MIXPLANE_WEBHOOK_CERT_DIR"),
-                      get_mixture, validate_path=os.environ.get("MIXPLANE_WEBHOOK_VALIDATE_PATH", "/validate-datamixture"),
-                      mutate_path=os.environ.get("MIXPLANE_WEBHOOK_MUTATE_PATH", "/mutate-pod"))
+    srv = make_server(settings.get("MIXPLANE_WEBHOOK_HOST"), int(port), settings.get("MIXPLANE_WEBHOOK_CERT_DIR"),
+                      get_mixture, validate_path=settings.get("MIXPLANE_WEBHOOK_VALIDATE_PATH"),
+                      mutate_path=settings.get("MIXPLANE_WEBHOOK_MUTATE_PATH"))
     threading.Thread(target=srv.serve_forever, name="admission", daemon=True).start()
     log.info("admission webhooks on port %s", port)
     return srv

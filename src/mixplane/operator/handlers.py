@@ -22,7 +22,6 @@ every TICK_S seconds all call the same pass: what the pass does depends only on 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ from typing import Any
 
 import kopf
 
+from mixplane import settings
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
 from mixplane.operator import topology as topo_state
 from mixplane.operator.controller import Observed, decide, status_patch, with_topology, with_update
@@ -43,10 +43,10 @@ from mixplane.operator.updates import after_send
 VERSION = "v1alpha1"
 PLURAL = "datamixtures"
 API_VERSION = f"{API_GROUP}/{VERSION}"
-SCALE_INTERVAL_S = float(os.environ.get("MIXPLANE_SCALE_INTERVAL_S", "30"))
-TICK_S = float(os.environ.get("MIXPLANE_RECONCILE_INTERVAL_S", str(min(5.0, SCALE_INTERVAL_S))))
-PROFILE_POLL_S = float(os.environ.get("MIXPLANE_PROFILE_POLL_S", "5"))
-PLANNER_TIMEOUT_S = float(os.environ.get("MIXPLANE_OPERATOR_PLANNER_TIMEOUT_S", "3"))
+SCALE_INTERVAL_S: float = settings.get("MIXPLANE_SCALE_INTERVAL_S")
+TICK_S: float = settings.get("MIXPLANE_RECONCILE_INTERVAL_S") or min(5.0, SCALE_INTERVAL_S)
+PROFILE_POLL_S: float = settings.get("MIXPLANE_PROFILE_POLL_S")
+PLANNER_TIMEOUT_S: float = settings.get("MIXPLANE_OPERATOR_PLANNER_TIMEOUT_S")
 log = logging.getLogger("mixplane.operator")
 
 
@@ -54,7 +54,7 @@ log = logging.getLogger("mixplane.operator")
 def planner_endpoint(opts: ClusterOptions) -> str:
     """Where the operator reaches the planner; MIXPLANE_OPERATOR_PLANNER overrides it (a template with
     {name} and {namespace}, e.g. for an operator outside the cluster network)."""
-    tmpl = os.environ.get("MIXPLANE_OPERATOR_PLANNER")
+    tmpl = settings.get("MIXPLANE_OPERATOR_PLANNER")
     return tmpl.format(name=opts.name, namespace=opts.namespace) if tmpl else opts.planner_endpoint
 
 
@@ -91,9 +91,9 @@ def server_pdb_api(k: Kube) -> str:
 
 def options_for(body: Mapping[str, Any]) -> ClusterOptions:
     md = body["metadata"]
-    image = ((body.get("spec") or {}).get("kubernetes") or {}).get("image") or os.environ.get("MIXPLANE_IMAGE", "mixplane:latest")
+    image = ((body.get("spec") or {}).get("kubernetes") or {}).get("image") or settings.get("MIXPLANE_IMAGE")
     return ClusterOptions(name=md["name"], namespace=md["namespace"], image=image,
-                          image_pull_policy=os.environ.get("MIXPLANE_IMAGE_PULL_POLICY", "IfNotPresent"))
+                          image_pull_policy=settings.get("MIXPLANE_IMAGE_PULL_POLICY"))
 
 
 def readiness(k: Kube, opts: ClusterOptions) -> tuple[bool, str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
+
+from mixplane import settings
 from typing import Any
 
 
@@ -20,9 +21,9 @@ def run_operator(namespace: str | None = None, *, stop_flag: threading.Event | N
     from mixplane.operator.kube import kube
 
     logging.getLogger("kopf").setLevel(logging.INFO)
-    if liveness is None and os.environ.get("MIXPLANE_HEALTH_PORT"):  # the chart's livenessProbe: GET /healthz
-        host = os.environ.get("MIXPLANE_HEALTH_HOST", "0.0.0.0")
-        liveness = f"http://{host}:{int(os.environ['MIXPLANE_HEALTH_PORT'])}/healthz"
+    if liveness is None and settings.get("MIXPLANE_HEALTH_PORT") is not None:  # the chart's livenessProbe: GET /healthz
+        host = settings.get("MIXPLANE_HEALTH_HOST")
+        liveness = f"http://{host}:{settings.get('MIXPLANE_HEALTH_PORT')}/healthz"
     webhooks = start_from_env(lambda name, ns: kube().get("mixplane.io/v1alpha1", "DataMixture", ns, name))
     kwargs: dict[str, Any] = {"standalone": True, "stop_flag": stop_flag, "ready_flag": ready_flag,
                               "liveness_endpoint": liveness}
