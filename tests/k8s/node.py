@@ -17,7 +17,7 @@ new connection, so a test can show that none went anywhere else (`egress_report`
 
 Host state left as it was: the iptables rules are removed (kube-proxy's by `kube-proxy --cleanup`), docker0
 deleted, the sysctls that dockerd, kubelet and kube-proxy set restored, mounts under the cluster's directory
-unmounted, new cgroups removed, /var/log/pods and /var/log/containers removed when the node created them.
+unmounted, the cgroups the node made removed (only those: other processes make cgroups meanwhile), /var/log/pods and /var/log/containers removed when the node created them.
 """
 
 from __future__ import annotations
@@ -109,6 +109,16 @@ def _cgroup_dirs() -> list[str]:
         for dirpath, dirnames, _ in os.walk(ctrl):
             out.extend(os.path.relpath(os.path.join(dirpath, d), CGROUP_ROOT) for d in dirnames)
     return out
+
+
+NODE_CGROUPS = ("kubepods", "docker")  # what dockerd and the kubelet (cgroupfs driver) create under each hierarchy
+
+
+def _node_cgroup(rel: str) -> bool:
+    """A cgroup the node's processes made (`memory/kubepods/...`, `cpu/docker/<id>`, the node's own v2 group); not
+    one that another process of the machine made while the node ran (e.g. `memory/process_api/<id>`)."""
+    parts = rel.split("/")
+    return len(parts) > 1 and (parts[1] in NODE_CGROUPS or parts[1].startswith("mixplane-node-"))
 
 
 def _mounts_under(*roots: Path) -> list[str]:
@@ -322,7 +332,8 @@ class Node:
             if str(d) not in st.get("log_dirs_existed", [str(x) for x in LOG_DIRS]) and d.exists():
                 shutil.rmtree(d, ignore_errors=True)
         before = set(st.get("cgroups") or [])
-        for rel in sorted(set(_cgroup_dirs()) - before, key=lambda p: p.count("/"), reverse=True) if before else []:
+        new = [rel for rel in set(_cgroup_dirs()) - before if _node_cgroup(rel)]
+        for rel in sorted(new, key=lambda p: p.count("/"), reverse=True) if before else []:
             try:
                 os.rmdir(CGROUP_ROOT / rel)
             except OSError as e:

@@ -36,6 +36,7 @@ from mixplane.operator.dashboard import PANELS
 from tests.k8s.cluster import Cluster, binaries, free_port
 from tests.k8s.e2e_trainer import digest
 from tests.k8s.helpers import run_trainers, wait_for
+from mixplane.operator.builders import SIDECAR_PREFIX
 from tests.k8s.shrink import LABEL as SHRINK_LABEL
 from tests.k8s.shrink import shrink_cpu
 
@@ -131,37 +132,50 @@ def journal_volume(c: Cluster, ns: str) -> str:
     return name
 
 
-def trainer_job(ns: str, rank: int, image: str, steps: int = STEPS, step_s: float = 0.0) -> dict:
+def trainer_job(ns: str, rank: int, image: str, steps: int = STEPS, step_s: float = 0.0, checkpoint: str | None = None) -> dict:
+    """Trainer slot `rank` as a Job. `checkpoint`: a host directory (hostPath) for its checkpoints and digest lines
+    (tests/k8s/e2e_trainer.py); the Job then starts a lost pod again (backoffLimit 3), which resumes from it."""
+    env = [{"name": "TRAINER_RANK", "value": str(rank)}, {"name": "WORLD_SIZE", "value": str(WORLD)},
+           {"name": "STEPS", "value": str(steps)}, {"name": "STEP_SECONDS", "value": str(step_s)},
+           {"name": "MIXPLANE_TIMEOUT_S", "value": "120"}]
+    mounts = [{"name": "trainer", "mountPath": "/trainer"}, {"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict] = [{"name": "trainer", "configMap": {"name": "trainer"}}, {"name": "tmp", "emptyDir": {}}]
+    if checkpoint:
+        env.append({"name": "CHECKPOINT_DIR", "value": "/checkpoint"})
+        mounts.append({"name": "checkpoint", "mountPath": "/checkpoint"})
+        volumes.append({"name": "checkpoint", "hostPath": {"path": checkpoint, "type": "Directory"}})
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"train-{rank}", "namespace": ns},
-            "spec": {"backoffLimit": 0, "template": {
+            "spec": {"backoffLimit": 3 if checkpoint else 0, "template": {
                 "metadata": {"labels": {"mixplane.io/mixture": "demo", "mixplane.io/trainer-index": str(rank)}},
                 "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
                          # the injected key files are a Secret volume of mode 0400: a non-root trainer reads them
                          # through its fsGroup (the kubelet gives the group read access)
                          "securityContext": {"fsGroup": 10001},
                          "containers": [{"name": "train", "image": image, "imagePullPolicy": "Never",
-                                         "command": ["python", "/trainer/e2e_trainer.py"],
-                                         "env": [{"name": "TRAINER_RANK", "value": str(rank)},
-                                                 {"name": "WORLD_SIZE", "value": str(WORLD)},
-                                                 {"name": "STEPS", "value": str(steps)},
-                                                 {"name": "STEP_SECONDS", "value": str(step_s)},
-                                                 {"name": "MIXPLANE_TIMEOUT_S", "value": "120"}],
+                                         "command": ["python", "/trainer/e2e_trainer.py"], "env": env,
                                          "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "readOnlyRootFilesystem": True,
                                                              "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                                         "volumeMounts": [{"name": "trainer", "mountPath": "/trainer"},
-                                                          {"name": "tmp", "mountPath": "/tmp"}]}],
-                         "volumes": [{"name": "trainer", "configMap": {"name": "trainer"}}, {"name": "tmp", "emptyDir": {}}]}}}}
+                                         "volumeMounts": mounts}],
+                         "volumes": volumes}}}}
 
 
 def annotated_targets(c: Cluster, ns: str) -> list[dict]:
-    """file_sd targets of the namespace's running pods whose prometheus.io annotations ask to be scraped."""
+    """file_sd targets of the namespace's running pods whose prometheus.io annotations ask to be scraped, and of the
+    loader containers the pod webhook put into trainer pods (sidecar placement): the trainer pod's annotations are
+    its owner's, so each sidecar serves its metrics on a container port named `mx-metrics-<i>` (what a PodMonitor
+    or a kubernetes_sd pod job keeping those port names finds)."""
     out = []
     for pod in kget(c, "pods", "-n", ns)["items"]:
         ann = pod["metadata"].get("annotations") or {}
         ip = (pod.get("status") or {}).get("podIP")
-        if ann.get("prometheus.io/scrape") == "true" and ip and pod["status"].get("phase") == "Running":
+        if not ip or pod["status"].get("phase") != "Running":
+            continue
+        name = pod["metadata"]["name"]
+        if ann.get("prometheus.io/scrape") == "true":
             out.append({"targets": [f"{ip}:{ann['prometheus.io/port']}"],
-                        "labels": {"pod": pod["metadata"]["name"], "__metrics_path__": ann.get("prometheus.io/path", "/metrics")}})
+                        "labels": {"pod": name, "__metrics_path__": ann.get("prometheus.io/path", "/metrics")}})
+        out += [{"targets": [f"{ip}:{p['containerPort']}"], "labels": {"pod": f"{name}/{x['name']}", "__metrics_path__": "/metrics"}}
+                for x in pod["spec"]["containers"] for p in x.get("ports") or [] if p.get("name", "").startswith("mx-metrics-")]
     return out
 
 
@@ -237,11 +251,7 @@ def reference(endpoint: str, creds: dict[str, str], placement: str, tmp: Path, s
     return {(s, r): d for r, items in got.items() for s, d in items}
 
 
-@pytest.mark.parametrize("placement", ["remote", pytest.param("sidecar", marks=pytest.mark.xfail(
-    strict=True, reason="sidecar placement on the real node: the mixture rolls out now (the status patch refused for an "
-                        "empty sidecars.partitions is fixed), but the trainer pod is admitted with its train container "
-                        "only and fails: the pod webhook injects no loader containers into it (not diagnosed; a larger "
-                        "sidecar budget, 1 core / 2 GiB, did not change it, so the resolver may refuse the pod)"))])
+@pytest.mark.parametrize("placement", ["remote", "sidecar"])
 def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespace: str, bucket, tmp_path, placement):
     c, ns = k8s_node, k8s_node_namespace
     endpoint, creds = bucket
@@ -291,6 +301,8 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                          if x["name"] == "train"), None)
 
         def trainers_done() -> bool:
+            # (Prometheus's targets again: the sidecar loaders came with the trainer pods)
+            (tmp_path / "targets.json").write_text(json.dumps(annotated_targets(c, ns)))
             # the trainer container's end (under sidecar placement the pod's loader containers go on)
             states = [((train_container(r) or {}).get("state") or {}).get("terminated") for r in range(WORLD)]
             if any(t and t["exitCode"] != 0 for t in states):
@@ -299,28 +311,47 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                                 + c.kubectl("-n", ns, "logs", p["metadata"]["name"], "--all-containers", "--tail=25",
                                             check=False).stdout
                                 for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/instance=demo")["items"])
-                raise AssertionError(f"a trainer failed: {states}\n" + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo",
-                                                                              "-c", "train", "--tail=50", check=False).stdout
-                                     + comps)
+                trainers = [(p["metadata"]["name"], [x["name"] for x in p["spec"]["containers"]])
+                            for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/mixture=demo")["items"]]
+                st = json.dumps((kget(c, "datamixture", "demo", "-n", ns).get("status") or {}).get("sidecars"))
+                raise AssertionError(f"a trainer failed: {states}; trainer pods' containers {trainers}; status.sidecars {st}\n"
+                                     + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo", "-c", "train", "--tail=50",
+                                                 check=False).stdout + comps
+                                     + "\n== operator\n" + c.kubectl("-n", ns, "logs", "deploy/mixplane", "--tail=60",
+                                                                      check=False).stdout[-6000:])
             return all(states)
 
         wait_for("the trainers", trainers_done, 600, 1.0)
         timings["trainer Jobs -> trained"] = time.monotonic() - t2
         got: dict[tuple[int, int], str] = {}
+        sidecar_containers = 0
         for rank in range(WORLD):
             (pod,) = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
             envs = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
             assert (envs.get("MIXPLANE_PLANNER") or "").startswith(f"tcp://demo-planner.{ns}.svc:"), envs
             assert envs.get("MIXPLANE_CURVE_NAME", "").startswith("client-r"), envs  # the pod's rank-bound key
-            if placement == "sidecar":  # the webhook added the pod's loader containers beside the trainer
+            if placement == "sidecar":  # the webhook added the loader containers the layout put on the pod's slot
                 names = [x["name"] for x in pod["spec"]["containers"]]
-                assert len(names) > 1 and names[0] == "train", names
+                slots = {x["slot"]: x for x in (kget(c, "datamixture", "demo", "-n", ns).get("status") or {})["sidecars"]}
+                want_pods = slots[rank]["pods"]
+                # (a slot may hold none: the layout packs the loader pods biggest first onto the least loaded slot)
+                assert names[0] == "train" and len(names) - 1 == len(want_pods), (rank, names, slots)
+                assert all(n.startswith(SIDECAR_PREFIX) for n in names[1:]), names
+                sidecar_containers += len(names) - 1
+                ready = [x["name"] for x in pod["status"].get("containerStatuses") or [] if x["name"] != "train"
+                         and not x.get("restartCount") and "terminated" not in (x.get("lastState") or {})]
+                assert sorted(ready) == sorted(names[1:]), (rank, pod["status"].get("containerStatuses"))
             log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"], "-c", "train").stdout
             for line in log.splitlines():
                 if line.startswith("{") and '"digest"' in line:
                     o = json.loads(line)
                     got[(o["step"], o["rank"])] = o["digest"]
         assert len(got) == STEPS * WORLD, sorted(got)
+        if placement == "sidecar":  # the layout put loaders into the trainer pods, and none of them restarted
+            assert sidecar_containers >= 1
+            remote = kget(c, "deployments", "-n", ns, "-l", "mixplane.io/instance=demo,mixplane.io/role=loader")["items"]
+            print(f"\nsidecar placement: {sidecar_containers} loader container(s) injected into the trainer pods, "
+                  f"{len(remote)} remote loader Deployment(s)")
 
         # the operator reads the planner's progress on its timer (30 s)
         wait_for("the status's step", lambda: int((kget(c, "datamixture", "demo", "-n", ns).get("status") or {})
@@ -369,8 +400,11 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
               + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
         # delete: nothing of the mixture is left (pods, Services, Secrets, ConfigMaps, PVC, NetworkPolicies, ...)
-        for r in range(WORLD):
-            c.kubectl("-n", ns, "delete", "job", f"train-{r}", "--cascade=foreground", "--wait=true", "--timeout=60s", check=False)
+        t3 = time.monotonic()
+        for r in range(WORLD):  # (under sidecar placement the pod's loader containers are stopped with it)
+            c.kubectl("-n", ns, "delete", "job", f"train-{r}", "--cascade=foreground", "--wait=true", "--timeout=100s",
+                      check=False, timeout=120)
+        print(f"trainer Jobs deleted in {time.monotonic() - t3:.1f} s")
         c.kubectl("-n", ns, "delete", "datamixture", "demo", "--wait=true", "--timeout=120s", timeout=150)
 
         def leftovers() -> list[str]:
