@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -39,6 +40,9 @@ def main() -> int:
 
     import time
 
+    # the container's PID 1 gets no default action for SIGTERM: without a handler a deleted pod's trainer would go on
+    # for the grace period, beside the pod its Job started again; it ends at once, as a lost pod does (no checkpoint)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     rank, world, steps = int(os.environ["TRAINER_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["STEPS"])
     step_s = float(os.environ.get("STEP_SECONDS", "0"))  # a training step's time
     print(json.dumps({"rank": rank, "planner": os.environ.get("MIXPLANE_PLANNER"),

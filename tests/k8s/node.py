@@ -111,6 +111,13 @@ def _cgroup_dirs() -> list[str]:
     return out
 
 
+# The pods' containers all sit in dockerd's cgroup parent /docker (cgroupfs driver, kubelet --cgroups-per-qos=false),
+# which weighs cpu.shares 1024 against every busy process of the host at 1024 each: with the other work on this shared
+# machine at load 12-24, the whole cluster got ~1/13-1/25 of the 2 cores, the planner and its loaders missed each
+# other's heartbeats and took each other for dead (the remote e2e case's flake). The node gives /docker the weight of
+# as many busy processes as the cluster runs (planner, 2 constructors, loaders, 2 trainers, operator), restored at stop.
+CONTAINERS_CPU = CGROUP_ROOT / "cpu" / "docker"
+CONTAINERS_CPU_SHARES = 8192
 NODE_CGROUPS = ("kubepods", "docker")  # what dockerd and the kubelet (cgroupfs driver) create under each hierarchy
 
 
@@ -276,6 +283,12 @@ class Node:
             "iptables_before": iptables_save(), "nft_tables_before": nft_tables(),
         })
         self.save()
+        if CONTAINERS_CPU.parent.is_dir():
+            shares = CONTAINERS_CPU / "cpu.shares"
+            self.state["containers_cpu_shares"] = shares.read_text().strip() if shares.exists() else None
+            self.save()
+            CONTAINERS_CPU.mkdir(exist_ok=True)  # (a new one is removed at stop with the node's other cgroups)
+            shares.write_text(str(CONTAINERS_CPU_SHARES))
         (CGROUP_ROOT / "unified" / cg).mkdir()
         self.state["egress"] = True
         self.save()
@@ -331,6 +344,11 @@ class Node:
         for d in LOG_DIRS:
             if str(d) not in st.get("log_dirs_existed", [str(x) for x in LOG_DIRS]) and d.exists():
                 shutil.rmtree(d, ignore_errors=True)
+        if st.get("containers_cpu_shares") and (CONTAINERS_CPU / "cpu.shares").exists():
+            try:
+                (CONTAINERS_CPU / "cpu.shares").write_text(st["containers_cpu_shares"])
+            except OSError as e:
+                problems.append(f"cgroup {CONTAINERS_CPU}/cpu.shares: {e}")
         before = set(st.get("cgroups") or [])
         new = [rel for rel in set(_cgroup_dirs()) - before if _node_cgroup(rel)]
         for rel in sorted(new, key=lambda p: p.count("/"), reverse=True) if before else []:
