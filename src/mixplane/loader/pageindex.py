@@ -232,27 +232,32 @@ class SourceIndex:
         self.num_rows = int(starts[-1])
         old = self.cols if k0 else {}
         self.cols = {}
+        # the new files' row groups, numbered across them: where each starts in the source
+        rg_rows_all = np.concatenate([f.rg_rows for f in new]).astype(np.int64) if new else np.zeros(0, np.int64)
+        rg_base = np.zeros(len(new) + 1, np.int64)
+        if new:
+            rg_base[1:] = np.cumsum([len(f.rg_rows) for f in new])
+        excl = np.cumsum(rg_rows_all) - rg_rows_all  # rows before each row group, over the new files
+        rg_file = np.repeat(np.arange(len(new), dtype=np.int64), np.diff(rg_base))
+        rg_start_all = starts[k0 + rg_file] + excl - excl[rg_base[rg_file]] if len(rg_file) else excl
         for c in self.columns:
-            parts: dict[str, list] = {k: [] for k in self._DTYPES}
-            file_units = []
-            units = 0
-            for fi_i, f in enumerate(new, k0):
-                cp = f.pages[c]
-                rg_start = np.concatenate([[0], np.cumsum(f.rg_rows)])[:-1]
-                parts["chunk_file"].append(np.full(len(cp.chunk_rg), fi_i, np.int32))
-                parts["chunk_rg"].append(cp.chunk_rg)
-                parts["chunk_codec"].append(cp.chunk_codec)
-                parts["chunk_dict_off"].append(cp.chunk_dict_off)
-                parts["chunk_dict_len"].append(cp.chunk_dict_len)
-                parts["chunk_raw_len"].append(cp.chunk_raw_len)
-                parts["chunk_row_start"].append(starts[fi_i] + rg_start[cp.chunk_rg])
-                parts["chunk_rows"].append(f.rg_rows[cp.chunk_rg])
-                parts["chunk_nunits"].append(np.diff(cp.chunk_first_unit))
-                for k in ("unit_off", "unit_len", "unit_rows", "unit_pages"):
-                    parts[k].append(getattr(cp, k))
-                units += len(cp.unit_off)
-                file_units.append(units)
-            a = {k: (np.concatenate(v).astype(self._DTYPES[k]) if v else np.zeros(0, self._DTYPES[k])) for k, v in parts.items()}
+            cps = [f.pages[c] for f in new]
+            nchunks = np.array([len(cp.chunk_rg) for cp in cps], np.int64)
+
+            def cat(field: str, cps: list[ColumnPages] = cps) -> np.ndarray:
+                dt = self._DTYPES[field]
+                return np.concatenate([getattr(cp, field) for cp in cps]).astype(dt) if cps else np.zeros(0, dt)
+
+            a = {k: cat(k) for k in ("chunk_rg", "chunk_codec", "chunk_dict_off", "chunk_dict_len", "chunk_raw_len",
+                                     "unit_off", "unit_len", "unit_rows", "unit_pages")}
+            local_file = np.repeat(np.arange(len(new), dtype=np.int64), nchunks)
+            a["chunk_file"] = (local_file + k0).astype(np.int32)
+            rg_global = rg_base[local_file] + a["chunk_rg"]
+            a["chunk_row_start"] = rg_start_all[rg_global]
+            a["chunk_rows"] = rg_rows_all[rg_global]
+            a["chunk_nunits"] = (np.concatenate([np.diff(cp.chunk_first_unit) for cp in cps]).astype(np.int64) if cps
+                                 else np.zeros(0, np.int64))
+            file_units = np.cumsum([len(cp.unit_off) for cp in cps]).tolist() if cps else []
             prev = old.get(c)
             u0 = int(prev["chunk_first_unit"][-1]) if prev is not None else 0
             a["chunk_first_unit"] = u0 + np.concatenate([[0], np.cumsum(a.pop("chunk_nunits"))]).astype(np.int64)
