@@ -197,16 +197,17 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         self.reshard_acks: dict[str, dict[str, Any]] = {}  # reshard id -> its acknowledgment (oldest first)
         if run_dir:
             path = os.path.join(run_dir, "journal.jsonl")
-            self.recovering = self._read_journal_state(path)
+            # the journal is read once (a restart's start-up: the whole file, parsed, is most of its own work)
+            self.recovering, records = self._read_journal_state(path)
             self.journal = Journal(path, every=spec.runtime.journal_every)
             if self.recovering is None:
                 self.journal.open(spec, self.generation, self.session_start, self.session)
             else:
                 self._adopt_session(self.recovering)
-                self._restore_losses(path)
-                self._journaled_reshards(path)
+                self._restore_losses(path, records)
+                self._journaled_reshards(records)
                 try:  # the partitions the session ended with (planner.repartitioning)
-                    self.journaled_partitioning(journal_file.read_journal(path))
+                    self.journaled_partitioning(records)
                 except (JournalError, OSError, ValueError) as e:
                     log.error("re-partitions in %s not read (%s): the partition table follows the spec", path, e)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
@@ -469,11 +470,11 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                  int(event["effective_step"]), " (late)" if record["late"] else "",
                  ", ".join(f"{n} {w:.4f}" for n, w in zip(self.names, record["weights"])))
 
-    def _restore_losses(self, path: str) -> None:
+    def _restore_losses(self, path: str, records: list[dict[str, Any]]) -> None:
         """A restarted planner's loss totals (the reports its predecessors journaled as received) and its adaptive
         mixture's state (the last journaled adaptive update, and the mixture updates after it)."""
         try:
-            for r in journal_file.read_journal(path):
+            for r in records:
                 if r.get("event") == "loss":
                     self.losses.add(protocol.parse_loss_report(r, len(self.names)))
                 elif r.get("event") == "update" and isinstance(r.get("mixture"), dict):
@@ -671,16 +672,12 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         while len(self.reshard_acks) > RESHARDS_KEPT:
             del self.reshard_acks[next(iter(self.reshard_acks))]
 
-    def _journaled_reshards(self, path: str) -> None:
+    def _journaled_reshards(self, records: list[dict[str, Any]]) -> None:
         """After a restart: the reshard ids the journal acknowledged (answered as duplicates from now on), and the
         topology of the newest reshard, which this planner serves whatever its spec file says (a ConfigMap may be
         mounted late; the journal is what the session ran)."""
         from mixplane.spec import parse_spec
 
-        try:
-            records = journal_file.read_journal(path)
-        except (JournalError, OSError, ValueError):
-            return
         last = None
         for r in records:
             if r.get("event") == "spec" and r.get("mode") == "reconfigure":
@@ -846,25 +843,25 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         }
 
     # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------
-    def _read_journal_state(self, path: str) -> RecoveryState | None:
-        """The session a predecessor of this planner left in `path`, or None (nothing to recover: a new run).
-        A journal of another mixture, or one that cannot be read, is kept aside (journals/) and the run
-        starts afresh, logged."""
+    def _read_journal_state(self, path: str) -> tuple[RecoveryState | None, list[dict[str, Any]]]:
+        """The session a predecessor of this planner left in `path` and the journal's records, or (None, [])
+        (nothing to recover: a new run). A journal of another mixture, or one that cannot be read, is kept aside
+        (journals/) and the run starts afresh, logged."""
         if not os.path.exists(path) or os.path.getsize(path) == 0:
-            return None
+            return None, []
         try:
             records = journal_file.read_journal(path)
             opens = [r for r in records if r.get("event") == "open"]
             if opens and not same_mixture(opens[0], self.spec):
                 kept = journal_file.rotate(path)
                 log.warning("journal %s belongs to another mixture: kept as %s, starting afresh", path, kept)
-                return None
+                return None, []
             st = read_state(records)
         except (JournalError, KeyError, TypeError, ValueError) as e:
             kept = journal_file.rotate(path)
             log.error("journal %s cannot be recovered from (%s): kept as %s, starting afresh", path, e, kept)
-            return None
-        return st
+            return None, []
+        return st, (records if st is not None else [])
 
     def _adopt_session(self, st: RecoveryState) -> None:
         self.session = st.session
