@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import zmq
 
+from mixplane.errors import MixplaneError
 from mixplane import wire
 from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
@@ -86,7 +87,7 @@ def lookahead_steps(prefetch_s: float | None, step_s: float | None, least: int, 
     return max(least, min(most, math.ceil(prefetch_s / step_s)))
 
 
-class DeliveryError(RuntimeError):
+class DeliveryError(MixplaneError, RuntimeError):
     """The data plane did not deliver a step; the text names the endpoint and step."""
 
 

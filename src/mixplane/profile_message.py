@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mixplane.errors import MixplaneError
+
 PROFILE_VERSION = 1
 # bytes of a container's termination message the kubelet keeps: a profiling Job's pod hands its result back there
 TERMINATION_LIMIT = 4096
@@ -22,7 +24,7 @@ SLIM_FIELDS = ("cpu_s_per_token", "memory_per_partition", "max_partitions", "mea
 _SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|SESSION|AUTH|SIGNATURE", re.IGNORECASE)
 
 
-class PartitionError(ValueError):
+class PartitionError(MixplaneError, ValueError):
     """The mixture cannot be served within the budget; the message names the source, segment and resource."""
 
 

@@ -28,12 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from mixplane.errors import MixplaneError
+
 MAX_PARTITIONS = 1024  # spec.SourceSpec.replicas has the same bound
 
 EpochRows = Callable[[int, int, int], int]  # (epoch, partition, num_partitions) -> slots of that epoch plan
 
 
-class RepartitionError(ValueError):
+class RepartitionError(MixplaneError, ValueError):
     """A re-partition that cannot be made; the message names the field."""
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.constructor.collate import SpanStore, materialize_rank
 from mixplane.layout import layout_digest
 from mixplane.loader.stream import SourceStream, open_stream
@@ -36,7 +37,7 @@ ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[SourceStream, Transf
 PartitionOpener = Callable[[DataMixtureSpec, int, int, list[dict[str, Any]]], tuple[SourceStream, Transform]]
 
 
-class ReplayError(RuntimeError):
+class ReplayError(MixplaneError, RuntimeError):
     pass
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mixplane.errors import MixplaneError
 from mixplane import control, wire
 from mixplane.control import (
     ADMIN_ROLE,
@@ -68,7 +69,7 @@ class Child:
     exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
 
 
-class ComponentFailed(RuntimeError):
+class ComponentFailed(MixplaneError, RuntimeError):
     """A component died and is not (or no longer) restarted; names it, its exit code and its log."""
 
 

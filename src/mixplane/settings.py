@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mixplane.errors import MixplaneError
 
-class SettingError(ValueError):
+
+class SettingError(MixplaneError, ValueError):
     """An environment variable with a value of the wrong type; the text names it."""
 
 

@@ -25,6 +25,8 @@ from typing import Any, Callable, Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mixplane.errors import MixplaneError
+
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 AXES = ("tp", "cp", "dp", "pp")
 Axis = Literal["tp", "cp", "dp", "pp"]
@@ -323,7 +325,7 @@ Checker = Callable[["DataMixtureSpec"], list[Problem]]
 so this module imports neither. Paths in its problems are relative to the spec (no `spec.` prefix)."""
 
 
-class SpecError(ValueError):
+class SpecError(MixplaneError, ValueError):
     """An invalid DataMixture; `problems` lists every rule it breaks."""
 
     def __init__(self, problems: list[Problem], origin: str = "<spec>"):

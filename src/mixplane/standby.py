@@ -25,12 +25,14 @@ import sys
 import time
 from typing import Any
 
+from mixplane.errors import MixplaneError
+
 # what a component's start imports and compiles, paid before the order (mixplane.cli's commands import these)
 MODULES = ("mixplane.cli", "mixplane.control", "mixplane.planner.server", "mixplane.constructor.server",
            "mixplane.loader.host", "mixplane.loader.memory")
 
 
-class OrderError(ValueError):
+class OrderError(MixplaneError, ValueError):
     """A take-over order that is not what the runtime writes."""
 
 

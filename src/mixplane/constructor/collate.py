@@ -23,13 +23,14 @@ from collections.abc import Iterator, MutableMapping
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout, segment_offsets
 
 IGNORE_INDEX = -100
 _ADDRESS = np.dtype("V24")  # (source, key, start) as three int64 in one opaque item: sorts and compares exactly
 
 
-class MissingPayload(KeyError):
+class MissingPayload(MixplaneError, KeyError):
     """A planned span whose tokens did not arrive; names step, source and sample."""
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from mixplane.errors import MixplaneError
 from mixplane.loader.iceberg import IcebergError, data_files, is_iceberg
 from mixplane.loader.remote import RemoteError, fsspec_filesystem, gcs_filesystem, s3_filesystem, with_retries
 
@@ -23,7 +24,7 @@ def _is_beside_index(path: str) -> bool:
     return f"/{BESIDE_DIR}/" in path.replace(os.sep, "/")
 
 
-class SourceFilesError(ValueError):
+class SourceFilesError(MixplaneError, ValueError):
     """A source uri that cannot be listed or a file that cannot be opened; the text names it."""
 
 

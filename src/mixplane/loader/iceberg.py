@@ -22,11 +22,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mixplane.errors import MixplaneError
+
 SCHEME = "iceberg://"
 _REF = re.compile(r"^iceberg://(?P<catalog>[A-Za-z0-9_.-]+)/(?P<table>[A-Za-z0-9_.-]+\.[A-Za-z0-9_-]+)(@(?P<snap>-?\d+))?/?$")
 
 
-class IcebergError(ValueError):
+class IcebergError(MixplaneError, ValueError):
     """An Iceberg source that cannot be resolved; the text names the uri and what is wrong."""
 
 

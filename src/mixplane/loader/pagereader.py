@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mixplane.errors import MixplaneError
 from mixplane.loader import remote
 from mixplane.loader import thrift as th
 from mixplane.loader.thrift import ThriftError, read_struct
@@ -61,7 +62,7 @@ _u32 = struct.Struct("<I").unpack_from
 # errors
 
 
-class ParquetError(ValueError):
+class ParquetError(MixplaneError, ValueError):
     """A Parquet file or page that cannot be read; the message names file, row group, column, page."""
 
     kind = "corrupt"

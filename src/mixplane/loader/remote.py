@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from mixplane.errors import MixplaneError
+
 
 @dataclass
 class RemoteIO:
@@ -47,7 +49,7 @@ class RemoteIO:
 DEFAULTS = RemoteIO()
 
 
-class RemoteError(OSError):
+class RemoteError(MixplaneError, OSError):
     """A remote object that cannot be read; the message names it."""
 
 

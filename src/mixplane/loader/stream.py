@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from mixplane.errors import MixplaneError
 from mixplane.loader.bounds import bound_texts
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
 from mixplane.loader.indexscan import build_source_index
@@ -57,7 +58,7 @@ class RawSamples:
         return len(self.keys)
 
 
-class StreamError(ValueError):
+class StreamError(MixplaneError, ValueError):
     """A stream that cannot be opened or continued; the message names the source."""
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import struct
 
+from mixplane.errors import MixplaneError
+
 STOP, TRUE, FALSE, BYTE, I16, I32, I64, DOUBLE, BINARY, LIST, SET, MAP, STRUCT = range(13)
 _MAX_DEPTH = 32
 _MAX_CONTAINER = 1 << 28
 _unpack_double = struct.Struct("<d").unpack_from
 
 
-class ThriftError(ValueError):
+class ThriftError(MixplaneError, ValueError):
     """Malformed Thrift compact-protocol data."""
 
 

@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mixplane.errors import MixplaneError
 from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts, value_lengths
 from mixplane.loader.split import SPLIT_PIECE_BYTES, SPLIT_PIECE_TOKENS, SPLIT_SLOTS, PendingDoc, piece_end, piece_limit
 from mixplane.loader.quarantine import QuarantineLog
@@ -73,7 +74,7 @@ class TransformedSamples:
 Transform = Callable[[RawSamples], TransformedSamples]
 
 
-class TransformError(ValueError):
+class TransformError(MixplaneError, ValueError):
     """A column that cannot be turned into tokens (wrong type, bad token bytes); names the source and column."""
 
 
@@ -582,7 +583,7 @@ def make_transform(source: SourceSpec) -> Transform:
     raise NotImplementedError(f"source {source.name!r}: kind {source.kind} is not supported")
 
 
-class _SampleError(ValueError):
+class _SampleError(MixplaneError, ValueError):
     """A bad sample for the QuarantineLog: kind (bad_image, bad_tokens, bad_text), column, sample key."""
 
     unit = "sample"

@@ -16,12 +16,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from mixplane.errors import MixplaneError
+
 FIELD_MANAGER = "mixplane-operator"
 KILL_AFTER_ENV = "MIXPLANE_OPERATOR_KILL_AFTER_CALLS"
 KILL_AT_ENV = "MIXPLANE_OPERATOR_KILL_AT"
 
 
-class KubeError(RuntimeError):
+class KubeError(MixplaneError, RuntimeError):
     """An API call failed; `status` is the HTTP status (0 when the server was not reached)."""
 
     def __init__(self, status: int, message: str):

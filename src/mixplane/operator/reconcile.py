@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from mixplane.errors import MixplaneError
 from mixplane.operator.autopartition import (
     LoaderBudget,
     LoaderPod,
@@ -60,7 +61,7 @@ FALLBACK_COST = {"text": 2e-6, "tokens": 2e-7, "image_text": 1e-4}
 FALLBACK_MEMORY = 96 << 20
 
 
-class ReconcileError(ValueError):
+class ReconcileError(MixplaneError, ValueError):
     """The object cannot be turned into children; the message names the field or annotation."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, NoReturn
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
 from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, apply_temperature,
@@ -27,7 +28,7 @@ from mixplane.spec import DataMixtureSpec, SpecError
 from mixplane.topology import ClientPlaceTree
 
 
-class WindowError(ValueError):
+class WindowError(MixplaneError, ValueError):
     """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
 
 
@@ -600,7 +601,7 @@ def vanilla_strategy(ctx: PlanContext) -> StepLayout:
     return layout_from_rows(ctx, np.arange(ctx.rows))
 
 
-class CoverageError(RuntimeError):
+class CoverageError(MixplaneError, RuntimeError):
     """A strategy's layout does not place every selected piece exactly once."""
 
 

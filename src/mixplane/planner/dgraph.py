@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
 from mixplane.planner import layoutloop
@@ -36,7 +37,7 @@ LEVELS = ("inter", "intra", "both")
 BROADCAST_DIMS = ("tp",)  # the broadcasts constructors and the client implement
 
 
-class DGraphError(ValueError):
+class DGraphError(MixplaneError, ValueError):
     """A primitive used in a way that cannot work (names the primitive and the step)."""
 
 

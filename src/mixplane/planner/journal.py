@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
 from mixplane.planner.core import StepPlan, StepPlanner
 from mixplane.spec import DataMixtureSpec
@@ -72,7 +73,7 @@ implements it over the real sources with the loaders' own ``LoaderWindow``; test
 streams through the same class."""
 
 
-class JournalError(ValueError):
+class JournalError(MixplaneError, ValueError):
     """A journal that cannot be read or replayed (names the file, line or step)."""
 
 

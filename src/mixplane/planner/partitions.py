@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
+from mixplane.errors import MixplaneError
 from mixplane.protocol import loader_identity
 
 __all__ = ["Assignment", "HandoffError", "Host", "Move", "PartitionKey", "PartitionTable", "loader_identity",
@@ -56,7 +57,7 @@ class Move:
     previous: str | None = None  # the primary it replaces (None: the partition was free)
 
 
-class HandoffError(ValueError):
+class HandoffError(MixplaneError, ValueError):
     """A handoff that cannot be done; the text says why (unknown partition or host, nothing to do)."""
 
 

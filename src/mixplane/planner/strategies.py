@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Callable, Iterable
 
+from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout
 from mixplane.planner.core import PlanContext, Strategy, vanilla_strategy
 from mixplane.planner.cost import backbone_cost, encoder_cost
@@ -51,7 +52,7 @@ def vlm_balance(ctx: PlanContext, method: str = "greedy", level: str = "inter", 
 BUILTIN: dict[str, Callable[..., StepLayout]] = dict(zip(BUILTIN_STRATEGIES, (vanilla_strategy, llm_balance, vlm_balance), strict=True))
 
 
-class StrategyError(ValueError):
+class StrategyError(MixplaneError, ValueError):
     """A strategy that cannot be loaded or does not accept its options."""
 
 

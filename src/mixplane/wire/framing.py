@@ -32,6 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from mixplane.errors import MixplaneError
+
 
 MAGIC = b"MXPL"
 VERSION = 1
@@ -96,7 +98,7 @@ def wants_checksum(kind: Kind, checksum: bool | None = None) -> bool:
     return True if checksum is None else bool(checksum)
 
 
-class WireError(ValueError):
+class WireError(MixplaneError, ValueError):
     """A message that does not follow the framing; the text names the field at fault."""
 
 

@@ -8,14 +8,15 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.wire.framing import Kind, Message, encode, recv
 
 
-class Backpressure(TimeoutError):
+class Backpressure(MixplaneError, TimeoutError):
     """A send that could not proceed before its deadline because the peer's queue is full (HWM)."""
 
 
-class PeerTimeout(TimeoutError):
+class PeerTimeout(MixplaneError, TimeoutError):
     """No reply from a peer within the deadline; the message names the peer's endpoint."""
 
 
