@@ -196,11 +196,11 @@ def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
 class S3Storage:
     """s3rver (or moto) behind the latency proxy of tests/s3server.py, the corpus uploaded once per run."""
 
-    def __init__(self, latency_s: float) -> None:
+    def __init__(self, latency_s: float, server: str = "auto") -> None:
         sys.path.insert(0, str(ROOT))
         from tests.s3server import S3RVER_KEY, MotoS3, S3Proxy, S3rver, credentials_env
 
-        self.kind = "s3rver" if S3rver.available() else "moto"
+        self.kind = server if server != "auto" else ("s3rver" if S3rver.available() else "moto")
         os.environ.update(credentials_env(S3RVER_KEY if self.kind == "s3rver" else None))
         self.server = S3rver(("startup",)) if self.kind == "s3rver" else MotoS3(process=True)
         self.proxy = S3Proxy(self.server.endpoint, latency_s=latency_s)
@@ -212,7 +212,7 @@ class S3Storage:
 
     def upload(self, local: Path, prefix: str) -> str:
         if prefix not in self.uploaded:
-            if self.kind == "moto":
+            if self.kind == "moto" and not self.uploaded:  # the bucket, once
                 self.server.filesystem().create_dir("startup")
             t0 = time.monotonic()
             self._upload_tree(local, prefix)
@@ -243,6 +243,8 @@ def main() -> None:
     ap.add_argument("--files", default="1000,10000")
     ap.add_argument("--s3-files", default="", help="file counts also measured on S3 (20 ms per request)")
     ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--server", choices=["auto", "s3rver", "moto"], default="auto",
+                    help="S3-compatible server (s3rver failed ListObjectsV2 under 5,000 keys here: INTERNAL_FAILURE)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-runtime", action="store_true", help="index figures only (no mixplane run)")
     ap.add_argument("--pyarrow-s3-max", type=int, default=1000, help="largest source the S3 pyarrow reference reads")
@@ -268,7 +270,7 @@ def main() -> None:
     try:
         for storage_kind, ns in (("local", counts), ("s3", s3_counts)):
             if ns and storage_kind == "s3":
-                storage = S3Storage(args.latency_ms / 1000)
+                storage = S3Storage(args.latency_ms / 1000, args.server)
             for n in ns:
                 root = ensure_corpus(n)
                 if storage is None:
