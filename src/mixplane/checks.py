@@ -40,6 +40,23 @@ def strategy_problems(spec: DataMixtureSpec) -> list[Problem]:
     return []
 
 
+def hook_problems(spec: DataMixtureSpec) -> list[Problem]:
+    """A constructor hook that does not import, is not callable or refuses its options (constructor start-up, earlier)."""
+    from mixplane.constructor.hooks import HookError, load_hook
+
+    h = spec.hooks.constructor
+    if h is None:
+        return []
+    mod, sep, _ = h.name.rpartition(":")
+    if sep and mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):
+        return [Problem("hooks.constructor.name", f"no such hook file: {mod}")]
+    try:
+        load_hook(spec)
+    except HookError as e:
+        return [Problem("hooks.constructor.name", str(e))]
+    return []
+
+
 def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
     """Every source lists files, one of them opens as Parquet and has the columns; tokenizers exist."""
     out: list[Problem] = []
@@ -77,4 +94,4 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
 
 def default_checks(files: bool = True) -> list[Checker]:
     """What `mixplane validate` and `mixplane run` check beyond the spec itself (`files=False`: --no-files)."""
-    return [strategy_problems, source_file_problems] if files else [strategy_problems]
+    return [strategy_problems, hook_problems, source_file_problems] if files else [strategy_problems, hook_problems]

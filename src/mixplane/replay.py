@@ -18,6 +18,7 @@ import numpy as np
 
 from mixplane.errors import MixplaneError
 from mixplane.constructor.collate import SpanStore, materialize_rank
+from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.layout import layout_digest
 from mixplane.loader.stream import SourceStream, open_stream
 from mixplane.loader.transforms import Transform, make_transform
@@ -230,6 +231,10 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
     with ReplayLoaders() as loaders:
         plan = replan(path, step, loaders)  # raises ReplayMismatch naming the first step that differs
         batch = materialize_rank(plan.layout, coords.dp, fetch_spans(loaders, plan), spec.batch.pad_id)
+        hook = load_hook(spec)
+        if hook is not None:  # hooks.constructor: what the trainer got was the hooked batch
+            batch = apply_hook(hook, spec.hooks.constructor.name, batch,  # type: ignore[union-attr]
+                               hook_context(spec, plan.layout, coords.dp))
     digest = layout_digest(plan.layout)
     names = spec.source_names()
     src = batch["source_ids"]

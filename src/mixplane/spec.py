@@ -220,6 +220,16 @@ class StrategySpec(_Model):
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the strategy.")
 
 
+class ConstructorHookSpec(_Model):
+    name: str = Field(..., min_length=1, description="`package.module:function` or `path/to/file.py:function` (relative to the spec file): `fn(batch, ctx, **options) -> batch`, called by the constructor on each data-parallel rank's collated batch (numpy arrays) before it is cut for CP / PP / TP; `ctx` has step, dp_rank, phase, generation, sources, seq_len. It may change a field (same shape) or add fields (numpy arrays); it must be deterministic (replay calls it again).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the hook (checked against its signature at validation and start-up).")
+    token_fields: list[str] = Field(default_factory=list, description="Fields the hook adds that are aligned with the tokens (last dimension seq_len): context parallelism cuts them as it cuts input_ids; other added fields reach every rank of the data-parallel group whole.")
+
+
+class HooksSpec(_Model):
+    constructor: ConstructorHookSpec | None = Field(None, description="How a constructor assembles its part of a plan (the paper's constructor_do_plan): custom collation, extra fields.")
+
+
 class CurveSpec(_Model):
     enabled: bool = Field(False, description="Encrypt and authenticate every socket with CURVE.")
     key_dir: str | None = Field(None, description="Directory holding the component key pairs and the public-key allowlist.")
@@ -271,6 +281,7 @@ class DataMixtureSpec(_Model):
     topology: TopologySpec = Field(default_factory=TopologySpec, description="The trainer's parallelism.")
     model: dict[str, ModelDims] = Field(default_factory=dict, description="Model dimensions by module name (for cost models).")
     strategy: StrategySpec = Field(default_factory=StrategySpec, description="Planning strategy.")
+    hooks: HooksSpec = Field(default_factory=HooksSpec, description="User code in how components consume a plan (constructor).")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Ports, buffers, timeouts.")
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="Cluster deployment (operator only).")
 
@@ -534,6 +545,11 @@ def resolve_paths(spec: DataMixtureSpec, base: Path) -> DataMixtureSpec:
     mod, sep, fn = spec.strategy.name.rpartition(":")
     if sep and mod.endswith(".py"):
         update["strategy"] = spec.strategy.model_copy(update={"name": f"{fix(mod)}:{fn}"})
+    hook = spec.hooks.constructor
+    if hook is not None:
+        mod, sep, fn = hook.name.rpartition(":")
+        if sep and mod.endswith(".py"):
+            update["hooks"] = spec.hooks.model_copy(update={"constructor": hook.model_copy(update={"name": f"{fix(mod)}:{fn}"})})
     return spec.model_copy(update=update)
 
 

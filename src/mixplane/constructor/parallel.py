@@ -232,9 +232,12 @@ def view_key(cp_rank: int, pp_stage: int, pp: int, tp_rank: int, broadcast_at: I
 
 
 def rank_view(batch: Mapping[str, Any], *, cp: int = 1, cp_rank: int = 0, pp: int = 1, pp_stage: int = 0,
-              tp_rank: int = 0, broadcast_at: Iterable[str] = (), cp_mode: str = "row") -> dict[str, Any]:
-    """Exactly what one backbone rank receives of a data-parallel rank's batch: CP shard, PP filter, TP rule."""
-    view = cp_split(batch, cp, cp_rank, mode=cp_mode)
+              tp_rank: int = 0, broadcast_at: Iterable[str] = (), cp_mode: str = "row",
+              extra_token_fields: Iterable[str] = ()) -> dict[str, Any]:
+    """Exactly what one backbone rank receives of a data-parallel rank's batch: CP shard, PP filter, TP rule.
+    `extra_token_fields`: fields a constructor hook added that context parallelism cuts like input_ids."""
+    extra = tuple(extra_token_fields)
+    view = cp_split(batch, cp, cp_rank, mode=cp_mode, token_fields=(*TOKEN_FIELDS, *extra) if extra else None)
     view = pp_filter(view, pp_stage, pp)
     if not tp_receives(tp_rank, broadcast_at):
         view = metadata_only(view)

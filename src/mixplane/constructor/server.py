@@ -18,6 +18,7 @@ import zmq
 from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
+from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
 from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
 from mixplane.layout import StepLayout
@@ -101,6 +102,9 @@ class ConstructorServer(PlannerFollower):
                  advertise_host: str | None = None):
         super().__init__(spec, f"constructor:{index}", context=context, metrics_port=metrics_port, logger=log)
         self.index = index
+        # hooks.constructor: loaded before any socket opens (a hook that cannot be loaded stops the start, named)
+        self.hook = load_hook(spec)
+        self.hook_token_fields = tuple(spec.hooks.constructor.token_fields) if spec.hooks.constructor else ()
         # CURVE when runtime.curve is enabled: both bound sockets are servers, the planner link a client
         self.planner = self.ctx.socket(zmq.DEALER)
         self.planner.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -353,6 +357,9 @@ class ConstructorServer(PlannerFollower):
             lay = st.layout
             if lay is not None and st.step_images:
                 self._attach_images(b, lay, st)
+            if self.hook is not None and lay is not None:  # hooks.constructor: before the CP / PP / TP cut
+                b = apply_hook(self.hook, self.spec.hooks.constructor.name,
+                               b, hook_context(self.spec, lay, coords.dp))
             st.batches[dp_local] = b
             self.m.constructor_build_seconds.observe(time.perf_counter() - t0)
             self.m.constructor_steps.inc()
@@ -374,7 +381,7 @@ class ConstructorServer(PlannerFollower):
         if v is None:
             batch = self._batch_for(st, rank)
             v = rank_view(batch, cp=self.cp, cp_rank=c.cp, pp=self.pp, pp_stage=c.pp, tp_rank=c.tp,
-                          broadcast_at=st.broadcast, cp_mode=self.cp_layout)
+                          broadcast_at=st.broadcast, cp_mode=self.cp_layout, extra_token_fields=self.hook_token_fields)
             st.views[key] = v
         if st.layout is not None and st.step_images:
             # the encoder batch is per rank, outside the backbone's TP rule: real tensors for the rank
