@@ -14,11 +14,20 @@ from tests.k8s.cluster import Cluster
 from tests.k8s.helpers import wait_for
 from tests.k8s.test_e2e import (TRAINER, WORLD, bucket, install_chart, journal_volume, kget, reference,  # noqa: F401
                                 small_cpu_requests, spec, trainer_job)
-from tests.k8s.test_e2e_chaos import _lines
 
 STEPS = 56
 STEP_S = 0.4
 pytestmark = pytest.mark.timeout(1200)
+
+
+def _lines(c: Cluster, ns: str) -> list[dict]:
+    """The trainers' per-step lines, from their pods' logs."""
+    out = []
+    for rank in range(WORLD):
+        for pod in kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]:
+            log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"], "-c", "train", check=False).stdout
+            out += [json.loads(x) for x in log.splitlines() if x.startswith("{") and '"digest"' in x]
+    return out
 
 
 def test_kubectl_patch_of_weights_takes_effect_at_the_stated_step(k8s_node: Cluster, k8s_node_namespace: str, bucket,  # noqa: F811
