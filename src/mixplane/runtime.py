@@ -86,10 +86,10 @@ class RestartPolicy:
 
     An incarnation that ran `stable_s` after it was ready and then died is restarted at once (no backoff: it
     is no crash loop, and every second of a planner restart is a stall of the trainers); the backoff is for
-    components dying sooner. With `standby` the runtime keeps one warm standby process (mixplane.standby:
-    interpreter started, every component's modules imported, the planner's compiled loops loaded) that takes
-    over the next component to die instead of a new interpreter; a new standby is started `standby_after_s`
-    after it took over."""
+    components dying sooner. With `standby` the runtime keeps `standbys` warm standby processes
+    (mixplane.standby: interpreter started, every component's modules imported, the planner's compiled loops
+    loaded); the next component to die is handed to one instead of a new interpreter (a loader never takes the
+    last one), and another standby is started `standby_after_s` later."""
 
     budget: int = 3
     window_s: float = 300.0
@@ -97,6 +97,7 @@ class RestartPolicy:
     backoff_max_s: float = 10.0
     stable_s: float = 5.0
     standby: bool = True
+    standbys: int = 2
     standby_after_s: float = 0.5
     roles: tuple[str, ...] = ("planner", "constructor", "loader")
     # a component silent this long (planner STATUS `silent`; the planner itself: no answer to STATUS) is hung:
@@ -154,8 +155,9 @@ class EmbeddedRuntime:
         self._stop_supervising = threading.Event()
         self._lock = threading.RLock()  # supervise() and stop() from different threads
         # the warm standby (RestartPolicy.standby): a prepared process that becomes the next component to die
-        self._standby: subprocess.Popen | None = None
-        self._standby_due: float | None = None  # when to start the next one (None: not wanted)
+        self._standbys: list[tuple[subprocess.Popen, Path]] = []  # (process, its ready file)
+        self._standby_serial = 0
+        self._standby_due: float | None = None  # when to start the next one (None: none wanted)
         self._standby_deaths = 0  # standbys that died before taking over (a standby that cannot start: give up)
 
     def _key_dir(self) -> Path | None:
@@ -254,54 +256,63 @@ class EmbeddedRuntime:
         self.children.append(c)
         return c
 
-    # -- warm standby (RestartPolicy.standby) -------------------------------------------------
-    @property
-    def _standby_ready_file(self) -> Path:
-        return self.run_dir / "ready" / "standby.json"
-
+    # -- warm standbys (RestartPolicy.standby, .standbys) -----------------------------------------
     def _spawn_standby(self) -> None:
-        ready = self._standby_ready_file
+        self._standby_serial += 1
+        ready = self.run_dir / "ready" / f"standby-{self._standby_serial}.json"
         ready.unlink(missing_ok=True)
         logf = open(self.run_dir / "logs" / "standby.log", "ab")
         cmd = [self.python, "-m", "mixplane.standby", "--ready-file", str(ready)]
-        self._standby = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                         preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         logf.close()
-        self._standby_due = None
+        self._standbys.append((proc, ready))
 
     def _tend_standby(self, now: float) -> None:
-        """Start the standby when one is due; notice one that died before taking over (restarted later, given
-        up after 3 such deaths in a row: restarts then start a new interpreter, as without a standby)."""
-        if self.restart is None or not self.restart.standby:
+        """Keep `standbys` standbys, starting one at a time (`standby_after_s` apart, so a take-over's recovery
+        is not slowed by a standby's imports); notice one that died before taking over (started again 5 s later,
+        given up after 3 such deaths in a row: restarts then start new interpreters, as without a standby)."""
+        if self.restart is None or not self.restart.standby or self._standby_due is None:
             return
-        sb = self._standby
-        if sb is not None and sb.poll() is not None:
-            self._standby = None
+        for sb, ready in list(self._standbys):
+            if sb.poll() is None:
+                continue
+            self._standbys.remove((sb, ready))
+            ready.unlink(missing_ok=True)
             self._standby_deaths += 1
             giving_up = self._standby_deaths >= 3
-            log.warning("the warm standby (pid %d) exited with code %s%s; see %s", sb.pid, sb.returncode,
+            log.warning("a warm standby (pid %d) exited with code %s%s; see %s", sb.pid, sb.returncode,
                         ": no more standbys, restarts start new processes" if giving_up else "",
                         self.run_dir / "logs" / "standby.log")
-            self._standby_due = None if giving_up else now + 5.0
-        if self._standby is None and self._standby_due is not None and now >= self._standby_due:
+            if giving_up:
+                self._stop_standby()
+                return
+            self._standby_due = max(self._standby_due, now + 5.0)
+        if len(self._standbys) < self.restart.standbys and now >= self._standby_due:
             self._spawn_standby()
+            self._standby_due = now + self.restart.standby_after_s
 
     def _take_standby(self, comp: Component, now: float) -> Child | None:
-        """Hand `comp` to the warm standby: it becomes the component as a new `python -m mixplane.cli` would. A
-        standby still preparing takes the order too (it reads it once prepared: always sooner than a new process,
-        which would prepare from the start). None: no standby (start a new process instead)."""
-        sb = self._standby
-        if sb is None or sb.poll() is not None or sb.stdin is None:
+        """Hand `comp` to a warm standby (a prepared one first): it becomes the component as a new `python -m
+        mixplane.cli` would. A standby still preparing takes the order too (it reads it once prepared: always
+        sooner than a new process, which would prepare from the start). A loader (whose partitions a shadow can
+        serve meanwhile) never takes the last standby when there are several: it is kept for the planner and the
+        constructors, whose restart the trainers wait for. None: no standby (start a new process instead)."""
+        live = [(sb, ready) for sb, ready in self._standbys if sb.poll() is None and sb.stdin is not None]
+        if not live or (comp.role == "loader" and len(live) == 1 and self.restart is not None
+                        and self.restart.standbys > 1):
             return None
-        prepared = read_ready(self._standby_ready_file) is not None
+        prepared = [x for x in live if read_ready(x[1]) is not None]
+        sb, ready_file = (prepared or live)[0]
+        self._standbys.remove((sb, ready_file))
+        ready_file.unlink(missing_ok=True)
+        self._standby_deaths = 0
+        assert self.restart is not None and sb.stdin is not None and self._standby_due is not None
+        self._standby_due = max(self._standby_due, now + self.restart.standby_after_s)
         ready = Path(comp.ready_file)
         ready.unlink(missing_ok=True)
         order = {"argv": ["--log-level", self.log_level, *comp.args], "env": {**os.environ, **comp.env},
                  "log": str(self.run_dir / "logs" / f"{comp.name}.log")}
-        self._standby = None
-        self._standby_deaths = 0
-        assert self.restart is not None
-        self._standby_due = now + self.restart.standby_after_s
         try:
             sb.stdin.write((json.dumps(order) + "\n").encode())
             sb.stdin.close()
@@ -316,21 +327,22 @@ class EmbeddedRuntime:
         return c
 
     def _stop_standby(self) -> None:
-        sb, self._standby, self._standby_due = self._standby, None, None
-        if sb is None:
-            return
-        if sb.poll() is None:
+        standbys, self._standbys, self._standby_due = self._standbys, [], None
+        for sb, _ in standbys:
+            if sb.poll() is None:
+                try:
+                    if sb.stdin is not None:
+                        sb.stdin.close()  # end of input: it exits
+                except OSError:
+                    pass
+                sb.send_signal(signal.SIGTERM)
+        for sb, ready in standbys:
             try:
-                if sb.stdin is not None:
-                    sb.stdin.close()  # end of input: it exits
-            except OSError:
-                pass
-            sb.send_signal(signal.SIGTERM)
-        try:
-            sb.wait(5)
-        except subprocess.TimeoutExpired:
-            sb.kill()
-            sb.wait(5)
+                sb.wait(5)
+            except subprocess.TimeoutExpired:
+                sb.kill()
+                sb.wait(5)
+            ready.unlink(missing_ok=True)
 
     def _wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -591,6 +603,8 @@ class EmbeddedRuntime:
                     pending = True
             if not pending or time.monotonic() >= deadline or self._stop_supervising.is_set():
                 return done
+            if any(c.proc.poll() is not None for c in self.children if not c.starting):
+                return done  # another death: it is restarted on the next look, not after this wait
             time.sleep(0.01)
 
     def reshard(self, topology: dict[str, Any], state: dict[str, Any] | None = None, *, attempt: str | None = None,

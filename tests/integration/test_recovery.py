@@ -160,23 +160,25 @@ def test_planner_sigkill_mid_run_recovers_from_the_journal_with_identical_batche
 
 
 def test_a_warm_standby_takes_over_a_dead_planner_without_backoff(token_sources, tmp_path, reference):
-    """RestartPolicy.standby (the default; issue 22): the runtime keeps a prepared process (interpreter started,
-    the components' modules imported, the planner's compiled loops loaded) that becomes the restarted planner; a
-    planner that ran `stable_s` after it was ready is restarted without backoff; a new standby is prepared
-    behind it; the batches are those of a failure-free run; stop() leaves no standby behind."""
+    """RestartPolicy.standby (the default; issue 22): the runtime keeps prepared processes (interpreter started,
+    the components' modules imported, the planner's compiled loops loaded), one of which becomes the restarted
+    planner; a planner that ran `stable_s` after it was ready is restarted without backoff; a new standby is
+    prepared behind it; the batches are those of a failure-free run; stop() leaves no standby behind."""
     policy = RestartPolicy(budget=2, window_s=600, stable_s=1.0)  # the default backoff (0.5 s): not paid here
     run_dir = tmp_path / "standby"
-    standby_file = run_dir / "ready" / "standby.json"
+
+    def prepared() -> set[int]:
+        return {info["pid"] for f in (run_dir / "ready").glob("standby-*.json") if (info := read_ready(f)) is not None}
+
     rt = EmbeddedRuntime(spec(token_sources["root"]), run_dir, restart=policy).start()
     try:
         rt.supervise_in_background(0.1)
         fetch = Fetcher(rt.planner_endpoint, pause_s=0.2)
         fetch.wait_for(KILL_AFTER // 2)
         deadline = time.monotonic() + 120
-        while (prepared := read_ready(standby_file)) is None:
+        while len(standby_pids := prepared()) < policy.standbys:
             assert time.monotonic() < deadline, (run_dir / "logs" / "standby.log").read_text(errors="replace")
             time.sleep(0.05)
-        standby_pid = prepared["pid"]
         old = rt.child("planner")
         assert old.ready_at is not None
         time.sleep(max(0.0, policy.stable_s - (time.monotonic() - old.ready_at)))
@@ -194,15 +196,16 @@ def test_a_warm_standby_takes_over_a_dead_planner_without_backoff(token_sources,
         got = fetch.join()
         rt.check()
         fresh = rt.child("planner")
-        assert fresh.proc.pid == standby_pid and fresh.exit_codes == [-signal.SIGKILL]
+        assert fresh.proc.pid in standby_pids and fresh.exit_codes == [-signal.SIGKILL]
         deadline = time.monotonic() + 120
-        while (again := read_ready(standby_file)) is None or again["pid"] == standby_pid:
+        while not (new_pids := prepared() - standby_pids):
             assert time.monotonic() < deadline, "no new standby after the take-over"
             time.sleep(0.05)
+        assert len(prepared()) == policy.standbys
     finally:
         rt.stop()
     assert_identical(got, reference)
-    for pid in (standby_pid, again["pid"]):
+    for pid in standby_pids | new_pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     log = (run_dir / "logs" / "planner.log").read_text(errors="replace")
@@ -231,7 +234,7 @@ def test_components_that_die_together_are_restarted_together(token_sources, tmp_
     assert_identical(got, reference)
     assert all(f.exit_codes == [-signal.SIGKILL] and f.ready_at is not None for f in fresh)
     # restarted in the same look (a blocking restart would start the second one after the first was ready)
-    assert abs(fresh[0].started - fresh[1].started) < 0.3, [f.started for f in fresh]
+    assert abs(fresh[0].started - fresh[1].started) < 0.4, [f.started for f in fresh]
 
 
 def test_constructor_sigkill_mid_run_is_rebuilt_with_identical_batches(token_sources, tmp_path, reference):
