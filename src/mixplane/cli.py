@@ -579,8 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hang-after", type=float, default=None, metavar="S",
                    help="with --restarts: a component silent for S seconds (hung, e.g. SIGSTOP) is killed and restarted")
     r.add_argument("--no-standby", action="store_true",
-                   help="with --restarts: keep no warm standby process (a restart then starts a new interpreter: "
-                        "1-4 s longer on a loaded machine, one process and ~150 MB less while nothing fails)")
+                   help="with --restarts: keep no warm standby processes (a restart then starts a new interpreter: "
+                        "1-4 s longer on a loaded machine; two idle processes, ~170 MB each, less while nothing fails)")
     r.set_defaults(fn=cmd_run)
 
     dm = sub.add_parser("demo", help="train a small GPT on 2 ranks fed by mixplane")
