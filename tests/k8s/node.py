@@ -113,9 +113,9 @@ def _cgroup_dirs() -> list[str]:
 
 # The pods' containers all sit in dockerd's cgroup parent /docker (cgroupfs driver, kubelet --cgroups-per-qos=false),
 # which weighs cpu.shares 1024 against every busy process of the host at 1024 each: with the other work on this shared
-# machine at load 12-24, the whole cluster got ~1/13-1/25 of the 2 cores, the planner and its loaders missed each
-# other's heartbeats and took each other for dead (the remote e2e case's flake). The node gives /docker the weight of
-# as many busy processes as the cluster runs (planner, 2 constructors, loaders, 2 trainers, operator), restored at stop.
+# machine at load 12-24, the whole cluster got ~1/13-1/25 of the 2 cores (components Ready 50-60 s after the apply;
+# 24-28 s with the weight). The node gives /docker the weight of as many busy processes as the cluster runs (planner,
+# 2 constructors, loaders, 2 trainers, operator), restored at stop. (It did not end the remote e2e flake: deploy.md.)
 CONTAINERS_CPU = CGROUP_ROOT / "cpu" / "docker"
 CONTAINERS_CPU_SHARES = 8192
 NODE_CGROUPS = ("kubepods", "docker")  # what dockerd and the kubelet (cgroupfs driver) create under each hierarchy
