@@ -232,3 +232,33 @@ def test_pre_encoded_frames_reach_the_peer_as_the_message_and_a_gone_peer_is_cou
         peer.close(0)
         planner.close()
         ctx.destroy(0)
+
+
+def test_a_burst_of_one_hosts_queued_hellos_registers_it_once(spec):
+    """HELLOs a loader host queued while the planner was unreachable arrive at once: the same process (same
+    incarnation) is registered once, its partitions keep their epoch; a restarted process (a new incarnation under
+    the same name) registers again and its partitions move to it under a new epoch."""
+    ctx = zmq.Context()
+    planner = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None)
+    host = ctx.socket(zmq.DEALER)
+    host.setsockopt(zmq.IDENTITY, protocol.host_identity("loader-a").encode())
+    host.connect(planner.endpoint)
+    try:
+        hello = {"role": "host", "host": "loader-a", "partitions": [[0, 0]], "serving": [], "shadow": False}
+        for _ in range(12):  # the burst
+            wire.send(host, Kind.HELLO, {**hello, "incarnation": "p1"})
+        _pump(planner, lambda: False, 1.0)
+        key = (0, 0)
+        assert planner.partitions.parts[key].host == "loader-a"
+        first = planner.partitions.epoch(key)
+        got = []
+        while host.poll(200):
+            got.append(wire.recv(host)[1].kind)
+        assert got.count(Kind.WELCOME) == 12 and got.count(Kind.ADOPT) == 1, got
+        wire.send(host, Kind.HELLO, {**hello, "incarnation": "p2"})  # the process restarted under the same name
+        _pump(planner, lambda: planner.partitions.epoch(key) != first, 2.0)
+        assert planner.partitions.epoch(key) == first + 1
+    finally:
+        host.close(0)
+        planner.close()
+        ctx.destroy(0)

@@ -16,6 +16,7 @@ so its stream and window stay open), one poll loop (`serve_loaders`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -42,6 +43,7 @@ class LoaderHost(PlannerFollower):
                  state_dir: str | None = None):
         super().__init__(spec, protocol.host_identity(name), context=context, metrics_port=None, logger=log)
         self.host_name = name
+        self.process_incarnation = os.urandom(8).hex()  # told to the planner in HELLO (a restart changes it)
         self.planner_endpoint = planner_endpoint
         self.wants = list(partitions or [])
         self.launched_as_shadow = shadow
@@ -115,6 +117,8 @@ class LoaderHost(PlannerFollower):
     # -- planner messages --------------------------------------------------------------------------------
     def hello(self) -> None:
         wire.send(self.planner, Kind.HELLO, {"role": "host", "host": self.host_name,
+                                             # this process: a HELLO repeated by it is not a restart
+                                             "incarnation": self.process_incarnation,
                                              "partitions": [[si, r] for si, r in self.wants],
                                              # what it serves or held for a re-partitioned source (a restarted
                                              # planner may have told it to release already): handed back to it

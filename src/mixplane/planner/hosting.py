@@ -78,6 +78,7 @@ class PartitionHosting:
         keys = [(w.source, w.replica) for w in self.core.windows]
         self.partitions = PartitionTable(keys, shadows_wanted=int(getattr(self.spec.runtime, "shadow_loaders", 0)))
         self.host_ids: dict[str, bytes] = {}
+        self.host_incarnations: dict[str, str] = {}  # host -> the process that registered under that name last
         self.host_loop_s: dict[str, float] = {}  # host -> age of its poll loop's last turn, from its beats
         self.failover_after_s = float(getattr(self.spec.runtime, "failover_after_s", 1.0))
         self.retired_loaders: dict[bytes, tuple[PartitionKey, int, float]] = {}  # old identity -> key, epoch, last RELEASE
@@ -168,6 +169,15 @@ class PartitionHosting:
                 [k for k, a in sorted(self.partitions.parts.items()) if k[0] in moved
                  and (a.host == name or (a.host is None and k in had))]
         shadow = bool(msg.meta.get("shadow", False))
+        inc = msg.meta.get("incarnation")
+        if isinstance(inc, str) and self.host_incarnations.get(name) == inc and self.host_ids.get(name) == identity:
+            # the same process's HELLO again (queued while the planner was unreachable and delivered in a burst,
+            # or a retry whose WELCOME crossed it): it is registered; registering it again would hand its
+            # partitions over to itself under new epochs, once per queued HELLO
+            self._send(identity, Kind.WELCOME, {"session": self.session, "incarnation": self.incarnation})
+            return
+        if isinstance(inc, str):
+            self.host_incarnations[name] = inc
         if name in self.host_ids and self.host_ids[name] != identity:
             log.warning("loader host %s registered again (restart?)", name)
         self.host_ids[name] = identity
