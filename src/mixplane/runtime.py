@@ -296,13 +296,15 @@ class EmbeddedRuntime:
         """Hand `comp` to a warm standby (a prepared one first): it becomes the component as a new `python -m
         mixplane.cli` would. A standby still preparing takes the order too (it reads it once prepared: always
         sooner than a new process, which would prepare from the start). A loader (whose partitions a shadow can
-        serve meanwhile) never takes the last standby when there are several: it is kept for the planner and the
-        constructors, whose restart the trainers wait for. None: no standby (start a new process instead)."""
+        serve meanwhile) takes one only when another prepared one stays (with several standbys): that one is kept
+        for the planner and the constructors, whose restart the trainers wait for. None: no standby (start a new
+        process instead)."""
         live = [(sb, ready) for sb, ready in self._standbys if sb.poll() is None and sb.stdin is not None]
-        if not live or (comp.role == "loader" and len(live) == 1 and self.restart is not None
+        prepared = [x for x in live if read_ready(x[1]) is not None]
+        # a loader leaves a prepared standby behind (one still preparing may take seconds on a loaded machine)
+        if not live or (comp.role == "loader" and len(prepared) < 2 and self.restart is not None
                         and self.restart.standbys > 1):
             return None
-        prepared = [x for x in live if read_ready(x[1]) is not None]
         sb, ready_file = (prepared or live)[0]
         self._standbys.remove((sb, ready_file))
         ready_file.unlink(missing_ok=True)
