@@ -88,8 +88,8 @@ class RestartPolicy:
     is no crash loop, and every second of a planner restart is a stall of the trainers); the backoff is for
     components dying sooner. With `standby` the runtime keeps `standbys` warm standby processes
     (mixplane.standby: interpreter started, every component's modules imported, the planner's compiled loops
-    loaded); the next component to die is handed to one instead of a new interpreter (a loader never takes the
-    last one), and another standby is started `standby_after_s` later."""
+    loaded); the next component to die is handed to one instead of a new interpreter (a loader only when a
+    prepared one stays), and another standby is started `standby_after_s` later."""
 
     budget: int = 3
     window_s: float = 300.0
