@@ -129,6 +129,11 @@ def test_the_planners_adaptation_follows_the_rule_and_takes_live_updates_as_its_
     # a live update: its weights are where adaptation goes on from, the intervals and loss totals stay
     a.replaced({**mix, "weights": {"web": 1.0, "code": 1.0, "math": 2.0}})
     assert a.state.k == 1 and a.state.weights == (0.25, 0.25, 0.5) and a.state.loss_sum == want.loss_sum
+    a.reweighted({"math": 1.5})  # weights only: the others keep theirs, then all normalised
+    assert a.state.weights == pytest.approx((0.125, 0.125, 0.75)) and a.state.k == 1
+    a.reweighted({"web": 0.0, "code": 0.0, "math": 0.0})  # not a mixture: ignored, not a division by zero
+    a.replaced({**mix, "weights": {"web": 0.0}})
+    assert a.state.k == 1 and sum(a.state.weights) == pytest.approx(1.0)
     a.replaced({"weights": {"web": 1.0}})  # no adaptive section: adaptation stops
     assert a.state is None and a.status() is None and a.next_update([1.0] * 3, [1] * 3, 100, 101) is None
     assert Adaptation(SOURCES, {"weights": {}}).state is None

@@ -54,7 +54,20 @@ class Adaptation:
             self.state = None
             return
         w = base_weights(mixture, self.names)
+        if sum(w) <= 0:  # cannot be a mixture (the planner refused it before): nothing to start from
+            return
         self.state = AdaptiveState.start(w) if self.state is None else self.state.reweighted(w)
+
+    def reweighted(self, weights: Mapping[str, float]) -> None:
+        """A weights-only live update: the sources it names take its weights (normalised with the others'
+        current ones), the rest keep theirs."""
+        if self.state is None:
+            return
+        cur = dict(zip(self.names, self.state.weights))
+        w = [float(weights.get(n, cur[n])) for n in self.names]
+        if sum(w) > 0:
+            self.state = self.state.reweighted(w)
+            self.mixture = {**self.mixture, "weights": dict(zip(self.names, w))}
 
     def next_update(self, loss_sum: Sequence[float], tokens: Sequence[int], through: int,
                     next_unplanned: int) -> tuple[dict[str, Any], dict[str, Any]] | None:

@@ -727,8 +727,10 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             if self.journal is not None:
                 self.journal.update(event)
             # a live update replaces the weights an adaptive mixture goes on from (and its configuration)
-            self.adaptation.replaced(event["mixture"] if "mixture" in event else
-                                     {**self.adaptation.mixture, "weights": event.get("weights") or {}})
+            if "mixture" in event:
+                self.adaptation.replaced(event["mixture"])
+            else:  # weights only: the sources it names change, the others keep their weight
+                self.adaptation.reweighted(event.get("weights") or {})
             ack["phase"] = self.core.schedule.at(step).phase
             what = "mixture" if "mixture" in event else f"weights {event.get('weights')}"
             log.info("mixture generation %d from step %d (update %s): %s", self.generation, step, uid, what)
