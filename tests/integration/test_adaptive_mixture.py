@@ -38,32 +38,7 @@ def test_adaptive_controller_moves_the_weights_by_the_reported_losses(token_sour
     with EmbeddedRuntime(sp, run_dir) as rt:
         ctl = AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve)
 
-        def trainer(r: int) -> None:
-            try:
-                loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=STEPS, timeout_s=90, prefetch=1)
-                loader.loss_report_s = 0.0
-                per_source = None
-                for b in loader:
-                    if per_source is None:
-                        per_source = torch_tensor([LOSS[n] for n in loader.sources])
-                    tok = per_source[b["source_ids"].clamp(min=0).long()]  # each token's loss: its source's
-                    loader.report_loss(int(b["step"]), *source_loss(tok, b["source_ids"], len(loader.sources), b["labels"]))
-                    got[r][int(b["step"])] = {"ids": b["input_ids"].numpy().copy(), "gen": int(b["generation"]),
-                                              "seg": b["segment_key"].numpy().copy()}
-                    time.sleep(0.1)  # a trainer's step: the controller keeps up
-                loader.close()
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 180
-        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            ctl.poll()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+        train_reporting(rt.planner_endpoint, got, errors, timeout_s=90, deadline_s=180, tick=ctl.poll)
         assert not errors, errors[0]
         status = rt.status()
 
@@ -96,6 +71,38 @@ def test_adaptive_controller_moves_the_weights_by_the_reported_losses(token_sour
     out = replay_step(sp, step=STEPS - 1, rank=0, run_dir=str(run_dir), save=str(tmp_path / "r.npz"))
     assert out["digest_match"]
     assert np.array_equal(np.load(tmp_path / "r.npz")["input_ids"], got[0][STEPS - 1]["ids"])
+
+
+def train_reporting(endpoint: str, got: dict[int, dict[int, dict]], errors: list[BaseException], *,
+                    timeout_s: float, deadline_s: float, tick) -> None:
+    """Two trainer ranks (threads) that take STEPS steps, report each token's loss as its source's (LOSS) and keep
+    what they received in got[rank][step]; `tick` runs every 50 ms on this thread until they end or deadline_s."""
+    def trainer(r: int) -> None:
+        try:
+            loader = MixtureLoader(endpoint, rank=r, max_steps=STEPS, timeout_s=timeout_s, prefetch=1)
+            loader.loss_report_s = 0.0
+            per_source = None
+            for b in loader:
+                if per_source is None:
+                    per_source = torch_tensor([LOSS[n] for n in loader.sources])
+                tok = per_source[b["source_ids"].clamp(min=0).long()]  # each token's loss: its source's
+                loader.report_loss(int(b["step"]), *source_loss(tok, b["source_ids"], len(loader.sources), b["labels"]))
+                got[r][int(b["step"])] = {"ids": b["input_ids"].numpy().copy(), "gen": int(b["generation"]),
+                                          "seg": b["segment_key"].numpy().copy()}
+                time.sleep(0.1)  # a trainer's step: the controller keeps up
+            loader.close()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + deadline_s
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        tick()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(10)
 
 
 def torch_tensor(values):
@@ -135,33 +142,15 @@ def adaptive_run(sp, run_dir, *, kill_at: int | None, cfg: AdaptiveConfig | None
         ctl = None if cfg is None else AdaptiveController(rt.planner_endpoint, sp, cfg, curve=rt.control_curve,
                                                           timeout_s=2.0, delay_steps=delay)
 
-        def trainer(r: int) -> None:
-            try:
-                loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=STEPS, timeout_s=120, prefetch=1)
-                loader.loss_report_s = 0.0
-                per_source = torch_tensor([LOSS[n] for n in sp.source_names()])
-                for b in loader:
-                    tok = per_source[b["source_ids"].clamp(min=0).long()]
-                    loader.report_loss(int(b["step"]), *source_loss(tok, b["source_ids"], 3, b["labels"]))
-                    got[r][int(b["step"])] = {"ids": b["input_ids"].numpy().copy(), "gen": int(b["generation"])}
-                    time.sleep(0.1)
-                loader.close()
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=trainer, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 240
-        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        def tick() -> None:
+            nonlocal killed
             if ctl is not None:
                 ctl.poll()
             if kill_at is not None and killed is None and min(len(got[0]), len(got[1])) > kill_at:
                 killed = rt.child("planner").proc.pid
                 os.kill(killed, signal.SIGKILL)
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+
+        train_reporting(rt.planner_endpoint, got, errors, timeout_s=120, deadline_s=240, tick=tick)
         assert not errors, errors[0]
         if kill_at is not None:
             assert killed is not None and rt.child("planner").proc.pid != killed

@@ -12,7 +12,8 @@ import os
 import posixpath
 import tempfile
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -84,11 +85,17 @@ def sidecar_bytes(fi: FileIndex) -> bytes:
 
 
 def save_sidecar(fi: FileIndex, file: str) -> None:
+    data = sidecar_bytes(fi)
+    _write_atomically(file, lambda f: f.write(data))
+
+
+def _write_atomically(file: str, write: Callable[[BinaryIO], object]) -> None:
+    """Write `file` through a temporary file in its directory renamed over it, so a reader never sees a part."""
     os.makedirs(os.path.dirname(file), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(sidecar_bytes(fi))
+            write(f)
         os.replace(tmp, file)
     except BaseException:
         try:
@@ -208,18 +215,7 @@ def save_pack(fis: list[FileIndex], file: str) -> None:
             parts = [getattr(fi.pages[fi.columns[i].name], f) for fi in fis]
             arrays[f"{i}.{f}"] = np.concatenate(parts)
             arrays[f"{i}.{f}.len"] = np.array([len(a) for a in parts], np.int64)
-    os.makedirs(os.path.dirname(file), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            np.savez(out, **arrays)
-        os.replace(tmp, file)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    _write_atomically(file, lambda out: np.savez(out, **arrays))
 
 
 def _split(data: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
