@@ -1,4 +1,4 @@
-"""Adaptive mixture weights from per-source losses (issue 23 item 5), the method alone: pure, no I/O.
+"""Adaptive mixture weights from per-source losses, the method alone: pure, no I/O.
 
 The method is DoReMi's domain-weight update (Xie et al., 2023, "DoReMi: Optimizing Data Mixtures Speeds Up Language
 Model Pretraining", Algorithm 1): exponentiated-gradient ascent on each source's excess loss over a reference,

@@ -1,4 +1,5 @@
-"""Adaptive mixtures driven from outside the planner (issue 23 item 5, first form).
+"""Adaptive mixtures driven from outside the planner, by a controller that sends whole-mixture live updates
+(for methods the planner does not run itself, and as the reference the planner's own adaptation is tested against).
 
 :class:`AdaptiveController` reads the trainers' per-source loss reports from the planner's STATUS
 (``source_loss``: running totals), and once every ``every_steps`` steps — when the reports cover the interval —

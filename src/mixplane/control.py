@@ -177,7 +177,7 @@ def resume(endpoint: str, cursor: dict[str, Any], timeout_s: float = 5.0, *, cur
     return request(endpoint, Kind.RESUME, {"cursor": cursor}, timeout_s, curve=curve)
 
 
-# -- partition handoff (issue 11: failover, scaling, rebalancing; planner.partitions) ------------------------
+# -- partition handoff (failover, scaling, rebalancing; planner.partitions) ------------------------
 def handoff(endpoint: str, partition: str, to_host: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
     """Move partition "source:replica" to the loader host (process) named `to_host` at the next step boundary.
 

@@ -133,7 +133,7 @@ class Metrics:
     payload_damaged: Counter
     # every component: which one this endpoint is (join key for process_* metrics on dashboards)
     component_info: Gauge
-    # trainers' per-source loss reports (appended; issue 23)
+    # trainers' per-source loss reports (appended)
     loss_reports: Counter
     source_loss: Gauge
     source_loss_tokens: Counter

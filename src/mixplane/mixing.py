@@ -208,7 +208,7 @@ class MixtureSchedule:
             self.temperature = float(state["temperature"])
 
 
-# ---- live updates: the UPDATE_MIXTURE message of a whole mixture (issue 20) -------------------------------
+# ---- live updates: the UPDATE_MIXTURE message of a whole mixture -------------------------------
 MAX_UPDATE_ID = 256  # characters of an update id
 
 

@@ -611,7 +611,7 @@ class EmbeddedRuntime:
 
     def reshard(self, topology: dict[str, Any], state: dict[str, Any] | None = None, *, attempt: str | None = None,
                 reshard_id: str | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
-        """Elastic resharding of the running data plane (issue 11 item 6): the trainer's topology becomes
+        """Elastic resharding of the running data plane: the trainer's topology becomes
         `topology` (a spec `topology` mapping: modules with dp / pp / cp / tp) from the step of `state`
         (a rank's `MixtureLoader.state_dict()`, or its cursor) on; the global batch stays the same.
 

@@ -1,4 +1,5 @@
-"""A warm standby process for the embedded runtime's restarts (issue 22).
+"""A warm standby process for the embedded runtime's restarts: a restarted component takes over a process
+that has already imported and initialised, so the restart stall is the hand-over, not a Python start-up.
 
 A restart used to pay a new interpreter: starting Python and importing a component (numpy, pyarrow, zmq,
 pydantic, numba and the planner's compiled loops loaded from numba's cache) took 1-3.5 s on a loaded 2-core

@@ -1,4 +1,4 @@
-"""Adapters that feed a training framework's own loop from a mixture (issue 23).
+"""Adapters that feed a training framework's own loop from a mixture.
 
 Each framework has its module, which alone imports the framework (install the extra of the same name):
 

@@ -1,4 +1,4 @@
-"""A loader process as a *host* of partitions (issue 11: partition handoff, shadow loaders).
+"""A loader process as a *host* of partitions (partition handoff, shadow loaders).
 
 Every `mixplane loader` process is a host: it registers with the planner under its name (HELLO role
 "host", on its own DEALER `host:<name>`), listing the partitions it was launched with (possibly none)

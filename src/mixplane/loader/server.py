@@ -223,7 +223,7 @@ class LoaderServer(PlannerFollower):
 
     def _listing_changed(self) -> list[list[str]] | None:
         """A live source's file listing when it changed since the planner last heard it (this session), so
-        the planner's cursor names the listing its positions count over (issue 11 item 7)."""
+        the planner's cursor names the listing its positions count over."""
         listing = getattr(self.stream, "listing", None)
         segs = listing() if callable(listing) else None
         if segs is None or len(segs) == getattr(self, "_listing_sent", -1):

@@ -22,7 +22,7 @@ schedule:
 
 Because partitions are sized for the peak but pod CPU for the segment, supply covers demand at every step
 and idle CPU stays near ``headroom - 1``. Moving a partition to another pod between segments needs the
-data-plane handoff (issue 11); until then a move restarts the loaders involved.
+data-plane handoff (planner.partitions); until then a move restarts the loaders involved.
 """
 
 from __future__ import annotations

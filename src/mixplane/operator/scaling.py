@@ -9,14 +9,14 @@ its allocation (scale up) or below `down_ratio` of it (scale down, idle reclaim)
 intervals, re-targets that source. The new allocation is packed into pods with the auto-partitioner's
 packer, so the decision is a :class:`PodPlan` the builders render (pods added, removed, resized).
 
-Partitions follow demand only through the data plane's re-partition (issue 20 item 4, mixplane.repartition): one
+Partitions follow demand only through the data plane's re-partition (mixplane.repartition): one
 partition is one single-threaded loader process and uses at most ``pod_cpu`` cores, so a source allocated more
 than its partitions can use is *wanted* re-partitioned (:meth:`MixtureScaler.wanted_repartitions`: ceil(cores x
 headroom / pod_cpu) partitions, within ``max_per_source`` and the source's ``max_partitions``; never fewer). The
 wanted re-partitions are kept in the scaler's state (status.scaler); :meth:`MixtureScaler.repartitioned` takes the
 planner's acknowledgment (REPARTITION) and packs the new partitions. Until then scaling changes how many pods host
 a source's partitions and their CPU. A
-partition that changes pods moves with the data plane's partition handoff (issue 11, planner.partitions):
+partition that changes pods moves with the data plane's partition handoff (planner.partitions):
 the new pod starts with the partition in its args and registers as a shadow of it while the old pod still
 serves it; the operator then asks the planner to hand it over (`handoff_moves`, HANDOFF at a step
 boundary: nothing lost, repeated or reordered) and removes the old pod only once it serves nothing.

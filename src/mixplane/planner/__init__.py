@@ -1,0 +1,1 @@
+"""The planner: plans every step centrally from sample metadata, journals it and serves routes and status."""

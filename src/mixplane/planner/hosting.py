@@ -1,4 +1,4 @@
-"""The planner's side of partition handoff (issue 11): loader hosts, ADOPT / RELEASE / FENCE / FOLLOW,
+"""The planner's side of partition handoff: loader hosts, ADOPT / RELEASE / FENCE / FOLLOW,
 shadow promotion and the HANDOFF control request. Mixed into :class:`~mixplane.planner.server.PlannerServer`
 (kept apart so the server's other concerns — recovery, resharding, scaling — are edited elsewhere).
 

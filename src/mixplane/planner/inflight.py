@@ -1,4 +1,4 @@
-"""Plans a loader may have to send again (issue 11, loader restart).
+"""Plans a loader may have to send again after a restart of that loader.
 
 A loader's spans of a planned step live only in its memory (and its outbox) until every constructor
 holds them; a loader killed in between takes them along. The planner keeps, per loader replica, the

@@ -1,4 +1,4 @@
-"""Which loader process (host) serves each partition, with a fencing epoch per assignment (issue 11).
+"""Which loader process (host) serves each partition, with a fencing epoch per assignment.
 
 A partition is one Source Loader: a (source, replica) pair. A host is one loader process; it hosts any
 number of partitions and can open partitions it was not started with. The planner keeps this table and

@@ -1,4 +1,4 @@
-"""What a restarted planner recovers from its journal (issue 11, planner recovery). Pure, no I/O.
+"""What a restarted planner recovers from its journal. Pure, no I/O.
 
 A planner killed mid-run leaves its journal behind: the session it served, every step it planned (with
 the digest of its layout), checkpoints of its cursor and the runtime mixture updates it applied. A new

@@ -181,7 +181,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         self.init_repartitioning()  # re-partitions of running sources (planner.repartitioning)
         self.state = PlannerState()
         self.run_dir = run_dir
-        # recovery (issue 11): this process's incarnation, in WELCOME and heartbeats, so followers notice a
+        # recovery: this process's incarnation, in WELCOME and heartbeats, so followers notice a
         # restarted planner and register again; the PLAN_CONSTRUCTOR messages a restarted constructor needs
         self.incarnation = os.urandom(8).hex()
         self.layouts = LayoutRecord(max_steps=4 * lead + 64)
@@ -546,7 +546,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         log.info("resumed at step %d (session %d)", cursor["step"], self.session)
         self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
 
-    # -- trainer restart and elastic resharding (issue 11 item 6) ------------------------------
+    # -- trainer restart and elastic resharding ------------------------------
     def _remember_cursor(self, step: int, cursor: np.ndarray) -> None:
         self.cursor_digests[step] = hashlib.blake2b(cursor.tobytes(), digest_size=16).digest()
         if len(self.cursor_digests) > max(1024, self.inflight.max_steps):
@@ -844,7 +844,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             "trainer_keys": self.trainer_keys(),
         }
 
-    # -- recovery (issue 11): a restarted planner continues its session from the journal -----------------
+    # -- recovery: a restarted planner continues its session from the journal -----------------
     def _read_journal_state(self, path: str) -> tuple[RecoveryState | None, list[dict[str, Any]]]:
         """The session a predecessor of this planner left in `path` and the journal's records, or (None, [])
         (nothing to recover: a new run). A journal of another mixture, or one that cannot be read, is kept aside
