@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixplane import settings
+
 EXIT_INVALID = 2
 DEFAULT_RESTARTS = 3  # `mixplane run`: a component that dies is restarted (at most this often in 5 minutes)
 SUPERVISE_EVERY_S = 0.2  # `mixplane run` looks after its components this often (on a thread of its own)
@@ -524,8 +526,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
         print(f"mixplane operator: not available ({e})", file=sys.stderr)
         return 1
     # the chart's liveness probe: kopf answers GET /healthz on MIXPLANE_HEALTH_PORT
-    health = os.environ.get("MIXPLANE_HEALTH_PORT")
-    return run_operator(namespace=args.namespace, liveness=f"http://0.0.0.0:{int(health)}/healthz" if health else None)
+    health = settings.get("MIXPLANE_HEALTH_PORT")
+    return run_operator(namespace=args.namespace, liveness=f"http://0.0.0.0:{health}/healthz" if health else None)
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -722,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
-    prof_dir = os.environ.get("MIXPLANE_PROFILE_DIR")
+    prof_dir = settings.get("MIXPLANE_PROFILE_DIR")
     if prof_dir and args.command in ("planner", "loader", "constructor"):
         # profile a component (cProfile stats land in MIXPLANE_PROFILE_DIR/<component>-<pid>.prof)
         import cProfile

@@ -48,7 +48,7 @@ import torch
 import zmq
 
 from mixplane.errors import MixplaneError
-from mixplane import wire
+from mixplane import settings, wire
 from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
@@ -69,8 +69,8 @@ def resume_attempt() -> str | None:
     """What the ranks of one (re)launch of a job share, so their resumes restart delivery once:
     MIXPLANE_RESUME_ID if set, else torchrun's run id and restart count, else the rendezvous address."""
     env = os.environ
-    if env.get("MIXPLANE_RESUME_ID"):
-        return env["MIXPLANE_RESUME_ID"]
+    if settings.get("MIXPLANE_RESUME_ID"):
+        return settings.get("MIXPLANE_RESUME_ID")
     if "TORCHELASTIC_RESTART_COUNT" in env:
         return f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env['TORCHELASTIC_RESTART_COUNT']}/{env.get('MASTER_PORT', '')}"
     if "MASTER_ADDR" in env and "MASTER_PORT" in env:
@@ -111,26 +111,6 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def _env_number(name: str, kind: type, what: str) -> Any:
-    """The environment variable `name` as `kind` (int or float); None when unset or empty."""
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
-    try:
-        return kind(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not {what}") from None
-
-
-def _env_float(name: str) -> float | None:
-    return _env_number(name, float, "a number")
-
-
-def _env_int(name: str, default: int | None = None) -> int | None:
-    v = _env_number(name, int, "an integer")
-    return default if v is None else v
-
-
 def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None:
     """Reject a STEP_DATA message whose content is inconsistent (raises DeliveryError naming `where`)."""
     def bad(what: str) -> DeliveryError:
@@ -162,23 +142,23 @@ class MixtureLoader:
                  prefetch_s: float | None = None, timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
                  curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
                  heartbeat_s: float | None = None, encoder_group: Any = None, coords: dict[str, int] | None = None):
-        self.planner_endpoint = planner or os.environ.get("MIXPLANE_PLANNER")
+        self.planner_endpoint = planner or settings.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
         if coords is not None and rank is not None:
             raise ValueError("pass rank= or coords=, not both")
         # explicit backbone coordinates {dp, pp, cp, tp}: the planner maps them to the global rank on connect
         self.requested_coords = dict(coords) if coords is not None else None
-        r = rank if rank is not None else _env_int("RANK", _env_int("MIXPLANE_RANK", 0))
+        r = rank if rank is not None else (settings.get("RANK") if settings.get("RANK") is not None else settings.get("MIXPLANE_RANK"))
         self.rank = -1 if coords is not None else int(r if r is not None else 0)
-        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+        self.world_size = world_size if world_size is not None else settings.get("WORLD_SIZE")
         if coords is None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside WORLD_SIZE {self.world_size}")
-        self.local_rank = _env_int("LOCAL_RANK")
-        pf = prefetch if prefetch is not None else _env_int("MIXPLANE_PREFETCH")
+        self.local_rank = settings.get("LOCAL_RANK")
+        pf = prefetch if prefetch is not None else settings.get("MIXPLANE_PREFETCH")
         self.prefetch = max(0, int(pf if pf is not None else DEFAULT_PREFETCH))
         # time-sized look-ahead: unless a fixed depth is asked for, the mixture's runtime.prefetch_s (route reply)
-        ps = prefetch_s if prefetch_s is not None else _env_float("MIXPLANE_PREFETCH_S")
+        ps = prefetch_s if prefetch_s is not None else settings.get("MIXPLANE_PREFETCH_S")
         self._prefetch_s_fixed = ps is not None
         self.prefetch_s: float | None = max(0.0, float(ps)) if ps is not None else None
         if pf is not None and ps is None:
@@ -189,10 +169,11 @@ class MixtureLoader:
         self._handed: float | None = None  # when the last batch was handed to the trainer
         self._probed = 0.0  # when the client last beat to its constructor
         # the spec's runtime.step_timeout_s (from the planner's route reply) unless set here or in the environment
-        self._timeout_fixed = timeout_s is not None or "MIXPLANE_TIMEOUT_S" in os.environ
-        self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MIXPLANE_TIMEOUT_S", "120"))
+        env_timeout = settings.get("MIXPLANE_TIMEOUT_S")
+        self._timeout_fixed = timeout_s is not None or env_timeout is not None
+        self.timeout_s = timeout_s if timeout_s is not None else (env_timeout if env_timeout is not None else 120.0)
         self.max_steps = max_steps
-        hb = heartbeat_s if heartbeat_s is not None else float(os.environ.get("MIXPLANE_HEARTBEAT_S", "2"))
+        hb = heartbeat_s if heartbeat_s is not None else settings.get("MIXPLANE_HEARTBEAT_S")
         self.heartbeat_s = hb if hb > 0 else None  # ZMTP heartbeats: a dead server is noticed, its pipe dropped
         self.ctx = context or zmq.Context.instance()
         self.tp_group = tp_group
@@ -218,7 +199,7 @@ class MixtureLoader:
         self._require_sums = False
         # per-source loss reports to the planner (report_loss): sums since the last report, sent at most every
         # loss_report_s seconds (MIXPLANE_LOSS_REPORT_S, default 1)
-        lr_s = _env_float("MIXPLANE_LOSS_REPORT_S")
+        lr_s = settings.get("MIXPLANE_LOSS_REPORT_S")
         self.loss_report_s = float(lr_s) if lr_s is not None else LOSS_REPORT_S
         self._loss_sum: np.ndarray | None = None
         self._loss_tokens: np.ndarray | None = None
@@ -227,8 +208,8 @@ class MixtureLoader:
         self._loss_sent = time.monotonic()
         self.loss_reports_sent = 0
         self._server_silent: dict[str, float] = {}  # peers the constructor reports silent (name -> seconds), from its beats  # the mixture checksums payloads: STEP_DATA without them is refused
-        if curve is None and os.environ.get("MIXPLANE_CURVE_DIR"):
-            curve = wire.CurveSetup.from_dir(os.environ["MIXPLANE_CURVE_DIR"], os.environ.get("MIXPLANE_CURVE_NAME", "client"))
+        if curve is None and settings.get("MIXPLANE_CURVE_DIR"):
+            curve = wire.CurveSetup.from_dir(settings.get("MIXPLANE_CURVE_DIR"), settings.get("MIXPLANE_CURVE_NAME"))
         self.curve = curve
         # a shared `client` key gives way to this rank's own key when the key directory has one
         # (runtime.rank_binding: a rank's batches go only to the holder of its key)

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from mixplane import wire
+from mixplane import settings, wire
 from mixplane.protocol import acknowledgment
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
@@ -75,8 +75,8 @@ def control_curve(key_dir: str | os.PathLike | None = None, *, run_dir: str | os
     dir's `keys/`, else the spec's `runtime.curve` (when enabled); None: no CURVE (an open run)."""
     if key_dir:
         return ControlCurve(os.fspath(key_dir))
-    if os.environ.get("MIXPLANE_CURVE_DIR"):
-        return ControlCurve(os.environ["MIXPLANE_CURVE_DIR"])
+    if settings.get("MIXPLANE_CURVE_DIR"):
+        return ControlCurve(settings.get("MIXPLANE_CURVE_DIR"))
     if run_dir is not None and (Path(run_dir) / KEYS_SUBDIR / f"server{wire.PUBLIC_SUFFIX}").exists():
         return ControlCurve(str(Path(run_dir) / KEYS_SUBDIR))
     if spec is not None and spec.runtime.curve.enabled and spec.runtime.curve.key_dir:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,8 @@ from prometheus_client import (
     start_http_server,
 )
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mixplane import settings
 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -226,7 +227,7 @@ def make_metrics(component: str) -> Metrics:
 
 def metrics_host(default: str) -> str:
     """Where /metrics binds: MIXPLANE_METRICS_HOST (a pod sets 0.0.0.0 so Prometheus reaches it), else `default`."""
-    return os.environ.get("MIXPLANE_METRICS_HOST") or default
+    return settings.get("MIXPLANE_METRICS_HOST") or default
 
 
 def serve_metrics(m: Metrics, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -45,6 +45,10 @@ ENV: tuple[EnvVar, ...] = (
     EnvVar("MIXPLANE_PREFETCH", int, None, "client", "A fixed number of steps requested ahead instead (with MIXPLANE_PREFETCH_S too: the lesser)."),
     EnvVar("MIXPLANE_LOSS_REPORT_S", float, 1.0, "client", "At most one per-source loss report per this many seconds."),
     EnvVar("MIXPLANE_RESUME_ID", str, None, "client", "Identifies one launch of the job for resumes (default: torchrun's run id and restart count, else the rendezvous address)."),
+    # -- torchrun's (and other launchers'), read by the client when its arguments are not given
+    EnvVar("RANK", int, None, "client", "The trainer's global rank (torchrun); before MIXPLANE_RANK."),
+    EnvVar("WORLD_SIZE", int, None, "client", "The trainer's world size (torchrun); default the planner's topology."),
+    EnvVar("LOCAL_RANK", int, None, "client", "The trainer's rank on its node (torchrun), kept as `MixtureLoader.local_rank` for the trainer's device choice."),
     # -- component processes (planner, loader, constructor), started by the runtime or as pods
     EnvVar("MIXPLANE_METRICS_HOST", str, None, "components", "Address the components' Prometheus endpoints bind (default: each component's own, loopback in local runs; pods: 0.0.0.0, scraped through pod annotations)."),
     EnvVar("MIXPLANE_PROFILE_DIR", str, None, "components", "When set, each component writes cProfile statistics there (<component>-<pid>.prof) on exit."),

@@ -13,6 +13,7 @@ from mixplane import settings
 
 SRC = Path(settings.__file__).parent
 NAME = re.compile(r"MIXPLANE_[A-Z0-9_]*[A-Z0-9]")
+READ = re.compile(r"settings\.get\(\"([A-Z0-9_]+)\"")  # a declared launcher variable (RANK, ...) read through get
 
 
 def names_in_source() -> dict[str, list[str]]:
@@ -20,7 +21,8 @@ def names_in_source() -> dict[str, list[str]]:
     for p in SRC.rglob("*.py"):
         if p.name == "settings.py":
             continue
-        for n in NAME.findall(p.read_text()):
+        text = p.read_text()
+        for n in {*NAME.findall(text), *READ.findall(text)}:
             out.setdefault(n, []).append(str(p.relative_to(SRC)))
     return out
 

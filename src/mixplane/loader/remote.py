@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from mixplane import settings
 from mixplane.errors import MixplaneError
 
 
@@ -208,10 +209,9 @@ def gcs_filesystem(*, endpoint: str | None = None, io: RemoteIO = DEFAULTS) -> p
     MIXPLANE_GCS_ANONYMOUS=1 (public buckets, emulators). pyarrow's own retries are kept short: ours
     (:func:`with_retries`) decide."""
     import datetime
-    import os
 
     kw: dict = {"retry_time_limit": datetime.timedelta(seconds=1.0)}
-    if os.environ.get("MIXPLANE_GCS_ANONYMOUS", "") not in ("", "0"):
+    if settings.get("MIXPLANE_GCS_ANONYMOUS"):
         kw["anonymous"] = True
     kw.update(endpoint_options(endpoint))
     return pafs.GcsFileSystem(**kw)
