@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ class AdaptiveConfig:
     max_change: float = 1.0  # largest |w_new - w| of any source per update
     min_tokens: int = 1  # a source's interval loss counts only over at least this many tokens
     delay_steps: int | None = None  # the k-th update takes effect at k·every_steps + delay_steps (None: first unplanned)
+    wait_steps: int | None = None  # how far the fastest reporting rank may be past an interval before it is closed
+    #                                without the slower ranks' reports (None: every_steps; 0: the first report closes it)
+
+    @property
+    def wait(self) -> int:
+        return self.every_steps if self.wait_steps is None else self.wait_steps
 
     @classmethod
     def of(cls, section: Mapping[str, Any]) -> "AdaptiveConfig":
@@ -55,6 +61,8 @@ class AdaptiveConfig:
             out.append(("every_steps", f"every_steps must be >= 1, got {self.every_steps}"))
         if self.delay_steps is not None and self.delay_steps < 0:
             out.append(("delay_steps", f"delay_steps must be >= 0, got {self.delay_steps}"))
+        if self.wait_steps is not None and self.wait_steps < 0:
+            out.append(("wait_steps", f"wait_steps must be >= 0, got {self.wait_steps}"))
         if not (self.step_size > 0 and math.isfinite(self.step_size)):
             out.append(("step_size", f"step_size must be > 0, got {self.step_size}"))
         if not 0 <= self.smoothing < 1:
@@ -155,10 +163,21 @@ class AdaptiveState:
         return AdaptiveState(self.k, tuple(float(w) / total for w in weights), self.loss_sum, self.tokens)
 
 
+def covered_through(rank_through: Iterable[int], wait_steps: int) -> int:
+    """The last step the loss reports count as covering, from each reporting rank's newest reported step: the
+    slowest rank's, so an interval's update waits for every rank that reports -- unless the fastest rank is more
+    than `wait_steps` steps ahead of it, then the fastest's minus `wait_steps` (a straggler, or a rank that stopped
+    reporting, holds the mixture back by at most `wait_steps` steps; planning never waits for it). -1: no report."""
+    steps = list(rank_through)
+    if not steps:
+        return -1
+    return max(min(steps), max(steps) - wait_steps)
+
+
 def advance(state: AdaptiveState, loss_sum: Sequence[float], tokens: Sequence[int], through: int,
             reference: Sequence[float | None], cfg: AdaptiveConfig) -> tuple[AdaptiveState, list[float | None]] | None:
-    """The next update, once the loss reports cover interval k+1 (`through`: the newest step a report covered; the
-    totals are those received so far): the new state (its weights the mixture from the update's step on) and the
+    """The next update, once the loss reports cover interval k+1 (`through`: :func:`covered_through` of the ranks'
+    reports; the totals are those received so far): the new state (its weights the mixture from the update's step on) and the
     interval's mean loss per source. None while the interval is not covered: nothing changes, nothing waits."""
     boundary = (state.k + 1) * cfg.every_steps
     if through < boundary - 1:

@@ -18,7 +18,8 @@ update that arrives after its step was planned is sent again for the first step 
 :class:`AdaptiveUpdate`), which is the only form without ``delay_steps``.
 
 Policy for trainers that report late or never: the planner never waits for reports; the controller waits for the
-interval to be covered (``source_loss.through``) and sends nothing until then, so the mixture stays as it is (a
+interval to be covered by the ranks' reports (``source_loss.ranks``, the same rule as the planner's own:
+:func:`mixplane.adaptive.covered_through`) and sends nothing until then, so the mixture stays as it is (a
 source without a report in the interval keeps no excess loss). A planner that is restarting or recovering (no
 answer, or a retryable refusal) is asked again at the next poll.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixplane import control
-from mixplane.adaptive import AdaptiveConfig, AdaptiveState, advance, effective_step
+from mixplane.adaptive import AdaptiveConfig, AdaptiveState, advance, covered_through, effective_step
 from mixplane.mixing import mixture_update_meta
 from mixplane.spec import DataMixtureSpec
 
@@ -78,8 +79,8 @@ class AdaptiveController:
         except (TimeoutError, RuntimeError):
             return None  # the planner is restarting: look again at the next poll
         sl = st.get("source_loss") or {}
-        nxt = advance(self.state, sl.get("loss_sum") or [], sl.get("tokens") or [], int(sl.get("through", -1)),
-                      self.reference, self.config)
+        through = covered_through((int(v) for v in (sl.get("ranks") or {}).values()), self.config.wait)
+        nxt = advance(self.state, sl.get("loss_sum") or [], sl.get("tokens") or [], through, self.reference, self.config)
         if nxt is None:
             return None
         new, losses = nxt

@@ -140,6 +140,7 @@ class AdaptiveSpec(_Model):
     max_weight: float = Field(1.0, description="No source's weight goes above this.")
     max_change: float = Field(1.0, description="Largest change of any source's weight per update, in (0, 1].")
     min_tokens: int = Field(1, ge=1, description="A source's interval loss counts only over at least this many reported tokens.")
+    wait_steps: int | None = Field(None, ge=0, le=10**9, description="An interval's update waits for the reports of every rank that reports, but at most until the fastest rank is this many steps past the interval (a straggler or a rank that stopped reporting cannot hold the mixture longer; planning never waits). Unset: every_steps; 0: the first report past the interval closes it.")
 
 
 class MixtureSpec(_Model):

@@ -68,6 +68,7 @@ def test_ranks_report_per_source_loss_and_the_planner_keeps_and_journals_it(toke
     tot_n = sum(n for r in sent for _, n in sent[r])
     got = st["source_loss"]
     assert got["reports"] == STEPS + 1 and got["through"] == STEPS - 1
+    assert got["ranks"] == {"0": STEPS - 1, "1": STEPS - 1}  # each rank's newest step (what adaptation waits on)
     assert got["tokens"] == tot_n.tolist() and all(t > 0 for t in got["tokens"])
     assert got["mean"] == pytest.approx((tot_s / tot_n).tolist(), rel=1e-12)
     # the newest report of rank 0 is its last step; rank 1 sent one report for all its steps

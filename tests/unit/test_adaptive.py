@@ -112,8 +112,8 @@ def test_the_planners_adaptation_follows_the_rule_and_takes_live_updates_as_its_
     mix = {"weights": {"web": 2.0, "code": 1.0, "math": 1.0}, "temperature": 2.0, "adaptive": section}
     a = Adaptation(SOURCES, mix)
     assert a.state == AdaptiveState.start([2.0, 1.0, 1.0]) and a.state.weights == (0.5, 0.25, 0.25)
-    assert a.next_update([5.0, 1.0, 1.0], [5, 1, 1], 8, 12) is None  # interval 1 (steps 0..9) not covered yet
-    meta, rec = a.next_update([5.0, 1.0, 1.0], [5, 1, 1], 9, 12)
+    assert a.next_update([5.0, 1.0, 1.0], [5, 1, 1], [8], 12) is None  # interval 1 (steps 0..9) not covered yet
+    meta, rec = a.next_update([5.0, 1.0, 1.0], [5, 1, 1], [9], 12)
     cfg = AdaptiveConfig.of(section)
     want, losses = advance(AdaptiveState.start([2.0, 1.0, 1.0]), [5.0, 1.0, 1.0], [5, 1, 1], 9, [1.0] * 3, cfg)
     assert rec == {**want.to_json(), "losses": losses, "late": False} and losses == [1.0, 1.0, 1.0]
@@ -123,7 +123,7 @@ def test_the_planners_adaptation_follows_the_rule_and_takes_live_updates_as_its_
     a.applied(rec, meta["mixture"])
     assert a.state == want and a.status() == {"updates": 1, "every_steps": 10, "weights": dict(zip(SOURCES, want.weights))}
     # the next one is late: step 24 was planned already -> the first step not planned
-    meta2, rec2 = a.next_update([30.0, 1.0, 1.0], [10, 2, 2], 19, 30)
+    meta2, rec2 = a.next_update([30.0, 1.0, 1.0], [10, 2, 2], [19], 30)
     assert meta2["effective_step"] == 30 and rec2["late"] and rec2["losses"] == [5.0, 0.0, 0.0]
     assert effective_step(2, cfg, 20) == (24, False) and effective_step(2, AdaptiveConfig.of({**section, "delay_steps": None}), 20) == (20, False)
     # a live update: its weights are where adaptation goes on from, the intervals and loss totals stay
@@ -135,5 +135,40 @@ def test_the_planners_adaptation_follows_the_rule_and_takes_live_updates_as_its_
     a.replaced({**mix, "weights": {"web": 0.0}})
     assert a.state.k == 1 and sum(a.state.weights) == pytest.approx(1.0)
     a.replaced({"weights": {"web": 1.0}})  # no adaptive section: adaptation stops
-    assert a.state is None and a.status() is None and a.next_update([1.0] * 3, [1] * 3, 100, 101) is None
+    assert a.state is None and a.status() is None and a.next_update([1.0] * 3, [1] * 3, [100], 101) is None
     assert Adaptation(SOURCES, {"weights": {}}).state is None
+
+
+def test_an_interval_waits_for_every_reporting_rank_but_a_straggler_holds_it_back_at_most_wait_steps():
+    from mixplane.adaptive import covered_through
+    from mixplane.planner.adaptation import Adaptation
+    from mixplane.planner.losses import SourceLosses
+    from mixplane.protocol import LossReport
+
+    assert covered_through([], 4) == -1
+    assert covered_through([9], 4) == 9
+    assert covered_through([9, 5], 4) == 5  # the slower rank has not covered steps 6..9
+    assert covered_through([12, 5], 4) == 8  # the faster is 7 past the slower: the slower holds it back by 4 at most
+    assert covered_through([12, 5], 0) == 12  # no waiting: the first report past the interval closes it
+    section = {"every_steps": 10, "reference_loss": {"web": 1.0, "code": 1.0, "math": 1.0}, "smoothing": 0.0}
+    a = Adaptation(SOURCES, {"weights": {"web": 1.0, "code": 1.0, "math": 1.0}, "adaptive": section})
+    losses = SourceLosses(3)
+    losses.add(LossReport(0, 0, 9, (9.0, 1.0, 1.0), (3, 1, 1)))  # rank 0 reported the whole interval
+    losses.add(LossReport(1, 0, 4, (1.0, 1.0, 1.0), (1, 1, 1)))  # rank 1 only its first half
+    assert losses.rank_through() == {0: 9, 1: 4} and losses.status()["ranks"] == {"0": 9, "1": 4}
+
+    def nxt():
+        return a.next_update(losses.loss_sum.tolist(), losses.tokens.tolist(), losses.rank_through().values(), 30)
+
+    assert nxt() is None  # waits for rank 1
+    losses.add(LossReport(1, 5, 9, (5.0, 1.0, 1.0), (1, 1, 1)))
+    meta, rec = nxt()  # both covered it: the interval's losses are both ranks'
+    assert rec["k"] == 1 and rec["losses"] == [15.0 / 5, 3.0 / 3, 3.0 / 3]
+    a.applied(rec, meta["mixture"])
+    # interval 2 (steps 10..19): rank 1 stops reporting; rank 0 goes on, the update comes once it is 10 steps past
+    losses.add(LossReport(0, 10, 28, (2.0, 2.0, 2.0), (2, 2, 2)))
+    assert nxt() is None  # 28 - 10 = 18 < 19
+    losses.add(LossReport(0, 29, 29, (1.0, 1.0, 1.0), (1, 1, 1)))
+    meta2, rec2 = nxt()
+    assert rec2["k"] == 2 and rec2["losses"] == [1.0, 1.0, 1.0]
+    assert AdaptiveConfig.of({**section, "wait_steps": -1}).problems(SOURCES) == [("wait_steps", "wait_steps must be >= 0, got -1")]

@@ -7,18 +7,21 @@ its journal, effective at (k+1)·every_steps + delay_steps (or the first step no
 updates (:class:`mixplane.adaptive.AdaptiveState`) is journaled with each update, so a planner restarted from its
 journal continues from the last one, and resume, recovery and `mixplane replay` see the generations as journaled.
 
-Policy for trainers that report late or never: planning never waits for a report. An interval not yet covered
-makes no update; an update whose step was planned already takes the first step not planned (``late`` in its
+Policy for trainers that report late or never: planning never waits for a report. An interval is covered when
+every rank that has reported so far reported past its last step, or when the fastest is `wait_steps` (default
+every_steps) past it (:func:`mixplane.adaptive.covered_through`: a straggler or a rank that stopped reporting holds
+the update back by at most that, and a rank whose first report comes later joins from then on); an interval not yet
+covered makes no update; an update whose step was planned already takes the first step not planned (``late`` in its
 journal record). A live update of the whole mixture (`kubectl patch`, `mixplane update --mixture`) replaces the
 weights the adaptation starts from, and its `adaptive` section (or its absence) the configuration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mixplane.adaptive import AdaptiveConfig, AdaptiveState, advance, effective_step
+from mixplane.adaptive import AdaptiveConfig, AdaptiveState, advance, covered_through, effective_step
 
 ADAPTIVE_ID = "adaptive-"
 
@@ -69,15 +72,16 @@ class Adaptation:
             self.state = self.state.reweighted(w)
             self.mixture = {**self.mixture, "weights": dict(zip(self.names, w))}
 
-    def next_update(self, loss_sum: Sequence[float], tokens: Sequence[int], through: int,
+    def next_update(self, loss_sum: Sequence[float], tokens: Sequence[int], rank_through: Iterable[int],
                     next_unplanned: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """(the UPDATE_MIXTURE meta, the record to journal with it) once the reports cover the next interval, or
-        None. The state moves on only when the caller calls :meth:`applied` with the record."""
+        """(the UPDATE_MIXTURE meta, the record to journal with it) once the reports cover the next interval
+        (`rank_through`: each reporting rank's newest step), or None. The state moves on only when the caller calls
+        :meth:`applied` with the record."""
         cfg = self.config
         if cfg is None or self.state is None:
             return None
         reference = [cfg.reference_loss.get(n) for n in self.names]
-        nxt = advance(self.state, loss_sum, tokens, through, reference, cfg)
+        nxt = advance(self.state, loss_sum, tokens, covered_through(rank_through, cfg.wait), reference, cfg)
         if nxt is None:
             return None
         new, losses = nxt

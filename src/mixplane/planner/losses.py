@@ -49,6 +49,11 @@ class SourceLosses:
             tokens += np.asarray(r.tokens, np.int64)
         return self._means(loss, tokens)
 
+    def rank_through(self) -> dict[int, int]:
+        """Each reporting rank's newest reported step."""
+        return {rank: r.step for rank, r in sorted(self.latest.items())}
+
     def status(self) -> dict[str, object]:
         return {"reports": self.reports, "through": self.through, "tokens": self.tokens.tolist(),
-                "loss_sum": self.loss_sum.tolist(), "mean": self.mean(), "recent": self.recent()}
+                "loss_sum": self.loss_sum.tolist(), "mean": self.mean(), "recent": self.recent(),
+                "ranks": {str(k): v for k, v in self.rank_through().items()}}

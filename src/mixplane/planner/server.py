@@ -452,7 +452,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         if self.recovering is not None or self.replay_updates or self.planned_through < self.recover_through:
             return
         nxt = self.adaptation.next_update(self.losses.loss_sum.tolist(), self.losses.tokens.tolist(),
-                                          self.losses.through, self.core.next_step)
+                                          self.losses.rank_through().values(), self.core.next_step)
         if nxt is None:
             return
         meta, record = nxt
