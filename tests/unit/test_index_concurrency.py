@@ -203,16 +203,88 @@ def test_a_changed_listing_or_a_damaged_pack_falls_back_to_the_files(tmp_path, m
     _same(fresh, damaged)
 
 
-def test_no_pack_for_a_listing_with_a_bad_file(tmp_path, monkeypatch):
+def test_a_listing_with_a_bad_file_packs_the_good_ones_and_reports_the_bad_on_every_start(tmp_path, monkeypatch):
     from mixplane.loader import sidecar
 
     monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
     _, paths = _source(tmp_path)
+    ref, _ = _build(paths, 1, monkeypatch)
     cache = tmp_path / "cache"
-    _, bad = _build(paths, 4, monkeypatch, cache_dir=str(cache))
-    assert bad and not list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))
-    _, bad_again = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    cold, bad = _build(paths, 4, monkeypatch, cache_dir=str(cache))
+    _same(ref, cold)
+    assert bad and len(list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))) == 1
+    assert not [p for p in cache.iterdir() if ".parquet." in p.name]  # no per-file sidecar beside the pack
+    stats = IOStats()
+    warm, bad_again = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    _same(ref, warm)
     assert [e.file for e in bad_again] == [e.file for e in bad]  # reported on every start
+    # the good files come from the pack: only the bad ones are read again
+    bad_bytes = sum(os.path.getsize(p) for p in paths if p in ref.bad_files)
+    assert 0 < stats.reads and stats.bytes_read <= bad_bytes
+    assert len(list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))) == 1  # the same pack, not rewritten
+
+
+def test_a_listing_with_a_file_added_reuses_the_packed_files(tmp_path, monkeypatch):
+    """A pack is keyed by file: a listing with one file more (or one rewritten) reads only that file, the rest
+    come from the pack of the listing before, and the index equals a scan of every file."""
+    from mixplane.loader import sidecar
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    paths = _good_source(tmp_path, nfiles=12)
+    cache = tmp_path / "cache"
+    _build(paths[:11], 4, monkeypatch, cache_dir=str(cache))
+    assert not [p for p in cache.iterdir() if ".parquet." in p.name]  # the pack only: no sidecar per file
+    stats = IOStats()
+    grown, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    ref, _ = _build(paths, 1, monkeypatch)
+    _same(ref, grown)
+    assert [f.columns for f in grown.files] == [f.columns for f in ref.files]
+    assert 0 < stats.bytes_read <= os.path.getsize(paths[11])  # the new file alone was read
+    # the grown listing has its own pack now: a warm start reads nothing
+    stats = IOStats()
+    warm, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    _same(ref, warm)
+    assert stats.reads == 0
+    # a file rewritten: that file is scanned again (its old index is never taken for it), the others reused
+    t = pq.read_table(paths[4]).slice(0, 100)
+    pq.write_table(t, paths[4], row_group_size=50)
+    stats = IOStats()
+    again, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    fresh, _ = _build(paths, 1, monkeypatch)
+    _same(fresh, again)
+    assert again.files[4].num_rows == 100 and 0 < stats.bytes_read <= os.path.getsize(paths[4])
+    # only the last RECENT_PACKS packs are kept
+    assert len(list(cache.glob(sidecar.PACK_PREFIX + "*.npz"))) == sidecar.RECENT_PACKS
+    # a damaged recent-list or pack is ignored: every file is scanned again, the index is the same
+    for p in cache.iterdir():
+        p.write_bytes(p.read_bytes()[:40])
+    stats = IOStats()
+    damaged, _ = _build(paths, 4, monkeypatch, cache_dir=str(cache), stats=stats)
+    _same(fresh, damaged)
+    assert stats.bytes_read > 0
+
+
+def test_a_packed_file_rewritten_or_removed_is_read_again_and_named_bad(tmp_path, monkeypatch):
+    """A pack answers by the listing's (path, size, mtime): a file truncated since the pack was written is read
+    from disk and named as a bad file, a removed one is gone, the others come from the pack."""
+    from mixplane.loader import sidecar
+    from mixplane.loader.files import list_source_files
+
+    monkeypatch.setattr(sidecar, "PACK_MIN_FILES", 2)
+    paths = _good_source(tmp_path, nfiles=8)
+    cache = str(tmp_path / "cache")
+    files = list_source_files(os.path.dirname(paths[0]))
+    _build(files.paths, 4, monkeypatch, cache_dir=cache, sizes=files.sizes, mtimes=files.mtimes_ns)
+    with open(paths[2], "r+b") as f:
+        f.truncate(os.path.getsize(paths[2]) // 2)
+    os.remove(paths[6])
+    relisted = list_source_files(os.path.dirname(paths[0]))
+    stats = IOStats()
+    got, bad = _build(relisted.paths, 4, monkeypatch, cache_dir=cache, sizes=relisted.sizes,
+                      mtimes=relisted.mtimes_ns, stats=stats)
+    assert [e.file for e in bad] == [paths[2]] and paths[2] in str(bad[0])
+    assert [f.path for f in got.files] == [p for i, p in enumerate(paths) if i not in (2, 6)]
+    assert 0 < stats.bytes_read <= os.path.getsize(paths[2])  # the truncated file alone was read
 
 
 def test_stream_from_a_pack_delivers_what_the_cold_stream_does(tmp_path, monkeypatch):

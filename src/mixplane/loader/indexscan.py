@@ -190,10 +190,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
 
 def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = None, beside: bool = False,
-                       kept: list[tuple[str, bool]] | None = None) -> FileIndex:
+                       kept: list[tuple[str, bool]] | None = None, write_sidecar: bool = True) -> FileIndex:
     """The file's page index: from the local cache, else (`beside`) from beside the file in its store, else
     scanned from its footer and OffsetIndexes, and then kept where it was missing. `kept` collects what was
-    written: (index path, whether it is in the store beside the data)."""
+    written: (index path, whether it is in the store beside the data). `write_sidecar` False: no sidecar in the
+    local cache (the listing's pack will hold the index)."""
     side = sidecar_path(cache_dir, path, size, mtime_ns, columns) if cache_dir else None
     if side and os.path.exists(side):
         fi = load_sidecar(side, path, size, mtime_ns, columns)
@@ -206,7 +207,7 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
         fi = index_file(path, columns, filesystem=filesystem, stats=stats, size=size, mtime_ns=mtime_ns)
     if fi.bad_chunks:  # a file with bad chunks is rescanned, so they are reported again
         return fi
-    if side:
+    if side and write_sidecar:
         try:
             save_sidecar(fi, side)
             if kept is not None:
@@ -335,37 +336,53 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
 
-    bad_now: list[str] = []
-
     def bad(path: str, e: ParquetError) -> None:
-        bad_now.append(path)
         idx.bad_files[path] = e
         if on_bad is not None:
             on_bad(e)
 
     readable: list[FileIndex] = []
     kept: list[tuple[str, bool]] = []  # indexes written now (list.append: safe from the pool's threads)
-    current: dict[str, str] = {}  # index_prefix -> index_stamp of every file as it is now
     ids: list[tuple[str, int, int]] = []
     for i, path in enumerate(paths):
         size = int(sizes[i]) if sizes is not None else os.path.getsize(path)
         mtime = int(mtimes[i]) if mtimes is not None else os.stat(path).st_mtime_ns
-        current[index_prefix(path)] = index_stamp(size, mtime)
         ids.append((path, size, mtime))
 
+    # a listing of many files keeps its indexes in one pack, not one sidecar per file: writing 50,000 sidecars
+    # took longer than parsing the footers (bench/startup.py)
+    packing = bool(cache_dir) and len(ids) >= sidecar.PACK_MIN_FILES
+    pack = recent = None
+    if cache_dir and packing:
+        pack = sidecar.pack_path(cache_dir, columns, ids)
+        recent = sidecar.recent_path(cache_dir, columns, paths)
+    packed = sidecar.load_pack(pack, columns, ids) if pack and os.path.exists(pack) else None
+    reused: dict[tuple[str, int, int], FileIndex] = {}
+    read_packs: set[str] = set()
+    if cache_dir and recent and packed is None:
+        # a listing that changed (a file added, removed, rewritten or bad): the unchanged files from the last packs
+        for name in sidecar.recent_packs(recent):
+            got = sidecar.load_pack_files(os.path.join(cache_dir, name), columns)
+            if got:
+                read_packs.add(name)
+            for k, fi in got.items():
+                reused.setdefault(k, fi)
+            if all(t in reused for t in ids):
+                break
+
     def one(t: tuple[str, int, int]) -> FileIndex | ParquetError:
+        fi = reused.get(t)
+        if fi is not None:
+            return fi
         try:
             return load_or_index_file(t[0], columns, size=t[1], mtime_ns=t[2], filesystem=filesystem, stats=stats,
-                                      cache_dir=cache_dir, beside=beside, kept=kept)
+                                      cache_dir=cache_dir, beside=beside, kept=kept, write_sidecar=not packing)
         except ParquetError as e:
             return e
 
-    # a listing seen before: its pack holds every file's index (one read, not one per file)
-    pack = sidecar.pack_path(cache_dir, columns, ids) if cache_dir and len(ids) >= sidecar.PACK_MIN_FILES else None
-    packed = sidecar.load_pack(pack, columns, ids) if pack and os.path.exists(pack) else None
     # else every file's index in path order, whatever order the pool finishes them in: the same as one by one
-    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, len(ids)))
-    any_bad_chunks = False
+    todo = sum(1 for t in ids if t not in reused) if reused else len(ids)
+    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, todo))
     for (path, _, _), got in zip(ids, results):
         if isinstance(got, ParquetError):
             bad(path, got)
@@ -377,6 +394,7 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             e.pages_lost = got.num_pages()
             bad(path, e)
     idx.choose_schema(readable)  # the majority's types, not whichever file sorts first
+    added: list[FileIndex] = []
     for fi in readable:
         try:
             idx.add(fi)
@@ -384,16 +402,29 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             e.pages_lost = fi.num_pages()
             bad(fi.path, e)
             continue
+        if not fi.bad_chunks:
+            added.append(fi)
         for e in fi.bad_chunks:
-            any_bad_chunks = True
             if on_bad_chunk is not None:
                 on_bad_chunk(e)
     idx.finish()
-    if pack and packed is None and not any_bad_chunks and not bad_now and len(readable) == len(ids):
-        try:  # only a listing whose every file is good: a bad file is read (and reported) again on every start
-            sidecar.save_pack(readable, pack)
+    if cache_dir and pack and recent and packed is None and added:
+        # the pack of the good files (a bad file, or one with bad chunks, is read and reported again on every
+        # start): under the listing's name when that is every file, else under its own, found through `recent`
+        keep = pack if len(added) == len(ids) else sidecar.pack_path(
+            cache_dir, columns, [(f.path, f.size, f.mtime_ns) for f in added])
+        try:
+            if os.path.basename(keep) not in read_packs:
+                sidecar.save_pack(added, keep)
+            sidecar.remember_pack(recent, keep)
         except OSError as e:
-            log.debug("cannot write the page-index pack %s: %s", pack, e)
+            log.debug("cannot write the page-index pack %s: %s", keep, e)
+    elif recent and pack and packed is not None:
+        try:
+            sidecar.remember_pack(recent, pack)
+        except OSError as e:
+            log.debug("cannot write %s: %s", recent, e)
     if kept:
+        current = {index_prefix(p): index_stamp(s, m) for p, s, m in ids}  # every file's version as it is now
         prune_stale_indexes(kept, current, filesystem)
     return idx

@@ -196,14 +196,25 @@ def _column_meta(fi: FileIndex) -> str:
                                     "struct_depth": c.struct_depth} for c in fi.columns]})
 
 
+def _layout_key(fi: FileIndex) -> tuple:
+    """What decides a file's column layout in a pack, cheaply (the JSON of `_column_meta` once per layout, not
+    once per file: at 10^5 files that was a second of serialising the same schema)."""
+    return tuple((c.name, c.leaf, c.physical_type, c.type_length, c.max_def, c.max_rep, c.list_def, c.item_def,
+                  c.leaf_schema, c.struct_depth, str(c.value_type), str(c.arrow_type)) for c in fi.columns)
+
+
 def save_pack(fis: list[FileIndex], file: str) -> None:
     """One .npz for a whole listing: per file (path, size, mtime, rows, its column layout), and each array of
     every file concatenated with its lengths -- one read instead of one per file on a warm start."""
     layouts: dict[str, int] = {}
+    by_key: dict[tuple, int] = {}
     files = []
     for fi in fis:
-        cm = _column_meta(fi)
-        files.append([fi.path, fi.size, fi.mtime_ns, fi.num_rows, layouts.setdefault(cm, len(layouts))])
+        key = _layout_key(fi)
+        lay = by_key.get(key)
+        if lay is None:
+            lay = by_key[key] = layouts.setdefault(_column_meta(fi), len(layouts))
+        files.append([fi.path, fi.size, fi.mtime_ns, fi.num_rows, lay])
     ncols = len(fis[0].columns) if fis else 0
     arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps({"version": INDEX_VERSION, "files": files, "layouts": list(layouts)}).encode(),
@@ -224,15 +235,15 @@ def _split(data: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
     return [data[a:b] for a, b in zip(starts, ends)]
 
 
-def load_pack(file: str, columns: list[str], ids: list[tuple[str, int, int]]) -> list[FileIndex] | None:
-    """The indexes in a pack, if it holds exactly the files `ids` (path, size, mtime, in order) at these columns;
-    None when it is missing, damaged or another listing's (then the files are read one by one)."""
+def _read_pack(file: str, columns: list[str], ids: list[tuple[str, int, int]] | None) -> list[FileIndex] | None:
+    """Every index in a pack at these columns; with `ids`, only if the pack holds exactly those files (path, size,
+    mtime, in order). None when it is missing, damaged, of other columns or (with `ids`) another listing's."""
     try:
         with np.load(file, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             files = meta["files"]
-            if meta["version"] != INDEX_VERSION or len(files) != len(ids) or any(
-                    (f[0], f[1], f[2]) != t for f, t in zip(files, ids)):
+            if meta["version"] != INDEX_VERSION or (ids is not None and (len(files) != len(ids) or any(
+                    (f[0], f[1], f[2]) != t for f, t in zip(files, ids)))):
                 return None
             layouts = []
             for text in meta["layouts"]:
@@ -258,3 +269,57 @@ def load_pack(file: str, columns: list[str], ids: list[tuple[str, int, int]]) ->
         return None
     except Exception:  # a damaged pack is never fatal: the files are indexed one by one
         return None
+
+
+def load_pack(file: str, columns: list[str], ids: list[tuple[str, int, int]]) -> list[FileIndex] | None:
+    """The indexes in a pack, if it holds exactly the files `ids` (path, size, mtime, in order) at these columns;
+    None when it is missing, damaged or another listing's (then the files are read one by one)."""
+    return _read_pack(file, columns, ids)
+
+
+def load_pack_files(file: str, columns: list[str]) -> dict[tuple[str, int, int], FileIndex]:
+    """The indexes in a pack of another listing, by file (path, size, mtime): a listing with a file added, removed
+    or rewritten takes the unchanged files' indexes from the pack of the listing before. Empty when the pack is
+    missing, damaged or of other columns."""
+    got = _read_pack(file, columns, None) or []
+    return {(fi.path, fi.size, fi.mtime_ns): fi for fi in got}
+
+
+# the packs a source wrote last, newest first: found from any listing of it (the listing's common path prefix and
+# the columns name it), so a listing that changed reuses the unchanged files' indexes; older packs are removed
+RECENT_PREFIX = "recent-"
+RECENT_PACKS = 3
+
+
+def recent_path(cache_dir: str, columns: list[str], paths: list[str]) -> str:
+    root = posixpath.commonprefix([min(paths), max(paths)]) if paths else ""
+    return os.path.join(cache_dir, f"{RECENT_PREFIX}{_digest(f'v{INDEX_VERSION}|{chr(0).join(columns)}|{root}', 32)}.json")
+
+
+def recent_packs(file: str) -> list[str]:
+    """The pack names a recent-list holds (newest first); [] when it is missing or damaged."""
+    try:
+        with open(file, "rb") as f:
+            names = json.loads(f.read().decode())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names if isinstance(n, str) and n.startswith(PACK_PREFIX) and n.endswith(".npz")
+            and os.path.basename(n) == n]
+
+
+def remember_pack(file: str, pack: str) -> None:
+    """Put `pack` first in the recent-list `file`; the packs beyond RECENT_PACKS are removed (best effort: a pack
+    is named by a hash of its files and columns, so only this list can name it)."""
+    name = os.path.basename(pack)
+    names = recent_packs(file)
+    if names[:1] == [name]:
+        return
+    names = [name] + [n for n in names if n != name]
+    _write_atomically(file, lambda f: f.write(json.dumps(names[:RECENT_PACKS]).encode()))
+    for old in names[RECENT_PACKS:]:
+        try:
+            os.unlink(os.path.join(os.path.dirname(file), old))
+        except OSError:
+            pass
