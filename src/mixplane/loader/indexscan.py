@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 _HEADER_PROBE = 256
 REMOTE_INDEX_THREADS = 32  # files indexed at once on object storage (index_workers)
 LOCAL_INDEX_THREADS = 4  # and on a local filesystem
+LOCAL_TAIL_BYTES = 64 << 10  # a local file's last bytes read at once when it is indexed
 
 
 def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
@@ -115,11 +116,11 @@ def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
 
 
 def _hold_offset_indexes(reader: RangeReader, meta: pr.FileMeta, cols: list[ColumnInfo], limit: int = 16 << 20) -> None:
-    """Remote files: the OffsetIndexes of the projected columns (written side by side before the footer)
-    in one request instead of one per column chunk."""
+    """The OffsetIndexes of the projected columns (written side by side before the footer) in one request (or
+    one pread) instead of one per column chunk, when the tail read before does not hold them already."""
     spans = [(ch.offset_index_offset, ch.offset_index_offset + ch.offset_index_length) for rg in meta.row_groups
              for ch in (rg.columns[c.leaf] for c in cols) if ch.offset_index_offset and ch.offset_index_length]
-    if reader.remote and spans:
+    if spans:
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         if 0 <= lo < hi <= reader.size and hi - lo <= limit:
             reader.hold(lo, hi - lo)
@@ -131,6 +132,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
     reader = RangeReader(path, filesystem, stats)
     meta = None
     try:
+        if not reader.remote:
+            # one read of the file's tail (its footer and, mostly, its OffsetIndexes; a small file whole) instead of
+            # one per structure: 7 reads a file were 3.5 of 7 CPU seconds indexing 5,000 files from a cold page cache
+            tail = min(reader.size, LOCAL_TAIL_BYTES)
+            reader.hold(reader.size - tail, tail)
         meta = pr.read_file_meta(reader)
         if meta.num_rows == 0 or not meta.row_groups:
             raise pr.EmptyFileError("file has no rows", file=path)

@@ -207,7 +207,7 @@ class RangeReader:
 
     def hold(self, offset: int, size: int) -> None:
         """Read [offset, offset + size) in one request and serve later reads inside it from memory."""
-        if self.remote and size > 0 and not self._covered(offset, size):
+        if size > 0 and not self._covered(offset, size):
             self._held.append((offset, self.read_at(offset, size)))
 
     def _covered(self, offset: int, size: int) -> bytes | None:
@@ -223,6 +223,10 @@ class RangeReader:
         if size == 0:
             return b""
         if self._fd is not None:
+            if self._held:  # (a local file's index reads: its tail, held once)
+                got = self._covered(offset, size)
+                if got is not None:
+                    return got
             data = os.pread(self._fd, size, offset)
             while len(data) < size:  # short reads are legal; finish them
                 more = os.pread(self._fd, size - len(data), offset + len(data))

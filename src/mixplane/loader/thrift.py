@@ -114,7 +114,13 @@ class CompactReader:
             raise ThriftError(f"map of {n} entries cannot fit")
         h = self._byte()
         kt, vt = h >> 4, h & 0x0F
-        return {self.value(kt, depth): self.value(vt, depth) for _ in range(n)}
+        out = {}
+        for _ in range(n):
+            k = self.value(kt, depth)
+            if isinstance(k, (list, dict)):
+                raise ThriftError("map key of a container type")
+            out[k] = self.value(vt, depth)
+        return out
 
     def struct(self, depth: int = 0) -> dict:
         if depth > _MAX_DEPTH:
@@ -133,12 +139,111 @@ class CompactReader:
 
 def read_struct(buf: bytes | bytearray | memoryview, pos: int = 0, end: int | None = None) -> tuple[dict, int]:
     """Decode one struct starting at ``pos``; returns (struct, position after it)."""
-    r = CompactReader(buf, pos, end)
+    if end is not None and end < len(buf):
+        buf = buf[:end]  # the fast reader's bound is the buffer's end
     try:
-        s = r.struct()
-    except IndexError:  # defensive: any slip past the buffer is a truncation
+        return _struct(buf, pos, 0)
+    except IndexError:  # a read past the buffer: a truncation
         raise ThriftError("truncated thrift data") from None
-    return s, r.pos
+    except RecursionError:
+        raise ThriftError("thrift nesting too deep") from None
+
+
+# The decoder footers and page headers go through: what CompactReader does, with the varints and the common
+# types inline (a Python call per value made parsing 10^5 footers most of a cold start's time). A read past the
+# buffer raises IndexError, which read_struct reports as a truncation.
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    b = buf[pos]
+    pos += 1
+    result = b & 0x7F
+    shift = 7
+    while b & 0x80:
+        if shift > 63:
+            raise ThriftError("varint too long")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+    return result, pos
+
+
+def _struct(buf, pos: int, depth: int) -> tuple[dict, int]:
+    if depth > _MAX_DEPTH:
+        raise ThriftError("thrift nesting too deep")
+    out: dict[int, object] = {}
+    fid = 0
+    while True:
+        h = buf[pos]
+        pos += 1
+        ctype = h & 0x0F
+        if ctype == STOP:
+            return out, pos
+        delta = h >> 4
+        if delta:
+            fid += delta
+        else:
+            n, pos = _varint(buf, pos)
+            fid = (n >> 1) ^ -(n & 1)
+        if ctype == I32 or ctype == I64 or ctype == I16:
+            b = buf[pos]
+            pos += 1
+            if b < 0x80:
+                out[fid] = (b >> 1) ^ -(b & 1)
+            else:
+                n, pos = _varint(buf, pos - 1)
+                out[fid] = (n >> 1) ^ -(n & 1)
+        elif ctype == BINARY:
+            n, pos = _varint(buf, pos)
+            if n > len(buf) - pos:
+                raise ThriftError(f"binary of {n} bytes runs past the end")
+            out[fid] = bytes(buf[pos : pos + n])
+            pos += n
+        elif ctype == STRUCT:
+            out[fid], pos = _struct(buf, pos, depth + 1)
+        elif ctype == LIST or ctype == SET:
+            out[fid], pos = _list(buf, pos, depth + 1)
+        elif ctype == TRUE:
+            out[fid] = True
+        elif ctype == FALSE:
+            out[fid] = False
+        else:
+            r = CompactReader(buf, pos)
+            out[fid] = r.value(ctype, depth)
+            pos = r.pos
+
+
+def _list(buf, pos: int, depth: int) -> tuple[list, int]:
+    if depth > _MAX_DEPTH:
+        raise ThriftError("thrift nesting too deep")
+    h = buf[pos]
+    pos += 1
+    n, et = h >> 4, h & 0x0F
+    if n == 15:
+        n, pos = _varint(buf, pos)
+    if n > _MAX_CONTAINER or n > (len(buf) - pos) * 8 + 8:
+        raise ThriftError(f"list of {n} elements cannot fit")
+    out: list = []
+    if et == STRUCT:
+        for _ in range(n):
+            v, pos = _struct(buf, pos, depth + 1)
+            out.append(v)
+    elif et == I32 or et == I64 or et == I16:
+        for _ in range(n):
+            b = buf[pos]
+            pos += 1
+            if b >= 0x80:
+                b, pos = _varint(buf, pos - 1)
+            out.append((b >> 1) ^ -(b & 1))
+    elif et == TRUE or et == FALSE:  # bools in containers are one byte each
+        for _ in range(n):
+            out.append(buf[pos] == 1)
+            pos += 1
+    else:
+        r = CompactReader(buf, pos)
+        out = [r.value(et, depth) for _ in range(n)]
+        pos = r.pos
+    return out, pos
 
 
 # ---- writer (tests build corrupt or unusual files with it; pagereader wraps a page in a one-page file for
