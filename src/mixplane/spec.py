@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mixplane.errors import MixplaneError
 
@@ -44,6 +44,7 @@ OVERLONG_POLICIES: tuple[str, ...] = typing.get_args(OverlongPolicy)
 # refused with the bound in the message. Generous against the largest runs measured (bench/plan_scale.py).
 MAX_SOURCES = 4096
 MAX_REPLICAS = 1024  # Source Loader replicas of one source
+MAX_LOADER_WORKERS = 64  # worker threads of one partition (sources[].workers)
 MAX_COMPONENT_PROCESSES = 8192  # loader processes + Data Constructors of one mixture
 MAX_WORLD = 1 << 20  # GPU ranks
 MAX_STEP_SEQUENCES = 1 << 24
@@ -64,6 +65,7 @@ MAX_YAML_VALUES = 250_000
 _BOUNDED = {  # what each bound applies to (docs/spec-reference.md)
     "MAX_SOURCES": "`sources` (count), `runtime.sources_per_loader`",
     "MAX_REPLICAS": "`sources[].replicas`",
+    "MAX_LOADER_WORKERS": "`sources[].workers` (threads of one partition)",
     "MAX_COMPONENT_PROCESSES": "loader processes + Data Constructors of the mixture",
     "MAX_WORLD": "`topology.modules.*` dp, pp, cp, tp, and their product",
     "MAX_STEP_SEQUENCES": "`batch.sequences`, `batch.microbatches`",
@@ -104,6 +106,7 @@ class SourceSpec(_Model):
     live: bool = Field(False, description="New files matching `uri` join while running; a dry source blocks instead of failing.")
     shuffle: Literal["page", "row", "rowgroup", "sequential"] = Field("page", description="Read order: page-level shuffle (default), full row shuffle, or baselines.")
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Source Loader replicas that partition this source disjointly.")
+    workers: int | Literal["auto"] = Field(1, description="Worker threads of each partition (Source Loader) of this source for transforming its rows (tokenizing, image decoding: HF tokenizers and Pillow release the GIL): 1 (default) reads and transforms on the loader's own thread; N > 1 overlaps the stream's reads with up to N transforms of later chunks, delivered in stream order, so batches, cursors and replays are identical whatever N; `auto`: the cores the process may use, at most 4. Measured: docs/loader.md, Workers.")
     shuffle_buffer: int = Field(10000, ge=1, le=MAX_SHUFFLE_BUFFER, description="Rows in the loader's shuffle buffer (YOUMU's aggressive buffer shuffle in page mode).")
     shuffle_buffer_mb: float | None = Field(32.0, gt=0, le=MAX_SHUFFLE_BUFFER_MB, description="Memory cap of the shuffle buffer (decoded bytes, from the footers); fewer rows when documents are long. null: rows only.")
     image: ImageSpec = Field(default_factory=ImageSpec, description="Image handling for kind image_text.")
@@ -115,6 +118,15 @@ class SourceSpec(_Model):
     read_cache_dir: str | None = Field(None, description="Remote uris: a local directory for a disk cache of the byte ranges read (pages, dictionaries), shared by the loaders of a node and kept across restarts; null: memory only.")
     read_cache_gb: float = Field(10.0, gt=0, description="Size bound of `read_cache_dir` (least recently used ranges evicted beyond it).")
     index_beside_data: bool = Field(False, description="Also keep each file's page index beside it in its store (`<dir>/_mixplane_index/`): a new loader pod, another node or a later run reads one small object per file instead of its footer and OffsetIndexes. Written best effort (read-only credentials only lose the cache); keyed by the file's path, size and mtime like the local cache (MIXPLANE_INDEX_CACHE).")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LOADER_WORKERS:
+            raise ValueError(f"workers must be an integer in [1, {MAX_LOADER_WORKERS}] or 'auto', got {v!r}")
+        return v
 
 
 class PhaseSpec(_Model):

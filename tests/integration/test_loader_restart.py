@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mixplane.client import MixtureLoader
 from mixplane.runtime import Child, EmbeddedRuntime
@@ -59,15 +60,20 @@ class Fetcher:
         return self.got
 
 
-def spec(root: Path):
-    return parse_spec(token_mixture(root))
+def spec(root: Path, workers: int = 1):
+    doc = token_mixture(root)
+    for s in doc["sources"]:
+        s["workers"] = workers
+    return parse_spec(doc)
 
 
-def test_loader_sigkill_mid_run_changes_no_batch(token_sources, tmp_path):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_loader_sigkill_mid_run_changes_no_batch(token_sources, tmp_path, workers):
+    """workers 3: the killed run's loaders transform on 3 threads each (sources[].workers), the reference on one."""
     with EmbeddedRuntime(spec(token_sources["root"]), tmp_path / "reference") as rt:
         reference = Fetcher(rt.planner_endpoint).join()
     run_dir = tmp_path / "chaos"
-    with EmbeddedRuntime(spec(token_sources["root"]), run_dir) as rt:
+    with EmbeddedRuntime(spec(token_sources["root"], workers), run_dir) as rt:
         fetch = Fetcher(rt.planner_endpoint, pause_s=0.02)
         deadline = time.monotonic() + 120
         while fetch.delivered() < KILL_AFTER and not fetch.errors:

@@ -42,7 +42,8 @@ def test_schema_is_structural():
     root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(root["properties"]["spec"]):
         assert "$ref" not in node and "anyOf" not in node and "title" not in node and "const" not in node, path
-        assert "type" in node, f"{path}: structural schemas need a type everywhere"
+        # everywhere but an int-or-string node (sources[].workers: N or "auto"), which Kubernetes wants without one
+        assert ("type" in node) != bool(node.get("x-kubernetes-int-or-string")), f"{path}: structural schemas need a type everywhere"
         assert not ("properties" in node and "additionalProperties" in node), path
         for b in ("exclusiveMinimum", "exclusiveMaximum"):
             assert isinstance(node.get(b, False), bool), f"{path}.{b} must be boolean in OpenAPI v3.0"

@@ -424,3 +424,17 @@ def test_an_adaptive_mixture_is_checked_field_by_field(good):
     good["mixture"].pop("phases")
     good["mixture"]["adaptive"] = {"every_steps": 0, "method": "ado"}
     assert sorted(p.split(":")[0] for p in problems(good)) == ["mixture.adaptive.every_steps", "mixture.adaptive.method"]
+
+
+def test_source_workers_are_validated_with_their_field(good):
+    """sources[].workers: an integer in [1, 64] or 'auto'; anything else is named with its field path."""
+    assert parse_spec(good).sources[0].workers == 1  # the default: the loader's own thread only
+    for bad in (0, 65, "four", 2.5, True, None):
+        good["sources"][1]["workers"] = bad
+        out = problems(good)
+        assert len(out) == 1 and out[0].startswith("sources[1].workers: "), (bad, out)
+        assert "[1, 64] or 'auto'" in out[0], out
+    for ok in (1, 4, 64, "auto"):
+        good["sources"][1]["workers"] = ok
+        assert problems(good) == []
+        assert parse_spec(good).sources[1].workers == ok

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, OrderedDict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,31 @@ class QuarantineLog:
         # a sample's key -> (file, row in file): set by whoever knows the stream (the loader window), so a
         # quarantined sample's record and log line name its file
         self.locate: Callable[[int], tuple[str, int] | None] | None = None
+        self._deferred = threading.local()  # a worker thread's records held until its chunk is handed out
+
+    @contextmanager
+    def deferred(self) -> Iterator[list]:
+        """Within this block, this thread's :meth:`add` calls are only collected (into the list it yields) and
+        recorded later by :meth:`replay`, in the order the caller chooses (loader.workers: the stream's order)."""
+        held: list = []
+        self._deferred.held = held
+        try:
+            yield held
+        finally:
+            self._deferred.held = None
+
+    def replay(self, held: list) -> None:
+        """Record what a :meth:`deferred` block collected."""
+        for err, pages, whole_file in held:
+            self.add(err, pages=pages, whole_file=whole_file)
 
     def add(self, err, *, pages: int = 1, whole_file: bool = False) -> bool:
         """Record an error (a ParquetError or anything with .kind/.file/...). Returns False if
-        this exact unit was already recorded (a unit is counted once)."""
+        this exact unit was already recorded (a unit is counted once). Inside :meth:`deferred`: collected, True."""
+        held = getattr(self._deferred, "held", None)
+        if held is not None:
+            held.append((err, pages, whole_file))
+            return True
         kind = getattr(err, "kind", type(err).__name__)
         file, message = getattr(err, "file", None), str(err)
         if file is None and getattr(err, "unit", None) == "sample" and self.locate is not None:

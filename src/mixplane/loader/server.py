@@ -21,6 +21,7 @@ from mixplane.loader.stream import open_stream
 from mixplane.repartition import layouts_after
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
+from mixplane.loader.workers import resolve_workers
 from mixplane.metrics import handoff_metrics
 from mixplane.protocol import WindowCursor
 from mixplane.spec import DataMixtureSpec, overlong_limit
@@ -66,7 +67,8 @@ class LoaderServer(PlannerFollower):
             self.stream.set_layout(layouts_after(self.source.replicas, self.partitioning, self.stream.epoch_rows,
                                                  source=self.source.name)[replica])
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
-                                   read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec))
+                                   read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec),
+                                   workers=resolve_workers(self.source.workers))
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
         self._dropped_seen = 0
@@ -354,7 +356,7 @@ class LoaderServer(PlannerFollower):
         w = self.window
         held = list(w.buffer)
         cur = snapshot.window_cursor(held, {p: b.done for p, b in w.buffer.items()},
-                                     int(getattr(self.stream, "position", 0)) if not held else 0)
+                                     int(w.position or 0) if not held else 0)
         try:
             state = self.stream.state_dict()
         except Exception:  # noqa: BLE001 - a stream without a state still has a position
@@ -504,6 +506,7 @@ class LoaderServer(PlannerFollower):
     def close(self) -> None:
         self._disconnect()
         super().close()
+        self.window.close()
         self.stream.close()
 
 

@@ -35,6 +35,7 @@ import itertools
 import io
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -264,14 +265,17 @@ class _OverlongLog:
 
     def __init__(self, what: str):
         self.what, self.count = what, 0
+        self._lock = threading.Lock()  # transforms may run on a partition's worker threads
 
     def note(self, raw: RawSamples, rows: np.ndarray, why: str, policy: str) -> None:
         for i in np.flatnonzero(rows).tolist():
-            self.count += 1
-            if self.count <= 10 or self.count % 1000 == 0:
+            with self._lock:
+                self.count += 1
+                count = self.count
+            if count <= 10 or count % 1000 == 0:
                 log.warning("%s: sample key %d: document over %s (%s; %d so far)", self.what, int(raw.keys[i]), why,
                             {"drop": "dropped", "split": "split into pieces"}.get(policy, "cut to its first piece"),
-                            self.count)
+                            count)
 
 
 def _check_token_type(arr, what: str) -> None:

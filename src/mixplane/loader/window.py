@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from mixplane.loader.split import PendingDoc, piece_key, row_of, window_pos
+from mixplane.loader.workers import TransformPipeline
 from mixplane.protocol import WindowCursor, window_full
 
 if TYPE_CHECKING:  # the window reads any stream and transform of these shapes; no import at run time
@@ -61,8 +62,10 @@ class Announcement:
 class LoaderWindow:
     def __init__(self, stream: SourceStream, transform: Transform, bounds: tuple[int, int, int],
                  on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None,
-                 drop_longer_than: int | None = None):
+                 drop_longer_than: int | None = None, workers: int = 1):
         self.stream = stream
+        # sources[].workers: later chunks of the stream transformed on worker threads, handed out in order
+        self.pipeline = TransformPipeline(stream, transform, workers)
         self.read_timeout = read_timeout  # live sources: give control back while dry
         self.stalled = False
         self.transform = transform
@@ -137,6 +140,7 @@ class LoaderWindow:
         self.skip = set(c.skip)
         self.partial = dict(c.partial)
         self.low = c.low
+        self.pipeline.reset()  # chunks taken ahead are of the old position
         restore = getattr(self.stream, "restore_listing", None)
         if c.listing is not None and restore is not None:  # a live source: count positions over that listing
             restore(c.listing)
@@ -147,7 +151,7 @@ class LoaderWindow:
         next one was read since the last cold seek, and nothing then skipped is still unconsumed at `c`."""
         if self._cover_from is None or self.splitter is not None:  # split documents: positions are pieces, always cold
             return False
-        here = getattr(self.stream, "position", None)  # streams of tests may not say where they stand
+        here = self.position  # streams of tests may not say where they stand
         if not isinstance(here, int) or not self._cover_from <= c.low <= here:
             return False
         if any(p >= c.low and p not in c.skip for p in self._cover_skip):
@@ -170,6 +174,17 @@ class LoaderWindow:
         self.warm_samples += len(kept)
         return True
 
+    @property
+    def position(self) -> int | None:
+        """The stream position after the rows this window has read (chunks its workers took ahead not counted)."""
+        if not isinstance(getattr(self.stream, "position", None), int):
+            return None
+        return self.pipeline.position
+
+    def close(self) -> None:
+        """Stop the worker threads (the stream is its owner's to close)."""
+        self.pipeline.close()
+
     def chunk_for(self, tokens: int, samples: int = 0) -> int:
         """Samples to read for about `tokens` more tokens (and at least `samples` more samples)."""
         if self._read_samples == 0 or self._read_tokens == 0:
@@ -180,11 +195,11 @@ class LoaderWindow:
 
     def _read(self, n: int = CHUNK) -> None:
         t0 = time.perf_counter()
-        raw = self.stream.take(n) if self.read_timeout is None else self.stream.take(n, timeout=self.read_timeout)
-        self.stalled = len(raw) == 0
-        if self.stalled:
+        raw, transformed = self.pipeline.next(n, timeout=self.read_timeout)
+        self.stalled = transformed is None
+        if transformed is None:
             return
-        out = self.transform(raw)
+        out = transformed
         self._read_samples += len(raw)
         self._read_tokens += int(out.ntokens.sum())
         split = self.splitter is not None

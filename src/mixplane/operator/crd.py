@@ -219,6 +219,9 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "anyOf" in node:
         options = node.pop("anyOf")
         non_null = [o for o in options if o.get("type") != "null"]
+        if sorted(o.get("type") for o in non_null) == ["integer", "string"]:  # e.g. sources[].workers: N or "auto"
+            keep = {k: v for k, v in node.items() if k in ("description", "default")}
+            return {"x-kubernetes-int-or-string": True, **keep}
         if len(non_null) != 1:
             raise ValueError(f"cannot express union {options!r} in a structural schema")
         inner = structural(non_null[0], defs)
