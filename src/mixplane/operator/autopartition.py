@@ -5,13 +5,17 @@ feed it; the manifest builders render its pods.
 
 The model. Serving source ``s`` at ``t`` trainer tokens per second with share ``w_s`` of the tokens costs
 ``w_s * t * cpu_s_per_token`` cores. A *partition* (the spec's ``replicas``) is a disjoint slice of the
-source read by one Source Loader; one loader process runs on one thread (`TOKENIZERS_PARALLELISM=false`),
-so a partition can use at most ``pod_cpu`` cores. Hence, for the peak share a source has anywhere in the
-schedule:
+source read by one Source Loader; a loader reads on one thread (`TOKENIZERS_PARALLELISM=false`) and, with
+``sources[].workers: N``, transforms on N worker threads (loader/workers.py), so a partition can do
+``pod_cpu x worker_speedup[N - 1]`` cores of single-thread work (the speed-up measured by bench/loader_io.py).
+Hence, for the peak share a source has anywhere in the schedule:
 
-1. **Partitions** (data-parallel degree): ``ceil(peak cores x headroom / pod_cpu)``, within
+1. **Partitions** (data-parallel degree): ``ceil(peak cores x headroom / partition capacity)``, within
    ``[1, min(max_per_source, max_partitions)]`` (w_src). They are fixed for the run: changing them
-   reshuffles the source's data split.
+   reshuffles the source's data split. **Workers** (cores per partition): a source whose ``workers`` is a
+   number keeps it; ``auto`` gets the fewest partitions its largest worker count allows
+   (``max_workers``), then the fewest workers that still serve its peak with those partitions — one
+   partition with 3 threads instead of 3 partitions with their own shuffles and interpreters.
 2. **Pods** (per segment of the schedule): partitions are sorted by source cost, expensive first (the seed's
    source clustering), and packed first-fit-decreasing into loader pods of at most ``pod_cpu`` cores and
    ``max_per_pod`` partitions (w_actor). Cheap, small sources share pods (the old ``sources_per_loader``
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mixplane.profile_message import PartitionError, SourceCost  # noqa: F401 - what a profile says of a source
@@ -45,6 +49,11 @@ class LoaderBudget:
     memory: int  # bytes
 
 
+# samples/s of one partition with 1, 2, 3, 4 worker threads over 1 thread (bench/loader_io.py workers section;
+# docs/loader.md, Workers): beyond the last entry a thread adds nothing
+DEFAULT_WORKER_SPEEDUP = (1.0, 1.8, 2.5, 3.1)
+
+
 @dataclass(frozen=True)
 class PartitionBounds:
     max_per_source: int = 64  # w_src: partitions of one source
@@ -55,10 +64,22 @@ class PartitionBounds:
     cpu_quantum: float = 0.01  # CPU requests are multiples of this (10m)
     min_pod_cpu: float = 0.05  # a pod of idle partitions still polls its sockets
     small_source_cpu: float = 0.5  # sources needing fewer cores than this share pods with other small ones
+    max_workers: int = 4  # worker threads a `workers: auto` source's partition may get
+    worker_speedup: tuple[float, ...] = DEFAULT_WORKER_SPEEDUP  # a partition's throughput at 1, 2, ... workers / 1
 
     def __post_init__(self) -> None:
         if self.max_per_source < 1 or self.max_per_pod < 1:
             raise PartitionError("partition bounds: max_per_source and max_per_pod must be >= 1")
+        if self.max_workers < 1:
+            raise PartitionError("partition bounds: max_workers must be >= 1")
+        sp = self.worker_speedup
+        if not sp or sp[0] != 1.0 or any(not (b >= a) for a, b in zip(sp, sp[1:])):
+            raise PartitionError(f"partition bounds: worker_speedup must start at 1.0 and never decrease, got {sp}")
+
+    def capacity(self, workers: int) -> float:
+        """Cores of single-thread work (what `cpu_s_per_token` counts) one partition with `workers` threads does."""
+        sp = self.worker_speedup
+        return self.pod_cpu * sp[min(max(1, int(workers)), len(sp)) - 1]
         if not self.pod_cpu > 0 or not self.headroom >= 1.0 or not self.cpu_quantum > 0:
             raise PartitionError("partition bounds: pod_cpu > 0, headroom >= 1 and cpu_quantum > 0 are required")
 
@@ -127,6 +148,7 @@ class PartitionPlan:
     costs: Mapping[str, SourceCost]
     tokens_per_s: float
     segments: tuple[tuple[int, PodPlan], ...]  # (start step, pods) in step order
+    workers: Mapping[str, int] = field(default_factory=dict)  # worker threads per partition (absent: 1)
 
     def pods_at(self, step: int) -> PodPlan:
         cur = self.segments[0][1]
@@ -147,18 +169,31 @@ def source_cores(cost: SourceCost, share: float, tokens_per_s: float) -> float:
 
 
 def partition_counts(costs: Sequence[SourceCost], peak_shares: Mapping[str, float], tokens_per_s: float,
-                     bounds: PartitionBounds) -> dict[str, int]:
-    """Partitions per source: enough that no partition needs more than one pod's CPU at the source's peak."""
-    out: dict[str, int] = {}
+                     bounds: PartitionBounds, workers: Mapping[str, int | str] | None = None) -> dict[str, int]:
+    """Partitions per source: enough that no partition needs more than it can do at the source's peak."""
+    return {n: p for n, (p, _) in partition_layout(costs, peak_shares, tokens_per_s, bounds, workers).items()}
+
+
+def partition_layout(costs: Sequence[SourceCost], peak_shares: Mapping[str, float], tokens_per_s: float,
+                     bounds: PartitionBounds, workers: Mapping[str, int | str] | None = None) -> dict[str, tuple[int, int]]:
+    """(partitions, worker threads per partition) per source. `workers`: the sources' `workers` settings (a number
+    is kept; `auto` or absent-with-auto is chosen: the fewest partitions at `bounds.max_workers`, then the fewest
+    workers that serve the peak with them); a source not named gets 1 worker."""
+    out: dict[str, tuple[int, int]] = {}
     for c in costs:
         need = source_cores(c, peak_shares.get(c.name, 0.0), tokens_per_s) * bounds.headroom
         cap = min(bounds.max_per_source, c.max_partitions)
-        n = max(1, math.ceil(need / bounds.pod_cpu - 1e-9))
+        setting = (workers or {}).get(c.name, 1)
+        w_max = bounds.max_workers if setting == "auto" else max(1, int(setting))
+        n = max(1, math.ceil(need / bounds.capacity(w_max) - 1e-9))
         if n > cap:
             raise PartitionError(f"source {c.name}: needs {need:.2f} cores at its peak share {peak_shares.get(c.name, 0.0):.3f}, "
-                                 f"more than {cap} partitions x {bounds.pod_cpu:g} cores (w_src {bounds.max_per_source}, "
-                                 f"data-parallel bound {c.max_partitions})")
-        out[c.name] = n
+                                 f"more than {cap} partitions x {bounds.capacity(w_max):g} cores (w_src {bounds.max_per_source}, "
+                                 f"data-parallel bound {c.max_partitions}, {w_max} worker(s) a partition)")
+        w = w_max
+        if setting == "auto":  # the fewest threads that still serve the peak with n partitions
+            w = next(k for k in range(1, w_max + 1) if n * bounds.capacity(k) >= need - 1e-9)
+        out[c.name] = (n, w)
     return out
 
 
@@ -177,15 +212,18 @@ def _pod_name(members: Sequence[tuple[str, int]]) -> str:
 
 
 def pack_pods(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Mapping[str, float], tokens_per_s: float,
-              bounds: PartitionBounds, budget: LoaderBudget | None = None, *, what: str = "mixture") -> PodPlan:
+              bounds: PartitionBounds, budget: LoaderBudget | None = None, *, what: str = "mixture",
+              workers: Mapping[str, int] | None = None) -> PodPlan:
     """Group partitions into loader pods for one mixture.
 
     By default a source that needs at least `bounds.small_source_cpu` cores gets pods of its own (seed §5.3:
     dedicated loaders keep feeding stable when weights diverge); smaller sources share pods. When that does
-    not fit the memory budget, every source may share (fewer pods, fewer interpreters)."""
-    plan = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=False)
+    not fit the memory budget, every source may share (fewer pods, fewer interpreters). `workers`: threads per
+    partition of each source (PartitionPlan.workers; absent: 1): a pod holds what its partitions' threads can do
+    (`bounds.capacity`), so its CPU request may exceed one core."""
+    plan = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=False, workers=workers)
     if budget is not None and plan.memory > budget.memory:
-        mixed = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=True)
+        mixed = _pack(costs, partitions, shares, tokens_per_s, bounds, mixed=True, workers=workers)
         if mixed.memory > budget.memory:
             raise PartitionError(f"{what}: loaders need {mixed.memory / MIB:.0f} MiB in {len(mixed.pods)} pods even with "
                                  f"sources sharing pods (w_actor {bounds.max_per_pod}), budget {budget.memory / MIB:.0f} MiB")
@@ -196,7 +234,7 @@ def pack_pods(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares
 
 
 def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Mapping[str, float], tokens_per_s: float,
-          bounds: PartitionBounds, *, mixed: bool) -> PodPlan:
+          bounds: PartitionBounds, *, mixed: bool, workers: Mapping[str, int] | None = None) -> PodPlan:
     order = {c.name: i for i, c in enumerate(costs)}
     by_name = {c.name: c for c in costs}
     groups: dict[str, list[tuple[float, float, str, int]]] = {}  # packing group -> (cost, demand, source, partition)
@@ -215,11 +253,13 @@ def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Ma
         bins: list[dict] = []
         for _, d, s, r in items:
             dh = d * bounds.headroom
+            room = bounds.capacity((workers or {}).get(s, 1))  # a pod: the least its partitions' threads can do
             for b in bins:
-                if len(b["members"]) < bounds.max_per_pod and b["load"] + dh <= bounds.pod_cpu + 1e-9:
+                if len(b["members"]) < bounds.max_per_pod and b["load"] + dh <= min(b["room"], room) + 1e-9:
+                    b["room"] = min(b["room"], room)
                     break
             else:
-                b = {"members": [], "load": 0.0, "demand": {}}
+                b = {"members": [], "load": 0.0, "demand": {}, "room": room}
                 bins.append(b)
             b["members"].append((s, r))
             b["load"] += dh
@@ -241,11 +281,13 @@ def _pack(costs: Sequence[SourceCost], partitions: Mapping[str, int], shares: Ma
 
 def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Mapping[str, float]]], tokens_per_s: float,
                    budget: LoaderBudget, bounds: PartitionBounds | None = None,
-                   partitions: Mapping[str, int] | None = None) -> PartitionPlan:
+                   partitions: Mapping[str, int] | None = None,
+                   workers: Mapping[str, int | str] | None = None) -> PartitionPlan:
     """The plan for a whole schedule: `schedule` is (start step, token share per source) per segment.
 
     `partitions`: the counts a running mixture already has (its sources are split that way; changing the
-    split mid-run would reshuffle the data), used instead of computing them."""
+    split mid-run would reshuffle the data), used instead of computing them. `workers`: each source's
+    `workers` setting (spec_workers(spec)); the plan's `workers` are the threads chosen per partition."""
     bounds = bounds or PartitionBounds()
     if not costs:
         raise PartitionError("no sources to partition")
@@ -261,16 +303,29 @@ def auto_partition(costs: Sequence[SourceCost], schedule: Sequence[tuple[int, Ma
     peak = {n: max(float(sh.get(n, 0.0)) for _, sh in schedule) for n in names}
     if partitions is not None and all(partitions.get(n, 0) >= 1 for n in names):
         parts = {n: int(partitions[n]) for n in names}
+        # a kept split: a number of workers stays; `auto` gets the fewest threads serving the peak with those partitions
+        threads: dict[str, int] = {}
+        for c in costs:
+            setting = (workers or {}).get(c.name, 1)
+            if setting != "auto":
+                threads[c.name] = max(1, int(setting))
+                continue
+            need = source_cores(c, peak[c.name], tokens_per_s) * bounds.headroom
+            threads[c.name] = next((k for k in range(1, bounds.max_workers + 1)
+                                    if parts[c.name] * bounds.capacity(k) >= need - 1e-9), bounds.max_workers)
     else:
-        parts = partition_counts(costs, peak, tokens_per_s, bounds)
+        layout = partition_layout(costs, peak, tokens_per_s, bounds, workers)
+        parts = {n: p for n, (p, _) in layout.items()}
+        threads = {n: w for n, (_, w) in layout.items()}
     memory_floor = sum(parts[c.name] * c.memory_per_partition for c in costs)
     if memory_floor > budget.memory:
         worst = max(costs, key=lambda c: parts[c.name] * c.memory_per_partition)
         raise PartitionError(f"partitions alone need {memory_floor / MIB:.0f} MiB, budget {budget.memory / MIB:.0f} MiB "
                              f"(largest: source {worst.name}, {parts[worst.name]} x {worst.memory_per_partition / MIB:.0f} MiB)")
-    segs = tuple((int(start), pack_pods(costs, parts, shares, tokens_per_s, bounds, budget, what=f"segment at step {start}"))
+    segs = tuple((int(start), pack_pods(costs, parts, shares, tokens_per_s, bounds, budget, what=f"segment at step {start}",
+                                        workers=threads))
                  for start, shares in sorted(schedule, key=lambda x: x[0]))
-    return PartitionPlan(parts, {c.name: c for c in costs}, tokens_per_s, segs)
+    return PartitionPlan(parts, {c.name: c for c in costs}, tokens_per_s, segs, threads)
 
 
 def peak_shares(plan: PartitionPlan) -> dict[str, float]:
@@ -343,10 +398,22 @@ def spec_schedule(spec: DataMixtureSpec, mean_tokens: Mapping[str, float] | None
     return out
 
 
-def with_partitions(spec: DataMixtureSpec, partitions: Mapping[str, int]) -> DataMixtureSpec:
-    """The spec with each source's `replicas` set to its planned partitions (what loaders and planner read)."""
-    sources = [s.model_copy(update={"replicas": int(partitions.get(s.name, s.replicas))}) for s in spec.sources]
+def with_partitions(spec: DataMixtureSpec, partitions: Mapping[str, int],
+                    workers: Mapping[str, int] | None = None) -> DataMixtureSpec:
+    """The spec with each source's `replicas` set to its planned partitions (what loaders and planner read), and
+    with `workers` (PartitionPlan.workers) each `auto` source's worker threads set to the planned count."""
+    sources = []
+    for s in spec.sources:
+        up: dict[str, int] = {"replicas": int(partitions.get(s.name, s.replicas))}
+        if workers is not None and s.workers == "auto" and s.name in workers:
+            up["workers"] = int(workers[s.name])
+        sources.append(s.model_copy(update=up))
     return spec.model_copy(update={"sources": sources})
+
+
+def spec_workers(spec: DataMixtureSpec) -> dict[str, int | str]:
+    """Each source's `workers` setting, as auto_partition takes it."""
+    return {s.name: s.workers for s in spec.sources}
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -36,6 +36,8 @@ from mixplane.operator.autopartition import (
     place_sidecars,
     source_cores,
     spec_schedule,
+    spec_workers,
+    with_partitions,
 )
 from mixplane.operator.builders import (
     ClusterOptions,
@@ -281,7 +283,8 @@ def sidecar_layout(spec: Any, plan: PartitionPlan, costs: Sequence[SourceCost], 
     change, so the layout is fixed for the run), placed on the trainer pods' sidecar budget; the rest is remote.
     Returns every pod with its demand at `step` (a remote pod of sources without weight then runs 0 replicas)."""
     k = spec.kubernetes
-    layout = pack_pods(costs, plan.partitions, peak_shares(plan), tokens_per_s, bounds, None, what="sidecar layout")
+    layout = pack_pods(costs, plan.partitions, peak_shares(plan), tokens_per_s, bounds, None, what="sidecar layout",
+                       workers=plan.workers)
     placement = place_sidecars(layout, trainer_slots(spec), float(k.sidecar_cpu), int(k.sidecar_memory_mb) << 20)
     now = plan.pods_at(step).weights
     by_name = {c.name: c for c in costs}
@@ -309,10 +312,12 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     try:
         spec_options(opts, spec)  # rank_binding: required that pod keys cannot meet (builders.pod_rank_keys) is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
+        spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
         if spec.kubernetes.placement == "sidecar":
             pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
         else:
-            pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds, inp.budget)
+            pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds,
+                                                                       inp.budget, workers=plan.workers)
     except ValueError as e:
         raise ReconcileError(str(e)) from None
     if placement is not None:
@@ -333,7 +338,8 @@ def plan_of(body: Mapping[str, Any], spec: Any, profile: Mapping[str, Any], inp:
     """The auto-partitioner's plan, keeping the partition counts the status already has (a running split stays)."""
     kept = {str(s.get("name")): s.get("partitions") for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
     return auto_partition(costs_of(profile, spec), segments_of(spec, profile), inp.tokens_per_s, inp.budget, bounds,
-                          partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None)
+                          partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None,
+                          workers=spec_workers(spec))
 
 
 def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str, Any], slot: int | None,
@@ -347,6 +353,7 @@ def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Ma
     inp = inputs_of(body)
     try:
         plan = plan_of(body, spec, profile, inp, bounds)
+        spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
         step = int((body.get("status") or {}).get("step") or 0)
         pods, placement = sidecar_layout(spec, plan, costs_of(profile, spec), inp.tokens_per_s, bounds, step)
     except ValueError as e:
