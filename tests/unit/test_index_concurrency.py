@@ -319,3 +319,9 @@ def test_files_added_in_rounds_give_the_index_of_one_build(tmp_path, monkeypatch
         _same(part, idx)
     _same(whole, idx)
     assert idx.unit_of_rows([0, idx.num_rows - 1]).tolist() == whole.unit_of_rows([0, whole.num_rows - 1]).tolist()
+    # each file's own page arrays are dropped once folded in (the source's arrays hold them): a rebuild that would
+    # need them is refused, not silently wrong
+    assert all(not f.pages and not len(f.rg_rows) for f in idx.files) and idx.files[0].num_rows > 0
+    idx.files = idx.files[1:]
+    with pytest.raises(RuntimeError, match="released"):
+        idx.finish()

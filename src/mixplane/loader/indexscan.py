@@ -430,6 +430,7 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             sidecar.remember_pack(recent, pack)
         except OSError as e:
             log.debug("cannot write %s: %s", recent, e)
+    idx.release_pages()  # (after the pack is written: it is made of the files' own arrays)
     if kept:
         current = {index_prefix(p): index_stamp(s, m) for p, s, m in ids}  # every file's version as it is now
         prune_stale_indexes(kept, current, filesystem)

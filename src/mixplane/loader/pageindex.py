@@ -51,6 +51,9 @@ class ColumnPages:
               "unit_off", "unit_len", "unit_rows", "unit_pages")
 
 
+_NO_ROWS = np.zeros(0, np.int64)
+
+
 @dataclass
 class FileIndex:
     path: str
@@ -153,6 +156,7 @@ class SourceIndex:
         self.file_row_start: np.ndarray = np.zeros(1, np.int64)
         self.cols: dict[str, dict[str, np.ndarray]] = {}
         self._folded = 0  # files already in the arrays (_rebuild folds in only those after them)
+        self._released = 0  # files whose own page arrays were dropped once folded (release_pages)
         self._last_folded: FileIndex | None = None
         self._rebuild()
 
@@ -202,6 +206,16 @@ class SourceIndex:
     def finish(self) -> None:
         self._rebuild()
 
+    def release_pages(self) -> None:
+        """Drop the per-file page arrays of the files folded in (a file keeps its path, size, mtime, rows and
+        columns): the source's arrays hold the same pages, and at 10^5 files the per-file copies -- a dozen small
+        numpy arrays each -- were most of a loader's memory. Files added later are folded in as before; a rebuild
+        of the released files is refused."""
+        for f in self.files[self._released: self._folded]:
+            f.pages = {}
+            f.rg_rows = _NO_ROWS
+        self._released = self._folded
+
     def decoded_bytes_per_row(self) -> float:
         """Mean uncompressed bytes of a row's projected columns (from the footers, nothing read)."""
         if not self.num_rows:
@@ -222,6 +236,9 @@ class SourceIndex:
         k0 = self._folded
         if k0 > F or (k0 and self.files[k0 - 1] is not self._last_folded):
             k0 = 0
+        if k0 < self._released:
+            raise RuntimeError("the index's files were replaced after their page arrays were released: "
+                               "build a new SourceIndex")
         new = self.files[k0:]
         starts = np.zeros(F + 1, np.int64)
         if k0:
