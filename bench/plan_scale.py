@@ -63,7 +63,6 @@ sys.path.insert(0, str(HERE))
 
 from balance import LLAMA_12B, VIT_2B, coyo_block  # noqa: E402
 
-from mixplane import wire  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.metrics import make_metrics  # noqa: E402
 from mixplane.planner import layoutloop, routeloop, selectloop  # noqa: E402
@@ -72,12 +71,12 @@ from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402
 from mixplane.planner.server import StepMetrics, tune_gc  # noqa: E402
-from mixplane.planner.routing import Fanout, constructor_columns, image_parts, image_routing, image_segments, loader_routes  # noqa: E402
-from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_text_array, window_fill_length  # noqa: E402
+from mixplane.planner import dispatch  # noqa: E402
+from mixplane.planner.dispatch import DispatchTopology  # noqa: E402
+from mixplane.protocol import cursor_text_array, window_fill_length  # noqa: E402
 from mixplane.samples import make_key  # noqa: E402
 from mixplane.spec import parse_spec  # noqa: E402
-from mixplane.topology import constructor_groups, dp_ranks_of_group  # noqa: E402
-from mixplane.wire import Kind  # noqa: E402
+from mixplane.topology import dp_ranks_of_group  # noqa: E402
 
 SEQ = 8192
 DP = {1152: 18, 4608: 72, 16384: 256}
@@ -212,17 +211,8 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         return lay
 
     planner = StepPlanner(spec, strategy)
-    groups = constructor_groups(spec)
-    cons = [(ci, dp_ranks_of_group(spec, g)) for ci, g in enumerate(groups)]
-    dp_to: list[list[int]] = [[] for _ in range(spec.topology.backbone()[1].dp)]
-    rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
-    for ci, ranks in enumerate(groups):
-        for r in ranks:
-            rank_to[int(r)].append(ci)
-        for d in dp_ranks_of_group(spec, ranks):
-            dp_to[d].append(ci)
-    dp_fanout, rank_fanout = Fanout.from_lists(dp_to), Fanout.from_lists(rank_to)
-    leader_fanout, merge = image_routing(spec, groups)
+    topo = DispatchTopology.of(spec)  # what PlannerServer keeps of its topology
+    cons = [(ci, dp_ranks_of_group(spec, g)) for ci, g in enumerate(topo.groups)]
     m = make_metrics("planner")
     step_metrics = StepMetrics(m, spec.source_names(), planner.windows)  # labelled series looked up once, as the server does
     tmp = tempfile.mkdtemp(prefix="plan-scale-")
@@ -242,29 +232,17 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         t0 = clock()
         plan = planner.plan()
         t_plan = clock() - t0
-        # PlannerServer._dispatch: cursor after, retire flags, loader instructions, constructor layouts
+        # PlannerServer._dispatch, the same code (planner.dispatch): cursor after, retire flags, routes, layouts
         t0 = clock()
         lay = plan.layout
         cursor_after = planner.cursor_later()
-        p = plan.pieces
-        retired = plan.retired if plan.retired is not None else planner.retired(p)
-        seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
-        per_loader = loader_routes(lay, p.source, p.key, p.start, p.replica, p.pos, retired, dp_fanout, rank_fanout,
-                                   plan.piece_of_seg, seg_of_img)
-        img = image_parts(lay, seg_of_img, dp_fanout, leader_fanout, len(groups), merge, spec.world_size)
-        cut = None if img is None else img.cut([ci for ci, _ in cons])
-        cols = constructor_columns(lay, [d for _, d in cons], cut)
+        retired = plan.retired if plan.retired is not None else planner.retired(plan.pieces)
+        routed = dispatch.route(plan, topo, retired, cons)
         t_route = clock() - t0
         t0 = clock()  # the frames, counted once the timer stopped (the server sends them instead)
-        meta_l = {"session": 0, "step": lay.step, "released_through": -1}
-        msg_l = wire.encode_columns(Kind.PLAN_LOADER, meta_l, per_loader.columns())
+        _, msg_l = dispatch.loader_messages(routed, 0, lay.step, -1)
         cursor = cursor_text_array(cursor_after.json())
-        extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
-        base = lay.meta()
-        metas = [{"session": 0, **base, "dp": dp, "dp_ranks": dps, **extra, "broadcast": list(plan.broadcast)}
-                 for (_, dps), dp in zip(cons, cols.dp)]
-        msg_c = wire.encode_columns(Kind.PLAN_CONSTRUCTOR, metas, [*cols.columns, wire.Column(CURSOR_ARRAY, cursor),
-                                                                   *([] if img is None or cut is None else img.columns(cut))])
+        msg_c = [frames for _, frames in dispatch.constructor_messages(routed, plan, 0, cursor)]
         t_encode = clock() - t0
         per_l = [sum(memoryview(f).nbytes for f in frames) for frames in msg_l]
         per_c = [sum(memoryview(f).nbytes for f in frames) for frames in msg_c]
@@ -305,7 +283,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
     ms = lambda v: round(float(v) * 1e3, 2)  # noqa: E731
     wall = {k: np.array([x[0] for x in v]) for k, v in rec.items()}
     cpu = {k: np.array([x[1] for x in v]) for k, v in rec.items()}
-    peers = len(planner.windows) + len(groups)
+    peers = len(planner.windows) + len(topo.groups)
     return {
         "gpus": gpus, "sources": n_sources, "sequences": spec.rows_per_step, "seq_len": SEQ,
         "step_ms_p50": ms(np.median(wall["step"])), "step_ms_p99": ms(np.percentile(wall["step"], 99)),
@@ -317,7 +295,7 @@ def run_config(gpus: int, n_sources: int, sequences: int, warmup: int, steps: in
         "plan_bytes_per_peer": {k: int(np.median(sizes[k])) for k in ("loader_mean", "loader_max", "constructor_mean",
                                                                       "constructor_max")},
         "journal_bytes": int(round(j_step + ckpt / journal.every)),
-        "peers": peers, "loaders": len(planner.windows), "constructors": len(groups),
+        "peers": peers, "loaders": len(planner.windows), "constructors": len(topo.groups),
         "pieces": info["pieces"], "images": info["images"], "steps": steps, "jit_s": round(jit_s, 3),
     }
 

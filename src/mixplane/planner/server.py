@@ -25,22 +25,20 @@ from mixplane.component import Component, peer_name
 from mixplane.metrics import handoff_metrics
 from mixplane.planner.hosting import PartitionHosting
 from mixplane.planner.repartitioning import PlannerRepartition
-from mixplane.planner import layoutloop, routeloop, selectloop
+from mixplane.planner import dispatch, layoutloop, routeloop, selectloop
 from mixplane.planner.inflight import InFlight
 from mixplane.planner import journal as journal_file
 from mixplane.planner.journal import Journal, JournalError
 from mixplane.planner.adaptation import Adaptation
 from mixplane.planner.losses import SourceLosses
 from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
-from mixplane.protocol import CURSOR_ARRAY, STEP_IMAGES, cursor_array, cursor_text_array
-from mixplane.planner.routing import (Fanout, constructor_columns, image_parts, image_routing, image_segments,
-                                      loader_routes)
+from mixplane.protocol import cursor_array, cursor_text_array
 from mixplane.layout import layout_digest
 from mixplane.planner.core import StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group, topology_digest
-from mixplane.wire import Column, Kind, WireError
+from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.planner")
 PLANNER_HWM = 10_000  # messages queued per peer: far above a step's plan messages, bounded still
@@ -217,17 +215,8 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
 
     def _adopt_topology(self, spec: DataMixtureSpec) -> None:
         """Constructor groups and the dp-rank / rank fan-outs of `spec`'s topology (start, reshard)."""
-        self.groups = constructor_groups(spec)
-        dp_to: list[list[int]] = [[] for _ in range(spec.topology.backbone()[1].dp)]
-        rank_to: list[list[int]] = [[] for _ in range(spec.world_size)]
-        for ci, ranks in enumerate(self.groups):
-            for r in ranks:
-                rank_to[int(r)].append(ci)
-            for d in dp_ranks_of_group(spec, ranks):
-                dp_to[d].append(ci)
-        self._dp_fanout = Fanout.from_lists(dp_to)  # dp rank -> constructors serving it
-        self._rank_fanout = Fanout.from_lists(rank_to)  # global rank -> its constructor
-        self._leader_fanout, self._merge = image_routing(spec, self.groups)  # per-constructor image lists
+        self.dispatch_topology = dispatch.DispatchTopology.of(spec)
+        self.groups = self.dispatch_topology.groups
         self.topology_digest = topology_digest(spec)
 
     @property
@@ -758,16 +747,16 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         lay = plan.layout
         step = lay.step
         cursor_after = self.core.cursor_later()  # its JSON written straight from the windows' state (below)
-        # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's
-        p = plan.pieces
-        retired = plan.retired if plan.retired is not None else self.core.retired(p)
-        seg_of_img = plan.seg_of_img if plan.seg_of_img is not None else image_segments(lay, plan.piece_of_seg, p.patches)
-        per_loader = loader_routes(lay, p.source, p.key, p.start, p.replica, p.pos, retired,
-                                   self._dp_fanout, self._rank_fanout, plan.piece_of_seg, seg_of_img)
+        # loader instructions: spans to the constructors of their dp rank, pixels to the encoder's; each
+        # constructor's layout (select_ranks of its DP ranks) and images
+        retired = plan.retired if plan.retired is not None else self.core.retired(plan.pieces)
+        peers = list(self.constructors.values())
+        routed = dispatch.route(plan, self.dispatch_topology, retired, [(c.index, c.dp_ranks) for c in peers])
+        per_loader = routed.per_loader
         released = min(self.released_by.values(), default=-1) if len(self.released_by) == len(self.constructors) else -1
-        meta_l = {"session": self.session, "step": step, "released_through": released}
         # every PLAN_LOADER encoded at once, column by column (the same bytes as wire.encode of each)
-        for key, frames in zip(per_loader.loaders, wire.encode_columns(Kind.PLAN_LOADER, meta_l, per_loader.columns())):
+        meta_l, loader_frames = dispatch.loader_messages(routed, self.session, step, released)
+        for key, frames in zip(per_loader.loaders, loader_frames):
             self._send(self.loaders[key], Kind.PLAN_LOADER, meta_l, frames=frames)
         overflowed = self.inflight.overflowed
         self.inflight.record(step, per_loader)
@@ -776,19 +765,8 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                         "every constructor confirmed it", step, self.inflight.max_steps)
         cursor = cursor_text_array(cursor_after.json())  # serialised once, referenced by every constructor's message
         self._remember_cursor(step + 1, cursor)
-        peers = list(self.constructors.values())
-        img = image_parts(lay, seg_of_img, self._dp_fanout, self._leader_fanout, len(self.groups), self._merge,
-                          self.spec.world_size)
-        extra = {} if img is None else {STEP_IMAGES: len(lay.img_key)}
-        cut = None if img is None else img.cut([c.index for c in peers])
-        cols = constructor_columns(lay, [c.dp_ranks for c in peers], cut)  # each one's layout (select_ranks)
-        base = lay.meta()
-        metas = [{"session": self.session, **base, "dp": dp, "dp_ranks": c.dp_ranks, **extra,
-                  "broadcast": list(plan.broadcast)}  # axes the trainer broadcasts along (constructor: TP views)
-                 for c, dp in zip(peers, cols.dp)]
-        columns = [*cols.columns, Column(CURSOR_ARRAY, cursor), *([] if img is None or cut is None else img.columns(cut))]
         sent: dict[int, tuple[dict[str, Any], list]] = {}
-        for c, meta, frames in zip(peers, metas, wire.encode_columns(Kind.PLAN_CONSTRUCTOR, metas, columns)):
+        for c, (meta, frames) in zip(peers, dispatch.constructor_messages(routed, plan, self.session, cursor)):
             self._send(c.identity, Kind.PLAN_CONSTRUCTOR, meta, frames=frames)
             sent[c.index] = (meta, frames)
         self.layouts.record(step, sent)  # what a restarted constructor gets again (the same frames)
