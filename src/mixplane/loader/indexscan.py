@@ -22,7 +22,7 @@ from mixplane.loader.pagereader import (
 )
 from mixplane.loader.sidecar import (beside_path, default_cache_dir, index_prefix, index_stamp, load_sidecar, save_sidecar,
                                     sidecar_bytes, sidecar_path, stale_indexes)
-from mixplane.loader.thrift import ThriftError
+from mixplane.loader.thrift import ThriftError, read_struct
 
 log = logging.getLogger(__name__)
 _HEADER_PROBE = 256
@@ -31,8 +31,22 @@ LOCAL_INDEX_THREADS = 4  # and on a local filesystem
 LOCAL_TAIL_BYTES = 64 << 10  # a local file's last bytes read at once when it is indexed
 
 
+def _offset_index(reader: RangeReader, chunk: pr.ChunkMeta) -> tuple[list[int], list[int], list[int]] | None:
+    """(offsets, compressed sizes incl. header, first row index) of a chunk's data pages, if written: Python lists
+    (a few pages per chunk: numpy's per-call cost on arrays of five was a fifth of indexing a file)."""
+    if not chunk.offset_index_offset or not chunk.offset_index_length:
+        return None
+    oi, _ = read_struct(reader.read_at(chunk.offset_index_offset, chunk.offset_index_length))
+    locs = oi.get(1, [])
+    off, size, first = [p[1] for p in locs], [p[2] for p in locs], [p[3] for p in locs]
+    if not all(type(v) is int for v in (*off, *size, *first)):
+        raise TypeError("a PageLocation field is not an integer")
+    return off, size, first
+
+
 def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
-    """Unit table of one column chunk: OffsetIndex when present, else a header scan."""
+    """Unit table of one column chunk: OffsetIndex when present, else a header scan. (dictionary offset, its
+    length, then lists over the chunk's units: offset, length, rows, pages)."""
     path = reader.path
     start, end = chunk.start, chunk.start + chunk.total_compressed_size
     if start < 4 or end > reader.size - 8:
@@ -40,19 +54,21 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
     dict_off = dict_len = 0
     oi = None
     try:
-        oi = pr.read_offset_index(reader, chunk)
+        oi = _offset_index(reader, chunk)
     except (ThriftError, KeyError, TypeError) as e:
         log.warning("%s: row group %d, column %r: unreadable OffsetIndex (%s); scanning page headers", path, rg, col.name, e)
         oi = None
     if oi is not None and len(oi[0]):
         off, size, first = oi
-        if (np.any(np.diff(off) <= 0) or off[0] < start or off[-1] + size[-1] > end or np.any(size <= 0)
-                or first[0] != 0 or np.any(np.diff(first) < 0) or first[-1] >= max(rg_rows, 1)):
+        n = len(off)
+        if (any(off[i + 1] <= off[i] for i in range(n - 1)) or off[0] < start or off[-1] + size[-1] > end
+                or any(v <= 0 for v in size) or first[0] != 0 or any(first[i + 1] < first[i] for i in range(n - 1))
+                or first[-1] >= max(rg_rows, 1)):
             raise CorruptFileError("OffsetIndex does not match the column chunk", file=path, row_group=rg, column=col.name)
-        rows = np.diff(np.append(first, rg_rows))
+        rows = [first[i + 1] - first[i] for i in range(n - 1)] + [rg_rows - first[-1]]
         if off[0] > start:
-            dict_off, dict_len = start, int(off[0] - start)
-        return dict_off, dict_len, off.astype(np.int64), size.astype(np.int64), rows.astype(np.int64), np.ones(len(off), np.int64)
+            dict_off, dict_len = start, off[0] - start
+        return dict_off, dict_len, off, size, rows, [1] * n
     # scan headers: one small positional read per page (plus the level bytes of v1 list pages)
     offs, lens, rows, pages = [], [], [], []
     pos, k = start, 0
@@ -100,8 +116,7 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
                 pages.append(1)
             k += 1
         pos += total
-    return (dict_off, dict_len, np.array(offs, np.int64), np.array(lens, np.int64), np.array(rows, np.int64),
-            np.array(pages, np.int64))
+    return dict_off, dict_len, offs, lens, rows, pages
 
 
 def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
@@ -111,8 +126,7 @@ def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
     seen = int(err.page or 0) + 1
     pages = max(seen, int(round(chunk.total_compressed_size / max(getattr(err, "scanned_bytes", 0) / seen, 1)))
                 if getattr(err, "scanned_bytes", 0) else seen)
-    one = lambda v: np.array([v], np.int64)  # noqa: E731
-    return 0, 0, one(chunk.start), one(0), one(rg_rows), one(min(pages, np.iinfo(np.int16).max))
+    return 0, 0, [chunk.start], [0], [rg_rows], [min(pages, np.iinfo(np.int16).max)]
 
 
 def _hold_offset_indexes(reader: RangeReader, meta: pr.FileMeta, cols: list[ColumnInfo], limit: int = 16 << 20) -> None:
@@ -164,8 +178,8 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 except CorruptPageError as e:  # lose this row group's chunk, not the file
                     bad_chunks.append(e)
                     doff, dlen, off, ln, rows, npg = _placeholder(chunk, rg.num_rows, e)
-                if rows.sum() != rg.num_rows:
-                    raise CorruptFileError(f"pages hold {int(rows.sum())} rows, the row group {rg.num_rows}",
+                if sum(rows) != rg.num_rows:
+                    raise CorruptFileError(f"pages hold {sum(rows)} rows, the row group {rg.num_rows}",
                                            file=path, row_group=ri, column=col.name)
                 rgs.append(ri)
                 codecs.append(chunk.codec)
@@ -173,8 +187,11 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
                 dlens.append(dlen)
                 raws.append(chunk.total_uncompressed_size)
                 firsts.append(firsts[-1] + len(off))
-                uo.append(off), ul.append(ln), ur.append(rows), up.append(npg)
-            cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+                uo += off
+                ul += ln
+                ur += rows
+                up += npg
+            cat = lambda xs, dt: np.array(xs, np.int64).astype(dt)  # noqa: E731  (int64 first: wraps as astype did)
             pages[col.name] = ColumnPages(
                 chunk_rg=np.array(rgs, np.int32), chunk_codec=np.array(codecs, np.int8),
                 chunk_dict_off=np.array(doffs, np.int64), chunk_dict_len=np.array(dlens, np.int32),

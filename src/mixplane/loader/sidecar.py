@@ -1,6 +1,6 @@
-"""The page-index sidecar cache: one small .npz per file keyed by its identity (path, size, mtime,
-projected columns), so a restart or a new replica does not rescan. A damaged or stale sidecar is
-never fatal: it is ignored and rebuilt."""
+"""The page-index cache, so a restart or a new replica does not rescan: one small .npz per file keyed by its
+identity (path, size, mtime, projected columns), and for a listing of many files one pack holding every file's
+index under the same identity. A damaged or stale sidecar or pack is never fatal: it is ignored and rebuilt."""
 
 from __future__ import annotations
 
