@@ -37,8 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.spec import (AnnealSpec, DataMixtureSpec, MixtureSpec, PhaseSpec, Problem, SpecError,
                            effective_base_weights, parse_spec)
+
+
+class SourcesExhausted(MixplaneError, ValueError):
+    """No source with a share weight is left: every one has ended (max_epochs, oversample: false)."""
 
 
 def apply_temperature(weights: np.ndarray, temperature: float) -> np.ndarray:
@@ -128,6 +133,20 @@ class MixtureSchedule:
             else:
                 segs.append(Segment(ph.start_step, w, ph.lr_scale, len(segs), generation, name))
         self.segments: list[Segment] = segs
+        # sources that reached their end (max_epochs, oversample: false): name -> the step they ended in. From
+        # that step on they have no weight and the others share theirs (`at`); the planner records them
+        # (`end_source`) and the cursor carries them (state_dict), so resume and replay end them alike.
+        self.ended: dict[str, int] = {}
+
+    def end_source(self, name: str, step: int) -> None:
+        """Source `name` delivered its last row in step `step` (or had none left at its start)."""
+        if name not in self.names:
+            raise ValueError(f"unknown source {name!r}")
+        self.ended = {**self.ended, name: int(step)}
+
+    def live_mask(self, step: int) -> np.ndarray:
+        """True for every source that has not ended by `step`."""
+        return np.array([not (n in self.ended and self.ended[n] <= step) for n in self.names], bool)
 
     def segment_at(self, step: int) -> Segment:
         cur = self.segments[0]
@@ -139,10 +158,24 @@ class MixtureSchedule:
         return cur
 
     def at(self, step: int) -> MixturePoint:
+        """The mixture at `step`: the segment's weights without the sources ended by then (renormalised over the
+        rest); its accounting starts at the segment's start or at the latest end of a source, whichever is later
+        (an end resets the sampler's counters, as a new segment does). ValueError when no weight is left."""
         s = self.segment_at(step)
         t = self.temperature if s.temperature is None else s.temperature
-        return MixturePoint(apply_temperature(np.array(s.weights), t), s.phase, s.lr_scale,
-                            s.generation, s.start_step)
+        w = np.array(s.weights)
+        start = s.start_step
+        if self.ended:
+            live = self.live_mask(step)
+            # an end resets the counters of the segment it happened in (a source without weight there never ends)
+            ends = [e for i, (n, e) in enumerate((n, self.ended.get(n)) for n in self.names)
+                    if e is not None and s.start_step <= e <= step and s.weights[i] > 0]
+            start = max([start, *ends])
+            w = np.where(live, w, 0.0)
+            if w.sum() <= 0:
+                gone = ", ".join(f"{n} (step {e})" for n, e in sorted(self.ended.items(), key=lambda x: x[1]))
+                raise SourcesExhausted(f"step {step}: every source with a share weight has ended: {gone}")
+        return MixturePoint(apply_temperature(w, t), s.phase, s.lr_scale, s.generation, start)
 
     def update(self, weights: dict[str, float], effective_step: int, generation: int,
                lr_scale: float | None = None, *, planned_through: int = -1,
@@ -197,13 +230,21 @@ class MixtureSchedule:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"segments": [s.to_json() for s in self.segments], "temperature": self.temperature}
+        out: dict[str, Any] = {"segments": [s.to_json() for s in self.segments], "temperature": self.temperature}
+        if self.ended:
+            out["ended"] = dict(self.ended)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         segments = [Segment.from_json(d) for d in state["segments"]]
         if not segments or any(len(x.weights) != len(self.names) for x in segments):
             raise ValueError(f"schedule state does not have weights for the {len(self.names)} sources")
+        ended = state.get("ended") or {}
+        if not isinstance(ended, dict) or any(n not in self.names or isinstance(e, bool) or not isinstance(e, int)
+                                              or e < 0 for n, e in ended.items()):
+            raise ValueError(f"schedule state: `ended` must map source names to steps, got {ended!r:.80}")
         self.segments = segments
+        self.ended = {str(n): int(e) for n, e in ended.items()}
         if "temperature" in state:
             self.temperature = float(state["temperature"])
 
@@ -259,7 +300,7 @@ def spec_with_mixture(spec: DataMixtureSpec, mixture: Any) -> DataMixtureSpec:
     new = parse_spec(doc, origin="update")
     problems = [Problem(f"mixture.{k}", f"cannot change in a running mixture ({getattr(spec.mixture, k)!r} -> "
                                         f"{getattr(new.mixture, k)!r}); start a new run")
-                for k in ("seed", "unit") if getattr(new.mixture, k) != getattr(spec.mixture, k)]
+                for k in ("seed", "unit", "rows") if getattr(new.mixture, k) != getattr(spec.mixture, k)]
     if problems:
         raise SpecError(problems, "update")
     return new

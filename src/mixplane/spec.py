@@ -117,6 +117,8 @@ class SourceSpec(_Model):
     region: str | None = Field(None, description="Object-storage region for an s3:// uri (default: the environment's / profile's).")
     read_cache_dir: str | None = Field(None, description="Remote uris: a local directory for a disk cache of the byte ranges read (pages, dictionaries), shared by the loaders of a node and kept across restarts; null: memory only.")
     read_cache_gb: float = Field(10.0, gt=0, description="Size bound of `read_cache_dir` (least recently used ranges evicted beyond it).")
+    oversample: bool | None = Field(None, description="Read past the source's end, wrapping: each pass (epoch) a new shuffle of the whole source. null: true for a static source (mixplane's behaviour so far), false for a live one (each file is read once; a dry live source waits). false on a static source: one pass, as `max_epochs: 1`. What happens at a source's end: docs/mixtures.md.")
+    max_epochs: int | None = Field(None, ge=1, le=1_000_000, description="Most passes over a static source within the run (OLMo-core's repetition limit, in whole epochs); null: no limit while `oversample`, 1 otherwise. When a source has delivered its last row of its last pass it ends at that piece, exactly: the rest of the step and every later step are mixed over the sources left (weights renormalised), the step is journaled (`ended`) and resume / replay end it at the same piece; when no share-weighted source is left the run's data is exhausted (the planner stops planning and says so). docs/mixtures.md.")
     index_beside_data: bool = Field(False, description="Also keep each file's page index beside it in its store (`<dir>/_mixplane_index/`): a new loader pod, another node or a later run reads one small object per file instead of its footer and OffsetIndexes. Written best effort (read-only credentials only lose the cache); keyed by the file's path, size and mtime like the local cache (MIXPLANE_INDEX_CACHE).")
 
     @field_validator("workers", mode="before")
@@ -162,6 +164,7 @@ class MixtureSpec(_Model):
     phases: list[PhaseSpec] = Field(default_factory=list, max_length=MAX_PHASES, description="Step-triggered weight changes (curriculum). A live update of the whole mixture section (a `kubectl patch` of spec.mixture, `mixplane update --mixture`) replaces the phases from its effective step on with the new section's; a weights-only update (`mixplane update --weight`) lasts until the next phase (or the anneal), which still starts at its step with its weights as written.")
     anneal: AnnealSpec | None = Field(None, description="Shortcut for one final phase; exclusive with `phases`.")
     adaptive: AdaptiveSpec | None = Field(None, description="Weights that follow the trainers' per-source losses: the planner turns the reported losses into new weights every `every_steps` steps, each update a new generation in the journal (resume, recovery and replay stay exact). Exclusive with `phases` and `anneal`.")
+    rows: dict[str, int] = Field(default_factory=dict, description="Sources weighted by rows per step instead of a share (Blender's rows per request): source -> how many of its documents (rows of the source) begin in every step, exactly; a longer document's pieces go with it. They are placed first; share weights (`weights`, phases, anneal) divide the rest of the step among the other sources, so a source named here takes no share weight. Fixed for the run (a live update keeps them). docs/mixtures.md.")
     seed: int = Field(0, description="Seed of every shuffle and tie-break; same seed, same batches.")
 
 
@@ -326,8 +329,13 @@ class DataMixtureSpec(_Model):
     def window_bounds(self, source: int) -> tuple[int, int, int]:
         """(min samples, min unconsumed tokens, max samples) of each loader replica's window of this source."""
         r = self.runtime
-        tokens = r.window_tokens if r.window_tokens is not None else max(2 * self.tokens_per_step // self.sources[source].replicas, 2 * self.batch.seq_len)
-        return min(r.window, r.window_max), tokens, r.window_max
+        src = self.sources[source]
+        tokens = r.window_tokens if r.window_tokens is not None else max(2 * self.tokens_per_step // src.replicas, 2 * self.batch.seq_len)
+        samples = r.window
+        quota = self.mixture.rows.get(src.name)
+        if quota:  # a source weighted by rows: two steps' worth of documents in view (mixture.rows)
+            samples = max(samples, 2 * -(-quota // src.replicas))
+        return min(samples, r.window_max), tokens, r.window_max
 
 
 def overlong_limit(spec: "DataMixtureSpec") -> int | None:
@@ -582,6 +590,15 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
             out.append(Problem(f"{p}sources[{i}].tokenizer", f"kind {s.kind} needs a tokenizer"))
         if s.kind == "image_text" and len(s.columns) < 2:
             out.append(Problem(f"{p}sources[{i}].columns", "image_text needs two columns: image bytes and caption"))
+        if s.live and s.oversample:
+            out.append(Problem(f"{p}sources[{i}].oversample", "a live source cannot wrap: it reads each new file once and "
+                               "waits when dry (leave oversample unset or false)"))
+        if s.live and s.max_epochs is not None:
+            out.append(Problem(f"{p}sources[{i}].max_epochs", "a live source has no passes to count: it reads each new "
+                               "file once (remove max_epochs)"))
+        elif s.oversample is False and s.max_epochs is not None and s.max_epochs > 1:
+            out.append(Problem(f"{p}sources[{i}].max_epochs", f"max_epochs {s.max_epochs} needs oversample: a source "
+                               "that does not wrap is read once"))
         if s.live and s.replicas > 1:
             out.append(Problem(f"{p}sources[{i}].replicas", f"a live source must have 1 replica, got {s.replicas}: each replica "
                                "lists new files on its own schedule, so their partitions would differ and rows repeat"))
@@ -596,9 +613,14 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
                 out.append(Problem(f"{path}.{name}", f"weight must be a finite number >= 0, got {w}"))
 
     check_weights(m.weights, f"{p}mixture.weights")
+    out.extend(_rows_problems(spec, p))
     base = effective_base_weights(spec)
     if sum(base.values()) <= 0:
-        out.append(Problem(f"{p}mixture.weights", "weights must have a positive sum"))
+        if m.rows and all(n in m.rows for n in names):
+            out.append(Problem(f"{p}mixture.rows", "every source is weighted by rows: at least one source must take a "
+                               "share weight, to fill the rest of each step"))
+        else:
+            out.append(Problem(f"{p}mixture.weights", "weights must have a positive sum"))
     if not _positive_finite(m.temperature):
         out.append(Problem(f"{p}mixture.temperature", f"temperature must be a finite number > 0, got {m.temperature}"))
     if m.phases and m.anneal is not None:
@@ -690,6 +712,39 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
     return out
 
 
+def _rows_problems(spec: DataMixtureSpec, p: str) -> list[Problem]:
+    """`mixture.rows`: known sources, counts a window can hold, and no share weight for a source weighted by rows."""
+    m, out = spec.mixture, []
+    known = {s.name: s for s in spec.sources}
+    for name, n in m.rows.items():
+        path = f"{p}mixture.rows.{name}"
+        src = known.get(name)
+        if src is None:
+            out.append(Problem(path, f"unknown source {name!r} (sources: {', '.join(known)})"))
+            continue
+        if isinstance(n, bool) or n < 1:
+            out.append(Problem(path, f"rows per step must be an integer >= 1, got {n}"))
+            continue
+        per = 2 * -(-n // src.replicas)  # each replica's window holds two steps' worth
+        if per > spec.runtime.window_max:
+            out.append(Problem(path, f"{n} rows per step need windows of {per} samples per replica, more than "
+                               f"runtime.window_max ({spec.runtime.window_max})"))
+    if not m.rows:
+        return out
+    if m.adaptive is not None:
+        out.append(Problem(f"{p}mixture.rows", "an adaptive mixture adapts share weights only: it cannot be combined "
+                           "with rows per step"))
+    named = [("mixture.weights", m.weights)] + [(f"mixture.phases[{i}].weights", ph.weights) for i, ph in enumerate(m.phases)]
+    if m.anneal is not None:
+        named.append(("mixture.anneal.weights", m.anneal.weights))
+    for where, weights in named:
+        for name, w in weights.items():
+            if name in m.rows and w != 0:
+                out.append(Problem(f"{p}{where}.{name}", f"source {name!r} is weighted by rows (mixture.rows.{name}); "
+                                   "it takes no share weight (remove it here or set 0)"))
+    return out
+
+
 def _process_problems(spec: DataMixtureSpec, backbone: str, p: str) -> list[Problem]:
     """Ranks and component processes past the bounds: a typo (dp: 100000) must not start a machine-filling run."""
     bb, r = spec.topology.modules[backbone], spec.runtime
@@ -736,10 +791,25 @@ def place_tree_problems(overrides: Any, modules: list[str], path: str) -> list[P
 
 def effective_base_weights(spec: DataMixtureSpec) -> dict[str, float]:
     """Base weights for every source: the given ones, 0 for unnamed sources, or equal weights when none are given."""
-    names = spec.source_names()
+    names, rows = spec.source_names(), spec.mixture.rows
     if not spec.mixture.weights:
-        return {n: 1.0 for n in names}
-    return {n: float(spec.mixture.weights.get(n, 0.0)) for n in names}
+        return {n: 0.0 if n in rows else 1.0 for n in names}
+    return {n: 0.0 if n in rows else float(spec.mixture.weights.get(n, 0.0)) for n in names}
+
+
+def epoch_caps(spec: DataMixtureSpec) -> list[int | None]:
+    """Per source, the passes it may be read (None: no end). The one rule for `oversample` / `max_epochs`: a
+    live source has none (it never wraps, it waits); a static one wraps unless `oversample: false` (one pass),
+    up to `max_epochs` if given."""
+    out: list[int | None] = []
+    for s in spec.sources:
+        if s.live:
+            out.append(None)
+        elif s.oversample is False:
+            out.append(1)
+        else:
+            out.append(s.max_epochs)
+    return out
 
 
 # ---- reference documentation of every field and default ----

@@ -20,16 +20,22 @@ import numpy as np
 from mixplane.errors import MixplaneError
 from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
-from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, apply_temperature,
+from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, SourcesExhausted, apply_temperature,
                              check_update_id, slack, spec_with_mixture)
+from mixplane.samples import key_epoch
 from mixplane.protocol import WindowCursor, window_full
 from mixplane.repartition import RepartitionError, parse_partitioning, parse_record
-from mixplane.spec import DataMixtureSpec, SpecError
+from mixplane.spec import DataMixtureSpec, SpecError, epoch_caps
 from mixplane.topology import ClientPlaceTree
 
 
 class WindowError(MixplaneError, ValueError):
     """Metadata from a loader that contradicts the window (out of order, duplicate, bad sizes)."""
+
+
+class RowsShortError(MixplaneError, RuntimeError):
+    """A source weighted by rows per step (mixture.rows) could not begin all of its documents in a step."""
+
 
 
 FIELDS = ("pos", "key", "tokens", "patches", "done")
@@ -671,6 +677,7 @@ class StepPlan:
     piece_of_seg: np.ndarray | None = None  # the piece each layout segment is (from the coverage check)
     retired: np.ndarray | None = None  # uint8 per piece: StepPlanner.retired(pieces), found while compacting
     seg_of_img: np.ndarray | None = None  # routing.image_segments (the segment carrying each image), if known
+    ended: tuple[str, ...] = ()  # sources that ended in this step (their last pass delivered; journaled)
 
     @property
     def cursor_before(self) -> dict[str, Any]:
@@ -719,6 +726,10 @@ class StepPlanner:
         self.unit_samples = spec.mixture.unit == "samples"
         self._replicated = any(s.replicas > 1 for s in spec.sources)  # candidates() must merge replicas
         self._spec_replicas = [s.replicas for s in spec.sources]
+        # sources' ends (docs/mixtures.md): passes each may be read (None: no end), rows per step of rows sources
+        self._caps = epoch_caps(spec)
+        self._quota = np.array([spec.mixture.rows.get(s.name, 0) for s in spec.sources], np.int64)
+        self._ended_now: list[int] = []  # sources the last select ended
         # runtime mixture updates: the events applied, by generation (a rewind applies the newer ones again), and
         # the acknowledged update ids (update_id -> {update_id, generation, effective_step}), oldest first
         self.update_log: dict[int, dict[str, Any]] = {}
@@ -737,8 +748,12 @@ class StepPlanner:
     def waiting_for(self) -> list[ReplicaWindow]:
         """Windows the next step waits for: a source with no weight at that step is not drawn from,
         so its window (e.g. a dry live source switched off) need not be full."""
-        probs = self.schedule.at(self.next_step).probs
-        return [w for w in self.windows if probs[w.source] > 0 and not w.ready]
+        try:
+            probs = self.schedule.at(self.next_step).probs
+        except SourcesExhausted:
+            return []  # nothing to wait for: plan() says why
+        need = (probs > 0) | ((self._quota > 0) & self.schedule.live_mask(self.next_step))
+        return [w for w in self.windows if need[w.source] and not w.ready]
 
     def summary_buffer(self) -> dict[str, Any]:
         """Per source: unconsumed samples, their remaining tokens and patches in the windows."""
@@ -1080,6 +1095,34 @@ class StepPlanner:
         offsets = np.searchsorted(src, np.arange(n + 1)).astype(np.int64)
         return wi, ei, offsets
 
+    def _eligible(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(allowed, final) for the store's samples as gathered now: `allowed` marks the samples within their
+        source's passes (None: all are), `final[i]` says every window of source i reaches past them (none of
+        its rows to come is allowed: when it has delivered these it ends). The rule for passes: spec.epoch_caps."""
+        if all(c is None for c in self._caps):
+            return None, None
+        st = self.store
+        cap = np.array([np.iinfo(np.int64).max if c is None else c for c in self._caps], np.int64)
+        allowed = key_epoch(st.cols["key"]) < cap[st.source[st.win]]
+        if allowed.all():
+            return None, None
+        beyond = np.bincount(st.win[~allowed], minlength=len(st.windows)) > 0  # windows that reach past the end
+        per_source = np.bincount(st.source, minlength=self.n_sources)
+        final = np.bincount(st.source, weights=beyond, minlength=self.n_sources).astype(np.int64) == per_source
+        return allowed, final
+
+    def _ends_at_start(self, step: int, probs: np.ndarray) -> list[int]:
+        """Sources that take part in `step` (a share weight or rows) but have nothing left in their passes: they end
+        before it (their last row went in an earlier step, before the window showed the end)."""
+        self.store.sync()
+        allowed, final = self._eligible()
+        if allowed is None or final is None:
+            return []
+        st = self.store
+        left = np.bincount(st.source[st.win[allowed]], minlength=self.n_sources)
+        take = (probs > 0) | ((self._quota > 0) & self.schedule.live_mask(step))
+        return [i for i in range(self.n_sources) if take[i] and final[i] and left[i] == 0]
+
     def select(self, step: int, point: MixturePoint, exclude: Any = None) -> Pieces:
         """Mix and pack: choose token spans by deficit and place them best-fit into the step's rows.
 
@@ -1099,13 +1142,22 @@ class StepPlanner:
         cols = st.cols
         all_tok, all_done = cols["tokens"], cols["done"]
         flat: np.ndarray | None = None
+        elig, final = self._eligible()
+        ends = None
         if not self._replicated and not exclude:
             # one window per source, listed by source, each in stream order: the columns are the candidates,
             # and the loop writes the consumption straight into them (the windows' views)
             c_tok, c_done, off = all_tok, all_done, st.base
+            if elig is not None:  # a capped window's allowed samples are a prefix of it (epochs only grow)
+                ends = off[:-1] + np.bincount(st.win[elig], minlength=len(off) - 1).astype(np.int64)
         else:
             cwi, cei, off = self.candidates(exclude)
             flat = st.base[cwi] + cei  # index into the columns
+            if elig is not None:
+                flat = flat[elig[flat]]
+                off = np.searchsorted(st.source[st.win[flat]], np.arange(self.n_sources + 1)).astype(np.int64)
+            if exclude:  # a re-mix leaving samples out: a source cannot end in it (it ends at its next step)
+                final = np.zeros(self.n_sources, bool)
             c_tok, c_done = all_tok[flat], all_done[flat]
         # scale of "one sample": 1, or (tokens) the largest piece among the segment's candidates so far
         if self.unit_samples:
@@ -1115,10 +1167,26 @@ class StepPlanner:
             self.sampler.unit_max = L
         delta = slack(int((np.asarray(point.probs) > 0).sum())) * L  # as EDFQueue / DeficitSampler.pick
         realized = self.sampler.realized.astype(np.float64, copy=True)
+        live = self.schedule.live_mask(step)
+        quota = np.where(live, self._quota, 0)
+        outcome: dict[str, np.ndarray] = {}
         o_cand, o_bin, o_start, o_len = selectloop.run(
             c_tok, c_done, off, point.probs, realized, L, delta, delta + 1e-9 * L, unit_samples=self.unit_samples,
-            truncate=spec.batch.overlong == "truncate", seq_len=S, rows=R, policy=spec.batch.packing)
+            truncate=spec.batch.overlong == "truncate", seq_len=S, rows=R, policy=spec.batch.packing,
+            ends=ends, final=final, quota=quota if quota.any() else None, outcome=outcome)
+        ended = np.flatnonzero(outcome["ended"]).tolist()
+        short = [(i, int(outcome["short"][i])) for i in np.flatnonzero(quota).tolist()
+                 if outcome["short"][i] > 0 and i not in ended]
+        if short:
+            i, k = short[0]
+            name = spec.sources[i].name
+            raise RowsShortError(f"step {step}: source {name!r} is weighted by {int(quota[i])} rows per step "
+                                 f"(mixture.rows.{name}) but only {int(quota[i]) - k} of its documents began: the "
+                                 "others do not fit into the step's rows beside what came first")
         self.sampler.realized[:] = realized
+        self._ended_now = ended
+        if any(point.probs[i] > 0 for i in ended):  # the loop reset the counters where the first one ended
+            self.sampler.segment_start = step
         if flat is None:
             at = o_cand
         else:
@@ -1142,6 +1210,7 @@ class StepPlanner:
             if unknown:
                 raise ValueError(f"step {step}: mix weights name unknown source(s) {', '.join(unknown)}")
             w = np.array([float(schedule.get(nm, 0.0)) for nm in names])
+            w = np.where(self.schedule.live_mask(step) & (self._quota == 0), w, 0.0)  # no ended nor rows source
             seg = self.schedule.segment_at(step)
             probs = apply_temperature(w, self.schedule.temperature if seg.temperature is None else seg.temperature)
             return MixturePoint(probs, default.phase, default.lr_scale, default.generation, default.segment_start)
@@ -1154,7 +1223,17 @@ class StepPlanner:
             raise RuntimeError(f"step {self.next_step}: windows not full yet ({waiting})")
         cursor = self.cursor_later()
         step = self.next_step
+        ended_before = self.schedule.ended
         point = self.schedule.at(step)
+        at_start = self._ends_at_start(step, point.probs)
+        if at_start:
+            for i in at_start:
+                self.schedule.end_source(self.spec.sources[i].name, step)
+            try:
+                point = self.schedule.at(step)
+            except SourcesExhausted:
+                self.schedule.ended = ended_before
+                raise
         snap = self._snapshot()
         state = {"mixed": False}
 
@@ -1179,6 +1258,7 @@ class StepPlanner:
             piece_of_seg = check_coverage(layout, pieces, ctx.built)
         except BaseException:
             self._rollback(snap)
+            self.schedule.ended = ended_before
             raise
         seg_of_img = None
         if ctx.built is not None and piece_of_seg is ctx.built[1] and len(layout.img_key):
@@ -1193,4 +1273,9 @@ class StepPlanner:
         tok = np.bincount(pieces.source.astype(np.int64), weights=pieces.length, minlength=self.n_sources)
         first = pieces.start == 0
         smp = np.bincount(pieces.source[first].astype(np.int64), minlength=self.n_sources)
-        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg, retired, seg_of_img)
+        names = [self.spec.sources[i].name for i in [*at_start, *self._ended_now]]
+        for i in self._ended_now:
+            self.schedule.end_source(self.spec.sources[i].name, step)
+        self._ended_now = []
+        return StepPlan(layout, pieces, cursor, tok, smp, tuple(ctx.broadcast), ctx.stats, piece_of_seg, retired, seg_of_img,
+                        ended=tuple(names))

@@ -135,6 +135,8 @@ class Journal:
             self._since, self._tokens, self._samples = lay.step, np.zeros(len(tok), np.int64), np.zeros(len(smp), np.int64)
         step = {"event": "step", "step": lay.step, "session": self._session, "generation": lay.generation,
                 "phase": lay.phase, "lr_scale": lay.lr_scale, "digest": layout_digest(lay)}
+        if plan.ended:  # sources whose last pass ended in this step (max_epochs, oversample: false)
+            step["ended"] = list(plan.ended)
         if inline:
             step.update(tokens=tok.tolist(), samples=smp.tolist())
         else:  # per-source counts go to the next checkpoint's interval (a step record stays ~200 bytes)

@@ -279,7 +279,7 @@ def _starve(i, realized, probs, limit, st_at, st_i, nst):
 
 @njit(cache=True, nogil=True)
 def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale, unit_samples, truncate,
-          S, R, policy, lo, cap_out):
+          S, R, policy, lo, cap_out, ends, final, unfinished, quota, ended):
     n = len(probs)
     nlev = len(lo) - 1
     # -- packer
@@ -319,7 +319,16 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
     o_len = np.empty(cap_out, np.int64)
     n_out = 0
     ptr = off[:-1].copy()
-    end = off[1:]
+    end = ends  # off[1:] unless a source's later candidates are past its last pass (select: epoch caps)
+    # sources weighted by rows (mixture.rows), served first, in source order: `quota` documents begin (a document
+    # already begun continues first, and the last one begun is finished when it fits); share sources fill the rest
+    nq = 0
+    qsrc = np.empty(n, np.int64)
+    for i in range(n):
+        if quota[i] > 0:
+            qsrc[nq] = i
+            nq += 1
+    qcur = 0
 
     for i in range(n):
         if ptr[i] < end[i] and probs[i] > 0:
@@ -335,7 +344,7 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
 
     again = -1
-    while count > 0:
+    while count > 0 or qcur < nq:
         # packer.largest_gap > 0
         if policy == 0:
             if maxfree <= 0:
@@ -345,7 +354,16 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         elif policy == 2 or current + 1 >= R:
             if free[current] <= 0:
                 break
-        if again >= 0:
+        forced = False
+        if qcur < nq:
+            q = qsrc[qcur]
+            if ptr[q] < end[q] and (quota[q] > 0 or c_done[ptr[q]] > 0):
+                best = q
+                forced = True
+            else:
+                qcur += 1
+                continue
+        elif again >= 0:
             best = again  # still the ready heap's top
             again = -1
         else:
@@ -373,7 +391,7 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             if nready == 0:
                 break
             best = rs[0]
-        if nst > 0:
+        if nst > 0 and not forced:
             # starved.behind(total + size[best])
             x = total + sz[best]
             behind = False
@@ -434,6 +452,9 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                     row = current
                     free[row] -= piece
                     current += 1
+        if row < 0 and forced:  # a rows source's piece fits nowhere: it is served no further this step
+            qcur += 1
+            continue
         if row < 0:
             ptr[best] = k + 1
             if k + 1 >= end[best]:  # exhausted: out of the queue, into the starved list
@@ -460,6 +481,15 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
         n_out += 1
         done = tokens if truncate else start + piece
         c_done[k] = done
+        if forced:
+            if start == 0:
+                quota[best] -= 1
+            if done >= tokens:
+                ptr[best] = k + 1
+                unfinished[best] -= 1
+                if final[best] and unfinished[best] == 0:
+                    ended[best] = 1
+            continue
         if unit_samples:
             if start == 0:
                 realized[best] += 1.0
@@ -469,6 +499,49 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             total += piece
         if done >= tokens:
             ptr[best] = k + 1
+            unfinished[best] -= 1
+            if final[best] and unfinished[best] == 0:
+                # the source's last row of its last pass: it ends here. The rest of the step is mixed over the
+                # sources left, their weights renormalised, with fresh counters (as a new segment would start)
+                ended[best] = 1
+                probs[best] = 0.0
+                psum = 0.0
+                npos = 0
+                for i in range(n):
+                    if probs[i] > 0:
+                        psum += probs[i]
+                        npos += 1
+                if npos == 0:
+                    break  # no share source left: the step ends here (the planner then stops: data exhausted)
+                for i in range(n):
+                    if probs[i] > 0:
+                        probs[i] = probs[i] / psum
+                        inv_p[i] = 1.0 / probs[i]
+                    else:
+                        inv_p[i] = 0.0
+                    realized[i] = 0.0
+                total = 0.0
+                delta = (1.0 - 1.0 / (2 * npos - 2) if npos > 1 else 0.5) * scale  # mixing.slack
+                limit = delta + 1e-9 * scale
+                nready = 0
+                nwait = 0
+                nnear = 0
+                nst = 0
+                count = 0
+                for i in range(n):
+                    active[i] = False
+                    if ptr[i] < end[i] and probs[i] > 0:
+                        active[i] = True
+                        count += 1
+                        sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
+                        if _released(i, realized, probs, sz, total, limit):
+                            nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
+                        else:
+                            nwait = _push(wk, ws, nwait, _wait_key(i, realized, inv_p, sz, limit), i)
+                for i in range(n):
+                    if probs[i] > 0 and ptr[i] >= end[i]:
+                        nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
+                continue
             if k + 1 >= end[best]:
                 nready = _pop(rk, rs, nready)
                 active[best] = False
@@ -520,12 +593,32 @@ def spans(tok: np.ndarray, done: np.ndarray, seq_len: int) -> tuple[int, int]:
 
 def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarray, realized: np.ndarray,
         scale: float, delta: float, limit: float, *, unit_samples: bool, truncate: bool, seq_len: int, rows: int,
-        policy: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        policy: str, ends: np.ndarray | None = None, final: np.ndarray | None = None, quota: np.ndarray | None = None,
+        outcome: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One step's picks and placements. Candidates (c_tok, c_done: int64, grouped by source, `off` the
     per-source offsets) in the order each source takes them; `c_done` and `realized` (the segment's
-    counters, float64) are updated in place. Returns (candidate, row, start, length) per piece."""
-    probs = np.ascontiguousarray(probs, np.float64)
+    counters, float64) are updated in place. Returns (candidate, row, start, length) per piece.
+
+    Sources' ends (docs/mixtures.md): `ends[i]` (default off[i + 1]) is one past source i's last candidate in
+    its allowed passes; `final[i]` says no later row of the source is allowed (every one it may still deliver is a
+    candidate). When a final source finishes its last candidate it ends there: the rest of the step is mixed over
+    the other sources, renormalised, counters reset (`realized` then holds the counters since that moment).
+    `quota[i]` > 0: source i is weighted by rows: that many of its documents begin in the step, placed before
+    the share sources (their probability must be 0). `outcome` (a dict) receives "ended" (uint8 per source: it
+    ended in this step) and "short" (int64 per source: documents of its quota that did not begin)."""
+    n = len(probs)
+    probs = np.array(probs, np.float64)  # a copy: an end renormalises it
     inv_p = np.divide(1.0, probs, out=np.zeros(len(probs)), where=probs > 0)  # the same IEEE division as 1.0 / x
+    ends_a = np.ascontiguousarray(off[1:] if ends is None else ends, np.int64)
+    final_a = np.zeros(n, np.bool_) if final is None else np.ascontiguousarray(final, np.bool_)
+    quota_a = np.zeros(n, np.int64) if quota is None else np.array(quota, np.int64)
+    # candidates each source has not finished (the samples a final source must deliver before it ends)
+    left = np.zeros(n, np.int64)
+    if final_a.any():
+        for i in np.flatnonzero(final_a).tolist():
+            a, b = int(off[i]), int(ends_a[i])
+            left[i] = int(np.count_nonzero(c_done[a:b] < c_tok[a:b]))
+    ended = np.zeros(n, np.uint8)
     total = float(realized.sum())
     # at most one piece per candidate is shorter than a row (it finishes its sample, or is truncated), and
     # every piece of a whole row takes an untouched one: no more pieces than candidates + rows
@@ -533,7 +626,10 @@ def run(c_tok: np.ndarray, c_done: np.ndarray, off: np.ndarray, probs: np.ndarra
     lo = _bucket_levels(seq_len) if policy == "best_fit" else _levels(1)
     o_cand, o_bin, o_start, o_len, ok = _loop(c_tok, c_done, off, probs, inv_p, realized, total, float(delta), float(limit),
                                               float(scale), bool(unit_samples), bool(truncate), int(seq_len), int(rows),
-                                              POLICY[policy], lo, cap_out)
+                                              POLICY[policy], lo, cap_out, ends_a, final_a, left, quota_a, ended)
+    if outcome is not None:
+        outcome["ended"] = ended
+        outcome["short"] = quota_a  # what is left of each quota
     if not ok:
         raise RuntimeError(f"selectloop: more than {cap_out - 1} pieces from {len(c_tok)} candidates and {rows} rows")
     return o_cand, o_bin, o_start, o_len

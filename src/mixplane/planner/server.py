@@ -34,7 +34,8 @@ from mixplane.planner.losses import SourceLosses
 from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, cursor_generation, read_state, same_mixture
 from mixplane.protocol import cursor_array, cursor_text_array
 from mixplane.layout import layout_digest
-from mixplane.planner.core import StepPlan, StepPlanner, WindowError
+from mixplane.mixing import MixturePoint, SourcesExhausted
+from mixplane.planner.core import RowsShortError, StepPlan, StepPlanner, WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group, topology_digest
@@ -192,6 +193,9 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         self.hello_complete: dict[int, int | None] = {}  # constructor -> complete_through it reported (None: holds nothing)
         self.hello_cursor: dict[int, dict[str, Any]] = {}  # constructor -> the cursor after its complete_through
         self.journal = None
+        # why planning stopped for good (every share source ended; a rows source's documents did not fit): the
+        # data of the mixture, as written, is over; a resume to an earlier step plans again
+        self.halted: str | None = None
         self.reshard_acks: dict[str, dict[str, Any]] = {}  # reshard id -> its acknowledgment (oldest first)
         if run_dir:
             path = os.path.join(run_dir, "journal.jsonl")
@@ -510,6 +514,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {e}"})
             return
         self.realign_partitions(realign)
+        self.halted = None
         self.session += 1
         self.session_start = json.loads(json.dumps(cursor))
         self.session_attempt = attempt
@@ -729,13 +734,19 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
     def try_plan(self) -> int:
         planned = 0
         self.repartition_tick()
-        while (self.all_constructors and self.recovering is None and len(self.loaders) == len(self.core.windows)
+        while (self.halted is None and self.all_constructors and self.recovering is None
+               and len(self.loaders) == len(self.core.windows)
                and not self.repartition_holds()
                and not self.pending_loader_welcome and self.planned_through < max(self.need_through, self.recover_through)
                and self.core.ready):
             t0 = time.perf_counter()
             self._apply_replayed_updates()
-            plan = self.core.plan()
+            try:
+                plan = self.core.plan()
+            except (SourcesExhausted, RowsShortError) as e:
+                self.halted = str(e)
+                log.error("planning stops: %s", e)
+                break
             self._check_recovered(plan)
             self._dispatch(plan)
             self.m.plan_seconds.observe(time.perf_counter() - t0)
@@ -776,7 +787,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         tok = plan.tokens_by_source
         if self._step_metrics is None:
             self._step_metrics = StepMetrics(self.m, self.names, self.core.windows)
-        self._step_metrics.record(plan, self.core.schedule.at(step).probs, self.core.sampler.realized)
+        self._step_metrics.record(plan, self._probs_at(step), self.core.sampler.realized)
         self.m.planner_phase.set(lay.phase)
         self.m.mixture_generation.set(self.generation)
         for part, st in (plan.stats or {}).items():  # the balancer's result, per part (text, image)
@@ -785,8 +796,19 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         self.state.tokens_planned += int(tok.sum())
         self.state.add_source_tokens(tok, time.monotonic())
 
+    def _probs_at(self, step: int) -> np.ndarray:
+        """The mixture's target at `step` (zeros once every share source has ended)."""
+        try:
+            return self.core.schedule.at(step).probs
+        except SourcesExhausted:
+            return np.zeros(len(self.names))
+
     def status(self) -> dict[str, Any]:
-        point = self.core.schedule.at(max(self.planned_through, 0))
+        try:
+            point = self.core.schedule.at(max(self.planned_through, 0))
+        except SourcesExhausted:  # the last share source ended in that step: its segment, without the mask
+            seg = self.core.schedule.segment_at(max(self.planned_through, 0))
+            point = MixturePoint(np.zeros(len(self.names)), seg.phase, seg.lr_scale, seg.generation, seg.start_step)
         realized = self.core.sampler.realized
         total = realized.sum()
         return {
@@ -799,6 +821,9 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             "source_tokens": list(self.state.source_tokens) or [0] * len(self.names),
             "source_tokens_per_s": self.state.source_rates(time.monotonic()) or [0.0] * len(self.names),
             "waiting": [f"{self.names[w.source]}/{w.replica}" for w in self.core.waiting_for()],
+            # sources that reached their end (max_epochs, oversample: false): name -> the step they ended in;
+            # why planning stopped for good, if it did (docs/mixtures.md)
+            "ended": dict(self.core.schedule.ended), "halted": self.halted,
             "constructors": len(self.constructors), "loaders": len(self.loaders),
             "peers": self.membership_status(),
             # registered components silent past the liveness miss budget: name -> seconds silent
