@@ -27,7 +27,7 @@ from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
 from mixplane.planner.journal import archived, read_journal, replan
 from mixplane.control import default_run_dir
 from mixplane.repartition import layouts_after
-from mixplane.spec import DataMixtureSpec, overlong_limit
+from mixplane.spec import DataMixtureSpec, overlong_limit, pack_bucket
 from mixplane.topology import backbone_coords
 
 LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
@@ -118,7 +118,8 @@ class ReplayLoaders:
                                  else self.opener(spec, w.source, w.replica))
             live = bool(getattr(spec.sources[w.source], "live", False))
             lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
-                              read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec))
+                              read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec),
+                              bucket=pack_bucket(spec.sources[w.source]))
         self._windows[key] = (w, lw)
         return lw
 

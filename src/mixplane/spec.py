@@ -119,6 +119,7 @@ class SourceSpec(_Model):
     read_cache_gb: float = Field(10.0, gt=0, description="Size bound of `read_cache_dir` (least recently used ranges evicted beyond it).")
     oversample: bool | None = Field(None, description="Read past the source's end, wrapping: each pass (epoch) a new shuffle of the whole source. null: true for a static source (mixplane's behaviour so far), false for a live one (each file is read once; a dry live source waits). false on a static source: one pass, as `max_epochs: 1`. What happens at a source's end: docs/mixtures.md.")
     max_epochs: int | None = Field(None, ge=1, le=1_000_000, description="Most passes over a static source within the run (OLMo-core's repetition limit, in whole epochs); null: no limit while `oversample`, 1 otherwise. When a source has delivered its last row of its last pass it ends at that piece, exactly: the rest of the step and every later step are mixed over the sources left (weights renormalised), the step is journaled (`ended`) and resume / replay end it at the same piece; when no share-weighted source is left the run's data is exhausted (the planner stops planning and says so). docs/mixtures.md.")
+    pack_by: str | None = Field(None, min_length=1, description="A column of `columns` to pack within (e.g. `repo`, as `mixplane prep depsort` orders files): adjacent rows of the stream with the same value are concatenated, in order, into one document (each keeps its EOS; at most max_doc_tokens, then the next row begins another), which the planner packs like any document -- a repository's files stay together and in dependency order inside the rows, within the mixture's per-step guarantee. Needs `shuffle: sequential` (file order), batch.overlong split, kind text or tokens, a static source, overlong_doc truncate or drop. docs/mixtures.md.")
     index_beside_data: bool = Field(False, description="Also keep each file's page index beside it in its store (`<dir>/_mixplane_index/`): a new loader pod, another node or a later run reads one small object per file instead of its footer and OffsetIndexes. Written best effort (read-only credentials only lose the cache); keyed by the file's path, size and mtime like the local cache (MIXPLANE_INDEX_CACHE).")
 
     @field_validator("workers", mode="before")
@@ -599,6 +600,8 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
         elif s.oversample is False and s.max_epochs is not None and s.max_epochs > 1:
             out.append(Problem(f"{p}sources[{i}].max_epochs", f"max_epochs {s.max_epochs} needs oversample: a source "
                                "that does not wrap is read once"))
+        if s.pack_by is not None:
+            out.extend(_pack_by_problems(spec, i, p))
         if s.live and s.replicas > 1:
             out.append(Problem(f"{p}sources[{i}].replicas", f"a live source must have 1 replica, got {s.replicas}: each replica "
                                "lists new files on its own schedule, so their partitions would differ and rows repeat"))
@@ -712,6 +715,30 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
     return out
 
 
+def _pack_by_problems(spec: DataMixtureSpec, i: int, p: str) -> list[Problem]:
+    """`sources[i].pack_by`: what packing within buckets needs (one problem per field to change)."""
+    s, path, out = spec.sources[i], f"{p}sources[{i}]", []
+    if s.pack_by not in s.columns:
+        out.append(Problem(f"{path}.pack_by", f"{s.pack_by!r} must be one of columns ({', '.join(s.columns)}): the "
+                           "loader reads it"))
+    elif s.columns.index(s.pack_by) == 0:
+        out.append(Problem(f"{path}.pack_by", f"{s.pack_by!r} is the {s.kind} column; name a metadata column"))
+    if s.kind not in ("text", "tokens"):
+        out.append(Problem(f"{path}.kind", f"pack_by needs kind text or tokens, got {s.kind}"))
+    if s.shuffle != "sequential":
+        out.append(Problem(f"{path}.shuffle", f"pack_by needs shuffle: sequential (a bucket's rows must be adjacent "
+                           f"in the stream, as in the files; {s.shuffle} scatters them)"))
+    if s.live:
+        out.append(Problem(f"{path}.live", "pack_by needs a static source (a dry live source cannot tell that a "
+                           "bucket is complete)"))
+    if s.overlong_doc == "split":
+        out.append(Problem(f"{path}.overlong_doc", "pack_by cannot be combined with overlong_doc: split"))
+    if spec.batch.overlong != "split":
+        out.append(Problem(f"{p}batch.overlong", f"sources[{i}].pack_by makes documents longer than a row: it needs "
+                           f"batch.overlong: split, got {spec.batch.overlong}"))
+    return out
+
+
 def _rows_problems(spec: DataMixtureSpec, p: str) -> list[Problem]:
     """`mixture.rows`: known sources, counts a window can hold, and no share weight for a source weighted by rows."""
     m, out = spec.mixture, []
@@ -795,6 +822,12 @@ def effective_base_weights(spec: DataMixtureSpec) -> dict[str, float]:
     if not spec.mixture.weights:
         return {n: 0.0 if n in rows else 1.0 for n in names}
     return {n: 0.0 if n in rows else float(spec.mixture.weights.get(n, 0.0)) for n in names}
+
+
+def pack_bucket(source: SourceSpec) -> tuple[str, int] | None:
+    """(column, most tokens of one bucket) of a source packed within buckets (`pack_by`), else None: what the
+    loader's window joins rows by (loader.buckets), for the loader server and replay alike."""
+    return None if source.pack_by is None else (source.pack_by, int(source.max_doc_tokens))
 
 
 def epoch_caps(spec: DataMixtureSpec) -> list[int | None]:

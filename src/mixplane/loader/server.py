@@ -24,7 +24,7 @@ from mixplane.loader.window import LoaderWindow
 from mixplane.loader.workers import resolve_workers
 from mixplane.metrics import handoff_metrics
 from mixplane.protocol import WindowCursor
-from mixplane.spec import DataMixtureSpec, overlong_limit
+from mixplane.spec import DataMixtureSpec, overlong_limit, pack_bucket
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
@@ -68,7 +68,7 @@ class LoaderServer(PlannerFollower):
                                                  source=self.source.name)[replica])
         self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
                                    read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec),
-                                   workers=resolve_workers(self.source.workers))
+                                   workers=resolve_workers(self.source.workers), bucket=pack_bucket(self.source))
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
         self._dropped_seen = 0

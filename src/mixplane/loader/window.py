@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from mixplane.loader.buckets import Bucket, BucketJoiner
 from mixplane.loader.split import PendingDoc, piece_key, row_of, window_pos
 from mixplane.loader.workers import TransformPipeline
 from mixplane.protocol import WindowCursor, window_full
@@ -62,10 +63,14 @@ class Announcement:
 class LoaderWindow:
     def __init__(self, stream: SourceStream, transform: Transform, bounds: tuple[int, int, int],
                  on_read: Callable[[int, int, float], None] | None = None, read_timeout: float | None = None,
-                 drop_longer_than: int | None = None, workers: int = 1):
+                 drop_longer_than: int | None = None, workers: int = 1, bucket: tuple[str, int] | None = None):
         self.stream = stream
         # sources[].workers: later chunks of the stream transformed on worker threads, handed out in order
         self.pipeline = TransformPipeline(stream, transform, workers)
+        # pack_by (spec.pack_bucket: column, most tokens of a bucket): adjacent rows of one value are one document,
+        # announced at its first row's piece-0 position (loader.buckets)
+        self.bucket_column = bucket[0] if bucket is not None else None
+        self.joiner = BucketJoiner(bucket[1]) if bucket is not None else None
         self.read_timeout = read_timeout  # live sources: give control back while dry
         self.stalled = False
         self.transform = transform
@@ -144,12 +149,15 @@ class LoaderWindow:
         restore = getattr(self.stream, "restore_listing", None)
         if c.listing is not None and restore is not None:  # a live source: count positions over that listing
             restore(c.listing)
-        self.stream.seek(row_of(c.low) if self.splitter is not None else c.low)
+        if self.joiner is not None:
+            self.joiner.reset()
+        self.stream.seek(row_of(c.low) if self.splitter is not None or self.joiner is not None else c.low)
 
     def _warm_seek(self, c: WindowCursor) -> bool:
         """Seek by keeping what was read: possible when every position from ``c.low`` up to the stream's
         next one was read since the last cold seek, and nothing then skipped is still unconsumed at `c`."""
-        if self._cover_from is None or self.splitter is not None:  # split documents: positions are pieces, always cold
+        if self._cover_from is None or self.splitter is not None or self.joiner is not None:
+            # split documents, buckets: positions are pieces of rows, always cold
             return False
         here = self.position  # streams of tests may not say where they stand
         if not isinstance(here, int) or not self._cover_from <= c.low <= here:
@@ -202,6 +210,37 @@ class LoaderWindow:
         out = transformed
         self._read_samples += len(raw)
         self._read_tokens += int(out.ntokens.sum())
+        if self.joiner is not None:
+            self._join(raw, out)
+        else:
+            self._stage_rows(raw, out)
+        if self.on_read is not None:
+            self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
+
+    def _join(self, raw, out) -> None:
+        """pack_by: the read's rows into the joiner; every bucket they complete is staged (loader.buckets)."""
+        assert self.joiner is not None and self.bucket_column is not None
+        values = raw.columns[self.bucket_column].to_pylist()
+        for i, row in enumerate(raw.positions.tolist()):
+            done = self.joiner.push(row, int(raw.keys[i]), values[i], out.tokens[i])
+            if done is not None:
+                b = self._admit_bucket(done)
+                if b is not None:
+                    self.staged_tokens += len(b.tokens)
+                    self.staged.append(b)
+
+    def _admit_bucket(self, g: Bucket) -> Buffered | None:
+        """A complete bucket as a staged sample at its first row's piece-0 position, or None when it was consumed
+        before the cursor or holds no tokens."""
+        p = window_pos(g.row, 0)
+        if p in self.skip or p < self.low:
+            self.skip.discard(p)
+            return None
+        if g.tokens <= 0:
+            return None
+        return Buffered(p, g.key, g.joined(), None, 0, self.partial.pop(p, 0))
+
+    def _stage_rows(self, raw, out) -> None:
         split = self.splitter is not None
         for i, row in enumerate(raw.positions):
             p = window_pos(int(row), 0) if split else int(row)
@@ -213,8 +252,6 @@ class LoaderWindow:
             if rest is not None:  # its other pieces follow its first, before the next row
                 self.split_overlong += 1
                 self.staged.append(rest)
-        if self.on_read is not None:
-            self.on_read(len(raw), int(out.ntokens.sum()), time.perf_counter() - t0)
 
     def _admit(self, p: int, i: int, raw, out, whole: bool) -> Buffered | None:
         """Row ``i`` of a read as a staged sample at position ``p``, or None when it was consumed
