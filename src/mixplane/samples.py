@@ -13,6 +13,7 @@ import numpy as np
 
 EPOCH_SHIFT = 40
 ROW_MASK = (1 << EPOCH_SHIFT) - 1
+PIECE_SHIFT = 51  # piece keys of split documents: -((piece << PIECE_SHIFT) | key); keys stay below 2^51 for epochs < 2^11
 
 
 def make_key(epoch: int | np.ndarray, row: int | np.ndarray) -> int | np.ndarray:
@@ -22,6 +23,12 @@ def make_key(epoch: int | np.ndarray, row: int | np.ndarray) -> int | np.ndarray
 
 def key_epoch(key: int | np.ndarray) -> int | np.ndarray:
     return np.asarray(key, dtype=np.int64) >> EPOCH_SHIFT
+
+
+def sample_pass(key: int | np.ndarray) -> int | np.ndarray:
+    """The pass (epoch) of any sample key, a later piece of a split document (a negative key) included."""
+    k = np.asarray(key, dtype=np.int64)
+    return np.where(k >= 0, k, -k & ((1 << PIECE_SHIFT) - 1)) >> EPOCH_SHIFT
 
 
 def key_row(key: int | np.ndarray) -> int | np.ndarray:

@@ -199,3 +199,13 @@ def test_rows_sources_take_no_share_by_default_and_cannot_change_live():
     assert effective_base_weights(s) == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0}
     with pytest.raises(SpecError, match="mixture.rows: cannot change in a running mixture"):
         spec_with_mixture(s, {"rows": {"d": 3}})
+
+
+def test_the_pass_of_a_split_documents_later_piece_is_its_rows():
+    from mixplane.loader.split import piece_key
+    from mixplane.samples import sample_pass
+
+    keys = [int(make_key(e, r)) for e in (0, 1, 3) for r in (0, 5, (1 << 40) - 1)]
+    pieces = [piece_key(k, p) for k in keys for p in (0, 1, 4095)]
+    assert sample_pass(np.array(pieces)).tolist() == [int(key_epoch(k)) for k in keys for _ in range(3)]
+    assert any(k < 0 for k in pieces)

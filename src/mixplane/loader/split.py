@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mixplane.loader.bounds import cut_point
+from mixplane.samples import PIECE_SHIFT  # piece keys: -((piece << PIECE_SHIFT) | key) (samples.sample_pass reads them)
 
 SPLIT_SLOTS = 1 << 12  # window positions per stream row: the most pieces one document is delivered as
 # preferred piece size: a few of the planner's sequences each, so a window that needs many samples
@@ -42,7 +43,6 @@ def piece_limit(size: int, preferred: int, most: int) -> int:
     that would need more than SPLIT_SLOTS pieces, never above ``most`` (max_doc_bytes / max_doc_tokens).
     A pure function of the document, so every re-read cuts the same pieces."""
     return max(1, min(most, max(min(preferred, most), -(-int(size) // SPLIT_SLOTS))))
-PIECE_SHIFT = 51  # piece keys: -((piece << PIECE_SHIFT) | key); keys stay below 2^51 for epochs < 2^11
 
 
 def window_pos(row_pos: int, piece: int) -> int:

@@ -22,7 +22,7 @@ from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
 from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, SourcesExhausted, apply_temperature,
                              check_update_id, slack, spec_with_mixture)
-from mixplane.samples import key_epoch
+from mixplane.samples import sample_pass
 from mixplane.protocol import WindowCursor, window_full
 from mixplane.repartition import RepartitionError, parse_partitioning, parse_record
 from mixplane.spec import DataMixtureSpec, SpecError, epoch_caps
@@ -1103,7 +1103,7 @@ class StepPlanner:
             return None, None
         st = self.store
         cap = np.array([np.iinfo(np.int64).max if c is None else c for c in self._caps], np.int64)
-        allowed = key_epoch(st.cols["key"]) < cap[st.source[st.win]]
+        allowed = sample_pass(st.cols["key"]) < cap[st.source[st.win]]
         if allowed.all():
             return None, None
         beyond = np.bincount(st.win[~allowed], minlength=len(st.windows)) > 0  # windows that reach past the end
