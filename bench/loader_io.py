@@ -22,9 +22,24 @@ dictionaries_mb and other_mb (allocator slack, transient buffers, Python objects
 window_coverage can be at most 1.0 (all 100 buckets), so it can exceed a baseline's at most
 1.0 / baseline times: with HF at 0.13 here, "10x HF" is out of reach for any order, a full shuffle included.
 
-Usage: python bench/loader_io.py [--quick] [--gb 1.0] [--data DIR]
+Workers (issue 26 item 3): a partition's samples/s against its worker threads (`sources[].workers`). The same
+files read as a `text` source with every other setting at its default (page shuffle, 10,000-row / 32 MB buffer),
+tokenized by a byte-level BPE tokenizer (vocab 8192) trained once on the corpus, through the loader's read path
+(`loader.workers.TransformPipeline`: the stream's takes on the loader's thread, transforms on N threads, chunks of
+64 rows, in order), TOKENIZERS_PARALLELISM=false as in a loader. Per count: samples_per_s, tokens_per_s, speedup
+over 1 worker, cores_used (process CPU seconds / wall), samples_per_cpu_s (what the threads cost), take_share
+(the wall time in the stream's takes, which stay on the loader's thread), peak_rss_mb; and gil_free_share, the share
+of one thread's time per chunk spent in the tokenizer's batch call (which releases the GIL), with model_speedup =
+1 / ((1 - share) + share / N), what N threads give on N free cores at best (Amdahl) — measurable on a loaded core,
+where samples_per_s against N is not; with the machine's cores and load average
+before and after, since a shared machine's figures move with its load. Counts above the cores the process may use
+are run anyway and flagged `oversubscribed`.
+
+Usage: python bench/loader_io.py [--quick] [--gb 1.0] [--data DIR] [--workers 1,2,4] [--workers-only]
 The last stdout line is one JSON object:
-{"modes": {"page": {...}, "row": {...}, "rowgroup": {...}, "hf_streaming": {...}}, "index_bytes_per_page": N, "dataset_bytes": N}
+{"modes": {"page": {...}, "row": {...}, "rowgroup": {...}, "hf_streaming": {...}}, "index_bytes_per_page": N, "dataset_bytes": N,
+ "workers": {"1": {...}, "2": {...}, "4": {...}, "cores": N, ...}}
+(`--workers-only`: the dataset and the workers runs only; the last line then has "workers" and "dataset_bytes").
 The line before it compares page mode's memory at two dataset sizes.
 """
 
@@ -311,15 +326,164 @@ def _page_memory(s, base_mb: float, row_bytes: float) -> dict:
     }
 
 
+def _load() -> list[float]:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return []
+
+
+def ensure_tokenizer(data_dir: str, quick: bool) -> str:
+    """A byte-level BPE tokenizer (vocab 8192, mixplane's demo recipe) trained on the first ~4 MB of the corpus."""
+    path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.exists(path):
+        return path
+    from mixplane.demo.data import train_tokenizer
+
+    def texts():
+        left = 4 << 20
+        for p in _corpus_files(quick):
+            t = _read_text(p)
+            if t is None:
+                continue
+            yield t
+            left -= len(t)
+            if left <= 0:
+                return
+
+    train_tokenizer(texts(), 8192, path + ".tmp")  # type: ignore[arg-type]
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def run_workers(data_dir: str, tokenizer: str, workers: int, samples: int, budget_s: float) -> dict:
+    """One partition (partition 0 of 1) read and tokenized with `workers` threads, as a loader's window does."""
+    from mixplane.loader.memory import configure_allocator
+
+    configure_allocator()
+    from mixplane.loader.stream import open_stream
+    from mixplane.loader.transforms import make_transform
+    from mixplane.loader.window import CHUNK
+    from mixplane.loader.workers import TransformPipeline, available_cores
+    from mixplane.spec import SourceSpec
+
+    src = SourceSpec(name="bench", uri=data_dir, columns=["text"], kind="text", tokenizer=tokenizer, workers=workers)
+    stream = open_stream(src, seed=0)
+
+    class Timed:  # the stream, its takes timed: what stays on the loader's thread (reads, decoding, the buffer)
+        take_s = 0.0
+
+        def __getattr__(self, name):
+            return getattr(stream, name)
+
+        def take(self, n, **kw):
+            t = time.perf_counter()
+            try:
+                return stream.take(n, **kw)
+            finally:
+                Timed.take_s += time.perf_counter() - t
+
+    pipe = TransformPipeline(Timed(), make_transform(src), src.workers if isinstance(src.workers, int) else 1)  # type: ignore[arg-type]
+    pipe.next(CHUNK)  # warm-up: the first pages and the tokenizer's caches
+    got = tokens = nbytes = 0
+    lat = []
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    Timed.take_s = 0.0
+    t0 = time.perf_counter()
+    while got < samples and time.perf_counter() - t0 < budget_s:
+        t = time.perf_counter()
+        raw, out = pipe.next(CHUNK)
+        lat.append(time.perf_counter() - t)
+        got += len(raw)
+        tokens += int(out.ntokens.sum()) if out is not None else 0
+        nbytes += int(raw.columns["text"].nbytes)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    peak_chunks = pipe.peak_chunks
+    pipe.close()
+    gil_free = _gil_free_share(stream, make_transform(src), src.tokenizer) if workers == 1 else None
+    stream.close()
+    return {"workers": workers, "samples_per_s": round(got / wall, 1), "tokens_per_s": round(tokens / wall, 1),
+            "mb_per_s": round(nbytes / wall / 1e6, 2), "cores_used": round(cpu / wall, 2),
+            "samples_per_cpu_s": round(got / cpu, 1) if cpu > 0 else 0.0,
+            "take_share": round(Timed.take_s / wall, 3),  # of the wall time, in the stream's takes (loader thread)
+            "p99_chunk_ms": round(float(np.percentile(np.array(lat) * 1000, 99)), 2) if lat else 0.0,
+            "peak_rss_mb": round(_peak_rss_mb(), 1), "samples": got, "wall_s": round(wall, 2),
+            "peak_chunks_in_flight": peak_chunks, "oversubscribed": workers > available_cores(), "gil_free_share": gil_free}
+
+
+def _gil_free_share(stream, transform, tokenizer: str, chunks: int = 8) -> float:
+    """Of one thread's time per chunk (take + transform), the share spent in the tokenizer's batch call, which runs
+    without the GIL: what N worker threads can overlap at best (Amdahl), measurable on a single loaded core."""
+    from mixplane.loader.transforms import load_tokenizer
+    from mixplane.loader.window import CHUNK
+
+    tok = load_tokenizer(tokenizer)
+    total = free = 0.0
+    for _ in range(chunks):
+        t0 = time.perf_counter()
+        raw = stream.take(CHUNK)
+        transform(raw)
+        total += time.perf_counter() - t0
+        texts = raw.columns["text"].to_pylist()
+        t1 = time.perf_counter()
+        tok.encode_batch_fast(texts, add_special_tokens=False)
+        free += time.perf_counter() - t1
+    return round(free / total, 3) if total > 0 else 0.0
+
+
+def workers_section(data: str, quick: bool, counts: list[int]) -> dict:
+    """Every worker count in its own process, the counts interleaved over two rounds (a shared machine's load
+    drifts); a count's figure is its better round, both rounds are printed."""
+    from mixplane.loader.workers import available_cores
+
+    tok = ensure_tokenizer(data, quick)
+    samples, budget = (20_000, 10.0) if quick else (100_000, 30.0)
+    load_before = _load()
+    rounds: dict[int, list[dict]] = {n: [] for n in counts}
+    for rnd in range(2):
+        for n in counts:
+            res = spawn(f"workers:{n}", data, 0, samples, 64, budget, 0, tokenizer=tok)
+            print(json.dumps({"workers_run": rnd, **res}), flush=True)
+            rounds[n].append(res)
+    out: dict = {}
+    for n in counts:
+        best = max(rounds[n], key=lambda r: r["samples_per_s"])
+        out[str(n)] = {k: best[k] for k in ("samples_per_s", "tokens_per_s", "mb_per_s", "cores_used", "samples_per_cpu_s",
+                                            "take_share", "p99_chunk_ms", "peak_rss_mb", "oversubscribed")}
+        out[str(n)]["rounds_samples_per_s"] = [r["samples_per_s"] for r in rounds[n]]
+    base = out[str(counts[0])]["samples_per_s"] if counts and counts[0] == 1 else None
+    shares = [r["gil_free_share"] for r in rounds.get(1, []) if r.get("gil_free_share") is not None]
+    share = float(np.median(shares)) if shares else None
+    for n in counts:
+        if base:
+            out[str(n)]["speedup"] = round(out[str(n)]["samples_per_s"] / base, 2)
+        if share is not None:  # Amdahl over the GIL-free share, on n free cores
+            out[str(n)]["model_speedup"] = round(1.0 / ((1.0 - share) + share / n), 2)
+    out["gil_free_share"] = share
+    out.update({"cores": available_cores(), "cpu_count": os.cpu_count(), "load_before": load_before,
+                "load_after": _load(), "tokenizer": "byte-level BPE, vocab 8192", "chunk_rows": 64})
+    return out
+
+
 def run_worker(args) -> None:
+    if args.worker.startswith("workers:"):
+        print(json.dumps(run_workers(args.data, args.tokenizer, int(args.worker.split(":")[1]), args.samples,
+                                     args.budget)))
+        return
     res = run_mode(args.worker, args.data, args.n_total, args.samples, args.batch, args.budget, args.buffer_rows)
     print(json.dumps(res))
 
 
-def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budget: float, buffer_rows: int) -> dict:
+def spawn(mode: str, data_dir: str, n_total: int, samples: int, batch: int, budget: float, buffer_rows: int,
+          tokenizer: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--data", data_dir, "--n-total", str(n_total),
            "--samples", str(samples), "--batch", str(batch), "--budget", str(budget), "--buffer-rows", str(buffer_rows)]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
     env = dict(os.environ)
+    env["TOKENIZERS_PARALLELISM"] = "false"  # as every loader process runs (mixplane.launch)
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
     # allocator settings: each worker applies the loader's own (mixplane.loader.memory), whatever the mode
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -342,6 +506,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--buffer-rows", type=int, default=10_000, help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", default="1,2,4", help="worker counts of the workers section (default 1,2,4)")
+    ap.add_argument("--workers-only", action="store_true", help="build the dataset, then run the workers section only")
     args = ap.parse_args()
     if args.worker:
         run_worker(args)
@@ -356,6 +523,10 @@ def main() -> None:
 
     # the page index sidecars are built once here (its cost is reported), as a loader's first start does
     os.environ.setdefault("MIXPLANE_INDEX_CACHE", os.path.join(data, ".pageindex"))
+    counts = [int(x) for x in args.workers.split(",") if x.strip()]
+    if args.workers_only:
+        print(json.dumps({"workers": workers_section(data, quick, counts), "dataset_bytes": man["dataset_bytes"]}))
+        return
     from mixplane.loader.indexscan import build_source_index
 
     ti = time.time()
@@ -397,8 +568,9 @@ def main() -> None:
                     "peak_rss_mb": res_small["peak_rss_mb"], "breakdown": res_small["_extra"]["memory"]},
         "rowgroup_peak_rss_mb": modes["rowgroup"]["peak_rss_mb"]}, "total_s": round(time.time() - t0, 1)}), flush=True)
 
+    workers = workers_section(data, quick, counts)
     print(json.dumps({"modes": modes, "index_bytes_per_page": round(idx.bytes_per_page, 1),
-                      "dataset_bytes": man["dataset_bytes"]}))
+                      "dataset_bytes": man["dataset_bytes"], "workers": workers}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ The model. Serving source ``s`` at ``t`` trainer tokens per second with share ``
 ``w_s * t * cpu_s_per_token`` cores. A *partition* (the spec's ``replicas``) is a disjoint slice of the
 source read by one Source Loader; a loader reads on one thread (`TOKENIZERS_PARALLELISM=false`) and, with
 ``sources[].workers: N``, transforms on N worker threads (loader/workers.py), so a partition can do
-``pod_cpu x worker_speedup[N - 1]`` cores of single-thread work (the speed-up measured by bench/loader_io.py).
+``pod_cpu x worker_speedup[N - 1]`` cores of single-thread work (DEFAULT_WORKER_SPEEDUP: from bench/loader_io.py).
 Hence, for the peak share a source has anywhere in the schedule:
 
 1. **Partitions** (data-parallel degree): ``ceil(peak cores x headroom / partition capacity)``, within
@@ -49,9 +49,11 @@ class LoaderBudget:
     memory: int  # bytes
 
 
-# samples/s of one partition with 1, 2, 3, 4 worker threads over 1 thread (bench/loader_io.py workers section;
-# docs/loader.md, Workers): beyond the last entry a thread adds nothing
-DEFAULT_WORKER_SPEEDUP = (1.0, 1.8, 2.5, 3.1)
+# throughput of one partition with 1, 2, 3, 4 worker threads over 1 thread: Amdahl over the share of a text partition's
+# time spent without the GIL (the tokenizer's batch call), 0.8665 as measured by bench/loader_io.py (the lower
+# run's median; four measurements 0.866-0.943) — a model, because the shared 2-core machine could not measure the speed-up itself
+# (docs/loader.md, Workers). Beyond the last entry a thread adds nothing.
+DEFAULT_WORKER_SPEEDUP = (1.0, 1.76, 2.37, 2.86)
 
 
 @dataclass(frozen=True)
