@@ -189,7 +189,7 @@ def handoff(endpoint: str, partition: str, to_host: str, timeout_s: float = 5.0,
 
 
 def repartition(endpoint: str, source: str, partitions: int, timeout_s: float = 5.0, *, step: int | None = None,
-                hosts: list[str] | None = None, curve: Any = None) -> dict[str, Any]:
+                hosts: list[str] | None = None, curve: Any = None, repartition_id: str | None = None) -> dict[str, Any]:
     """Read `source` with `partitions` partitions from step `step` (default: the first step not planned yet) on
     (mixplane.repartition). `hosts`: the loader hosts (processes) of the new partitions, one per partition
     (default: partition k < the old count stays on its host, the others go to the live hosts serving least).
@@ -197,8 +197,12 @@ def repartition(endpoint: str, source: str, partitions: int, timeout_s: float = 
     Returns ``{"source", "from", "partitions", "step"}`` once the planner has accepted it; it applies it when every
     step before `step` is complete at every constructor (STATUS ``repartitions`` says when). Raises RuntimeError
     with the planner's reason naming the field (unknown source, partitions out of range, a live source, a step
-    already planned, an unknown host). Needs the admin key unless the run is open."""
+    already planned, an unknown host). Needs the admin key unless the run is open. `repartition_id`: an id the
+    planner applies once: a repeat is answered with the first acceptance and ``duplicate: true`` (STATUS
+    ``repartitions`` lists it by ``repartition_id``)."""
     meta: dict[str, Any] = {"source": source, "partitions": int(partitions)}
+    if repartition_id is not None:
+        meta["repartition_id"] = str(repartition_id)
     if step is not None:
         meta["step"] = int(step)
     if hosts:

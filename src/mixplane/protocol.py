@@ -76,7 +76,8 @@ SCHEMAS: dict[Kind, Schema] = {
     Kind.FOLLOW: Schema({"source": int, "replica": int, "cursor": dict}),
     Kind.FENCE: Schema({"source": int, "replica": int, "epoch": int}),
     Kind.HANDOFF: Schema({"partition": str, "to": str}),
-    Kind.REPARTITION: Schema({"source": str, "partitions": int}),  # + `step` (default: the first unplanned), `hosts`
+    Kind.REPARTITION: Schema({"source": str, "partitions": int}),  # + `step` (default: the first unplanned), `hosts`,
+    # `repartition_id` (applied once: a repeat is acknowledged with `duplicate`)
     Kind.RESEND: Schema({"session": int, "constructor": int, "from_step": int}),
     Kind.LOSS_REPORT: Schema({"rank": int, "from_step": int, "step": int, "loss": list, "tokens": list}),
 }
@@ -441,7 +442,8 @@ def parse_loss_report(meta: Mapping[str, Any], n_sources: int) -> LossReport:
 
 def acknowledgment(status: Mapping[str, Any], field: str, id_field: str, request_id: str) -> dict[str, Any] | None:
     """The planner's record of request `request_id` in its STATUS reply's list `field` (``updates``: live mixture
-    updates by ``update_id``, ``reshards``: topology changes by ``reshard_id``), or None when it is not listed: the
+    updates by ``update_id``, ``reshards``: topology changes by ``reshard_id``, ``repartitions``: re-partitions by
+    ``repartition_id``), or None when it is not listed: the
     level-triggered check of a sender that may have died between sending a request and reading its ACK."""
     for r in status.get(field) or ():
         if isinstance(r, Mapping) and r.get(id_field) == request_id:

@@ -79,7 +79,8 @@ def test_a_mixture_becomes_owned_children_that_pass_dry_run_and_a_status(crd, k8
     assert planner["spec"]["replicas"] == 1 and planner["spec"]["strategy"]["type"] == "Recreate"
     sts = kids[("StatefulSet", "demo-constructor")]
     assert sts["spec"]["replicas"] == 2  # ranks_per_node 1: one constructor per rank's node
-    assert {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied"}
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied",
+                                                    "PartitionsApplied"}
     assert all(c["observedGeneration"] == owner["metadata"]["generation"] for c in st["conditions"])
     assert st["plannerEndpoint"] == f"tcp://demo-planner.{ns}.svc:7000"
     by_source = {s["name"]: s for s in st["sources"]}

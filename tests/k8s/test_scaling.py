@@ -163,7 +163,8 @@ def test_phase_change_regroups_loaders_with_handoff_and_batches_stay_the_same(cr
             assert now == ["code:0", "code:1", "web:0"], now
             # the partitions moved with the data plane's handoff, not by restarting loaders
             assert "handoff: code:0" in log and "handoff: code:1" in log and "handoff: web:0" in log, log[-3000:]
-            assert kubelet.stopped and set(kubelet.started) >= {"demo-loader-code-0", "demo-loader-code-1", "demo-loader-web-0"}
+            wait_for("the kubelet to stop the old loader's process", lambda: kubelet.stopped, 10)  # it syncs every 0.5 s
+            assert set(kubelet.started) >= {"demo-loader-code-0", "demo-loader-code-1", "demo-loader-web-0"}
         finally:
             if kubelet is not None:
                 kubelet.stop_flag.set()

@@ -443,3 +443,14 @@ def test_sidecars_are_what_the_pod_webhook_injects_for_the_pods_slot():
     assert sidecar_injection(body, OPTS, prof, 99) == ([], [])
     remote_body = {**body, "spec": {**spec_doc, "kubernetes": {"placement": "remote"}}}
     assert sidecar_injection(remote_body, OPTS, prof, 0) == ([], [])
+
+
+def test_a_loaders_launch_list_without_the_partitions_of_re_partitioned_sources():
+    from mixplane.operator.builders import loader_args_without
+
+    one = ("loader", "--spec", "/s.json", "--source", "code", "--replica", "0", "--host-name", "loader-code-0", "--planner", "tcp://p")
+    assert loader_args_without(one, {"code"}) == ("loader", "--spec", "/s.json", "--host-name", "loader-code-0", "--planner", "tcp://p")
+    assert loader_args_without(one, {"web"}) == one
+    group = ("loader", "--sources", "web:0,code:0,code:1", "--host-name", "g", "--shadow")
+    assert loader_args_without(group, {"code"}) == ("loader", "--sources", "web:0", "--host-name", "g", "--shadow")
+    assert loader_args_without(group, {"code", "web"}) == ("loader", "--host-name", "g", "--shadow")

@@ -325,3 +325,131 @@ def test_a_topology_patch_is_one_reshard_and_the_new_world_is_rendered_only_once
     # a newer patch while one is pending supersedes it and keeps the world served before both
     newer = plan_topology(topo_body({**st, "topology": s2}, 3, 4), spec_of(topo_body({}, 3, 4)), None, 2002.0)
     assert newer.send and newer.state["reshardId"] == "u-1/topology-3" and newer.state["was"] == t["was"]
+
+
+# ---- re-partitions (issue 20 item 4) ------------------------------------------------------------------------------
+def calm_body(status=None):
+    b = body(status)
+    b["spec"]["mixture"]["phases"] = []  # code needs one partition at its peak share 0.1
+    return b
+
+
+def rp_planner(served, parts, listed=(), **extra):
+    st = table(served)
+    return {**st, "source_partitions": dict(parts), "repartitions": list(listed), **extra}
+
+
+def test_a_wanted_repartition_is_sent_once_acknowledged_when_applied_and_the_layout_follows_the_served_counts():
+    from mixplane.operator import repartitions as rp
+
+    first = decide(observed(calm_body()))
+    st = {**first.intent, **first.status}
+    assert {s["name"]: (s["partitions"], s["startPartitions"]) for s in st["sources"]} == {"web": (1, 1), "code": (1, 1)}
+    assert first.repartition is None and st["conditions"][-1]["type"] == "PartitionsApplied"
+    # the scaler (status.scaler, not due in this pass) wants code read by 2 partitions
+    st["scaler"] = {"observedAt": 1000.0, "last": {}, "state": {"repartitions": {
+        "code": {"from": 1, "to": 2, "cores": 1.44, "interval": 3}}}}
+    st["layout"] = {**st["layout"], "shares": scaled_shares()}
+    deps = loader_deps(decide(observed(calm_body(st))).desired)
+    served = {p: host(d) for d in deps.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(",")}
+    one = {"web": 1, "code": 1}
+    a = decide(observed(calm_body(st), loaders=deps, planner=rp_planner(served, one)))
+    rid = "u-1/repartition-code-1-2"
+    assert a.repartition.send and a.repartition.state["repartitionId"] == rid and a.repartition.state["state"] == "Pending"
+    # to hosts of the layout: code:0 stays on its host, code:1 goes to the layout's host serving least
+    assert rp.request_meta(a.repartition.state) == {"source": "code", "partitions": 2, "repartition_id": rid,
+                                                   "hosts": [served["code:0"], served["code:0"]]}
+    assert served["code:0"] != served["web:0"]
+    assert {x["type"]: x["status"] for x in a.status["conditions"]}["PartitionsApplied"] == "False"
+    # the pods stay packed for the served count: code:0 alone in a pod sized past one process
+    assert sorted(",".join(sorted(served)).split(",")) == ["code:0", "web:0"]
+    # accepted for step 11, not applied yet: kept, not sent again
+    acc = rp.after_send(a.repartition.state, ack={"source": "code", "from": 1, "partitions": 2, "step": 11})
+    assert acc["state"] == "Pending" and acc["acceptedStep"] == 11
+    st2 = {**st, "repartition": acc}
+    entry = {"source": "code", "from": 1, "partitions": 2, "step": 11, "applied": False, "repartition_id": rid}
+    b = decide(observed(calm_body(st2), loaders=deps, planner=rp_planner(served, one, [entry])))
+    assert not b.repartition.send and b.repartition.state["state"] == "Pending"
+    # a planner that lost it (restarted before its step: not listed, the count not served): sent again, same id
+    c = decide(observed(calm_body(st2), loaders=deps, planner=rp_planner(served, one)))
+    assert c.repartition.send and c.repartition.state["repartitionId"] == rid
+    # applied: acknowledged now, recorded once; the layout is packed for 2 partitions of code, whose launch lists
+    # name none of them (the planner's table hands them out), and the spec the planner reads keeps 1
+    two = {"web": 1, "code": 2}
+    done = decide(observed(calm_body(st2), loaders=deps, planner=rp_planner(served, two, [{**entry, "applied": True}])))
+    assert done.repartition.acknowledged_now and done.repartition.state["state"] == "Acknowledged"
+    assert done.status["repartitions"] == [{"source": "code", "from": 1, "partitions": 2, "effectiveStep": 11,
+                                            "repartitionId": rid}]
+    assert {s["name"]: (s["partitions"], s["startPartitions"]) for s in done.status["sources"]} == {"web": (1, 1), "code": (2, 1)}
+    new = loader_deps(done.desired)
+    placed = sorted(p for d in new.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(","))
+    assert placed == ["code:0", "code:1", "web:0"]
+    for d in new.values():
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--host-name" in args and not any(x.startswith("code") for x in args), args
+    spec_json = next(o for o in done.desired.objects if o["kind"] == "ConfigMap")["data"]["spec.json"]
+    assert [s["replicas"] for s in json.loads(spec_json)["sources"]] == [1, 1]
+    # the partitions move to the new pods by HANDOFF once those are alive; the old pods stay until they serve nothing
+    assert done.handoffs == [] and done.delete == []
+    now_served = {**served, "code:1": served["code:0"]}  # where the planner put the new partition
+    alive = rp_planner(now_served, two, [{**entry, "applied": True}])
+    alive["hosts"].update({host(d): {"alive": True} for d in new.values()})
+    moving = decide(observed(calm_body(st2), loaders={**deps, **new}, planner=alive))
+    want = desired_hosts(done.desired)
+    assert moving.handoffs == [(p, h) for p, h in sorted(want.items()) if now_served[p] != h] == [("code:1", want["code:1"])]
+    assert moving.delete == []
+    # the next pass (the status written): nothing sent, not recorded again
+    st3 = {**st2, **{k: v for k, v in done.status.items() if k in ("repartition", "repartitions", "sources")}}
+    again = decide(observed(calm_body(st3), loaders={**deps, **new}, planner=rp_planner(served, two)))
+    assert not again.repartition.send and "repartitions" not in again.status
+    # a restarted planner serves the count and no longer lists the request: read as applied
+    lost = decide(observed(calm_body(st2), loaders=deps, planner=rp_planner(served, two)))
+    assert lost.repartition.acknowledged_now and lost.repartition.state["effectiveStep"] == 11
+    # without a STATUS the layout stays packed for the counts the status last showed
+    blind = decide(observed(calm_body(st3), loaders={**deps, **new}, planner=None))
+    assert set(loader_deps(blind.desired)) == set(new)
+
+
+def test_a_repartition_is_held_while_partitions_move_and_a_refusal_is_retried_with_backoff():
+    from mixplane.operator import repartitions as rp
+
+    first = decide(observed(calm_body()))
+    st = {**first.intent, **first.status,
+          "scaler": {"observedAt": 1000.0, "last": {}, "state": {"repartitions": {
+              "code": {"from": 1, "to": 3, "cores": 2.1, "interval": 4}}}}}
+    deps = loader_deps(first.desired)
+    (old,) = [host(d) for d in deps.values()]
+    st["layout"] = {**st["layout"], "shares": scaled_shares()}
+    # the scaled layout wants other hosts: the old one drains, the re-partition waits for it
+    moving = decide(observed(calm_body(st), loaders=deps, planner=rp_planner({"web:0": old, "code:0": old}, {"web": 1, "code": 1})))
+    assert moving.draining == [old]
+    assert not moving.repartition.send and "draining" in moving.repartition.state["reason"]
+    # a host outside the layout (draining, or serving nothing and about to go) is never given a new partition, and
+    # nothing is deleted while a re-partition is pending (the planner applies it later)
+    layout = set(desired_hosts(moving.desired).values())
+    t = rp_planner({"web:0": old, "code:0": old}, {"web": 1, "code": 1})
+    t["hosts"].update({h: {"alive": True} for h in layout})
+    assert set(rp.choose_hosts("code", 1, 3, t, layout)) <= layout
+    assert rp.choose_hosts("code", 1, 3, t, set()) is None
+    gone = {**t, "partitions": {"web:0": {"host": sorted(layout)[0]}, "code:0": {"host": sorted(layout)[-1]}}}
+    pend = decide(observed(calm_body({**st, "repartition": moving.repartition.state}),
+                           loaders={**deps, **loader_deps(moving.desired)}, planner=gone))
+    assert pend.repartition.pending and pend.delete == [] and pend.draining == []
+    calm = {**st, "scaler": {**st["scaler"], "state": {}}}  # nothing wanted, nothing pending: the old one goes
+    done = decide(observed(calm_body(calm), loaders={**deps, **loader_deps(moving.desired)}, planner=gone))
+    assert done.repartition is None and done.delete == list(deps)
+    # refused by the planner with a field: Refused, retried after the backoff; "not now" stays Pending
+    s = rp.after_send(moving.repartition.state, error="repartition rejected: partitions: must be ...", refused=True, now=1000.0)
+    assert s["state"] == "Refused" and s["retryAt"] == 1001.0 and s["attempts"] == 1
+    assert rp.condition_of(s)[:2] == (False, "RepartitionRefused")
+    # accepted, then not applied at its step (the planner's entry has an error): asked again under a new id
+    entry = {"source": "code", "from": 1, "partitions": 3, "step": 12, "applied": False, "error": "hosts: ...",
+             "repartition_id": "u-1/repartition-code-1-3"}
+    st["repartition"] = rp.after_send(moving.repartition.state, ack={"step": 12})
+    b = decide(observed(calm_body(st), loaders=deps, planner=rp_planner({"web:0": old, "code:0": old},
+                                                                         {"web": 1, "code": 1}, [entry])))
+    assert b.repartition.state["state"] == "Refused" and b.repartition.state["repartitionId"] == "u-1/repartition-code-1-3#1"
+    # sidecar placement is never re-partitioned
+    side = calm_body({k: v for k, v in st.items() if k != "repartition"})
+    side["spec"]["kubernetes"] = {"placement": "sidecar"}
+    assert rp.plan_repartition(side, ["web", "code"], None, {"web": 1, "code": 1}, st["scaler"], 1000.0, enabled=False) is None

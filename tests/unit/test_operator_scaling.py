@@ -154,3 +154,21 @@ def test_a_source_needing_more_cores_than_its_partitions_can_use_is_wanted_repar
     assert third.partitions["code"] == 3 and third.wanted_repartitions() == []
     with pytest.raises(ValueError, match="no source 'web'"):
         again.repartitioned("web", 2)
+
+
+def test_a_source_short_of_partitions_is_not_taken_for_a_costlier_one():
+    """A source allocated more cores than its partitions can use (1 partition = 1 process = 1 core at most) delivers
+    what its process can: that measurement says nothing about its cost. Taken as cost (allocated cores / delivered)
+    it would raise the allocation, then the cost again, without end; the correction uses the cores the partitions
+    can use, so the cost and the re-partition wanted stay."""
+    costs = [SourceCost("code", 6e-5, 40 * MIB)]
+    sc = MixtureScaler(costs, {"code": 1}, [(0, {"code": 0.8})], {"code": 0.8}, 30_000,
+                       config=ScalingConfig(lookahead_steps=0, window=1, consecutive=1))
+    assert sc.allocated_cores()["code"] == pytest.approx(1.44)
+    sc.observe(Observation(step=1, tokens_per_s=30_000))
+    (w,) = sc.wanted_repartitions()
+    assert w.to_partitions == 2
+    for step in range(2, 12):  # saturated: the one process delivers one core's worth, the planner waits for it
+        sc.observe(Observation(step, 30_000, frozenset({"code"}), {"code": 1.0 / 6e-5}))
+    assert sc.costs["code"].cpu_s_per_token == pytest.approx(6e-5)
+    assert sc.allocated_cores()["code"] == pytest.approx(1.44) and sc.wanted_repartitions() == [w]

@@ -176,3 +176,33 @@ def test_the_partition_table_takes_the_new_partitions_under_new_epochs():
     assert t.claim((0, 0), "h0", 2) and not t.claim((0, 0), "h0", 1)  # the old partition's server is fenced
     moves = t.repartition(0, 3, ["new"])
     assert set(t.parts) == {(0, 0), (1, 0)} and moves[0].epoch == 3 and t.hosted_by("h1") == []
+
+
+def test_a_repartition_request_with_an_id_is_applied_once(spec):
+    """REPARTITION with `repartition_id` (the operator's): a repeat, pending or applied, is answered with the first
+    acceptance and `duplicate`, nothing else changes; another request for the source while one is pending, or a
+    repeat without the id after it was applied, is refused naming why."""
+    from mixplane.planner.repartitioning import PlannerRepartition
+
+    class Planner(PlannerRepartition):  # the mixin with the state it reads, over a real planner core
+        def __init__(self):
+            self.spec, self.names = spec, [s.name for s in spec.sources]
+            self.core = StepPlanner(spec, resolve_strategy(spec))
+            self.recovering, self.host_ids = None, {}
+            self.init_repartitioning()
+
+    p = Planner()
+    first = p.request_repartition({"source": "a", "partitions": 3, "repartition_id": "uid/a-2-3"})
+    assert first == {"source": "a", "from": 2, "partitions": 3, "step": 0}
+    again = p.request_repartition({"source": "a", "partitions": 3, "repartition_id": "uid/a-2-3"})
+    assert again == {**first, "duplicate": True}
+    assert len(p.pending_repartitions) == 1 and len(p.repartition_log) == 1
+    assert p.repartition_status()["repartitions"][0]["repartition_id"] == "uid/a-2-3"
+    with pytest.raises(RepartitionError, match="a re-partition at step 0 is pending"):
+        p.request_repartition({"source": "a", "partitions": 4, "repartition_id": "uid/a-2-4"})
+    with pytest.raises(RepartitionError, match="repartition_id: must be non-empty text"):
+        p.request_repartition({"source": "a", "partitions": 3, "repartition_id": 7})
+    p.repartition_log[0]["applied"] = True  # applied at its step (what _apply_repartition marks)
+    del p.pending_repartitions[0]
+    assert p.request_repartition({"source": "a", "partitions": 3, "repartition_id": "uid/a-2-3"})["duplicate"] is True
+    assert len(p.repartition_log) == 1

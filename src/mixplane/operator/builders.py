@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -591,23 +591,57 @@ def manifest_json(objs: list[dict[str, Any]]) -> str:
     return json.dumps(objs, indent=1, sort_keys=True)
 
 
-def mixture_launch_plan(spec: Any, opts: ClusterOptions, pods: Sequence[Any], partitions: Mapping[str, int]) -> tuple[Any, Any]:
-    """The resolved spec (replicas = partitions) and its launch plan with one loader process per pod in `pods`."""
+def loader_args_without(args: Sequence[str], sources: Collection[str]) -> tuple[str, ...]:
+    """A loader's command line without the partitions of `sources` in its launch list (`--source S --replica R` or
+    `--sources S:R,...`); `--host-name` stays, so a process left with none is an empty host (it serves what the
+    planner's table hands it)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--source" and i + 1 < len(args) and args[i + 1] in sources:
+            i += 4 if i + 2 < len(args) and args[i + 2] == "--replica" else 2
+            continue
+        if a == "--sources" and i + 1 < len(args):
+            kept = [m for m in args[i + 1].split(",") if m and m.partition(":")[0] not in sources]
+            if kept:
+                out += [a, ",".join(kept)]
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return tuple(out)
+
+
+def mixture_launch_plan(spec: Any, opts: ClusterOptions, pods: Sequence[Any], partitions: Mapping[str, int],
+                        table_sources: Collection[str] = ()) -> tuple[Any, Any]:
+    """The resolved spec (replicas = partitions) and its launch plan with one loader process per pod in `pods`.
+
+    `table_sources`: sources re-partitioned while running. `partitions` stays the split the planner started with
+    (the spec it reads, and the journal replays from); their partitions are left out of the loaders' launch lists
+    (a launch list may only name partitions of that split): the planner's table hands them to the hosts."""
+    from dataclasses import replace
+
     from mixplane.launch import LaunchTarget, launch_plan
     from mixplane.operator.autopartition import with_partitions
 
     resolved = with_partitions(spec, partitions)
     plan = launch_plan(resolved, LaunchTarget(**launch_target_kwargs(opts)), loaders=[list(p.members) for p in pods])
+    if table_sources:
+        plan = replace(plan, components=tuple(replace(c, args=loader_args_without(c.args, table_sources))
+                                              if c.role == "loader" else c for c in plan.components))
     return resolved, plan
 
 
 def render_mixture(spec: Any, opts: ClusterOptions, pods: Any, partitions: Mapping[str, int],
-                   keys: Mapping[str, tuple[str, str]], sidecar_pods: Sequence[Any] = ()) -> tuple[Any, list[dict[str, Any]]]:
+                   keys: Mapping[str, tuple[str, str]], sidecar_pods: Sequence[Any] = (),
+                   table_sources: Collection[str] = ()) -> tuple[Any, list[dict[str, Any]]]:
     """The resolved spec (replicas = partitions) and every child object, remote loader pods from `pods` (a PodPlan);
-    `sidecar_pods` (LoaderPods) run in trainer pods and get no Deployment."""
+    `sidecar_pods` (LoaderPods) run in trainer pods and get no Deployment. `table_sources`: see mixture_launch_plan
+    (the pods may then hold partitions beyond `partitions`)."""
     from mixplane.launch import loader_name
 
-    resolved, plan = mixture_launch_plan(spec, opts, [*pods.pods, *sidecar_pods], partitions)
+    resolved, plan = mixture_launch_plan(spec, opts, [*pods.pods, *sidecar_pods], partitions, table_sources)
     res = {loader_name(list(p.members)): (p.cpu, p.memory, 0 if p.idle else 1) for p in pods.pods}
     side = [loader_name(list(p.members)) for p in sidecar_pods]
     return resolved, children(resolved, plan, opts, keys, res, side)

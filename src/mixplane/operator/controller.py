@@ -15,6 +15,10 @@ readiness of its components and the planner's STATUS (or None when unreachable),
   topology   the RESHARD to send now for a patched spec.topology (idempotent id, no cursor: the planner takes the
              first step it has not planned). Until the planner acknowledged it the children stay those of the world
              it serves (operator/topology.py: served_body), with the new world's trainer keys issued beside;
+  repartition  the REPARTITION to send now for a source the scaler wants read by more partitions (idempotent id;
+             operator/repartitions.py). The loader layout is packed for the partitions the planner serves (STATUS
+             `source_partitions`): the new partitions get pods once it applied the change, then move to them by
+             HANDOFF like any change of the layout;
   status     the rest of the status (phase, conditions, per source figures), written after acting.
 
 Nothing is kept in the operator's memory: a restarted operator (or a new version of it) continues from the status
@@ -45,6 +49,7 @@ from mixplane.operator.reconcile import (
     status_of,
 )
 from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
+from mixplane.operator import repartitions as rp_state
 from mixplane.operator import topology as topo_state
 from mixplane.operator.requests import RequestPlan
 from mixplane.operator.topology import plan_topology, served_body
@@ -82,6 +87,7 @@ class Actions:
     decisions: list[Decision] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
     topology: RequestPlan | None = None
+    repartition: RequestPlan | None = None
 
 
 def desired_hosts(d: Desired) -> dict[str, str]:
@@ -114,9 +120,11 @@ def _status(body: Mapping[str, Any]) -> dict[str, Any]:
     return dict(body.get("status") or {})
 
 
-def run_scaler(obs: Observed, spec: Any, step: int) -> tuple[dict[str, float] | None, dict[str, Any] | None, list[Decision]]:
+def run_scaler(obs: Observed, spec: Any, step: int, served: Mapping[str, int] | None = None
+               ) -> tuple[dict[str, float] | None, dict[str, Any] | None, list[Decision]]:
     """One interval of the scaling policy when it is due: (shares or None when it never decided, the scaler's state
-    to keep, the decisions of this interval). Not due, or no planner to observe: the kept shares and state."""
+    to keep, the decisions of this interval). Not due, or no planner to observe: the kept shares and state.
+    `served`: the partitions the planner reads each source with (a re-partition it applied is taken by the policy)."""
     st = _status(obs.body)
     layout = dict(st.get("layout") or {})
     kept_shares = layout.get("shares")
@@ -127,6 +135,7 @@ def run_scaler(obs: Observed, spec: Any, step: int) -> tuple[dict[str, float] | 
     inp = inputs_of(obs.body)
     segs = segments_of(spec, obs.profile)
     parts = {s["name"]: s["partitions"] for s in st.get("sources") or [] if isinstance(s, Mapping) and s.get("partitions")}
+    parts.update({n: int(m) for n, m in (served or {}).items() if n in parts and int(m) >= 1})
     if len(parts) != len(costs):
         return kept_shares, (kept or None), []
     now_step = max(0, int(obs.planner.get("planned_through", 0)))  # -1 before the first plan
@@ -136,6 +145,9 @@ def run_scaler(obs: Observed, spec: Any, step: int) -> tuple[dict[str, float] | 
             sc.load_state_dict(kept["state"])
         except (ValueError, TypeError, KeyError):
             pass  # a state of another set of sources (the mixture changed them): start the policy afresh
+    for n, m in parts.items():
+        if sc.partitions.get(n) != int(m):
+            sc.repartitioned(n, int(m))  # applied by the planner (or its state is older): packed for them
     tps = inp.tokens_per_s
     last = kept.get("last") or {}
     planned = float(obs.planner.get("tokens_planned", 0) or 0)
@@ -147,7 +159,9 @@ def run_scaler(obs: Observed, spec: Any, step: int) -> tuple[dict[str, float] | 
         tps = inp.tokens_per_s  # the mixture asked to be sized for its declared trainer rate, not the measured one
     # while partitions are handed over (and the interval after) the planner waits for the moving windows: that says
     # nothing about what a source costs
-    settling = bool(layout.get("draining")) or bool(layout.get("settling"))
+    # (and while a re-partition is pending or was just applied: the new partitions open cold windows)
+    repartitioning = (st.get("repartition") or {}).get("state") not in (None, "Acknowledged")
+    settling = bool(layout.get("draining")) or bool(layout.get("settling")) or repartitioning
     waiting = frozenset() if settling else frozenset(str(w).split("/")[0] for w in obs.planner.get("waiting") or [])
     delivered = delivered_rates(obs.planner)
     decisions = sc.observe(Observation(step, tps, waiting, delivered))
@@ -191,7 +205,8 @@ def decide(obs: Observed) -> Actions:
     spec = spec_of(body)
     step = int(obs.planner.get("planned_through", 0)) if obs.planner else int(st.get("step") or 0)
     step = max(0, step)
-    shares, scaler_state, decisions = run_scaler(obs, spec, step)
+    served = rp_state.served_partitions(body, obs.planner)
+    shares, scaler_state, decisions = run_scaler(obs, spec, step, served)
     try:
         new_keys = pod_rank_keys(spec)
     except ValueError as e:
@@ -202,14 +217,24 @@ def decide(obs: Observed) -> Actions:
     opts = obs.opts
     if topo.pending:  # the new world's trainer keys are issued now, its children once the planner switched to it
         opts = replace(opts, extra_rank_keys=new_keys)
-    d = desired(served_body(body, topo.state), opts, obs.profile, obs.keys, step=step, shares=shares)
+    d = desired(served_body(body, topo.state), opts, obs.profile, obs.keys, step=step, shares=shares, served=served)
     moves, delete, draining = loader_moves(obs, d)
     upd = plan_update(body, spec, obs.planner, obs.now)
+    hold = (f"waiting for the handoff to the loader layout to finish (draining {', '.join(draining)})" if draining
+            else "waiting for the topology change" if topo.pending else None)
+    rp = rp_state.plan_repartition(body, [s.name for s in spec.sources], obs.planner, served or d.partitions(),
+                                   scaler_state if scaler_state is not None else st.get("scaler"), obs.now, hold=hold,
+                                   enabled=spec.kubernetes.placement != "sidecar",
+                                   layout_hosts=set(desired_hosts(d).values()))
+    if rp is not None and rp.pending:
+        # the planner applies it at a later step, giving new partitions to hosts: none goes before that is seen
+        delete = []
 
     layout_prev = dict(st.get("layout") or {})
     want = desired_hosts(d)
     layout = {"shares": shares, "hosts": {h: ",".join(sorted(p for p, x in want.items() if x == h)) for h in sorted(set(want.values()))},
-              "draining": draining, "settling": bool(layout_prev.get("draining")) and not draining}
+              "draining": draining, "settling": (bool(layout_prev.get("draining")) and not draining)
+              or (rp is not None and rp.acknowledged_now)}
     # (the live update's state is not an intent: its id follows from the object, and its acknowledgment is written
     # together with status.updates in the final patch, so the two never disagree)
     # the topology change is an intent: the world served until the planner acknowledges (`was`) is kept in it
@@ -231,7 +256,8 @@ def decide(obs: Observed) -> Actions:
     status = final_status(obs, d, upd, spec, applied_hash=h if due else str(applied.get("hash")),
                           applied_at=obs.now if due else float(applied.get("appliedAt") or 0.0), draining=draining)
     status = with_topology(status, body, topo.state)
-    return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining, topo)
+    status = with_repartition(status, body, rp.state if rp is not None else None)
+    return Actions(d, intent, list(d.objects) if due else [], h, moves, delete, upd, status, decisions, draining, topo, rp)
 
 
 def final_status(obs: Observed, d: Desired, upd: RequestPlan, spec: Any, *, applied_hash: str, applied_at: float,
@@ -308,6 +334,24 @@ def with_topology(status: Mapping[str, Any], body: Mapping[str, Any], state: Map
     if ok and not state.get("initial") and all(int(u.get("generation", -1)) != int(state["generation"]) for u in changes):
         out["topologyChanges"] = topo_state.history(changes, state)  # acknowledged in this pass: recorded once
     out["topology"] = topo_state.status_value(body, state)
+    return out
+
+
+def with_repartition(status: Mapping[str, Any], body: Mapping[str, Any], state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`status` with the re-partition `state` in it (None: none was ever asked): status.repartition, the
+    PartitionsApplied condition, and the change added once to status.repartitions when the planner applied it."""
+    out = dict(status)
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = _status(body).get("conditions") or []
+    ok, reason, msg = rp_state.condition_of(state)
+    out["conditions"] = [c for c in out.get("conditions") or [] if c.get("type") != "PartitionsApplied"] + \
+        [condition("PartitionsApplied", ok, reason, msg, gen, prev)]
+    if not state:
+        return out
+    done = list(_status(body).get("repartitions") or [])
+    if ok and all(u.get("repartitionId") != state.get("repartitionId") for u in done):
+        out["repartitions"] = rp_state.history(done, state)  # applied, seen in this pass: recorded once
+    out["repartition"] = rp_state.status_value(body, state)
     return out
 
 

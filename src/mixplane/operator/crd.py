@@ -42,7 +42,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied"] = Field(..., description="Ready: every component is up; Progressing: children, a handoff or a mixture update are being rolled out; Degraded: a component is failing; MixtureApplied: the planner acknowledged the mixture the object holds (False: pending or refused, with the reason); TopologyApplied: the planner serves the topology the object holds (False: a reshard pending or refused, with the reason).")
+    type: Literal["Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied", "PartitionsApplied"] = Field(..., description="Ready: every component is up; Progressing: children, a handoff or a mixture update are being rolled out; Degraded: a component is failing; MixtureApplied: the planner acknowledged the mixture the object holds (False: pending or refused, with the reason); TopologyApplied: the planner serves the topology the object holds (False: a reshard pending or refused, with the reason); PartitionsApplied: no re-partition the scaler wants is waiting (False: one pending or refused, with the reason).")
     status: Literal["True", "False", "Unknown"] = Field(..., description="Condition status.")
     reason: str = Field("", description="One CamelCase word saying why.")
     message: str = Field("", description="Human-readable detail.")
@@ -62,7 +62,8 @@ class SourceStatus(_Status):
     name: str = Field(..., description="Source name.")
     targetWeight: float | None = Field(None, ge=0, description="Target share of tokens (or samples) in the current phase.")
     realisedWeight: float | None = Field(None, ge=0, description="Realised share in the current phase, from the planner.")
-    partitions: int | None = Field(None, ge=0, description="Partitions (Source Loader replicas) of the source.")
+    partitions: int | None = Field(None, ge=0, description="Partitions (Source Loader replicas) the planner reads the source with now (after a re-partition: the count it acknowledged).")
+    startPartitions: int | None = Field(None, ge=0, description="Partitions the planner was started with (the spec it reads; a re-partition does not change it).")
     loaderPods: int | None = Field(None, ge=0, description="Remote loader pods currently hosting its partitions.")
     sidecarPartitions: int | None = Field(None, ge=0, description="Partitions hosted by loader sidecars in trainer pods (sidecar placement).")
     deliveredTokensPerSecond: float | None = Field(None, ge=0, description="Tokens per second of the source in the steps the planner planned recently (planner STATUS).")
@@ -149,6 +150,27 @@ class TopologyChange(_Status):
     reshardId: str = Field("", description="The planner's id of it.")
 
 
+class RepartitionState(_Status):
+    source: str = Field(..., description="The source re-partitioned.")
+    from_: int = Field(..., alias="from", ge=1, description="Partitions the planner read it with before.")
+    partitions: int = Field(..., ge=1, description="Partitions asked for.")
+    repartitionId: str = Field(..., description="The id the planner applies once (<uid>/repartition-<source>-<from>-<to>).")
+    state: Literal["Acknowledged", "Pending", "Refused"] = Field(..., description="Acknowledged: applied by the planner; pending (not sent, no answer, or accepted for a step not reached: acceptedStep); refused (retried with backoff).")
+    acceptedStep: int | None = Field(None, ge=0, description="The step the planner accepted it for (applied once every earlier step is complete).")
+    effectiveStep: int | None = Field(None, ge=0, description="First step read with the new partitions (when applied).")
+    attempts: int = Field(0, ge=0, description="Sends that failed so far.")
+    retryAt: float | None = Field(None, description="Next try (seconds since the epoch).")
+    reason: str = Field("", description="Why it is in this state.")
+
+
+class RepartitionChange(_Status):
+    source: str = Field(..., description="The source re-partitioned.")
+    from_: int = Field(..., alias="from", ge=1, description="Partitions before.")
+    partitions: int = Field(..., ge=1, description="Partitions after.")
+    effectiveStep: int = Field(..., ge=0, description="First step read with them.")
+    repartitionId: str = Field("", description="The planner's id of it.")
+
+
 class ChildrenStatus(_Status):
     hash: str = Field(..., description="Digest of the children last applied.")
     appliedAt: float = Field(..., description="When (seconds since the epoch).")
@@ -175,6 +197,8 @@ class MixtureStatus(_Status):
     mixtureUpdate: MixtureUpdateState | None = Field(None, description="The live update of spec.mixture: sent, acknowledged or retried.")
     topology: TopologyState | None = Field(None, description="The live change of spec.topology (RESHARD): sent, acknowledged (from which step the new world is served) or retried.")
     topologyChanges: list[TopologyChange] = Field(default_factory=list, description="Topology changes acknowledged and the step each took effect at (last 20).")
+    repartition: RepartitionState | None = Field(None, description="The last re-partition the scaler asked for (REPARTITION): pending, refused or applied.")
+    repartitions: list[RepartitionChange] = Field(default_factory=list, description="Re-partitions the planner applied and the step each took effect at (last 20).")
     children: ChildrenStatus | None = Field(None, description="The children last applied.")
 
 

@@ -10,7 +10,8 @@ order that survives being cut anywhere (the operator SIGKILLed between two API c
     3. partitions are handed to the hosts the layout wants (the planner's HANDOFF, at a step boundary);
     4. loader Deployments outside the layout are deleted once the planner's table shows they serve nothing;
     5. the live update is sent (the whole mixture, with an id the planner applies once), then a topology change
-       (RESHARD with an id the planner applies once, at the first step it has not planned);
+       (RESHARD with an id the planner applies once, at the first step it has not planned), then a re-partition the
+       scaler wants (REPARTITION with an id the planner applies once; acknowledged when STATUS shows it applied);
     6. the rest of the status (phase, conditions, figures, the acknowledgments) is written. A topology change
        acknowledged in this pass is followed at once by another pass: it renders the new world's children.
 
@@ -32,8 +33,9 @@ import kopf
 
 from mixplane import settings
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
+from mixplane.operator import repartitions as rp_state
 from mixplane.operator import topology as topo_state
-from mixplane.operator.controller import Observed, decide, status_patch, with_topology, with_update
+from mixplane.operator.controller import Observed, decide, status_patch, with_repartition, with_topology, with_update
 from mixplane.operator.keys import admin_key_dir, keys_for, stale_trainer_keys
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
@@ -60,8 +62,8 @@ def planner_endpoint(opts: ClusterOptions) -> str:
 
 def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], kind: str, meta: dict[str, Any],
                     timeout_s: float = PLANNER_TIMEOUT_S) -> dict[str, Any]:
-    """STATUS, HANDOFF, UPDATE_MIXTURE or RESHARD with the admin key. Raises TimeoutError / OSError (not reachable)
-    or RuntimeError (the planner answered an error)."""
+    """STATUS, HANDOFF, UPDATE_MIXTURE, RESHARD or REPARTITION with the admin key. Raises TimeoutError / OSError (not
+    reachable) or RuntimeError (the planner answered an error)."""
     from mixplane import control
 
     curve = control.ControlCurve(admin_key_dir(opts.name, opts.namespace, keys))
@@ -73,6 +75,9 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
         return control.handoff(ep, meta["partition"], meta["to"], timeout_s, curve=curve)
     if kind == "reshard":
         return control.reshard(ep, meta, max(timeout_s, 10.0), curve=curve)
+    if kind == "repartition":
+        return control.repartition(ep, str(meta["source"]), int(meta["partitions"]), timeout_s, curve=curve,
+                                   hosts=meta.get("hosts"), repartition_id=meta.get("repartition_id"))
     return control.update_mixture(ep, meta, timeout_s, curve=curve)
 
 
@@ -254,10 +259,32 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
     elif acts.topology is not None:
         final = with_topology(final, body, topo)
         resharded = acts.topology.acknowledged_now
+    rstate = acts.repartition.state if acts.repartition is not None else None
+    if acts.repartition is not None and acts.repartition.send and rstate is not None:
+        now = time.time()
+        try:
+            ack = planner_request(opts, keys, "repartition", rp_state.request_meta(rstate))
+        except RuntimeError as e:  # refused: a field, or "not now" (recovering, another one pending)
+            rstate = rp_state.after_send(rstate, error=str(e), refused=not any(w in str(e) for w in rp_state.RETRYABLE),
+                                         now=now)
+            logger.warning(f"re-partition {rstate['repartitionId']} not taken by the planner: {e}")
+        except (TimeoutError, OSError) as e:
+            rstate = rp_state.after_send(rstate, error=str(e), now=now)
+        else:
+            kube().fault.hit("after-repartition", mutating=False)  # accepted by the planner, not yet recorded
+            rstate = rp_state.after_send(rstate, ack=ack)
+            logger.info(f"re-partition {rstate['repartitionId']}: {rstate['source']} {rstate['from']} -> "
+                        f"{rstate['partitions']} partitions at step {ack.get('step')}"
+                        f"{' (accepted before)' if ack.get('duplicate') else ''}")
+        final = with_repartition(final, body, rstate)
+    elif acts.repartition is not None and acts.repartition.acknowledged_now and rstate is not None:
+        logger.info(f"re-partition {rstate['repartitionId']} applied: {rstate['source']} read with "
+                    f"{rstate['partitions']} partitions from step {rstate.get('effectiveStep')}")
     # 6. the rest of the status
     _write_status(k, body, current, final)
     out = {"objects": len(acts.apply), "handoffs": len(acts.handoffs), "deleted": acts.delete,
-           "update": state.get("state"), "topology": topo.get("state"), "step": final.get("step")}
+           "update": state.get("state"), "topology": topo.get("state"), "step": final.get("step"),
+           **({"repartition": rstate.get("state")} if rstate else {})}
     if resharded and _again:  # the planner serves the new world: render its children now, not a tick later
         out["after_reshard"] = reconcile_once(namespace, name, logger, k, _again=False)
     return out

@@ -261,6 +261,11 @@ class Desired:
     owner: dict[str, Any]
     pods: PodPlan | None = None  # the loader pods rendered (remote and sidecar); None: plan.pods_at(step)
     sidecars: SidecarPlacement | None = None  # sidecar placement: loader pods per trainer pod slot
+    served: Mapping[str, int] | None = None  # partitions per source the planner serves (re-partitioned); None: the plan's
+
+    def partitions(self) -> dict[str, int]:
+        """Partitions per source now: those the planner serves after a re-partition, else the plan's split."""
+        return {**self.plan.partitions, **(self.served or {})}
 
 
 def trainer_slots(spec: Any) -> int:
@@ -299,9 +304,14 @@ def segments_of(spec: Any, profile: Mapping[str, Any]) -> list[tuple[int, dict[s
 
 def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str, Any], keys: Mapping[str, tuple[str, str]],
             step: int = 0, bounds: PartitionBounds | None = None,
-            shares: Mapping[str, float] | None = None) -> Desired:
+            shares: Mapping[str, float] | None = None, served: Mapping[str, int] | None = None) -> Desired:
     """Children of the mixture at `step` (the pods of that schedule segment, or of `shares` when the
-    scaling policy decided them), each owned by the DataMixture."""
+    scaling policy decided them), each owned by the DataMixture.
+
+    `served`: partitions per source the planner serves now (STATUS `source_partitions`) where a re-partition changed
+    them. The spec the planner reads keeps the split it started with; the loader pods are packed for the served
+    counts, and the re-partitioned sources' partitions are handed to them by the planner's table, not named in
+    their launch lists (builders.mixture_launch_plan). Sidecar placement is never re-partitioned."""
     from mixplane.operator.autopartition import pack_pods
 
     bounds = bounds or PartitionBounds()
@@ -313,8 +323,14 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
         spec_options(opts, spec)  # rank_binding: required that pod keys cannot meet (builders.pod_rank_keys) is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
         spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
+        moved = {n: int(m) for n, m in (served or {}).items() if n in plan.partitions and int(m) != plan.partitions[n]}
         if spec.kubernetes.placement == "sidecar":
+            moved = {}
             pods, placement = sidecar_layout(spec, plan, costs, inp.tokens_per_s, bounds, step)
+        elif moved:
+            parts = {**plan.partitions, **moved}
+            pods = pack_pods(costs, parts, plan.pods_at(step).weights if shares is None else shares, inp.tokens_per_s,
+                             bounds, inp.budget, workers=plan.workers)
         else:
             pods = plan.pods_at(step) if shares is None else pack_pods(costs, plan.partitions, shares, inp.tokens_per_s, bounds,
                                                                        inp.budget, workers=plan.workers)
@@ -326,17 +342,19 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
         resolved, objs = render_mixture(spec, opts, remote, plan.partitions, keys,
                                         [p for p in pods.pods if p.name in side])
     else:
-        resolved, objs = render_mixture(spec, opts, pods, plan.partitions, keys)
+        resolved, objs = render_mixture(spec, opts, pods, plan.partitions, keys, table_sources=sorted(moved))
     owner = owner_reference(body)
     for o in objs:
         o["metadata"]["ownerReferences"] = [dict(owner)]
-    return Desired(resolved, plan, step, objs, dict(body), pods, placement)
+    return Desired(resolved, plan, step, objs, dict(body), pods, placement, moved or None)
 
 
 def plan_of(body: Mapping[str, Any], spec: Any, profile: Mapping[str, Any], inp: Inputs,
             bounds: PartitionBounds) -> PartitionPlan:
-    """The auto-partitioner's plan, keeping the partition counts the status already has (a running split stays)."""
-    kept = {str(s.get("name")): s.get("partitions") for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
+    """The auto-partitioner's plan, keeping the split the status already has (a running split stays): the counts the
+    planner started with (`startPartitions`; a status written before re-partitions had only `partitions`)."""
+    kept = {str(s.get("name")): s.get("startPartitions", s.get("partitions"))
+            for s in ((body.get("status") or {}).get("sources") or []) if isinstance(s, dict)}
     return auto_partition(costs_of(profile, spec), segments_of(spec, profile), inp.tokens_per_s, inp.budget, bounds,
                           partitions={k: int(v) for k, v in kept.items() if isinstance(v, int)} or None,
                           workers=spec_workers(spec))
@@ -407,7 +425,7 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
         p = (profile.get("sources") or {}).get(s.name, {})
         sources.append({
             "name": s.name, "targetWeight": round(float(pods.weights.get(s.name, 0.0)), 6), **live.get(s.name, {}),
-            "partitions": int(d.plan.partitions[s.name]),
+            "partitions": int(d.partitions()[s.name]), "startPartitions": int(d.plan.partitions[s.name]),
             "loaderPods": sum(1 for x in pods.pods_of(s.name) if not x.idle and x.name not in slot_of),
             **({"sidecarPartitions": sum(1 for x in pods.pods_of(s.name) if x.name in slot_of for m in x.members if m[0] == s.name)}
                if d.sidecars is not None else {}),

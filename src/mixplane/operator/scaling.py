@@ -170,7 +170,10 @@ class MixtureScaler:
             rate = obs.delivered_tokens_per_s.get(n, 0.0)
             if n not in self.costs or rate <= 0:
                 continue
-            cores = self.plan.source_cpu().get(n, 0.0)
+            # what its partitions can use: one partition is one single-threaded process (pod_cpu at most). A source
+            # allocated more cores than that delivers what its processes can, not what its cores could: taking the
+            # allocation would raise its cost, its allocation, and so on without end (it is wanted re-partitioned)
+            cores = min(self.plan.source_cpu().get(n, 0.0), self.partitions[n] * self.bounds.pod_cpu)
             # one interval moves the estimate at most MAX_CORRECTION x: a wait can have other causes (a loader
             # just restarted or handed over) than a source too expensive for its cores
             measured = min(cores / rate, MAX_CORRECTION * self.costs[n].cpu_s_per_token)

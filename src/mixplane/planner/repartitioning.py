@@ -85,7 +85,17 @@ class PlannerRepartition:
         self._send(identity, Kind.ACK, ack)
 
     def request_repartition(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Check a REPARTITION request and keep it until its step (RepartitionError naming the field)."""
+        """Check a REPARTITION request and keep it until its step (RepartitionError naming the field). A request
+        with a `repartition_id` the planner accepted before (pending or applied, among the last REPARTITIONS_KEPT)
+        is answered with that acceptance and `duplicate: true`, and nothing changes: a sender that died between
+        sending and reading the ACK (the operator) repeats it harmlessly; STATUS `repartitions` lists the id."""
+        rid = meta.get("repartition_id")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise RepartitionError(f"repartition_id: must be non-empty text, not {rid!r}")
+        if rid is not None:
+            done = next((r for r in self.repartition_log if r.get("repartition_id") == rid), None)
+            if done is not None:  # a repeat (the sender died before it read the ACK): the same answer, applied once
+                return {**{k: done[k] for k in ("source", "from", "partitions", "step")}, "duplicate": True}
         name = meta.get("source")
         if name not in self.names:
             raise RepartitionError(f"source: no source {name!r} (the mixture has {', '.join(self.names)})")
@@ -117,7 +127,7 @@ class PlannerRepartition:
             raise RepartitionError(f"source {name!r}: a re-partition at step "
                                    f"{self.pending_repartitions[si]['step']} is pending")
         req = {"source": name, "from": old, "partitions": m, "step": step, "hosts": hosts, "applied": False,
-               "t": time.time()}
+               "t": time.time(), **({"repartition_id": rid} if rid is not None else {})}
         self.pending_repartitions[si] = req
         self.repartition_log.append(req)
         del self.repartition_log[:-REPARTITIONS_KEPT]
