@@ -24,7 +24,10 @@ knows only the planner's address and asks it which constructor serves its rank.
 What a rank receives follows its coordinates: a CP rank gets its zig-zag shard (``cp_token_index``
 says which positions), the first PP stage the inputs, the last the labels, middle stages metadata;
 under ``broadcast_at('TP')`` only tp = 0 receives tensors and the other TP ranks get empty tensors of
-the right shapes (``meta_only`` is 1) — pass ``tp_group=`` and the client broadcasts into them. The
+the right shapes (``meta_only`` is 1) — pass ``tp_group=`` and the client broadcasts into them. Under
+``broadcast_at('CP')`` / ``('PP')`` only the group's coordinate-0 rank receives tensors (the whole sequence,
+every stage's fields) and the client fans them out (:func:`fan_out`; pass ``groups={"cp": .., "pp": ..}``): every
+rank ends with the tensors it would have received without the broadcast. The
 encoder batch (``pixel_patches``, ...) is per rank and never part of that broadcast: the rank that
 encodes images gets them as tensors; its image-module TP / PP peers get empty buffers of its shapes
 (``encoder_meta_only``) that :func:`broadcast_encoder` fills.
@@ -49,6 +52,7 @@ import zmq
 
 from mixplane.errors import MixplaneError
 from mixplane import settings, wire
+from mixplane.parallelism import fanout_options, narrow, serves
 from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
@@ -141,7 +145,8 @@ class MixtureLoader:
     def __init__(self, planner: str | None = None, *, rank: int | None = None, prefetch: int | None = None,
                  prefetch_s: float | None = None, timeout_s: float | None = None, max_steps: int | None = None, context: zmq.Context | None = None,
                  curve: wire.CurveSetup | None = None, tp_group: Any = None, world_size: int | None = None,
-                 heartbeat_s: float | None = None, encoder_group: Any = None, coords: dict[str, int] | None = None):
+                 heartbeat_s: float | None = None, encoder_group: Any = None, coords: dict[str, int] | None = None,
+                 groups: dict[str, Any] | None = None):
         self.planner_endpoint = planner or settings.get("MIXPLANE_PLANNER")
         if not self.planner_endpoint:
             raise ValueError("no planner endpoint: pass planner= or set MIXPLANE_PLANNER (printed by `mixplane run`)")
@@ -177,6 +182,16 @@ class MixtureLoader:
         self.heartbeat_s = hb if hb > 0 else None  # ZMTP heartbeats: a dead server is noticed, its pipe dropped
         self.ctx = context or zmq.Context.instance()
         self.tp_group = tp_group
+        # process groups of the broadcast axes ({'cp': .., 'pp': .., 'tp': ..}): the fan-out of broadcast_at('CP' / 'PP')
+        self.groups = {str(k).lower(): v for k, v in (groups or {}).items()}
+        if tp_group is not None:
+            self.groups.setdefault("tp", tp_group)
+        bad = sorted(set(self.groups) - {"cp", "pp", "tp"})
+        if bad:
+            raise ValueError(f"groups: unknown axis {', '.join(map(repr, bad))} (cp, pp, tp)")
+        self.received_bytes = 0  # tensor bytes received from the constructor
+        self.fanout_bytes = 0  # tensor bytes this rank sent its peers in fan-outs (broadcast_at CP / PP / TP)
+        self._fanout: dict[str, Any] | None = None  # the fan-out of the step received last
         self.encoder_group = encoder_group  # the image-module bucket's group: broadcast_encoder after each step
         self._planner: zmq.Socket | None = None
         self._sock: zmq.Socket | None = None
@@ -353,8 +368,10 @@ class MixtureLoader:
                 break
             self._ask(nxt, ahead)
         out = self._receive(self._inflight[0])
-        if self.tp_group is not None:
-            broadcast_tp(out, self.tp_group)
+        if self._fanout is not None:
+            self.fanout_bytes += fan_out(out, self._fanout, self.coords, self.groups)
+        elif self.groups.get("tp") is not None:
+            self.fanout_bytes += _broadcast_tp_counted(out, self.groups["tp"], self.coords.get("tp") == 0)
         if self.encoder_group is not None and "encoder_leader" in out:
             broadcast_encoder(out, self.encoder_group)
         self._handed = time.monotonic()
@@ -490,6 +507,9 @@ class MixtureLoader:
         self._inflight.popleft()
         self.next_step = step + 1
         self._cursor = msg.meta.get("cursor_after")
+        self.received_bytes += sum(a.nbytes for a in msg.arrays.values())
+        fan = msg.meta.get("fanout")
+        self._fanout = fan if isinstance(fan, dict) else None
         return self._to_tensors(msg, step)
 
     def _own_cursor(self) -> dict[str, Any] | None:
@@ -712,6 +732,68 @@ def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:
             continue
         dist.broadcast(t, src=src, group=group)
     batch["meta_only"] = torch.tensor(False)
+
+
+def _broadcast_tp_counted(batch: dict[str, torch.Tensor], group: Any, sender: bool) -> int:
+    """broadcast_tp; the bytes the sender sent (its tensors once per peer), 0 for a receiver."""
+    import torch.distributed as dist
+
+    sent = sum(t.nbytes for k, t in batch.items() if t.dim() and k not in ENCODER_FIELDS) * (dist.get_world_size(group) - 1)
+    broadcast_tp(batch, group)
+    return sent if sender else 0
+
+
+def fan_out(batch: dict[str, torch.Tensor], fanout: dict[str, Any], coords: dict[str, int],
+            groups: dict[str, Any]) -> int:
+    """Trainer-side half of broadcast_at('CP') / ('PP') (and 'TP'): the group's coordinate-0 rank, which fetched
+    what its group needs, sends each peer its part and keeps its own (the cut of
+    :func:`mixplane.parallelism.holding`, so the batch equals the one delivered without broadcast).
+
+    `fanout`: the STEP_DATA's ``fanout`` meta (axes in fan-out order, sizes, CP layout); `coords`: this rank's
+    backbone coordinates; `groups`: ``{axis: process group}`` for each broadcast axis, its ranks ordered by the
+    axis coordinate (Megatron's CP / PP / TP groups are). CP and PP peers get point-to-point sends (each its
+    own part), TP peers a broadcast. Every rank of the job calls it each step. Returns the bytes this rank sent.
+    """
+    import torch.distributed as dist
+
+    axes = [str(a) for a in fanout["axes"]]
+    missing = [a for a in axes if a != "tp" and groups.get(a) is None]
+    if missing:
+        raise DeliveryError(f"the plan broadcasts along {', '.join(a.upper() for a in axes)}: pass "
+                            f"groups={{{', '.join(repr(a) + ': ...' for a in missing)}}} to MixtureLoader")
+    opts = fanout_options(fanout)
+    sent = 0
+    for a in axes:
+        if not serves(a, coords, axes):
+            continue
+        g = groups.get(a)
+        if a == "tp":
+            if g is None:  # left to the trainer, as without a CP / PP broadcast: broadcast_tp(batch, tp_group)
+                if coords["tp"] != 0:
+                    return sent
+                continue
+            sent += _broadcast_tp_counted(batch, g, coords["tp"] == 0)
+            continue
+        names = sorted(k for k, t in batch.items() if t.dim() and k not in ENCODER_FIELDS)
+        if coords[a] != 0:  # receive this rank's holding into the buffers its metadata allocated
+            src = dist.get_global_rank(g, 0)
+            for k in names:
+                dist.recv(batch[k], src=src, group=g)
+            continue
+        held = {k: batch[k].numpy() for k in names}
+        for j in range(1, dist.get_world_size(g)):
+            part = narrow(held, a, j, **opts)
+            dst = dist.get_global_rank(g, j)
+            for k in sorted(n for n, v in part.items() if isinstance(v, np.ndarray)):
+                t = torch.from_numpy(np.ascontiguousarray(part[k]))
+                dist.send(t, dst=dst, group=g)
+                sent += t.nbytes
+        own = narrow(held, a, 0, **opts)
+        for k in names:
+            del batch[k]
+        batch.update({k: _tensor(v) for k, v in own.items() if isinstance(v, np.ndarray)})
+    batch["meta_only"] = torch.tensor(False)
+    return sent
 
 
 def broadcast_encoder(batch: dict[str, torch.Tensor], group: Any) -> None:

@@ -800,8 +800,9 @@ def place_tree_problems(overrides: Any, modules: list[str], path: str) -> list[P
     out = [Problem(f"{path}.{k}", f"unknown key {k!r} (allowed: {', '.join(PLACE_TREE_KEYS)})")
            for k in overrides if k not in PLACE_TREE_KEYS]
     bc = overrides.get("broadcast", ())
-    if not isinstance(bc, (list, tuple)) or any(str(a).lower() != "tp" for a in bc):
-        out.append(Problem(f"{path}.broadcast", f"only ['tp'] can be broadcast by the trainer (got {bc!r})"))
+    if not isinstance(bc, (list, tuple)) or any(str(a).lower() not in ("tp", "pp", "cp") for a in bc):
+        out.append(Problem(f"{path}.broadcast", f"only tp, pp and cp can be broadcast by the trainer (got {bc!r}; "
+                                                "DP replicas receive different data)"))
     per_mod = overrides.get("modules") or {}
     if not isinstance(per_mod, dict):
         return out + [Problem(f"{path}.modules", "expected a mapping of module name to {order, rank_map}")]

@@ -54,3 +54,21 @@ def test_megatron_batches_cp_cut_loss_and_resume(token_sources, tmp_path):
         a = next(x for x in ref[0] if (x["step"], x["mb"]) == k)
         b = next(x for x in ref[1] if (x["step"], x["mb"]) == k)
         assert a["full"] == b["full"] and a["ids"] != b["ids"]
+
+
+def test_megatron_cp_broadcast_delivers_megatrons_cut(token_sources, tmp_path):
+    """broadcast_at('CP') with megatron_groups(): CP rank 0 alone fetches, the client cuts the other rank's half;
+    Megatron's get_batch_on_this_cp_rank of the gathered rows is again what each rank holds, the loss checks hold."""
+    spec = parse_spec(token_mixture(token_sources["root"], topology={"modules": {"backbone": {"dp": 1, "cp": 2}}},
+                                    strategy={"name": "llm_balance", "options": {"broadcast": ["CP"]}},
+                                    runtime={"window": 64, "metrics": False}))
+    out = tmp_path / "out"
+    out.mkdir()
+    with EmbeddedRuntime(spec, tmp_path / "run") as rt:
+        assert torchrun("megatron_check.py", 2, [str(out), "broadcast", "2", "0"], rt.client_env(), out / "log.txt") == 0, \
+            (out / "log.txt").read_text()[-4000:]
+    got = records(out, 2)
+    for r in range(2):
+        assert [(x["step"], x["mb"]) for x in got[r]] == [(s, m) for s in range(2) for m in range(2)]
+    for a, b in zip(got[0], got[1]):
+        assert a["full"] == b["full"] and a["ids"] != b["ids"]

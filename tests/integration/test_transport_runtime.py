@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mixplane.client import MixtureLoader, microbatches
-from mixplane.constructor.parallel import cp_merge, zigzag_index
+from mixplane.parallelism import cp_merge, zigzag_index
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
 from tests.integration.test_runtime import as_client

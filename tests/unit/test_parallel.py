@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mixplane.planner.packing import pack_documents
-from mixplane.constructor.parallel import (META_ONLY, causal_work, cp_merge, cp_split, document_zigzag_index,
-                                           group_views, position_ids_from_cu_seqlens, pp_filter, rank_view,
-                                           tp_receives, zigzag_chunks, zigzag_index)
+from mixplane.parallelism import (META_ONLY, causal_work, cp_merge, cp_split, document_zigzag_index,
+                                  group_views, position_ids_from_cu_seqlens, pp_filter, rank_view,
+                                  tp_receives, zigzag_chunks, zigzag_index)
 
 
 def _row_batch(rows=3, S=32, seed=0):

@@ -244,21 +244,24 @@ def test_level_both_orders_documents_then_deals_rows():
         assert res["both_stats"]["level"] == "both"
 
 
-def test_broadcast_at_accepts_only_tp():
+def test_broadcast_at_accepts_tp_pp_cp_and_refuses_dp():
     spec = make_spec(model=MODEL)
     errors = {}
 
     def strategy(ctx):
         g = DGraph(ctx).mix()
-        for dim in ("PP", "CP", "DP", "XX"):
-            with pytest.raises(ValueError, match="allowed: TP") as e:
+        for dim in ("DP", "XX"):
+            with pytest.raises(ValueError, match="allowed: TP, PP, CP") as e:
                 g.broadcast_at(dim)
             errors[dim] = str(e.value)
         assert g.broadcast_at("tp").broadcast == ["tp"] and ctx.broadcast == ["tp"]
+        g.broadcast_at("CP").broadcast_at("pp")
+        assert ctx.broadcast == ["tp", "cp", "pp"]
+        assert np.array_equal(g.fetchers(), g.module.fetchers(["tp", "cp", "pp"]))
         return g.plan()
 
     plan_with(spec, strategy)
-    assert "not implemented" in errors["PP"] and "unknown" in errors["XX"]
+    assert "different data" in errors["DP"] and "unknown" in errors["XX"]
 
 
 def test_cp_shards_follow_the_zigzag_split():
@@ -388,3 +391,17 @@ def test_remix_with_exclusions_and_a_custom_schedule():
     plans = plan_with(spec, strategy)
     assert res["excluded_absent"] and res["only_s0"]
     assert set(plans[0].pieces.source.tolist()) == {0}
+
+
+def test_a_place_tree_broadcast_reaches_the_plan():
+    """The paper's way to broadcast selectively: override the ClientPlaceTree; the plan carries it to constructors."""
+    spec = make_spec(dp=2, pp=2, cp=2, model=MODEL, options={"place_tree": {"broadcast": ["pp", "cp"]}})
+    seen = {}
+
+    def strategy(ctx):
+        g = DGraph(ctx).mix()
+        seen["fetchers"] = int(g.fetchers().sum())
+        return g.plan()
+
+    plans = plan_with(spec, strategy)
+    assert plans[-1].broadcast == ("pp", "cp") and seen["fetchers"] == 2  # one rank per DP replica fetches

@@ -158,10 +158,12 @@ def test_anneal_needs_positive_weights(good):
     assert problems(good) == []
 
 
-def test_place_tree_broadcast_is_tp_only(good):
-    good["strategy"]["options"] = {"place_tree": {"broadcast": ["tp", "pp"]}}
-    assert problems(good) == ["strategy.options.place_tree.broadcast: only ['tp'] can be broadcast by the trainer "
-                              "(got ['tp', 'pp'])"]
+def test_place_tree_broadcast_is_tp_pp_or_cp(good):
+    good["strategy"]["options"] = {"place_tree": {"broadcast": ["tp", "pp", "cp"]}}
+    assert problems(good) == []
+    good["strategy"]["options"] = {"place_tree": {"broadcast": ["tp", "dp"]}}
+    assert problems(good) == ["strategy.options.place_tree.broadcast: only tp, pp and cp can be broadcast by the "
+                              "trainer (got ['tp', 'dp']; DP replicas receive different data)"]
 
 
 def test_seq_len_positive(good):

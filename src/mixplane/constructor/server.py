@@ -20,7 +20,7 @@ from mixplane.component import PlannerFollower
 from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
-from mixplane.constructor.parallel import META_ONLY, ViewKey, rank_view, view_key
+from mixplane.parallelism import META_ONLY, ViewKey, broadcast_axes, fanout_meta, rank_view, view_key
 from mixplane.layout import StepLayout
 from mixplane.metrics import handoff_metrics
 from mixplane.protocol import plan_cursor
@@ -168,7 +168,7 @@ class ConstructorServer(PlannerFollower):
                                  for si, src in enumerate(spec.sources) if src.kind == "image_text"}
         self._coords = {r: backbone_coords(spec, r) for r in range(spec.world_size)}  # rank -> backbone coordinates
         self._encoder_leader = encoder_leaders(spec)
-        # the server builds the 'row' zig-zag layout; the per-document (THD) layout of constructor.parallel
+        # the server builds the 'row' zig-zag layout; the per-document (THD) layout of mixplane.parallelism
         # needs rows packed with align=2*cp, which the planner does not do yet
         self.cp_layout = "row"
         if self.cp > 1 and spec.batch.seq_len % (2 * self.cp):
@@ -260,6 +260,10 @@ class ConstructorServer(PlannerFollower):
         bc = msg.meta.get("broadcast", [])
         if not (isinstance(bc, list) and all(isinstance(a, str) for a in bc)):
             raise WireError("PLAN_CONSTRUCTOR: field 'broadcast' must be a list of axis names")
+        try:
+            broadcast_axes(bc)
+        except ValueError as e:
+            raise WireError(f"PLAN_CONSTRUCTOR: field 'broadcast': {e}") from None
         st.broadcast = tuple(a.upper() for a in bc)
         self.m.constructor_pending_steps.set(sum(1 for s in self.steps.values() if not s.complete))
 
@@ -443,6 +447,10 @@ class ConstructorServer(PlannerFollower):
         for k in ("shapes", ENCODER_SHAPES):
             if k in view:
                 meta[k] = view[k]
+        axes = broadcast_axes(st.broadcast)
+        if "cp" in axes or "pp" in axes:  # the client's part of the fan-out (client.fan_out)
+            meta["fanout"] = fanout_meta(axes, cp=self.cp, pp=self.pp, cp_mode=self.cp_layout, seq_len=lay.seq_len,
+                                         token_fields=self.hook_token_fields)
         extra = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k not in ("shapes", ENCODER_SHAPES, META_ONLY)}
         if extra:
             meta["extra"] = extra

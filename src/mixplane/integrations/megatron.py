@@ -7,7 +7,7 @@ iterator; :func:`get_batch` is that function::
 
     from mixplane.integrations.megatron import MegatronDataIterator, get_batch, load_megatron_state
 
-    it = MegatronDataIterator(MixtureLoader(coords={"dp": dp, "pp": pp, "cp": cp, "tp": tp}, tp_group=tp_group))
+    it = MegatronDataIterator(MixtureLoader(coords={"dp": dp, "pp": pp, "cp": cp, "tp": tp}, groups=megatron_groups()))
     if resuming: it.restore_state(load_megatron_state(args.dataloader_save, iteration, dp_rank))
     def forward_step(data_iterator, model):
         tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(data_iterator)
@@ -25,7 +25,9 @@ max_seqlen_q/kv)`` over the flattened rows (``packed=False``: no packed params a
 Where Megatron reads them: the data plane delivers each rank its view — the first pipeline stage gets the
 inputs (``tokens``, ``position_ids``), the last the targets (``labels``, ``loss_mask``), middle stages None for
 all of them (as Megatron's ``get_batch`` returns on those stages); under ``broadcast_at('TP')`` TP rank 0
-receives and ``MixtureLoader(tp_group=...)`` broadcasts to the other TP ranks; a CP rank gets its zig-zag shard
+receives and ``MixtureLoader(groups=...)`` broadcasts to the other TP ranks, and under ``broadcast_at('CP')`` /
+``('PP')`` the group's rank 0 receives for the group and the client fans it out (:func:`megatron_groups` gives
+Megatron's CP / PP / TP groups, each ordered by its coordinate); a CP rank gets its zig-zag shard
 of every row — chunks ``r`` and ``2·cp−1−r``, exactly what Megatron's ``get_batch_on_this_cp_rank`` cuts (do not
 cut it again) — with ``cp_token_index`` naming the positions it holds.
 
@@ -58,6 +60,15 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
     allowed = (doc[:, :, None] == doc[:, None, :]) & causal
     return ~allowed[:, None]
+
+
+def megatron_groups() -> dict[str, Any]:
+    """Megatron-Core's process groups for the client's fan-outs (``MixtureLoader(groups=...)``): context, pipeline
+    and tensor parallel, each ordered by its coordinate. Call after ``initialize_model_parallel``."""
+    from megatron.core import parallel_state as mpu
+
+    return {"cp": mpu.get_context_parallel_group(), "pp": mpu.get_pipeline_model_parallel_group(),
+            "tp": mpu.get_tensor_model_parallel_group()}
 
 
 def megatron_batch(mb: dict[str, torch.Tensor], *, packed: bool = True) -> dict[str, Any]:

@@ -559,7 +559,7 @@ class PlanContext:
         self.tree = tree if tree is not None else ClientPlaceTree.from_spec(spec)
         self._mixer = mixer
         self._buffer = buffer
-        self.broadcast: list[str] = []
+        self.broadcast: list[str] = list(self.tree.broadcast)  # a place_tree override broadcasts as broadcast_at does
         self.stats: dict[str, Any] = {}
         # build_layout's own pairing for the layout it built: (layout, piece of every segment, piece of every
         # image); the coverage check verifies it instead of searching for one

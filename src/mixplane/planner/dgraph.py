@@ -7,7 +7,7 @@ primitive, how they are to be distributed over the ClientPlaceTree:
     g.distribute(axis="DP")                        # buckets = DP replicas, bins = their microbatches
     g.cost(backbone_cost(ctx.spec))                # per-sample cost (FLOPs) from metadata
     g.balance(method="greedy", level="inter")      # move work so every bucket / bin costs the same
-    g.broadcast_at("TP")                           # only tp = 0 ranks fetch; the trainer broadcasts
+    g.broadcast_at("TP")                           # only tp = 0 ranks fetch; the trainer broadcasts (also PP, CP)
     layout = g.plan()                              # the StepLayout constructors materialise
 
 Nodes are *pieces*: token spans of samples (a document longer than seq_len is split into pieces,
@@ -27,14 +27,13 @@ from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
 from mixplane.planner import layoutloop
 from mixplane.planner.cost import CostFn, TransformerFlops
-from mixplane.spec import AXES
 
 if TYPE_CHECKING:  # core imports this module (lazily); the types only
     from mixplane.planner.core import PlanContext
     from mixplane.topology import ClientPlaceTree
 
 LEVELS = ("inter", "intra", "both")
-BROADCAST_DIMS = ("tp",)  # the broadcasts constructors and the client implement
+BROADCAST_DIMS = ("tp", "pp", "cp")  # the broadcasts constructors and the client implement (parallelism.FANOUT_ORDER)
 
 
 class DGraphError(MixplaneError, ValueError):
@@ -173,13 +172,15 @@ class DGraph:
         return self
 
     def broadcast_at(self, dim: str) -> "DGraph":
-        """The trainer broadcasts along `dim`: only coordinate-0 ranks fetch data. Only 'TP' is accepted:
-        constructors (`tp_receives`) and the client (`broadcast_tp`) implement no other broadcast, so a
-        PP / CP / DP broadcast would leave ranks without data."""
+        """The trainer broadcasts along `dim` ('TP', 'PP' or 'CP'): only the group's coordinate-0 rank fetches
+        what the group needs (CP: the whole sequence; PP: every stage's fields) and the client fans it out
+        (`client.fan_out`; TP: `broadcast_tp`). 'DP' is refused: DP replicas train on different data, a DP
+        group shares nothing one rank could fetch for the others."""
         d = str(dim).lower()
         if d not in BROADCAST_DIMS:
             allowed = ", ".join(a.upper() for a in BROADCAST_DIMS)
-            why = "not implemented by constructors and client" if d in AXES else "unknown dimension"
+            why = ("DP replicas receive different data: nothing is shared within a DP group" if d == "dp"
+                   else "unknown dimension")
             raise DGraphError(f"step {self.ctx.step}: broadcast_at: {dim!r}: {why}; allowed: {allowed}")
         if d not in self.broadcast:
             self.broadcast.append(d)
@@ -189,8 +190,9 @@ class DGraph:
         return self
 
     def fetchers(self) -> np.ndarray:
-        """Mask of global ranks that fetch from their Data Constructor under the recorded broadcasts."""
-        return self.module.fetchers(self.broadcast)
+        """Mask of global ranks that fetch from their Data Constructor under the step's broadcasts (those
+        recorded here and the ClientPlaceTree's)."""
+        return self.module.fetchers(self.root.ctx.broadcast)
 
     def on(self, event: str, fn: Callable[["DGraph"], None]) -> "DGraph":
         """Call fn(graph) after 'cost', 'balance' or before 'plan' (hooks for custom policies)."""

@@ -18,7 +18,7 @@ remainder that is packed like any other piece; ``truncate`` keeps the first ``se
 ``drop`` skips the document. Every policy reports the tokens it did not deliver.
 
 ``align`` rounds each piece's footprint in its row up to a multiple (e.g. ``2 * cp`` for the
-per-document context-parallel layout of :mod:`mixplane.constructor.parallel`); the rounding is padding.
+per-document context-parallel layout of :mod:`mixplane.parallelism`); the rounding is padding.
 """
 
 from __future__ import annotations

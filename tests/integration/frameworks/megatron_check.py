@@ -27,7 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from mixplane.client import MixtureLoader
-from mixplane.integrations.megatron import MegatronDataIterator, get_batch, load_megatron_state, save_megatron_state
+from mixplane.integrations.megatron import (MegatronDataIterator, get_batch, load_megatron_state, megatron_groups,
+                                            save_megatron_state)
 
 MB = 2
 
@@ -58,7 +59,9 @@ def main() -> int:
     with torch.no_grad():  # larger embeddings (shared with the output layer): logits far from uniform
         model.embedding.word_embeddings.weight.normal_(0.0, 1.0)
 
-    loader = MixtureLoader(coords={"dp": dp_rank, "pp": 0, "cp": cp_rank, "tp": 0})
+    # mode "broadcast": the plan says broadcast_at('CP'); CP rank 0 fetches whole rows and fans them out
+    groups = megatron_groups() if mode == "broadcast" else None
+    loader = MixtureLoader(coords={"dp": dp_rank, "pp": 0, "cp": cp_rank, "tp": 0}, groups=groups)
     it = MegatronDataIterator(loader, num_microbatches=MB)
     first = 0
     if mode == "resume":
@@ -106,6 +109,8 @@ def main() -> int:
         if mode == "train" and step + 1 == save_at:
             save_megatron_state(it, os.path.join(out, "dataloader"), save_at, dp_rank)
     rec.close()
+    if mode == "broadcast":  # only CP rank 0 got tensors from its constructor
+        assert (loader.received_bytes > 0) == (cp_rank == 0) and (loader.fanout_bytes > 0) == (cp_rank == 0)
     loader.close()
     dist.barrier()
     dist.destroy_process_group()

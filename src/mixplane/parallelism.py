@@ -1,5 +1,8 @@
 """Parallelism transforms: what each rank of a CP / PP / TP group receives (pure functions on numpy).
 
+Shared by the Data Constructor, which cuts every rank's view, and the trainer client, which runs its part of
+a selective broadcast's fan-out with the very same cuts.
+
 A Data Constructor materialises one batch per data-parallel rank and microbatch (see
 :mod:`mixplane.constructor.collate`), then derives every rank's view with these functions. Ranks of
 one CP / PP / TP group therefore share one delivery path: the batch is read and decoded once, CP
@@ -28,6 +31,16 @@ loss needs, middle stages only metadata (``cu_seqlens``, ``max_seqlen``, step, s
 Tensor parallelism: without ``broadcast_at('TP')`` every TP rank gets identical copies (the same
 buffers); with it only tp = 0 receives tensors and the others get metadata (names, dtypes, shapes)
 so they can allocate the receive buffers of the trainer-side broadcast.
+
+Selective broadcast on CP and PP (``broadcast_at('CP')`` / ``('PP')``): the group's coordinate-0 rank
+fetches what the whole group needs and the trainer fans it out (:func:`mixplane.client.fan_out`). The
+fan-out runs top-down over the ClientPlaceTree, one axis after the other in :data:`FANOUT_ORDER` (CP, PP,
+TP); at each axis the ranks whose coordinates on the later broadcast axes are 0 take part, coordinate 0
+sends and the others receive. What a rank *holds* when it has received (:func:`holding`) is the DP batch
+narrowed (:func:`narrow`) to its own coordinate on every axis, except an axis it still has to serve:
+there it holds the whole sequence (CP) or the fields of every stage (PP). Narrowing a holding to the
+rank's own coordinates gives exactly :func:`rank_view`'s cut, so batches are identical with or
+without the broadcast.
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+
+from mixplane.errors import MixplaneError
 
 # per-token fields whose last axis is the sequence
 TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask", "doc_ids", "image_token_mask",
@@ -91,13 +106,17 @@ def _token_fields(batch: Mapping[str, Any], seq_len: int, fields: Iterable[str] 
 
 
 def cp_split(batch: Mapping[str, Any], cp: int, cp_rank: int, *, mode: str = "row",
-             token_fields: Iterable[str] | None = None) -> dict[str, Any]:
-    """This CP rank's shard of a batch. cp = 1 returns the batch unchanged (same buffers)."""
+             token_fields: Iterable[str] | None = None, seq_len: int | None = None) -> dict[str, Any]:
+    """This CP rank's shard of a batch. cp = 1 returns the batch unchanged (same buffers). `seq_len`: the
+    row length when the batch holds no token field (a middle pipeline stage's fields)."""
     if cp == 1:
         return dict(batch)
     if mode == "row":
-        ids = batch["input_ids"] if "input_ids" in batch else next(batch[f] for f in TOKEN_FIELDS if f in batch)
-        S = int(ids.shape[-1])
+        ids = batch["input_ids"] if "input_ids" in batch else next(
+            (batch[f] for f in (*TOKEN_FIELDS, *(token_fields or ())) if f in batch), None)
+        if ids is None and seq_len is None:
+            raise ValueError("row CP layout: the batch has no token field and no seq_len was given")
+        S = int(ids.shape[-1]) if ids is not None else int(seq_len)  # type: ignore[arg-type]
         idx = zigzag_index(S, cp, cp_rank)
         out = dict(batch)
         for f in _token_fields(batch, S, token_fields):
@@ -217,10 +236,99 @@ def position_ids_from_cu_seqlens(cu_seqlens: np.ndarray) -> np.ndarray:
     return (np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)).astype(np.int32)
 
 
+# ---------------------------------------------------------------------------- selective broadcast
+#: the order the trainer fans a group's data out in: top-down over the ClientPlaceTree (a CP consumer
+#: above the pipeline stages and TP peers that share its data)
+FANOUT_ORDER = ("cp", "pp", "tp")
+WHOLE = -1  # ViewKey.cp_rank of a holding that keeps the whole sequence (it still serves its CP group)
+UNION = "union"  # ViewKey.pp_role of a holding that keeps every stage's fields (it still serves its PP group)
+
+
+class BroadcastError(MixplaneError, ValueError):
+    """An axis the trainer cannot broadcast along (names the axis and why)."""
+
+
+def broadcast_axes(broadcast_at: Iterable[str]) -> tuple[str, ...]:
+    """The broadcast axes, lower case, in fan-out order. DP is refused: DP replicas train on different
+    data, so there is nothing a DP group shares that one rank could fetch for the others."""
+    got = {str(a).lower() for a in broadcast_at}
+    if "dp" in got:
+        raise BroadcastError("broadcast_at('DP'): DP replicas receive different data, there is nothing to "
+                             "fetch once for a DP group (distribute('CP') makes DP x CP ranks uniform consumers)")
+    bad = sorted(got - set(FANOUT_ORDER))
+    if bad:
+        raise BroadcastError(f"cannot broadcast along {', '.join(map(repr, bad))} (axes: TP, PP, CP)")
+    return tuple(a for a in FANOUT_ORDER if a in got)
+
+
+def serves(axis: str, coords: Mapping[str, int], axes: Iterable[str]) -> bool:
+    """Whether a rank at `coords` takes part in the fan-out along `axis` (coordinate 0 of every later
+    broadcast axis: it holds data by then); with coordinate 0 on `axis` it sends, else it receives."""
+    axes = tuple(axes)
+    if axis not in axes:
+        return False
+    return all(int(coords[b]) == 0 for b in axes[axes.index(axis) + 1:])
+
+
+def holds_whole(axis: str, coords: Mapping[str, int], axes: Iterable[str]) -> bool:
+    """Whether a rank's holding keeps `axis` whole: it is the sender of the fan-out along it."""
+    return serves(axis, coords, axes) and int(coords[axis]) == 0
+
+
+def receive_axis(coords: Mapping[str, int], axes: Iterable[str]) -> str | None:
+    """The axis along which a rank receives its holding (None: it fetches from its constructor)."""
+    got = None
+    for a in axes:
+        if int(coords[a]) != 0:
+            got = a
+    return got
+
+
+def narrow(view: Mapping[str, Any], axis: str, coord: int, *, cp: int, pp: int, cp_mode: str = "row",
+           seq_len: int | None = None, token_fields: Iterable[str] | None = None) -> dict[str, Any]:
+    """A holding narrowed to coordinate `coord` of `axis`: CP rank `coord`'s shard, PP stage `coord`'s
+    fields, the same view for a TP rank."""
+    if axis == "cp":
+        return cp_split(view, cp, coord, mode=cp_mode, token_fields=token_fields, seq_len=seq_len)
+    if axis == "pp":
+        return pp_filter(view, coord, pp)
+    if axis == "tp":
+        return dict(view)
+    raise BroadcastError(f"cannot narrow along {axis!r}")
+
+
+def holding(batch: Mapping[str, Any], coords: Mapping[str, int], axes: Iterable[str], *, cp: int, pp: int,
+            cp_mode: str = "row", seq_len: int | None = None, token_fields: Iterable[str] | None = None) -> dict[str, Any]:
+    """What a rank at `coords` ({cp, pp, tp}) holds once it has its data: the DP batch narrowed to its
+    coordinates, except along the axes it still serves (:func:`holds_whole`)."""
+    axes = tuple(axes)
+    v = dict(batch)
+    for a in ("cp", "pp"):
+        if not holds_whole(a, coords, axes):
+            v = narrow(v, a, int(coords[a]), cp=cp, pp=pp, cp_mode=cp_mode, seq_len=seq_len, token_fields=token_fields)
+    return v
+
+
+def fanout_meta(axes: Iterable[str], *, cp: int, pp: int, cp_mode: str, seq_len: int,
+                token_fields: Iterable[str] = ()) -> dict[str, Any]:
+    """What a client needs to run its part of the fan-out (sent with every STEP_DATA under CP / PP broadcasts);
+    `token_fields`: those a constructor hook added (CP cuts them like input_ids)."""
+    return {"axes": list(axes), "cp": int(cp), "pp": int(pp), "cp_mode": cp_mode, "seq_len": int(seq_len),
+            "token_fields": list(token_fields)}
+
+
+def fanout_options(fanout: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`narrow`'s options from a :func:`fanout_meta` (the token fields as :func:`rank_view` cuts them)."""
+    extra = tuple(str(f) for f in fanout.get("token_fields") or ())
+    return {"cp": int(fanout["cp"]), "pp": int(fanout["pp"]), "cp_mode": str(fanout["cp_mode"]),
+            "seq_len": int(fanout["seq_len"]), "token_fields": (*TOKEN_FIELDS, *extra) if extra else None}
+
+
 # ---------------------------------------------------------------------------- one rank's view
 @dataclass(frozen=True)
 class ViewKey:
-    """Ranks with equal keys receive byte-identical messages: the constructor builds one and sends it to all."""
+    """Ranks with equal keys receive byte-identical messages: the constructor builds one and sends it to all.
+    cp_rank is WHOLE and pp_role UNION for a holding that still serves its CP / PP group."""
 
     cp_rank: int
     pp_role: str
@@ -228,20 +336,35 @@ class ViewKey:
 
 
 def view_key(cp_rank: int, pp_stage: int, pp: int, tp_rank: int, broadcast_at: Iterable[str] = ()) -> ViewKey:
-    return ViewKey(cp_rank, pp_role(pp_stage, pp), tp_receives(tp_rank, broadcast_at))
+    axes = broadcast_axes(broadcast_at)
+    c = {"cp": cp_rank, "pp": pp_stage, "tp": tp_rank}
+    return ViewKey(WHOLE if holds_whole("cp", c, axes) else cp_rank,
+                   UNION if holds_whole("pp", c, axes) else pp_role(pp_stage, pp),
+                   receive_axis(c, axes) is None)
 
 
 def rank_view(batch: Mapping[str, Any], *, cp: int = 1, cp_rank: int = 0, pp: int = 1, pp_stage: int = 0,
               tp_rank: int = 0, broadcast_at: Iterable[str] = (), cp_mode: str = "row",
               extra_token_fields: Iterable[str] = ()) -> dict[str, Any]:
     """Exactly what one backbone rank receives of a data-parallel rank's batch: CP shard, PP filter, TP rule.
-    `extra_token_fields`: fields a constructor hook added that context parallelism cuts like input_ids."""
+    `extra_token_fields`: fields a constructor hook added that context parallelism cuts like input_ids.
+
+    Under broadcasts the rank receives its :func:`holding` (tensors when it fetches, else metadata only:
+    the shapes of what the fan-out will bring it) with the scalars of its own view."""
     extra = tuple(extra_token_fields)
-    view = cp_split(batch, cp, cp_rank, mode=cp_mode, token_fields=(*TOKEN_FIELDS, *extra) if extra else None)
+    fields = (*TOKEN_FIELDS, *extra) if extra else None
+    axes = broadcast_axes(broadcast_at)
+    view = cp_split(batch, cp, cp_rank, mode=cp_mode, token_fields=fields)
     view = pp_filter(view, pp_stage, pp)
-    if not tp_receives(tp_rank, broadcast_at):
-        view = metadata_only(view)
-    return view
+    c = {"cp": cp_rank, "pp": pp_stage, "tp": tp_rank}
+    fetches = receive_axis(c, axes) is None
+    if not (holds_whole("cp", c, axes) or holds_whole("pp", c, axes)):  # the holding is the view
+        return view if fetches else metadata_only(view)
+    held = holding(batch, c, axes, cp=cp, pp=pp, cp_mode=cp_mode, token_fields=fields)
+    scalars = {k: v for k, v in view.items() if not isinstance(v, np.ndarray) and k != "shapes"}
+    if not fetches:
+        return {**metadata_only(held), **scalars}
+    return {**{k: v for k, v in held.items() if isinstance(v, np.ndarray)}, **scalars}
 
 
 def group_views(batch: Mapping[str, Any], coords: Iterable[tuple[int, int, int]], *, cp: int, pp: int,
@@ -251,16 +374,20 @@ def group_views(batch: Mapping[str, Any], coords: Iterable[tuple[int, int, int]]
     Returns the distinct views by key and the key of each coordinate in input order.
     """
     broadcast_at = tuple(broadcast_at)
-    shards: dict[int, dict[str, Any]] = {}
     views: dict[ViewKey, dict[str, Any]] = {}
     keys: list[ViewKey] = []
     for cp_rank, pp_stage, tp_rank in coords:
         key = view_key(cp_rank, pp_stage, pp, tp_rank, broadcast_at)
         keys.append(key)
-        if key in views:
-            continue
-        if cp_rank not in shards:
-            shards[cp_rank] = cp_split(batch, cp, cp_rank, mode=cp_mode)
-        v = pp_filter(shards[cp_rank], pp_stage, pp)
-        views[key] = v if key.receives else metadata_only(v)
+        if key not in views:
+            views[key] = rank_view(batch, cp=cp, cp_rank=cp_rank, pp=pp, pp_stage=pp_stage, tp_rank=tp_rank,
+                                   broadcast_at=broadcast_at, cp_mode=cp_mode)
     return views, keys
+
+
+def bytes_per_step(batch: Mapping[str, Any], coords: Iterable[tuple[int, int, int]], *, cp: int, pp: int,
+                   broadcast_at: Iterable[str] = (), cp_mode: str = "row") -> tuple[int, int]:
+    """(tensor bytes, messages carrying tensors) a constructor sends for one DP batch to the ranks at `coords`."""
+    views, keys = group_views(batch, coords, cp=cp, pp=pp, broadcast_at=broadcast_at, cp_mode=cp_mode)
+    per = [sum(v.nbytes for v in views[k].values() if isinstance(v, np.ndarray)) for k in keys]
+    return sum(per), sum(1 for k in keys if views[k] and not views[k].get(META_ONLY))
