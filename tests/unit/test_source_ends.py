@@ -209,3 +209,19 @@ def test_the_pass_of_a_split_documents_later_piece_is_its_rows():
     pieces = [piece_key(k, p) for k in keys for p in (0, 1, 4095)]
     assert sample_pass(np.array(pieces)).tolist() == [int(key_epoch(k)) for k in keys for _ in range(3)]
     assert any(k < 0 for k in pieces)
+
+
+def test_a_capped_source_is_not_re_partitioned_and_a_rows_source_takes_no_live_share():
+    from mixplane.repartition import RepartitionError
+
+    planner = StepPlanner(spec(a={"max_epochs": 2}))
+    plan_steps(planner, 2)
+    with pytest.raises(RepartitionError, match="source 'a': a source with a limit on its passes"):
+        planner.repartition(0, 2)
+    planner.repartition(1, 2)  # an uncapped one still is
+
+    planner = StepPlanner(spec(sources=4, mixture={"weights": {"a": 0.5, "b": 0.5}, "rows": {"d": 2}}))
+    with pytest.raises(ValueError, match="weights.d: source 'd' is weighted by rows"):
+        planner.apply_update({"weights": {"d": 0.3}})
+    event, _ = planner.apply_update({"weights": {"a": 0.2, "d": 0}})
+    assert event["generation"] == 1

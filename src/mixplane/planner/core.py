@@ -792,6 +792,11 @@ class StepPlanner:
                        update_id: str | None = None) -> dict[str, Any]:
         """New weights from `effective_step` on (a new spec generation) until the next scheduled boundary;
         returns the journal event. Steps already planned cannot change: effective_step must be >= next_step."""
+        rows = self.spec.mixture.rows
+        shared = sorted(n for n, w in weights.items() if n in rows and w != 0)
+        if shared:
+            raise ValueError(f"weights.{shared[0]}: source {shared[0]!r} is weighted by rows (mixture.rows.{shared[0]}); "
+                             "it takes no share weight")
         planned_through = self.next_step - 1
         seg = self.schedule.update(weights, effective_step, generation, lr_scale,
                                    planned_through=planned_through, temperature=temperature)
@@ -939,6 +944,11 @@ class StepPlanner:
         if src.live:
             raise RepartitionError(f"source {src.name!r}: a live source is read by one partition; it cannot be "
                                    "re-partitioned")
+        if self._caps[source] is not None:
+            # the remainders of the old partitions are read one after another: a partition past its last pass
+            # would come before another's rows still in it, and the pass cap decides from stream order
+            raise RepartitionError(f"source {src.name!r}: a source with a limit on its passes (max_epochs, "
+                                   "oversample: false) cannot be re-partitioned")
         old = self.partitions(source)
         self.store.sync(drop=False)
         cursors = []
@@ -1150,6 +1160,9 @@ class StepPlanner:
             c_tok, c_done, off = all_tok, all_done, st.base
             if elig is not None:  # a capped window's allowed samples are a prefix of it (epochs only grow)
                 ends = off[:-1] + np.bincount(st.win[elig], minlength=len(off) - 1).astype(np.int64)
+                if not np.array_equal(elig, np.arange(len(elig)) < ends[st.win]):  # (they are: a guard)
+                    raise RuntimeError(f"step {step}: a window holds a sample of an allowed pass after one past its "
+                                       "source's last pass")
         else:
             cwi, cei, off = self.candidates(exclude)
             flat = st.base[cwi] + cei  # index into the columns
