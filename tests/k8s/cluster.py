@@ -43,6 +43,7 @@ K8S_VERSION = "1.20.2"
 REPO = Path(__file__).resolve().parents[2]
 PROJECT_VERSION = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore[union-attr]
 BUILD_SCRIPT = REPO / "scripts" / "k8s" / "build.sh"
+FAILURES_DIR = Path("/tmp/mixplane-k8s-failures")  # Cluster.keep_logs: a failed test's pod logs, past pytest's tmp rotation
 ADVERTISE_ADDRESS = "10.0.0.1"
 CONTROLLERS = ("garbagecollector", "deployment", "replicaset", "statefulset", "namespace", "serviceaccount",
                "serviceaccount-token", "disruption", "job", "endpoint", "pvc-protection")
@@ -404,6 +405,44 @@ class Cluster:
     def log(self, name: str) -> str:
         p = self.workdir / "logs" / f"{name}.log"
         return p.read_text(errors="replace") if p.exists() else ""
+
+    def keep_logs(self, ns: str, why: str = "") -> Path:
+        """A failed test's evidence, kept past pytest's tmp rotation: every pod's full logs (all containers, and the
+        previous run of restarted ones), the namespace's pods / events / endpoints, the node's REJECT counts and
+        kube-proxy log, and the conntrack lines of the namespace's Service addresses. Returns the directory."""
+        d = FAILURES_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{ns}"[:120]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "why.txt").write_text(why)
+        try:
+            pods = json.loads(self.kubectl("get", "pods", "-n", ns, "-o", "json", check=False).stdout or "{}").get("items", [])
+        except json.JSONDecodeError:
+            pods = []
+        for p in pods:
+            name = p["metadata"]["name"]
+            for ctr in p["spec"]["containers"]:
+                for prev in ("", "--previous"):
+                    out = self.kubectl("-n", ns, "logs", name, "-c", ctr["name"], "--timestamps", *([prev] if prev else []),
+                                       check=False)
+                    if out.stdout or not prev:
+                        (d / f"{name}.{ctr['name']}{'.previous' if prev else ''}.log").write_text(out.stdout + out.stderr)
+        (d / "state.txt").write_text("\n".join(
+            self.kubectl(*a, check=False).stdout for a in (
+                ("get", "pods,services,endpoints,deployments,statefulsets,jobs", "-n", ns, "-o", "wide"),
+                ("get", "events", "-n", ns, "--sort-by=.lastTimestamp"),
+                ("get", "services,endpoints", "-n", ns, "-o", "yaml"))))
+        if self.node is not None:
+            from tests.k8s import node as nodemod
+
+            (d / "rejects.json").write_text(json.dumps(nodemod.reject_counts()))
+            ips = {s["spec"].get("clusterIP") for s in json.loads(self.kubectl(
+                "get", "services", "-n", ns, "-o", "json", check=False).stdout or '{"items": []}')["items"]} - {None, "None"}
+            ct = self.workdir / "logs" / "conntrack.log"
+            lines = [ln for ln in (ct.read_text(errors="replace").splitlines() if ct.exists() else [])
+                     if any(f"dst={ip} " in ln for ip in ips)]
+            (d / "conntrack-services.log").write_text("\n".join(lines) + "\n")
+            if (self.workdir / "logs" / "kube-proxy.log").exists():
+                shutil.copy(self.workdir / "logs" / "kube-proxy.log", d / "kube-proxy.log")
+        return d
 
     # ---- internals ----
     def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cgroup: bool = True,

@@ -12,7 +12,8 @@
 Network discipline (while the cluster runs): the cluster's host processes sit in a cgroup-v2 group of their own;
 filter rules reject whatever they, or any container (a source in the bridge range), send to a destination outside
 loopback, the bridge, and the service range; the link-local range (169.254/16, the metadata service) is rejected
-by a rule of its own that counts. mangle rules mark the cluster's connections (MARK), and `conntrack -E` logs every
+by a rule of its own that counts, and so is traffic to the service range that kube-proxy neither translated nor
+refused (a Service whose rules it is changing: such a SYN would leave by the default route, see egress_rules). mangle rules mark the cluster's connections (MARK), and `conntrack -E` logs every
 new connection, so a test can show that none went anywhere else (`egress_report`).
 
 Host state left as it was: the iptables rules are removed (kube-proxy's by `kube-proxy --cleanup`), docker0
@@ -148,8 +149,12 @@ def _umount_under(*roots: Path) -> None:
             subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
+UNTRANSLATED = "mixplane-service-untranslated"  # the comment of the rules that refuse untranslated ClusterIP traffic
+
+
 def egress_rules(cgroup: str) -> list[tuple[str, str, list[str]]]:
-    """(table, chain, rule) of the discipline: filter rules that reject, mangle rules that mark (for conntrack)."""
+    """(table, chain, rule) of the discipline: filter rules that reject, mangle rules that mark (for conntrack).
+    The jumps into CHAIN are inserted first; the UNTRANSLATED rules are appended last (see below)."""
     rules: list[tuple[str, str, list[str]]] = []
     # the chain every path into / through the host jumps to; sources: the containers, and the cluster's processes.
     # Only what they open is judged: a reply (to the host's own connection into a pod, e.g. the API server calling a
@@ -162,26 +167,42 @@ def egress_rules(cgroup: str) -> list[tuple[str, str, list[str]]]:
     rules.append(("filter", "INPUT", ["-s", POD_CIDR, "-j", CHAIN]))
     rules.append(("filter", "FORWARD", ["-s", POD_CIDR, "-j", CHAIN]))
     rules.append(("filter", "OUTPUT", ["-m", "cgroup", "--path", cgroup, "-j", CHAIN]))
+    # A ClusterIP is a destination only before kube-proxy's DNAT (nat PREROUTING / OUTPUT, which run before these
+    # filter chains); kube-proxy itself refuses a Service without ready endpoints (its KUBE-SERVICES jumps, first in
+    # FORWARD / OUTPUT after CHAIN's). What comes past both was neither translated nor refused: a Service whose rules
+    # kube-proxy is changing or has not written yet. Let through, such a SYN took the host's default route out of
+    # the machine, and its retransmissions kept the untranslated conntrack entry, so the connect hung for the
+    # kernel's SYN retries (~127 s) while every new connection was served (test_e2e[remote]'s flake: a constructor
+    # that never registered). Refused (and counted) here, last in the chains, the component's next try is a new
+    # connection that kube-proxy's rules of that moment translate.
+    comment = ["-m", "comment", "--comment", UNTRANSLATED]
+    rules.append(("filter", "FORWARD", ["-s", POD_CIDR, "-d", SERVICE_CIDR, *comment, "-j", "REJECT"]))
+    rules.append(("filter", "OUTPUT", ["-m", "cgroup", "--path", cgroup, "-d", SERVICE_CIDR, *comment, "-j", "REJECT"]))
     rules.append(("mangle", "PREROUTING", ["-s", POD_CIDR, "-j", "CONNMARK", "--set-mark", MARK]))
     rules.append(("mangle", "OUTPUT", ["-m", "cgroup", "--path", cgroup, "-j", "CONNMARK", "--set-mark", MARK]))
     return rules
 
 
+def _appended(rule: list[str]) -> bool:
+    return UNTRANSLATED in rule
+
+
 def install_egress(cgroup: str) -> None:
     _sh("iptables", "-t", "filter", "-N", CHAIN)
     for table, chain, rule in egress_rules(cgroup):
-        if chain == CHAIN:
+        if chain == CHAIN or _appended(rule):
             _sh("iptables", "-t", table, "-A", chain, *rule)
         else:
             _sh("iptables", "-t", table, "-I", chain, "1", *rule)
 
 
 def reinstall_jumps(cgroup: str) -> None:
-    """Put the jumps back in first place (kube-proxy inserts its own chains' jumps at the top)."""
+    """Put the jumps back in first place (kube-proxy inserts its own chains' jumps at the top), the UNTRANSLATED
+    rules back last."""
     for table, chain, rule in egress_rules(cgroup):
         if chain != CHAIN and table == "filter":
             _sh("iptables", "-t", table, "-D", chain, *rule, check=False)
-            _sh("iptables", "-t", table, "-I", chain, "1", *rule)
+            _sh("iptables", "-t", table, "-A" if _appended(rule) else "-I", chain, *([] if _appended(rule) else ["1"]), *rule)
 
 
 def remove_egress(cgroup: str) -> None:
@@ -194,13 +215,20 @@ def remove_egress(cgroup: str) -> None:
 
 
 def reject_counts() -> dict[str, int]:
-    """Packets the discipline's REJECT rules refused so far: {"link-local": n, "other": n}."""
-    r = _sh("iptables", "-t", "filter", "-L", CHAIN, "-v", "-x", "-n", check=False)
-    out = {"link-local": 0, "other": 0}
-    for line in r.stdout.splitlines():
-        f = line.split()
-        if len(f) >= 9 and f[2] == "REJECT":
-            out["link-local" if f[8] == LINK_LOCAL else "other"] += int(f[0])
+    """Packets the discipline's REJECT rules refused so far: {"link-local": n, "service-untranslated": n,
+    "other": n} (service-untranslated: to a ClusterIP that kube-proxy neither translated nor refused, see
+    egress_rules)."""
+    out = {"link-local": 0, "service-untranslated": 0, "other": 0}
+    for chain in (CHAIN, "FORWARD", "OUTPUT"):
+        r = _sh("iptables", "-t", "filter", "-L", chain, "-v", "-x", "-n", check=False)
+        for line in r.stdout.splitlines():
+            f = line.split()
+            if len(f) < 9 or f[2] != "REJECT":
+                continue
+            if UNTRANSLATED in line:
+                out["service-untranslated"] += int(f[0])
+            elif chain == CHAIN:
+                out["link-local" if f[8] == LINK_LOCAL else "other"] += int(f[0])
     return out
 
 
@@ -223,6 +251,14 @@ def conntrack_events(log: Path) -> list[dict[str, Any]]:
         out.append({"proto": proto, "src": m.group(1), "dst": m.group(2), "dport": int(dport.group(1)) if dport else None,
                     "line": line})
     return out
+
+
+def untranslated(event: dict[str, Any]) -> bool:
+    """A connection to the service range that no DNAT translated (its reply would come from the ClusterIP itself):
+    one that left the host (the REJECT rule refuses them before a connection is confirmed, so none is logged)."""
+    m = _CT.findall(event["line"])
+    return (len(m) >= 2 and ipaddress.ip_address(m[0][1]) in ipaddress.ip_network(SERVICE_CIDR)
+            and m[1][0] == m[0][1])
 
 
 def outside(addr: str) -> bool:

@@ -257,6 +257,7 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
     endpoint, creds = bucket
     t0 = time.monotonic()
     timings: dict[str, float] = {}
+    rejects0 = nodemod.reject_counts()
     cfg = install_chart(c, ns)
     timings["helm install -> operator Available"] = time.monotonic() - t0
     try:
@@ -314,7 +315,10 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                 trainers = [(p["metadata"]["name"], [x["name"] for x in p["spec"]["containers"]])
                             for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/mixture=demo")["items"]]
                 st = json.dumps((kget(c, "datamixture", "demo", "-n", ns).get("status") or {}).get("sidecars"))
-                raise AssertionError(f"a trainer failed: {states}; trainer pods' containers {trainers}; status.sidecars {st}\n"
+                kept = c.keep_logs(ns, f"a trainer failed: {states}")
+                raise AssertionError(f"a trainer failed: {states}; trainer pods' containers {trainers}; status.sidecars {st}; "
+                                     f"every pod's full log kept in {kept}; REJECTs {nodemod.reject_counts()} (at start "
+                                     f"{rejects0})\n"
                                      + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo", "-c", "train", "--tail=50",
                                                  check=False).stdout + comps
                                      + "\n== operator\n" + c.kubectl("-n", ns, "logs", "deploy/mixplane", "--tail=60",
@@ -397,7 +401,8 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         diff = [k for k in got if got[k] != want[k]]
         assert not diff, f"digests differ at (step, rank) {diff[:10]}"
         print(f"digests equal to the embedded run: {len(got)} (steps {steps[0]}..{steps[-1]} x ranks 0..{WORLD - 1}); "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+              + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+              + f"; the discipline's REJECTs during the test: { {k: v - rejects0[k] for k, v in nodemod.reject_counts().items()} }")
 
         # delete: nothing of the mixture is left (pods, Services, Secrets, ConfigMaps, PVC, NetworkPolicies, ...)
         t3 = time.monotonic()

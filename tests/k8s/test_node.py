@@ -29,7 +29,9 @@ s = socket.create_connection(("kubernetes.default.svc", 443), timeout=5)
 out["clusterip"] = s.getpeername()[0]
 s.close()
 # a pod's way out: the metadata service, this host's gateway, a documentation address (none may be reached)
-for name, addr in (("metadata", ("169.254.169.254", 80)), ("gateway", (GATEWAY, 80)), ("outside", ("203.0.113.1", 443))):
+# and a ClusterIP no Service has (what a Service is until kube-proxy programmed it): refused, never routed out
+for name, addr in (("metadata", ("169.254.169.254", 80)), ("gateway", (GATEWAY, 80)), ("outside", ("203.0.113.1", 443)),
+                   ("unprogrammed-clusterip", (UNUSED_CLUSTER_IP, 7000))):
     try:
         socket.create_connection(addr, timeout=5).close()
         out[name] = "connected"
@@ -37,6 +39,9 @@ for name, addr in (("metadata", ("169.254.169.254", 80)), ("gateway", (GATEWAY, 
         out[name] = type(e).__name__
 print(json.dumps(out))
 """
+
+
+UNUSED_CLUSTER_IP = "10.111.255.254"  # in the service range (allocation is random over 2^20 addresses: a test's few miss it)
 
 
 def _gateway() -> str:
@@ -61,7 +66,8 @@ def test_network_discipline(k8s_node: Cluster, k8s_node_namespace: str):
     before = nodemod.reject_counts()
     assert before["link-local"] == 0, f"something in the cluster tried 169.254.0.0/16: {before}"
     code, log, _ = run_pod(k8s_node, k8s_node_namespace, pod_manifest(
-        "probe", k8s_node.image, ["python", "-c", PROBE.replace("GATEWAY", repr(_gateway()))]))
+        "probe", k8s_node.image, ["python", "-c", PROBE.replace("GATEWAY", repr(_gateway()))
+                                  .replace("UNUSED_CLUSTER_IP", repr(UNUSED_CLUSTER_IP))]))
     assert code == 0, log
     out = json.loads(log.strip().splitlines()[-1])
     assert out["uid"] == 10001
@@ -69,14 +75,17 @@ def test_network_discipline(k8s_node: Cluster, k8s_node_namespace: str):
     assert out["example.com"].startswith("error"), "the cluster DNS forwards nothing"
     assert out["clusterip"] == "10.96.0.1"
     assert out["metadata"] == out["gateway"] == out["outside"] == "ConnectionRefusedError", out
+    # an untranslated ClusterIP: refused at once (it used to take the default route out and hang in SYN retries)
+    assert out["unprogrammed-clusterip"] == "ConnectionRefusedError", out
     after = nodemod.reject_counts()
     assert after["link-local"] == 1, after  # the probe's one SYN, nothing else
     assert after["other"] >= before["other"] + 2, after
+    assert after["service-untranslated"] >= before["service-untranslated"] + 1, after
 
     events = nodemod.conntrack_events(k8s_node.workdir / "logs" / "conntrack.log")
     assert any(e["src"].startswith("172.17.") and e["dst"] == "10.96.0.1" for e in events), "conntrack saw the pods"
     assert any(e["dst"] == nodemod.BRIDGE_IP for e in events), "conntrack saw kubelet -> API server"
-    stray = [e["line"] for e in events if nodemod.outside(e["dst"])]
+    stray = [e["line"] for e in events if nodemod.outside(e["dst"]) or nodemod.untranslated(e)]
     assert not stray, "connections of the cluster outside its ranges:\n" + "\n".join(stray[:20])
     print(f"conntrack: {len(events)} new connections of the cluster, 0 outside loopback/{nodemod.POD_CIDR}/"
           f"{nodemod.SERVICE_CIDR}; rejected attempts: {after}")
