@@ -64,6 +64,11 @@ STEP_TIMES = 9  # the trainer's time per step is the median of this many recent 
 LOSS_REPORT_S = 1.0  # per-source losses go to the planner at most this often (report_loss)
 CLOSE_REPORT_LINGER_MS = 1000  # a loss report sent by close() may take this long to leave
 RETRY_S = 0.2  # a planner request refused with a retry flag (the planner is recovering) is sent again this often
+# An unanswered ROUTE is asked again this often, on a new socket (a new connection; an answer to the old ask goes
+# to the closed socket, never mistaken for the answer to a later request): a request the planner never got (its
+# process restarted, its pod replaced behind the Service while the request was on the way) is otherwise waited
+# for until the step timeout. ROUTE changes nothing at the planner, so asking twice is harmless.
+ROUTE_RESEND_S = 5.0
 _TORCH_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
                  "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
                  "bool": torch.bool}
@@ -249,17 +254,30 @@ class MixtureLoader:
         return s
 
     # -- connection -----------------------------------------------------------------------
-    def _request(self, sock: zmq.Socket, kind: Kind, meta: dict[str, Any], what: str) -> wire.Message:
+    def _request(self, sock: zmq.Socket, kind: Kind, meta: dict[str, Any], what: str,
+                 resend_s: float | None = None) -> wire.Message:
         """One request to the planner; a refusal with a retry flag (a restarted planner still recovering its
-        session) is asked again every RETRY_S until `timeout_s`."""
+        session) is asked again every RETRY_S until `timeout_s`. `resend_s` (idempotent requests only): without
+        an answer after that long, asked again on a new planner socket (it becomes `self._planner`)."""
         deadline = time.monotonic() + self.timeout_s
+        asks = 0
         while True:
             wire.send(sock, kind, meta)
+            asks += 1
             try:
-                _, msg = wire.recv_timeout(sock, max(0.001, deadline - time.monotonic()), what=f"answer to {what}")
+                wait = deadline - time.monotonic()
+                if resend_s is not None and wait > resend_s:
+                    if not sock.poll(int(resend_s * 1000)):
+                        sock.close(0)
+                        sock = self._planner = self._socket()
+                        sock.connect(self.planner_endpoint)
+                        continue
+                    wait = deadline - time.monotonic()
+                _, msg = wire.recv_timeout(sock, max(0.001, wait), what=f"answer to {what}")
             except wire.PeerTimeout:
                 raise DeliveryError(f"rank {self.rank}: no answer to {what} from the planner at {self.planner_endpoint} "
-                                    f"within {self.timeout_s:g}s") from None
+                                    f"within {self.timeout_s:g}s" + (f" (asked {asks} times)" if asks > 1 else "")
+                                    + self._why_waiting()) from None
             except WireError as e:
                 raise DeliveryError(f"rank {self.rank}: malformed answer to {what} from {self.planner_endpoint}: {e}") from None
             if msg.kind == Kind.ERROR and msg.meta.get("retry") is True and time.monotonic() + RETRY_S < deadline:
@@ -274,7 +292,8 @@ class MixtureLoader:
         p.connect(self.planner_endpoint)
         self._planner = p
         ask = {"rank": self.rank} if self.requested_coords is None else {"coords": self.requested_coords}
-        route = self._request(p, Kind.ROUTE, ask, "route")
+        route = self._request(p, Kind.ROUTE, ask, "route", resend_s=ROUTE_RESEND_S)
+        p = self._planner  # (a new socket when the route was asked again)
         if self.requested_coords is not None:
             self.rank = route.get("rank", int)
             if self._rank_keys and wire.rank_key_name(self.curve.key_dir, self.rank) is not None:  # type: ignore[union-attr]
@@ -691,6 +710,9 @@ class MixtureLoader:
 def _waiting_text(status: dict[str, Any], planner: str) -> str:
     """'; planner at X: silent: loader:a:0 for 12.3 s; next step waits for loader windows a/0' (or nothing)."""
     parts = []
+    have, want = status.get("constructors"), status.get("constructors_expected")
+    if isinstance(have, int) and isinstance(want, int) and have < want:  # ROUTE is answered once every one registered
+        parts.append(f"{have} of {want} constructors registered (routes are answered once all are)")
     silent = status.get("silent")
     if isinstance(silent, dict) and silent:
         parts.append("silent: " + ", ".join(f"{n} for {s} s" for n, s in silent.items()))

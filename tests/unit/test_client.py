@@ -1,5 +1,8 @@
 """Client configuration, error messages and message checks (no runtime needed)."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import zmq
@@ -72,6 +75,40 @@ def test_timeouts_name_the_endpoint():
         with pytest.raises(DeliveryError, match=f"step 0 not delivered by constructor {cep} within 0.5s"):
             next(l)
         t.join()
+        l.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_an_unanswered_route_is_asked_again_on_a_new_socket(monkeypatch):
+    """A ROUTE the planner never got (its pod replaced behind the Service while the request was on the way; here:
+    read and dropped) is asked again after ROUTE_RESEND_S, from a new socket, and answered: the client routes
+    instead of waiting out its step timeout."""
+    import mixplane.client as client_mod
+
+    monkeypatch.setattr(client_mod, "ROUTE_RESEND_S", 0.3)
+    ctx = zmq.Context()
+    try:
+        planner, ep = _fake_planner(ctx)
+        l = MixtureLoader(ep, rank=0, timeout_s=5, context=ctx)
+        asks: list[bytes] = []
+
+        def drop_first_answer_second():
+            while len(asks) < 2 and planner.poll(5000):
+                route, msg = wire.recv(planner, routed=True)
+                assert msg.kind == Kind.ROUTE and msg.meta == {"rank": 0}
+                asks.append(route[0])
+            wire.send(planner, Kind.ROUTE_REPLY, {"endpoint": "tcp://127.0.0.1:9", "coords": {"rank": 0}, "sources": ["a"],
+                                                  "start_step": 0}, route=[asks[-1]])
+
+        t = threading.Thread(target=drop_first_answer_second)
+        t.start()
+        t0 = time.monotonic()
+        l._connect()
+        took = time.monotonic() - t0
+        t.join()
+        assert l.endpoint == "tcp://127.0.0.1:9" and took < 3, took
+        assert len(asks) == 2 and asks[0] != asks[1]  # the second ask came from a new socket (a new connection)
         l.close()
     finally:
         ctx.destroy(linger=0)

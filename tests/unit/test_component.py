@@ -238,6 +238,7 @@ def test_a_burst_of_one_hosts_queued_hellos_registers_it_once(spec):
     """HELLOs a loader host queued while the planner was unreachable arrive at once: the same process (same
     incarnation) is registered once, its partitions keep their epoch; a restarted process (a new incarnation under
     the same name) registers again and its partitions move to it under a new epoch."""
+    spec = spec.model_copy(update={"runtime": spec.runtime.model_copy(update={"heartbeat_s": 0.2})})
     ctx = zmq.Context()
     planner = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None)
     host = ctx.socket(zmq.DEALER)
@@ -255,6 +256,17 @@ def test_a_burst_of_one_hosts_queued_hellos_registers_it_once(spec):
         while host.poll(200):
             got.append(wire.recv(host)[1].kind)
         assert got.count(Kind.WELCOME) == 12 and got.count(Kind.ADOPT) == 1, got
+        # the registered host hears the planner's beats (it watches the planner on this socket)
+        e = planner.entry("planner")
+        deadline = time.monotonic() + 0.7
+        while time.monotonic() < deadline:
+            if e.sock.poll(20):
+                planner.drain(e)
+            planner.on_liveness(time.monotonic())
+        beats = 0
+        while host.poll(100):
+            beats += wire.recv(host)[1].kind == Kind.HEARTBEAT
+        assert beats >= 2, beats
         wire.send(host, Kind.HELLO, {**hello, "incarnation": "p2"})  # the process restarted under the same name
         _pump(planner, lambda: planner.partitions.epoch(key) != first, 2.0)
         assert planner.partitions.epoch(key) == first + 1

@@ -402,6 +402,9 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         if self.all_constructors:
             self._route_reply(identity, rank)
         else:
+            # a client asks again on a new socket when unanswered (client.ROUTE_RESEND_S): the newest ask of a rank
+            # is the one answered, so the list stays bounded by the world size however long registration takes
+            self.pending_routes = [(i, r) for i, r in self.pending_routes if r != rank]
             self.pending_routes.append((identity, rank))
 
     def _recovering_refusal(self, identity: bytes, what: str) -> bool:
@@ -824,7 +827,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             # sources that reached their end (max_epochs, oversample: false): name -> the step they ended in;
             # why planning stopped for good, if it did (docs/mixtures.md)
             "ended": dict(self.core.schedule.ended), "halted": self.halted,
-            "constructors": len(self.constructors), "loaders": len(self.loaders),
+            "constructors": len(self.constructors), "constructors_expected": len(self.groups), "loaders": len(self.loaders),
             "peers": self.membership_status(),
             # registered components silent past the liveness miss budget: name -> seconds silent
             "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
@@ -1024,12 +1027,14 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
 
     # -- loop ---------------------------------------------------------------------------
     def on_liveness(self, now: float) -> None:
-        """Beat to every registered loader and constructor each interval; report the ones gone silent."""
+        """Beat to every registered loader, loader host and constructor each interval; report the ones gone silent
+        (a host watches the planner on its own socket: without beats it reported the planner silent 3 beats after
+        registering, in every run, which read like a cause in the k8s tier's failure logs)."""
         if not self.liveness.due():
             return
         peers = {ident: "loader" for ident in self.loaders.values()}
         peers.update({c.identity: "constructor" for c in self.constructors.values()})
-        for ident in peers:  # a beat that cannot go out is what the silence check below reports
+        for ident in [*peers, *self.host_ids.values()]:  # a beat that cannot go out is what the silence check reports
             self.send_routed(self.sock, ident, Kind.HEARTBEAT, {"t": time.time(), "incarnation": self.incarnation}, quiet=True)
         self.watch({**{peer_name(i): what for i, what in peers.items()}, **self.hosts_watched()})
 

@@ -20,15 +20,27 @@ class PeerTimeout(MixplaneError, TimeoutError):
     """No reply from a peer within the deadline; the message names the peer's endpoint."""
 
 
+# A TCP connect that gets no answer is given up after this long and tried again on a new connection (ZeroMQ's
+# default leaves it to the kernel: SYN retransmissions for ~127 s). On Kubernetes a connection to a ClusterIP
+# is translated by kube-proxy's rules once, on its first SYN: a SYN sent while the rules change (a Service just
+# created, its endpoint going ready) can go out untranslated, and its retransmissions keep that conntrack entry,
+# so the connect hung past the clients' 120 s step timeout while every new connection would have been served
+# (a constructor that never registered: every trainer's ROUTE unanswered, tests/k8s/test_e2e.py's flake). A new
+# connection has a new source port, hence a new conntrack entry, translated by the rules of that moment.
+CONNECT_TIMEOUT_S = 3.0
+
+
 def configure_socket(sock: Any, *, sndhwm: int | None = None, rcvhwm: int | None = None, linger_ms: int = 0,
                      heartbeat_s: float | None = None, router_mandatory: bool = False,
-                     max_msgsize: int | None = None) -> Any:
+                     max_msgsize: int | None = None, connect_timeout_s: float | None = CONNECT_TIMEOUT_S) -> Any:
     """Apply mixplane's socket policy; call before bind / connect.
 
     High-water marks bound each queue (in messages): a full queue blocks the sender (backpressure)
     instead of growing memory. ZMTP heartbeats (PING/PONG) detect dead TCP peers within
     ``3 * heartbeat_s``. ``router_mandatory`` makes a ROUTER raise on an unknown peer instead of dropping.
     ``max_msgsize`` drops oversized messages at the transport before they are buffered.
+    ``connect_timeout_s`` bounds a TCP connect without an answer (see CONNECT_TIMEOUT_S): the socket then
+    connects again (messages queued meanwhile stay queued and go out on the new connection).
     """
     import zmq
 
@@ -46,6 +58,8 @@ def configure_socket(sock: Any, *, sndhwm: int | None = None, rcvhwm: int | None
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if max_msgsize is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_msgsize))
+    if connect_timeout_s:
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(connect_timeout_s * 1000)))
     return sock
 
 
