@@ -24,9 +24,10 @@ class PeerTimeout(MixplaneError, TimeoutError):
 # default leaves it to the kernel: SYN retransmissions for ~127 s). On Kubernetes a connection to a ClusterIP
 # is translated by kube-proxy's rules once, on its first SYN: a SYN sent while the rules change (a Service just
 # created, its endpoint going ready) can go out untranslated, and its retransmissions keep that conntrack entry,
-# so the connect hung past the clients' 120 s step timeout while every new connection would have been served
-# (a constructor that never registered: every trainer's ROUTE unanswered, tests/k8s/test_e2e.py's flake). A new
-# connection has a new source port, hence a new conntrack entry, translated by the rules of that moment.
+# so the connect hangs past the clients' 120 s step timeout while every new connection would be served (the
+# likely cause of tests/k8s/test_e2e.py's flake: a constructor that never registered, so no trainer's ROUTE was
+# answered; docs/deploy.md). A new connection has a new source port, hence a new conntrack entry, translated by
+# the rules of that moment.
 CONNECT_TIMEOUT_S = 3.0
 
 
