@@ -316,3 +316,49 @@ def test_auto_workers_follow_the_cores_the_process_may_use():
     assert 1 <= resolve_workers("auto") <= MAX_AUTO_WORKERS
     with pytest.raises(ValueError, match="workers must be >= 1"):
         resolve_workers(0)
+
+
+def token_files(d: Path, files: int = 70, rows: int = 30) -> list[str]:
+    """More files than a reader keeps open (64): decode threads read files the LRU opens and closes."""
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(3)
+    paths = []
+    for k in range(files):
+        ids = [rng.integers(0, 5000, int(rng.integers(1, 60))).astype(np.int32) for _ in range(rows)]
+        p = str(d / f"t{k:03d}.parquet")
+        pq.write_table(pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))}), p, data_page_size=512,
+                       row_group_size=15, write_page_checksum=True, compression="zstd")
+        paths.append(p)
+    return paths
+
+
+def corrupt_first_page(path: str) -> None:
+    off = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    with open(path, "r+b") as f:
+        f.seek(off + 40)  # inside the page's payload, past its header: the CRC check fails
+        b = f.read(1)
+        f.seek(off + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("mode", ["page", "row", "rowgroup", "sequential"])
+def test_pages_decoded_on_worker_threads_give_the_same_rows_and_quarantine(tmp_path, mode):
+    paths = token_files(tmp_path / "t")
+    corrupt_first_page(paths[7])
+    out = {}
+    for n in (1, 4):
+        src = SourceSpec(name="t", uri=str(tmp_path / "t"), kind="tokens", columns=["ids"], shuffle=mode,
+                         shuffle_buffer=300, workers=n)
+        s = open_stream(src, seed=2, cache_dir=None)
+        assert s.workers == n
+        rows = []
+        for _ in range(70):  # 4480 rows: past the end of the first epoch (2100 rows) and most of the second
+            r = s.take(64)
+            rows.append((r.keys.tolist(), r.positions.tolist(), r.columns["ids"].to_pylist()))
+        out[n] = (rows, s.quarantine.messages(), s._decoders is not None)
+        s.close()
+    assert out[4][0] == out[1][0]
+    assert out[4][1] == out[1][1] and len(out[1][1]) >= 1  # the bad page, named the same, in the same order
+    assert f"{paths[7]}" in out[1][1][0]
+    if mode in ("page", "row"):  # a take's new units come from many pages: they were decoded on the threads
+        assert out[4][2]

@@ -101,6 +101,11 @@ class SourceReader:
         self._max_open = max_open_files
         self._open_lock = threading.Lock()
         self._file_locks: dict[int, threading.Lock] = {}
+        # a stream's decode threads (sources[].workers) read local pages and dictionaries concurrently: a local read
+        # holds _read_lock (an open file is never closed by the LRU while another thread reads it), the dictionary
+        # LRU _dict_lock (a dictionary two threads need at once may be decoded twice, never lost)
+        self._read_lock = threading.Lock()
+        self._dict_lock = threading.Lock()
 
     def _object_id(self, file_i: int) -> str:
         f = self.index.files[file_i]
@@ -135,7 +140,8 @@ class SourceReader:
     def _dictionary(self, col: ColumnInfo, chunk: int):
         a = self.index.cols[col.name]
         key = (col.name, chunk)
-        hit = self._dicts.get(key)
+        with self._dict_lock:
+            hit = self._dicts.get(key)
         if hit is not None:
             return hit[0]
         dlen = int(a["chunk_dict_len"][chunk])
@@ -144,13 +150,14 @@ class SourceReader:
         buf = self._fetch(int(a["chunk_file"][chunk]), int(a["chunk_dict_off"][chunk]), dlen)
         if self.ahead is not None:  # decoded once and kept: planned reads of its page are void
             self.ahead.release(int(a["chunk_file"][chunk]), int(a["chunk_dict_off"][chunk]), dlen)
-        self.dict_reads += 1
         d = pr.read_dictionary(self.index.file_column(int(a["chunk_file"][chunk]), col.name), buf,
                                int(a["chunk_codec"][chunk]), verify_crc=self.verify_crc)
-        if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
-            self._budget_chunks = len(a["chunk_rg"])
-            self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
-        self._dicts.put(key, d, d.nbytes)
+        with self._dict_lock:
+            self.dict_reads += 1
+            if self._auto_dict_budget and self._budget_chunks != len(a["chunk_rg"]):  # a live source grew
+                self._budget_chunks = len(a["chunk_rg"])
+                self._dicts.budget = max(self._dicts.budget, dict_cache_budget(self.index))
+            self._dicts.put(key, d, d.nbytes)
         return d
 
     # -- read-ahead (remote sources) --
@@ -241,7 +248,8 @@ class SourceReader:
             data = self._reader(file_i).read_at(offset, size)
             self.ahead.put(file_i, offset, size, data)
             return data
-        return self._reader(file_i).read_at(offset, size)
+        with self._read_lock:
+            return self._reader(file_i).read_at(offset, size)
 
     def read_units(self, col: ColumnInfo, chunk: int, u0: int, u1: int, select: np.ndarray | None = None) -> pa.Array:
         """Decode units [u0, u1) (global unit numbers of column ``col``, all in ``chunk``); only

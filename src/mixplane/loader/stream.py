@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from mixplane.loader.policies import (
 from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.shuffle import EpochPlan, PageParts, RangePlan, epoch_rng
 from mixplane.loader.unitcache import SLAB_LIVE_RATIO
+from mixplane.loader.workers import resolve_workers
 from mixplane.repartition import Layout, Piece, RepartitionError
 from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
@@ -68,7 +70,7 @@ class SourceStream:
                  quarantine: QuarantineLog | None = None, stats: IOStats | None = None, cache_dir: str | None = "default",
                  verify_crc: bool = True, row_block: int = 512, row_cache_bytes: int = 64 << 20,
                  poll_s: float = 2.0, status_every_s: float = 30.0, page_reads: int | None = None,
-                 slab_bytes: int = 4 << 20):
+                 slab_bytes: int = 4 << 20, workers: int = 1):
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} not in [0, {num_partitions})")
         self.source = source
@@ -110,6 +112,10 @@ class SourceStream:
                 raise StreamError(f"source {self.name!r}: {self.index.num_units} pages cannot be split into "
                                   f"{self.num_partitions} partitions")
         self.reader = self._new_reader(verify_crc)
+        # sources[].workers: the pages of a take's new units decompressed and decoded on threads (local files; a
+        # remote source's bytes come from the read-ahead's own threads), used in the take's own order
+        self.workers = max(1, int(workers))
+        self._decoders: ThreadPoolExecutor | None = None
         self.cache = self.policy.make_cache(slab_bytes, row_cache_bytes)  # decoded units with rows to come
         # text columns a transform tokenizes (kind text: the text; image_text: the caption), bounded on load
         text_cols = {"text": self.columns[:1], "image_text": self.columns[1:2]}.get(source.kind, [])
@@ -392,9 +398,9 @@ class SourceStream:
         """The page (row-group chunk in rowgroup mode) a unit belongs to."""
         return u // self._layout.stride
 
-    def _load(self, u: int) -> dict[str, pa.Array] | None:
+    def _load(self, u: int, ahead: Future | None = None) -> dict[str, pa.Array] | None:
         try:
-            d = self.policy.load(self.reader, self.index, self._layout, u)
+            d = ahead.result() if ahead is not None else self.policy.load(self.reader, self.index, self._layout, u)
         except ParquetError as e:
             p = self._primary(u)
             # pages of the first column lost: the page (run), or every page of the row-group chunk
@@ -411,10 +417,26 @@ class SourceStream:
             d[c] = bound_texts(d[c], self._text_cap, "prefix")[0]
         return d
 
-    def _get(self, u: int) -> dict[str, pa.Array] | None:
+    def _get(self, u: int, ahead: Future | None = None) -> dict[str, pa.Array] | None:
         if self._primary(u) in self._bad_units:
             return None
-        return self.cache.get(u, self._load)
+        if ahead is None:
+            return self.cache.get(u, self._load)
+        return self.cache.get(u, lambda v: self._load(v, ahead))
+
+    def _decode_ahead(self, uniq: np.ndarray) -> dict[int, Future]:
+        """With workers: start decoding the units of this gather that are not cached yet on the decode threads
+        (pure: a unit's rows depend on the files only); each is then taken in the gather's order, its error
+        (a corrupt page) quarantined there, as on one thread. Remote sources and single units: nothing."""
+        if self.workers < 2 or self.reader.ahead is not None or len(uniq) < 2:
+            return {}
+        todo = [u for u in uniq.tolist() if not self.cache.has(u) and self._primary(u) not in self._bad_units]
+        if len(todo) < 2:
+            return {}
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(self.workers, thread_name_prefix=f"mixplane-{self.name}-decode")
+        load, reader, index, layout = self.policy.load, self.reader, self.index, self._layout
+        return {u: self._decoders.submit(load, reader, index, layout, u) for u in todo}
 
     def _arrival_order(self, uniq: np.ndarray) -> list[int]:
         """Order to load the units of one gather in: remote units whose bytes have arrived first."""
@@ -434,9 +456,10 @@ class SourceStream:
         units, local = self._layout.unit_and_local(rows)
         uniq, inv = np.unique(units, return_inverse=True)
         datas: list[dict[str, pa.Array] | None] = [None] * len(uniq)
+        ahead = self._decode_ahead(uniq)
         # remote sources: decode the units whose bytes are here first (the order of the rows is kept)
         for i in self._arrival_order(uniq):
-            datas[i] = self._get(int(uniq[i]))
+            datas[i] = self._get(int(uniq[i]), ahead.get(int(uniq[i])))
         ok_u = np.array([d is not None for d in datas], bool)
         good = ok_u[inv]
         if not good.any():
@@ -674,6 +697,9 @@ class SourceStream:
         self.reader = self._new_reader(self.reader.verify_crc)
 
     def close(self) -> None:
+        if self._decoders is not None:
+            self._decoders.shutdown(wait=True, cancel_futures=True)  # before the reader's files are closed
+            self._decoders = None
         self.reader.close()
         self.cache.clear()
 
@@ -687,6 +713,7 @@ class SourceStream:
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
     """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options)."""
     options.setdefault("buffer_rows", source.shuffle_buffer)
+    options.setdefault("workers", resolve_workers(source.workers))
     if source.shuffle_buffer_mb is not None:
         options.setdefault("buffer_bytes", int(source.shuffle_buffer_mb * (1 << 20)))
     return SourceStream(source, seed=seed, partition=partition, num_partitions=num_partitions, **options)

@@ -1,7 +1,7 @@
 """Worker threads of one partition (``sources[].workers``): the stream's chunks transformed in parallel, in order.
 
 A partition's read path is ``stream.take(n)`` (page reads, decompression, decoding, the shuffle buffer: stateful,
-so one thread) followed by ``transform(raw)`` (tokenizing, image decoding: a pure function of the rows). With N
+so driven from one thread; the pages a take decodes fan out to the stream's own decode threads) followed by ``transform(raw)`` (tokenizing, image decoding: a pure function of the rows). With N
 workers the loader's thread keeps taking the next chunks of the stream while up to N earlier chunks are transformed
 on a thread pool (HF tokenizers, Pillow, cramjam and pyarrow release the GIL), and chunks are handed out strictly in
 the order they were taken. What a chunk holds depends only on the stream's order, never on which thread transformed
