@@ -232,3 +232,30 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
         diff = [i for i, (a, b) in enumerate(zip(got[r], ref[r])) if a != b]
         assert not diff, f"rank {r}: steps {diff[:10]} differ from the run whose operator never died"
     assert PHASE < UPDATE_AT
+
+
+REPART_KILLS = int(os.environ.get("MIXPLANE_OPERATOR_REPARTITION_KILLS", "20"))
+REPART_STEPS = int(os.environ.get("MIXPLANE_OPERATOR_REPARTITION_STEPS", "400"))
+
+
+def test_operator_killed_during_a_repartition_changes_nothing(crd, k8s_namespace, tmp_path):
+    """test_operator_repartition's scenario (a patch of the weights makes `code` need 2 partitions: REPARTITION, new
+    loader pods, handoffs) with the operator SIGKILLed at random mutating API calls, at the two cuts around the
+    REPARTITION (before it is sent; after the planner accepted it, before the status says so) and from outside at
+    random times, at least REPART_KILLS times: the re-partition applied and recorded exactly once, no loader
+    Deployment deleted while its host served a partition, the trainers' batches equal the embedded run given the
+    same update and re-partition at the same steps, and the same end state as the run without restarts."""
+    from tests.k8s.test_operator_repartition import check, run_scenario
+
+    data = write_text_and_images(tmp_path / "data", text_rows=1500, images=4, side=64)
+    # the operator is down much of the time: the re-partition lands later than without restarts, so the trainers read
+    # longer (the planner applies it at a step it plans; steps past the trainers' last are never planned)
+    out = run_scenario(crd, k8s_namespace, data, tmp_path / "run", chaos=True, min_kills=REPART_KILLS, steps=REPART_STEPS)
+    (tmp_path / "ref").mkdir()
+    fig = check(out, tmp_path / "ref")
+    kills = out["kills"]
+    print("operator chaos, re-partition: " + json.dumps({
+        **fig, "kills": len(kills), "by_cut": {k: kills.count(k) for k in sorted(set(kills))},
+        "by_stage": {k: out["stages"].count(k) for k in sorted(set(out["stages"]))}}))
+    assert len(kills) >= REPART_KILLS
+    assert {"repartition", "after-repartition"} <= set(kills), kills

@@ -89,7 +89,8 @@ def _repartitioned(s: dict[str, Any]) -> bool:
     return bool(s.get("repartitions")) and (s.get("repartition") or {}).get("state") == "Acknowledged"
 
 
-def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills: int = 0, seed: int = 20261127) -> dict[str, Any]:
+def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills: int = 0, seed: int = 20261127,
+                 steps: int = STEPS) -> dict[str, Any]:
     """The mixture runs calm, the weights are patched at trainer step PATCH_AT, code gets re-partitioned; with
     `chaos`, operators are started and SIGKILLed one after the other (at a random mutating API call, at the named
     cuts around the REPARTITION, or from outside at a random time) until the trainers are done and `min_kills`
@@ -132,7 +133,7 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
 
         def train():
             try:
-                got.update(run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", tkeys, 2, STEPS, timeout=1000, keep=keep,
+                got.update(run_trainers(f"tcp://127.0.0.1:{pods.planner_port}", tkeys, 2, steps, timeout=1000, keep=keep,
                                         pause_s=0.2))
             except BaseException as e:  # noqa: BLE001
                 trainer_error.append(e)
@@ -238,7 +239,7 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
         pods.stop()
     return {"got": got, "stamps": stamps, "status": st, "start_status": st0, "planner": plan_status,
             "spec_json": spec_json, "kills": kills, "stages": stages, "violations": violations, "started": started,
-            "loaders": loaders, "args": args, "log": log, "patched_at": patched_at[0]}
+            "loaders": loaders, "args": args, "log": log, "patched_at": patched_at[0], "steps": steps}
 
 
 def reference(out: dict[str, Any], tmp_path) -> dict[int, list]:
@@ -282,7 +283,7 @@ def reference(out: dict[str, Any], tmp_path) -> dict[int, list]:
                 ev.wait(300)
             return digest(batch)
 
-        ref = run_trainers(rt.planner_endpoint, rt.key_dir, 2, STEPS, timeout=600, keep=keep)
+        ref = run_trainers(rt.planner_endpoint, rt.key_dir, 2, out["steps"], timeout=600, keep=keep)
         asker.join(10)
     assert not errors, errors
     return ref
@@ -336,7 +337,7 @@ def check(out: dict[str, Any], tmp_path) -> dict[str, Any]:
 
     ref = reference(out, tmp_path)
     for r in (0, 1):
-        assert len(out["got"][r]) == STEPS
+        assert len(out["got"][r]) == out["steps"]
         diff = [i for i, (a, b) in enumerate(zip(out["got"][r], ref[r])) if a != b]
         assert not diff, f"rank {r}: steps {diff[:10]} differ from the embedded run re-partitioned at steps " \
                          f"{[rp['effectiveStep'] for rp in rps]}"
@@ -345,7 +346,7 @@ def check(out: dict[str, Any], tmp_path) -> dict[str, Any]:
     return {"repartitions": [f"{rp['source']} {rp['from']} -> {rp['partitions']} at step {rp['effectiveStep']}" for rp in rps],
             "at_step": rps[0]["effectiveStep"], "update_step": st["mixtureUpdate"]["effectiveStep"],
             "stall_around_repartition_s": round(max(stall_around(stamps, int(rp["effectiveStep"])) for rp in rps), 2),
-            "longest_trainer_stall_s": round(max(gaps), 2) if gaps else None, "steps": STEPS}
+            "longest_trainer_stall_s": round(max(gaps), 2) if gaps else None, "steps": out["steps"]}
 
 
 def test_a_patch_that_needs_more_read_throughput_re_partitions_the_source(crd, k8s_namespace, data, tmp_path):
