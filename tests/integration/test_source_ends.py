@@ -68,3 +68,30 @@ def test_an_ended_source_and_a_rows_source_are_exact_resumable_and_replayable(to
         out = replay_step(spec, step=step, rank=0, run_dir=str(run_dir), save=str(tmp_path / f"r{step}.npz"))
         assert out["digest_match"]
         assert np.array_equal(np.load(tmp_path / f"r{step}.npz")["input_ids"], ref[step]["input_ids"])
+
+
+def test_when_every_share_source_has_ended_the_planner_stops_and_says_why(token_sources, tmp_path):
+    import pytest
+
+    from mixplane.client import DeliveryError
+
+    small = write_token_source(tmp_path / "small", rows=40, files=1, mean_len=80, seed=12, rows_per_group=20)
+    doc = token_mixture(token_sources["root"], topology={"modules": {"backbone": {"dp": 1}}})
+    doc["sources"] = [doc["sources"][0], {"name": "small", "uri": str(tmp_path / "small"), "kind": "tokens",
+                                          "columns": ["tokens"], "shuffle": "page", "oversample": False}]
+    doc["mixture"] = {"weights": {"a": 0.0, "small": 1.0}, "seed": 7}
+    spec = parse_spec(doc)
+    run_dir = tmp_path / "run"
+    got = []
+    with EmbeddedRuntime(spec, run_dir) as rt:
+        loader = MixtureLoader(rt.planner_endpoint, rank=0, max_steps=30, timeout_s=8)
+        with pytest.raises(DeliveryError, match="not delivered"):
+            for b in loader:
+                got.append(b["source_ids"].numpy().copy())
+        loader.close()
+        status = rt.status()
+    end = status["ended"]["small"]
+    assert len(got) == end + 1  # the step it ended in is delivered; none after it
+    assert sum(int((s == 1).sum()) for s in got) == sum(len(d) for d in small)  # one pass, every token once
+    assert status["halted"] == f"step {end + 1}: every source with a share weight has ended: small (step {end})"
+    assert status["planned_through"] == end

@@ -13,7 +13,11 @@ the GIL (nogil=True: a planning thread runs it beside the server's encoding and 
 * the starved-source bound (a source with nothing left may not fall a sample behind: sources ordered
   by the total at which they would, so the test is O(1) while none is near);
 * the packer is OnlinePacker's (best_fit: the fullest row that still has room, the lowest row among
-  equals -- rows bucketed by free tokens, see below; next_fit; none).
+  equals -- rows bucketed by free tokens, see below; next_fit; none);
+* sources' ends and rows per step (docs/mixtures.md): a source whose last allowed candidate is finished
+  ends there (the rest of the step renormalised over the others, counters reset, the queues rebuilt);
+  sources weighted by rows are served first, outside the mixing queue. With neither, the loop is the one
+  the reference tests compare byte for byte.
 
 Where the time goes (captured inputs of the largest bench row): nearly all of it in the placements;
 the end of a step, where ~240k candidates that fit nowhere are each re-tested (one may change which
