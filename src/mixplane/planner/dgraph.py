@@ -25,7 +25,7 @@ import numpy as np
 from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
-from mixplane.planner import layoutloop
+from mixplane.planner import hybridcp, layoutloop
 from mixplane.planner.cost import CostFn, TransformerFlops
 
 if TYPE_CHECKING:  # core imports this module (lazily); the types only
@@ -295,6 +295,34 @@ class DGraph:
         stats["imbalance_after"] = B.imbalance(after)
         self.balanced = stats
         ctx.stats["text"] = stats
+
+    def hybrid_cp(self) -> hybridcp.HybridPlacement:
+        """Hybrid DP x CP consumers (planner/hybridcp.py, Megatron-LM's hybrid data x context parallelism): every
+        piece on a power-of-two group of the dp x cp ranks sized by its length -- long pieces spread over CP,
+        short ones whole on one rank -- balanced by cost, beside the fixed scheme (rows as balanced now, each cut
+        over its replica's CP group). Both balances go into the step's stats (``ctx.stats['hybrid_cp']``). The
+        placement is not delivered: the step's layout stays the fixed scheme's (constructors and the client cut
+        whole rows over fixed CP groups)."""
+        if self.kind != "text":
+            raise DGraphError(f"step {self.ctx.step}: hybrid_cp places text pieces; call it on the text graph")
+        ctx, cp = self.ctx, self.module.cp
+        cost = self.piece_costs()
+        n = ctx.dp * cp
+        if ctx.seq_len % cp:
+            raise DGraphError(f"step {ctx.step}: hybrid_cp: seq_len {ctx.seq_len} is not a multiple of cp {cp}")
+        per_rank = ctx.seq_len // cp
+        lengths = self.pieces.length.astype(np.int64)
+        try:
+            placed = hybridcp.place(lengths, cost, n, per_rank, ctx.rows // ctx.dp * per_rank)
+        except ValueError as e:
+            raise DGraphError(f"step {ctx.step}: hybrid_cp: {e}") from None
+        fixed = hybridcp.fixed_loads(self.shard_costs(), ctx.dp)
+        ctx.stats["hybrid_cp"] = {"consumers": n, "imbalance_fixed": B.imbalance(fixed),
+                                  "imbalance_hybrid": B.imbalance(placed.loads),
+                                  "busiest_ratio": float(placed.loads.max() / max(fixed.max(), 1e-300)),
+                                  "cp_token_fraction": placed.cp_token_fraction(lengths) if cp > 1 else 0.0,
+                                  "overflow": placed.overflow}
+        return placed
 
     def _order_for_cp(self) -> None:
         """Intra-row: choose for every row the document order whose busiest zig-zag shard is lightest."""
