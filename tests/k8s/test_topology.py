@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import random
 import signal
 import threading
 import time
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.timeout(900)
 MIB = 1 << 20
 STEPS, K = 40, 14  # the old world (DP 2) trains steps 0..K-1; the new world (DP 1) resumes at K
 SPEC_HASH = "mixplane.io/spec-hash"
+RANDOM_KILLS = int(os.environ.get("MIXPLANE_TOPOLOGY_KILLS", "12"))  # operator-killed-random: operators SIGKILLed
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +162,13 @@ def train(planner: str, keys, world: int, stop: int, *, state: dict | None = Non
     return got, states, times
 
 
-@pytest.mark.parametrize("cuts", [(), ("reshard", "after-reshard")], ids=["calm", "operator-killed"])
+@pytest.mark.parametrize("cuts", [(), ("reshard", "after-reshard"), ("random",)],
+                         ids=["calm", "operator-killed", "operator-killed-random"])
 def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_namespace, data, tmp_path, cuts):
     """`cuts`: the operator is SIGKILLed at these points of the change before one is left alone -- before the RESHARD
-    is sent, and after the planner acknowledged it but before the status says so: the change is applied once."""
+    is sent, and after the planner acknowledged it but before the status says so: the change is applied once.
+    `random`: RANDOM_KILLS operators one after the other, each SIGKILLed before a random mutating API call (1..14: a
+    pass that applies every child makes ~14) or, one in five, from outside at a random time."""
     cluster, ns = crd, k8s_namespace
     pods = LocalPods(cluster, ns, tmp_path / "pods")
     (tmp_path / "pods").mkdir()
@@ -193,7 +199,28 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
             cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge",
                             "-p", json.dumps({"spec": {"topology": {"modules": {"backbone": {"dp": 1}}}}}))
             t_patch = time.monotonic()
-            if cuts:
+            if cuts == ("random",):
+                stack.close()  # the calm operator goes; operators killed at random points follow
+                rng = random.Random(20261127)
+                while len(kills) < RANDOM_KILLS:
+                    outside = rng.random() < 0.2
+                    extra = {} if outside else {"MIXPLANE_OPERATOR_KILL_AFTER_CALLS": str(rng.randint(1, 14))}
+                    with operator(cluster, ns, **env, **extra) as cut:
+                        deadline = time.monotonic() + (rng.uniform(0.5, 4.0) if outside else 40.0)
+                        while cut.poll() is None and time.monotonic() < deadline:
+                            time.sleep(0.05)
+                        if cut.poll() is None:
+                            cut.send_signal(signal.SIGKILL)
+                            cut.wait(10)
+                            kills.append("outside")
+                        else:
+                            assert cut.returncode == -signal.SIGKILL, cut.log_text()[-3000:]
+                            line = [x for x in cut.log_text().splitlines() if "fault point" in x]
+                            kills.append(line[-1].split("(", 1)[-1].rstrip(")").split(" ")[0] if line else "?")
+                        kills[-1] += "/acknowledged" if (status_of(cluster, ns).get("topology") or {}).get("worldSize") == 1 \
+                            and status_of(cluster, ns)["topology"].get("state") == "Acknowledged" else "/pending"
+                op = stack.enter_context(operator(cluster, ns, **env))
+            elif cuts:
                 stack.close()  # the calm operator goes; each of these is killed at its cut
                 for at in cuts:
                     with operator(cluster, ns, **env, MIXPLANE_OPERATOR_KILL_AT=at) as cut:
@@ -233,7 +260,7 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
             pods.stop()
 
     stall = min(new_times[0]) - t_stop
-    print(f"{'operator killed at ' + ', '.join(cuts) + ': ' if cuts else ''}topology change dp 2 -> 1: longest trainer stall {stall:.2f} s (old world's last batch -> new world's "
+    print(f"{'operator killed at ' + ', '.join(kills) + ': ' if cuts else ''}topology change dp 2 -> 1: longest trainer stall {stall:.2f} s (old world's last batch -> new world's "
           f"first batch; patch -> status.topology Acknowledged {t_ack - t_patch:.2f} s, acknowledged -> first batch "
           f"{min(new_times[0]) - t_ack:.2f} s); reshard step {st['topology']['effectiveStep']}, the new world resumed at "
           f"step {K}; kubelet: {kubelet.events}")
@@ -245,6 +272,8 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
     assert "was" not in topo and "initial" not in topo
     if not cuts:
         assert f"world of 1 ranks from step {topo['effectiveStep']}" in oplog
+    elif cuts == ("random",):
+        assert len(kills) == RANDOM_KILLS, kills
     else:  # sent once before the kill after the acknowledgment; the operator left alone observed it in STATUS
         assert kills == list(cuts) and "world of 1 ranks from step" not in oplog  # observed in STATUS: not sent again
     assert planner_log.count("resharded at step") == 1  # the planner applied it once
