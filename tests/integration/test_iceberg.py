@@ -1,4 +1,5 @@
-"""Iceberg tables and snapshots as sources, through pyiceberg's SQL catalog (SQLite) over local files: a snapshot's
+"""Iceberg tables and snapshots as sources, through pyiceberg's SQL catalog (SQLite) over local files and over the
+S3-compatible server: a snapshot's
 data files are what the source reads (exactly its rows, through the page-level reader), `mixplane run` pins the
 current snapshot, and a replay after the table moved on reads the pinned one bit for bit; bad references are
 named."""
@@ -99,3 +100,42 @@ def test_a_run_pins_the_snapshot_and_replay_reads_it_after_the_table_moved_on(ta
     out = replay_step(spec, step=11, rank=0, run_dir=str(run_dir), save=str(tmp_path / "r.npz"))
     assert out["digest_match"] and out["tokens_by_source"]["ice"] > 0
     assert np.array_equal(np.load(tmp_path / "r.npz")["input_ids"], got[11])
+
+
+def test_a_table_on_the_s3_compatible_server_is_read_through_its_catalog(tmp_path, monkeypatch):
+    """The catalog (SQLite) names data files on object storage (the warehouse is an s3:// bucket on a real
+    S3-compatible server): the listing plans the snapshot into s3:// objects, and the page-level reader reads them
+    through the source's endpoint -- exactly the snapshot's rows, none of a later append's."""
+    from pyiceberg.catalog import load_catalog
+
+    from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoS3, credentials_env
+
+    for k, v in credentials_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    server = MotoS3()
+    try:
+        server.filesystem().create_dir("lake")
+        props = {"uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": "s3://lake/warehouse",
+                 "s3.endpoint": server.endpoint, "s3.access-key-id": ACCESS_KEY, "s3.secret-access-key": SECRET_KEY,
+                 "s3.region": REGION}
+        for k, v in props.items():
+            monkeypatch.setenv(f"PYICEBERG_CATALOG__LAKE__{k.upper().replace('.', '__').replace('-', '_')}", v)
+        cat = load_catalog("lake", **props)
+        cat.create_namespace("ns")
+        rng = np.random.default_rng(1)
+        first, later = docs(rng, 700, 0), docs(rng, 300, 700)
+        t = cat.create_table("ns.docs", schema=first.schema)
+        t.append(first)
+        snap = t.current_snapshot().snapshot_id
+        t.append(later)
+        files = list_source_files(f"iceberg://lake/ns.docs@{snap}", endpoint=server.endpoint, region=REGION)
+        assert len(files.paths) == 1 and all("lake/warehouse/" in p for p in files.paths)
+        src = SourceSpec(name="ice", uri=f"iceberg://lake/ns.docs@{snap}", kind="tokens", columns=["tokens", "id"],
+                         shuffle="page", endpoint=server.endpoint, region=REGION)
+        r = open_stream(src, seed=2).take(first.num_rows + 5)
+        first_epoch = key_epoch(r.keys) == 0
+        assert first_epoch.sum() == first.num_rows
+        assert sorted(r.columns["id"].to_numpy()[first_epoch].tolist()) == first.column("id").to_pylist()
+    finally:
+        server.stop()
