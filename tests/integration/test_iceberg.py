@@ -1,8 +1,7 @@
 """Iceberg tables and snapshots as sources, through pyiceberg's SQL catalog (SQLite) over local files and over the
-S3-compatible server: a snapshot's
-data files are what the source reads (exactly its rows, through the page-level reader), `mixplane run` pins the
-current snapshot, and a replay after the table moved on reads the pinned one bit for bit; bad references are
-named."""
+S3-compatible server: a snapshot's data files are what the source reads (exactly its rows, through the page-level
+reader), `mixplane run` pins the current snapshot, and a replay after the table moved on reads the pinned one bit for
+bit; bad references are named."""
 
 from __future__ import annotations
 
