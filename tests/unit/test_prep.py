@@ -110,6 +110,34 @@ def test_depsort_orders_definitions_before_uses():
     assert set(bad) == {"a.py", "b.py"} and rep["unparsed"] and rep["unparsed"][0].startswith("a.py: SyntaxError")
 
 
+JS_REPO = {
+    "src/util.js": "export function helper() { return 1 }\nexport const K = 2;\n",
+    "src/core.js": "import { helper } from './util.js';\nconst models = require('./models');\nexport class Engine {}\n",
+    "src/models/index.js": "export default 1;\nimport('../util').then((u) => u.helper());\n",
+    "app.mjs": "import { Engine } from './src/core'\nimport React from 'react'\nexport { K } from './src/util.js'\n",
+    "tool.py": "import json\n",
+    "notes.txt": "x",
+}
+
+
+def test_depsort_orders_javascript_by_its_relative_imports():
+    from mixplane.prep.depsort import js_dependency_edges, js_symbols
+
+    core = js_symbols("src/core.js", JS_REPO["src/core.js"])
+    assert core.defines == {"Engine", "models"} and {"src/util", "src/models", "src/models/index"} <= core.imports
+    syms = [js_symbols(p, s) for p, s in JS_REPO.items() if p.endswith((".js", ".mjs"))]
+    assert js_dependency_edges(syms) == {("src/core.js", "src/util.js"), ("src/core.js", "src/models/index.js"),
+                                         ("src/models/index.js", "src/util.js"), ("app.mjs", "src/core.js"),
+                                         ("app.mjs", "src/util.js")}  # 'react' is not in the repository
+    order, report = depsort(JS_REPO)
+    pos = {p: i for i, p in enumerate(order)}
+    assert pos["src/util.js"] < pos["src/models/index.js"] < pos["src/core.js"] < pos["app.mjs"]
+    assert order[-1] == "notes.txt" and report["javascript_files"] == 4 and report["respected"] == 1.0
+    assert report["edges"] == 5 and report["python_files"] == 1
+    bad, rep = depsort({"a.js": "function (( {", "b.js": "import './a.js'"})
+    assert set(bad) == {"a.js", "b.js"} and rep["unparsed"] == ["a.js: syntax error at line 1"]
+
+
 def test_best_effort_order_keeps_every_edge_of_a_dag_and_at_least_half_otherwise():
     rng = random.Random(7)
     for _ in range(40):

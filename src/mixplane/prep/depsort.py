@@ -1,11 +1,17 @@
-"""Depsort (seed 004): a repository's Python files in dependency order, so a model sees definitions before their
-uses. Pure (`ast`, no I/O).
+"""Depsort (seed 004): a repository's Python and JavaScript files in dependency order, so a model sees definitions
+before their uses. Pure (no I/O): Python through `ast`, JavaScript through tree-sitter's parser (the `prep` extra).
 
 The graph: file A depends on file B when A imports B's module (``import pkg.b``, ``from pkg.b import x``,
 relative ``from . import b`` / ``from .b import x``) or imports a name from a package that B defines
 (``from pkg import name`` with ``name`` defined in ``pkg/__init__.py``, or ``pkg/name.py``). Symbols come from
 the syntax tree, not from text search. A file that does not parse keeps its place and no edges (its name is
 reported).
+
+JavaScript (``.js``, ``.mjs``, ``.cjs``, ``.jsx``): file A depends on file B when A imports B by a relative
+specifier -- ``import ... from './b'``, ``export ... from './b'``, ``require('./b')``, ``import('./b')`` -- resolved as
+Node resolves a relative path (``./b`` is ``b.js`` (or another suffix above) or ``b/index.js``). Bare specifiers
+(``react``) name packages outside the repository and make no edge. The names a file defines (top-level functions,
+classes, declarations, exports) are kept beside, as for Python. Edges never cross languages.
 
 The order: repositories have import cycles, so a strict topological order may not exist. Seed 004 breaks cycles
 where a depth-first search happens to meet them; here the order is the Eades-Lin-Smyth heuristic for the
@@ -18,8 +24,12 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+JS_SUFFIXES = (".js", ".mjs", ".cjs", ".jsx")
 
 
 @dataclass
@@ -104,6 +114,85 @@ def dependency_edges(files: Iterable[FileSymbols]) -> set[tuple[str, str]]:
     return edges
 
 
+def is_javascript(path: str) -> bool:
+    return path.endswith(JS_SUFFIXES)
+
+
+def _js_module(path: str) -> str:
+    """A JavaScript file's key for resolution: its normalised path without the suffix."""
+    p = posixpath.normpath(path.replace("\\", "/"))
+    return next((p[: -len(x)] for x in JS_SUFFIXES if p.endswith(x)), p)
+
+
+def _js_parser() -> Any:
+    try:
+        import tree_sitter
+        import tree_sitter_javascript
+    except ImportError as e:  # the prep extra
+        raise ImportError(f"depsort of JavaScript needs tree-sitter (pip install 'mixplane[prep]'): {e}") from None
+    return tree_sitter.Parser(tree_sitter.Language(tree_sitter_javascript.language()))
+
+
+def _string_value(node: Any) -> str | None:
+    if node is None or node.type != "string":
+        return None
+    return "".join(c.text.decode() for c in node.children if c.type == "string_fragment")
+
+
+def js_symbols(path: str, source: str, parser: Any = None) -> FileSymbols:
+    """What one JavaScript file defines (top level) and which repository files it imports by a relative specifier
+    (`imports`: the candidates' module keys, ``dir/b`` and ``dir/b/index``); a file with syntax errors: `error`."""
+    out = FileSymbols(path, _js_module(path))
+    tree = (parser or _js_parser()).parse(source.encode("utf-8", "surrogatepass"))
+    root = tree.root_node
+    if root.has_error:
+        first = next((n for n in _walk(root) if n.type == "ERROR" or n.is_missing), root)
+        out.error = f"{path}: syntax error at line {first.start_point[0] + 1}"
+        return out
+    here = posixpath.dirname(out.module)
+    for node in root.children:  # top level: what other files can import
+        decl = node.child_by_field_name("declaration") if node.type == "export_statement" else node
+        if decl is None:
+            continue
+        if decl.type in ("function_declaration", "generator_function_declaration", "class_declaration"):
+            name = decl.child_by_field_name("name")
+            if name is not None:
+                out.defines.add(name.text.decode())
+        elif decl.type in ("lexical_declaration", "variable_declaration"):
+            for d in decl.children:
+                name = d.child_by_field_name("name") if d.type == "variable_declarator" else None
+                if name is not None and name.type == "identifier":
+                    out.defines.add(name.text.decode())
+    for node in _walk(root):
+        spec = None
+        if node.type in ("import_statement", "export_statement"):
+            spec = _string_value(node.child_by_field_name("source"))
+        elif node.type == "call_expression":
+            fn, args = node.child_by_field_name("function"), node.child_by_field_name("arguments")
+            if fn is not None and fn.type in ("identifier", "import") and fn.text in (b"require", b"import") \
+                    and args is not None and args.named_child_count == 1:
+                spec = _string_value(args.named_children[0])
+        if spec and spec.startswith((".", "/")):
+            target = _js_module(posixpath.normpath(posixpath.join(here, spec)) if spec.startswith(".") else spec[1:])
+            out.imports.update({target, f"{target}/index"})
+    return out
+
+
+def _walk(node: Any) -> Iterable[Any]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(n.children))
+
+
+def js_dependency_edges(files: Iterable[FileSymbols]) -> set[tuple[str, str]]:
+    """(A, B) for every JavaScript file A that imports file B of the same repository (paths; no self edges)."""
+    fs = list(files)
+    by_module = {f.module: f.path for f in fs}
+    return {(f.path, by_module[m]) for f in fs for m in f.imports if m in by_module and by_module[m] != f.path}
+
+
 def best_effort_order(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> list[str]:
     """Nodes ordered so that as many (A depends on B) edges as possible have B before A: Eades-Lin-Smyth on the
     reversed dependency graph (B -> A: definitions flow to uses). Deterministic (ties by name)."""
@@ -170,12 +259,17 @@ def respected(order: list[str], edges: Iterable[tuple[str, str]]) -> float:
 
 def depsort(sources: Mapping[str, str]) -> tuple[list[str], dict[str, object]]:
     """A repository's files (path -> source) in dependency order, and a report (edges, respected fraction, files
-    that do not parse). Non-Python files keep their relative order after the Python ones they do not depend on."""
+    that do not parse). Python and JavaScript files are ordered together by their edges (none cross languages);
+    other files follow in path order."""
     py = {p: s for p, s in sources.items() if p.endswith(".py")}
+    js = {p: s for p, s in sources.items() if is_javascript(p)}
     syms = [symbols(p, s) for p, s in sorted(py.items())]
-    edges = dependency_edges(syms)
-    order = best_effort_order(py, edges)
-    order += sorted(p for p in sources if p not in py)
-    return order, {"files": len(sources), "python_files": len(py), "edges": len(edges),
-                   "respected": respected(order, edges), "dfs_respected": respected(dfs_order(py, edges), edges),
-                   "unparsed": [f.error for f in syms if f.error]}
+    parser = _js_parser() if js else None
+    js_syms = [js_symbols(p, s, parser) for p, s in sorted(js.items())]
+    edges = dependency_edges(syms) | js_dependency_edges(js_syms)
+    code = [*py, *js]
+    order = best_effort_order(code, edges)
+    order += sorted(p for p in sources if p not in py and p not in js)
+    return order, {"files": len(sources), "python_files": len(py), "javascript_files": len(js), "edges": len(edges),
+                   "respected": respected(order, edges), "dfs_respected": respected(dfs_order(code, edges), edges),
+                   "unparsed": [f.error for f in [*syms, *js_syms] if f.error]}
