@@ -14,7 +14,9 @@ Per row (files, storage, start):
 * ``full_index_s``: in this process, listing plus ``build_source_index`` of source ``a`` (what a loader does
   before it serves), with the same cache state; ``requests`` / ``bytes_read``: its IOStats; ``listing_s``: the
   listing alone; ``index_bytes_per_page``: SourceIndex.bytes_per_page.
-* ``loader_rss_mb``: the largest RSS of the runtime's loader processes after the first batch.
+* ``loader_rss_mb``: the largest RSS of the runtime's loader processes after the first batch; ``loader_cpu_s``:
+  the most CPU seconds (user + system) one of them used up to then -- on a shared machine a figure that depends
+  far less on the others' load than the wall times.
 * ``cursor_bytes``: the JSON of the cursor in the journal's ``open`` record; ``journal_bytes_per_step``: the
   mean size of a ``step`` record (both from <run_dir>/journal.jsonl after ``--steps`` steps).
 * ``pyarrow_dataset_s``: pyarrow.dataset discovering the same files and reading every footer
@@ -165,7 +167,9 @@ def run_mixture(uris: dict[str, str], storage, steps: int, run_dir: Path) -> dic
         for _ in loader:
             if first is None:
                 first = time.perf_counter() - t0
-                rss = max(psutil.Process(c.proc.pid).memory_info().rss for c in rt.children if "loader" in c.name)
+                procs = [psutil.Process(c.proc.pid) for c in rt.children if "loader" in c.name]
+                rss = max(p.memory_info().rss for p in procs)
+                cpu = max(sum(p.cpu_times()[:2]) for p in procs)
             got += 1
         loader.close()
     finally:
@@ -179,7 +183,7 @@ def run_mixture(uris: dict[str, str], storage, steps: int, run_dir: Path) -> dic
         elif kind == "step":
             step_bytes.append(len(line) + 1)
     return {"first_batch_s": round(first or float("nan"), 3), "ready_s": round(t_ready, 3), "steps": got,
-            "loader_rss_mb": round(rss / 2**20, 1), "cursor_bytes": cursor_bytes,
+            "loader_rss_mb": round(rss / 2**20, 1), "loader_cpu_s": round(cpu, 2), "cursor_bytes": cursor_bytes,
             "journal_bytes_per_step": round(sum(step_bytes) / max(len(step_bytes), 1), 1)}
 
 
