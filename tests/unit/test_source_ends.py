@@ -225,3 +225,21 @@ def test_a_capped_source_is_not_re_partitioned_and_a_rows_source_takes_no_live_s
         planner.apply_update({"weights": {"d": 0.3}})
     event, _ = planner.apply_update({"weights": {"a": 0.2, "d": 0}})
     assert event["generation"] == 1
+
+
+def test_a_strategys_own_schedule_does_not_bring_an_ended_source_back():
+    from mixplane.mixing import MixtureSchedule
+    from mixplane.planner.core import vanilla_strategy
+
+    s = spec(a={"max_epochs": 1})
+
+    def strategy(ctx):
+        ctx.mix(MixtureSchedule(ctx.spec))  # knows nothing of ends
+        return vanilla_strategy(ctx)
+
+    own, plain = StepPlanner(s, strategy), StepPlanner(s)
+    a, b = plan_steps(own, 16), plan_steps(plain, 16)
+    end = next(pl.layout.step for pl in b if pl.ended)
+    assert [pl.ended for pl in a] == [pl.ended for pl in b]
+    assert [layout_digest(x.layout) for x in a] == [layout_digest(y.layout) for y in b]
+    assert not any((pl.pieces.source == 0).any() for pl in a[end + 1:])

@@ -1216,7 +1216,20 @@ class StepPlanner:
         if schedule is None:
             return default
         if hasattr(schedule, "at"):
-            return schedule.at(step)
+            pt = schedule.at(step)
+            if not self.schedule.ended:
+                return pt
+            # another schedule (a strategy's) knows nothing of the sources that ended: none of them is drawn from
+            probs = np.asarray(pt.probs, np.float64)
+            live = self.schedule.live_mask(step)
+            ends = [e for i, n in enumerate(self.schedule.names)
+                    if (e := self.schedule.ended.get(n)) is not None and e <= step and probs[i] > 0]
+            if not ends:
+                return pt
+            kept = np.where(live, probs, 0.0)
+            if kept.sum() <= 0:
+                raise SourcesExhausted(f"step {step}: every source the strategy's schedule weighs has ended")
+            return MixturePoint(kept / kept.sum(), pt.phase, pt.lr_scale, pt.generation, max(pt.segment_start, *ends))
         if isinstance(schedule, dict):  # weights by source name for this step only
             names = self.spec.source_names()
             unknown = sorted(set(schedule) - set(names))
