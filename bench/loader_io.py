@@ -29,7 +29,7 @@ tokenized by a byte-level BPE tokenizer (vocab 8192) trained once on the corpus,
 64 rows, in order), TOKENIZERS_PARALLELISM=false as in a loader. Per count: samples_per_s, tokens_per_s, speedup
 over 1 worker, cores_used (process CPU seconds / wall), samples_per_cpu_s (what the threads cost), take_share
 (the wall time in the stream's takes, which stay on the loader's thread), peak_rss_mb; and gil_free_share, the share
-of one thread's time per chunk spent in the tokenizer's batch call (which releases the GIL), with model_speedup =
+of one thread's CPU time per chunk spent in the tokenizer's batch call (which releases the GIL), with model_speedup =
 1 / ((1 - share) + share / N), what N threads give on N free cores at best (Amdahl) — measurable on a loaded core,
 where samples_per_s against N is not; with the machine's cores and load average
 before and after, since a shared machine's figures move with its load. Counts above the cores the process may use
@@ -414,22 +414,24 @@ def run_workers(data_dir: str, tokenizer: str, workers: int, samples: int, budge
 
 
 def _gil_free_share(stream, transform, tokenizer: str, chunks: int = 8) -> float:
-    """Of one thread's time per chunk (take + transform), the share spent in the tokenizer's batch call, which runs
+    """Of one thread's CPU time per chunk (take + transform), the share spent in the tokenizer's batch call, which runs
     without the GIL: what N worker threads can overlap at best (Amdahl), measurable on a single loaded core."""
     from mixplane.loader.transforms import load_tokenizer
     from mixplane.loader.window import CHUNK
 
     tok = load_tokenizer(tokenizer)
     total = free = 0.0
+    # this thread's CPU time, not the wall clock: a loaded machine's wall times swing with the scheduler
+    # (TOKENIZERS_PARALLELISM=false: the batch call runs on the calling thread)
     for _ in range(chunks):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         raw = stream.take(CHUNK)
         transform(raw)
-        total += time.perf_counter() - t0
+        total += time.thread_time() - t0
         texts = raw.columns["text"].to_pylist()
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         tok.encode_batch_fast(texts, add_special_tokens=False)
-        free += time.perf_counter() - t1
+        free += time.thread_time() - t1
     return round(free / total, 3) if total > 0 else 0.0
 
 

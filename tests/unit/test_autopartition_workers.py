@@ -42,7 +42,7 @@ def test_one_worker_keeps_the_single_thread_plan():
 def test_auto_workers_trade_partitions_for_threads_and_the_pods_cpu_follows():
     b = PartitionBounds()
     plan = auto_partition([TEXT, IMAGE], SCHEDULE, 20_000, BIG, workers={"text": "auto", "image": "auto"})
-    # 3.6 x 1.05 = 3.78 cores: 2 partitions at max_workers (2.86 each), then the fewest threads serving 1.89 each: 3
+    # 3.6 x 1.05 = 3.78 cores: 2 partitions at max_workers (3.31 each), then the fewest threads serving 1.89 each: 3
     assert dict(plan.partitions) == {"text": 1, "image": 2}
     assert dict(plan.workers) == {"text": 1, "image": 3}
     peak = plan.pods_at(500)
@@ -55,7 +55,7 @@ def test_auto_workers_trade_partitions_for_threads_and_the_pods_cpu_follows():
 
 def test_a_fixed_worker_count_is_kept_and_sizes_the_partitions():
     plan = auto_partition([TEXT, IMAGE], SCHEDULE, 20_000, BIG, workers={"image": 2})
-    assert dict(plan.partitions) == {"text": 1, "image": 3}  # 3.78 / 1.76 -> 3
+    assert dict(plan.partitions) == {"text": 1, "image": 3}  # 3.78 / 1.87 -> 3
     assert dict(plan.workers) == {"text": 1, "image": 2}
     covers(plan)
 
@@ -64,13 +64,13 @@ def test_a_kept_split_gets_the_fewest_threads_that_serve_it():
     plan = auto_partition([TEXT, IMAGE], SCHEDULE, 20_000, BIG, partitions={"text": 1, "image": 3},
                           workers={"image": "auto"})
     assert dict(plan.partitions) == {"text": 1, "image": 3}
-    assert plan.workers["image"] == 2  # 1.26 cores a partition: 1 thread does 1.0, 2 do 1.76
+    assert plan.workers["image"] == 2  # 1.26 cores a partition: 1 thread does 1.0, 2 do 1.87
     covers(plan)
 
 
 def test_layout_bounds_and_errors_name_the_source():
     assert partition_layout([TEXT], {"text": 0.5}, 20_000, PartitionBounds(), {"text": "auto"}) == {"text": (1, 1)}
-    with pytest.raises(PartitionError, match=r"source image: needs 3.78 cores .* more than 1 partitions x 2.86 cores .*4 worker"):
+    with pytest.raises(PartitionError, match=r"source image: needs 3.78 cores .* more than 1 partitions x 3.31 cores .*4 worker"):
         partition_layout([SourceCost("image", 3e-4, MIB, max_partitions=1)], {"image": 0.6}, 20_000, PartitionBounds(),
                          {"image": "auto"})
     with pytest.raises(PartitionError, match="max_workers must be >= 1"):
@@ -95,7 +95,7 @@ def test_an_operator_mixture_with_auto_workers_runs_threaded_loader_pods():
     b = body()
     b["spec"]["sources"][1]["workers"] = "auto"
     d = desired(b, OPTS, PROFILE, KEYS, step=120)
-    # pairs from step 100: 1.2 cores x 1.05 = 1.26: one partition on 2 threads (1.76) instead of 2 partitions
+    # pairs from step 100: 1.2 cores x 1.05 = 1.26: one partition on 2 threads (1.87) instead of 2 partitions
     assert dict(d.plan.partitions) == {"text": 1, "pairs": 1} and d.plan.workers["pairs"] == 2
     assert [s.workers for s in d.spec.sources] == [1, 2]  # the resolved spec the loaders read
     (pod,) = [p for p in d.pods.pods if "pairs" in p.sources]

@@ -50,10 +50,10 @@ class LoaderBudget:
 
 
 # throughput of one partition with 1, 2, 3, 4 worker threads over 1 thread: Amdahl over the share of a text partition's
-# time spent without the GIL (the tokenizer's batch call), 0.8665 as measured by bench/loader_io.py (the lower
-# run's median; four measurements 0.866-0.943) — a model, because the shared 2-core machine could not measure the speed-up itself
+# CPU time spent without the GIL (the tokenizer's batch call), 0.931 as measured by bench/loader_io.py (the lower of
+# two rounds, 0.931-0.961) — a model, because the shared 2-core machine could not measure the speed-up itself
 # (docs/loader.md, Workers). Beyond the last entry a thread adds nothing.
-DEFAULT_WORKER_SPEEDUP = (1.0, 1.76, 2.37, 2.86)
+DEFAULT_WORKER_SPEEDUP = (1.0, 1.87, 2.64, 3.31)
 
 
 @dataclass(frozen=True)
