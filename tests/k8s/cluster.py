@@ -406,6 +406,22 @@ class Cluster:
         p = self.workdir / "logs" / f"{name}.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
+    def apply_until_accepted(self, doc: dict, timeout: float = 30.0) -> None:
+        """`kubectl apply` of `doc` again until it is accepted (the operator's webhook Service serves a moment after
+        the operator is Ready); on timeout the error names kubectl's last answer, and the webhook's message (kubectl
+        1.20's apply says only "The request is invalid" for a denial: `create -v=8` shows the API server's body)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.kubectl("apply", "-f", "-", input=json.dumps(doc), check=False)
+            if r.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                body = self.kubectl("create", "-v=8", "-f", "-", input=json.dumps(doc), check=False).stderr
+                msgs = re.findall(r'"message":"((?:[^"\\]|\\.)*)"', body)
+                raise AssertionError(f"{doc['kind']} {doc['metadata']['name']} not accepted in {timeout:g} s: "
+                                     f"{r.stderr.strip()[-2000:]}" + (f"; the API server: {msgs[-1]}" if msgs else ""))
+            time.sleep(1.0)
+
     def keep_logs(self, ns: str, why: str = "") -> Path:
         """A failed test's evidence, kept past pytest's tmp rotation: every pod's full logs (all containers, and the
         previous run of restarted ones), the namespace's pods / events / endpoints, the node's REJECT counts and

@@ -269,8 +269,7 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                "spec": spec(endpoint, placement)}
         t1 = time.monotonic()
         # the operator is Ready once its webhook listens; kube-proxy programs the Service's endpoint a moment later
-        wait_for("the mixture accepted by the webhook",
-                 lambda: c.kubectl("apply", "-f", "-", input=json.dumps(mix), check=False).returncode == 0, 30, 1.0)
+        c.apply_until_accepted(mix, 30)
 
         def rolled_out() -> bool:
             st = kget(c, "datamixture", "demo", "-n", ns).get("status") or {}

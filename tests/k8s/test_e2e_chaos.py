@@ -123,8 +123,7 @@ def test_kills_during_training_lose_nothing(k8s_node: Cluster, k8s_node_namespac
         mix = {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
                "metadata": {"name": "demo", "namespace": ns, "annotations": {"mixplane.io/tokens-per-second": "30000"}},
                "spec": s}
-        wait_for("the mixture accepted", lambda: c.kubectl("apply", "-f", "-", input=json.dumps(mix), check=False).returncode == 0,
-                 30, 1.0)
+        c.apply_until_accepted(mix, 30)
 
         def rolled_out() -> bool:
             work = kget(c, "deployments,statefulsets", "-n", ns, "-l", "mixplane.io/instance=demo")["items"]

@@ -42,8 +42,7 @@ def test_kubectl_patch_of_weights_takes_effect_at_the_stated_step(k8s_node: Clus
         mix = {"apiVersion": "mixplane.io/v1alpha1", "kind": "DataMixture",
                "metadata": {"name": "demo", "namespace": ns, "annotations": {"mixplane.io/tokens-per-second": "30000"}},
                "spec": spec(endpoint, "remote")}
-        wait_for("the mixture accepted", lambda: c.kubectl("apply", "-f", "-", input=json.dumps(mix), check=False).returncode == 0,
-                 30, 1.0)
+        c.apply_until_accepted(mix, 30)
         wait_for("the mixture Ready", lambda: any(x["type"] == "Ready" and x["status"] == "True" for x in
                                                   (kget(c, "datamixture", "demo", "-n", ns).get("status") or {}).get("conditions") or []),
                  300, 2.0)
