@@ -435,6 +435,16 @@ def test_a_repartition_is_held_while_partitions_move_and_a_refusal_is_retried_wi
     pend = decide(observed(calm_body({**st, "repartition": moving.repartition.state}),
                            loaders={**deps, **loader_deps(moving.desired)}, planner=gone))
     assert pend.repartition.pending and pend.delete == [] and pend.draining == []
+    accepted = rp.after_send(pend.repartition.state, ack={"step": 40})
+    listed = {**gone, "repartitions": [{"source": "code", "from": 1, "partitions": 3, "step": 40, "applied": False,
+                                        "repartition_id": accepted["repartitionId"]}]}
+    held = decide(observed(calm_body({**st, "repartition": accepted}), loaders={**deps, **loader_deps(moving.desired)},
+                           planner=listed))
+    assert not held.repartition.send and held.delete == []  # accepted, not applied yet
+    refused = rp.after_send(pend.repartition.state, error="repartition rejected: hosts: ...", refused=True, now=1000.0)
+    later = decide(observed(calm_body({**st, "repartition": refused}), loaders={**deps, **loader_deps(moving.desired)},
+                            planner=gone))
+    assert not later.repartition.send and later.delete == list(deps)  # refused, retried later: it holds nothing
     calm = {**st, "scaler": {**st["scaler"], "state": {}}}  # nothing wanted, nothing pending: the old one goes
     done = decide(observed(calm_body(calm), loaders={**deps, **loader_deps(moving.desired)}, planner=gone))
     assert done.repartition is None and done.delete == list(deps)

@@ -226,8 +226,9 @@ def decide(obs: Observed) -> Actions:
                                    scaler_state if scaler_state is not None else st.get("scaler"), obs.now, hold=hold,
                                    enabled=spec.kubernetes.placement != "sidecar",
                                    layout_hosts=set(desired_hosts(d).values()))
-    if rp is not None and rp.pending:
-        # the planner applies it at a later step, giving new partitions to hosts: none goes before that is seen
+    if rp is not None and (rp.send or (rp.pending and rp.state.get("acceptedStep") is not None)):
+        # sent now or accepted: the planner applies it at a later step, giving new partitions to hosts of a table
+        # observed before; no Deployment goes before the application is seen (a refused or unsent one holds nothing)
         delete = []
 
     layout_prev = dict(st.get("layout") or {})

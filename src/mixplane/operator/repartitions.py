@@ -6,8 +6,9 @@ The operator turns the first such wish into one REPARTITION (`{source, partition
 the planner takes the first step it has not planned; hosts: partition k below the old count stays on its host, the
 others go to the live loader hosts of the layout serving least) and keeps it in `status.repartition` under the one rule for
 requests (operator/requests.py): sent when due, retried with backoff, held with a reason, acknowledged once. Its
-`hosts` are loader hosts of the layout (`choose_hosts`), and no loader Deployment is deleted while a re-partition is
-pending: the planner applies it later, and a host it gives a new partition must not be on its way out.
+`hosts` are loader hosts of the layout (`choose_hosts`), and no loader Deployment is deleted while a REPARTITION is
+sent or accepted and not applied yet: the planner applies it later, and a host it gives a new partition must not be
+on its way out.
 
     source / from / partitions   what is asked: `source` from `from` to `partitions` partitions
     repartitionId                "<uid>/repartition-<source>-<from>-<to>": the planner applies an id once and answers
