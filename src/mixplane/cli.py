@@ -486,6 +486,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_prep(args: argparse.Namespace) -> int:
     """Offline stages on Spark: `dedup` (weighted MinHash, LSH, vertex cover) and `depsort` (dependency order)."""
+    from mixplane.loader.iceberg import IcebergError
+
     try:
         from mixplane.prep import spark as prep
     except ImportError as e:
@@ -500,18 +502,37 @@ def cmd_prep(args: argparse.Namespace) -> int:
         if missing:
             print(f"{args.input}: column(s) {', '.join(missing)} missing (has {', '.join(df.columns)})", file=sys.stderr)
             return EXIT_INVALID
+        if args.iceberg:
+            from mixplane.prep import iceberg as prep_iceberg
+
+            if args.stage == "dedup" and len(set(args.threshold)) > 1:
+                print(f"--iceberg {args.iceberg}: one table takes one --threshold's output (got {len(set(args.threshold))})",
+                      file=sys.stderr)
+                return EXIT_INVALID
+            prep_iceberg.check_target(args.iceberg, args.output)
+
+        def published(out: str) -> dict[str, Any]:
+            if not args.iceberg:
+                return {}
+            from mixplane.loader.files import list_source_files
+
+            return {"iceberg": prep_iceberg.publish(args.iceberg, list_source_files(out).paths)}
+
         if args.stage == "depsort":
             prep.depsort(df).join(df, ["repo", "path"]).orderBy("repo", "order").write.mode("overwrite").parquet(args.output)
-            print(json.dumps({"stage": "depsort", "output": args.output}))
+            print(json.dumps({"stage": "depsort", "output": args.output, **published(args.output)}))
             return 0
         opts = prep.DedupOptions(num_hashes=args.num_hashes, seed=args.seed, code=args.code)
         reports = []
         for th, (kept, report) in prep.dedup(df, sorted(set(args.threshold)), opts, repo_level=args.repo_level).items():
             out = args.output if len(args.threshold) == 1 else f"{args.output.rstrip('/')}/threshold={th}"
             kept.write.mode("overwrite").parquet(out)
-            reports.append({**report, "output": out})
+            reports.append({**report, "output": out, **published(out)})
         print(json.dumps(reports))
         return 0
+    except IcebergError as e:  # names the table
+        print(f"mixplane prep: {e}", file=sys.stderr)
+        return EXIT_INVALID
     except ValueError as e:
         print(f"{args.input}: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -675,11 +696,14 @@ def build_parser() -> argparse.ArgumentParser:
     dd.add_argument("--num-hashes", type=int, default=128)
     dd.add_argument("--seed", type=int, default=1)
     dd.add_argument("--master", default="local[*]", help="Spark master (local[*], spark://..., k8s://...)")
+    dd.add_argument("--iceberg", metavar="URI", help="also register the output as the next snapshot of this Iceberg "
+                    "table (iceberg://<catalog>/<namespace>.<table>; created when absent, its rows replaced when not)")
     dd.set_defaults(fn=cmd_prep)
-    ds = prs.add_parser("depsort", help="each repository's files in dependency order (Python syntax trees)")
+    ds = prs.add_parser("depsort", help="each repository's files in dependency order (Python and JavaScript syntax trees)")
     ds.add_argument("input", help="Parquet with columns repo, path, text")
     ds.add_argument("output", help="Parquet directory: the rows with their `order`, sorted by repo and order")
     ds.add_argument("--master", default="local[*]")
+    ds.add_argument("--iceberg", metavar="URI", help="also register the output as the next snapshot of this Iceberg table")
     ds.set_defaults(fn=cmd_prep)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator")

@@ -138,3 +138,37 @@ def test_a_table_on_the_s3_compatible_server_is_read_through_its_catalog(tmp_pat
         assert sorted(r.columns["id"].to_numpy()[first_epoch].tolist()) == first.column("id").to_pylist()
     finally:
         server.stop()
+
+
+def test_prep_output_registered_as_a_snapshot_is_read_back_and_a_second_run_replaces_it(tmp_path, monkeypatch):
+    """prep.iceberg.publish: the files a stage wrote become the table's snapshot in place (created with their
+    schema); a second run's files replace the rows in a new snapshot while the first stays readable; a run into the
+    directory the current snapshot's files live in is refused before anything is written."""
+    import pyarrow.parquet as pq
+
+    from mixplane.prep.iceberg import check_target, publish
+
+    monkeypatch.setenv("PYICEBERG_CATALOG__OUT__URI", f"sqlite:///{tmp_path}/catalog.db")
+    monkeypatch.setenv("PYICEBERG_CATALOG__OUT__WAREHOUSE", f"file://{tmp_path}/warehouse")
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    rng = np.random.default_rng(3)
+    runs = []
+    for run, n in ((1, 400), (2, 250)):
+        out = tmp_path / f"run{run}"
+        out.mkdir()
+        table = docs(rng, n, 10_000 * run)
+        check_target("iceberg://out/blend.docs", str(out))
+        for i, part in enumerate((table.slice(0, n // 2), table.slice(n // 2))):
+            pq.write_table(part, out / f"part-{i}.parquet")
+        rep = publish("iceberg://out/blend.docs", list_source_files(str(out)).paths)
+        assert rep["files"] == 2 and rep["uri"] == f"iceberg://out/blend.docs@{rep['snapshot']}"
+        runs.append((rep["uri"], table))
+    for uri, table in runs:  # each snapshot is exactly its run's rows
+        src = SourceSpec(name="p", uri=uri, kind="tokens", columns=["tokens", "id"], shuffle="page")
+        r = open_stream(src, seed=0).take(table.num_rows + 3)
+        first = key_epoch(r.keys) == 0
+        assert sorted(r.columns["id"].to_numpy()[first].tolist()) == table.column("id").to_pylist()
+    with pytest.raises(IcebergError, match="current snapshot's data files lie in"):
+        check_target("iceberg://out/blend.docs", str(tmp_path / "run2"))
+    with pytest.raises(IcebergError, match="without @<snapshot-id>"):
+        check_target(runs[0][0], str(tmp_path / "run3"))

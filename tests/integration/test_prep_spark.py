@@ -131,3 +131,36 @@ def test_the_cli_reads_and_writes_parquet_and_names_a_missing_column(tmp_path):
                           "--threshold", "0.7", "--repo-level", "--master", "local[1]"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "column(s) repo, fork, stars missing (has id, text)" in bad.stderr
+
+
+def test_the_cli_registers_depsorts_output_as_an_iceberg_snapshot(tmp_path, monkeypatch):
+    """`prep depsort --iceberg`: the Parquet Spark wrote is the table's snapshot (the report names it pinned), read
+    back row for row; several dedup thresholds into one table are refused with the reason."""
+    from pyiceberg.catalog import load_catalog
+
+    env = {"PYICEBERG_CATALOG__OUT__URI": f"sqlite:///{tmp_path}/catalog.db",
+           "PYICEBERG_CATALOG__OUT__WAREHOUSE": f"file://{tmp_path}/warehouse"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    files = {"m/__init__.py": "from .x import f\n", "m/x.py": "def f(): pass\n", "web/a.js": "import './b.js'\n",
+             "web/b.js": "export const b = 1\n"}
+    src = tmp_path / "repos.parquet"
+    pq.write_table(pa.table({"repo": ["r"] * len(files), "path": list(files), "text": list(files.values())}), src)
+    out = tmp_path / "sorted"
+    r = subprocess.run([sys.executable, "-m", "mixplane.cli", "prep", "depsort", str(src), str(out), "--master",
+                        "local[1]", "--iceberg", "iceberg://out/code.sorted"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    snap = report["iceberg"]["snapshot"]
+    assert report["iceberg"]["uri"] == f"iceberg://out/code.sorted@{snap}"
+    table = load_catalog("out", **{k.split("__")[-1].lower(): v for k, v in env.items()}).load_table("code.sorted")
+    got = table.scan(snapshot_id=snap).to_arrow().sort_by("order")
+    order = got.column("path").to_pylist()
+    assert order == pure_depsort(files)[0] and order.index("m/x.py") < order.index("m/__init__.py")
+    assert order.index("web/b.js") < order.index("web/a.js")
+    docs = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "text": ["a b c", "d e f"]}), docs)
+    bad = subprocess.run([sys.executable, "-m", "mixplane.cli", "prep", "dedup", str(docs), str(tmp_path / "d"),
+                          "--threshold", "0.5", "--threshold", "0.7", "--iceberg", "iceberg://out/code.kept",
+                          "--master", "local[1]"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "one table takes one --threshold's output" in bad.stderr

@@ -55,21 +55,26 @@ def parse_ref(uri: str) -> IcebergRef:
     return IcebergRef(m.group("catalog"), m.group("table"), None if snap is None else int(snap))
 
 
-def load_table(ref: IcebergRef) -> Any:
+def load_catalog(ref: IcebergRef) -> Any:
+    """The catalog `ref` names, configured as pyiceberg is configured now (IcebergError naming it when it cannot be)."""
     try:
-        from pyiceberg.catalog import load_catalog
-        from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
-    except ImportError as e:  # the iceberg extra
-        raise IcebergError(f"{ref.uri}: Iceberg sources need pyiceberg (pip install 'mixplane[iceberg]'): {e}") from None
-    try:
+        from pyiceberg.catalog import load_catalog as pyiceberg_catalog
         from pyiceberg.utils.config import Config
-
+    except ImportError as e:  # the iceberg extra
+        raise IcebergError(f"{ref.uri}: Iceberg tables need pyiceberg (pip install 'mixplane[iceberg]'): {e}") from None
+    try:
         # the configuration as it is now (pyiceberg reads its environment once, at import)
         props: dict[str, Any] = dict(Config().get_catalog_config(ref.catalog) or {})
-        catalog = load_catalog(ref.catalog, **props)
+        return pyiceberg_catalog(ref.catalog, **props)
     except Exception as e:  # noqa: BLE001 - pyiceberg raises ValueError, KeyError or driver errors for a bad config
         raise IcebergError(f"{ref.uri}: catalog {ref.catalog!r} cannot be loaded ({type(e).__name__}: {e}); configure "
                            f"it as pyiceberg does (PYICEBERG_CATALOG__{ref.catalog.upper()}__URI, ~/.pyiceberg.yaml)") from None
+
+
+def load_table(ref: IcebergRef) -> Any:
+    catalog = load_catalog(ref)  # first: without pyiceberg, an IcebergError that says so
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
     try:
         return catalog.load_table(ref.table)
     except (NoSuchTableError, NoSuchNamespaceError) as e:
