@@ -243,3 +243,22 @@ def test_a_strategys_own_schedule_does_not_bring_an_ended_source_back():
     assert [pl.ended for pl in a] == [pl.ended for pl in b]
     assert [layout_digest(x.layout) for x in a] == [layout_digest(y.layout) for y in b]
     assert not any((pl.pieces.source == 0).any() for pl in a[end + 1:])
+
+
+def test_mixplane_validate_names_each_field(tmp_path, capsys):
+    import yaml
+
+    from mixplane.cli import main
+
+    doc = {"sources": [{"name": "a", "uri": "/x/a", "kind": "tokens", "columns": ["t", "repo"], "live": True,
+                        "max_epochs": 2, "pack_by": "repo"},
+                       {"name": "b", "uri": "/x/b", "kind": "tokens", "columns": ["t"]}],
+           "mixture": {"weights": {"a": 1, "b": 1}, "rows": {"b": 2}}, "batch": {"sequences": 8, "seq_len": 256}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rc = main(["validate", "--no-files", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 2
+    fields = {line.split(": ")[1] for line in lines}
+    assert {"sources[0].max_epochs", "sources[0].shuffle", "sources[0].live", "mixture.weights.b"} <= fields, lines
+    assert all(line.startswith(f"{path}: ") for line in lines)
