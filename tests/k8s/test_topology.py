@@ -167,8 +167,8 @@ def train(planner: str, keys, world: int, stop: int, *, state: dict | None = Non
 def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_namespace, data, tmp_path, cuts):
     """`cuts`: the operator is SIGKILLed at these points of the change before one is left alone -- before the RESHARD
     is sent, and after the planner acknowledged it but before the status says so: the change is applied once.
-    `random`: RANDOM_KILLS operators one after the other, each SIGKILLed before a random mutating API call (1..14: a
-    pass that applies every child makes ~14) or, one in five, from outside at a random time."""
+    `random`: RANDOM_KILLS operators one after the other, each SIGKILLed before a random mutating API call (1..3 or
+    1..14: a pass that applies every child makes ~14) or, one in five, from outside at a random time."""
     cluster, ns = crd, k8s_namespace
     pods = LocalPods(cluster, ns, tmp_path / "pods")
     (tmp_path / "pods").mkdir()
@@ -204,7 +204,10 @@ def test_kubectl_patch_of_the_topology_reshards_the_running_mixture(crd, k8s_nam
                 rng = random.Random(20261127)
                 while len(kills) < RANDOM_KILLS:
                     outside = rng.random() < 0.2
-                    extra = {} if outside else {"MIXPLANE_OPERATOR_KILL_AFTER_CALLS": str(rng.randint(1, 14))}
+                    # half of them within a pass's first 3 calls: with the served world's children applied already,
+                    # the RESHARD goes out at about the second mutating call (status intent, RESHARD, status)
+                    n = rng.randint(1, 3) if rng.random() < 0.5 else rng.randint(1, 14)
+                    extra = {} if outside else {"MIXPLANE_OPERATOR_KILL_AFTER_CALLS": str(n)}
                     with operator(cluster, ns, **env, **extra) as cut:
                         deadline = time.monotonic() + (rng.uniform(0.5, 4.0) if outside else 40.0)
                         while cut.poll() is None and time.monotonic() < deadline:
