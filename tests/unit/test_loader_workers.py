@@ -362,3 +362,14 @@ def test_pages_decoded_on_worker_threads_give_the_same_rows_and_quarantine(tmp_p
     assert f"{paths[7]}" in out[1][1][0]
     if mode in ("page", "row"):  # a take's new units come from many pages: they were decoded on the threads
         assert out[4][2]
+
+
+def test_auto_reads_the_cgroup_cpu_quota(tmp_path):
+    from mixplane.loader.workers import _cfs_quota, _cpu_max
+
+    assert _cpu_max("max 100000\n", "cpu.max") is None  # no quota: the affinity decides
+    assert _cpu_max("150000 100000\n", "cpu.max") == 1.5
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cfs_quota("250000\n", str(tmp_path / "cpu.cfs_quota_us")) == 2.5
+    assert _cfs_quota("-1\n", str(tmp_path / "cpu.cfs_quota_us")) is None
+    assert resolve_workers("auto", cores=1.5) == 1  # a pod limited to 1.5 cores: one worker thread
