@@ -43,6 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+# the runtime's processes (planner, loaders, constructor) import this tree too, not whatever tree the environment's
+# mixplane is installed from (an editable install names one checkout: runs of another measured that one's loaders)
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 TEMPLATES = 32
 PER_DIR = 1000
