@@ -68,5 +68,14 @@ def k8s_node_namespace(k8s_node: Cluster, request) -> Iterator[str]:
 def crd(k8s_cluster: Cluster) -> Cluster:
     """The cluster with the DataMixture CRD from crds/ installed and established."""
     k8s_cluster.kubectl("apply", "-f", str(CRD))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
-    return k8s_cluster
+    # polled rather than `kubectl wait --for=condition=Established`: kubectl 1.20's wait fails at once with
+    # ".status.conditions accessor error" when it reads the CRD before the API server wrote any condition
+    deadline = time.monotonic() + 60
+    path = '{.status.conditions[?(@.type=="Established")].status}'
+    while True:
+        r = k8s_cluster.kubectl("get", f"crd/{CRD_NAME}", "-o", f"jsonpath={path}", check=False)
+        if r.returncode == 0 and r.stdout.strip() == "True":
+            return k8s_cluster
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"crd/{CRD_NAME} not Established within 60 s: {r.stdout.strip()!r} {r.stderr.strip()!r}")
+        time.sleep(0.2)
