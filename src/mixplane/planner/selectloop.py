@@ -281,6 +281,32 @@ def _starve(i, realized, probs, limit, st_at, st_i, nst):
     return nst + 1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _enqueue(n, ptr, end, probs, active, sz, c_tok, c_done, unit_samples, S, realized, total, limit, delta, inv_p,
+             rk, rs, wk, ws, st_at, st_i):
+    """The queues built from empty (at the start, and again when a source ends and the shares are renormalised):
+    every source with candidates left and a share is active, ready or waiting; a share source without candidates is
+    starved. Returns (active count, ready, waiting, starved)."""
+    count = 0
+    nready = 0
+    nwait = 0
+    nst = 0
+    for i in range(n):
+        active[i] = False
+        if ptr[i] < end[i] and probs[i] > 0:
+            active[i] = True
+            count += 1
+            sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
+            if _released(i, realized, probs, sz, total, limit):
+                nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
+            else:
+                nwait = _push(wk, ws, nwait, _wait_key(i, realized, inv_p, sz, limit), i)
+    for i in range(n):
+        if probs[i] > 0 and ptr[i] >= end[i]:
+            nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
+    return count, nready, nwait, nst
+
+
 @njit(cache=True, nogil=True)
 def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale, unit_samples, truncate,
           S, R, policy, lo, cap_out, ends, final, unfinished, quota, ended):
@@ -334,18 +360,8 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
             nq += 1
     qcur = 0
 
-    for i in range(n):
-        if ptr[i] < end[i] and probs[i] > 0:
-            active[i] = True
-            count += 1
-            sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
-            if _released(i, realized, probs, sz, total, limit):
-                nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
-            else:
-                nwait = _push(wk, ws, nwait, _wait_key(i, realized, inv_p, sz, limit), i)
-    for i in range(n):
-        if probs[i] > 0 and ptr[i] >= end[i]:
-            nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
+    count, nready, nwait, nst = _enqueue(n, ptr, end, probs, active, sz, c_tok, c_done, unit_samples, S, realized,
+                                         total, limit, delta, inv_p, rk, rs, wk, ws, st_at, st_i)
 
     again = -1
     while count > 0 or qcur < nq:
@@ -527,24 +543,9 @@ def _loop(c_tok, c_done, off, probs, inv_p, realized, total, delta, limit, scale
                 total = 0.0
                 delta = (1.0 - 1.0 / (2 * npos - 2) if npos > 1 else 0.5) * scale  # mixing.slack
                 limit = delta + 1e-9 * scale
-                nready = 0
-                nwait = 0
                 nnear = 0
-                nst = 0
-                count = 0
-                for i in range(n):
-                    active[i] = False
-                    if ptr[i] < end[i] and probs[i] > 0:
-                        active[i] = True
-                        count += 1
-                        sz[i] = _size(c_tok, c_done, ptr[i], unit_samples, S)
-                        if _released(i, realized, probs, sz, total, limit):
-                            nready = _push(rk, rs, nready, (realized[i] + delta) * inv_p[i], i)
-                        else:
-                            nwait = _push(wk, ws, nwait, _wait_key(i, realized, inv_p, sz, limit), i)
-                for i in range(n):
-                    if probs[i] > 0 and ptr[i] >= end[i]:
-                        nst = _starve(i, realized, probs, limit, st_at, st_i, nst)
+                count, nready, nwait, nst = _enqueue(n, ptr, end, probs, active, sz, c_tok, c_done, unit_samples, S,
+                                                     realized, total, limit, delta, inv_p, rk, rs, wk, ws, st_at, st_i)
                 continue
             if k + 1 >= end[best]:
                 nready = _pop(rk, rs, nready)
