@@ -75,40 +75,34 @@ def truth(rows: list[tuple[int, str]], groups: list[list[int]]) -> dict[tuple[in
     return out
 
 
-def synthetic_repo(rng: random.Random, n: int, back: int) -> tuple[dict[str, str], set[tuple[str, str]]]:
-    names = [f"pkg/m{i}.py" for i in range(n)]
+# how each language writes a module i, its import of module j (with the DAG), its use of a later module j (against
+# it), and its definition of f_i
+LANGS = {
+    "python": ("pkg/m{i}.py", "from pkg.m{j} import f{j}", "import pkg.m{j}", "def f{i}():\n    return {i}\n"),
+    "javascript": ("lib/m{i}.js", "import {{ f{j} }} from './m{j}.js';", "const m{j} = require('./m{j}');",
+                   "export function f{i}() {{ return {i}; }}\n"),
+}
+
+
+def synthetic_repo(rng: random.Random, n: int, back: int, lang: str = "python") -> tuple[dict[str, str], set[tuple[str, str]]]:
+    """A repository of n modules with a known import graph: a random DAG (each module imports 1-3 earlier ones) and
+    `back` uses of a later module against it, written in `lang`."""
+    path, imp, back_imp, define = LANGS[lang]
+    names = [path.format(i=i) for i in range(n)]
     dag: set[tuple[str, str]] = set()
     body: dict[str, list[str]] = {p: [] for p in names}
     for i in range(1, n):
         for j in rng.sample(range(i), min(i, rng.randint(1, 3))):
             dag.add((names[i], names[j]))
-            body[names[i]].append(f"from pkg.m{j} import f{j}")
+            body[names[i]].append(imp.format(j=j))
     extra = set()
     for _ in range(back):
         i, j = sorted(rng.sample(range(n), 2))
         extra.add((names[i], names[j]))
-        body[names[i]].append(f"import pkg.m{j}")  # i < j: a use of a later module, against the DAG
-    files = {p: "\n".join(body[p] + [f"def f{k}():\n    return {k}\n"]) for k, p in enumerate(names)}
-    files["pkg/__init__.py"] = ""
-    return files, dag | extra
-
-
-def synthetic_js_repo(rng: random.Random, n: int, back: int) -> tuple[dict[str, str], set[tuple[str, str]]]:
-    """The same known graph as synthetic_repo, written as JavaScript modules (ES imports, and require for the
-    uses against the DAG)."""
-    names = [f"lib/m{i}.js" for i in range(n)]
-    dag: set[tuple[str, str]] = set()
-    body: dict[str, list[str]] = {p: [] for p in names}
-    for i in range(1, n):
-        for j in rng.sample(range(i), min(i, rng.randint(1, 3))):
-            dag.add((names[i], names[j]))
-            body[names[i]].append(f"import {{ f{j} }} from './m{j}.js';")
-    extra = set()
-    for _ in range(back):
-        i, j = sorted(rng.sample(range(n), 2))
-        extra.add((names[i], names[j]))
-        body[names[i]].append(f"const m{j} = require('./m{j}');")
-    files = {p: "\n".join(body[p] + [f"export function f{k}() {{ return {k}; }}\n"]) for k, p in enumerate(names)}
+        body[names[i]].append(back_imp.format(j=j))
+    files = {p: "\n".join(body[p] + [define.format(i=k)]) for k, p in enumerate(names)}
+    if lang == "python":
+        files["pkg/__init__.py"] = ""
     return files, dag | extra
 
 
@@ -167,7 +161,7 @@ def main() -> None:
         dag_kept.append(respected(order, {e for e in edges if int(e[0][5:-3]) > int(e[1][5:-3])}))
     js_mine = []
     for _ in range(n_repos):
-        files, edges = synthetic_js_repo(rng, rng.randint(20, 60), back=rng.randint(0, 4))
+        files, edges = synthetic_repo(rng, rng.randint(20, 60), back=rng.randint(0, 4), lang="javascript")
         order, report = depsort(files)
         assert report["edges"] == len(edges) and not report["unparsed"], "the JavaScript import graph was not recovered"
         js_mine.append(respected(order, edges))
