@@ -68,6 +68,8 @@ def main() -> int:
     trainer.add_callback(Watch())  # after the MixplaneCallback: its pre-hook sees the scaled learning rate
     trainer.train(resume_from_checkpoint=True if resume else None)
     rec.close()
+    if torch.distributed.is_initialized():  # gloo's worker threads abort the process at exit otherwise (SIGABRT)
+        torch.distributed.destroy_process_group()
     return 0
 
 

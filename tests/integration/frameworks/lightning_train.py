@@ -81,6 +81,8 @@ def main() -> int:
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(Tiny(), datamodule=MixtureDataModule(), ckpt_path=None if ckpt == "-" else ckpt)
     rec.close()
+    if torch.distributed.is_initialized():  # gloo's worker threads abort the process at exit otherwise (SIGABRT)
+        torch.distributed.destroy_process_group()
     return 0
 
 
