@@ -17,15 +17,15 @@ the GIL (nogil=True: a planning thread runs it beside the server's encoding and 
 * sources' ends and rows per step (docs/mixtures.md): a source whose last allowed candidate is finished
   ends there (the rest of the step renormalised over the others, counters reset, the queues rebuilt);
   sources weighted by rows are served first, outside the mixing queue. With neither, the loop is the one
-  the reference tests compare byte for byte.
+  whose recorded outputs the tests hold it to byte for byte.
 
 Where the time goes (captured inputs of the largest bench row): nearly all of it in the placements;
 the end of a step, where ~240k candidates that fit nowhere are each re-tested (one may change which
 source is released), costs ~1-2 ms of them, so it is not short-cut.
 
-tests/unit/test_planner_select.py checks plans against the former Python loop (planner_reference.py)
-and this loop against its former compiled version (selectloop_reference.py) on random and adversarial
-inputs, byte for byte.
+The mixing rule is checked against DeficitSampler.pick (tests/unit/test_planner_select.py); the loop's
+outputs on random and adversarial inputs, and whole plans, are held to outputs recorded while the former
+Python loop and the former compiled loop still stood beside it, byte for byte (tests/unit/planner_goldens.py).
 """
 
 from __future__ import annotations
