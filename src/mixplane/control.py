@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from mixplane import settings, wire
-from mixplane.protocol import acknowledgment
+from mixplane.protocol import acknowledgment, update_refused
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
 
@@ -163,7 +163,7 @@ def update_retryable(error: BaseException | str) -> bool:
     planner still recovering its session. False for a rejected update (a field or the step is wrong)."""
     if isinstance(error, TimeoutError):
         return True
-    return "mixture update rejected" not in str(error)
+    return not update_refused(str(error))
 
 
 def update_acknowledged(status: dict[str, Any], update_id: str) -> dict[str, Any] | None:

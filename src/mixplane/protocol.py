@@ -440,6 +440,12 @@ def parse_loss_report(meta: Mapping[str, Any], n_sources: int) -> LossReport:
     return LossReport(vals["rank"], vals["from_step"], vals["step"], tuple(out_l), tuple(out_t))
 
 
+def update_refused(error: str) -> bool:
+    """Whether the planner's ERROR answer to an UPDATE_MIXTURE rejects the update (a field or the step is wrong:
+    sending it again fails again), not "not now" (a planner still recovering its session)."""
+    return "mixture update rejected" in error
+
+
 def acknowledgment(status: Mapping[str, Any], field: str, id_field: str, request_id: str) -> dict[str, Any] | None:
     """The planner's record of request `request_id` in its STATUS reply's list `field` (``updates``: live mixture
     updates by ``update_id``, ``reshards``: topology changes by ``reshard_id``, ``repartitions``: re-partitions by

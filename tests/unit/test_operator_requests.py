@@ -61,3 +61,44 @@ def test_the_history_keeps_each_generation_once_and_the_newest_last():
     assert [h["generation"] for h in hist] == list(range(4, 4 + requests.HISTORY))
     assert requests.recorded([{"generation": 1, "effectiveStep": 1}], {"generation": 1, "effectiveStep": 7}) == [
         {"generation": 1, "effectiveStep": 7}]
+
+
+def test_every_kind_of_request_is_sent_under_one_rule_and_keeps_its_own_refusals():
+    """requests.Sender: the live update, the topology change and the re-partition are sent by one shell
+    (handlers.send_kept); what an answer makes of their state is the sender's. The ERROR texts are the planner's
+    (planner/server.py, planner/repartitioning.py)."""
+    from mixplane.operator import repartitions, topology, updates
+
+    cases = [(updates.SENDER, {"updateId": "u/2", "generation": 2},
+              "mixture update rejected: mixture.weights: unknown source x",
+              "mixture update refused: the planner is recovering its session (re-planning); retry"),
+             (topology.SENDER, {"reshardId": "u/topology-3", "generation": 3},
+              "reshard rejected: the global batch must stay the same",
+              "reshard refused: the planner is recovering its session; retry"),
+             (repartitions.SENDER, {"repartitionId": "u/repartition-code-1-2", "source": "code", "from": 1, "partitions": 2},
+              "repartition rejected: partitions: source 'code' already has 2 partitions",
+              "repartition rejected: the planner is recovering its session; retry")]
+    assert [s.kind for s, *_ in cases] == ["update", "reshard", "repartition"]
+    for sender, fields, no, not_now in cases:
+        st = requests.pending(fields, now=10.0, reason="new")
+        assert sender.request_id(st) == next(iter(fields.values()))
+        refused = sender.failed(st, no, answered=True, now=10.0)
+        assert refused["state"] == "Refused" and refused["attempts"] == 1 and refused["retryAt"] == 11.0, sender.kind
+        assert refused["reason"] == f"refused by the planner: {no}"
+        later = sender.failed(st, not_now, answered=True, now=10.0)
+        assert later["state"] == "Pending" and later["reason"].startswith("planner not reachable"), sender.kind
+        # no answer at all, and a pass whose STATUS went unanswered: Pending, never Refused (whatever the text says)
+        assert sender.failed(st, no, answered=False, now=10.0)["state"] == "Pending"
+        down = sender.unreachable(refused, now=20.0)
+        assert down["state"] == "Pending" and down["attempts"] == 2 and down["retryAt"] == 22.0
+        assert down["reason"] == "planner not reachable: no answer to STATUS"
+    up = updates.SENDER.answered(requests.pending({"updateId": "u/2", "generation": 2}, 0.0, "new"),
+                                 {"effective_step": 40, "generation": 5})
+    assert up["state"] == "Acknowledged" and up["effectiveStep"] == 40 and up["plannerGeneration"] == 5
+    topo = topology.SENDER.answered(requests.pending({"reshardId": "t", "generation": 3, "was": {"dp": 2}}, 0.0, "new"),
+                                    {"step": 17, "world_size": 4})
+    assert topo["state"] == "Acknowledged" and topo["effectiveStep"] == 17 and topo["worldSize"] == 4 and "was" not in topo
+    # a re-partition the planner accepted is still Pending: acknowledged only once STATUS shows it applied
+    rp = repartitions.SENDER.answered(requests.pending({"repartitionId": "r", "source": "code"}, 0.0, "new"), {"step": 12})
+    assert rp["state"] == "Pending" and rp["acceptedStep"] == 12
+    assert {s.cut for s, *_ in cases} == {"after-update", "after-reshard", "after-repartition"}

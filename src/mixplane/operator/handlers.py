@@ -40,7 +40,8 @@ from mixplane.operator.keys import admin_key_dir, keys_for, stale_trainer_keys
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
 from mixplane.operator.reconcile import ReconcileError, condition, spec_of
-from mixplane.operator.updates import after_send
+from mixplane.operator import updates as upd_state
+from mixplane.operator.requests import Sender
 
 VERSION = "v1alpha1"
 PLURAL = "datamixtures"
@@ -79,6 +80,26 @@ def planner_request(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], k
         return control.repartition(ep, str(meta["source"]), int(meta["partitions"]), timeout_s, curve=curve,
                                    hosts=meta.get("hosts"), repartition_id=meta.get("repartition_id"))
     return control.update_mixture(ep, meta, timeout_s, curve=curve)
+
+
+def send_kept(opts: ClusterOptions, keys: Mapping[str, tuple[str, str]], sender: Sender, state: Mapping[str, Any],
+              meta: dict[str, Any], planner: Mapping[str, Any] | None, logger: Any
+              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One send of the request kept in status `state` (`meta`: what it asks; `planner`: this pass's STATUS answer,
+    None: not sent). Returns its state afterwards and the planner's ACK (None: not taken). What each outcome makes
+    of the state is the sender's rule (requests.Sender, pure); this is only the I/O around it."""
+    now = time.time()
+    if planner is None:
+        return sender.unreachable(state, now), None
+    try:
+        ack = planner_request(opts, keys, sender.kind, meta)
+    except RuntimeError as e:  # an ERROR answer: refused (a field, the step), or "not now" (recovering, one pending)
+        logger.warning(f"{sender.what} {sender.request_id(state)} not taken by the planner: {e}")
+        return sender.failed(state, str(e), answered=True, now=now), None
+    except (TimeoutError, OSError) as e:
+        return sender.failed(state, str(e), answered=False, now=now), None
+    kube().fault.hit(sender.cut, mutating=False)  # taken by the planner, not recorded in the status yet
+    return sender.answered(state, ack), ack
 
 
 # ---------------------------------------------------------------------------------------------- observe
@@ -209,73 +230,37 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
         logger.info(f"handoff: removed loader Deployment {dep} (its partitions moved)")
     if acts.draining:
         logger.info(f"handoff: loader hosts {', '.join(acts.draining)} stay until their partitions moved")
-    # 5. the live update
+    # 5. the live update, a topology change, a re-partition: each a request kept in status, sent by send_kept
     final = dict(acts.status)
     state = acts.update.state
     if acts.update.send:
         from mixplane.mixing import mixture_update_meta
 
-        now = time.time()
-        if obs.planner is None:
-            state = after_send(state, error="no answer to STATUS", now=now)
-        else:
-            try:
-                ack = planner_request(opts, keys, "update", mixture_update_meta(spec, str(state["updateId"])))
-            except RuntimeError as e:  # an ERROR answer: rejected (a field, the step), or a planner still recovering
-                from mixplane.control import update_retryable
-
-                state = after_send(state, error=str(e), refused=not update_retryable(e), now=now)
-                logger.warning(f"mixture update {state['updateId']} not taken by the planner: {e}")
-            except (TimeoutError, OSError) as e:
-                state = after_send(state, error=str(e), now=now)
-            else:
-                kube().fault.hit("after-update", mutating=False)  # acknowledged by the planner, not yet recorded
-                state = after_send(state, ack=ack)
-                logger.info(f"mixture update {state['updateId']} in force from step {state['effectiveStep']}"
-                            f"{' (acknowledged before)' if ack.get('duplicate') else ''}")
+        state, taken = send_kept(opts, keys, upd_state.SENDER, state, mixture_update_meta(spec, str(state["updateId"])),
+                               obs.planner, logger)
+        if taken is not None:
+            logger.info(f"mixture update {state['updateId']} in force from step {state['effectiveStep']}"
+                        f"{' (acknowledged before)' if taken.get('duplicate') else ''}")
         final = with_update(final, body, spec, state)
     topo = acts.topology.state if acts.topology is not None else {}
     resharded = False
     if acts.topology is not None and acts.topology.send:
-        now = time.time()
-        if obs.planner is None:
-            topo = topo_state.after_send(topo, error="no answer to STATUS", now=now)
-        else:
-            try:
-                ack = planner_request(opts, keys, "reshard", topo_state.reshard_meta(spec, topo))
-            except RuntimeError as e:
-                refused = "retry" not in str(e)
-                topo = topo_state.after_send(topo, error=str(e), refused=refused, now=now)
-                logger.warning(f"topology change {topo['reshardId']} not taken by the planner: {e}")
-            except (TimeoutError, OSError) as e:
-                topo = topo_state.after_send(topo, error=str(e), now=now)
-            else:
-                kube().fault.hit("after-reshard", mutating=False)  # acknowledged by the planner, not yet recorded
-                topo = topo_state.after_send(topo, ack=ack)
-                resharded = True
-                logger.info(f"topology change {topo['reshardId']}: world of {topo.get('worldSize')} ranks from step "
-                            f"{topo['effectiveStep']}{' (acknowledged before)' if ack.get('duplicate') else ''}")
+        topo, taken = send_kept(opts, keys, topo_state.SENDER, topo, topo_state.reshard_meta(spec, topo), obs.planner, logger)
+        if taken is not None:
+            resharded = True
+            logger.info(f"topology change {topo['reshardId']}: world of {topo.get('worldSize')} ranks from step "
+                        f"{topo['effectiveStep']}{' (acknowledged before)' if taken.get('duplicate') else ''}")
         final = with_topology(final, body, topo)
     elif acts.topology is not None:
         final = with_topology(final, body, topo)
         resharded = acts.topology.acknowledged_now
     rstate = acts.repartition.state if acts.repartition is not None else None
     if acts.repartition is not None and acts.repartition.send and rstate is not None:
-        now = time.time()
-        try:
-            ack = planner_request(opts, keys, "repartition", rp_state.request_meta(rstate))
-        except RuntimeError as e:  # refused: a field, or "not now" (recovering, another one pending)
-            rstate = rp_state.after_send(rstate, error=str(e), refused=not any(w in str(e) for w in rp_state.RETRYABLE),
-                                         now=now)
-            logger.warning(f"re-partition {rstate['repartitionId']} not taken by the planner: {e}")
-        except (TimeoutError, OSError) as e:
-            rstate = rp_state.after_send(rstate, error=str(e), now=now)
-        else:
-            kube().fault.hit("after-repartition", mutating=False)  # accepted by the planner, not yet recorded
-            rstate = rp_state.after_send(rstate, ack=ack)
+        rstate, taken = send_kept(opts, keys, rp_state.SENDER, rstate, rp_state.request_meta(rstate), obs.planner, logger)
+        if taken is not None:
             logger.info(f"re-partition {rstate['repartitionId']}: {rstate['source']} {rstate['from']} -> "
-                        f"{rstate['partitions']} partitions at step {ack.get('step')}"
-                        f"{' (accepted before)' if ack.get('duplicate') else ''}")
+                        f"{rstate['partitions']} partitions at step {taken.get('step')}"
+                        f"{' (accepted before)' if taken.get('duplicate') else ''}")
         final = with_repartition(final, body, rstate)
     elif acts.repartition is not None and acts.repartition.acknowledged_now and rstate is not None:
         logger.info(f"re-partition {rstate['repartitionId']} applied: {rstate['source']} read with "

@@ -38,7 +38,7 @@ from mixplane.operator import requests
 from mixplane.operator.requests import RequestPlan
 
 __all__ = ["served_partitions", "wanted_of", "repartition_id", "plan_repartition", "request_meta", "choose_hosts", "after_send",
-           "acknowledged", "condition_of", "history", "status_value", "RETRYABLE"]
+           "acknowledged", "condition_of", "history", "status_value", "RETRYABLE", "refused", "SENDER"]
 
 RETRYABLE = ("retry", "recovering", "pending")  # refusals that say "not now", not "never"
 
@@ -117,6 +117,16 @@ def after_send(state: Mapping[str, Any], *, ack: Mapping[str, Any] | None = None
                refused: bool = False, now: float = 0.0) -> dict[str, Any]:
     """The state after one REPARTITION: accepted (applied later, observed in STATUS), or retried with backoff."""
     return requests.after_send(state, accepted, ack=ack, error=error, refused=refused, now=now)
+
+
+def refused(error: str) -> bool:
+    """Whether the planner's ERROR answer to a REPARTITION refuses it (a field, the count), not "not now" (recovering,
+    another one pending: RETRYABLE)."""
+    return not any(w in error for w in RETRYABLE)
+
+
+# sent: accepted (applied at a later step, observed in STATUS) or retried with backoff
+SENDER = requests.Sender("repartition", "repartitionId", "re-partition", accepted, refused, "after-repartition")
 
 
 def plan_repartition(body: Mapping[str, Any], order: Sequence[str], planner_status: Mapping[str, Any] | None,

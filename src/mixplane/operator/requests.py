@@ -13,6 +13,17 @@ kept here once:
 
 A request's own fields (its id, generation, digest, what it asks for) are the caller's; `acknowledge` turns the
 planner's answer into the acknowledged state (which step it took effect at, and what else the planner said).
+
+How one kind of request is sent is a `Sender` (the planner request it is, the status field of its id, how its
+answer is taken, which ERROR answers refuse it, the fault point after the planner's answer); the operator's shell
+(`handlers.send_kept`) does the one send over it, so every request goes out, is classified and is logged the same
+way:
+
+    no STATUS answer in this pass   Pending, retried with backoff (not sent)
+    ERROR answer                    Refused when `refused(message)` (a field, the step: the same request fails again),
+                                    else Pending ("not now": a planner recovering its session, another one pending)
+    no answer (timeout, socket)     Pending, retried with backoff
+    ACK                             `acknowledge(state, ack)` (after the fault point `cut`)
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ HISTORY = 20  # acknowledged requests kept in a status list (status.updates, sta
 
 Acknowledge = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
 
-__all__ = ["BACKOFF_S", "HISTORY", "RequestPlan", "backoff_s", "listed", "pending", "advance", "acknowledged",
+__all__ = ["BACKOFF_S", "HISTORY", "RequestPlan", "Sender", "backoff_s", "listed", "pending", "advance", "acknowledged",
            "after_send", "condition", "recorded"]
 
 
@@ -93,6 +104,34 @@ def after_send(state: Mapping[str, Any], acknowledge: Acknowledge, *, ack: Mappi
     return {**state, "state": "Refused" if refused else "Pending", "attempts": attempts,
             "retryAt": round(now + backoff_s(attempts), 3),
             "reason": (f"refused by the planner: {error}" if refused else f"planner not reachable: {error}")[:900]}
+
+
+@dataclass(frozen=True)
+class Sender:
+    """How one kind of request kept in status is sent (the I/O is the shell's: handlers.send_kept)."""
+
+    kind: str  # the planner request (handlers.planner_request): "update", "reshard", "repartition"
+    id_field: str  # the status field holding the request's id (updateId, reshardId, repartitionId)
+    what: str  # what the operator's log calls it
+    acknowledge: Acknowledge  # the planner's ACK of a send -> the state after it
+    refused: Callable[[str], bool]  # whether the planner's ERROR answer refuses it (else: "not now", retried as Pending)
+    cut: str  # the fault point between the planner's ACK and the status saying so (a chaos test's cut)
+
+    def request_id(self, state: Mapping[str, Any]) -> str:
+        return str(state.get(self.id_field))
+
+    def answered(self, state: Mapping[str, Any], ack: Mapping[str, Any]) -> dict[str, Any]:
+        """The state after the planner took the request (`ack`: its answer)."""
+        return after_send(state, self.acknowledge, ack=ack)
+
+    def failed(self, state: Mapping[str, Any], error: str, *, answered: bool, now: float) -> dict[str, Any]:
+        """The state after a send the planner answered with an ERROR (`answered`) or did not answer: Refused when
+        the answer refuses it, else Pending; retried with backoff either way."""
+        return after_send(state, self.acknowledge, error=error, refused=answered and self.refused(error), now=now)
+
+    def unreachable(self, state: Mapping[str, Any], now: float) -> dict[str, Any]:
+        """The state of a request due in a pass whose STATUS went unanswered: not sent, retried with backoff."""
+        return self.failed(state, "no answer to STATUS", answered=False, now=now)
 
 
 def condition(state: Mapping[str, Any], in_force: str, prefix: str) -> tuple[bool, str, str]:

@@ -113,6 +113,14 @@ def after_send(state: Mapping[str, Any], *, ack: Mapping[str, Any] | None = None
     return requests.after_send(state, acknowledged, ack=ack, error=error, refused=refused, now=now)
 
 
+def refused(error: str) -> bool:
+    """Whether the planner's ERROR answer to a RESHARD refuses it ("reshard rejected: ..."), not "not now" ("...; retry")."""
+    return "retry" not in error
+
+
+SENDER = requests.Sender("reshard", "reshardId", "topology change", acknowledged, refused, "after-reshard")
+
+
 def status_value(body: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     """status.topology as a merge patch value: `state`, with null for what the stored one has and `state` does not
     (a merge patch keeps fields it does not name: an acknowledged change must not keep `was` or `initial`)."""

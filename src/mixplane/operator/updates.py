@@ -27,6 +27,7 @@ from typing import Any
 
 from mixplane.operator import requests
 from mixplane.operator.requests import RequestPlan
+from mixplane.protocol import update_refused
 
 
 def mixture_digest(spec: Any) -> str:
@@ -71,6 +72,10 @@ def after_send(state: Mapping[str, Any], *, ack: Mapping[str, Any] | None = None
                refused: bool = False, now: float = 0.0) -> dict[str, Any]:
     """The state after one UPDATE_MIXTURE: acknowledged, or (error) retried with backoff."""
     return requests.after_send(state, acknowledged, ack=ack, error=error, refused=refused, now=now)
+
+
+# UPDATE_MIXTURE as the shell sends it: an answer "mixture update rejected" refuses it, "refused: ... recovering" is "not now"
+SENDER = requests.Sender("update", "updateId", "mixture update", acknowledged, update_refused, "after-update")
 
 
 def history(prev: list[Mapping[str, Any]], state: Mapping[str, Any], spec: Any) -> list[dict[str, Any]]:
