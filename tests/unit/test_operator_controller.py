@@ -463,3 +463,43 @@ def test_a_repartition_is_held_while_partitions_move_and_a_refusal_is_retried_wi
     side = calm_body({k: v for k, v in st.items() if k != "repartition"})
     side["spec"]["kubernetes"] = {"placement": "sidecar"}
     assert rp.plan_repartition(side, ["web", "code"], None, {"web": 1, "code": 1}, st["scaler"], 1000.0, enabled=False) is None
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_runtime_scaler_counts_a_partitions_worker_threads_as_the_auto_partitioner_does(workers):
+    """`sources[].workers: N`: a partition transforms on N threads and does `bounds.capacity(N)` cores of work
+    (autopartition.partitions_needed, the admission rule). A patch of code 0.1 -> 0.8 asks 0.8 x 30000 x 6e-5 = 1.44
+    cores (x 1.05 headroom = 1.51): one single-threaded partition cannot do it (re-partitioned to 2), one with 2
+    threads (1.87 cores) or 4 (3.31) can (not re-partitioned); the pods are sized past one core instead."""
+    def wb(status=None, generation=1, weights=None):
+        b = calm_body(status)
+        b["metadata"]["generation"] = generation
+        b["spec"]["sources"][1]["workers"] = workers
+        if weights:
+            b["spec"]["mixture"]["weights"] = weights
+        return b
+
+    first = decide(observed(wb()))
+    st = {**first.intent, **first.status}
+    assert {s["name"]: s["partitions"] for s in st["sources"]} == {"web": 1, "code": 1}
+    now, acts = 1000.0, first
+    for i in range(6):  # scaler intervals (30 s each) after the patch, with a planner that serves one partition each
+        now += 30.0
+        deps = loader_deps(acts.desired)
+        served = {p: host(d) for d in deps.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(",")}
+        acts = decide(observed(wb(st, 2, scaled_shares()), loaders=deps, planner=rp_planner(served, {"web": 1, "code": 1}),
+                               now=now))
+        st = {**st, **acts.intent, **acts.status}
+    alloc = st["scaler"]["state"]["alloc"]["code"]
+    assert alloc == pytest.approx(1.44)  # scaled up to the patched demand
+    wanted = st["scaler"]["state"]["repartitions"]
+    code_pods = [p for p in acts.desired.pods.pods if "code" in p.sources]
+    if workers == 1:
+        assert wanted == {"code": {"from": 1, "to": 2, "cores": pytest.approx(1.44), "interval": wanted["code"]["interval"]}}
+        assert acts.repartition is not None and acts.repartition.state["repartitionId"] == "u-1/repartition-code-1-2"
+    else:
+        assert wanted == {} and acts.repartition is None
+        assert st["conditions"][-1]["type"] == "PartitionsApplied" and st["conditions"][-1]["status"] == "True"
+        # one pod of code sized for its threads: more than a core, within what they can do
+        (pod,) = code_pods
+        assert 1.0 < pod.cpu <= {2: 1.87, 4: 3.31}[workers] + 1e-9

@@ -172,3 +172,44 @@ def test_a_source_short_of_partitions_is_not_taken_for_a_costlier_one():
         sc.observe(Observation(step, 30_000, frozenset({"code"}), {"code": 1.0 / 6e-5}))
     assert sc.costs["code"].cpu_s_per_token == pytest.approx(6e-5)
     assert sc.allocated_cores()["code"] == pytest.approx(1.44) and sc.wanted_repartitions() == [w]
+
+
+def test_the_scaler_re_partitions_where_the_auto_partitioner_would_have_partitioned():
+    """One rule (autopartition.partitions_needed over bounds.capacity(workers)): for any demand and any worker count,
+    the partitions the runtime scaler wants for an allocation are those the admission-time auto-partitioner plans for
+    the same demand as a peak. A source with 4 worker threads a partition is not re-partitioned where 1 is."""
+    from mixplane.operator.autopartition import PartitionBounds, partition_layout, partitions_needed
+    from mixplane.operator.scaling import partitions_for
+
+    bounds = PartitionBounds()
+    cost = SourceCost("code", 1.5e-6, 48 * MIB)
+    for workers in (1, 2, 3, 4, 6):
+        for share in (0.05, 0.3, 0.31, 0.5, 0.8, 1.0, 2.0, 4.0):
+            cores = share * TPS * cost.cpu_s_per_token
+            layout = partition_layout([cost], {"code": share}, TPS, bounds, {"code": workers})
+            assert partitions_for(cores, cost, bounds, workers) == layout["code"][0] == partitions_needed(cores, workers, bounds)
+    assert [partitions_needed(2.4, w, bounds) for w in (1, 2, 3, 4, 5)] == [3, 2, 1, 1, 1]  # 2.52 / 1, 1.87, 2.64, 3.31
+    # the scaler: code allocated 2.4 cores in one partition
+    sched = [(0, {"code": 0.2, "docs": 0.8}), (50, {"code": 0.8, "docs": 0.2})]
+    costs = [cost, SourceCost("docs", 1.4e-6, 32 * MIB)]
+    wanted = {}
+    for workers in (1, 2, 4):
+        sc = MixtureScaler(costs, {"code": 1, "docs": 3}, sched, sched[0][1], TPS, workers={"code": workers},
+                           config=ScalingConfig(lookahead_steps=0, window=1, consecutive=1))
+        sc.observe(Observation(step=60, tokens_per_s=TPS))
+        assert sc.allocated_cores()["code"] == pytest.approx(2.4)
+        wanted[workers] = [(w.source, w.to_partitions) for w in sc.wanted_repartitions()]
+        code_cpu = sum(p.cpu for p in sc.plan.pods if "code" in p.sources)
+        assert code_cpu == pytest.approx(2.52, abs=0.02)  # the pods are sized for the demand either way
+    assert wanted == {1: [("code", 3)], 2: [("code", 2)], 4: []}
+    # a saturated source's cost is corrected by the work its partitions' threads can do (3.31 cores with 4), not by
+    # one core a partition: 4 threads delivering 2 cores' worth of 2.52 allocated are a costlier source (2.52 / 2.0)
+    for delivered_cores, costlier in ((2.0, True), (2.52, False)):
+        sat = MixtureScaler(costs, {"code": 1, "docs": 3}, sched, sched[1][1], TPS, workers={"code": 4},
+                            config=ScalingConfig(lookahead_steps=0, window=1, consecutive=1))
+        code_cpu = sum(p.cpu for p in sat.plan.pods if "code" in p.sources)
+        assert code_cpu == pytest.approx(2.52, abs=0.02)
+        sat.observe(Observation(60, TPS, frozenset({"code"}), {"code": delivered_cores / 1.5e-6}))
+        # (the EMA: half the old cost, half the measured one: the pods' cores / what they delivered)
+        after = 1.5e-6 * (0.5 + 0.5 * code_cpu / delivered_cores) if costlier else 1.5e-6
+        assert sat.costs["code"].cpu_s_per_token == pytest.approx(after, rel=0.01)

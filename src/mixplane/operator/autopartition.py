@@ -170,6 +170,14 @@ def source_cores(cost: SourceCost, share: float, tokens_per_s: float) -> float:
     return share * tokens_per_s * cost.cpu_s_per_token
 
 
+def partitions_needed(cores: float, workers: int, bounds: PartitionBounds) -> int:
+    """Partitions that serve `cores` of single-thread work (what `cpu_s_per_token` counts) x `bounds.headroom` when
+    each has `workers` worker threads (`bounds.capacity`: the throughput one such partition gives). The one rule
+    partitions are sized by, at admission (`partition_layout`, at the peak share) and at run time (the scaler's
+    re-partitions, `scaling.partitions_for`, at the allocation). At least 1; the callers bound it."""
+    return max(1, math.ceil(max(0.0, cores) * bounds.headroom / bounds.capacity(workers) - 1e-9))
+
+
 def partition_counts(costs: Sequence[SourceCost], peak_shares: Mapping[str, float], tokens_per_s: float,
                      bounds: PartitionBounds, workers: Mapping[str, int | str] | None = None) -> dict[str, int]:
     """Partitions per source: enough that no partition needs more than it can do at the source's peak."""
@@ -187,7 +195,7 @@ def partition_layout(costs: Sequence[SourceCost], peak_shares: Mapping[str, floa
         cap = min(bounds.max_per_source, c.max_partitions)
         setting = (workers or {}).get(c.name, 1)
         w_max = bounds.max_workers if setting == "auto" else max(1, int(setting))
-        n = max(1, math.ceil(need / bounds.capacity(w_max) - 1e-9))
+        n = partitions_needed(source_cores(c, peak_shares.get(c.name, 0.0), tokens_per_s), w_max, bounds)
         if n > cap:
             raise PartitionError(f"source {c.name}: needs {need:.2f} cores at its peak share {peak_shares.get(c.name, 0.0):.3f}, "
                                  f"more than {cap} partitions x {bounds.capacity(w_max):g} cores (w_src {bounds.max_per_source}, "

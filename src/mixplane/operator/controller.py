@@ -43,11 +43,13 @@ from mixplane.operator.reconcile import (
     desired,
     inputs_of,
     now as now_text,
+    plan_of,
     planner_source_figures,
     segments_of,
     spec_of,
     status_of,
 )
+from mixplane.operator.autopartition import PartitionBounds
 from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
 from mixplane.operator import repartitions as rp_state
 from mixplane.operator import topology as topo_state
@@ -138,8 +140,13 @@ def run_scaler(obs: Observed, spec: Any, step: int, served: Mapping[str, int] | 
     parts.update({n: int(m) for n, m in (served or {}).items() if n in parts and int(m) >= 1})
     if len(parts) != len(costs):
         return kept_shares, (kept or None), []
+    try:  # the worker threads of each source's partitions (a number as the spec says, `auto` as planned)
+        workers = dict(plan_of(obs.body, spec, obs.profile, inp, PartitionBounds()).workers)
+    except ValueError:
+        return kept_shares, (kept or None), []  # a plan that cannot be made: desired() says why
     now_step = max(0, int(obs.planner.get("planned_through", 0)))  # -1 before the first plan
-    sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= now_step][-1], inp.tokens_per_s, budget=inp.budget)
+    sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= now_step][-1], inp.tokens_per_s, budget=inp.budget,
+                       workers=workers)
     if kept.get("state"):
         try:
             sc.load_state_dict(kept["state"])

@@ -1,7 +1,8 @@
 """Re-partitions of a running source as the operator keeps them: pure, no I/O.
 
-The scaler wants a source re-partitioned when its allocation needs more partitions than it has (one partition is
-one single-threaded loader process: `MixtureScaler.wanted_repartitions`, kept in status.scaler.state.repartitions).
+The scaler wants a source re-partitioned when its allocation needs more partitions than it has (one partition does
+what its worker threads can, the auto-partitioner's rule: `MixtureScaler.wanted_repartitions`, kept in
+status.scaler.state.repartitions).
 The operator turns the first such wish into one REPARTITION (`{source, partitions, hosts, repartition_id}`, no step:
 the planner takes the first step it has not planned; hosts: partition k below the old count stays on its host, the
 others go to the live loader hosts of the layout serving least) and keeps it in `status.repartition` under the one rule for

@@ -10,9 +10,11 @@ intervals, re-targets that source. The new allocation is packed into pods with t
 packer, so the decision is a :class:`PodPlan` the builders render (pods added, removed, resized).
 
 Partitions follow demand only through the data plane's re-partition (mixplane.repartition): one
-partition is one single-threaded loader process and uses at most ``pod_cpu`` cores, so a source allocated more
-than its partitions can use is *wanted* re-partitioned (:meth:`MixtureScaler.wanted_repartitions`: ceil(cores x
-headroom / pod_cpu) partitions, within ``max_per_source`` and the source's ``max_partitions``; never fewer). The
+partition is one loader process that reads on one thread and transforms on the source's ``workers`` threads, so it
+does at most ``bounds.capacity(workers)`` cores of single-thread work (``pod_cpu`` x the worker speed-up: the
+auto-partitioner's own rule, ``autopartition.partitions_needed``), and a source allocated more than its partitions
+can do is *wanted* re-partitioned (:meth:`MixtureScaler.wanted_repartitions`: ceil(cores x headroom / capacity)
+partitions, within ``max_per_source`` and the source's ``max_partitions``; never fewer). The
 wanted re-partitions are kept in the scaler's state (status.scaler); :meth:`MixtureScaler.repartitioned` takes the
 planner's acknowledgment (REPARTITION) and packs the new partitions. Until then scaling changes how many pods host
 a source's partitions and their CPU. A
@@ -40,6 +42,7 @@ from mixplane.operator.autopartition import (
     PodPlan,
     SourceCost,
     pack_pods,
+    partitions_needed,
 )
 
 
@@ -71,7 +74,8 @@ class Observation:
 
 @dataclass(frozen=True)
 class RepartitionWanted:
-    """A source whose allocation needs more partitions than it has (one partition uses at most pod_cpu cores)."""
+    """A source whose allocation needs more partitions than it has (one partition does at most
+    `bounds.capacity(workers)` cores of work)."""
 
     source: str
     from_partitions: int
@@ -83,10 +87,10 @@ class RepartitionWanted:
         return {"from": self.from_partitions, "to": self.to_partitions, "cores": self.cores, "interval": self.interval}
 
 
-def partitions_for(cores: float, cost: SourceCost, bounds: PartitionBounds) -> int:
-    """Partitions a source needs to read `cores` worth of work: each is one process using at most pod_cpu."""
-    need = max(1, math.ceil(max(0.0, cores) * bounds.headroom / bounds.pod_cpu - 1e-9))
-    return int(min(need, bounds.max_per_source, cost.max_partitions))
+def partitions_for(cores: float, cost: SourceCost, bounds: PartitionBounds, workers: int = 1) -> int:
+    """Partitions a source whose partitions have `workers` worker threads needs to read `cores` worth of work
+    (`autopartition.partitions_needed`, the auto-partitioner's rule), within max_per_source and its max_partitions."""
+    return int(min(partitions_needed(cores, workers, bounds), bounds.max_per_source, cost.max_partitions))
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,15 @@ class MixtureScaler:
     def __init__(self, costs: Sequence[SourceCost], partitions: Mapping[str, int],
                  segments: Sequence[tuple[int, Mapping[str, float]]], initial_shares: Mapping[str, float], tokens_per_s: float,
                  *, bounds: PartitionBounds | None = None, budget: LoaderBudget | None = None,
-                 config: ScalingConfig | None = None):
+                 config: ScalingConfig | None = None, workers: Mapping[str, int] | None = None):
+        """`workers`: worker threads per partition of each source (the auto-partitioner's PartitionPlan.workers;
+        absent: 1), what one partition can do (`bounds.capacity`) and so when a source needs more partitions."""
         bounds = bounds or PartitionBounds()
         config = config or ScalingConfig()
         self.costs = {c.name: c for c in costs}
         self.order = [c.name for c in costs]
         self.partitions = dict(partitions)
+        self.workers = {n: max(1, int((workers or {}).get(n, 1))) for n in self.order}
         self.segments = sorted(((int(s), dict(sh)) for s, sh in segments), key=lambda x: x[0])
         self.bounds, self.budget, self.config = bounds, budget, config
         self.tokens_per_s = float(tokens_per_s)
@@ -161,7 +168,7 @@ class MixtureScaler:
         shares = {n: (self.alloc[n] / (tps * c.cpu_s_per_token) if c.cpu_s_per_token > 0 else 0.0)
                   for n, c in costs.items()}
         return pack_pods(list(costs.values()), self.partitions, shares, tps, self.bounds,
-                         self.budget, what=f"scaling interval {self.interval}")
+                         self.budget, what=f"scaling interval {self.interval}", workers=self.workers)
 
     def _correct_costs(self, obs: Observation) -> None:
         """A saturated source delivered what its cores can: cost = cores / delivered tokens."""
@@ -170,10 +177,10 @@ class MixtureScaler:
             rate = obs.delivered_tokens_per_s.get(n, 0.0)
             if n not in self.costs or rate <= 0:
                 continue
-            # what its partitions can use: one partition is one single-threaded process (pod_cpu at most). A source
-            # allocated more cores than that delivers what its processes can, not what its cores could: taking the
-            # allocation would raise its cost, its allocation, and so on without end (it is wanted re-partitioned)
-            cores = min(self.plan.source_cpu().get(n, 0.0), self.partitions[n] * self.bounds.pod_cpu)
+            # what its partitions can use: one partition does bounds.capacity(workers) at most. A source allocated
+            # more cores than that delivers what its processes can, not what its cores could: taking the allocation
+            # would raise its cost, its allocation, and so on without end (it is wanted re-partitioned)
+            cores = min(self.plan.source_cpu().get(n, 0.0), self.partitions[n] * self.bounds.capacity(self.workers[n]))
             # one interval moves the estimate at most MAX_CORRECTION x: a wait can have other causes (a loader
             # just restarted or handed over) than a source too expensive for its cores
             measured = min(cores / rate, MAX_CORRECTION * self.costs[n].cpu_s_per_token)
@@ -221,7 +228,7 @@ class MixtureScaler:
 
     def _want_partitions(self) -> None:
         for n in self.order:
-            need = partitions_for(self.alloc[n], self.costs[n], self.bounds)
+            need = partitions_for(self.alloc[n], self.costs[n], self.bounds, self.workers[n])
             have = int(self.partitions[n])
             if need <= have:
                 self.wanted.pop(n, None)
