@@ -235,27 +235,74 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
 
 
 REPART_KILLS = int(os.environ.get("MIXPLANE_OPERATOR_REPARTITION_KILLS", "20"))
-REPART_STEPS = int(os.environ.get("MIXPLANE_OPERATOR_REPARTITION_STEPS", "400"))
+REPART_STEPS = int(os.environ.get("MIXPLANE_OPERATOR_REPARTITION_STEPS", "200"))
+
+
+def end_state(out, ns) -> dict:
+    """What the run ended with, without what names its namespace or object: the loader Deployments (partitions, host,
+    replicas, resources, launch args), the applied re-partitions, the update's step, the partitions per source, the
+    scaler's allocation."""
+    st = out["status"]
+    loaders = {}
+    for name, d in out["loaders"].items():
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        ann = d["metadata"]["annotations"]
+        loaders[name] = json.loads(json.dumps({"partitions": ann["mixplane.io/partitions"], "host": ann["mixplane.io/host"],
+                                               "replicas": d["spec"].get("replicas", 1), "resources": c.get("resources"),
+                                               "args": c["args"]}).replace(ns, "NS"))
+    return {"loaders": loaders,
+            "repartitions": [{k: v for k, v in rp.items() if k != "repartitionId"} for rp in st["repartitions"]],
+            "update_step": st["mixtureUpdate"]["effectiveStep"],
+            "sources": {s["name"]: (s["partitions"], s["startPartitions"]) for s in st["sources"]},
+            "alloc": st["scaler"]["state"]["alloc"], "costs": st["scaler"]["state"]["costs"]}
 
 
 def test_operator_killed_during_a_repartition_changes_nothing(crd, k8s_namespace, tmp_path):
     """test_operator_repartition's scenario (a patch of the weights makes `code` need 2 partitions: REPARTITION, new
-    loader pods, handoffs) with the operator SIGKILLed at random mutating API calls, at the two cuts around the
+    loader pods, handoffs) run twice with its inputs pinned (run_scenario `pinned`: the scaler sizes by the profile's
+    costs and the declared rate, `mixplane.io/scale-costs: profiled`; the trainers wait after the patch step until the
+    planner took the update and the re-partition, so both take effect at the step after the last one planned): once
+    with one operator, once with the operator SIGKILLed at random mutating API calls, at the two cuts around the
     REPARTITION (before it is sent; after the planner accepted it, before the status says so) and from outside at
-    random times, at least REPART_KILLS times: the re-partition applied and recorded exactly once, no loader
-    Deployment deleted while its host served a partition, the trainers' batches equal the embedded run given the
-    same update and re-partition at the same steps, and the same end state as the run without restarts."""
+    random times, at least REPART_KILLS times. The run without restarts matches the embedded run given the same update
+    and re-partition at the same steps; the run with them reaches the same re-partition at the same step, the same
+    children and status, and every trainer batch equals the run without restarts'; the re-partition applied and
+    recorded exactly once and no loader Deployment deleted while its host served a partition, in both."""
     from tests.k8s.test_operator_repartition import check, run_scenario
 
+    cluster = crd
     data = write_text_and_images(tmp_path / "data", text_rows=1500, images=4, side=64)
-    # the operator is down much of the time: the re-partition lands later than without restarts, so the trainers read
-    # longer (the planner applies it at a step it plans; steps past the trainers' last are never planned)
-    out = run_scenario(crd, k8s_namespace, data, tmp_path / "run", chaos=True, min_kills=REPART_KILLS, steps=REPART_STEPS)
+    calm = run_scenario(cluster, k8s_namespace, data, tmp_path / "calm", steps=REPART_STEPS, pinned=True)
+    assert calm["stages"] == [] and calm["held_through"] is not None
     (tmp_path / "ref").mkdir()
-    fig = check(out, tmp_path / "ref")
+    calm_fig = check(calm, tmp_path / "ref")  # against the embedded run
+    ns = f"{k8s_namespace}-chaos"[:63]
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        out = run_scenario(cluster, ns, data, tmp_path / "run", chaos=True, min_kills=REPART_KILLS, steps=REPART_STEPS,
+                           pinned=True)
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    want, have = end_state(calm, k8s_namespace), end_state(out, ns)
+    diffs = {r: [i for i, (a, b) in enumerate(zip(out["got"][r], calm["got"][r])) if a != b] for r in (0, 1)}
     kills = out["kills"]
-    print("operator chaos, re-partition: " + json.dumps({
-        **fig, "kills": len(kills), "by_cut": {k: kills.count(k) for k in sorted(set(kills))},
-        "by_stage": {k: out["stages"].count(k) for k in sorted(set(out["stages"]))}}))
+    print("operator chaos, re-partition (pinned): " + json.dumps({
+        "without_restarts": calm_fig, "held_through": [calm["held_through"], out["held_through"]],
+        "kills": len(kills), "by_cut": {k: kills.count(k) for k in sorted(set(kills))},
+        "by_stage": {k: out["stages"].count(k) for k in sorted(set(out["stages"]))},
+        "repartitions": [want["repartitions"], have["repartitions"]],
+        "batches_compared": sum(len(out["got"][r]) for r in (0, 1)),
+        "batches_differing": sum(len(d) for d in diffs.values()),
+        "end_state_differs": sorted(k for k in want if want[k] != have[k])}))
+    # the same re-partition at the same step, the same update step, the same children and status
+    assert calm["held_through"] == out["held_through"]
+    assert have["repartitions"] == want["repartitions"], (have["repartitions"], want["repartitions"])
+    assert have["update_step"] == want["update_step"] == calm["held_through"] + 1
+    assert [rp["effectiveStep"] for rp in have["repartitions"]] == [calm["held_through"] + 1]
+    assert have == want
+    # every batch of both ranks equal to the run whose operator never died (and the invariants of a re-partition)
+    assert not any(diffs.values()), {r: d[:10] for r, d in diffs.items()}
+    (tmp_path / "ref2").mkdir()
+    check(out, tmp_path / "ref2", ref=calm["got"])
     assert len(kills) >= REPART_KILLS
     assert {"repartition", "after-repartition"} <= set(kills), kills

@@ -47,12 +47,17 @@ def data(tmp_path_factory):
     return write_text_and_images(tmp_path_factory.mktemp("repartition-data"), text_rows=1500, images=4, side=64)
 
 
-def calm_mixture(ns, data) -> dict[str, Any]:
+def calm_mixture(ns, data, pinned: bool = False) -> dict[str, Any]:
+    """`pinned`: the scaler's inputs do not depend on what the machine measures (`scale-costs: profiled`; the rate is
+    declared) and the trainers keep a fixed number of steps requested (`prefetch_s: 0`), so how far the planner plans
+    while the trainers wait is the same in every run (see run_scenario)."""
     m = scaling_mixture(ns, data)
     m["spec"]["mixture"] = {"weights": dict(CALM), "seed": 11}
     # the planner plans at most 8 steps ahead, the trainers hold 2 s of steps: the embedded reference can then ask a
     # later re-partition after an earlier one was applied, and a stall is not hidden by 10 s of prefetch
-    m["spec"]["runtime"] = {**m["spec"]["runtime"], "max_lead_steps": 8, "prefetch_s": 2.0}
+    m["spec"]["runtime"] = {**m["spec"]["runtime"], "max_lead_steps": 8, "prefetch_s": 0.0 if pinned else 2.0}
+    if pinned:
+        m["metadata"]["annotations"]["mixplane.io/scale-costs"] = "profiled"
     prof = json.loads(m["metadata"]["annotations"]["mixplane.io/profile"])
     for p in prof["sources"].values():
         p["max_partitions"] = MAX_PARTITIONS
@@ -90,11 +95,17 @@ def _repartitioned(s: dict[str, Any]) -> bool:
 
 
 def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills: int = 0, seed: int = 20261127,
-                 steps: int = STEPS) -> dict[str, Any]:
+                 steps: int = STEPS, pinned: bool = False) -> dict[str, Any]:
     """The mixture runs calm, the weights are patched at trainer step PATCH_AT, code gets re-partitioned; with
     `chaos`, operators are started and SIGKILLed one after the other (at a random mutating API call, at the named
     cuts around the REPARTITION, or from outside at a random time) until the trainers are done and `min_kills`
-    kills happened; then one operator is left alone to converge. Returns what the test checks."""
+    kills happened; then one operator is left alone to converge. Returns what the test checks.
+
+    `pinned`: the update and the re-partition take effect at the same step in every run, however long the operator
+    takes. The mixture is `calm_mixture(pinned=True)`; the trainers wait after step PATCH_AT, the weights are patched
+    once the planner stopped planning further (`held_through`: the last step planned), and the trainers go on only
+    when the planner took both the update and the re-partition: each from the first step not planned,
+    `held_through + 1`, whatever happened meanwhile (operator kills, handoffs, retries)."""
     rng = random.Random(seed)
     (tmp_path / "pods").mkdir(parents=True)
     pods = LocalPods(cluster, ns, tmp_path / "pods")
@@ -105,8 +116,11 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
     got: dict[int, list] = {}
     trainer_error: list[BaseException] = []
     kubelet = None
+    held = threading.Event()  # pinned: set once the planner took the update and the re-partition
+    if not pinned:
+        held.set()
     with operator(cluster, ns, **env):  # a calm start: the children exist, the profile is kept
-        apply(cluster, calm_mixture(ns, data))
+        apply(cluster, calm_mixture(ns, data, pinned))
         kids = applied(cluster, ns)
         wait_for("status", lambda: status_of(cluster, ns).get("mixtureUpdate"), 60)
     st0 = status_of(cluster, ns)
@@ -124,12 +138,43 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
         tkeys = trainer_keys(cluster, ns, tmp_path / "trainer-keys")
         progress = {"step": -1}
         stamps: dict[int, float] = {}
+        planner_ep = f"tcp://127.0.0.1:{pods.planner_port}"
 
         def keep(batch):
             step = int(batch["step"])
             progress["step"] = max(progress["step"], step)
             stamps.setdefault(step, time.monotonic())
+            if step == PATCH_AT:
+                held.wait(900)
             return digest(batch)
+
+        held_through: list[int] = []
+
+        def steady_planned() -> int:
+            """The planner's last planned step once it stayed the same for 2 s (the trainers wait: it plans no further)."""
+            last, since, deadline = None, time.monotonic(), time.monotonic() + 120
+            while time.monotonic() < deadline:
+                p = int(control.status(planner_ep, 5.0, curve=admin)["planned_through"])
+                if p != last:
+                    last, since = p, time.monotonic()
+                elif time.monotonic() - since >= 2.0:
+                    return p
+                time.sleep(0.1)
+            raise AssertionError(f"the planner kept planning while the trainers waited (at {last})")
+
+        def release_when_taken() -> None:
+            """The trainers go on once the planner lists the update and the re-partition (accepted: its step is set)."""
+            try:
+                while not trainer_error:
+                    try:
+                        t = control.status(planner_ep, 5.0, curve=admin)
+                    except (TimeoutError, RuntimeError, OSError):
+                        t = {}
+                    if t.get("updates") and t.get("repartitions"):
+                        break
+                    time.sleep(0.2)
+            finally:
+                held.set()
 
         def train():
             try:
@@ -141,9 +186,13 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
         patched_at: list[float] = []
 
         def patch() -> None:
+            if pinned:
+                held_through.append(steady_planned())
             cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge", "-p",
                             json.dumps({"spec": {"mixture": {"weights": BUSY}}}))
             patched_at.append(time.monotonic())
+            if pinned:
+                threading.Thread(target=release_when_taken, daemon=True).start()
 
         trainers = threading.Thread(target=train)
         trainers.start()
@@ -233,13 +282,15 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
         started = list(kubelet.started)
         args = dict(kubelet.args)
     finally:
+        held.set()  # a failed run does not leave the trainers waiting
         if kubelet is not None:
             kubelet.stop_flag.set()
             kubelet.join(10)
         pods.stop()
     return {"got": got, "stamps": stamps, "status": st, "start_status": st0, "planner": plan_status,
             "spec_json": spec_json, "kills": kills, "stages": stages, "violations": violations, "started": started,
-            "loaders": loaders, "args": args, "log": log, "patched_at": patched_at[0], "steps": steps}
+            "loaders": loaders, "args": args, "log": log, "patched_at": patched_at[0], "steps": steps,
+            "held_through": held_through[0] if held_through else None}
 
 
 def reference(out: dict[str, Any], tmp_path) -> dict[int, list]:
@@ -295,8 +346,9 @@ def stall_around(stamps: dict[int, float], step: int, before: int = 2, after: in
     return max((b - a for a, b in zip(xs, xs[1:])), default=0.0)
 
 
-def check(out: dict[str, Any], tmp_path) -> dict[str, Any]:
-    """What holds with or without operator restarts; returns the figures."""
+def check(out: dict[str, Any], tmp_path, ref: dict[int, list] | None = None) -> dict[str, Any]:
+    """What holds with or without operator restarts; returns the figures. The trainers' batches are compared with
+    `ref` (another run's) when given, else with the embedded run given the same update and re-partitions."""
     import math
 
     st, plan_status = out["status"], out["planner"]
@@ -335,14 +387,17 @@ def check(out: dict[str, Any], tmp_path) -> dict[str, Any]:
     assert "handoff: code:" in out["log"], out["log"][-3000:]
     assert not out["violations"], out["violations"]
 
-    ref = reference(out, tmp_path)
+    what = "the embedded run" if ref is None else "the run whose operator never died"
+    ref = reference(out, tmp_path) if ref is None else ref
     for r in (0, 1):
-        assert len(out["got"][r]) == out["steps"]
+        assert len(out["got"][r]) == out["steps"] == len(ref[r])
         diff = [i for i, (a, b) in enumerate(zip(out["got"][r], ref[r])) if a != b]
-        assert not diff, f"rank {r}: steps {diff[:10]} differ from the embedded run re-partitioned at steps " \
-                         f"{[rp['effectiveStep'] for rp in rps]}"
+        assert not diff, f"rank {r}: steps {diff[:10]} differ from {what} (re-partitioned at steps " \
+                         f"{[rp['effectiveStep'] for rp in rps]})"
     stamps = out["stamps"]
-    gaps = [stamps[b] - stamps[a] for a, b in zip(sorted(stamps), sorted(stamps)[1:])]
+    # (a pinned run's trainers wait after PATCH_AT on purpose: that gap is not a stall)
+    gaps = [stamps[b] - stamps[a] for a, b in zip(sorted(stamps), sorted(stamps)[1:])
+            if not (out.get("held_through") is not None and a == PATCH_AT)]
     return {"repartitions": [f"{rp['source']} {rp['from']} -> {rp['partitions']} at step {rp['effectiveStep']}" for rp in rps],
             "at_step": rps[0]["effectiveStep"], "update_step": st["mixtureUpdate"]["effectiveStep"],
             "stall_around_repartition_s": round(max(stall_around(stamps, int(rp["effectiveStep"])) for rp in rps), 2),

@@ -503,3 +503,36 @@ def test_the_runtime_scaler_counts_a_partitions_worker_threads_as_the_auto_parti
         # one pod of code sized for its threads: more than a core, within what they can do
         (pod,) = code_pods
         assert 1.0 < pod.cpu <= {2: 1.87, 4: 3.31}[workers] + 1e-9
+
+
+@pytest.mark.parametrize("scale_costs", [None, "measured", "profiled"])
+def test_profiled_costs_are_not_corrected_by_what_the_planner_measured(scale_costs):
+    """`mixplane.io/scale-costs: profiled`: the scaler sizes by the profile's costs only (its inputs are the spec, the
+    profile and the declared rate: two runs decide the same whatever their machines measured); by default a source
+    the planner waited for corrects its cost by what it delivered."""
+    b = calm_body()
+    if scale_costs is not None:
+        b["metadata"]["annotations"]["mixplane.io/scale-costs"] = scale_costs
+    first = decide(observed(b))
+    st = {**first.intent, **first.status}
+    deps = loader_deps(first.desired)
+    served = {p: host(d) for d in deps.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(",")}
+    now = 1000.0
+    for _ in range(3):  # the planner waited for code, which delivered a third of what its cores should give
+        now += 30.0
+        planner = {**rp_planner(served, {"web": 1, "code": 1}), "waiting": ["code/0"],
+                   "source_tokens_per_s": [27000.0, 1000.0]}
+        acts = decide(observed(calm_body(st) if scale_costs is None else
+                               {**calm_body(st), "metadata": b["metadata"]}, loaders=deps, planner=planner, now=now))
+        st = {**st, **acts.intent, **acts.status}
+    cost = st["scaler"]["state"]["costs"]["code"]
+    if scale_costs == "profiled":
+        assert cost == 6e-5 and st["scaler"]["state"]["costs"]["web"] == 1.5e-6
+    else:
+        assert cost > 6e-5 * 1.5
+    bad = calm_body()
+    bad["metadata"]["annotations"]["mixplane.io/scale-costs"] = "guessed"
+    from mixplane.operator.reconcile import ReconcileError
+
+    with pytest.raises(ReconcileError, match="metadata.annotations.mixplane.io/scale-costs: expected measured or profiled"):
+        decide(observed(bad))

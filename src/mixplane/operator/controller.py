@@ -169,7 +169,9 @@ def run_scaler(obs: Observed, spec: Any, step: int, served: Mapping[str, int] | 
     # (and while a re-partition is pending or was just applied: the new partitions open cold windows)
     repartitioning = (st.get("repartition") or {}).get("state") not in (None, "Acknowledged")
     settling = bool(layout.get("draining")) or bool(layout.get("settling")) or repartitioning
-    waiting = frozenset() if settling else frozenset(str(w).split("/")[0] for w in obs.planner.get("waiting") or [])
+    # (and a mixture whose costs are the profile's, `scale-costs: profiled`, is never corrected by what was measured)
+    measured = not settling and inp.scale_costs == "measured"
+    waiting = frozenset(str(w).split("/")[0] for w in obs.planner.get("waiting") or []) if measured else frozenset()
     delivered = delivered_rates(obs.planner)
     decisions = sc.observe(Observation(step, tps, waiting, delivered))
     shares = sc.shares(inp.tokens_per_s) if decisions else kept_shares

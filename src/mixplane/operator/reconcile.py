@@ -55,6 +55,9 @@ ANN_MEMORY = "mixplane.io/loader-memory"
 ANN_PROFILE = "mixplane.io/profile"
 ANN_PROFILER = "mixplane.io/profiler"  # auto (default), job or operator: where sources are profiled
 ANN_SCALE_ON = "mixplane.io/scale-on"  # measured (default): the trainer rate the planner sees; declared: tokens-per-second
+# measured (default): a source the planner waited for corrects its cost by what it delivered; profiled: the profile's
+# costs are used as they are (the scaler's inputs then depend on the spec, the profile and the declared rate only)
+ANN_SCALE_COSTS = "mixplane.io/scale-costs"
 DEFAULT_TPS = 1e6
 DEFAULT_CPU = 64.0
 DEFAULT_MEMORY = 256 << 30
@@ -101,15 +104,20 @@ class Inputs:
     tokens_per_s: float
     budget: LoaderBudget
     scale_on: str = "measured"
+    scale_costs: str = "measured"
 
 
 def inputs_of(body: Mapping[str, Any]) -> Inputs:
-    scale_on = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_SCALE_ON, "measured")
+    ann = (body.get("metadata") or {}).get("annotations") or {}
+    scale_on = ann.get(ANN_SCALE_ON, "measured")
     if scale_on not in ("measured", "declared"):
         raise ReconcileError(f"metadata.annotations.{ANN_SCALE_ON}: expected measured or declared, got {scale_on!r}")
+    scale_costs = ann.get(ANN_SCALE_COSTS, "measured")
+    if scale_costs not in ("measured", "profiled"):
+        raise ReconcileError(f"metadata.annotations.{ANN_SCALE_COSTS}: expected measured or profiled, got {scale_costs!r}")
     return Inputs(_float_annotation(body, ANN_TPS, DEFAULT_TPS),
                   LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))),
-                  scale_on)
+                  scale_on, scale_costs)
 
 
 # ---- profile: measured once, kept in the status ---------------------------------------------------
