@@ -73,7 +73,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from mixplane.layout import StepLayout  # noqa: E402
-from mixplane.planner.core import PlanContext, StepPlanner, vanilla_strategy  # noqa: E402
+from mixplane.planner.context import PlanContext  # noqa: E402
+from mixplane.planner.core import StepPlanner  # noqa: E402
+from mixplane.planner.dgraph import vanilla_strategy  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.protocol import window_fill_length  # noqa: E402

@@ -32,7 +32,8 @@ from balance import CASE_MESH, MESHES, SyntheticStreams, demo_lengths, log, make
 
 from mixplane.constructor.collate import SpanStore, materialize_rank  # noqa: E402
 from mixplane.parallelism import META_ONLY, bytes_per_step, rank_view, receive_axis  # noqa: E402
-from mixplane.planner.core import StepPlanner, vanilla_strategy  # noqa: E402
+from mixplane.planner.core import StepPlanner  # noqa: E402
+from mixplane.planner.dgraph import vanilla_strategy  # noqa: E402
 
 SETS = {"none": (), "PP": ("PP",), "CP": ("CP",), "CP+PP": ("CP", "PP"), "TP": ("TP",), "TP+PP": ("TP", "PP"),
         "TP+CP": ("TP", "CP"), "TP+CP+PP": ("TP", "CP", "PP")}

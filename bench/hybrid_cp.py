@@ -47,7 +47,8 @@ from balance import CASE_MESH, MESHES, SyntheticStreams, demo_lengths, log, make
 
 from mixplane.planner import hybridcp  # noqa: E402
 from mixplane.planner.balance import imbalance  # noqa: E402
-from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
+from mixplane.planner.context import PlanContext  # noqa: E402
+from mixplane.planner.core import StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 

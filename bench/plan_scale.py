@@ -66,7 +66,8 @@ from balance import LLAMA_12B, VIT_2B, coyo_block  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.metrics import make_metrics  # noqa: E402
 from mixplane.planner import layoutloop, routeloop, selectloop  # noqa: E402
-from mixplane.planner.core import PlanContext, StepPlanner  # noqa: E402
+from mixplane.planner.context import PlanContext  # noqa: E402
+from mixplane.planner.core import StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost, encoder_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 from mixplane.planner.journal import Journal, cursor_field  # noqa: E402

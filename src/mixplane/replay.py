@@ -23,7 +23,8 @@ from mixplane.layout import layout_digest
 from mixplane.loader.stream import SourceStream, open_stream
 from mixplane.loader.transforms import Transform, make_transform
 from mixplane.loader.window import LoaderWindow
-from mixplane.planner.core import ReplicaWindow, StepPlan, StepPlanner
+from mixplane.planner.core import StepPlan, StepPlanner
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.planner.journal import archived, read_journal, replan
 from mixplane.control import default_run_dir
 from mixplane.repartition import layouts_after

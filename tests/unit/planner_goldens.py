@@ -34,7 +34,10 @@ from typing import Any, Callable
 import numpy as np
 
 from mixplane.layout import layout_digest
-from mixplane.planner.core import PlanContext, ReplicaWindow, StepPlanner, WindowError, vanilla_strategy
+from mixplane.planner.context import PlanContext
+from mixplane.planner.core import StepPlanner
+from mixplane.planner.dgraph import vanilla_strategy
+from mixplane.planner.windows import ReplicaWindow, WindowError
 from mixplane.planner.routing import image_segments
 
 from tests.unit.planner_helpers import fill, make_spec

@@ -9,7 +9,7 @@ import zmq
 
 from mixplane import wire
 from mixplane.client import DeliveryError, MixtureLoader, check_step_data
-from mixplane.planner.core import ReplicaWindow
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.wire import Kind
 
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from mixplane.loader.stream import open_stream
-from mixplane.planner.core import ReplicaWindow
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.protocol import WindowCursor
 from mixplane.spec import SourceSpec
 from tests.conftest import write_token_source

@@ -17,7 +17,8 @@ from mixplane.loader.split import (
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
-from mixplane.planner.core import ReplicaWindow, StepPlanner
+from mixplane.planner.core import StepPlanner
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.replay import ReplayLoaders
 from mixplane.spec import SourceSpec, parse_spec
 

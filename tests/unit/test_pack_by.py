@@ -14,7 +14,8 @@ from mixplane.loader.split import row_of, window_pos
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
 from mixplane.loader.window import LoaderWindow
-from mixplane.planner.core import ReplicaWindow, StepPlanner
+from mixplane.planner.core import StepPlanner
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.replay import ReplayLoaders
 from mixplane.samples import key_epoch, key_row, make_key
 from mixplane.spec import SourceSpec, SpecError, pack_bucket, parse_spec

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixplane.planner.core import ReplicaWindow, StepPlanner, WindowError
+from mixplane.planner.core import StepPlanner
+
+from mixplane.planner.windows import ReplicaWindow, WindowError
 from mixplane.spec import parse_spec
 
 from .planner_helpers import fill

@@ -1,4 +1,4 @@
-"""The planner's columnar window store (core.WindowStore): windows announced in chunks, in any order across
+"""The planner's columnar window store (windows.WindowStore): windows announced in chunks, in any order across
 windows, plan as the same windows announced whole; a rollback after new samples arrived is refused; a layout
 edited after build_layout is paired by the search, a broken one refused; the cursor's JSON is json.dumps'.
 (Windows, cursors and whole plans through re-mixes, failed strategies and restores are pinned by the recorded

@@ -7,7 +7,7 @@ import pytest
 
 from mixplane import protocol, wire
 from mixplane.loader.window import LoaderWindow
-from mixplane.planner.core import ReplicaWindow
+from mixplane.planner.windows import ReplicaWindow
 from mixplane.protocol import WindowCursor
 from mixplane.wire import Kind, WireError
 

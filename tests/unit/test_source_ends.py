@@ -229,7 +229,7 @@ def test_a_capped_source_is_not_re_partitioned_and_a_rows_source_takes_no_live_s
 
 def test_a_strategys_own_schedule_does_not_bring_an_ended_source_back():
     from mixplane.mixing import MixtureSchedule
-    from mixplane.planner.core import vanilla_strategy
+    from mixplane.planner.dgraph import vanilla_strategy
 
     s = spec(a={"max_epochs": 1})
 

@@ -18,7 +18,7 @@ image graph, the low-level hooks for custom policies): docs/planner.md, "DGraph 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -26,11 +26,9 @@ from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout, segment_offsets
 from mixplane.planner import balance as B
 from mixplane.planner import hybridcp, layoutloop
+from mixplane.planner.context import PlanContext
 from mixplane.planner.cost import CostFn, TransformerFlops
-
-if TYPE_CHECKING:  # core imports this module (lazily); the types only
-    from mixplane.planner.core import PlanContext
-    from mixplane.topology import ClientPlaceTree
+from mixplane.topology import ClientPlaceTree
 
 LEVELS = ("inter", "intra", "both")
 BROADCAST_DIMS = ("tp", "pp", "cp")  # the broadcasts constructors and the client implement (parallelism.FANOUT_ORDER)
@@ -580,3 +578,15 @@ def _cp_shard_costs(rows: np.ndarray, offsets: np.ndarray, length: np.ndarray, c
     flat = rows[pid] * cp + rank
     out += np.bincount(flat, weights=w, minlength=n_rows * cp).reshape(n_rows, cp)
     return out
+
+
+def layout_from_rows(ctx: PlanContext, row_of_bin: np.ndarray) -> StepLayout:
+    """Turn packed bins into a layout, given the global row each bin goes to (a permutation)."""
+    p = ctx.pieces
+    rows = np.asarray(row_of_bin, np.int64)[p.bin] if len(p) else np.zeros(0, np.int64)
+    return build_layout(ctx, rows)
+
+
+def vanilla_strategy(ctx: PlanContext) -> StepLayout:
+    """No balancing: bin b is row b (rank b // rows_per_rank); images stay on their replica's ranks."""
+    return layout_from_rows(ctx, np.arange(ctx.rows))

@@ -674,7 +674,7 @@ def warm() -> None:
 
 @njit(cache=True, nogil=True)
 def _settle(block, base, next_pos):
-    """core.WindowStore.compact's pass (it moves nothing: the next gather leaves the consumed samples out):
+    """windows.WindowStore.compact's pass (it moves nothing: the next gather leaves the consumed samples out):
     which samples are fully consumed (rows of block: pos, key, tokens, patches, done; window w's samples
     at [base[w], base[w + 1]), in stream order); per window the samples left, their unconsumed tokens, the
     low mark (the first one's position, else next_pos), and the consumed positions above it."""
@@ -735,7 +735,7 @@ def _gather(old, old_base, gone, src, chunks, new):
 
 def gather(old: np.ndarray, old_base: np.ndarray, gone: np.ndarray | None, src: np.ndarray, chunks: np.ndarray,
            new: np.ndarray) -> None:
-    """core.WindowStore.sync's merge: window by window, its samples in `old` ([old_base[w], old_base[w + 1]),
+    """windows.WindowStore.sync's merge: window by window, its samples in `old` ([old_base[w], old_base[w + 1]),
     rows pos, key, tokens, patches, done) but those `gone` marks (the last compaction's), then what it took
     since: the chunks (rows of `chunks`: window, first column in `src`, length; by window, each window's in
     stream order), into `new` (6 x total, the window index in row 5)."""

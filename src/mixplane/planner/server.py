@@ -35,7 +35,8 @@ from mixplane.planner.recovery import Anchor, LayoutRecord, RecoveryState, curso
 from mixplane.protocol import cursor_array, cursor_text_array
 from mixplane.layout import layout_digest
 from mixplane.mixing import MixturePoint, SourcesExhausted
-from mixplane.planner.core import RowsShortError, StepPlan, StepPlanner, WindowError
+from mixplane.planner.core import RowsShortError, StepPlan, StepPlanner
+from mixplane.planner.windows import WindowError
 from mixplane.planner.strategies import resolve_strategy
 from mixplane.spec import DataMixtureSpec
 from mixplane.topology import backbone_coords, backbone_rank, constructor_groups, dp_ranks_of_group, topology_digest

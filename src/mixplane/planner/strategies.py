@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable
 
 from mixplane import usercode
 from mixplane.layout import StepLayout
-from mixplane.planner.core import PlanContext, Strategy, vanilla_strategy
+from mixplane.planner.context import PlanContext, Strategy
+from mixplane.planner.dgraph import vanilla_strategy
 from mixplane.planner.cost import backbone_cost, encoder_cost
 from mixplane.planner.dgraph import DGraph
 from mixplane.spec import BUILTIN_STRATEGIES, DataMixtureSpec
