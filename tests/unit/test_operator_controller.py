@@ -536,3 +536,53 @@ def test_profiled_costs_are_not_corrected_by_what_the_planner_measured(scale_cos
 
     with pytest.raises(ReconcileError, match="metadata.annotations.mixplane.io/scale-costs: expected measured or profiled"):
         decide(observed(bad))
+
+
+@pytest.mark.parametrize("mode", ["grow", "follow"])
+def test_with_repartition_follow_a_source_is_re_partitioned_to_fewer_once_demand_fell(mode):
+    """`mixplane.io/repartition: follow`: code was split in 2 for its phase (0.8 -> 1.44 cores); a live update drops the
+    phase (code 0.1 from now on): once the scaler's allocation fell, the pass sends REPARTITION 2 -> 1 (the rule of
+    the auto-partitioner over the rest of the schedule), and once applied the layout holds one code partition while
+    the spec the planner reads keeps its start split. The default (`grow`) keeps the 2 partitions."""
+    from mixplane.operator import repartitions as rp
+
+    def mb(status=None, generation=1, calm=False):
+        b = body(status, generation=generation)
+        if mode == "follow":
+            b["metadata"]["annotations"]["mixplane.io/repartition"] = "follow"
+        if calm:
+            b["spec"]["mixture"]["phases"] = []
+        return b
+
+    first = decide(observed(mb()))
+    st = {**first.intent, **first.status}
+    assert {s["name"]: s["partitions"] for s in st["sources"]} == {"web": 1, "code": 2}
+    now, acts, sent = 1000.0, first, None
+    for _ in range(12):
+        now += 30.0
+        deps = loader_deps(acts.desired)
+        served = {p: host(d) for d in deps.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(",")}
+        acts = decide(observed(mb(st, 2, calm=True), loaders=deps, planner=rp_planner(served, {"web": 1, "code": 2}), now=now))
+        st = {**st, **acts.intent, **acts.status}
+        if acts.repartition is not None and acts.repartition.send:
+            sent = acts.repartition.state
+            break
+    assert st["scaler"]["state"]["alloc"]["code"] == pytest.approx(0.1 * 30000 * 6e-5)
+    if mode == "grow":
+        assert sent is None and st["scaler"]["state"]["repartitions"] == {}
+        return
+    rid = "u-1/repartition-code-2-1"
+    assert sent is not None and rp.request_meta(sent) == {"source": "code", "partitions": 1, "repartition_id": rid,
+                                                          "hosts": [served["code:0"]]}
+    # accepted, then applied by the planner: acknowledged, recorded; the layout holds code:0 only
+    st["repartition"] = rp.after_send(sent, ack={"step": 40})
+    entry = {"source": "code", "from": 2, "partitions": 1, "step": 40, "applied": True, "repartition_id": rid}
+    done = decide(observed(mb(st, 2, calm=True), loaders=deps,
+                           planner=rp_planner(served, {"web": 1, "code": 1}, [entry]), now=now + 1))
+    assert done.repartition.acknowledged_now and done.status["repartitions"][-1]["partitions"] == 1
+    assert {s["name"]: (s["partitions"], s["startPartitions"]) for s in done.status["sources"]} == {"web": (1, 1), "code": (1, 2)}
+    placed = sorted(p for d in loader_deps(done.desired).values()
+                    for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(","))
+    assert placed == ["code:0", "web:0"]
+    spec_json = next(o for o in done.desired.objects if o["kind"] == "ConfigMap")["data"]["spec.json"]
+    assert [s["replicas"] for s in json.loads(spec_json)["sources"]] == [1, 2]

@@ -213,3 +213,49 @@ def test_the_scaler_re_partitions_where_the_auto_partitioner_would_have_partitio
         # (the EMA: half the old cost, half the measured one: the pods' cores / what they delivered)
         after = 1.5e-6 * (0.5 + 0.5 * code_cpu / delivered_cores) if costlier else 1.5e-6
         assert sat.costs["code"].cpu_s_per_token == pytest.approx(after, rel=0.01)
+
+
+def test_partitions_shrink_only_when_asked_and_only_to_what_the_rest_of_the_schedule_needs():
+    """ScalingConfig.shrink (`mixplane.io/repartition: follow`): when demand falls, a source is wanted re-partitioned to
+    fewer partitions by the same rule (partitions_needed) over the larger of its allocation and the largest share the
+    rest of the schedule gives it -- not while a later phase needs them again, and not before the allocation fell
+    (K intervals). Without it (the default) partitions never shrink."""
+    costs = [SourceCost("code", 6e-5, 40 * MIB), SourceCost("web", 1.5e-6, 40 * MIB)]
+    busy, calm = {"code": 0.8, "web": 0.2}, {"code": 0.1, "web": 0.9}
+    cfg = dict(lookahead_steps=0, window=1, consecutive=2)
+
+    def run(shrink, schedule, steps):
+        sc = MixtureScaler(costs, {"code": 2, "web": 1}, [(0, busy)], busy, 30_000,
+                           config=ScalingConfig(**cfg, shrink=shrink))
+        assert sc.allocated_cores()["code"] == pytest.approx(1.44)
+        sc.observe(Observation(1, 30_000))
+        assert sc.wanted_repartitions() == []  # 1.44 x 1.05 cores need the 2 partitions it has
+        sc.set_schedule(schedule)  # a live update lowers code's weight
+        seen = []
+        for step in steps:
+            sc.observe(Observation(step, 30_000))
+            seen.append([(w.source, w.from_partitions, w.to_partitions) for w in sc.wanted_repartitions()])
+        return sc, seen
+
+    # calm from now on: the allocation falls after K = 2 intervals, then code is wanted in 1 partition
+    sc, seen = run(True, [(0, calm)], [2, 3, 4])
+    assert seen == [[], [("code", 2, 1)], [("code", 2, 1)]]
+    assert sc.allocated_cores()["code"] == pytest.approx(0.18)
+    sc.repartitioned("code", 1)  # applied: nothing wanted any more, the pods packed for one partition
+    assert sc.wanted_repartitions() == [] and sc.partitions["code"] == 1
+    assert sorted(r for p in sc.plan.pods for s, r in p.members if s == "code") == [0]
+    sc.observe(Observation(5, 30_000))
+    assert sc.wanted_repartitions() == []
+    # the default: never fewer
+    _, seen = run(False, [(0, calm)], [2, 3, 4, 5])
+    assert seen == [[], [], [], []]
+    # a later phase of the schedule gives code 0.8 again: its 2 partitions stay through the calm segment
+    _, seen = run(True, [(0, calm), (40, busy)], [2, 3, 4, 20, 39])
+    assert seen == [[]] * 5
+    # ... and once past that phase, with calm after it, they go
+    _, seen = run(True, [(0, calm), (10, busy), (20, calm)], [21, 22, 23])
+    assert seen == [[], [("code", 2, 1)], [("code", 2, 1)]]
+    # a share between: 0.5 x 30000 x 6e-5 = 0.9 cores x 1.05 still needs 1 partition; 0.6 (1.08 -> 1.13) needs 2
+    for share, want in ((0.5, [("code", 2, 1)]), (0.6, [])):
+        _, seen = run(True, [(0, {"code": share, "web": 1 - share})], [2, 3, 4])
+        assert seen[-1] == want, (share, seen)

@@ -50,7 +50,7 @@ from mixplane.operator.reconcile import (
     status_of,
 )
 from mixplane.operator.autopartition import PartitionBounds
-from mixplane.operator.scaling import Decision, MixtureScaler, Observation, handoff_moves
+from mixplane.operator.scaling import Decision, MixtureScaler, Observation, ScalingConfig, handoff_moves
 from mixplane.operator import repartitions as rp_state
 from mixplane.operator import topology as topo_state
 from mixplane.operator.requests import RequestPlan
@@ -146,7 +146,7 @@ def run_scaler(obs: Observed, spec: Any, step: int, served: Mapping[str, int] | 
         return kept_shares, (kept or None), []  # a plan that cannot be made: desired() says why
     now_step = max(0, int(obs.planner.get("planned_through", 0)))  # -1 before the first plan
     sc = MixtureScaler(costs, parts, segs, [sh for s, sh in segs if s <= now_step][-1], inp.tokens_per_s, budget=inp.budget,
-                       workers=workers)
+                       workers=workers, config=ScalingConfig(shrink=inp.repartition == "follow"))
     if kept.get("state"):
         try:
             sc.load_state_dict(kept["state"])

@@ -58,6 +58,9 @@ ANN_SCALE_ON = "mixplane.io/scale-on"  # measured (default): the trainer rate th
 # measured (default): a source the planner waited for corrects its cost by what it delivered; profiled: the profile's
 # costs are used as they are (the scaler's inputs then depend on the spec, the profile and the declared rate only)
 ANN_SCALE_COSTS = "mixplane.io/scale-costs"
+# grow (default): a source is re-partitioned to more partitions when its allocation needs them, never to fewer; follow:
+# also to fewer once neither its allocation nor the rest of the schedule needs them (scaling.ScalingConfig.shrink)
+ANN_REPARTITION = "mixplane.io/repartition"
 DEFAULT_TPS = 1e6
 DEFAULT_CPU = 64.0
 DEFAULT_MEMORY = 256 << 30
@@ -105,6 +108,7 @@ class Inputs:
     budget: LoaderBudget
     scale_on: str = "measured"
     scale_costs: str = "measured"
+    repartition: str = "grow"
 
 
 def inputs_of(body: Mapping[str, Any]) -> Inputs:
@@ -115,9 +119,12 @@ def inputs_of(body: Mapping[str, Any]) -> Inputs:
     scale_costs = ann.get(ANN_SCALE_COSTS, "measured")
     if scale_costs not in ("measured", "profiled"):
         raise ReconcileError(f"metadata.annotations.{ANN_SCALE_COSTS}: expected measured or profiled, got {scale_costs!r}")
+    repartition = ann.get(ANN_REPARTITION, "grow")
+    if repartition not in ("grow", "follow"):
+        raise ReconcileError(f"metadata.annotations.{ANN_REPARTITION}: expected grow or follow, got {repartition!r}")
     return Inputs(_float_annotation(body, ANN_TPS, DEFAULT_TPS),
                   LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))),
-                  scale_on, scale_costs)
+                  scale_on, scale_costs, repartition)
 
 
 # ---- profile: measured once, kept in the status ---------------------------------------------------

@@ -2,7 +2,7 @@
 
 The scaler wants a source re-partitioned when its allocation needs more partitions than it has (one partition does
 what its worker threads can, the auto-partitioner's rule: `MixtureScaler.wanted_repartitions`, kept in
-status.scaler.state.repartitions).
+status.scaler.state.repartitions), or under `mixplane.io/repartition: follow` fewer once demand fell.
 The operator turns the first such wish into one REPARTITION (`{source, partitions, hosts, repartition_id}`, no step:
 the planner takes the first step it has not planned; hosts: partition k below the old count stays on its host, the
 others go to the live loader hosts of the layout serving least) and keeps it in `status.repartition` under the one rule for
@@ -61,13 +61,18 @@ def served_partitions(body: Mapping[str, Any], planner_status: Mapping[str, Any]
 
 def wanted_of(scaler_state: Mapping[str, Any] | None, order: Sequence[str], served: Mapping[str, int]) -> list[tuple[str, int, int]]:
     """(source, from, to) of the re-partitions the scaler's state wants that the planner does not serve yet, in source
-    order (status.scaler.state.repartitions: {source: {from, to, cores, interval}})."""
+    order (status.scaler.state.repartitions: {source: {from, to, cores, interval}}): more partitions than served, or
+    fewer when the wish was made from the count served now (a shrink, `mixplane.io/repartition: follow`)."""
     wish = ((scaler_state or {}).get("state") or {}).get("repartitions") or {}
     out = []
     for n in order:
         w = wish.get(n)
-        if isinstance(w, Mapping) and n in served and int(w.get("to") or 0) > int(served[n]):
-            out.append((n, int(served[n]), int(w["to"])))
+        if not isinstance(w, Mapping) or n not in served:
+            continue
+        to, frm, now = int(w.get("to") or 0), int(w.get("from") or 0), int(served[n])
+        # more than served; or fewer (`mixplane.io/repartition: follow`), asked from the count served now
+        if to > now or (1 <= to < now and frm == now):
+            out.append((n, now, to))
     return out
 
 
@@ -159,7 +164,7 @@ def _plan(body: Mapping[str, Any], order: Sequence[str], planner_status: Mapping
         source, frm, to = wanted[0]
         prev = requests.pending({"source": source, "from": frm, "partitions": to,
                                  "repartitionId": repartition_id(body, source, frm, to)}, now,
-                                "the scaler wants more partitions")
+                                f"the scaler wants {to} partitions")
     rid = str(prev.get("repartitionId"))
     seen = requests.listed(planner_status, "repartitions", "repartition_id", rid)
     source, to = str(prev.get("source")), int(prev.get("partitions") or 0)

@@ -14,7 +14,10 @@ partition is one loader process that reads on one thread and transforms on the s
 does at most ``bounds.capacity(workers)`` cores of single-thread work (``pod_cpu`` x the worker speed-up: the
 auto-partitioner's own rule, ``autopartition.partitions_needed``), and a source allocated more than its partitions
 can do is *wanted* re-partitioned (:meth:`MixtureScaler.wanted_repartitions`: ceil(cores x headroom / capacity)
-partitions, within ``max_per_source`` and the source's ``max_partitions``; never fewer). The
+partitions, within ``max_per_source`` and the source's ``max_partitions``). Fewer only with ``ScalingConfig.shrink``
+(the mixture's ``mixplane.io/repartition: follow``): by the same rule, to what both the allocation and the largest
+share the rest of the schedule gives the source need -- the split the auto-partitioner would plan for the rest of the
+run -- so a source is not shrunk before a later phase that needs its partitions again. The
 wanted re-partitions are kept in the scaler's state (status.scaler); :meth:`MixtureScaler.repartitioned` takes the
 planner's acknowledgment (REPARTITION) and packs the new partitions. Until then scaling changes how many pods host
 a source's partitions and their CPU. A
@@ -56,6 +59,7 @@ class ScalingConfig:
     consecutive: int = 2  # K: intervals a threshold must stay crossed
     down_ratio: float = 0.75  # scale down when the average needs less than this share of the allocation
     cost_correction: float = 0.5  # weight of a saturated measurement in the cost estimate (EMA)
+    shrink: bool = False  # partitions may also be re-partitioned to fewer when demand falls (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.lookahead_steps < 0 or self.window < 1 or self.consecutive < 1 or not 0 < self.down_ratio < 1:
@@ -75,7 +79,7 @@ class Observation:
 @dataclass(frozen=True)
 class RepartitionWanted:
     """A source whose allocation needs more partitions than it has (one partition does at most
-    `bounds.capacity(workers)` cores of work)."""
+    `bounds.capacity(workers)` cores of work), or with `ScalingConfig.shrink` fewer."""
 
     source: str
     from_partitions: int
@@ -143,6 +147,7 @@ class MixtureScaler:
         self.above = {n: 0 for n in self.order}
         self.below = {n: 0 for n in self.order}
         self.interval = 0
+        self.step = 0  # the step of the last observation
         self.decisions: list[Decision] = []
         self.wanted: dict[str, RepartitionWanted] = {}  # sources to re-partition (kept until acknowledged)
         self.plan = self._pack()
@@ -193,6 +198,7 @@ class MixtureScaler:
     def observe(self, obs: Observation) -> list[Decision]:
         """One timer interval; returns the decisions taken (and `self.plan` is the pods to run)."""
         self.interval += 1
+        self.step = int(obs.step)
         if math.isfinite(obs.tokens_per_s) and obs.tokens_per_s > 0:
             self.tokens_per_s = float(obs.tokens_per_s)
         self._correct_costs(obs)
@@ -226,11 +232,21 @@ class MixtureScaler:
         self._want_partitions()
         return out
 
+    def remaining_peak_cores(self, name: str) -> float:
+        """Cores source `name` needs at the largest share the schedule gives it from the current segment on (at the
+        rate now): what the auto-partitioner would size its split for if the run started here."""
+        cur = max((start for start, _ in self.segments if start <= self.step), default=self.segments[0][0])
+        return self.cores(name, max(float(sh.get(name, 0.0)) for start, sh in self.segments if start >= cur))
+
     def _want_partitions(self) -> None:
         for n in self.order:
             need = partitions_for(self.alloc[n], self.costs[n], self.bounds, self.workers[n])
             have = int(self.partitions[n])
-            if need <= have:
+            if need < have:  # fewer: only what neither the allocation nor the rest of the schedule needs
+                need = partitions_for(max(self.alloc[n], self.remaining_peak_cores(n)), self.costs[n], self.bounds,
+                                      self.workers[n]) if self.config.shrink else have
+                need = min(need, have)
+            if need == have:
                 self.wanted.pop(n, None)
             elif n not in self.wanted or self.wanted[n].to_partitions != need:
                 self.wanted[n] = RepartitionWanted(n, have, need, self.alloc[n], self.interval)
@@ -247,7 +263,8 @@ class MixtureScaler:
             raise ValueError(f"repartitioned: partitions of {source!r} must be >= 1, not {partitions}")
         self.partitions[source] = int(partitions)
         w = self.wanted.get(source)
-        if w is not None and w.to_partitions <= int(partitions):
+        if w is not None and (w.to_partitions <= int(partitions) if w.to_partitions > w.from_partitions
+                              else w.to_partitions >= int(partitions)):
             del self.wanted[source]
         self.plan = self._pack(self.packed_tokens_per_s, {n: SourceCost(c.name, self.packed_costs.get(n, c.cpu_s_per_token),
                                                                          c.memory_per_partition, c.max_partitions)
