@@ -192,18 +192,16 @@ def _free_problem(rng):
 
 @pytest.mark.parametrize("seed", range(60))
 def test_open_rounds_one_group_path_equals_the_general_rounds(seed, monkeypatch):
-    """assign() in free count with the one-group rounds and with the former general rounds: the same bin for
-    every item (greedy and karmarkar_karp, with and without initial loads, with groups of bins too)."""
+    """assign() in free count with the one-group rounds and with the general rounds: the same bin for every
+    item (greedy and karmarkar_karp, with and without initial loads, with groups of bins too)."""
     from mixplane.planner import balance
-
-    from .balance_reference import old_lpt_open_rounds
 
     rng = np.random.default_rng(500 + seed)
     costs, n_bins, init = _free_problem(rng)
     method = "karmarkar_karp" if seed % 5 == 4 else "greedy"
     group_size = int(rng.integers(2, 50)) if seed % 3 == 2 else None
     got = balance.assign(costs, n_bins, method, init=init, group_size=group_size)
-    monkeypatch.setattr(balance, "_lpt_open_rounds", old_lpt_open_rounds)
+    monkeypatch.setattr(balance, "_lpt_open_rounds", balance.lpt_open_rounds_groups)
     want = balance.assign(costs, n_bins, method, init=init, group_size=group_size)
     assert np.array_equal(got, want)
 
@@ -212,8 +210,6 @@ def test_open_rounds_one_group_path_equals_the_general_rounds(seed, monkeypatch)
 def test_open_rounds_one_group_state(seed):
     """The rounds alone, one group: same bins, same loads, same items left, over 1 to 70 rounds."""
     from mixplane.planner import balance
-
-    from .balance_reference import old_lpt_open_rounds
 
     rng = np.random.default_rng(seed)
     costs, n_bins, init = _free_problem(rng)
@@ -225,5 +221,5 @@ def test_open_rounds_one_group_state(seed):
     la, lb = loads0.copy(), loads0.copy()
     oa, ob = np.full(len(costs), -1, np.int64), np.full(len(costs), -1, np.int64)
     left_a = balance._lpt_open_rounds(costs, items, zg, bg, la, oa, target, rounds)
-    left_b = old_lpt_open_rounds(costs, items, zg, bg, lb, ob, target, rounds)
+    left_b = balance.lpt_open_rounds_groups(costs, items, zg, bg, lb, ob, target, rounds)
     assert np.array_equal(oa, ob) and np.array_equal(left_a, left_b) and np.array_equal(la, lb)

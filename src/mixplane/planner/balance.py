@@ -171,6 +171,15 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
     *open* bins (load below the group's target), largest to lightest; a bin that reaches the target
     closes, so a bin holding one huge item takes nothing more. Returns the items left unassigned after
     max_rounds rounds (the caller water-fills them)."""
+    if len(target) == 1 and len(items):
+        return _lpt_open_rounds_single(costs, items[desc_order(costs[items])], loads, out, float(target[0]), max_rounds)
+    return lpt_open_rounds_groups(costs, items, item_group, bin_group, loads, out, target, max_rounds)
+
+
+def lpt_open_rounds_groups(costs: np.ndarray, items: np.ndarray, item_group: np.ndarray, bin_group: np.ndarray,
+                           loads: np.ndarray, out: np.ndarray, target: np.ndarray, max_rounds: int) -> np.ndarray:
+    """_lpt_open_rounds for any number of groups (vectorised over them): the rule's readable form, which
+    _lpt_open_rounds_single must equal for one group (tests/unit/test_planner_balance.py)."""
     if len(items) == 0:
         return items
     n_groups = len(target)
@@ -178,8 +187,6 @@ def _lpt_open_rounds(costs: np.ndarray, items: np.ndarray, item_group: np.ndarra
     o1 = desc_order(costs[items])
     order = o1[np.argsort(ig[o1], kind="stable")] if n_groups > 1 else o1
     items, ig = items[order], ig[order]
-    if n_groups == 1:
-        return _lpt_open_rounds_single(costs, items, loads, out, float(target[0]), max_rounds)
     gcount = np.bincount(ig, minlength=n_groups)
     gstart = np.concatenate([[0], np.cumsum(gcount)[:-1]])
     ptr = np.zeros(n_groups, dtype=np.int64)
