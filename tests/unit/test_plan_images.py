@@ -17,7 +17,7 @@ from mixplane.planner.routing import (Fanout, image_offsets, image_parts, image_
 from mixplane.topology import constructor_groups, dp_ranks_of_group, encoder_leaders
 
 from .planner_helpers import fill, make_spec
-from .routing_reference import constructor_layouts
+from mixplane.planner.routespec import constructor_layout
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,8 +78,8 @@ def test_partial_image_lists_build_what_the_full_list_builds(dp, tp, pp):
         for key in slow:
             for name, a in slow[key].arrays().items():
                 assert np.array_equal(a, fast[key].arrays()[name]) and a.dtype == fast[key].arrays()[name].dtype
-        full = constructor_layouts(lay, dps)
-        part = constructor_layouts(lay, dps, img.idx)
+        full = [constructor_layout(lay, d) for d in dps]
+        part = [constructor_layout(lay, d, ix) for d, ix in zip(dps, img.idx)]
         listed = 0
         for ci, (f, q) in enumerate(zip(full, part)):
             listed += len(q.img_key)

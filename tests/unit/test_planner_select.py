@@ -1,5 +1,5 @@
 """StepPlanner.select runs the mixing sampler (DeficitSampler.pick, incrementally through EDFQueue): the same
-picks as the reference rule; retire flags, constructor layouts, the coverage match and the row order against
+picks as the reference rule; retire flags, the coverage match and the row order against
 their definitions; best fit's tie-break. (Its plans and the compiled loop's outputs are pinned by the recorded
 outputs in test_planner_goldens.py.)"""
 
@@ -73,22 +73,6 @@ def test_retired_flags_match_a_per_window_check():
         assert np.array_equal(planner.retired(p), want)
         assert plan.retired is not None and np.array_equal(plan.retired, want)  # found while compacting
     assert seen_skip and seen_kept  # both kinds of consumed positions and unfinished samples occurred
-
-
-def test_constructor_layouts_are_what_select_ranks_gives_each_constructor():
-    from tests.unit.routing_reference import constructor_layouts
-
-    planner = StepPlanner(make_spec(sources=3, rows=24, seq_len=128, dp=6, microbatches=2, encoder=True))
-    fill(planner, images=True)
-    lay = planner.plan().layout
-    groups = [[0], [1, 2], [3], [5, 4], [0, 2, 4], [], [1, 3, 5]]  # consecutive, unordered, gapped, empty
-    for ranks, sub in zip(groups, constructor_layouts(lay, groups)):
-        want = lay.select_ranks(ranks)
-        assert sub.meta() == want.meta()
-        for name, a in want.arrays().items():
-            b = sub.arrays()[name]
-            assert a.dtype == b.dtype and np.array_equal(a, b), (ranks, name)
-    assert sum(len(s.seg_row) for s in constructor_layouts(lay, [[d] for d in range(6)])) == len(lay.seg_row)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,5 +1,6 @@
-"""The compiled routing and layout loops (planner/routeloop.py) give exactly what the numpy versions gave
-(tests/unit/routing_reference.py): same instructions, same order, same dtypes -- on random layouts."""
+"""The compiled routing and layout loops (planner/routing.py over planner/routeloop.py) give exactly what the
+routing rules written plainly give (planner/routespec.py): same instructions, same order, same dtypes -- on
+random layouts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mixplane import wire
 from mixplane.planner.routing import (Fanout, ImageParts, constructor_columns, constructor_images, loader_instructions,
                                      loader_routes)
 
-from tests.unit.routing_reference import constructor_layouts, old_constructor_images, old_loader_instructions
+from mixplane.planner import routespec
 
 
 def random_step(seed: int, *, dup_fanout: bool = False):
@@ -68,11 +69,11 @@ def same(a: dict, b: dict) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.booleans(), st.booleans(), st.booleans())
-def test_loader_instructions_equal_the_numpy_version(seed, aligned, img_given, dup):
+def test_loader_instructions_follow_the_rules(seed, aligned, img_given, dup):
     lay, p, pos_, soi, dp_fan, rank_fan = random_step(seed, dup_fanout=dup)
     args = (lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"], dp_fan, rank_fan)
     kw = {"piece_of_seg": pos_ if aligned else None, "seg_of_img": soi if img_given else None}
-    same(loader_instructions(*args, **kw), old_loader_instructions(*args, **kw))
+    same(loader_instructions(*args, **kw), routespec.loader_instructions(*args, **kw))
 
 
 def test_the_comparison_sees_a_wrong_flag():
@@ -83,7 +84,7 @@ def test_the_comparison_sees_a_wrong_flag():
                                   dp_fan, rank_fan, pos_, soi)
         if got:
             break
-    want = old_loader_instructions(lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"],
+    want = routespec.loader_instructions(lay, p["source"], p["key"], p["start"], p["replica"], p["pos"], p["retired"],
                                    dp_fan, rank_fan, pos_, soi)
     k = next(iter(got))
     got[k].dest[0] += 1
@@ -96,12 +97,12 @@ def test_the_comparison_sees_a_wrong_flag():
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.booleans())
-def test_constructor_images_equal_the_numpy_version(seed, dup):
-    """routeloop.image_lists against two fan-out expansions, sorts and a union1d per constructor."""
+def test_constructor_images_follow_the_rules(seed, dup):
+    """routeloop.image_lists against the rule: a constructor's images are those in its rows or encoded by a rank it serves."""
     lay, _, _, soi, dp_fan, rank_fan = random_step(seed, dup_fanout=dup)
     n_cons = int(max(dp_fan.targets.max(initial=-1), rank_fan.targets.max(initial=-1))) + 1 + seed % 2
     got = constructor_images(lay, soi, dp_fan, rank_fan, n_cons)
-    want = old_constructor_images(lay, soi, dp_fan, rank_fan, n_cons)
+    want = routespec.constructor_images(lay, soi, dp_fan, rank_fan, n_cons)
     assert len(got) == len(want) == n_cons
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -125,8 +126,8 @@ def test_loader_routes_are_the_instructions_and_encode_to_their_messages(seed):
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.booleans(), st.booleans())
-def test_constructor_columns_are_the_constructor_layouts(seed, in_order, images):
-    """constructor_columns cuts what constructor_layouts gave every constructor (same arrays, dtypes, dp) --
+def test_constructor_columns_are_each_constructors_ranks(seed, in_order, images):
+    """constructor_columns cuts what select_ranks gives every constructor (same arrays, dtypes, dp) --
     for constructors holding the DP ranks in order (no gather) and for any lists of ranks (out of order,
     repeated, shared by constructors, none); with every image or each constructor's own (ImageParts.cut)."""
     lay = random_step(seed)[0]
@@ -152,7 +153,7 @@ def test_constructor_columns_are_the_constructor_layouts(seed, in_order, images)
         want_b = np.concatenate([parts.base[per[c]] for c in order]) if order else np.zeros(0, np.int64)
         assert np.array_equal(parts.columns(cut)[0].data, want_b)
     cols = constructor_columns(lay, dps, cut)
-    want = constructor_layouts(lay, dps, idx)
+    want = [routespec.constructor_layout(lay, d, None if idx is None else idx[c]) for c, d in enumerate(dps)]
     assert len(cols.dp) == len(want)
     for c, sub in enumerate(want):
         assert cols.dp[c] == sub.dp and list(cols.arrays(c)) == list(sub.arrays())

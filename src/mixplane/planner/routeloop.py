@@ -16,8 +16,8 @@ sorted, compiled once (cache=True; `warm` before the planner binds its socket, l
 * `image_offsets` -- routing.image_offsets: each image's offset in the gathered encoder output and every
                    rank's merged tokens, as a counting sort's offsets.
 
-Same results, bit for bit, as the numpy versions they replace: tests/unit/routing_reference.py keeps
-those, and tests/unit/test_routeloop.py compares both on random inputs.
+The rules they implement are written plainly in planner/routespec.py; tests/unit/test_routeloop.py holds the
+compiled routing to them, bit for bit, on random inputs.
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ class ConstructorColumns:
 
 def constructor_columns(layout: StepLayout, dp_ranks: list[list[int]],
                         images: tuple[np.ndarray, Any] | None = None) -> ConstructorColumns:
-    """Every constructor's `layout.select_ranks(ranks)` (with only its images) as columns (the former per-constructor
-    version is tests/unit/routing_reference.constructor_layouts). `images` (ImageParts.cut): the images
+    """Every constructor's `layout.select_ranks(ranks)` (with only its images) as columns (the rule, one constructor
+    at a time: routespec.constructor_layout). `images` (ImageParts.cut): the images
     of every constructor in `dp_ranks` order, concatenated, and their bounds; default: every image of the
     step, to every constructor."""
     rpr = layout.rows_per_rank
