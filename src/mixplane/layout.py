@@ -8,6 +8,12 @@ Rows: the step has ``dp * microbatches * rows_per_microbatch`` packed rows of ``
 tokens. Global row id = (dp_rank * microbatches + microbatch) * rows_per_microbatch + r.
 Segments are listed row by row, in the order they sit in the row; a row's unused tail is padding.
 Images (VLM) are listed separately with the encoder rank that encodes them.
+
+Hybrid DP x CP layouts (``hybrid_cp`` > 0, the backbone's cp): every segment also names its context-parallel
+group inside its row's DP replica -- ``seg_cp_first`` (the group's first CP rank) and ``seg_cp_size`` (k, a power
+of two; 1 = the sequence stays whole on one rank). Rows then only carry the segments to their replica's
+constructor; each CP rank receives the segments of the groups it belongs to, every one cut over its group
+(``mixplane.parallelism.hybrid_rank_batch``). Other layouts have both arrays empty.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy as np
 
 SEGMENT_ARRAYS = ("seg_row", "seg_source", "seg_key", "seg_start", "seg_len")
 IMAGE_ARRAYS = ("img_source", "img_key", "img_rank", "img_patches")
-_DTYPES = {"seg_row": np.int32, "seg_source": np.int16, "seg_key": np.int64, "seg_start": np.int32,
+HYBRID_ARRAYS = ("seg_cp_first", "seg_cp_size")  # per segment, hybrid DP x CP layouts only
+_DTYPES = {"seg_cp_first": np.int16, "seg_cp_size": np.int16, "seg_row": np.int32, "seg_source": np.int16, "seg_key": np.int64, "seg_start": np.int32,
            "seg_len": np.int32, "img_source": np.int16, "img_key": np.int64, "img_rank": np.int32,
            "img_patches": np.int32}
 
@@ -47,9 +54,12 @@ class StepLayout:
     img_key: np.ndarray = field(default_factory=lambda: _empty("img_key"))
     img_rank: np.ndarray = field(default_factory=lambda: _empty("img_rank"))
     img_patches: np.ndarray = field(default_factory=lambda: _empty("img_patches"))
+    hybrid_cp: int = 0  # the backbone's cp when segments carry their CP group (seg_cp_first / seg_cp_size)
+    seg_cp_first: np.ndarray = field(default_factory=lambda: _empty("seg_cp_first"))
+    seg_cp_size: np.ndarray = field(default_factory=lambda: _empty("seg_cp_size"))
 
     def __post_init__(self) -> None:
-        for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
+        for name in SEGMENT_ARRAYS + IMAGE_ARRAYS + HYBRID_ARRAYS:
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=_DTYPES[name]))
 
     @property
@@ -77,6 +87,7 @@ class StepLayout:
             raise ValueError(f"step {self.step}: empty or negative segment")
         if np.any(self.row_fill() > self.seq_len):
             raise ValueError(f"step {self.step}: a row holds more than seq_len={self.seq_len} tokens")
+        check_hybrid(self.step, self.hybrid_cp, n, self.seg_cp_first, self.seg_cp_size)
 
     def select_ranks(self, dp_ranks: list[int] | np.ndarray) -> "StepLayout":
         """The part of the layout a constructor needs (rows of these dp ranks, renumbered densely)."""
@@ -90,16 +101,24 @@ class StepLayout:
         out = StepLayout(self.step, self.seq_len, len(dp_ranks), self.microbatches, self.rows_per_microbatch,
                          self.phase, self.lr_scale, self.generation, new_row, self.seg_source[keep],
                          self.seg_key[keep], self.seg_start[keep], self.seg_len[keep],
-                         self.img_source, self.img_key, self.img_rank, self.img_patches)
+                         self.img_source, self.img_key, self.img_rank, self.img_patches, self.hybrid_cp,
+                         self.seg_cp_first[keep] if self.hybrid_cp else self.seg_cp_first,
+                         self.seg_cp_size[keep] if self.hybrid_cp else self.seg_cp_size)
         return out
 
     def meta(self) -> dict[str, Any]:
-        return {"step": self.step, "seq_len": self.seq_len, "dp": self.dp, "microbatches": self.microbatches,
-                "rows_per_microbatch": self.rows_per_microbatch, "phase": self.phase,
-                "lr_scale": self.lr_scale, "generation": self.generation}
+        out = {"step": self.step, "seq_len": self.seq_len, "dp": self.dp, "microbatches": self.microbatches,
+               "rows_per_microbatch": self.rows_per_microbatch, "phase": self.phase,
+               "lr_scale": self.lr_scale, "generation": self.generation}
+        if self.hybrid_cp:  # only hybrid layouts name it: every other layout's meta (and digest) is unchanged
+            out["hybrid_cp"] = self.hybrid_cp
+        return out
+
+    def array_names(self) -> tuple[str, ...]:
+        return SEGMENT_ARRAYS + IMAGE_ARRAYS + (HYBRID_ARRAYS if self.hybrid_cp else ())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in SEGMENT_ARRAYS + IMAGE_ARRAYS}
+        return {name: getattr(self, name) for name in self.array_names()}
 
     @classmethod
     def from_parts(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> "StepLayout":
@@ -117,17 +136,42 @@ class StepLayout:
         lr = meta.get("lr_scale", 1.0)
         if not isinstance(lr, (int, float)) or not lr > 0:
             raise ValueError("layout: field 'lr_scale' is invalid")
+        hybrid = meta.get("hybrid_cp", 0)
+        if not isinstance(hybrid, int) or isinstance(hybrid, bool) or hybrid < 0:
+            raise ValueError("layout: field 'hybrid_cp' is invalid")
         parts: dict[str, Any] = {}
-        for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
+        for name in SEGMENT_ARRAYS + IMAGE_ARRAYS + (HYBRID_ARRAYS if hybrid else ()):
             a = arrays.get(name)
             if a is None:
                 raise ValueError(f"layout: missing array {name!r}")
             if a.ndim != 1 or a.dtype != np.dtype(_DTYPES[name]):
                 raise ValueError(f"layout: array {name!r} has dtype {a.dtype} / ndim {a.ndim}")
             parts[name] = a
-        out = cls(**kw, phase=meta.get("phase", 0), lr_scale=float(lr), generation=meta.get("generation", 0), **parts)
+        out = cls(**kw, phase=meta.get("phase", 0), lr_scale=float(lr), generation=meta.get("generation", 0),
+                  hybrid_cp=hybrid, **parts)
         out.validate()
         return out
+
+
+def check_hybrid(step: int, cp: int, n: int, first: np.ndarray, size: np.ndarray) -> None:
+    """A hybrid layout's CP groups: one per segment, k a power of two, aligned (first a multiple of k), inside
+    the replica's cp ranks; a layout that is not hybrid has none. Raises ValueError naming the step."""
+    if not cp:
+        if len(first) or len(size):
+            raise ValueError(f"step {step}: seg_cp_first / seg_cp_size given but the layout is not hybrid_cp")
+        return
+    if cp & (cp - 1):
+        raise ValueError(f"step {step}: hybrid_cp {cp} is not a power of two")
+    if len(first) != n or len(size) != n:
+        raise ValueError(f"step {step}: hybrid layout: {len(first)} seg_cp_first and {len(size)} seg_cp_size "
+                         f"for {n} segments")
+    k = size.astype(np.int64)
+    f = first.astype(np.int64)
+    bad = (k < 1) | (k & (k - 1) != 0) | (f < 0) | (f % np.maximum(k, 1) != 0) | (f + k > cp)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"step {step}: segment {i}: CP group of {int(k[i])} ranks from cp rank {int(f[i])} is not an "
+                         f"aligned power-of-two group of the {cp} CP ranks")
 
 
 def segment_offsets(rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -151,6 +195,6 @@ def layout_digest(layout: StepLayout) -> str:
 
     h = hashlib.sha1()
     h.update(repr(sorted(layout.meta().items())).encode())
-    for name in SEGMENT_ARRAYS + IMAGE_ARRAYS:
+    for name in layout.array_names():
         h.update(np.ascontiguousarray(getattr(layout, name)).data)  # the buffer itself: no copy
     return h.hexdigest()[:16]

@@ -64,3 +64,111 @@ def test_dgraph_hybrid_cp_on_planner_steps():
     assert p.tokens.max() <= 8 * 256  # a rank holds no more tokens than a CP rank of the fixed scheme
     assert 0.0 < st["cp_token_fraction"] < 1.0  # some pieces kept whole, some spread
     assert st["imbalance_hybrid"] <= st["imbalance_fixed"] + 1e-9
+
+
+def test_pack_rows_keeps_every_piece_in_its_replica_and_under_seq_len():
+    rng = np.random.default_rng(5)
+    L = rng.integers(1, 512, 60)
+    rep = rng.integers(0, 2, 60)
+    rows = hybridcp.pack_rows(L, rep, dp=2, rows_per_rank=40, seq_len=512)
+    assert rows is not None and np.array_equal(rows // 40, rep)
+    assert np.bincount(rows, weights=L, minlength=80).max() <= 512
+    # replica 0 asked to hold more than its rows: no packing
+    assert hybridcp.pack_rows(np.array([400, 400, 400]), np.array([0, 0, 0]), dp=2, rows_per_rank=2, seq_len=512) is None
+
+
+def test_within_replicas_places_each_replica_over_its_own_cp_ranks():
+    L = np.array([500, 100, 100, 512, 60, 60, 60, 60])
+    rep = np.array([0, 0, 0, 1, 1, 1, 1, 1])
+    p = hybridcp.within_replicas(L, L.astype(float), rep, dp=2, cp=2, max_tokens=256, capacity=512)
+    assert np.array_equal(p.first // 2, rep) and np.all(p.first % p.group_size == 0)
+    assert p.group_size.tolist() == [2, 1, 1, 2, 1, 1, 1, 1]
+    assert p.tokens.sum() == L.sum() and p.overflow == 0
+
+
+def _hybrid_plans(steps=3, **kw):
+    spec = make_spec(dp=2, cp=4, rows=16, microbatches=2, seq_len=512, window=128, model=MODEL,
+                     strategy="llm_balance", options={"hybrid_cp": True, **kw})
+    from mixplane.planner.core import StepPlanner
+    from mixplane.planner.strategies import resolve_strategy
+    from tests.unit.planner_helpers import run
+    return spec, run(StepPlanner(spec, resolve_strategy(spec)), steps)
+
+
+def test_delivered_hybrid_layout_names_every_piece_group():
+    from mixplane.layout import StepLayout, layout_digest
+    spec, plans = _hybrid_plans()
+    for plan in plans:
+        lay = plan.layout
+        assert lay.hybrid_cp == 4 and len(lay.seg_cp_size) == len(lay.seg_row)
+        k, f = lay.seg_cp_size.astype(int), lay.seg_cp_first.astype(int)
+        # the group size the length needs (at most seq_len / cp tokens of a piece per rank), aligned inside cp
+        assert np.array_equal(k, hybridcp.group_sizes(lay.seg_len, 512 // 4, 8))
+        assert np.all(f % k == 0) and np.all(f + k <= 4)
+        assert (k == 1).any() and (k > 1).any()
+        st = plan.stats["hybrid_cp"]
+        assert st["delivered"] in ("dp_x_cp", "within_replicas") and st["imbalance_hybrid"] <= st["imbalance_fixed"] + 1e-9
+        # every rank holds at most what a CP rank of the fixed scheme holds
+        tok = np.zeros((2, 4))
+        for d, ff, kk, ln in zip(lay.seg_row // lay.rows_per_rank, f, k, lay.seg_len):
+            tok[d, ff:ff + kk] += ln / kk
+        assert tok.max() <= 8 * 512 / 4 * (1 + 1e-9) or st["overflow"] > 0
+        # the wire form carries the groups; a constructor's part keeps them; the digest covers them
+        back = StepLayout.from_parts(lay.meta(), lay.arrays())
+        assert np.array_equal(back.seg_cp_first, lay.seg_cp_first) and back.hybrid_cp == 4
+        part = lay.select_ranks([1])
+        assert np.array_equal(part.seg_cp_size, lay.seg_cp_size[lay.seg_row // lay.rows_per_rank == 1])
+        whole = np.zeros_like(lay.seg_cp_first)
+        moved = StepLayout.from_parts(lay.meta(), {**lay.arrays(), "seg_cp_first": whole, "seg_cp_size": whole + 1})
+        assert layout_digest(moved) != layout_digest(lay)
+    # planning again gives the same layouts, bit for bit (what replay and resume rely on)
+    _, again = _hybrid_plans()
+    assert [layout_digest(p.layout) for p in again] == [layout_digest(p.layout) for p in plans]
+
+
+def test_hybrid_layout_errors_name_the_step_and_segment():
+    from mixplane.layout import StepLayout
+    one = np.ones(2, np.int64)
+    base = dict(seg_row=one - 1, seg_source=one - 1, seg_key=one - 1, seg_start=one - 1, seg_len=one)
+    with pytest.raises(ValueError, match="step 7: segment 1: CP group of 2 ranks from cp rank 1"):
+        StepLayout(7, 8, 1, 1, 1, **base, hybrid_cp=2, seg_cp_first=np.array([0, 1]), seg_cp_size=np.array([1, 2])).validate()
+    with pytest.raises(ValueError, match="not hybrid_cp"):
+        StepLayout(7, 8, 1, 1, 1, **base, seg_cp_first=np.array([0, 0]), seg_cp_size=np.array([1, 1])).validate()
+    with pytest.raises(ValueError, match="missing array 'seg_cp_size'"):
+        lay = StepLayout(7, 8, 1, 1, 1, **base, hybrid_cp=2, seg_cp_first=np.array([0, 0]), seg_cp_size=np.array([1, 1]))
+        StepLayout.from_parts(lay.meta(), {k: v for k, v in lay.arrays().items() if k != "seg_cp_size"})
+
+
+def test_hybrid_delivery_refuses_what_it_cannot_deliver():
+    spec = make_spec(dp=2, cp=2, rows=8, microbatches=2, seq_len=512, window=128, model=MODEL)
+
+    def cp_broadcast(ctx):
+        g = DGraph(ctx).mix().distribute("CP").cost(backbone_cost(ctx.spec)).balance("greedy")
+        g.hybrid_cp(deliver=True)
+        return g.broadcast_at("CP").plan()
+
+    with pytest.raises(DGraphError, match=r"broadcast_at\(CP\)"):
+        plan_with(spec, cp_broadcast)
+    spec3 = make_spec(dp=2, cp=3, rows=8, microbatches=2, seq_len=516, window=128, model=MODEL)
+
+    def deliver(ctx):
+        g = DGraph(ctx).mix().distribute("CP").cost(backbone_cost(ctx.spec))
+        g.hybrid_cp(deliver=True)
+        return g.plan()
+
+    with pytest.raises(DGraphError, match="cp 3 is not a power of two"):
+        plan_with(spec3, deliver)
+
+
+def test_constructor_columns_carry_each_constructor_its_groups():
+    from mixplane.planner.routing import constructor_columns
+    _, plans = _hybrid_plans(steps=1)
+    lay = plans[0].layout
+    for ranks in ([[0], [1]], [[1], [0]], [[0, 1]]):
+        cols = constructor_columns(lay, ranks)
+        for c, r in enumerate(ranks):
+            want = lay.select_ranks(r).arrays()
+            got = cols.arrays(c)
+            assert set(got) == set(want)
+            for k in want:
+                assert np.array_equal(got[k], want[k]), (ranks, c, k)

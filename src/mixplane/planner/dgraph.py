@@ -63,6 +63,8 @@ class DGraph:
         # image state: index (into pieces) of each image node, and its encoder rank
         self._img_idx: np.ndarray | None = None
         self._img_rank: np.ndarray | None = None
+        # hybrid_cp(deliver=True): (cp, first CP rank of each piece's group in its replica, group size)
+        self._hybrid: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         n = len(self.ctx.pieces) if self.ctx.mixed else "?"
@@ -76,6 +78,7 @@ class DGraph:
         root = self.root
         root.ctx.mix(schedule, exclude=exclude)
         root._row = root._key = None
+        root._hybrid = None
         if root._image_graph is not None:
             root._image_graph._img_idx = root._image_graph._img_rank = None
         return self
@@ -294,13 +297,15 @@ class DGraph:
         self.balanced = stats
         ctx.stats["text"] = stats
 
-    def hybrid_cp(self) -> hybridcp.HybridPlacement:
+    def hybrid_cp(self, deliver: bool = False) -> hybridcp.HybridPlacement:
         """Hybrid DP x CP consumers (planner/hybridcp.py, Megatron-LM's hybrid data x context parallelism): every
         piece on a power-of-two group of the dp x cp ranks sized by its length -- long pieces spread over CP,
         short ones whole on one rank -- balanced by cost, beside the fixed scheme (rows as balanced now, each cut
-        over its replica's CP group). Both balances go into the step's stats (``ctx.stats['hybrid_cp']``). The
-        placement is not delivered: the step's layout stays the fixed scheme's (constructors and the client cut
-        whole rows over fixed CP groups)."""
+        over its replica's CP group). Both balances go into the step's stats (``ctx.stats['hybrid_cp']``).
+
+        ``deliver=True``: the step's layout carries the placement (``StepLayout.hybrid_cp``; pieces moved into
+        rows of their group's replica) and constructors cut every piece over its group; needs cp a power of two,
+        text only, no CP / PP broadcast. Without it the layout stays the fixed scheme's."""
         if self.kind != "text":
             raise DGraphError(f"step {self.ctx.step}: hybrid_cp places text pieces; call it on the text graph")
         ctx, cp = self.ctx, self.module.cp
@@ -308,18 +313,35 @@ class DGraph:
         n = ctx.dp * cp
         if ctx.seq_len % cp:
             raise DGraphError(f"step {ctx.step}: hybrid_cp: seq_len {ctx.seq_len} is not a multiple of cp {cp}")
+        if deliver and cp & (cp - 1):
+            raise DGraphError(f"step {ctx.step}: hybrid_cp(deliver=True): cp {cp} is not a power of two (a group "
+                              "of the DP x CP ranks must stay inside one DP replica)")
+        if deliver and len(self.pieces) and bool(np.any(self.pieces.patches > 0)):
+            raise DGraphError(f"step {ctx.step}: hybrid_cp(deliver=True) delivers text only; this step has images")
         per_rank = ctx.seq_len // cp
         lengths = self.pieces.length.astype(np.int64)
+        capacity = ctx.rows // ctx.dp * per_rank
+        fixed = hybridcp.fixed_loads(self.shard_costs(), ctx.dp)
         try:
-            placed = hybridcp.place(lengths, cost, n, per_rank, ctx.rows // ctx.dp * per_rank)
+            placed = hybridcp.place(lengths, cost, n, per_rank, capacity)
         except ValueError as e:
             raise DGraphError(f"step {ctx.step}: hybrid_cp: {e}") from None
-        fixed = hybridcp.fixed_loads(self.shard_costs(), ctx.dp)
+        stats: dict[str, Any] = {}
+        if deliver:
+            rpr = ctx.rows // ctx.dp
+            rows = hybridcp.pack_rows(lengths, placed.first // cp, ctx.dp, rpr, ctx.seq_len)
+            if rows is None:  # a replica's pieces do not fit its rows: place inside the replicas as balanced
+                placed = hybridcp.within_replicas(lengths, cost, self.rows() // rpr, ctx.dp, cp, per_rank, capacity)
+                stats["delivered"] = "within_replicas"
+            else:
+                self.set_rows(rows)
+                stats["delivered"] = "dp_x_cp"
+            self.root._hybrid = (cp, placed.first % cp, placed.group_size)
         ctx.stats["hybrid_cp"] = {"consumers": n, "imbalance_fixed": B.imbalance(fixed),
                                   "imbalance_hybrid": B.imbalance(placed.loads),
                                   "busiest_ratio": float(placed.loads.max() / max(fixed.max(), 1e-300)),
                                   "cp_token_fraction": placed.cp_token_fraction(lengths) if cp > 1 else 0.0,
-                                  "overflow": placed.overflow}
+                                  "overflow": placed.overflow, **stats}
         return placed
 
     def _order_for_cp(self) -> None:
@@ -409,6 +431,12 @@ class DGraph:
             img._run_hooks("plan")
         rows = root.rows()
         img_rank = (img or root.images()).image_ranks(rows)
+        if root._hybrid is not None:
+            both = sorted({"cp", "pp"} & set(root.ctx.broadcast))
+            if both:
+                raise DGraphError(f"step {self.ctx.step}: hybrid_cp delivery with broadcast_at({', '.join(a.upper() for a in both)}): "
+                                  "a hybrid step's CP groups change per sequence; only TP broadcasts")
+            return build_layout(self.ctx, rows, root.within_row_key(), img_rank, hybrid=root._hybrid)
         return root.plan_raw(rows, root.within_row_key(), img_rank)
 
     def plan_raw(self, row_of_piece: np.ndarray, within_row_key: np.ndarray | None = None,
@@ -441,9 +469,10 @@ def _row_order(rows: np.ndarray, key: np.ndarray) -> np.ndarray:
 
 
 def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.ndarray | None = None,
-                 img_rank: np.ndarray | None = None) -> StepLayout:
+                 img_rank: np.ndarray | None = None, *, hybrid: tuple[int, np.ndarray, np.ndarray] | None = None) -> StepLayout:
     """StepLayout from one global row per piece; `img_rank` lists, for the image pieces in piece order
-    (patches > 0), the global rank that encodes them (default: vanilla placement)."""
+    (patches > 0), the global rank that encodes them (default: vanilla placement); `hybrid`: (cp, first CP
+    rank of every piece's group, its size), in piece order, for a hybrid DP x CP layout."""
     p = ctx.pieces
     n = len(p)
     rows = np.asarray(row_of_piece, dtype=np.int64)
@@ -451,7 +480,12 @@ def build_layout(ctx: PlanContext, row_of_piece: np.ndarray, within_row_key: np.
     order = _row_order(rows, key)
     if img_rank is None:
         img_rank = vanilla_image_ranks(ctx.tree, rows[p.patches > 0], ctx.microbatches * ctx.rows_per_microbatch)
-    cols, o_img = layoutloop.gather_columns(order, rows, p.source, p.key, p.start, p.length, p.patches, img_rank)
+    gathered, o_img = layoutloop.gather_columns(order, rows, p.source, p.key, p.start, p.length, p.patches, img_rank)
+    cols: dict[str, Any] = dict(gathered)
+    if hybrid is not None:
+        cols["hybrid_cp"] = int(hybrid[0])
+        cols["seg_cp_first"] = np.asarray(hybrid[1], np.int64)[order].astype(np.int16)
+        cols["seg_cp_size"] = np.asarray(hybrid[2], np.int64)[order].astype(np.int16)
     layout = StepLayout(
         step=ctx.step, seq_len=ctx.seq_len, dp=ctx.dp, microbatches=ctx.microbatches,
         rows_per_microbatch=ctx.rows_per_microbatch, phase=ctx.point.phase, lr_scale=ctx.point.lr_scale,

@@ -18,6 +18,12 @@ dp x cp ranks are one pool of consumers (seed 001's ``distribute('CP')``: "DP x 
   so activation memory does not grow); a sequence no group has room for goes to the least filled group
   (counted in ``overflow``).
 
+Delivery (``DGraph.hybrid_cp(deliver=True)``): the plan carries every piece's group inside its DP replica
+(``StepLayout.seg_cp_first`` / ``seg_cp_size``). With cp a power of two no group leaves its replica (a piece is
+at most seq_len long, so ``k <= cp``); the pieces are packed into their replica's rows (:func:`pack_rows`, best
+fit decreasing) only to travel to the replica's constructor. When a replica's pieces do not fit its rows the
+step is placed inside each replica instead (:func:`within_replicas`: rows as balanced, groups over its cp ranks).
+
 What it leaves out: the cost of the CP exchange itself (it only shrinks here: fewer tokens go through CP), the
 pipeline schedule (ranks are compared by their total cost per step) and the microbatch structure (Megatron runs
 a variable number of microbatches per rank, each a group's sub-sample).
@@ -102,3 +108,45 @@ def fixed_loads(shard_costs: np.ndarray, dp: int) -> np.ndarray:
     sc = np.asarray(shard_costs, dtype=np.float64)
     rows, cp = sc.shape
     return sc.reshape(dp, rows // dp, cp).sum(axis=1).reshape(-1)
+
+
+def pack_rows(lengths: np.ndarray, replica: np.ndarray, dp: int, rows_per_rank: int, seq_len: int) -> np.ndarray | None:
+    """A global row for every piece inside its replica's rows (``replica * rows_per_rank + r``), best fit
+    decreasing by length; None when some replica's pieces do not fit its rows."""
+    L = np.asarray(lengths, dtype=np.int64)
+    rep = np.asarray(replica, dtype=np.int64)
+    rows = np.zeros(len(L), dtype=np.int64)
+    room = np.full((int(dp), int(rows_per_rank)), int(seq_len), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(L)), -L)).tolist():  # longest first, ties in piece order
+        d, n = int(rep[i]), int(L[i])
+        r = room[d]
+        fits = r >= n
+        if not fits.any():
+            return None
+        j = int(np.flatnonzero(fits)[np.argmin(r[fits])])
+        r[j] -= n
+        rows[i] = d * rows_per_rank + j
+    return rows
+
+
+def within_replicas(lengths: np.ndarray, costs: np.ndarray, replica: np.ndarray, dp: int, cp: int, max_tokens: int,
+                    capacity: float) -> HybridPlacement:
+    """:func:`place` inside every DP replica: its pieces (``replica``) over its own cp ranks; consumers numbered
+    ``dp * cp + cp_rank`` as in :func:`place`."""
+    L = np.asarray(lengths, dtype=np.int64)
+    c = np.asarray(costs, dtype=np.float64)
+    rep = np.asarray(replica, dtype=np.int64)
+    k = np.ones(len(L), dtype=np.int64)
+    first = np.zeros(len(L), dtype=np.int64)
+    loads = np.zeros(dp * cp)
+    tokens = np.zeros(dp * cp)
+    overflow = 0
+    for d in range(int(dp)):
+        sel = np.flatnonzero(rep == d)
+        p = place(L[sel], c[sel], cp, max_tokens, capacity)
+        k[sel] = p.group_size
+        first[sel] = p.first + d * cp
+        loads[d * cp:(d + 1) * cp] = p.loads
+        tokens[d * cp:(d + 1) * cp] = p.tokens
+        overflow += p.overflow
+    return HybridPlacement(k, first, loads, tokens, overflow)

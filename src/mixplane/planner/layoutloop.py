@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
+from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout, check_hybrid
 from mixplane.planner import selectloop  # first: it names numba's cache directory before numba loads
 
 from numba import njit  # noqa: E402
@@ -120,6 +120,7 @@ def validate(layout: StepLayout) -> None:
         raise ValueError(f"step {layout.step}: empty or negative segment")
     if over:
         raise ValueError(f"step {layout.step}: a row holds more than seq_len={layout.seq_len} tokens")
+    check_hybrid(layout.step, layout.hybrid_cp, n, layout.seg_cp_first, layout.seg_cp_size)
 
 
 @selectloop.warm_once

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mixplane.layout import IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
+from mixplane.layout import HYBRID_ARRAYS, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout
 from mixplane.planner import routeloop
 from mixplane.planner.selectloop import match
 from mixplane.protocol import ENCODER_TOKENS, IMG_BASE
@@ -229,15 +229,16 @@ def constructor_columns(layout: StepLayout, dp_ranks: list[list[int]],
     np.cumsum(lens, out=pair_b[1:])
     seg_b = pair_b[np.cumsum([0] + [len(r) for r in ranks])].tolist()
     shift = np.repeat((pair_at - pair_rank) * rpr, lens)  # rank d at place j: its rows move by (j - d) rows per rank
+    names = SEGMENT_ARRAYS + (HYBRID_ARRAYS if layout.hybrid_cp else ())  # a hybrid layout's CP groups, cut alike
     if np.array_equal(pair_rank, np.arange(layout.dp)):  # the constructors hold the ranks in order: no gather
-        cols = [getattr(layout, n) for n in SEGMENT_ARRAYS[1:]]
+        cols = [getattr(layout, n) for n in names[1:]]
         row = layout.seg_row + shift
     else:
         idx = np.repeat(bounds[pair_rank] - pair_b[:-1], lens) + np.arange(pair_b[-1])
-        cols = [getattr(layout, n)[idx] for n in SEGMENT_ARRAYS[1:]]
+        cols = [getattr(layout, n)[idx] for n in names[1:]]
         row = layout.seg_row[idx] + shift
     seg = [row.astype(np.int32), *cols]
-    columns = [Column(n, a, seg_b) for n, a in zip(SEGMENT_ARRAYS, seg)]
+    columns = [Column(n, a, seg_b) for n, a in zip(names, seg)]
     if images is None:
         columns += [Column(n, getattr(layout, n)) for n in IMAGE_ARRAYS]
     else:

@@ -23,10 +23,15 @@ TREE_OPTIONS = ("place_tree",)
 
 
 def llm_balance(ctx: PlanContext, method: str = "greedy", level: str = "inter", keep_global_batch: bool = True,
-                group_size: int | None = None, axis: str = "DP", broadcast: Iterable[str] = ("TP",)) -> StepLayout:
-    """LLMBalance: distribute over DP, cost by backbone FLOPs, balance microbatches, broadcast over TP."""
+                group_size: int | None = None, axis: str = "DP", broadcast: Iterable[str] = ("TP",),
+                hybrid_cp: bool = False) -> StepLayout:
+    """LLMBalance: distribute over DP, cost by backbone FLOPs, balance microbatches, broadcast over TP.
+    `hybrid_cp`: deliver hybrid DP x CP consumers (DGraph.hybrid_cp(deliver=True)): every piece on a group of
+    the DP x CP ranks sized by its length, short ones whole on one rank."""
     g = DGraph(ctx).mix()
     g.distribute(axis, group_size).cost(backbone_cost(ctx.spec)).balance(method, level, keep_global_batch)
+    if hybrid_cp:
+        g.hybrid_cp(deliver=True)
     for d in broadcast:
         g.broadcast_at(d)
     return g.plan()
