@@ -19,14 +19,22 @@ CP group): the zig-zag shards count padding as free, so in a row mostly of paddi
 the sample sits in CP rank 0's first chunk and that rank carries it alone -- true for varlen attention on padded
 rows, not for a BSHD kernel that computes the padding too; the even split is the other bound.
 
+``hybrid_delivered`` -- DGraph.hybrid_cp(deliver=True), what the plan carries and constructors deliver: the same
+placement when every replica's pieces fit its rows (``delivered_dp_x_cp``: share of steps), else each replica's
+pieces placed over its own cp ranks (rows as balanced). On the first step the constructor's own functions build
+DP replica 0's batch (``materialize_rank`` over synthetic token spans) and cut every CP rank's message:
+``bytes_fixed`` (``rank_view``, the fixed scheme's rows) and ``bytes_hybrid`` (``hybrid_view``) are the tensor
+bytes per step to the replica's cp ranks (one rank per CP coordinate: PP stages and TP peers left out).
+
 Per variant: imbalance = max / mean rank cost (1.0 is even); ``speedup_vs_fixed_greedy`` = the busiest fixed-greedy
 rank's cost / the busiest hybrid rank's (the step time at a fixed throughput, pipeline and CP exchange left out);
 ``cp_token_fraction`` = share of the tokens that go through a CP exchange (1.0 in the fixed scheme); ``overflow`` =
 pieces no group had token room for. ``place_s``: the time of hybrid_cp() (median over steps).
 
 Last stdout line: {"rows": [{gpus, mesh, dist, bs, seq, imbalance_fixed_vanilla, imbalance_fixed_greedy,
-imbalance_fixed_greedy_even, imbalance_hybrid, speedup_vs_fixed_greedy, speedup_vs_fixed_greedy_even,
-cp_token_fraction, overflow, place_s}, ...]}
+imbalance_fixed_greedy_even, imbalance_hybrid, imbalance_hybrid_delivered, delivered_dp_x_cp,
+speedup_vs_fixed_greedy, speedup_vs_fixed_greedy_even, speedup_delivered_vs_fixed_greedy, cp_token_fraction,
+overflow, place_s, bytes_fixed, bytes_hybrid}, ...]}
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from balance import CASE_MESH, MESHES, SyntheticStreams, demo_lengths, log, make_spec  # noqa: E402
 
+from mixplane.constructor.collate import SpanStore, hybrid_view, materialize_rank  # noqa: E402
+from mixplane.layout import StepLayout  # noqa: E402
+from mixplane.parallelism import rank_view  # noqa: E402
 from mixplane.planner import hybridcp  # noqa: E402
 from mixplane.planner.balance import imbalance  # noqa: E402
 from mixplane.planner.context import PlanContext  # noqa: E402
@@ -53,11 +64,32 @@ from mixplane.planner.cost import backbone_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
 
 
+def replica_batch(lay: StepLayout) -> dict:
+    """DP replica 0's batch of a layout, over synthetic token spans of the planned sizes."""
+    spans = SpanStore.empty()
+    rng = np.random.default_rng(0)
+    for s in np.unique(lay.seg_source):
+        sel = lay.seg_source == s
+        n = lay.seg_len[sel].astype(np.int64) + 1  # the next token labels a piece's last position
+        off = np.concatenate([[0], np.cumsum(n)])
+        spans.add(int(s), lay.seg_key[sel], lay.seg_start[sel], off, rng.integers(0, 128000, int(off[-1])).astype(np.int32))
+    return materialize_rank(lay, 0, spans)
+
+
+def replica_bytes(fixed: StepLayout, hybrid: StepLayout, cp: int) -> tuple[int, int]:
+    """Tensor bytes the constructor sends DP replica 0's cp ranks per step: fixed CP rows, hybrid groups."""
+    fb, hb = replica_batch(fixed), replica_batch(hybrid)
+    nb = lambda v: sum(a.nbytes for a in v.values() if isinstance(a, np.ndarray))  # noqa: E731
+    return (sum(nb(rank_view(fb, cp=cp, cp_rank=c)) for c in range(cp)),
+            sum(nb(hybrid_view(hybrid, 0, hb, c)) for c in range(cp)))
+
+
 def run_row(gpus: int, mesh: dict, bs: int, seq: int, dist: str, steps: int, lengths: dict) -> dict:
     spec = make_spec(gpus, bs, seq, dist, mesh)
     streams = SyntheticStreams("text", spec.source_names(), lengths, seq)
     cost = backbone_cost(spec)
-    rec: dict[str, list[float]] = {k: [] for k in ("iv", "ig", "ie", "ih", "sp", "spe", "frac", "over", "t")}
+    rec: dict[str, list[float]] = {k: [] for k in ("iv", "ig", "ie", "ih", "sp", "spe", "frac", "over", "t", "id",
+                                                   "dd", "spd", "bf", "bh")}
 
     def strategy(ctx: PlanContext):
         van = DGraph(ctx).mix().distribute("CP").cost(cost)
@@ -77,7 +109,17 @@ def run_row(gpus: int, mesh: dict, bs: int, seq: int, dist: str, steps: int, len
         rec["sp"].append(float(fg.max() / p.loads.max()))
         rec["frac"].append(p.cp_token_fraction(ctx.pieces.length))
         rec["over"].append(p.overflow)
-        return g.plan()
+        fixed_layout = g.plan()
+        d = g.hybrid_cp(deliver=True)  # what the plan carries (rows moved to the groups' replicas)
+        rec["id"].append(imbalance(d.loads))
+        rec["spd"].append(float(fg.max() / d.loads.max()))
+        rec["dd"].append(float(ctx.stats["hybrid_cp"]["delivered"] == "dp_x_cp"))
+        layout = g.plan()
+        if not rec["bf"]:
+            bf, bh = replica_bytes(fixed_layout, layout, mesh["cp"])
+            rec["bf"].append(bf)
+            rec["bh"].append(bh)
+        return layout
 
     planner = StepPlanner(spec, strategy)
     for _ in range(steps):
@@ -89,13 +131,18 @@ def run_row(gpus: int, mesh: dict, bs: int, seq: int, dist: str, steps: int, len
            "imbalance_fixed_greedy": round(float(np.mean(rec["ig"])), 4),
            "imbalance_fixed_greedy_even": round(float(np.mean(rec["ie"])), 4),
            "imbalance_hybrid": round(float(np.mean(rec["ih"])), 4),
+           "imbalance_hybrid_delivered": round(float(np.mean(rec["id"])), 4),
+           "delivered_dp_x_cp": round(float(np.mean(rec["dd"])), 3),
+           "speedup_delivered_vs_fixed_greedy": round(float(np.mean(rec["spd"])), 3),
+           "bytes_fixed": int(rec["bf"][0]), "bytes_hybrid": int(rec["bh"][0]),
            "speedup_vs_fixed_greedy": round(float(np.mean(rec["sp"])), 3),
            "speedup_vs_fixed_greedy_even": round(float(np.mean(rec["spe"])), 3),
            "cp_token_fraction": round(float(np.mean(rec["frac"])), 3),
            "overflow": int(np.sum(rec["over"])), "place_s": round(float(np.median(rec["t"])), 4)}
     log(f"{gpus:5d} GPUs {row['mesh']:16s} {dist:11s} bs {bs:3d} x {seq:5d}: imbalance fixed vanilla {row['imbalance_fixed_vanilla']:.4f} "
         f"fixed greedy {row['imbalance_fixed_greedy']:.4f} (even split {row['imbalance_fixed_greedy_even']:.4f}) hybrid "
-        f"{row['imbalance_hybrid']:.4f} | busiest rank {row['speedup_vs_fixed_greedy']:.3f}x lighter (even split "
+        f"{row['imbalance_hybrid']:.4f} delivered {row['imbalance_hybrid_delivered']:.4f} ({row['delivered_dp_x_cp']:.0%} dp x cp) "
+        f"| replica bytes/step fixed {row['bytes_fixed'] / 1e6:.2f} MB hybrid {row['bytes_hybrid'] / 1e6:.2f} MB | busiest rank {row['speedup_vs_fixed_greedy']:.3f}x lighter (even split "
         f"{row['speedup_vs_fixed_greedy_even']:.3f}x) | {row['cp_token_fraction']:.1%} of tokens through CP | "
         f"overflow {row['overflow']} | hybrid_cp {row['place_s']:.3f}s")
     return row

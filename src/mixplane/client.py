@@ -52,7 +52,7 @@ import zmq
 
 from mixplane.errors import MixplaneError
 from mixplane import settings, wire
-from mixplane.parallelism import fanout_options, narrow, serves
+from mixplane.parallelism import fanout_options, group_token_index, narrow, serves
 from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
 
@@ -142,7 +142,10 @@ def check_step_data(msg: wire.Message, step: int, rank: int, where: str) -> None
         S = msg.meta.get("seq_len")
         if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or np.any(np.diff(cu.astype(np.int64)) <= 0):
             raise bad("cu_seqlens is not strictly increasing from 0")
-        if isinstance(S, int) and lead is not None and "cp_token_index" not in arrays and int(cu[-1]) != lead[0] * S:
+        if "cp_group_size" in arrays:  # hybrid DP x CP: one row of this rank's parts of its CP groups
+            if lead is not None and (lead[0] != 1 or int(cu[-1]) != lead[1]):
+                raise bad(f"hybrid CP step: cu_seqlens ends at {int(cu[-1])}, tokens have shape {lead}")
+        elif isinstance(S, int) and lead is not None and "cp_token_index" not in arrays and int(cu[-1]) != lead[0] * S:
             raise bad(f"cu_seqlens ends at {int(cu[-1])}, rows hold {lead[0] * S} tokens")
 
 
@@ -750,7 +753,7 @@ def broadcast_tp(batch: dict[str, torch.Tensor], group: Any) -> None:
     src = dist.get_global_rank(group, 0)
     for name in sorted(batch):
         t = batch[name]
-        if t.dim() == 0 or name in ENCODER_FIELDS:
+        if t.dim() == 0 or name in ENCODER_FIELDS or name in RANK_FIELDS:
             continue
         dist.broadcast(t, src=src, group=group)
     batch["meta_only"] = torch.tensor(False)
@@ -760,7 +763,7 @@ def _broadcast_tp_counted(batch: dict[str, torch.Tensor], group: Any, sender: bo
     """broadcast_tp; the bytes the sender sent (its tensors once per peer), 0 for a receiver."""
     import torch.distributed as dist
 
-    sent = sum(t.nbytes for k, t in batch.items() if t.dim() and k not in ENCODER_FIELDS) * (dist.get_world_size(group) - 1)
+    sent = sum(t.nbytes for k, t in batch.items() if t.dim() and k not in ENCODER_FIELDS and k not in RANK_FIELDS) * (dist.get_world_size(group) - 1)
     broadcast_tp(batch, group)
     return sent if sender else 0
 
@@ -833,6 +836,40 @@ def broadcast_encoder(batch: dict[str, torch.Tensor], group: Any) -> None:
         if name in batch:
             dist.broadcast(batch[name], src=src, group=group)
     batch["encoder_meta_only"] = torch.tensor(False)
+
+
+#: fields every rank receives for itself, never part of a TP broadcast (a hybrid CP group's global ranks)
+RANK_FIELDS = ("cp_group_ranks",)
+
+
+def cp_groups(batch: dict[str, torch.Tensor]) -> Iterator[dict[str, Any]]:
+    """A hybrid DP x CP step (``llm_balance`` option ``hybrid_cp``) as the sub-samples the trainer runs, one per
+    context-parallel group this rank belongs to: its token fields ``[1, t]`` (every document zig-zagged over the
+    group, as TransformerEngine's THD context parallelism expects; a group of one holds its documents whole),
+    ``cu_seqlens`` of its part (int32, from 0), ``cp_token_index`` (positions in the group's sequence, derived
+    here: parallelism.group_token_index),
+    ``cp_size``, ``cp_rank`` (this rank's place in the group), ``ranks`` (the group's global ranks, in CP order:
+    the attention's process group) and ``max_seqlen``. A rank may belong to no group in a step (nothing to yield)."""
+    if "cp_group_size" not in batch:
+        raise ValueError("cp_groups: this batch is not a hybrid DP x CP step (no cp_group_size)")
+    cu = batch["cu_seqlens"].to(torch.int64)
+    docs = batch["cp_group_docs"].tolist()
+    sizes = batch["cp_group_size"].tolist()
+    ranks = batch["cp_group_ranks"].tolist()
+    tokens = {k: v for k, v in batch.items() if v.dim() == 2}
+    at = 0
+    for g, k in enumerate(sizes):
+        lo, hi = int(cu[docs[g]]), int(cu[docs[g + 1]])
+        c = cu[docs[g]: docs[g + 1] + 1] - lo
+        out: dict[str, Any] = {name: v[:, lo:hi] for name, v in tokens.items()}
+        out["cu_seqlens"] = c.to(torch.int32)
+        out["cp_size"] = int(k)
+        out["cp_rank"] = int(batch["cp_group_rank"][g])
+        out["cp_token_index"] = torch.from_numpy(group_token_index(c.numpy(), int(k), out["cp_rank"]))
+        out["ranks"] = ranks[at: at + k]
+        out["max_seqlen"] = int((c[1:] - c[:-1]).max()) if len(c) > 1 else 0
+        at += k
+        yield out
 
 
 def microbatches(batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:

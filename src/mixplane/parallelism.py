@@ -59,7 +59,11 @@ TOKEN_FIELDS = ("input_ids", "labels", "position_ids", "source_ids", "loss_mask"
 FIRST_STAGE_FIELDS = frozenset({"input_ids", "position_ids", "image_token_mask", "image_token_index"})
 LAST_STAGE_FIELDS = frozenset({"labels", "source_ids", "loss_mask", "doc_ids"})
 ALL_STAGE_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_mb", "max_seqlen", "encoder_tokens", "cp_token_index", "step", "lr_scale", "phase",
-                              "generation", "tokens", "rows", "seq_len", "dp_rank", "microbatch"})
+                              "generation", "tokens", "rows", "seq_len", "dp_rank", "microbatch",
+                              "cp_group_size", "cp_group_first", "cp_group_rank", "cp_group_docs", "cp_group_ranks"})
+# what a hybrid DP x CP rank learns of the CP groups it belongs to (see hybrid_rank_batch)
+CP_GROUP_FIELDS = ("cp_group_size", "cp_group_first", "cp_group_rank", "cp_group_docs")
+IGNORE_LABEL = -100  # the label of a padding position (collate.IGNORE_INDEX)
 META_ONLY = "meta_only"  # key set to True on a view that carries no tensors
 
 
@@ -174,6 +178,119 @@ def causal_work(index: np.ndarray, cu_seqlens: np.ndarray | None = None) -> int:
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     doc = np.searchsorted(cu, index, side="right") - 1
     return int((index - cu[doc] + 1).sum())
+
+
+# ---------------------------------------------------------------------------- hybrid DP x CP
+def hybrid_groups(first: np.ndarray, size: np.ndarray, cp_rank: int) -> list[tuple[int, int]]:
+    """The (first CP rank, size) of every hybrid CP group that `cp_rank` belongs to, ordered by size then first
+    (the order its parts are concatenated in)."""
+    f = np.asarray(first, np.int64)
+    k = np.asarray(size, np.int64)
+    mine = (f <= cp_rank) & (cp_rank < f + k)
+    return sorted({(int(a), int(b)) for a, b in zip(f[mine], k[mine])}, key=lambda g: (g[1], g[0]))
+
+
+def _pad_value(name: str, pad_id: int) -> int:
+    return {"input_ids": pad_id, "labels": IGNORE_LABEL, "source_ids": -1}.get(name, 0)
+
+
+def group_stream(batch: Mapping[str, Any], docs: np.ndarray, size: int, pad_id: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The whole sequence of a hybrid CP group of `size` ranks: its documents (segments `docs` of a replica's
+    batch, in layout order) one after the other, each padded to a multiple of 2·size (padding: `pad_id` inputs,
+    ignored labels, source -1, positions counting on); returns the flat token fields and its cu_seqlens."""
+    rows = np.asarray(batch["segment_row"], np.int64)[docs]
+    offs = np.asarray(batch["segment_offset"], np.int64)[docs]
+    lens = np.asarray(batch["segment_len"], np.int64)[docs]
+    S = int(np.asarray(batch["input_ids"]).shape[-1])
+    a = 2 * size if size > 1 else 1
+    padded = -(-lens // a) * a
+    cu = np.zeros(len(docs) + 1, np.int64)
+    np.cumsum(padded, out=cu[1:])
+    T = int(cu[-1])
+    real = np.repeat(cu[:-1], lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
+    src = np.repeat(rows * S + offs, lens) + (real - np.repeat(cu[:-1], lens))  # flat [R*S] position of each token
+    out: dict[str, np.ndarray] = {}
+    for name, v in batch.items():
+        if not (isinstance(v, np.ndarray) and v.ndim == 2 and v.shape[-1] == S):
+            continue
+        col = np.full(T, _pad_value(name, pad_id), dtype=v.dtype)
+        col[real] = v.reshape(-1)[src]
+        if name == "position_ids":  # positions count on through a document's padding
+            col = (np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], padded)).astype(v.dtype)
+        out[name] = col
+    return out, cu
+
+
+def hybrid_rank_batch(batch: Mapping[str, Any], first: np.ndarray, size: np.ndarray, cp_rank: int,
+                      pad_id: int = 0) -> dict[str, Any]:
+    """What CP rank `cp_rank` of a DP replica receives of the replica's batch (collate.materialize_rank's rows and
+    segment_* fields) when every segment has its own CP group (`first`, `size`: the layout's seg_cp_first /
+    seg_cp_size of the replica's segments, in the same order).
+
+    For every group the rank belongs to (:func:`hybrid_groups`'s order) the group's sequence is built
+    (:func:`group_stream`) and cut for the rank as context parallelism cuts a THD batch (:func:`cp_split`,
+    ``mode="document"``: every document zig-zagged on its own over the group; a group of one keeps it whole).
+    The parts are concatenated into one row ``[1, T]`` per token field, with ``cu_seqlens`` over the rank's
+    documents, per group ``cp_group_size``, ``cp_group_first``, ``cp_group_rank`` (the rank's
+    place in it) and ``cp_group_docs`` (its documents: cu_seqlens segments, CSR), and the rank's documents'
+    ``segment_source`` / ``segment_key`` / ``segment_start`` / ``segment_len`` (unpadded). Where each token sits in
+    its group's sequence is not sent: :func:`group_token_index` derives it (``cp_token_index`` for :func:`cp_merge`)."""
+    f = np.asarray(first, np.int64)
+    k = np.asarray(size, np.int64)
+    n = len(np.asarray(batch["segment_len"]))
+    if len(f) != n or len(k) != n:
+        raise ValueError(f"hybrid layout: {len(f)} groups for {n} segments")
+    groups = hybrid_groups(f, k, cp_rank)
+    parts: list[dict[str, np.ndarray]] = []
+    cus: list[np.ndarray] = []
+    docs_of: list[np.ndarray] = []
+    for g_first, g_size in groups:
+        docs = np.flatnonzero((f == g_first) & (k == g_size))
+        stream, cu = group_stream(batch, docs, g_size, pad_id)
+        stream["cu_seqlens"] = cu
+        if g_size > 1:
+            part = cp_split(stream, g_size, cp_rank - g_first, mode="document",
+                            token_fields=[n_ for n_ in stream if n_ != "cu_seqlens"])
+        else:
+            part = stream
+        parts.append(part)
+        cus.append(np.asarray(part["cu_seqlens"], np.int64))
+        docs_of.append(docs)
+    S = int(np.asarray(batch["input_ids"]).shape[-1])
+    names = [n_ for n_, v in batch.items() if isinstance(v, np.ndarray) and v.ndim == 2 and v.shape[-1] == S]
+    out: dict[str, Any] = {}
+    for name in names:
+        dt = np.asarray(batch[name]).dtype
+        out[name] = np.concatenate([p[name] for p in parts] or [np.zeros(0, dt)]).astype(dt).reshape(1, -1)
+    base = np.cumsum([0] + [int(c[-1]) for c in cus])
+    cu_all = np.concatenate([[0]] + [c[1:] + b for c, b in zip(cus, base[:-1])]).astype(np.int32)
+    out["cu_seqlens"] = cu_all
+    out["cp_group_size"] = np.array([g[1] for g in groups], np.int32)
+    out["cp_group_first"] = np.array([g[0] for g in groups], np.int32)
+    out["cp_group_rank"] = np.array([cp_rank - g[0] for g in groups], np.int32)
+    out["cp_group_docs"] = np.cumsum([0] + [len(d) for d in docs_of]).astype(np.int32)
+    mine = np.concatenate(docs_of or [np.zeros(0, np.int64)]).astype(np.int64)
+    for name in ("segment_source", "segment_key", "segment_start", "segment_len"):
+        out[name] = np.asarray(batch[name])[mine]
+    out["max_seqlen"] = int(np.diff(cu_all).max()) if len(cu_all) > 1 else 0
+    return out
+
+
+def group_token_index(cu_part: np.ndarray, size: int, rank_in_group: int) -> np.ndarray:
+    """Where each token of a rank's part of a hybrid CP group sits in the group's sequence (the part's
+    ``cu_seqlens`` from 0; every document padded to a multiple of 2·size): :func:`cp_merge`'s ``cp_token_index``."""
+    cu = np.asarray(cu_part, np.int64)
+    if size == 1:
+        return np.arange(int(cu[-1]), dtype=np.int64)
+    return document_zigzag_index(cu * size, size, rank_in_group)
+
+
+def cp_group_ranks(view: Mapping[str, Any], rank_of_cp: Any) -> np.ndarray:
+    """The global ranks of every group of a :func:`hybrid_rank_batch` view, in CP order, concatenated (CSR by
+    ``cp_group_size``); ``rank_of_cp(c)``: the global rank at CP coordinate c with the rank's other coordinates."""
+    ranks = [int(rank_of_cp(int(f) + j)) for f, k in zip(np.asarray(view["cp_group_first"]).tolist(),
+                                                          np.asarray(view["cp_group_size"]).tolist()) for j in range(k)]
+    return np.asarray(ranks, np.int32)
 
 
 # ---------------------------------------------------------------------------- pipeline / tensor parallelism

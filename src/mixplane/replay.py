@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mixplane.errors import MixplaneError
-from mixplane.constructor.collate import SpanStore, materialize_rank
+from mixplane.constructor.collate import SpanStore, hybrid_view, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.layout import layout_digest
 from mixplane.loader.stream import SourceStream, open_stream
@@ -29,7 +29,8 @@ from mixplane.planner.journal import archived, read_journal, replan
 from mixplane.control import default_run_dir
 from mixplane.repartition import layouts_after
 from mixplane.spec import DataMixtureSpec, overlong_limit, pack_bucket
-from mixplane.topology import backbone_coords
+from mixplane.parallelism import cp_group_ranks
+from mixplane.topology import backbone_coords, place_tree
 
 LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
 
@@ -248,6 +249,13 @@ def replay_step(spec: DataMixtureSpec, *, step: int, rank: int, run_dir: str | N
                      for s, k, st, ln, r in zip(batch["segment_source"], batch["segment_key"], batch["segment_start"],
                                                 batch["segment_len"], batch["segment_row"])],
     }
+    if plan.layout.hybrid_cp:  # hybrid DP x CP: the rank's tensors are its parts of its CP groups, as delivered
+        mesh = place_tree(spec).backbone
+        batch = {k: v for k, v in hybrid_view(plan.layout, coords.dp, batch, coords.cp, spec.batch.pad_id).items()
+                 if isinstance(v, np.ndarray)}
+        batch["cp_group_ranks"] = cp_group_ranks(batch, lambda cp: mesh.rank_of(dp=coords.dp, pp=coords.pp, cp=cp, tp=coords.tp))
+        out["cp_groups"] = [{"size": int(k), "first_cp_rank": int(f)}
+                            for k, f in zip(batch["cp_group_size"], batch["cp_group_first"])]
     if save:
         np.savez(save, **batch)  # type: ignore[arg-type]  # numpy stubs: **kwds could be allow_pickle
         out["saved"] = save

@@ -66,15 +66,18 @@ def test_dgraph_hybrid_cp_on_planner_steps():
     assert st["imbalance_hybrid"] <= st["imbalance_fixed"] + 1e-9
 
 
-def test_pack_rows_keeps_every_piece_in_its_replica_and_under_seq_len():
+def test_place_in_rows_gives_every_piece_a_row_of_its_group_replica():
     rng = np.random.default_rng(5)
-    L = rng.integers(1, 512, 60)
-    rep = rng.integers(0, 2, 60)
-    rows = hybridcp.pack_rows(L, rep, dp=2, rows_per_rank=40, seq_len=512)
-    assert rows is not None and np.array_equal(rows // 40, rep)
-    assert np.bincount(rows, weights=L, minlength=80).max() <= 512
-    # replica 0 asked to hold more than its rows: no packing
-    assert hybridcp.pack_rows(np.array([400, 400, 400]), np.array([0, 0, 0]), dp=2, rows_per_rank=2, seq_len=512) is None
+    L = np.concatenate([rng.integers(1, 128, 200), rng.integers(300, 512, 12)])
+    c = L.astype(float) ** 1.5
+    dp, cp, rpr, S = 2, 4, 20, 512
+    p, rows = hybridcp.place_in_rows(L, c, dp, cp, S // cp, rpr * S / cp, rpr, S)
+    assert np.array_equal(rows // rpr, p.first // cp)  # the row's replica is the group's
+    assert np.bincount(rows, weights=L, minlength=dp * rpr).max() <= S
+    assert np.all(p.first % p.group_size == 0) and np.all(p.first % cp + p.group_size <= cp)
+    assert p.loads.sum() == pytest.approx(c.sum()) and imbalance(p.loads) < 1.05
+    # three pieces of 400 tokens, one row per replica: the third finds no row
+    assert hybridcp.place_in_rows(np.array([400, 400, 400]), np.ones(3), 2, 2, 256, 1024, 1, 512) is None
 
 
 def test_within_replicas_places_each_replica_over_its_own_cp_ranks():

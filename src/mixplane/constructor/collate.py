@@ -20,11 +20,13 @@ of a split document is labelled with the document's true next token when the loa
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import numpy as np
 
 from mixplane.errors import MixplaneError
 from mixplane.layout import StepLayout, segment_offsets
+from mixplane.parallelism import hybrid_rank_batch
 
 IGNORE_INDEX = -100
 _ADDRESS = np.dtype("V24")  # (source, key, start) as three int64 in one opaque item: sorts and compares exactly
@@ -276,3 +278,15 @@ def materialize_rank(layout: StepLayout, dp_local: int, spans: SpanStore, pad_id
         "segment_row": rows,
         "segment_offset": offs,
     }
+
+
+def hybrid_view(layout: StepLayout, dp_local: int, batch: dict[str, np.ndarray], cp_rank: int,
+                pad_id: int = 0) -> dict[str, Any]:
+    """What CP rank `cp_rank` of the dp rank with index `dp_local` receives of a hybrid DP x CP layout: its parts of
+    the CP groups it belongs to (:func:`mixplane.parallelism.hybrid_rank_batch`), from the replica's batch
+    (:func:`materialize_rank` of the same layout and dp rank)."""
+    if not layout.hybrid_cp:
+        raise ValueError(f"step {layout.step}: not a hybrid DP x CP layout")
+    R = layout.rows_per_rank
+    sel = (layout.seg_row >= dp_local * R) & (layout.seg_row < (dp_local + 1) * R)  # materialize_rank's segments
+    return hybrid_rank_batch(batch, layout.seg_cp_first[sel], layout.seg_cp_size[sel], cp_rank, pad_id)

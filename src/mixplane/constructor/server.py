@@ -17,10 +17,11 @@ import zmq
 
 from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
-from mixplane.constructor.collate import MissingPayload, SpanStore, materialize_rank
+from mixplane.constructor.collate import MissingPayload, SpanStore, hybrid_view, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
-from mixplane.parallelism import META_ONLY, ViewKey, broadcast_axes, fanout_meta, rank_view, view_key
+from mixplane.parallelism import (META_ONLY, broadcast_axes, cp_group_ranks, fanout_meta, metadata_only, pp_filter,
+                                  rank_view, tp_receives, view_key)
 from mixplane.layout import StepLayout
 from mixplane.metrics import handoff_metrics
 from mixplane.protocol import plan_cursor
@@ -49,7 +50,7 @@ class StepState:
     spans: SpanStore = field(default_factory=SpanStore.empty)
     cursor_after: dict[str, Any] | None = None
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
-    views: dict[tuple[int, ViewKey], dict[str, Any]] = field(default_factory=dict)
+    views: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)  # (dp_local, ViewKey) or a hybrid rank's
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
     images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
@@ -167,6 +168,7 @@ class ConstructorServer(PlannerFollower):
         self._image_token_ids = {si: resolve_image_token_id(src.image.image_token_id, src.tokenizer)
                                  for si, src in enumerate(spec.sources) if src.kind == "image_text"}
         self._coords = {r: backbone_coords(spec, r) for r in range(spec.world_size)}  # rank -> backbone coordinates
+        self._backbone = place_tree(spec).backbone  # coordinates -> rank (a hybrid CP group's ranks)
         self._encoder_leader = encoder_leaders(spec)
         # the server builds the 'row' zig-zag layout; the per-document (THD) layout of mixplane.parallelism
         # needs rows packed with align=2*cp, which the planner does not do yet
@@ -380,6 +382,8 @@ class ConstructorServer(PlannerFollower):
         per step and shared (same buffers) by every rank that receives it."""
         c = self._coords[rank]
         dp_local = self.dp_ranks.index(c.dp)
+        if st.layout is not None and st.layout.hybrid_cp:
+            return self._hybrid_view(st, rank, dp_local)
         key = (dp_local, view_key(c.cp, c.pp, self.pp, c.tp, st.broadcast))
         v = st.views.get(key)
         if v is None:
@@ -391,6 +395,26 @@ class ConstructorServer(PlannerFollower):
             # the encoder batch is per rank, outside the backbone's TP rule: real tensors for the rank
             # that encodes them even when its backbone view is metadata-only
             v = {**v, **self._encoder_for(st, rank)}
+        return v
+
+    def _hybrid_view(self, st: StepState, rank: int, dp_local: int) -> dict[str, Any]:
+        """A hybrid DP x CP step: the rank's parts of the CP groups it belongs to (parallelism.hybrid_rank_batch,
+        built once per DP replica and CP rank), cut for its pipeline stage and TP rule, with the global ranks of
+        each group (``cp_group_ranks``, CSR by ``cp_group_size``: per rank, so never part of a TP broadcast)."""
+        lay = st.layout
+        assert lay is not None
+        c = self._coords[rank]
+        if lay.hybrid_cp != self.cp:
+            raise ValueError(f"hybrid layout for cp {lay.hybrid_cp}, the backbone has cp {self.cp}")
+        key = (dp_local, "hybrid", c.cp)
+        base = st.views.get(key)
+        if base is None:
+            base = hybrid_view(lay, dp_local, self._batch_for(st, rank), c.cp, self.spec.batch.pad_id)
+            st.views[key] = base
+        v = pp_filter(base, c.pp, self.pp)
+        if not tp_receives(c.tp, st.broadcast):
+            v = metadata_only(v)
+        v["cp_group_ranks"] = cp_group_ranks(base, lambda cp: self._backbone.rank_of(dp=c.dp, pp=c.pp, cp=cp, tp=c.tp))
         return v
 
     def _image_settings(self, lay: StepLayout) -> tuple[int, int, int]:

@@ -329,11 +329,15 @@ class DGraph:
         stats: dict[str, Any] = {}
         if deliver:
             rpr = ctx.rows // ctx.dp
-            rows = hybridcp.pack_rows(lengths, placed.first // cp, ctx.dp, rpr, ctx.seq_len)
-            if rows is None:  # a replica's pieces do not fit its rows: place inside the replicas as balanced
+            try:
+                got = hybridcp.place_in_rows(lengths, cost, ctx.dp, cp, per_rank, capacity, rpr, ctx.seq_len)
+            except ValueError as e:
+                raise DGraphError(f"step {ctx.step}: hybrid_cp: {e}") from None
+            if got is None:  # a piece found no row in any replica: place inside the replicas as balanced
                 placed = hybridcp.within_replicas(lengths, cost, self.rows() // rpr, ctx.dp, cp, per_rank, capacity)
                 stats["delivered"] = "within_replicas"
             else:
+                placed, rows = got
                 self.set_rows(rows)
                 stats["delivered"] = "dp_x_cp"
             self.root._hybrid = (cp, placed.first % cp, placed.group_size)

@@ -20,9 +20,10 @@ dp x cp ranks are one pool of consumers (seed 001's ``distribute('CP')``: "DP x 
 
 Delivery (``DGraph.hybrid_cp(deliver=True)``): the plan carries every piece's group inside its DP replica
 (``StepLayout.seg_cp_first`` / ``seg_cp_size``). With cp a power of two no group leaves its replica (a piece is
-at most seq_len long, so ``k <= cp``); the pieces are packed into their replica's rows (:func:`pack_rows`, best
-fit decreasing) only to travel to the replica's constructor. When a replica's pieces do not fit its rows the
-step is placed inside each replica instead (:func:`within_replicas`: rows as balanced, groups over its cp ranks).
+at most seq_len long, so ``k <= cp``). Rows only carry a replica's pieces to its constructor, but they bound
+what a replica can take: :func:`place_in_rows` places as :func:`place` does among the groups whose replica has a
+row with room for the piece (best fit there). When some piece finds no row anywhere the step is placed inside
+each replica instead (:func:`within_replicas`: rows as balanced, groups over its cp ranks).
 
 What it leaves out: the cost of the CP exchange itself (it only shrinks here: fewer tokens go through CP), the
 pipeline schedule (ranks are compared by their total cost per step) and the microbatch structure (Megatron runs
@@ -110,23 +111,52 @@ def fixed_loads(shard_costs: np.ndarray, dp: int) -> np.ndarray:
     return sc.reshape(dp, rows // dp, cp).sum(axis=1).reshape(-1)
 
 
-def pack_rows(lengths: np.ndarray, replica: np.ndarray, dp: int, rows_per_rank: int, seq_len: int) -> np.ndarray | None:
-    """A global row for every piece inside its replica's rows (``replica * rows_per_rank + r``), best fit
-    decreasing by length; None when some replica's pieces do not fit its rows."""
+def place_in_rows(lengths: np.ndarray, costs: np.ndarray, dp: int, cp: int, max_tokens: int, capacity: float,
+                  rows_per_rank: int, seq_len: int) -> tuple[HybridPlacement, np.ndarray] | None:
+    """:func:`place` that also gives every piece a row of its group's DP replica (the rows carry a replica's pieces
+    to its constructor): a group is a candidate only when its replica has a row with room for the whole piece
+    (best fit there). Returns the placement and each piece's global row (``replica * rows_per_rank + r``), or None
+    when some piece finds no row in any replica. cp must be a power of two (every group inside one replica)."""
     L = np.asarray(lengths, dtype=np.int64)
-    rep = np.asarray(replica, dtype=np.int64)
+    c = np.asarray(costs, dtype=np.float64)
+    if L.shape != c.shape:
+        raise ValueError(f"{len(L)} lengths but {len(c)} costs")
+    n = int(dp) * int(cp)
+    k = group_sizes(L, max_tokens, n)
+    if len(k) and int(k.max()) > cp:
+        raise ValueError(f"a piece needs {int(k.max())} ranks, more than cp = {cp}: its group would leave its replica")
+    first = np.zeros(len(L), dtype=np.int64)
     rows = np.zeros(len(L), dtype=np.int64)
+    loads = np.zeros(n)
+    tokens = np.zeros(n)
     room = np.full((int(dp), int(rows_per_rank)), int(seq_len), dtype=np.int64)
-    for i in np.lexsort((np.arange(len(L)), -L)).tolist():  # longest first, ties in piece order
-        d, n = int(rep[i]), int(L[i])
-        r = room[d]
-        fits = r >= n
-        if not fits.any():
+    overflow = 0
+    for i in np.lexsort((-k, -c)).tolist():  # by cost, then group size, descending (as place)
+        kk, ln = int(k[i]), int(L[i])
+        m = n // kk
+        gl = loads.reshape(m, kk).max(axis=1)
+        gt = tokens.reshape(m, kk).max(axis=1)
+        fits_row = room.max(axis=1) >= ln  # per replica
+        rep = np.arange(m) * kk // cp
+        ok = fits_row[rep]
+        if not ok.any():
             return None
-        j = int(np.flatnonzero(fits)[np.argmin(r[fits])])
-        r[j] -= n
+        cand = ok & (gt + ln / kk <= capacity * (1 + 1e-12))
+        if cand.any():
+            g = int(np.flatnonzero(cand)[np.argmin(gl[cand])])
+        else:
+            g = int(np.flatnonzero(ok)[np.argmin(gt[ok])])
+            overflow += 1
+        d = g * kk // cp
+        r = room[d]
+        fits = np.flatnonzero(r >= ln)
+        j = int(fits[np.argmin(r[fits])])
+        r[j] -= ln
         rows[i] = d * rows_per_rank + j
-    return rows
+        first[i] = g * kk
+        loads[g * kk:(g + 1) * kk] += c[i] / kk
+        tokens[g * kk:(g + 1) * kk] += ln / kk
+    return HybridPlacement(k, first, loads, tokens, overflow), rows
 
 
 def within_replicas(lengths: np.ndarray, costs: np.ndarray, replica: np.ndarray, dp: int, cp: int, max_tokens: int,
