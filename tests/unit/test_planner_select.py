@@ -1,6 +1,6 @@
 """StepPlanner.select runs the mixing sampler (DeficitSampler.pick, incrementally through EDFQueue): the same
-picks as the reference rule; retire flags, the coverage match and the row order against
-their definitions; best fit's tie-break. (Its plans and the compiled loop's outputs are pinned by the recorded
+picks as the reference rule; the compiled loop's placements as packing.OnlinePacker's (the packing rule's
+readable form); retire flags, the coverage match and the row order against their definitions; best fit's tie-break. (Its plans and the compiled loop's outputs are pinned by the recorded
 outputs in test_planner_goldens.py.)"""
 
 from __future__ import annotations
@@ -143,3 +143,37 @@ def test_compiled_loops_release_the_gil():
     selectloop.warm()
     for fn in (selectloop._loop, selectloop._spans, selectloop._match):
         assert fn.targetoptions.get("nogil") is True, fn
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**63 - 1), st.sampled_from([1, 2, 3, 7, 16, 64, 100]), st.sampled_from([1, 2, 3, 5, 17, 64, 130]),
+       st.integers(1, 14), st.integers(0, 40))
+def test_loop_places_every_piece_where_the_online_packer_would(seed, seq_len, rows, sources, per_source):
+    """The packing decision against its readable form: replaying the compiled loop's pieces, in its output order,
+    through packing.OnlinePacker (best fit, next fit, one document per row) puts every piece in the same row;
+    each piece starts where its sample's consumption stood, and the consumption written back is what the pieces
+    took (no token skipped or taken twice), over three steps of the same windows."""
+    from mixplane.planner import selectloop
+    from mixplane.planner.packing import OnlinePacker
+
+    from .planner_goldens import select_case
+
+    case = select_case(np.random.default_rng(seed), sources=sources, rows=rows, seq_len=seq_len, per_source=per_source)
+    done, real = case["c_done"].copy(), case["realized"].copy()
+    for _ in range(3):
+        before = done.copy()
+        cand, row, start, length = selectloop.run(
+            case["c_tok"], done, case["off"], case["probs"], real, case["scale"], case["delta"], case["limit"],
+            unit_samples=case["unit_samples"], truncate=case["truncate"], seq_len=seq_len, rows=rows, policy=case["policy"])
+        packer = OnlinePacker(rows, seq_len, case["policy"])
+        at = before.copy()
+        for c, r, s, n in zip(cand.tolist(), row.tolist(), start.tolist(), length.tolist()):
+            assert packer.place(n) == r, (case["policy"], c, r, n)
+            assert s == at[c] and 0 < n and s + n <= case["c_tok"][c]
+            at[c] += n
+        if case["truncate"]:  # a truncated sample is consumed whole: what did not fit is dropped, not left
+            took = np.flatnonzero(at != before)
+            assert np.all((done[took] == at[took]) | (done[took] == case["c_tok"][took]))
+            assert np.array_equal(np.delete(done, took), np.delete(before, took))
+        else:
+            assert np.array_equal(done, at)
