@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mixplane import settings
+from mixplane import podend, settings
 
 EXIT_INVALID = 2
 DEFAULT_RESTARTS = 3  # `mixplane run`: a component that dies is restarted (at most this often in 5 minutes)
@@ -138,6 +138,8 @@ def cmd_loader(args: argparse.Namespace) -> int:
     host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, metrics=spec.runtime.metrics,
                       metrics_port=args.metrics_port, state_dir=args.state_dir)
     _on_sigterm(host)
+    if args.trainer_dir:
+        _watch_pod_end(host, args)
     ready: dict[str, object] = {"host": name, "shadow": args.shadow,
                                 "metrics_ports": {ld.name: host.metrics_port or ld.metrics_port for ld in host.loaders.values()}}
     if args.sources:
@@ -146,7 +148,44 @@ def cmd_loader(args: argparse.Namespace) -> int:
         ready.update(source=args.source, replica=args.replica, metrics_port=host.metrics_port or host.loaders[members[0]].metrics_port)
     write_ready(args.ready_file, ready)
     host.run()
-    return 0
+    return host.exit_code
+
+
+def _watch_pod_end(host: Any, args: argparse.Namespace) -> None:
+    """A loader container of a trainer pod (sidecar placement): stop when the pod's trainer ranks ended
+    (mixplane.podend), exit 0 after a clean end, non-zero when a trainer that nothing restarts failed."""
+    import threading
+
+    if not args.trainer_ranks:
+        raise SystemExit("mixplane loader: --trainer-dir needs --trainer-ranks FIRST-LAST (the pod's trainer ranks)")
+    try:
+        watch = podend.PodEndWatch(podend.parse_ranks(args.trainer_ranks), args.trainer_restart,
+                                   quiet_s=args.trainer_quiet_s, gone_s=args.trainer_gone_s)
+    except ValueError as e:
+        raise SystemExit(f"mixplane loader: {e}") from None
+    log = logging.getLogger("mixplane.loader")
+
+    def run() -> None:
+        reported = dict(watch.crashes)
+        while not host.stopped:
+            now = time.monotonic()
+            try:
+                d = watch.poll(args.trainer_dir, now, host.quiet_for(now))
+            except OSError as e:  # an unreadable directory must not end the loader: it serves on, and says why
+                log.warning("%s: cannot read the trainer's marks in %s: %s", host.host_name, args.trainer_dir, e)
+                d = None
+            if watch.crashes != reported:
+                log.warning("%s: trainer rank(s) ended without a clean close: %s (restartPolicy %s)", host.host_name,
+                            ", ".join(f"rank {r} x{n}" for r, n in sorted(watch.crashes.items())), watch.restart_policy)
+                reported = dict(watch.crashes)
+            if d is not None:
+                (log.info if d.code == 0 else log.error)("%s: %s: exiting %d", host.host_name, d.reason, d.code)
+                host.exit_code = d.code
+                host.stopped = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=run, name="pod-end", daemon=True).start()
 
 
 def format_progress(st: dict[str, Any], tok_rate: float) -> str:
@@ -741,6 +780,16 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--state-dir", help="where differential checkpoints go (runtime.loader_snapshot_every)")
             c.add_argument("--shadow", action="store_true", help="a shadow: keep the partitions warm, serve them only "
                            "when the planner promotes this host (runtime.shadow_loaders)")
+            c.add_argument("--trainer-dir", help="a loader container of a trainer pod: the directory shared with its "
+                           "trainer (mixplane.podend); the loader ends when the pod's trainer ranks did")
+            c.add_argument("--trainer-ranks", help="with --trainer-dir: the pod's trainer ranks, FIRST-LAST")
+            c.add_argument("--trainer-restart", default="Always", choices=("Always", "OnFailure", "Never"),
+                           help="with --trainer-dir: the pod's restartPolicy (Never: a trainer that failed is not "
+                           "restarted in the pod, and the loader then fails too)")
+            c.add_argument("--trainer-quiet-s", type=float, default=podend.QUIET_S, help="with --trainer-dir: after "
+                           "the pod's ranks ended cleanly, exit once nothing was asked or left to send for this long")
+            c.add_argument("--trainer-gone-s", type=float, default=podend.GONE_S, help="with --trainer-dir and "
+                           "--trainer-restart Never: fail once no rank of the pod has run for this long, not all clean")
         c.set_defaults(fn=fn)
     return p
 

@@ -42,6 +42,7 @@ import copy
 import logging
 import math
 import os
+import sys
 import time
 from collections import deque
 from typing import Any, Iterator
@@ -51,7 +52,7 @@ import torch
 import zmq
 
 from mixplane.errors import MixplaneError
-from mixplane import settings, wire
+from mixplane import podend, settings, wire
 from mixplane.parallelism import fanout_options, group_token_index, narrow, serves
 from mixplane.protocol import ENCODER_FIELDS
 from mixplane.wire import Kind, WireError
@@ -238,6 +239,17 @@ class MixtureLoader:
         # (runtime.rank_binding: a rank's batches go only to the holder of its key)
         self._rank_keys = bool(curve is not None and curve.key_dir and os.path.isfile(
             os.path.join(curve.key_dir, "client" + wire.SECRET_SUFFIX)) and wire.load_keys(curve.key_dir, "client") == curve.keys)
+        # sidecar placement: the directory shared with the pod's loader containers (mixplane.podend): this rank
+        # holds its lock there while the process runs, and close() marks a clean end, so the loaders end with it
+        self.pod_dir: str | None = settings.get("MIXPLANE_POD_DIR")
+        self._pod_marked = False
+        self._mark_running()
+
+    def _mark_running(self) -> None:
+        """(Again on every connect: a loader used again after close() is running again, its done mark cleared.)"""
+        if self.pod_dir and self.rank >= 0:
+            podend.mark_running(self.pod_dir, self.rank)
+            self._pod_marked = True
 
     def _curve_keys(self) -> wire.CurveKeys | None:
         if self.curve is None:
@@ -304,6 +316,7 @@ class MixtureLoader:
                 p = self._socket()
                 p.connect(self.planner_endpoint)
                 self._planner = p
+        self._mark_running()
         self._require_sums = route.meta.get("checksum_payloads") is True
         ps, lead = route.meta.get("prefetch_s"), route.meta.get("max_lead_steps")
         if not self._prefetch_s_fixed and isinstance(ps, (int, float)) and math.isfinite(ps) and ps >= 0:
@@ -683,6 +696,17 @@ class MixtureLoader:
         self._cursor = None
 
     def close(self) -> None:
+        """Close the sockets (the last loss report still goes). Called with no exception on the way (not from an
+        `except` or a `finally` an exception passes through; `sys.exit(0)` and StopIteration are clean), it marks
+        this rank's clean end for the pod's loader containers (sidecar placement, mixplane.podend)."""
+        self._close_sockets()
+        self._mark_end(sys.exc_info()[1])
+
+    def _mark_end(self, exc: BaseException | None) -> None:
+        if self._pod_marked and self.pod_dir and podend.ending_cleanly(exc):
+            podend.mark_done(self.pod_dir, self.rank)
+
+    def _close_sockets(self) -> None:
         reported = False
         if self._planner is not None:
             try:
@@ -700,12 +724,13 @@ class MixtureLoader:
     def __enter__(self) -> "MixtureLoader":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._close_sockets()
+        self._mark_end(exc)
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close_sockets()  # garbage collection or interpreter exit: no clean-end mark (a crash ends so too)
         except Exception:
             pass
 

@@ -44,6 +44,7 @@ ENV: tuple[EnvVar, ...] = (
     EnvVar("MIXPLANE_PREFETCH_S", float, None, "client", "Seconds of training the client keeps requested ahead; default the mixture's runtime.prefetch_s."),
     EnvVar("MIXPLANE_PREFETCH", int, None, "client", "A fixed number of steps requested ahead instead (with MIXPLANE_PREFETCH_S too: the lesser)."),
     EnvVar("MIXPLANE_LOSS_REPORT_S", float, 1.0, "client", "At most one per-source loss report per this many seconds."),
+    EnvVar("MIXPLANE_POD_DIR", str, None, "client", "A directory shared with the trainer pod's loader containers (sidecar placement; the pod webhook sets it): each rank holds a lock there while its process runs and marks a clean close, so the loaders end with the trainer (mixplane.podend)."),
     EnvVar("MIXPLANE_RESUME_ID", str, None, "client", "Identifies one launch of the job for resumes (default: torchrun's run id and restart count, else the rendezvous address)."),
     # -- torchrun's (and other launchers'), read by the client when its arguments are not given
     EnvVar("RANK", int, None, "client", "The trainer's global rank (torchrun); before MIXPLANE_RANK."),

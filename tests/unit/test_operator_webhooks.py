@@ -204,3 +204,55 @@ def test_a_running_mixtures_topology_changes_live_within_its_batch():
     assert topology_paths({"topology": {"modules": {"backbone": {"dp": 2}}}},
                           {"topology": {"modules": {"backbone": {"dp": 1, "tp": 2}}, "ranks_per_node": 2}}) == [
         "spec.topology.modules.backbone.dp", "spec.topology.modules.backbone.tp", "spec.topology.ranks_per_node"]
+
+
+def test_sidecar_loaders_end_with_the_trainer_a_shared_directory_and_the_pods_ranks():
+    """Sidecar placement: the trainer's ranks mark a shared emptyDir (mixplane.podend) and the loader containers
+    watch it with the pod's ranks and restart policy; a pod without loaders gets none of it."""
+    from mixplane import podend
+
+    side = {"name": "mixplane-loader-web-0", "image": "mixplane:0.1.0", "args": ["loader", "--source", "web"],
+            "volumeMounts": [{"name": "mixplane-loader-spec", "mountPath": "/etc/mixplane/spec"}]}
+    pod = trainer_pod()
+    pod["spec"]["restartPolicy"] = "Never"
+    inj = Injection(mixture="demo", planner="tcp://p:1", secret_name="s", sidecars=(side,), trainer_ranks=(8, 15))
+    new = inject_pod(pod, inj)
+    train, logger, loader = new["spec"]["containers"]
+    assert {"name": podend.VOLUME, "emptyDir": {}} in new["spec"]["volumes"]
+    for c in (train, logger, loader):  # (each container of the pod may be the one running the ranks)
+        assert {"name": podend.VOLUME, "mountPath": podend.MOUNT} in c["volumeMounts"], c["name"]
+    assert env_of(train)["MIXPLANE_POD_DIR"] == podend.MOUNT and env_of(logger)["MIXPLANE_POD_DIR"] == podend.MOUNT
+    assert "MIXPLANE_POD_DIR" not in env_of(loader)
+    assert loader["args"] == ["loader", "--source", "web", "--trainer-dir", podend.MOUNT, "--trainer-ranks", "8-15",
+                              "--trainer-restart", "Never"]
+    assert side["args"] == ["loader", "--source", "web"] and len(side["volumeMounts"]) == 1, "input not modified"
+    assert inject_pod(new, inj) == new
+    # a Pod's default restart policy is Always (the kubelet restarts a failed trainer in place)
+    again = inject_pod(trainer_pod(), inj)["spec"]["containers"][2]["args"]
+    assert again[-2:] == ["--trainer-restart", "Always"]
+    # no loaders placed on this pod (or a mixture under remote placement): nothing to end, nothing added
+    bare = inject_pod(trainer_pod(), Injection(mixture="demo", planner="tcp://p:1", secret_name="s", trainer_ranks=(0, 7)))
+    assert [v["name"] for v in bare["spec"]["volumes"]] == ["mixplane-keys"]
+    assert all("MIXPLANE_POD_DIR" not in env_of(c) for c in bare["spec"]["containers"])
+
+
+def test_the_admission_resolver_gives_a_sidecar_pod_its_slots_ranks():
+    """The operator's resolver (what its HTTPS webhook calls): a trainer pod of slot k of a sidecar-placed mixture
+    gets the loader containers of its slot and slot k's block of ranks, which its loaders wait for."""
+    from mixplane.operator.admission import resolver
+    from mixplane.operator.webhooks import trainer_index
+
+    doc = mixture(topology={"modules": {"backbone": {"dp": 4}}, "ranks_per_node": 2},
+                  kubernetes={"placement": "sidecar", "sidecar_cpu": 1.0})
+    doc["metadata"]["annotations"] = {"mixplane.io/tokens-per-second": "2000000"}
+    resolve = resolver(lambda name, ns: doc if (name, ns) == ("demo", "ml") else None)
+    got = {}
+    for slot in (0, 1):
+        pod = trainer_pod(**{"mixplane.io/trainer-index": str(slot)})
+        inj = resolve("demo", "ml", pod)
+        assert trainer_index(pod) == slot and inj.key_name == f"client-r{2 * slot}-{2 * slot + 1}"
+        got[slot] = (len(inj.sidecars), inj.trainer_ranks)
+    assert sum(n for n, _ in got.values()) >= 1, got
+    for slot, (n, ranks) in got.items():  # a slot the layout left without loaders has nothing to wait for
+        assert ranks == ((2 * slot, 2 * slot + 1) if n else None), got
+    assert resolve("other", "ml", trainer_pod()) is None

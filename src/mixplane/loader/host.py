@@ -59,6 +59,8 @@ class LoaderHost(PlannerFollower):
         # (the planner gives a stuck loop a longer budget, planner.hosting)
         self.beat_interval_s = float(getattr(spec.runtime, "failover_after_s", 1.0)) / FAILOVER_BEATS
         self.loop_turn: float | None = time.monotonic()  # None while an ADOPT is being carried out
+        self.started_at = time.monotonic()
+        self.exit_code = 0  # what `mixplane loader` returns once stopped (a sidecar's end: mixplane.podend)
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         self.planner = self.ctx.socket(zmq.DEALER)
@@ -113,6 +115,14 @@ class LoaderHost(PlannerFollower):
 
     def serving(self) -> list[LoaderServer]:
         return list(self.loaders.values())
+
+    def quiet_for(self, now: float) -> float:
+        """Seconds since the planner last asked any partition of this host for a step, 0 while one still has samples
+        to send (safe to call from another thread: it only reads)."""
+        lds = list(self.loaders.values())
+        if any(ld.outbox_messages for ld in lds):
+            return 0.0
+        return max(0.0, now - max((ld.last_plan for ld in lds), default=self.started_at))
 
     # -- planner messages --------------------------------------------------------------------------------
     def hello(self) -> None:

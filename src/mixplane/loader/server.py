@@ -59,6 +59,7 @@ class LoaderServer(PlannerFollower):
         # so a slow or dead constructor stalls only its own queue, never the poll loop (or a source group)
         self.outbox: list[deque[list[Any]]] = []
         self._outbox_stuck_since: float | None = None
+        self.last_plan = time.monotonic()  # when the planner last asked for a step (a sidecar's end waits for quiet)
         self.constructor_endpoints: list[str] = []
         self.partitioning = list(partitioning or [])
         parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else self.source.replicas
@@ -306,6 +307,7 @@ class LoaderServer(PlannerFollower):
         if msg.get("session", int) != self.session:
             return  # a plan of an older session: the planner has moved on
         step = msg.get("step", int)
+        self.last_plan = time.monotonic()
         pos, start, length = msg.array("pos"), msg.array("start"), msg.array("len")
         dest, retire, img = msg.array("dest"), msg.array("retire"), msg.array("img")
         n = len(pos)

@@ -28,7 +28,7 @@ def resolver(get_mixture: Callable[[str, str], Any]) -> Callable[[str, str, Mapp
 
     Sidecar placement: the loader containers of the pod's slot (mixplane.operator.webhooks.trainer_index), from
     the same pure layout the operator renders its remote loader Deployments with (profile kept in the status)."""
-    from mixplane.operator.builders import ClusterOptions, pod_rank_keys
+    from mixplane.operator.builders import ClusterOptions, pod_rank_keys, pod_rank_ranges
     from mixplane.operator.handlers import options_for
     from mixplane.operator.reconcile import fallback_profile, profile_from_status, sidecar_injection, spec_of
     from mixplane.operator.webhooks import Injection, pod_key, trainer_index
@@ -40,15 +40,19 @@ def resolver(get_mixture: Callable[[str, str], Any]) -> Callable[[str, str, Mapp
         opts = options_for(obj) if obj.get("metadata", {}).get("namespace") else ClusterOptions(name=name, namespace=namespace, image="")
         sidecars: list[dict[str, Any]] = []
         volumes: list[dict[str, Any]] = []
+        ranks: tuple[int, int] | None = None
         spec = spec_of(obj)
         slot = trainer_index(pod)
         key = pod_key(pod_rank_keys(spec), slot)
         if spec.kubernetes.placement == "sidecar":
             prof = profile_from_status(obj) or fallback_profile(spec)
             sidecars, volumes = sidecar_injection(obj, opts, prof, slot)
+            blocks = pod_rank_ranges(spec)
+            if sidecars and slot is not None and 0 <= slot < len(blocks):
+                ranks = (int(blocks[slot][0]), int(blocks[slot][1]))  # the loaders end when these ranks did
             log.info("pod of mixture %s/%s, trainer slot %s: %d loader sidecar(s)", namespace, name, slot, len(sidecars))
         return Injection(mixture=name, planner=opts.planner_endpoint, secret_name=opts.secret_name, key_name=key,
-                         sidecars=tuple(sidecars), volumes=tuple(volumes))
+                         sidecars=tuple(sidecars), volumes=tuple(volumes), trainer_ranks=ranks)
 
     return resolve
 

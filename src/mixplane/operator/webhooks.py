@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixplane import podend
 from mixplane.spec import SpecError, parse_spec
 
 MIXTURE_LABEL = "mixplane.io/mixture"
@@ -203,6 +204,7 @@ class Injection:
     sidecars: tuple[dict[str, Any], ...] = ()  # loader containers placed on this pod (sidecar placement)
     volumes: tuple[dict[str, Any], ...] = ()  # volumes those containers mount (spec ConfigMap, data)
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    trainer_ranks: tuple[int, int] | None = None  # the global ranks (first, last) of this pod's slot
 
     @property
     def key_items(self) -> tuple[str, ...]:
@@ -264,6 +266,12 @@ def inject_pod(pod: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     spec = new.setdefault("spec", {})
     env = [("MIXPLANE_PLANNER", inj.planner), ("MIXPLANE_MIXTURE", inj.mixture),
            ("MIXPLANE_CURVE_DIR", KEY_MOUNT), ("MIXPLANE_CURVE_NAME", inj.key_name), *inj.extra_env]
+    # sidecar placement: the loaders end with the trainer (mixplane.podend): a directory the trainer's ranks mark
+    # (their lock while running, a done mark on a clean close) and the loader containers watch
+    pod_end = bool(inj.sidecars) and inj.trainer_ranks is not None
+    if pod_end:
+        env.append((podend.ENV, podend.MOUNT))
+    pod_mount = {"name": podend.VOLUME, "mountPath": podend.MOUNT}
     containers = []
     for c in spec.get("containers") or []:
         c = dict(c)
@@ -272,20 +280,30 @@ def inject_pod(pod: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         mounts = list(c.get("volumeMounts") or [])
         if not any(m.get("name") == KEY_VOLUME for m in mounts):
             mounts.append({"name": KEY_VOLUME, "mountPath": KEY_MOUNT, "readOnly": True})
+        if pod_end and not any(m.get("name") == podend.VOLUME for m in mounts):
+            mounts.append(dict(pod_mount))
         c["volumeMounts"] = mounts
         containers.append(c)
     taken = {c.get("name") for c in containers}
+    restart = str(spec.get("restartPolicy") or "Always")
     for s in inj.sidecars:
         if s.get("name") in taken:
             raise ValueError(f"pod {meta.get('name') or meta.get('generateName') or '?'}: container name {s.get('name')!r} already used")
-        containers.append(copy.deepcopy(s))
+        s = copy.deepcopy(s)
+        if pod_end and inj.trainer_ranks is not None:
+            lo, hi = inj.trainer_ranks
+            s["args"] = [*(s.get("args") or []), "--trainer-dir", podend.MOUNT, "--trainer-ranks", f"{lo}-{hi}",
+                         "--trainer-restart", restart]
+            s["volumeMounts"] = [*(s.get("volumeMounts") or []), dict(pod_mount)]
+        containers.append(s)
         taken.add(s.get("name"))
     spec["containers"] = containers
     volumes = list(spec.get("volumes") or [])
     have_vol = {v.get("name") for v in volumes}
     key_volume = {"name": KEY_VOLUME, "secret": {"secretName": inj.secret_name, "defaultMode": 0o440,
                                                   "items": [{"key": k, "path": k} for k in inj.key_items]}}
-    for v in (key_volume, *inj.volumes):
+    pod_volume = [{"name": podend.VOLUME, "emptyDir": {}}] if pod_end else []
+    for v in (key_volume, *pod_volume, *inj.volumes):
         if v["name"] not in have_vol:
             volumes.append(copy.deepcopy(v))
             have_vol.add(v["name"])
