@@ -202,8 +202,10 @@ def prometheus(c: Cluster, ns: str, tmp: Path) -> Iterator[str]:
         log.close()
 
 
-def prom_query(base: str, expr: str) -> list[dict]:
-    with urllib.request.urlopen(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=10) as r:
+def prom_query(base: str, expr: str, at: float | None = None) -> list[dict]:
+    """An instant query, evaluated now or at unix time `at`."""
+    q = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+    with urllib.request.urlopen(f"{base}/api/v1/query?" + urllib.parse.urlencode(q), timeout=10) as r:
         body = json.loads(r.read())
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
@@ -292,8 +294,10 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         prom = prom_cm.__enter__()
         t2 = time.monotonic()
         image = f"mixplane-trainer:{c.image.split(':')[1]}"
+        # (sidecar placement: steps of 0.3 s, so Prometheus scrapes the loader containers a few times before they end
+        # with the trainers)
         for rank in range(WORLD):
-            c.kubectl("apply", "-f", "-", input=json.dumps(trainer_job(ns, rank, image)))
+            c.kubectl("apply", "-f", "-", input=json.dumps(trainer_job(ns, rank, image, step_s=0.3 if placement == "sidecar" else 0.0)))
 
         def train_container(rank: int) -> dict | None:
             pods = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
@@ -303,7 +307,7 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         def trainers_done() -> bool:
             # (Prometheus's targets again: the sidecar loaders came with the trainer pods)
             (tmp_path / "targets.json").write_text(json.dumps(annotated_targets(c, ns)))
-            # the trainer container's end (under sidecar placement the pod's loader containers go on)
+            # the trainer container's end (under sidecar placement the pod's loader containers end after it)
             states = [((train_container(r) or {}).get("state") or {}).get("terminated") for r in range(WORLD)]
             if any(t and t["exitCode"] != 0 for t in states):
                 comps = "".join(f"\n== {p['metadata']['name']} ({p['status'].get('phase')}; "
@@ -326,7 +330,28 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
 
         wait_for("the trainers", trainers_done, 600, 1.0)
         timings["trainer Jobs -> trained"] = time.monotonic() - t2
+        t_trained = time.monotonic()
+
+        def job_states() -> str:
+            return "; ".join(f"{p['metadata']['name']} {p['status'].get('phase')} "
+                             f"{[(x['name'], x.get('state')) for x in p['status'].get('containerStatuses') or []]}"
+                             for p in kget(c, "pods", "-n", ns, "-l", "mixplane.io/mixture=demo")["items"])
+
+        def jobs_complete() -> bool:
+            conds = [{x["type"] for x in (kget(c, "job", f"train-{r}", "-n", ns).get("status") or {}).get("conditions") or []
+                      if x.get("status") == "True"} for r in range(WORLD)]
+            if any("Failed" in x for x in conds):
+                kept = c.keep_logs(ns, f"a trainer Job failed: {conds}")
+                raise AssertionError(f"a trainer Job failed: {conds}; pods: {job_states()}; logs kept in {kept}\n"
+                                     + c.kubectl("-n", ns, "logs", "-l", "mixplane.io/mixture=demo", "--all-containers",
+                                                 "--tail=30", check=False).stdout)
+            return all("Complete" in x for x in conds)
+
+        # the Jobs complete: under sidecar placement the loader containers ended with the trainer (mixplane.podend)
+        wait_for("the trainer Jobs Complete", jobs_complete, 180, 1.0, abort=lambda final: job_states() if final else None)
+        timings["trained -> Jobs Complete"] = time.monotonic() - t_trained
         got: dict[tuple[int, int], str] = {}
+        last_step_t = 0.0  # (unix time of the trainers' last step: the sidecar loaders ran then)
         sidecar_containers = 0
         for rank in range(WORLD):
             (pod,) = kget(c, "pods", "-n", ns, "-l", f"job-name=train-{rank}")["items"]
@@ -341,14 +366,20 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
                 assert names[0] == "train" and len(names) - 1 == len(want_pods), (rank, names, slots)
                 assert all(n.startswith(SIDECAR_PREFIX) for n in names[1:]), names
                 sidecar_containers += len(names) - 1
-                ready = [x["name"] for x in pod["status"].get("containerStatuses") or [] if x["name"] != "train"
-                         and not x.get("restartCount") and "terminated" not in (x.get("lastState") or {})]
-                assert sorted(ready) == sorted(names[1:]), (rank, pod["status"].get("containerStatuses"))
+                # each loader container ran once and ended with exit 0 after the trainer (the pod Succeeded)
+                ended = [x["name"] for x in pod["status"].get("containerStatuses") or [] if x["name"] != "train"
+                         and not x.get("restartCount") and "terminated" not in (x.get("lastState") or {})
+                         and ((x.get("state") or {}).get("terminated") or {}).get("exitCode") == 0]
+                assert sorted(ended) == sorted(names[1:]), (rank, pod["status"].get("containerStatuses"))
+                assert pod["status"].get("phase") == "Succeeded", (rank, pod["status"])
+                args = next(x for x in pod["spec"]["containers"] if x["name"] == names[-1])["args"] if names[1:] else []
+                assert not names[1:] or args[args.index("--trainer-ranks") + 1] == f"{rank}-{rank}", args
             log = c.kubectl("-n", ns, "logs", pod["metadata"]["name"], "-c", "train").stdout
             for line in log.splitlines():
                 if line.startswith("{") and '"digest"' in line:
                     o = json.loads(line)
                     got[(o["step"], o["rank"])] = o["digest"]
+                    last_step_t = max(last_step_t, float(o["t"]))
         assert len(got) == STEPS * WORLD, sorted(got)
         if placement == "sidecar":  # the layout put loaders into the trainer pods, and none of them restarted
             assert sidecar_containers >= 1
@@ -367,8 +398,14 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         print(f"\n{table}realised weights: {realised}; conditions: "
               + "; ".join(f"{x['type']}={x['status']} ({x.get('reason')}: {x.get('message')})" for x in st.get("conditions") or []))
 
-        # Prometheus found the components through their pods' annotations; every dashboard query answers
+        # Prometheus found the components through their pods' annotations; every dashboard query answers.
+        # Under sidecar placement the loaders ended with the trainers: what was up, and the queries, at the trainers'
+        # last step (the loader containers ran then)
+        at = last_step_t if placement == "sidecar" else None
+
         def targets_up() -> list[str]:
+            if at is not None:
+                return [x["metric"]["pod"] for x in prom_query(prom, "up == 1", at)]
             with urllib.request.urlopen(f"{prom}/api/v1/targets", timeout=10) as r:
                 active = json.loads(r.read())["data"]["activeTargets"]
             return [t["labels"]["pod"] for t in active if t["health"] == "up"]
@@ -381,7 +418,7 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         answered: dict[str, list] = {}
 
         def all_answer() -> bool:  # rates need two scrapes of a series: ask again for a while
-            answered.update({e: prom_query(prom, e) for _, e in exprs})
+            answered.update({e: prom_query(prom, e, at) for _, e in exprs})
             return {t for t, e in exprs if answered[e]} >= need
 
         try:
@@ -389,7 +426,9 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
         except AssertionError:
             pass  # asserted below, with the list
         with_data = [t for t, e in exprs if answered[e]]
-        print(f"Prometheus: {len(targets_up())} pods scraped through their annotations; {len(exprs)} dashboard queries "
+        print(f"Prometheus: {len(targets_up())} pods scraped through their annotations"
+              + (f" (at the trainers' last step: {sorted(targets_up())})" if at is not None else "")
+              + f"; {len(exprs)} dashboard queries "
               f"answered, {len(with_data)} with data; without: {sorted({t for t, e in exprs if not answered[e]})}")
         prom_cm.__exit__(None, None, None)
         assert set(with_data) >= need, sorted(need - set(with_data))
@@ -405,7 +444,7 @@ def test_helm_install_apply_train_and_delete(k8s_node: Cluster, k8s_node_namespa
 
         # delete: nothing of the mixture is left (pods, Services, Secrets, ConfigMaps, PVC, NetworkPolicies, ...)
         t3 = time.monotonic()
-        for r in range(WORLD):  # (under sidecar placement the pod's loader containers are stopped with it)
+        for r in range(WORLD):  # (the Jobs are the user's: completed, their pods are deleted with them)
             c.kubectl("-n", ns, "delete", "job", f"train-{r}", "--cascade=foreground", "--wait=true", "--timeout=100s",
                       check=False, timeout=120)
         print(f"trainer Jobs deleted in {time.monotonic() - t3:.1f} s")

@@ -100,6 +100,45 @@ def _ready(pod: dict) -> bool:
     return any(x["type"] == "Ready" and x["status"] == "True" for x in (pod.get("status") or {}).get("conditions") or [])
 
 
+def _unix(stamp: str) -> float:
+    """An RFC 3339 time of the API server (seconds) or of `kubectl logs --timestamps` (nanoseconds) as unix time."""
+    from datetime import datetime, timezone
+
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _timeline(c: Cluster, ns: str, role: str, t_kill: float, lines: dict[int, list[dict]]) -> str:
+    """Where a killed component's stall went, in seconds after the kill: its new pod's creation, container start and
+    Ready (the API server's times, whole seconds), the new container's log lines (WARNING and above, with the kubelet's
+    timestamps), the trainers' own log lines after the kill (the client's warnings), and each rank's first step after."""
+    ev: list[tuple[float, str]] = []
+    pods = [p for p in kget(c, "pods", "-n", ns, "-l", f"mixplane.io/instance=demo,mixplane.io/role={role}")["items"]
+            if _unix(p["metadata"]["creationTimestamp"]) >= t_kill - 1]
+    for p in pods:
+        name = p["metadata"]["name"]
+        ev.append((_unix(p["metadata"]["creationTimestamp"]), f"{name} created"))
+        for st in (p.get("status") or {}).get("containerStatuses") or []:
+            if (st.get("state") or {}).get("running"):
+                ev.append((_unix(st["state"]["running"]["startedAt"]), f"{name} container started"))
+        for cond in (p.get("status") or {}).get("conditions") or []:
+            if cond["type"] == "Ready" and cond["status"] == "True":
+                ev.append((_unix(cond["lastTransitionTime"]), f"{name} Ready"))
+        for ln in c.kubectl("-n", ns, "logs", name, "--timestamps", check=False).stdout.splitlines()[:12]:
+            stamp, _, text = ln.partition(" ")
+            ev.append((_unix(stamp), f"{name}: {text[:160]}"))
+    for r in range(WORLD):
+        trainer = _pod(c, ns, f"job-name=train-{r}")
+        for ln in c.kubectl("-n", ns, "logs", trainer, "-c", "train", "--timestamps", check=False).stdout.splitlines():
+            stamp, _, text = ln.partition(" ")
+            if not text.startswith("{") and _unix(stamp) > t_kill:
+                ev.append((_unix(stamp), f"rank {r}: {text[:160]}"))
+        after = [x["t"] for x in lines[r] if "step" in x and x["t"] > t_kill]
+        if after:
+            ev.append((min(after), f"rank {r} first step after the kill"))
+    return "; ".join(f"{t - t_kill:+.1f} {what}" for t, what in sorted(ev) if t > t_kill - 2)
+
+
 RUNS = {"loader+constructor": ("loader", "constructor"), "planner": ("planner",),
         "loader-primary+shadow": ("loader-primary", "loader-shadow"), "operator+trainer": ("operator", "trainer")}
 
@@ -215,6 +254,10 @@ def test_kills_during_training_lose_nothing(k8s_node: Cluster, k8s_node_namespac
               + (f" (steps trained again after a restored checkpoint: {len(replayed)}, each equal; resumed at "
                  f"{ {r: v for r, v in resumed.items() if v} })" if replayed or any(resumed.values()) else "")
               + f"; longest stall by role (s, beyond a step's {STEP_S} s): " + ", ".join(f"{k} {v:.1f}" for k, v in stalls.items()))
+        if "planner" in roles:  # where the planner's stall goes (its pod's restart, Ready, the trainers' reconnects)
+            t_kill = next(t for role, _, t in kills if role == "planner")
+            print(f"planner kill, seconds after it: {_timeline(c, ns, 'planner', t_kill, lines)}; every pod's log kept in "
+                  f"{c.keep_logs(ns, 'a passing planner kill: the logs of where its stall went')}")
         assert not lost and not dup and not mismatched, (lost[:10], dup[:10], mismatched[:10])
         assert not late, f"a deleted trainer pod went on beside the one its Job started again: {late[:5]}"
         # a trainer pod restarted only where one was killed, and that one resumed from a checkpoint
