@@ -700,6 +700,8 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
             out.append(Problem(f"{p}model.{name}", f"unknown module {name!r} (modules: {', '.join(t.modules)})"))
 
     out.extend(place_tree_problems(spec.strategy.options.get("place_tree"), list(t.modules), f"{p}strategy.options.place_tree"))
+    if spec.strategy.name == "llm_balance" and spec.strategy.options.get("hybrid_cp"):
+        out.extend(hybrid_cp_problems(spec, f"{p}strategy.options.hybrid_cp"))
 
     st = spec.strategy.name
     if ":" in st:
@@ -712,6 +714,30 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
 
     for check in checks:
         out.extend(Problem(f"{p}{q.path}", q.message) for q in check(spec))
+    return out
+
+
+def hybrid_cp_problems(spec: DataMixtureSpec, path: str) -> list[Problem]:
+    """What delivering hybrid DP x CP consumers (`llm_balance` option `hybrid_cp`) needs: cp a power of two (a
+    group stays inside one DP replica), text sources only, no CP or PP broadcast (a step's groups differ per
+    sequence)."""
+    out: list[Problem] = []
+    try:
+        cp = spec.topology.backbone()[1].cp
+    except KeyError:  # named by the topology's own rules
+        cp = 1
+    if cp & (cp - 1):
+        out.append(Problem(path, f"needs the backbone's cp to be a power of two, got {cp}"))
+    images = [s.name for s in spec.sources if s.kind == "image_text"]
+    if images:
+        out.append(Problem(path, f"delivers text only; image_text source(s): {', '.join(images)}"))
+    tree = spec.strategy.options.get("place_tree")
+    axes = {str(a).upper() for a in spec.strategy.options.get("broadcast", ()) or () if isinstance(a, str)}
+    if isinstance(tree, dict) and isinstance(tree.get("broadcast"), (list, tuple)):
+        axes |= {str(a).upper() for a in tree["broadcast"]}
+    bad = sorted(axes & {"CP", "PP"})
+    if bad:
+        out.append(Problem(path, f"cannot be combined with broadcast {', '.join(bad)} (only TP broadcasts)"))
     return out
 
 

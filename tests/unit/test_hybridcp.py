@@ -80,6 +80,12 @@ def test_place_in_rows_gives_every_piece_a_row_of_its_group_replica():
     assert hybridcp.place_in_rows(np.array([400, 400, 400]), np.ones(3), 2, 2, 256, 1024, 1, 512) is None
 
 
+def test_spread_replicas_is_the_even_split_of_each_replica():
+    p = hybridcp.spread_replicas(np.array([10, 20, 30]), np.array([1.0, 2.0, 3.0]), np.array([0, 1, 1]), dp=2, cp=2)
+    assert p.group_size.tolist() == [2, 2, 2] and p.first.tolist() == [0, 2, 2]
+    assert p.loads.tolist() == [0.5, 0.5, 2.5, 2.5] and p.tokens.tolist() == [5, 5, 25, 25]
+
+
 def test_within_replicas_places_each_replica_over_its_own_cp_ranks():
     L = np.array([500, 100, 100, 512, 60, 60, 60, 60])
     rep = np.array([0, 0, 0, 1, 1, 1, 1, 1])
@@ -106,11 +112,15 @@ def test_delivered_hybrid_layout_names_every_piece_group():
         assert lay.hybrid_cp == 4 and len(lay.seg_cp_size) == len(lay.seg_row)
         k, f = lay.seg_cp_size.astype(int), lay.seg_cp_first.astype(int)
         # the group size the length needs (at most seq_len / cp tokens of a piece per rank), aligned inside cp
-        assert np.array_equal(k, hybridcp.group_sizes(lay.seg_len, 512 // 4, 8))
-        assert np.all(f % k == 0) and np.all(f + k <= 4)
-        assert (k == 1).any() and (k > 1).any()
         st = plan.stats["hybrid_cp"]
-        assert st["delivered"] in ("dp_x_cp", "within_replicas") and st["imbalance_hybrid"] <= st["imbalance_fixed"] + 1e-9
+        need = hybridcp.group_sizes(lay.seg_len, 512 // 4, 8)
+        if st["delivered"] == "spread_replicas":
+            assert np.all(k == 4)
+        else:
+            assert np.array_equal(k, need)
+        assert np.all(f % k == 0) and np.all(f + k <= 4)
+        assert st["delivered"] == "spread_replicas" or ((k == 1).any() and (k > 1).any())
+        assert st["delivered"] in ("dp_x_cp", "within_replicas", "spread_replicas") and st["imbalance_hybrid"] <= st["imbalance_fixed"] + 1e-9
         # every rank holds at most what a CP rank of the fixed scheme holds
         tok = np.zeros((2, 4))
         for d, ff, kk, ln in zip(lay.seg_row // lay.rows_per_rank, f, k, lay.seg_len):
@@ -124,6 +134,7 @@ def test_delivered_hybrid_layout_names_every_piece_group():
         whole = np.zeros_like(lay.seg_cp_first)
         moved = StepLayout.from_parts(lay.meta(), {**lay.arrays(), "seg_cp_first": whole, "seg_cp_size": whole + 1})
         assert layout_digest(moved) != layout_digest(lay)
+    assert any(p.stats["hybrid_cp"]["delivered"] == "dp_x_cp" for p in plans)
     # planning again gives the same layouts, bit for bit (what replay and resume rely on)
     _, again = _hybrid_plans()
     assert [layout_digest(p.layout) for p in again] == [layout_digest(p.layout) for p in plans]
@@ -175,3 +186,19 @@ def test_constructor_columns_carry_each_constructor_its_groups():
             assert set(got) == set(want)
             for k in want:
                 assert np.array_equal(got[k], want[k]), (ranks, c, k)
+
+
+def test_validation_names_what_hybrid_delivery_cannot_take():
+    from mixplane.spec import SpecError, parse_spec
+
+    def doc(cp, broadcast, encoder=False):
+        d = make_spec(dp=2, cp=cp, rows=8, microbatches=2, seq_len=12 * cp, strategy="llm_balance", encoder=encoder,
+                      options={"hybrid_cp": True, "broadcast": broadcast}).model_dump(mode="json", exclude_none=True)
+        return d
+
+    parse_spec(doc(2, ["TP"]))
+    with pytest.raises(SpecError) as e:
+        parse_spec(doc(3, ["TP", "CP"], encoder=True))
+    msg = str(e.value)
+    assert "strategy.options.hybrid_cp" in msg and "power of two, got 3" in msg
+    assert "broadcast CP" in msg and "text only; image_text source(s): s0" in msg

@@ -334,8 +334,11 @@ class DGraph:
             except ValueError as e:
                 raise DGraphError(f"step {ctx.step}: hybrid_cp: {e}") from None
             if got is None:  # a piece found no row in any replica: place inside the replicas as balanced
-                placed = hybridcp.within_replicas(lengths, cost, self.rows() // rpr, ctx.dp, cp, per_rank, capacity)
-                stats["delivered"] = "within_replicas"
+                rep = self.rows() // rpr
+                within = hybridcp.within_replicas(lengths, cost, rep, ctx.dp, cp, per_rank, capacity)
+                spread = hybridcp.spread_replicas(lengths, cost, rep, ctx.dp, cp)
+                placed = within if within.loads.max() <= spread.loads.max() else spread
+                stats["delivered"] = "within_replicas" if placed is within else "spread_replicas"
             else:
                 placed, rows = got
                 self.set_rows(rows)

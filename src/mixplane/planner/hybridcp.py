@@ -22,8 +22,10 @@ Delivery (``DGraph.hybrid_cp(deliver=True)``): the plan carries every piece's gr
 (``StepLayout.seg_cp_first`` / ``seg_cp_size``). With cp a power of two no group leaves its replica (a piece is
 at most seq_len long, so ``k <= cp``). Rows only carry a replica's pieces to its constructor, but they bound
 what a replica can take: :func:`place_in_rows` places as :func:`place` does among the groups whose replica has a
-row with room for the piece (best fit there). When some piece finds no row anywhere the step is placed inside
-each replica instead (:func:`within_replicas`: rows as balanced, groups over its cp ranks).
+row with room for the piece (best fit there). When some piece finds no row anywhere the rows stay as balanced and
+the step is placed inside each replica instead, the better (lighter busiest rank) of :func:`within_replicas`
+(each replica's pieces over its own cp ranks by size and cost) and :func:`spread_replicas` (every piece over its
+replica's whole CP group: the fixed scheme's balance with the even split, never worse than it).
 
 What it leaves out: the cost of the CP exchange itself (it only shrinks here: fewer tokens go through CP), the
 pipeline schedule (ranks are compared by their total cost per step) and the microbatch structure (Megatron runs
@@ -180,3 +182,13 @@ def within_replicas(lengths: np.ndarray, costs: np.ndarray, replica: np.ndarray,
         tokens[d * cp:(d + 1) * cp] = p.tokens
         overflow += p.overflow
     return HybridPlacement(k, first, loads, tokens, overflow)
+
+
+def spread_replicas(lengths: np.ndarray, costs: np.ndarray, replica: np.ndarray, dp: int, cp: int) -> HybridPlacement:
+    """Every piece over the whole CP group of its replica (k = cp): each rank carries its replica's cost / cp."""
+    L = np.asarray(lengths, dtype=np.int64)
+    c = np.asarray(costs, dtype=np.float64)
+    rep = np.asarray(replica, dtype=np.int64)
+    loads = np.repeat(np.bincount(rep, weights=c, minlength=dp) / cp, cp)
+    tokens = np.repeat(np.bincount(rep, weights=L, minlength=dp) / cp, cp)
+    return HybridPlacement(np.full(len(L), int(cp), dtype=np.int64), rep * cp, loads, tokens, 0)
