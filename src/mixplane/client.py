@@ -903,6 +903,8 @@ def microbatches(batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Ten
     Works for every view a rank may get (CP shard, any PP stage): per-token tensors are split by rows,
     cu_seqlens (which always covers full rows) by cu_seqlens_mb.
     """
+    if "cp_group_size" in batch:
+        raise ValueError("microbatches: a hybrid DP x CP step has no fixed microbatches; iterate cp_groups(batch)")
     cu = batch["cu_seqlens"]
     mb = batch["cu_seqlens_mb"]
     n = len(mb) - 1

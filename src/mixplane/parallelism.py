@@ -181,6 +181,11 @@ def causal_work(index: np.ndarray, cu_seqlens: np.ndarray | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------- hybrid DP x CP
+# fields of a replica's batch that a hybrid rank's view replaces (rows and their layout: by its parts of its groups)
+_HYBRID_REPLACED = frozenset({"cu_seqlens", "cu_seqlens_mb", "segment_row", "segment_offset", "segment_source",
+                              "segment_key", "segment_start", "segment_len"})
+
+
 def hybrid_groups(first: np.ndarray, size: np.ndarray, cp_rank: int) -> list[tuple[int, int]]:
     """The (first CP rank, size) of every hybrid CP group that `cp_rank` belongs to, ordered by size then first
     (the order its parts are concatenated in)."""
@@ -273,6 +278,9 @@ def hybrid_rank_batch(batch: Mapping[str, Any], first: np.ndarray, size: np.ndar
     for name in ("segment_source", "segment_key", "segment_start", "segment_len"):
         out[name] = np.asarray(batch[name])[mine]
     out["max_seqlen"] = int(np.diff(cu_all).max()) if len(cu_all) > 1 else 0
+    for name, v in batch.items():  # anything else (a constructor hook's per-replica fields): whole, as without CP
+        if name not in out and name not in _HYBRID_REPLACED and name not in names:
+            out[name] = v
     return out
 
 

@@ -208,3 +208,28 @@ def test_hybrid_delivery_with_tp_broadcast_over_gloo(token_sources, tmp_path):
                 want = [int(mesh.rank_of(cp=int(f) + j, tp=1)) for f, g in zip(theirs["cp_group_first"], theirs["cp_group_size"])
                         for j in range(int(g))]
                 assert mine["cp_group_ranks"].tolist() == want
+
+
+def test_hybrid_delivery_over_pipeline_stages(token_sources, tmp_path):
+    """dp 1 x cp 2 x pp 2: each stage gets its fields of its CP rank's parts (first stage the inputs, last the
+    labels), the same documents and groups, and its own stage's group ranks."""
+    sizes = {"dp": 1, "cp": 2, "pp": 2}
+    spec = _spec(token_sources["root"], sizes)
+    mesh = place_tree(spec).backbone
+    with EmbeddedRuntime(spec, tmp_path / "run", log_level="WARNING") as rt:
+        got = fetch(rt.planner_endpoint, 4, STEPS)
+    with ReplayLoaders() as loaders:
+        for step in range(STEPS):
+            plan = replan(tmp_path / "run" / "journal.jsonl", step, loaders)
+            merged = {}
+            for c in range(2):
+                first, last = (got[int(mesh.rank_of(cp=c, pp=p))][step] for p in (0, 1))
+                assert "input_ids" in first and "labels" not in first and "labels" in last and "input_ids" not in last
+                for k in ("cu_seqlens", "cp_group_size", "cp_group_first", "cp_group_docs", "segment_key"):
+                    assert np.array_equal(first[k], last[k]), (step, c, k)
+                for p, b in ((0, first), (1, last)):
+                    want = [int(mesh.rank_of(cp=int(f) + j, pp=p)) for f, g in zip(b["cp_group_first"], b["cp_group_size"])
+                            for j in range(int(g))]
+                    assert b["cp_group_ranks"].tolist() == want
+                merged[int(mesh.rank_of(cp=c, pp=0))] = {**last, **first}
+            _check_step(spec, plan.layout, merged, token_sources["docs"], step)

@@ -84,8 +84,10 @@ def test_a_rank_in_no_group_gets_an_empty_row():
     b = {"input_ids": np.zeros((1, 8), np.int64), "labels": np.zeros((1, 8), np.int64),
          "segment_row": np.array([0]), "segment_offset": np.array([0]), "segment_len": np.array([8]),
          "segment_source": np.array([0]), "segment_key": np.array([1]), "segment_start": np.array([0])}
-    v = hybrid_rank_batch(b, np.array([0]), np.array([1]), cp_rank=1)
+    v = hybrid_rank_batch({**b, "row_weight": np.array([0.5]), "cu_seqlens_mb": np.array([0, 1])}, np.array([0]),
+                          np.array([1]), cp_rank=1)
     assert v["input_ids"].shape == (1, 0) and v["cu_seqlens"].tolist() == [0] and len(v["cp_group_size"]) == 0
+    assert v["row_weight"].tolist() == [0.5] and "cu_seqlens_mb" not in v and "segment_row" not in v  # a hook's field: whole
     with pytest.raises(ValueError, match="2 groups for 1 segments"):
         hybrid_rank_batch(b, np.array([0, 0]), np.array([1, 1]), cp_rank=0)
 
@@ -107,6 +109,9 @@ def test_client_checks_and_splits_a_hybrid_message():
     t = {k: torch.from_numpy(x) for k, x in arrays.items()}
     t["cp_group_ranks"] = torch.tensor([7, 8, 9], dtype=torch.int32)  # the (1, 1) group, then the (0, 2) group
     got = list(cp_groups(t))
+    from mixplane.client import microbatches
+    with pytest.raises(ValueError, match="iterate cp_groups"):
+        list(microbatches(t))
     assert [(g["cp_size"], g["cp_rank"], g["ranks"]) for g in got] == [(1, 0, [7]), (2, 1, [8, 9])]
     assert got[0]["input_ids"].tolist() == [[8, 9, 10]] and got[0]["cu_seqlens"].tolist() == [0, 3]
     # the (0, 2) group: documents of 8 and 5 tokens (padded to 8 and 8), rank 1 holds chunks 1 and 2 of each
