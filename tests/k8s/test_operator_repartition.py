@@ -47,7 +47,7 @@ def data(tmp_path_factory):
     return write_text_and_images(tmp_path_factory.mktemp("repartition-data"), text_rows=1500, images=4, side=64)
 
 
-def calm_mixture(ns, data, pinned: bool = False) -> dict[str, Any]:
+def calm_mixture(ns, data, pinned: bool = False, follow: bool = False) -> dict[str, Any]:
     """`pinned`: the scaler's inputs do not depend on what the machine measures (`scale-costs: profiled`; the rate is
     declared) and the trainers keep a fixed number of steps requested (`prefetch_s: 0`), so how far the planner plans
     while the trainers wait is the same in every run (see run_scenario)."""
@@ -58,6 +58,8 @@ def calm_mixture(ns, data, pinned: bool = False) -> dict[str, Any]:
     m["spec"]["runtime"] = {**m["spec"]["runtime"], "max_lead_steps": 8, "prefetch_s": 0.0 if pinned else 2.0}
     if pinned:
         m["metadata"]["annotations"]["mixplane.io/scale-costs"] = "profiled"
+    if follow:  # partitions may also shrink when demand falls
+        m["metadata"]["annotations"]["mixplane.io/repartition"] = "follow"
     prof = json.loads(m["metadata"]["annotations"]["mixplane.io/profile"])
     for p in prof["sources"].values():
         p["max_partitions"] = MAX_PARTITIONS
@@ -95,7 +97,7 @@ def _repartitioned(s: dict[str, Any]) -> bool:
 
 
 def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills: int = 0, seed: int = 20261127,
-                 steps: int = STEPS, pinned: bool = False) -> dict[str, Any]:
+                 steps: int = STEPS, pinned: bool = False, follow: bool = False) -> dict[str, Any]:
     """The mixture runs calm, the weights are patched at trainer step PATCH_AT, code gets re-partitioned; with
     `chaos`, operators are started and SIGKILLed one after the other (at a random mutating API call, at the named
     cuts around the REPARTITION, or from outside at a random time) until the trainers are done and `min_kills`
@@ -105,7 +107,11 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
     takes. The mixture is `calm_mixture(pinned=True)`; the trainers wait after step PATCH_AT, the weights are patched
     once the planner stopped planning further (`held_through`: the last step planned), and the trainers go on only
     when the planner took both the update and the re-partition: each from the first step not planned,
-    `held_through + 1`, whatever happened meanwhile (operator kills, handoffs, retries)."""
+    `held_through + 1`, whatever happened meanwhile (operator kills, handoffs, retries).
+
+    `follow` (one operator, not pinned): the mixture says `mixplane.io/repartition: follow`, and once code was
+    re-partitioned the weights are patched back to CALM: code is re-partitioned to 1 again."""
+    assert not (follow and (chaos or pinned))
     rng = random.Random(seed)
     (tmp_path / "pods").mkdir(parents=True)
     pods = LocalPods(cluster, ns, tmp_path / "pods")
@@ -120,7 +126,7 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
     if not pinned:
         held.set()
     with operator(cluster, ns, **env):  # a calm start: the children exist, the profile is kept
-        apply(cluster, calm_mixture(ns, data, pinned))
+        apply(cluster, calm_mixture(ns, data, pinned, follow))
         kids = applied(cluster, ns)
         wait_for("status", lambda: status_of(cluster, ns).get("mixtureUpdate"), 60)
     st0 = status_of(cluster, ns)
@@ -185,11 +191,11 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
 
         patched_at: list[float] = []
 
-        def patch() -> None:
+        def patch(weights=BUSY) -> None:
             if pinned:
                 held_through.append(steady_planned())
             cluster.kubectl("patch", "datamixture", "demo", "-n", ns, "--type", "merge", "-p",
-                            json.dumps({"spec": {"mixture": {"weights": BUSY}}}))
+                            json.dumps({"spec": {"mixture": {"weights": weights}}}))
             patched_at.append(time.monotonic())
             if pinned:
                 threading.Thread(target=release_when_taken, daemon=True).start()
@@ -212,6 +218,10 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
                 wait_for("the trainers to reach the patch step", lambda: progress["step"] >= PATCH_AT or trainer_error, 300)
                 patch()
                 wait_for("the re-partition", lambda: _repartitioned(status_of(cluster, ns)) or trainer_error, 300)
+                if follow:  # demand falls again: code back to one partition
+                    patch(CALM)
+                    wait_for("the re-partition to fewer partitions", lambda: trainer_error or (
+                        lambda s: _repartitioned(s) and s["repartitions"][-1]["partitions"] == 1)(status_of(cluster, ns)), 300)
                 trainers.join()
                 log = op.log_text()
         else:
@@ -290,26 +300,29 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
     return {"got": got, "stamps": stamps, "status": st, "start_status": st0, "planner": plan_status,
             "spec_json": spec_json, "kills": kills, "stages": stages, "violations": violations, "started": started,
             "loaders": loaders, "args": args, "log": log, "patched_at": patched_at[0], "steps": steps,
-            "held_through": held_through[0] if held_through else None}
+            "held_through": held_through[0] if held_through else None, "follow": follow}
 
 
 def reference(out: dict[str, Any], tmp_path) -> dict[int, list]:
-    """An embedded run of the same resolved spec given the same live update and the same re-partitions at the same
-    steps (no operator, no scaling, no handoffs). A later re-partition of a source can only be asked once the one
+    """An embedded run of the same resolved spec given the same live updates (status.updates) and the same
+    re-partitions at the same steps (no operator, no scaling, no handoffs). A later re-partition of a source can only be asked once the one
     before it was applied: the trainers wait at the step after it until it is asked."""
     from mixplane.mixing import mixture_update_meta
 
     st = out["status"]
     doc = json.loads(out["spec_json"])
     spec0 = parse_spec(doc)
-    patched = parse_spec({**doc, "mixture": {**doc["mixture"], "weights": BUSY}})
     rps = list(st["repartitions"])
     gates = {int(rp["effectiveStep"]) + 1: threading.Event() for rp in rps[:-1]}
     errors: list[BaseException] = []
     with EmbeddedRuntime(spec0, tmp_path / "reference") as rt:
-        control.update_mixture(rt.planner_endpoint, mixture_update_meta(patched, "reference",
-                                                                        effective_step=int(st["mixtureUpdate"]["effectiveStep"])),
-                               10.0, curve=control.ControlCurve(str(rt.key_dir)))
+        assert [u["generation"] for u in st["updates"]] == list(range(2, 2 + len(st["updates"]))), st["updates"]
+        assert st["updates"][-1]["effectiveStep"] == st["mixtureUpdate"]["effectiveStep"]
+        for u in st["updates"]:  # each acknowledged update, in order, from its step
+            patched = parse_spec({**doc, "mixture": {**doc["mixture"], "weights": u["weights"]}})
+            control.update_mixture(rt.planner_endpoint, mixture_update_meta(patched, f"reference-{u['generation']}",
+                                                                            effective_step=int(u["effectiveStep"])),
+                                   10.0, curve=control.ControlCurve(str(rt.key_dir)))
         rt.repartition(rps[0]["source"], int(rps[0]["partitions"]), step=int(rps[0]["effectiveStep"]), wait=False)
 
         def ask_the_later_ones():
@@ -355,7 +368,10 @@ def check(out: dict[str, Any], tmp_path, ref: dict[int, list] | None = None) -> 
     rps = st["repartitions"]  # each applied and recorded exactly once, growing
     assert rps and [rp["source"] for rp in rps] == ["code"] * len(rps), rps
     assert [rp["from"] for rp in rps] == [1] + [rp["partitions"] for rp in rps[:-1]], rps
-    assert all(rp["partitions"] > rp["from"] for rp in rps) and rps[-1]["partitions"] <= MAX_PARTITIONS, rps
+    if out.get("follow"):  # up for the busy weights, down again for the calm ones
+        assert [rp["partitions"] for rp in rps] == [2, 1], rps
+    else:
+        assert all(rp["partitions"] > rp["from"] for rp in rps) and rps[-1]["partitions"] <= MAX_PARTITIONS, rps
     last = rps[-1]
     assert st["repartition"]["repartitionId"] == last["repartitionId"]
     ids = [r.get("repartition_id") for r in plan_status.get("repartitions") or []]
@@ -410,3 +426,13 @@ def test_a_patch_that_needs_more_read_throughput_re_partitions_the_source(crd, k
     fig = check(out, tmp_path)
     assert fig["at_step"] < STEPS - 20, fig  # the trainers read well past the change
     print("operator re-partition: " + json.dumps(fig))
+
+
+def test_with_repartition_follow_a_source_whose_demand_falls_is_re_partitioned_to_fewer(crd, k8s_namespace, data, tmp_path):
+    """`mixplane.io/repartition: follow`: code is re-partitioned 1 -> 2 for the busy weights, then a second patch back to
+    the calm ones makes its allocation fall, and the operator re-partitions it 2 -> 1: the new count served by the pods
+    of the layout, the old pods deleted only once they serve nothing, and every batch equal to the embedded run given
+    the same two updates and the same two re-partitions at the same steps."""
+    out = run_scenario(crd, k8s_namespace, data, tmp_path, follow=True, steps=2 * STEPS)
+    fig = check(out, tmp_path)
+    print("operator re-partition, follow: " + json.dumps(fig))
