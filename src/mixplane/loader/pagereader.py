@@ -210,6 +210,13 @@ class RangeReader:
         if size > 0 and not self._covered(offset, size):
             self._held.append((offset, self.read_at(offset, size)))
 
+    def held(self, offset: int, size: int) -> tuple[int, bytes] | None:
+        """(start, bytes) of the span held in memory that covers [offset, offset + size), if one does."""
+        for start, data in self._held:
+            if start <= offset and offset + size <= start + len(data):
+                return start, data
+        return None
+
     def _covered(self, offset: int, size: int) -> bytes | None:
         for start, data in self._held:
             if start <= offset and offset + size <= start + len(data):
@@ -362,6 +369,17 @@ class FileMeta:
 
 def read_file_meta(reader: RangeReader) -> FileMeta:
     """Parse the footer of a Parquet file; every failure names the file."""
+    raw = footer_bytes(reader)
+    try:
+        fm, _ = read_struct(raw)
+        return _file_meta(reader.path, reader.size, fm)
+    except (ThriftError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CorruptFileError(f"corrupt footer ({type(e).__name__}: {e})", file=reader.path) from None
+
+
+def footer_bytes(reader: RangeReader) -> bytes:
+    """The FileMetaData bytes of a Parquet file (its magic and footer length checked); every failure names the
+    file."""
     path, size = reader.path, reader.size
     if size == 0:
         raise EmptyFileError("file is empty (0 bytes)", file=path)
@@ -375,12 +393,15 @@ def read_file_meta(reader: RangeReader) -> FileMeta:
     flen = _u32(tail, 0)[0]
     if flen <= 0 or flen > size - 12:
         raise CorruptFileError(f"footer length {flen} does not fit in a {size}-byte file (truncated?)", file=path)
-    raw = reader.read_at(size - 8 - flen, flen)
-    try:
-        fm, _ = read_struct(raw)
-        return _file_meta(path, size, fm)
-    except (ThriftError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise CorruptFileError(f"corrupt footer ({type(e).__name__}: {e})", file=path) from None
+    return reader.read_at(size - 8 - flen, flen)
+
+
+def _int(v, what: str, optional: bool = False):
+    """v if it is an integer (None too when optional): a footer's field of another type is a corrupt footer,
+    not a TypeError later."""
+    if type(v) is not int and not (optional and v is None):
+        raise ThriftError(f"{what} is {type(v).__name__}, not an integer")
+    return v
 
 
 def _file_meta(path: str, size: int, fm: dict) -> FileMeta:
@@ -393,10 +414,13 @@ def _file_meta(path: str, size: int, fm: dict) -> FileMeta:
             raise ThriftError("schema ends early")
         e = elems[pos]
         pos += 1
-        node = SchemaNode(name=e[4].decode("utf-8", "replace"), repetition=e.get(3, REQUIRED),
-                          physical_type=e.get(1), type_length=e.get(2), converted_type=e.get(6),
-                          logical_type=e.get(10))
-        for _ in range(e.get(5, 0) or 0):
+        lt = e.get(10)
+        if lt is not None and type(lt) is not dict:
+            raise ThriftError("a schema element's logical type is not a struct")
+        node = SchemaNode(name=e[4].decode("utf-8", "replace"), repetition=_int(e.get(3, REQUIRED), "repetition"),
+                          physical_type=_int(e.get(1), "type", True), type_length=_int(e.get(2), "type_length", True),
+                          converted_type=_int(e.get(6), "converted_type", True), logical_type=lt)
+        for _ in range(_int(e.get(5, 0) or 0, "num_children")):
             node.children.append(build())
         return node
 
@@ -420,23 +444,27 @@ def _file_meta(path: str, size: int, fm: dict) -> FileMeta:
             md = cc.get(3)
             if md is None:
                 raise ThriftError("column chunk without metadata (encrypted or external file)")
-            cols.append(ChunkMeta(physical_type=md[1], codec=md[4], num_values=md[5], data_page_offset=md[9],
-                                  dictionary_page_offset=md.get(11), total_compressed_size=md[7],
-                                  total_uncompressed_size=md.get(6, md[7]),
-                                  offset_index_offset=cc.get(4), offset_index_length=cc.get(5),
+            cols.append(ChunkMeta(physical_type=_int(md[1], "type"), codec=_int(md[4], "codec"),
+                                  num_values=_int(md[5], "num_values"), data_page_offset=_int(md[9], "data_page_offset"),
+                                  dictionary_page_offset=_int(md.get(11), "dictionary_page_offset", True),
+                                  total_compressed_size=_int(md[7], "total_compressed_size"),
+                                  total_uncompressed_size=_int(md.get(6, md[7]), "total_uncompressed_size"),
+                                  offset_index_offset=_int(cc.get(4), "offset_index_offset", True),
+                                  offset_index_length=_int(cc.get(5), "offset_index_length", True),
                                   encodings=list(md.get(2, []))))
         if len(cols) != len(leaves):
             raise ThriftError(f"row group has {len(cols)} column chunks, schema has {len(leaves)} leaves")
-        rgs.append(RowGroupMeta(num_rows=rg[3], columns=cols))
+        rgs.append(RowGroupMeta(num_rows=_int(rg[3], "a row group's num_rows"), columns=cols))
     arrow_schema = None
     for kv in fm.get(5, []) or []:
         if kv.get(1) == b"ARROW:schema" and kv.get(2):
             try:
                 v = kv[2]
                 arrow_schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(v + b"=" * (-len(v) % 4))))
+                arrow_schema.names  # noqa: B018  (a damaged one may fail only here: its names not UTF-8)
             except Exception:
                 arrow_schema = None
-    return FileMeta(path=path, size=size, num_rows=fm.get(3, 0), row_groups=rgs, schema=root, leaves=leaves,
+    return FileMeta(path=path, size=size, num_rows=_int(fm.get(3, 0), "num_rows"), row_groups=rgs, schema=root, leaves=leaves,
                     arrow_schema=arrow_schema)
 
 
@@ -499,13 +527,15 @@ def _arrow_field_type(schema: pa.Schema | None, name: str) -> pa.DataType | None
     """The type the writer's ARROW:schema gives column ``name`` (a dotted path walks struct fields)."""
     if schema is None:
         return None
-    if name in schema.names:
-        t = schema.field(name).type
+    i = schema.get_field_index(name)  # (-1 when missing, or named twice in a damaged footer)
+    if i >= 0:
+        t = schema.field(i).type
     else:
         parts = name.split(".")
-        if parts[0] not in schema.names:
+        i = schema.get_field_index(parts[0])
+        if i < 0:
             return None
-        t = schema.field(parts[0]).type
+        t = schema.field(i).type
         for part in parts[1:]:
             if not pa.types.is_struct(t) or t.get_field_index(part) < 0:
                 return None
@@ -601,6 +631,13 @@ class PageHeader:
 def parse_page_header(buf: bytes | memoryview, pos: int = 0) -> PageHeader:
     """Parse the Thrift PageHeader at ``pos``; raises ThriftError / ValueError when malformed."""
     h, end = read_struct(buf, pos)
+    try:
+        return _page_header(h, pos, end)
+    except (TypeError, AttributeError, IndexError) as e:  # a field of another type (a damaged header)
+        raise ThriftError(f"malformed page header ({type(e).__name__}: {e})") from None
+
+
+def _page_header(h: dict, pos: int, end: int) -> PageHeader:
     try:
         ptype, usize, csize = h[1], h[2], h[3]
     except KeyError as e:
