@@ -97,6 +97,7 @@ class SourceStream:
         self.files = files or list_source(source)
         self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
+        self._indexed: set[str] = set()  # the paths of self.index.files (a rescan looks a path up, not the list)
         self.segments: list[Segment] = []
         self._bad_units: set[int] = set()  # primary units (page / row-group chunk) that failed
         self._add_files(list(self.files.paths), list(self.files.sizes), list(self.files.mtimes_ns))
@@ -147,7 +148,7 @@ class SourceStream:
     def _add_files(self, paths: list[str], sizes: list[int], mtimes: list[int]) -> bool:
         """Index new files (in path order) and append them as a segment; True if rows were added."""
         new = [(p, s, m) for p, s, m in zip(paths, sizes, mtimes) if self._known.get(p) != (s, m)]
-        new = [t for t in new if t[0] not in {f.path for f in self.index.files}]
+        new = [t for t in new if t[0] not in self._indexed]  # (a rewritten file is not indexed twice)
         if not new:
             return False
         for p, s, m in new:
@@ -159,10 +160,13 @@ class SourceStream:
             self.quarantine.add(err, pages=getattr(err, "pages_lost", 1), whole_file=True)
 
         bad_chunks: list[ParquetError] = []
-        build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new], mtimes=[t[2] for t in new],
-                           filesystem=self.files.filesystem, stats=self.stats, cache_dir=self._cache_dir,
-                           on_bad=on_bad, on_bad_chunk=bad_chunks.append, index=self.index,
-                           beside=bool(getattr(self.source, "index_beside_data", False)))
+        try:
+            build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new],
+                               mtimes=[t[2] for t in new], filesystem=self.files.filesystem, stats=self.stats,
+                               cache_dir=self._cache_dir, on_bad=on_bad, on_bad_chunk=bad_chunks.append,
+                               index=self.index, beside=bool(getattr(self.source, "index_beside_data", False)))
+        finally:
+            self._indexed.update(f.path for f in self.index.files[before:])
         for err in bad_chunks:
             self._quarantine_chunk(err)
         if self.live:
@@ -678,6 +682,7 @@ class SourceStream:
                 return
         # rebuild the index in the recorded segment order
         self.index = SourceIndex(self.columns, self.source.kind)
+        self._indexed = set()
         self.segments = []
         self._bad_units = set()
         self._known = {}
