@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mixplane.errors import MixplaneError
-from mixplane import control, wire
+from mixplane import control, settings, wire
 from mixplane.control import (
     ADMIN_ROLE,
     ENDPOINTS_FILE,
@@ -202,7 +202,7 @@ class EmbeddedRuntime:
     def _inherit_keys(self) -> None:
         """Take the key set $MIXPLANE_CURVE_DIR names when it is complete (another runtime of this process,
         or the user's own key store): one trainer environment then reaches every local run at once."""
-        src = os.environ.get("MIXPLANE_CURVE_DIR")
+        src = settings.get("MIXPLANE_CURVE_DIR")
         if not src or self.key_dir is None or Path(src).resolve() == self.key_dir.resolve():
             return
         files = [f"{r}{suffix}" for r in KEY_ROLES for suffix in (wire.PUBLIC_SUFFIX, wire.SECRET_SUFFIX)]

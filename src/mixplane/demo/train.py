@@ -112,13 +112,16 @@ def trainer_main(result_path: str, steps: int, spec_path: str) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from mixplane import settings
     from mixplane.client import MixtureLoader, microbatches
     from mixplane.mixing import MixtureSchedule
     from mixplane.spec import load_spec
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = settings.get("RANK"), settings.get("WORLD_SIZE")
+    if rank is None or world is None:
+        raise SystemExit("mixplane demo trainer: RANK and WORLD_SIZE must be set (it runs under torchrun)")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = load_spec(spec_path)
     names = spec.source_names()

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from mixplane import settings
 from mixplane.errors import MixplaneError
 
 FIELD_MANAGER = "mixplane-operator"
@@ -44,8 +45,8 @@ class FaultPoint:
 
     @classmethod
     def from_env(cls) -> "FaultPoint":
-        raw = os.environ.get(KILL_AFTER_ENV, "").strip()
-        return cls(int(raw) if raw else None, os.environ.get(KILL_AT_ENV, "").strip() or None)
+        at = settings.get(KILL_AT_ENV)
+        return cls(settings.get(KILL_AFTER_ENV), (at.strip() or None) if at else None)
 
     def hit(self, what: str, *, mutating: bool = True) -> None:
         with self._lock:
