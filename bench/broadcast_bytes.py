@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from balance import CASE_MESH, MESHES, SyntheticStreams, demo_lengths, log, make_spec  # noqa: E402
 
 from mixplane.constructor.collate import SpanStore, materialize_rank  # noqa: E402
+from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.parallelism import META_ONLY, bytes_per_step, rank_view, receive_axis  # noqa: E402
 from mixplane.planner.core import StepPlanner  # noqa: E402
 from mixplane.planner.dgraph import vanilla_strategy  # noqa: E402
@@ -44,7 +45,11 @@ def dp_batch(gpus: int, mesh: dict, bs: int, seq: int, lengths: dict) -> dict:
     spec = make_spec(gpus, bs, seq, "text-packed", mesh)
     planner = StepPlanner(spec, vanilla_strategy)
     SyntheticStreams("text", spec.source_names(), lengths, seq).fill(planner)
-    lay = planner.plan().layout
+    return replica_batch(planner.plan().layout)
+
+
+def replica_batch(lay: StepLayout) -> dict:
+    """DP replica 0's batch of a layout, over synthetic token spans of the planned sizes."""
     spans = SpanStore.empty()
     rng = np.random.default_rng(0)
     for s in np.unique(lay.seg_source):

@@ -52,8 +52,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from balance import CASE_MESH, MESHES, SyntheticStreams, demo_lengths, log, make_spec  # noqa: E402
+from broadcast_bytes import replica_batch  # noqa: E402
 
-from mixplane.constructor.collate import SpanStore, hybrid_view, materialize_rank  # noqa: E402
+from mixplane.constructor.collate import hybrid_view  # noqa: E402
 from mixplane.layout import StepLayout  # noqa: E402
 from mixplane.parallelism import rank_view  # noqa: E402
 from mixplane.planner import hybridcp  # noqa: E402
@@ -62,18 +63,6 @@ from mixplane.planner.context import PlanContext  # noqa: E402
 from mixplane.planner.core import StepPlanner  # noqa: E402
 from mixplane.planner.cost import backbone_cost  # noqa: E402
 from mixplane.planner.dgraph import DGraph  # noqa: E402
-
-
-def replica_batch(lay: StepLayout) -> dict:
-    """DP replica 0's batch of a layout, over synthetic token spans of the planned sizes."""
-    spans = SpanStore.empty()
-    rng = np.random.default_rng(0)
-    for s in np.unique(lay.seg_source):
-        sel = lay.seg_source == s
-        n = lay.seg_len[sel].astype(np.int64) + 1  # the next token labels a piece's last position
-        off = np.concatenate([[0], np.cumsum(n)])
-        spans.add(int(s), lay.seg_key[sel], lay.seg_start[sel], off, rng.integers(0, 128000, int(off[-1])).astype(np.int32))
-    return materialize_rank(lay, 0, spans)
 
 
 def replica_bytes(fixed: StepLayout, hybrid: StepLayout, cp: int) -> tuple[int, int]:
