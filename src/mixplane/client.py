@@ -703,8 +703,11 @@ class MixtureLoader:
         self._mark_end(sys.exc_info()[1])
 
     def _mark_end(self, exc: BaseException | None) -> None:
-        if self._pod_marked and self.pod_dir and podend.ending_cleanly(exc):
-            podend.mark_done(self.pod_dir, self.rank)
+        if self._pod_marked and self.pod_dir:
+            if podend.ending_cleanly(exc):
+                podend.mark_done(self.pod_dir, self.rank)
+            else:
+                podend.mark_failed(self.pod_dir, self.rank)
 
     def _close_sockets(self) -> None:
         reported = False

@@ -13,6 +13,12 @@ gives each loader container the pod's trainer ranks and restart policy. In that 
 - ``rank-<r>.done``: written by ``MixtureLoader.close()`` (or leaving its ``with`` block) when no exception is on
   the way (an exception being raised or handled, a non-zero ``SystemExit``: not clean); removed when the rank
   starts again.
+- ``rank-<r>.exited``: written at interpreter exit for a rank whose loader was never closed, when no exception went
+  unhandled and no close saw one (a framework's trainer that just returns, e.g. the Hugging Face Trainer's
+  ``train()``). It cannot tell ``sys.exit(1)`` after an unclosed loader from a success, so it counts less than
+  ``done``: under ``restartPolicy: Never`` (where the trainer container's own exit status decides the pod) it counts
+  as done; under ``OnFailure`` / ``Always`` only once no rank of the pod has run again for `gone_s` (the kubelet
+  restarts a failed container well within it: 10 s after a first failure).
 
 A loader container reads them (`rank_state`) and `PodEndWatch` decides: every rank of the pod done (its mark
 written and its process gone) -> exit 0 once the loader has nothing left to send and no plan came for a moment
@@ -26,11 +32,13 @@ trainer takes to start.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import errno
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +51,9 @@ GONE_S = 30.0  # restartPolicy Never: no rank of the pod running, not all done, 
 EXIT_TRAINER_FAILED = 3  # the loader's exit status when the pod's trainer ended without its clean-end mark
 
 _held: dict[str, int] = {}  # lock files this process holds (until it exits)
+_unclosed: dict[str, int] = {}  # lock path -> rank: running, never closed (the at-exit mark's candidates)
+_failed: set[str] = set()  # lock paths whose loader saw an exception on its way out (no at-exit mark)
+_atexit_registered = False
 
 
 def lock_path(directory: str, rank: int) -> str:
@@ -51,6 +62,10 @@ def lock_path(directory: str, rank: int) -> str:
 
 def done_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}.done")
+
+
+def exited_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank}.exited")
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -87,15 +102,46 @@ def mark_running(directory: str, rank: int) -> None:
                                            f"runs in the pod?): {e.strerror}") from None
                 time.sleep(0.05)
         _held[path] = fd
-    try:
-        os.unlink(done_path(directory, rank))
-    except FileNotFoundError:
-        pass
+    for mark in (done_path(directory, rank), exited_path(directory, rank)):
+        try:
+            os.unlink(mark)
+        except FileNotFoundError:
+            pass
+    _unclosed[path] = rank
+    _failed.discard(path)
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_at_exit)
+        _atexit_registered = True
+
+
+def mark_failed(directory: str, rank: int) -> None:
+    """`rank`'s loader was closed with an exception on the way: no mark, now or at exit."""
+    path = lock_path(directory, rank)
+    _unclosed.pop(path, None)
+    _failed.add(path)
+
+
+def _at_exit() -> None:
+    """The interpreter is exiting: a rank whose loader was never closed gets the weaker `exited` mark, unless an
+    exception went unhandled (the interpreter then set sys.last_value before running this)."""
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return
+    for path, rank in list(_unclosed.items()):
+        if path not in _failed:
+            try:
+                _write_mark(exited_path(os.path.dirname(path), rank), rank)
+            except OSError:
+                pass
 
 
 def mark_done(directory: str, rank: int) -> None:
     """`rank` ended cleanly (its loader closed with no exception on the way)."""
-    path = done_path(directory, rank)
+    _unclosed.pop(lock_path(directory, rank), None)
+    _write_mark(done_path(directory, rank), rank)
+
+
+def _write_mark(path: str, rank: int) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time()}) + "\n")
@@ -117,6 +163,7 @@ class RankState(enum.Enum):
     WAITING = "waiting"  # no process of the rank has started yet
     RUNNING = "running"  # a process holds the rank's lock
     DONE = "done"  # ended cleanly: the done mark, and no process holds the lock
+    EXITED = "exited"  # its process exited normally without closing its loader (the at-exit mark), none holds the lock
     ENDED = "ended"  # no process holds the lock and there is no done mark: it crashed or was killed
 
 
@@ -135,7 +182,9 @@ def rank_state(directory: str, rank: int) -> RankState:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
-    return RankState.DONE if os.path.exists(done_path(directory, rank)) else RankState.ENDED
+    if os.path.exists(done_path(directory, rank)):
+        return RankState.DONE
+    return RankState.EXITED if os.path.exists(exited_path(directory, rank)) else RankState.ENDED
 
 
 @dataclass(frozen=True)
@@ -174,22 +223,27 @@ class PodEndWatch:
             self._last[r] = s
         if any(s is not RankState.WAITING for s in states.values()):
             self.started = True
-        if all(states.get(r) is RankState.DONE for r in self.ranks):
+        running = any(s is RankState.RUNNING for s in states.values())
+        if running or not self.started:
+            self._gone_since = None
+        elif self._gone_since is None:
+            self._gone_since = now
+        gone_for = 0.0 if self._gone_since is None else now - self._gone_since
+        ends = [states.get(r) for r in self.ranks]
+        if all(s in (RankState.DONE, RankState.EXITED) for s in ends):
+            # an `exited` rank (never closed) counts once a restart in this pod would have come (or there is none)
+            if RankState.EXITED in ends and self.restart_policy != "Never" and gone_for < self.gone_s:
+                return None
             if quiet_for >= self.quiet_s:
-                return Decision(0, f"trainer ranks {_ranks_text(self.ranks)} of this pod ended cleanly; "
+                how = "ended cleanly" if RankState.EXITED not in ends else "ended (exited without closing their loader)"
+                return Decision(0, f"trainer ranks {_ranks_text(self.ranks)} of this pod {how}; "
                                    f"nothing left to send for {quiet_for:.1f} s")
             return None
-        running = any(s is RankState.RUNNING for s in states.values())
-        if self.restart_policy != "Never" or not self.started or running:
-            self._gone_since = None
-            return None
-        if self._gone_since is None:
-            self._gone_since = now
-        if now - self._gone_since < self.gone_s:
+        if self.restart_policy != "Never" or self._gone_since is None or gone_for < self.gone_s:
             return None
         bad = {r: states.get(r, RankState.WAITING).value for r in self.ranks if states.get(r) is not RankState.DONE}
         return Decision(EXIT_TRAINER_FAILED,
-                        f"no trainer rank of this pod has run for {now - self._gone_since:.0f} s and not all ended "
+                        f"no trainer rank of this pod has run for {gone_for:.0f} s and not all ended "
                         f"cleanly ({', '.join(f'rank {r} {v}' for r, v in bad.items())}; restartPolicy Never: nothing "
                         f"restarts them in this pod)")
 

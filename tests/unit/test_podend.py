@@ -25,7 +25,7 @@ from mixplane.podend import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-D, R, E, W = RankState.DONE, RankState.RUNNING, RankState.ENDED, RankState.WAITING
+D, R, E, W, X = RankState.DONE, RankState.RUNNING, RankState.ENDED, RankState.WAITING, RankState.EXITED
 
 # a trainer rank: a MixtureLoader (it connects on the first batch only, so no planner is needed for the marks),
 # then what the case says
@@ -59,6 +59,10 @@ TRAINER = textwrap.dedent("""
             sys.exit(2)
     elif case == "no-close":
         pass
+    elif case == "no-close-exit-1":
+        sys.exit(1)
+    elif case == "no-close-raise":
+        raise RuntimeError("a training step failed")
     elif case == "close-then-hang":
         loader.close()
         time.sleep(600)
@@ -76,7 +80,9 @@ def run_rank(pod_dir: Path, case: str, rank: int = 0, wait: bool = True) -> subp
 
 @pytest.mark.parametrize("case,code,state", [
     ("with-clean", 0, D), ("close-in-except-stopiteration", 0, D), ("exit-0", 0, D),
-    ("with-raise", 1, E), ("finally-close", 1, E), ("exit-2", 2, E), ("no-close", 0, E),
+    ("with-raise", 1, E), ("finally-close", 1, E), ("exit-2", 2, E), ("no-close-raise", 1, E),
+    # never closed, no exception unhandled: the weaker at-exit mark (it cannot tell sys.exit(1) from a success)
+    ("no-close", 0, X), ("no-close-exit-1", 1, X),
 ])
 def test_what_a_rank_leaves_when_its_process_ends(tmp_path, case, code, state):
     p = run_rank(tmp_path, case)
@@ -145,6 +151,21 @@ def test_never_fails_the_pod_once_no_rank_runs_for_gone_s():
     d = w.update({0: E, 1: D}, 1050.0, 0.0)
     assert d is not None and d.code == EXIT_TRAINER_FAILED and "rank 0 ended" in d.reason and "Never" in d.reason
     assert w.crashes == {0: 2, 1: 1}
+
+
+def test_a_rank_that_exited_without_closing_counts_as_done_once_no_restart_can_come():
+    never = PodEndWatch([0, 1], "Never", quiet_s=1.0, gone_s=30.0)
+    assert never.update({0: X, 1: R}, 0.0, 100.0) is None
+    d = never.update({0: X, 1: D}, 1.0, 100.0)  # Never: the trainer container's own exit status decides the pod
+    assert d is not None and d.code == 0 and "without closing" in d.reason
+    again = PodEndWatch([0], "OnFailure", quiet_s=1.0, gone_s=30.0)
+    assert again.update({0: R}, 0.0, 0.0) is None
+    assert again.update({0: X}, 1.0, 100.0) is None  # a failed container comes back within gone_s: wait
+    assert again.update({0: R}, 12.0, 0.0) is None  # it did (sys.exit(1) without a close looks the same at exit)
+    assert again.update({0: X}, 20.0, 100.0) is None
+    assert again.update({0: X}, 49.0, 100.0) is None
+    d = again.update({0: X}, 50.0, 100.0)
+    assert d is not None and d.code == 0
 
 
 @pytest.mark.parametrize("policy", ["OnFailure", "Always"])
