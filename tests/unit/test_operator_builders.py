@@ -360,6 +360,8 @@ def test_planner_journal_is_on_a_claim_unless_turned_off():
     assert c["args"][c["args"].index("--run-dir") + 1] == JOURNAL_MOUNT  # where the planner journals
     assert {"name": "journal", "mountPath": JOURNAL_MOUNT} in c["volumeMounts"]
     assert {"name": "journal", "persistentVolumeClaim": {"claimName": "demo-journal"}} in pod["volumes"]
+    # the compiled planning loops are cached beside the journal: a planner pod replacing a lost one loads them
+    assert {"name": "NUMBA_CACHE_DIR", "value": JOURNAL_MOUNT + "/numba-cache"} in c["env"]
     # the ready file stays in the pod's own emptyDir: a restarted pod is not ready because the last one was
     assert c["args"][c["args"].index("--ready-file") + 1].startswith("/var/run/mixplane/run/")
     _, _, off = render(spec=demo_spec(kubernetes={"journal_mb": 0}))
