@@ -148,13 +148,14 @@ _RESOLVED_MAX = 256
 
 
 COMPILED_MIN_FILES = 20_000  # files to index for which the compiled parse is compiled if it must be (~12 s, once)
-COMPILED_CACHED_MIN_FILES = 2_000  # and for which it is used when numba's cache holds it (~1 s to load)
+COMPILED_CACHED_MIN_FILES = 10_000  # and for which it is used when numba's cache holds it (~1 s to load)
 
 
 def use_compiled(files: int) -> bool:
     """Whether indexing `files` files goes through the compiled footer parse (~0.06 instead of ~0.45 CPU ms a
     file): it is compiled once per machine or image (numba's cache; in a pod, its /tmp), which costs more than
-    parsing a few thousand footers in Python."""
+    parsing a few thousand footers in Python, and numba in a loader costs 75-105 MB of RSS for its life
+    (bench/startup.py), which 5,000 files' ~2 CPU s saved do not buy."""
     if files >= COMPILED_MIN_FILES:
         return True
     if files < COMPILED_CACHED_MIN_FILES:
