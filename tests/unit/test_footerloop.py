@@ -10,6 +10,7 @@ import struct
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -215,3 +216,34 @@ def test_a_source_indexes_the_same_either_way(tmp_path, monkeypatch):
     for c in b.cols:
         for k in b.cols[c]:
             assert a.cols[c][k].dtype == b.cols[c][k].dtype and np.array_equal(a.cols[c][k], b.cols[c][k]), (c, k)
+
+
+def test_offset_indexes_before_the_tail_and_through_object_storage_reads(tmp_path):
+    """A file whose OffsetIndexes do not fit in the tail read at first (the compiled path asks for their span and
+    reads it in one go), read from a local path and through a pyarrow filesystem (the object-storage reader:
+    ranged reads, its own tail): the same index as the Python path, by the compiled path."""
+    p = str(tmp_path / "many-pages.parquet")
+    n = 120_000
+    pq.write_table(pa.table({"id": pa.array(np.arange(n), pa.int64()),
+                             "ids": pa.array([[i % 7] * 3 for i in range(n)], pa.list_(pa.int32()))}), p,
+                   row_group_size=40_000, write_batch_size=16, data_page_size=64, write_page_index=True,
+                   compression="none")
+    r = RangeReader(p)
+    meta = read_file_meta(r)
+    r.close()
+    oi_lo = min(c.offset_index_offset for g in meta.row_groups for c in g.columns)
+    assert os.path.getsize(p) - oi_lo > indexscan.LOCAL_TAIL_BYTES + 10_000  # (they lie before the tail)
+    fs = pafs.SubTreeFileSystem("/", pafs.LocalFileSystem())
+    for cols in (["id"], ["ids", "id"]):
+        for filesystem, path in ((None, p), (fs, p.lstrip("/"))):
+            indexscan._RESOLVED.clear()
+            want = index_file(path, cols, filesystem=filesystem)
+            assert want.pages[cols[0]].unit_off.size > 1000
+            index_file(path, cols, filesystem=filesystem, compiled=True)  # (the schema, resolved)
+            r = RangeReader(path, filesystem)
+            try:
+                got, _ = _index_compiled(r, cols, None, 0)
+            finally:
+                r.close()
+            assert got is not None
+            _assert_same(got, want)
