@@ -20,16 +20,27 @@ import pytest
 import lightning  # noqa: E402,F401 - installed by make test (extra lightning): a missing install fails
 import torch  # noqa: E402
 
+from mixplane import podend  # noqa: E402
 from mixplane.runtime import EmbeddedRuntime  # noqa: E402
 from tests.integration.frameworks.common import DIE_AT, SAVE_AT, STEPS, lr_scale_at, records, rows_by_step, spec, torchrun  # noqa: E402
 
 ACCUM = 2  # token_mixture's batch.microbatches
 
 
+def pod_dir(out):
+    """The directory a trainer pod shares with its sidecar loaders (mixplane.podend): each rank marks its end there."""
+    (out / "pod").mkdir(exist_ok=True)
+    return out / "pod"
+
+
+def pod_states(out, ranks: int) -> list[str]:
+    return [podend.rank_state(str(out / "pod"), r).value for r in range(ranks)]
+
+
 def run(rt: EmbeddedRuntime, out, nproc: int, *, die_at: int = -1, ckpt: str = "-") -> int:
     out.mkdir(exist_ok=True)
     return torchrun("lightning_train.py", nproc, [str(out), str(STEPS), str(SAVE_AT), str(die_at), ckpt, str(ACCUM)],
-                    rt.client_env(), out / "log.txt")
+                    {**rt.client_env(), "MIXPLANE_POD_DIR": str(pod_dir(out))}, out / "log.txt")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +49,8 @@ def reference(token_sources, tmp_path_factory):
     with EmbeddedRuntime(spec(token_sources["root"], 2), base / "run") as rt:
         assert run(rt, base / "out", 2) == 0, (base / "out" / "log.txt").read_text()[-4000:]
         (base / "out" / "status.json").write_text(json.dumps(rt.status()))
+    # the framework's end of training closed each rank's loader cleanly: sidecar loaders would end with the pod
+    assert pod_states(base / "out", 2) == ["done", "done"]
     return base / "out"
 
 
@@ -54,10 +67,12 @@ def test_lightning_killed_and_resumed_trains_on_the_same_batches(token_sources, 
     out = tmp_path / "out"
     with EmbeddedRuntime(spec(token_sources["root"], 2), tmp_path / "run") as rt:
         assert run(rt, out, 2, die_at=DIE_AT) != 0  # the job was killed
+        assert "done" not in pod_states(out, 2)  # a killed rank is never taken for a finished one
         assert max(x["step"] for x in records(out, 2)[0] if "ids" in x) >= DIE_AT - 1
         for r in range(2):
             (out / f"rec-rank{r}.jsonl").rename(out / f"killed-rank{r}.jsonl")
         assert run(rt, out, 2, ckpt=str(out / "ckpt" / f"step={SAVE_AT}.ckpt")) == 0, (out / "log.txt").read_text()[-4000:]
+        assert pod_states(out, 2) == ["done", "done"]  # the resumed ranks took their marks again and finished
     resumed = records(out, 2)
     for r in range(2):
         steps = [x["step"] for x in resumed[r] if "ids" in x]

@@ -104,10 +104,13 @@ class MixplaneCallback(TrainerCallback):
             self.lr_scale = apply_lr_scale(opt, self.stream)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.stream.loader.flush_loss()  # the per-source losses gathered since the last report
+        """The training loop ended (the Trainer calls this only after its last step): the last per-source losses go,
+        and the rank's loader closes -- a clean end, so under sidecar placement the pod's loader containers end with
+        the trainer (mixplane.podend). A later train() connects again."""
         if self.lr_scale is not None:
             self.lr_scale.remove()
             self.lr_scale = None
+        self.stream.close()  # MixtureLoader.close sends the losses gathered since the last report first
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

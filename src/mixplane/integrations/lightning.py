@@ -80,8 +80,11 @@ class MixtureDataModule(pl.LightningDataModule):
         loader.report_loss(int(batch["step"]), s, c)
 
     def teardown(self, stage: str) -> None:
-        if self.stream is not None:
-            self.stream.loader.flush_loss()
+        """After fit: the last per-source losses go and the rank's loader closes. Lightning tears down after a
+        finished fit and while handling a failed one; MixtureLoader.close marks a clean end only in the first case,
+        so under sidecar placement the pod's loader containers end with a trainer that finished (mixplane.podend)."""
         for s in self.lr_scales:
             s.remove()
         self.lr_scales = []
+        if self.stream is not None and stage == "fit":
+            self.stream.close()  # MixtureLoader.close sends the losses gathered since the last report first
