@@ -32,34 +32,14 @@ Python loop and the former compiled loop still stood beside it, byte for byte (t
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from mixplane.numbacache import ensure_cache_dir
 
-def _cache_dir() -> None:
-    """numba caches compiled code next to this file, else in the user's cache; with neither writable
-    (a read-only image) caching would fail: then a writable directory is named explicitly."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
-    if os.access(here if os.path.isdir(here) else os.path.dirname(here), os.W_OK):
-        return
-    for d in (os.path.join(os.path.expanduser("~"), ".cache", "mixplane", "numba"),
-              os.path.join(tempfile.gettempdir(), f"mixplane-numba-{os.getuid()}")):
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(d, os.W_OK):
-            os.environ["NUMBA_CACHE_DIR"] = d
-            return
-
-
-_cache_dir()
+ensure_cache_dir(__file__)  # before numba is imported
 
 from numba import njit  # noqa: E402
 from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: E402
