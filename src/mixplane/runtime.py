@@ -2,8 +2,9 @@
 
 `mixplane.launch` decides which components run with which arguments (the operator renders the same
 plan into pods); this module only starts them as children of this process, waits for their ready
-files, notices when one dies and stops them all. Children die with this process (PR_SET_PDEATHSIG)
-and stop on SIGTERM/SIGINT. Requests to the running planner live in `mixplane.control`.
+files, notices when one dies and stops them all. Children die with this process (PR_SET_PDEATHSIG, armed
+from a thread that lives as long as the process: `_Spawner`) and stop on SIGTERM/SIGINT. Requests to the
+running planner live in `mixplane.control`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import ctypes
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,46 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+class _Spawner:
+    """Starts the children from one daemon thread that lives as long as this process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: a child started from a
+    thread that then ends (a caller's helper thread asking `repartition` or `add_loader_host`, the background
+    supervisor once it gives up) got SIGTERM at once -- a loader host started for a re-partition exited 0 right
+    after the planner handed it its partition, and that step waited for the partition forever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Future[subprocess.Popen], list[str], dict[str, Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def popen(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+        """subprocess.Popen(cmd, **kwargs) with the parent-death signal armed, from the spawner thread."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():  # first, or forked
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._run, args=(self._jobs,), name="mixplane-spawner",
+                                                daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            fut: Future[subprocess.Popen] = Future()
+            self._jobs.put((fut, cmd, kwargs))
+        return fut.result()
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[tuple[Future[subprocess.Popen], list[str], dict[str, Any]]]) -> None:
+        while True:
+            fut, cmd, kwargs = jobs.get()
+            try:
+                fut.set_result(subprocess.Popen(cmd, preexec_fn=_die_with_parent, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                fut.set_exception(e)
+
+
+_SPAWNER = _Spawner()
 
 
 @dataclass
@@ -249,9 +292,11 @@ class EmbeddedRuntime:
         ready.unlink(missing_ok=True)
         logf = open(self.run_dir / "logs" / f"{comp.name}.log", "ab")
         cmd = [self.python, "-m", "mixplane.cli", "--log-level", self.log_level, *comp.args]
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent, env={**os.environ, **comp.env})
-        logf.close()
+        try:
+            proc = _SPAWNER.popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, **comp.env})
+        finally:
+            logf.close()
         c = Child(comp.name, proc, ready, component=comp)
         self.children.append(c)
         return c
@@ -263,9 +308,11 @@ class EmbeddedRuntime:
         ready.unlink(missing_ok=True)
         logf = open(self.run_dir / "logs" / "standby.log", "ab")
         cmd = [self.python, "-m", "mixplane.standby", "--ready-file", str(ready)]
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        logf.close()
+        try:
+            proc = _SPAWNER.popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        finally:
+            logf.close()
         self._standbys.append((proc, ready))
 
     def _tend_standby(self, now: float) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -160,6 +161,37 @@ def test_loaders_killed_after_the_repartition_change_no_batch(small_a, first_run
             for k in KEYS:
                 assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
     assert table["partitions"]["a:2"]["epoch"] >= 2 and table["partitions"]["a:0"]["epoch"] >= 3
+
+
+def test_a_repartition_asked_from_a_thread_that_ends_keeps_its_new_loader_process(small_a, first_run, tmp_path):
+    """EmbeddedRuntime.repartition called from a thread that ends once it asked (as the operator test's embedded
+    reference asks a later re-partition from a helper thread): the loader process started there for the new
+    partition lives on and serves it -- a child's parent-death signal follows this process, not the thread that
+    started it (it used to get SIGTERM as the thread ended, exit 0 right after its ADOPT, and the step of the
+    re-partition waited for its partition until the trainers timed out). Every rank's batches equal the run that
+    asked from the main thread."""
+    _, (reference, *_rest) = first_run
+    with EmbeddedRuntime(make_spec(small_a), tmp_path / "thread") as rt:
+        before = {c.name for c in rt.children}
+        acks: list = []
+        asker = threading.Thread(target=lambda: acks.append(rt.repartition("a", 3, step=AT, wait=False)))
+        asker.start()
+        asker.join(180)
+        assert acks and acks[0]["step"] == AT, acks
+        (new,) = [c for c in rt.children if c.name not in before]
+        # longer than the planner's failover window: a host that went away would be listed silent by now
+        time.sleep(2 * rt.spec.runtime.failover_after_s + 0.5)
+        assert new.proc.poll() is None, f"{new.name} exited with code {new.proc.returncode} after its thread ended"
+        assert rt.partitions()["hosts"][new.name]["alive"]
+        got = Fetcher(rt.planner_endpoint, pause_s=0.02).join()
+        assert new.proc.poll() is None
+        table = rt.partitions()
+    assert table["partitions"]["a:2"]["host"] == new.name
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(STEPS))
+        for s in range(STEPS):
+            for k in KEYS:
+                assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
 
 
 def test_trainers_resume_from_a_state_taken_after_the_change_in_a_new_run(small_a, first_run, tmp_path):
