@@ -11,7 +11,8 @@ second implementation of its *common case* only, used by ``indexscan.index_file`
   byte spans of its wanted fields, which fields were present); everything else is skipped with the checks the
   Python decoder makes. The footer's schema list and ``ARROW:schema`` value are returned as byte spans: files
   of one corpus share them, so the caller resolves a schema once (with the Python path) and keys it on them.
-* :func:`units` -- the checks ``_scan_chunk`` makes of a chunk's OffsetIndex, and the chunk's units from it.
+* :func:`chunks` -- the projected column chunks, with the checks ``index_file`` makes of them, and (walking
+  their OffsetIndexes) the checks ``_scan_chunk`` makes of those, and each chunk's units.
 
 Neither raises on bad input. Where the fast path does not do exactly what the specification does -- a truncated
 or malformed struct, a wanted field of another type, missing or given twice, nesting deeper than 24, a varint of
@@ -301,27 +302,30 @@ def walk(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, top: int,
 OK, FALLBACK, NEED = 0, 1, 2
 _CODEC_OK = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 4) | (1 << 6) | (1 << 7)  # UNCOMPRESSED SNAPPY GZIP BROTLI ZSTD LZ4_RAW
 _INT32_MAX = 2**31 - 1
+# columns of a projected chunk's row (_select, _finish)
+C_RG, C_CODEC, C_START, C_END, C_ROWS, C_RAW, C_OI, C_OI_END, C_UNITS, C_DICT_OFF, C_DICT_LEN = range(11)
+_CW = 11
 
 
 @njit(cache=True, nogil=True)
-def _chunks(rows, leaves, leaf_i, phys, file_size, buf, base, act, need, maskcol):
-    """What indexscan.index_file makes of a footer's rows (from _walk) and the OffsetIndexes in buf (the file's
-    bytes from `base`), for the projected leaves `leaf_i` (physical types `phys`) of a schema of `leaves` leaves."""
-    e0 = np.zeros(0, np.int64)
+def _select(rows, leaves, leaf_i, phys, file_size, base, size):
+    """(answer, lo, hi, chunks): the projected leaves' chunks of a footer's rows (from _walk), leaf by leaf over
+    the row groups that hold rows, with the checks index_file makes of each; NEED when their OffsetIndexes
+    [lo, hi) do not lie in the `size` bytes from `base` the caller holds."""
+    none = np.zeros((0, _CW), np.int64)
     nrg = 0
     nch = 0
-    num_rows = rows[0, NUM_ROWS]
     total = 0
     for r in range(rows.shape[0]):
         if rows[r, KIND] == ROW_GROUP:
             nrg += 1
             if rows[r, RG_ROWS] < 0:
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
+                return FALLBACK, 0, 0, none
             total += rows[r, RG_ROWS]
         elif rows[r, KIND] == CHUNK:
             nch += 1
-    if num_rows == 0 or nrg == 0 or nch != nrg * leaves or total != num_rows:
-        return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
+    if rows[0, NUM_ROWS] == 0 or nrg == 0 or nch != nrg * leaves or total != rows[0, NUM_ROWS]:
+        return FALLBACK, 0, 0, none
     rg_row = np.zeros(nrg, np.int64)  # each row group's row in `rows`
     chunk = np.zeros(nch, np.int64)  # each chunk's, row group by row group
     g = -1
@@ -332,7 +336,7 @@ def _chunks(rows, leaves, leaf_i, phys, file_size, buf, base, act, need, maskcol
             rg_row[g] = r
         elif rows[r, KIND] == CHUNK:
             if g < 0 or rows[r, PARENT] != rg_row[g] or c >= (g + 1) * leaves:
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
+                return FALLBACK, 0, 0, none
             chunk[c] = r
             c += 1
     # the projected chunks' OffsetIndexes, in one span (as _hold_offset_indexes reads them)
@@ -352,17 +356,10 @@ def _chunks(rows, leaves, leaf_i, phys, file_size, buf, base, act, need, maskcol
             if rows[rg_row[g], RG_ROWS] != 0:
                 nproj += 1
     if lo < 0 or not (0 <= lo < hi <= file_size) or hi - lo > 16 << 20:
-        return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
-    if lo < base or hi > base + buf.shape[0]:
-        return NEED, lo, hi, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
-    c_rg = np.zeros(nproj, np.int64)
-    c_codec = np.zeros(nproj, np.int64)
-    c_start = np.zeros(nproj, np.int64)
-    c_end = np.zeros(nproj, np.int64)
-    c_rows = np.zeros(nproj, np.int64)
-    c_raw = np.zeros(nproj, np.int64)
-    starts = np.zeros(nproj, np.int64)
-    ends = np.zeros(nproj, np.int64)
+        return FALLBACK, 0, 0, none
+    if lo < base or hi > base + size:
+        return NEED, lo, hi, none
+    out = np.zeros((nproj, _CW), np.int64)
     k = 0
     for ci in range(leaf_i.shape[0]):
         for g in range(nrg):
@@ -372,104 +369,108 @@ def _chunks(rows, leaves, leaf_i, phys, file_size, buf, base, act, need, maskcol
             r = chunk[g * leaves + leaf_i[ci]]
             codec = rows[r, CODEC]
             if rows[r, PHYS] != phys[ci] or codec < 0 or codec > 7 or not (_CODEC_OK >> codec) & 1:
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
+                return FALLBACK, 0, 0, none
             d = rows[r, DICT_OFF]
             data_off = rows[r, DATA_OFF]
             start = d if (rows[r, META_MASK] >> 11) & 1 and 0 < d < data_off else data_off
             comp = rows[r, COMPRESSED]
             if start < 4 or comp > file_size - 8 - start:  # (start + comp > size - 8, without overflow)
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
+                return FALLBACK, 0, 0, none
             o = rows[r, OI_OFF]
             n = rows[r, OI_LEN]
             if o == 0 or n <= 0:
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
-            c_rg[k] = g
-            c_codec[k] = codec
-            c_start[k] = start
-            c_end[k] = start + comp
-            c_rows[k] = rg_rows
-            c_raw[k] = rows[r, UNCOMPRESSED] if (rows[r, META_MASK] >> 6) & 1 else comp
-            starts[k] = o - base
-            ends[k] = o - base + n
+                return FALLBACK, 0, 0, none
+            out[k, C_RG] = g
+            out[k, C_CODEC] = codec
+            out[k, C_START] = start
+            out[k, C_END] = start + comp
+            out[k, C_ROWS] = rg_rows
+            out[k, C_RAW] = rows[r, UNCOMPRESSED] if (rows[r, META_MASK] >> 6) & 1 else comp
+            out[k, C_OI] = o - base
+            out[k, C_OI_END] = o - base + n
             k += 1
-    ok, pl, npl = _walk(buf, starts, ends, OFFSET_INDEX, act, need, maskcol, np.zeros((nproj * 8 + 8, WIDTH), np.int64))
-    if not ok:
-        return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
-    nu = npl - nproj
-    u_off = np.zeros(nu, np.int64)
-    u_len = np.zeros(nu, np.int64)
-    u_first = np.zeros(nu, np.int64)
-    c_n = np.zeros(nproj, np.int64)
-    k = -1
-    j = 0
-    for r in range(npl):
-        if pl[r, KIND] == OFFSET_INDEX:
-            k += 1
-        else:
-            u_off[j] = pl[r, PAGE_OFF]
-            u_len[j] = pl[r, PAGE_SIZE]
-            u_first[j] = pl[r, PAGE_FIRST]
-            c_n[k] += 1
-            j += 1
-    u_rows = np.zeros(nu, np.int64)
-    if not _units(c_start, c_end, c_rows, c_n, u_off, u_len, u_first, u_rows):
-        return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0
-    c_doff = np.zeros(nproj, np.int64)
-    c_dlen = np.zeros(nproj, np.int64)
-    p = 0
-    for i in range(nproj):
-        if u_off[p] > c_start[i]:
-            if u_off[p] - c_start[i] > _INT32_MAX:
-                return FALLBACK, 0, 0, e0, e0, e0, e0, e0, e0, e0, e0, e0, e0  # (the Python path's int32 array)
-            c_doff[i] = c_start[i]
-            c_dlen[i] = u_off[p] - c_start[i]
-        p += c_n[i]
-    return OK, lo, hi, c_rg, c_codec, c_doff, c_dlen, c_raw, c_n, u_off, u_len, u_rows, c_rows
-
-
-def chunks(rows: np.ndarray, leaves: int, leaf_i: np.ndarray, phys: np.ndarray, file_size: int, buf: np.ndarray,
-           base: int):
-    """The projected leaves' column chunks of a footer walked by :func:`walk` (row groups that hold rows, leaf by
-    leaf), their units from the OffsetIndexes in ``buf`` (the file's bytes from ``base``):
-    ``(OK, lo, hi, chunk_rg, codec, dict_off, dict_len, raw_len, units, unit_off, unit_len, unit_rows,
-    chunk_rows)``; ``(NEED, lo, hi, ...)``: the OffsetIndexes lie in [lo, hi), not in ``buf``; ``(FALLBACK,
-    ...)``: the Python path decides this file."""
-    return _chunks(rows, leaves, leaf_i, phys, file_size, buf, base, ACT, REQUIRED, MASKCOL)
+    return OK, lo, hi, out
 
 
 @njit(cache=True, nogil=True)
-def _units(start, end, rows, counts, off, size, first, unit_rows):
-    """indexscan._scan_chunk's checks of each chunk's OffsetIndex (its pages off/size/first, counts[i] of them
-    for chunk i, chunk i spanning [start, end) with `rows` rows); each unit's rows into unit_rows. False when a
-    check fails (the Python path then raises, naming the file)."""
+def _finish(ch, pl):
+    """indexscan._scan_chunk's checks of each chunk's OffsetIndex (the rows `pl` _walk made of them) and the
+    chunks' units: (True, [offset, size, rows] per unit), each chunk's unit count and dictionary span written
+    into `ch`; False when a check fails (the Python path then raises, naming the file)."""
+    nu = 0
+    for r in range(pl.shape[0]):
+        nu += pl[r, KIND] == PAGE
+    units = np.zeros((nu, 3), np.int64)
+    k = -1
+    j = 0
+    for r in range(pl.shape[0]):
+        if pl[r, KIND] == OFFSET_INDEX:
+            k += 1
+            ch[k, C_UNITS] = 0
+        else:
+            units[j, 0] = pl[r, PAGE_OFF]
+            units[j, 1] = pl[r, PAGE_SIZE]
+            units[j, 2] = pl[r, PAGE_FIRST]
+            ch[k, C_UNITS] += 1
+            j += 1
+    if k + 1 != ch.shape[0]:
+        return False, units
     p = 0
-    for i in range(counts.shape[0]):
-        n = counts[i]
+    for i in range(ch.shape[0]):
+        n = ch[i, C_UNITS]
         if n <= 0:
-            return False
+            return False, units
         q = p + n - 1
-        if off[p] < start[i] or first[p] != 0:
-            return False
-        for j in range(p, q + 1):
-            if size[j] <= 0:
-                return False
-            if j < q and (off[j + 1] <= off[j] or first[j + 1] < first[j]):
-                return False
+        start = ch[i, C_START]
+        end = ch[i, C_END]
+        rows = ch[i, C_ROWS]
+        if units[p, 0] < start or units[p, 2] != 0:
+            return False, units
+        for u in range(p, q + 1):
+            if units[u, 1] <= 0:
+                return False, units
+            if u < q and (units[u + 1, 0] <= units[u, 0] or units[u + 1, 2] < units[u, 2]):
+                return False, units
         # (offsets >= start >= 4: end - off cannot overflow, off + size could)
-        if off[q] > end[i] or size[q] > end[i] - off[q] or first[q] >= max(rows[i], 1):
-            return False
-        for j in range(p, q):
-            unit_rows[j] = first[j + 1] - first[j]
-        unit_rows[q] = rows[i] - first[q]
+        if units[q, 0] > end or units[q, 1] > end - units[q, 0] or units[q, 2] >= max(rows, 1):
+            return False, units
+        ch[i, C_DICT_OFF] = 0
+        ch[i, C_DICT_LEN] = 0
+        if units[p, 0] > start:
+            if units[p, 0] - start > _INT32_MAX:
+                return False, units  # (the Python path's int32 array refuses it)
+            ch[i, C_DICT_OFF] = start
+            ch[i, C_DICT_LEN] = units[p, 0] - start
+        for u in range(p, q):  # first row index -> rows of the unit
+            units[u, 2] = units[u + 1, 2] - units[u, 2]
+        units[q, 2] = rows - units[q, 2]
         p = q + 1
-    return p == off.shape[0]
+    return True, units
+
+
+def chunks(rows: np.ndarray, leaves: int, leaf_i: np.ndarray, phys: np.ndarray, file_size: int, buf: np.ndarray,
+           base: int) -> tuple[int, int, int, np.ndarray | None, np.ndarray | None]:
+    """The projected leaves' column chunks of a footer walked by :func:`walk` (row groups that hold rows, leaf by
+    leaf) and their units, from the OffsetIndexes in ``buf`` (the file's bytes from ``base``): ``(OK, lo, hi,
+    chunks, units)`` -- a row per chunk (columns C_RG ... C_DICT_LEN) and one per unit (offset, size, rows);
+    ``(NEED, lo, hi, None, None)``: the OffsetIndexes lie in [lo, hi), not in ``buf``; ``(FALLBACK, ...)``: the
+    Python path decides this file."""
+    answer, lo, hi, ch = _select(rows, leaves, leaf_i, phys, file_size, base, buf.shape[0])
+    if answer != OK:
+        return answer, lo, hi, None, None
+    ok, pl = walk(buf, ch[:, C_OI].copy(), ch[:, C_OI_END].copy(), OFFSET_INDEX,
+                  np.zeros((8 * len(ch) + 8, WIDTH), np.int64))
+    if not ok:
+        return FALLBACK, lo, hi, None, None
+    ok, units = _finish(ch, pl)
+    return (OK if ok else FALLBACK), lo, hi, ch, units
 
 
 def cached() -> bool:
     """Whether numba's cache holds this module's kernels (then loading them takes ~1 s, not compiling ~12 s);
     False when that cannot be told."""
     try:
-        kernels: list[Any] = [_walk, _chunks, _units]  # (numba's dispatchers: their cache is not typed)
+        kernels: list[Any] = [_walk, _select, _finish]  # (numba's dispatchers: their cache is not typed)
         return all(os.path.exists(f._cache._cache_file._index_path) for f in kernels)
     except (AttributeError, OSError):
         return False

@@ -190,28 +190,28 @@ def _index_compiled(reader: RangeReader, columns: list[str], size: int | None,
     leaves, cols, leaf_i, phys = got
     res = fl.chunks(rows, leaves, leaf_i, phys, reader.size, buf, base)
     if res[0] == fl.NEED:  # the OffsetIndexes lie before the tail read: read them in one go
-        lo, hi = int(res[1]), int(res[2])
+        lo, hi = res[1], res[2]
         reader.hold(lo, hi - lo)
         res = fl.chunks(rows, leaves, leaf_i, phys, reader.size, np.frombuffer(reader.read_at(lo, hi - lo), np.uint8), lo)
-    if res[0] != fl.OK:
+    ch, units = res[3], res[4]
+    if res[0] != fl.OK or ch is None or units is None:
         return None, None
-    _, _, _, c_rg, c_codec, c_doff, c_dlen, c_raw, c_n, u_off, u_len, u_rows, _ = res
     rg_rows = rows[rows[:, fl.KIND] == fl.ROW_GROUP, fl.RG_ROWS]
-    nz = len(c_rg) // len(cols)
+    nz = len(ch) // len(cols)
     pages: dict[str, ColumnPages] = {}
     u0 = 0
     for ci, col in enumerate(cols):
-        sl = slice(ci * nz, (ci + 1) * nz)
+        c = ch[ci * nz: (ci + 1) * nz]
         first = np.zeros(nz + 1, np.int64)
-        np.cumsum(c_n[sl], out=first[1:])
-        us = slice(u0, u0 + int(first[-1]))
-        u0 = us.stop
+        np.cumsum(c[:, fl.C_UNITS], out=first[1:])
+        u = units[u0: u0 + int(first[-1])]
+        u0 += len(u)
         pages[col.name] = ColumnPages(
-            chunk_rg=c_rg[sl].astype(np.int32), chunk_codec=c_codec[sl].astype(np.int8),
-            chunk_dict_off=c_doff[sl].copy(), chunk_dict_len=c_dlen[sl].astype(np.int32),
-            chunk_first_unit=first, chunk_raw_len=c_raw[sl].copy(),
-            unit_off=u_off[us].copy(), unit_len=u_len[us].astype(np.int32),
-            unit_rows=u_rows[us].astype(np.int32), unit_pages=np.ones(us.stop - us.start, np.int16))
+            chunk_rg=c[:, fl.C_RG].astype(np.int32), chunk_codec=c[:, fl.C_CODEC].astype(np.int8),
+            chunk_dict_off=c[:, fl.C_DICT_OFF].copy(), chunk_dict_len=c[:, fl.C_DICT_LEN].astype(np.int32),
+            chunk_first_unit=first, chunk_raw_len=c[:, fl.C_RAW].copy(),
+            unit_off=u[:, 0].copy(), unit_len=u[:, 1].astype(np.int32),
+            unit_rows=u[:, 2].astype(np.int32), unit_pages=np.ones(len(u), np.int16))
     return FileIndex(path=reader.path, size=reader.size if size is None else size, mtime_ns=mtime_ns,
                      num_rows=int(rows[0, fl.NUM_ROWS]), rg_rows=rg_rows, columns=list(cols), pages=pages), None
 
