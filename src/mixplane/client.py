@@ -828,6 +828,7 @@ def fan_out(batch: dict[str, torch.Tensor], fanout: dict[str, Any], coords: dict
             sent += _broadcast_tp_counted(batch, g, coords["tp"] == 0)
             continue
         names = sorted(k for k, t in batch.items() if t.dim() and k not in ENCODER_FIELDS)
+        assert g is not None  # every axis but tp was checked for its group above
         if coords[a] != 0:  # receive this rank's holding into the buffers its metadata allocated
             src = dist.get_global_rank(g, 0)
             for k in names:

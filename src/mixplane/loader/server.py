@@ -287,7 +287,7 @@ class LoaderServer(PlannerFollower):
             self._last_status_line = time.monotonic()
             log.warning("%s: %s", self.name, self.stream.status_line())
         if len(a):
-            meta = {"session": self.session, "source": self.si, "replica": self.replica, "epoch": self.epoch}
+            meta: dict[str, Any] = {"session": self.session, "source": self.si, "replica": self.replica, "epoch": self.epoch}
             listing = self._listing_changed()
             if listing is not None:
                 meta["listing"] = listing
@@ -333,7 +333,7 @@ class LoaderServer(PlannerFollower):
             offsets = np.zeros(len(spans) + 1, np.int64)
             np.cumsum([len(x) for x in spans], out=offsets[1:])
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
-            arrays = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
+            arrays: dict[str, np.ndarray] = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
                       "offsets": offsets, "values": values}
             arrays.update(self._images(pos[sel[img[sel] > 0]]))
             frames = wire.encode(Kind.SAMPLES, {"session": self.session, "step": step, "source": self.si,
@@ -548,9 +548,9 @@ def serve_loaders(loaders: list[LoaderServer] | Callable[[], list[LoaderServer]]
             queued = any(ld.outbox_messages for ld in live)  # waiting on constructors: look again soon
             events = dict(poller.poll(0 if busy else (5 if queued else 100)))
             for sock in events:
-                comp = by_sock.get(sock)
-                if comp is not None and getattr(comp, "planner", None) is sock:  # not closed by an earlier message
-                    comp.drain(comp.entry("planner"))
+                owner = by_sock.get(sock)
+                if owner is not None and getattr(owner, "planner", None) is sock:  # not closed by an earlier message
+                    owner.drain(owner.entry("planner"))
             for comp in by_sock.values():  # a reconnected planner socket (a restarted planner): beat to it now
                 comp.drain_monitors()
             now = time.monotonic()

@@ -394,8 +394,8 @@ def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray
         heap.append((-float(costs[i]), counter, np.array([costs[i]]), [[i]]))
         counter += 1
     if init is not None and np.any(init != 0):
-        o = np.argsort(-init, kind="stable")
-        heap.append((-(float(init.max() - init.min())), counter, init[o].astype(np.float64), [[-1 - int(b)] for b in o]))
+        desc = np.argsort(-init, kind="stable")
+        heap.append((-(float(init.max() - init.min())), counter, init[desc].astype(np.float64), [[-1 - int(b)] for b in desc]))
         counter += 1
     if not heap:
         return np.zeros(0, dtype=np.int64)
@@ -421,7 +421,7 @@ def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray
         counter += 1
     _, _, vals, members = heap[0]
     out_bin: dict[int, int] = {}
-    pinned = {}
+    pinned: dict[int, int] = {}
     for si, mem in enumerate(members):
         pins = [-1 - x for x in mem if x < 0]
         if pins:
@@ -429,12 +429,12 @@ def _kk_free(costs: np.ndarray, items: np.ndarray, n_bins: int, init: np.ndarray
     used = set(pinned.values())
     free_bins = iter([b for b in range(k) if b not in used])
     for si, mem in enumerate(members):
-        b = pinned.get(si)
-        if b is None:
-            b = next(free_bins)
+        at = pinned.get(si)
+        if at is None:
+            at = next(free_bins)
         for x in mem:
             if x >= 0:
-                out_bin[x] = b
+                out_bin[x] = at
     return np.array([out_bin[i] for i in items.tolist()], dtype=np.int64)
 
 

@@ -41,13 +41,13 @@ def generate_keys(key_dir: str | os.PathLike, name: str) -> CurveKeys:
 
 
 def _read_cert(path: Path) -> tuple[bytes | None, bytes | None]:
-    public = secret = None
+    public: bytes | None = None
+    secret: bytes | None = None
     for line in path.read_text().splitlines():
         line = line.strip()
         for key in ("public-key", "secret-key"):
             if line.startswith(key):
-                _, _, v = line.partition("=")
-                v = v.strip().strip('"').encode()
+                v = line.partition("=")[2].strip().strip('"').encode()
                 if len(v) != 40:
                     raise ValueError(f"{path}: {key} is not a 40-character Z85 key")
                 if key == "public-key":
@@ -289,16 +289,18 @@ class Security:
         self.key_dir = getattr(curve, "key_dir", None) if self.enabled else None
         if self.enabled and not self.key_dir:
             raise ValueError("runtime.curve.enabled needs runtime.curve.key_dir")
-        self.keys = load_keys(self.key_dir, name) if self.enabled else None
+        key_dir = self.key_dir  # set whenever enabled (checked above)
+        self.keys = load_keys(key_dir, name) if key_dir else None
         self.client_keys = self.keys
-        if self.enabled and role and (Path(self.key_dir) / f"{role}{SECRET_SUFFIX}").exists():  # type: ignore[arg-type]
-            self.client_keys = load_keys(self.key_dir, role)  # type: ignore[arg-type]
-        self.server_public = load_public_key(self.key_dir, "server") if self.enabled else None
+        if key_dir and role and (Path(key_dir) / f"{role}{SECRET_SUFFIX}").exists():
+            self.client_keys = load_keys(key_dir, role)
+        self.server_public = load_public_key(key_dir, "server") if key_dir else None
 
     def _authenticator(self) -> Authenticator:
         with _AUTH_LOCK:  # one ZAP handler per context
             a = _AUTHENTICATORS.get(id(self.ctx))
             if a is None or a.ctx is not self.ctx:
+                assert self.key_dir, "an authenticator is made for an enabled transport only"
                 roles = load_roles(self.key_dir)
                 a = _AUTHENTICATORS[id(self.ctx)] = Authenticator(self.ctx, set(roles), key_dir=self.key_dir, roles=roles)
             return a
