@@ -18,7 +18,7 @@ from mixplane import control
 from mixplane.operator.keys import admin_key_dir, existing_keys
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
-from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, trainer_keys, wait_for
+from tests.k8s.helpers import LocalPods, applied, apply, get, operator, run_trainers, status_of, trainer_keys, wait_for
 from tests.k8s.test_scaling import Kubelet, digest, scaling_mixture
 from tests.unit.operator_testdata import write_text_and_images
 
@@ -34,13 +34,11 @@ def data(tmp_path_factory):
 def shadow_mixture(ns, data):
     """test_scaling's mixture without the phase, every loader with a shadow."""
     m = scaling_mixture(ns, data)
-    # one partition per source for the whole run: the scaler may move partitions between pods (a re-partition, a
-    # regrouping) when its measured costs on a loaded machine say so, and this test is about a fixed layout's failover
-    ann = m["metadata"]["annotations"]
-    prof = json.loads(ann["mixplane.io/profile"])
-    for src in prof["sources"].values():
-        src["max_partitions"] = 1
-    ann["mixplane.io/profile"] = json.dumps(prof)
+    # a fixed layout for the whole run: this test is about a layout's failover. With the profile's costs as they are
+    # (`scale-costs: profiled`; `scale-on: declared`) the scaler's decisions depend on the spec, the profile and the
+    # annotations only -- not on what a loaded machine measures, which could make it re-partition or regroup mid-run
+    # -- and for these weights they keep one partition per source (checked at the end: no re-partition)
+    m["metadata"]["annotations"]["mixplane.io/scale-costs"] = "profiled"
     m["spec"]["mixture"] = {"weights": {"web": 0.6, "code": 0.4}, "seed": 3}
     m["spec"]["runtime"] = {"window": 16, "failover_after_s": 1.0, "shadow_loaders": 1}
     return m
@@ -119,6 +117,8 @@ def test_a_lost_primary_loader_is_replaced_by_its_shadow_and_the_batches_stay(cr
             # the operator saw the promotion and left it alone: nothing handed back, nothing deleted
             log = op.log_text()
             assert "handoff:" not in log, log[-3000:]
+            st = status_of(cluster, ns)
+            assert not st.get("repartitions") and not st.get("repartition"), st  # the layout stayed as it was
             assert set(loaders) == {n for (k, n), o in applied(cluster, ns).items() if k == "Deployment"
                                     and o["metadata"]["labels"]["mixplane.io/role"] == "loader"}
             assert kubelet.error is None and not kubelet.stopped, (kubelet.error, kubelet.stopped)
