@@ -135,7 +135,10 @@ def cmd_loader(args: argparse.Namespace) -> int:
     else:
         raise SystemExit("mixplane loader: give --source NAME [--replica R], --sources NAME[:R],... or --host-name NAME")
     name = args.host_name or loader_name([(spec.sources[si].name, r) for si, r in members])
-    host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, metrics=spec.runtime.metrics,
+    if args.shadow_of and not args.shadow:
+        raise SystemExit("mixplane loader: --shadow-of HOST needs --shadow (it names the primary a shadow stands beside)")
+    host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, shadow_of=args.shadow_of,
+                      metrics=spec.runtime.metrics,
                       metrics_port=args.metrics_port, state_dir=args.state_dir)
     _on_sigterm(host)
     if args.trainer_dir:
@@ -780,6 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--state-dir", help="where differential checkpoints go (runtime.loader_snapshot_every)")
             c.add_argument("--shadow", action="store_true", help="a shadow: keep the partitions warm, serve them only "
                            "when the planner promotes this host (runtime.shadow_loaders)")
+            c.add_argument("--shadow-of", metavar="HOST", help="with --shadow: the primary loader host this shadow is "
+                           "launched beside; it also stands by for the partitions that host is handed later (a "
+                           "re-partition's new partition, a handoff), not only those named here")
             c.add_argument("--trainer-dir", help="a loader container of a trainer pod: the directory shared with its "
                            "trainer (mixplane.podend); the loader ends when the pod's trainer ranks did")
             c.add_argument("--trainer-ranks", help="with --trainer-dir: the pod's trainer ranks, FIRST-LAST")

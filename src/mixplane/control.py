@@ -212,6 +212,6 @@ def repartition(endpoint: str, source: str, partitions: int, timeout_s: float = 
 
 def partitions(endpoint: str, timeout_s: float = 5.0, *, curve: Any = None) -> dict[str, Any]:
     """The planner's partition table: ``{"partitions": {"a:0": {"host", "epoch", "shadows"}}, "hosts": {name:
-    {"partitions", "shadows", "alive", "silent_s", "launched_as_shadow"}}, "handoffs": [recent moves]}``."""
+    {"partitions", "shadows", "alive", "silent_s", "launched_as_shadow", "shadow_of"}}, "handoffs": [recent moves]}``."""
     st = status(endpoint, timeout_s, curve=curve)
     return {k: st.get(k, {} if k != "handoffs" else []) for k in ("partitions", "hosts", "handoffs")}

@@ -255,7 +255,7 @@ def launch_plan(spec: DataMixtureSpec, target: LaunchTarget, *,
                 which: tuple[str, ...] = ("--source", src, "--replica", str(r))
             else:
                 which = ("--sources", ",".join(f"{n}:{r}" for n, r in group))
-            which += ("--host-name", name, *(("--shadow",) if shadow else ()))
+            which += ("--host-name", name, *(("--shadow", "--shadow-of", primary) if shadow else ()))
             if spec.runtime.loader_snapshot_every:  # differential checkpoints in the run dir (loader.snapshot)
                 which += ("--state-dir", os.path.join(target.run_dir, "loader-state"))
             comps.append(Component("loader", name, ("loader", *common, *which, "--planner", planner_ep),

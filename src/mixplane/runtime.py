@@ -35,7 +35,7 @@ from mixplane.control import (
     read_ready,
     request,
 )
-from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan
+from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan, shadow_name
 from mixplane.loader.iceberg import pin_sources
 from mixplane.planner import journal
 from mixplane.spec import DataMixtureSpec
@@ -466,30 +466,38 @@ class EmbeddedRuntime:
         """The planner's partition table: which loader process serves (and shadows) each partition."""
         return control.partitions(self.planner_endpoint or "", timeout_s, curve=self.control_curve)
 
-    def add_loader_host(self, name: str, timeout_s: float = 60.0) -> Child:
-        """Start a loader process with no partitions (it serves what the planner hands it) and wait until the
-        planner lists it alive."""
+    def add_loader_host(self, name: str, timeout_s: float = 60.0, *, shadows: int = 0) -> Child:
+        """Start a loader process with no partitions (it serves what the planner hands it) and `shadows` shadow
+        processes beside it (`<name>-shadow<i>`, `--shadow-of name`: each stands by for what that host is handed,
+        planner.partitions' groups), and wait until the planner lists them all alive. Returns the primary's child."""
         plan = self.plan()
-        ready = str(self.run_dir / "ready" / f"{name}.json")
-        args = ["loader", "--spec", plan.target.spec_file, "--ready-file", ready, "--host-name", name,
-                "--planner", self.planner_endpoint or ""]
-        if self.key_dir:
-            args += ["--curve-dir", str(self.key_dir)]
-        with self._lock:
-            c = self._spawn(Component("loader", name, tuple(args), env={"PYTHONUNBUFFERED": "1"}, ready_file=ready))
-        self._wait_ready([c])
+        started = []
+        for host, shadow in [(name, False), *((shadow_name(name, i), True) for i in range(shadows))]:
+            ready = str(self.run_dir / "ready" / f"{host}.json")
+            args = ["loader", "--spec", plan.target.spec_file, "--ready-file", ready, "--host-name", host,
+                    *(("--shadow", "--shadow-of", name) if shadow else ()), "--planner", self.planner_endpoint or ""]
+            if self.key_dir:
+                args += ["--curve-dir", str(self.key_dir)]
+            with self._lock:
+                started.append(self._spawn(Component("loader", host, tuple(args), env={"PYTHONUNBUFFERED": "1"},
+                                                     ready_file=ready, shadow=shadow)))
+        self._wait_ready(started)
         deadline = time.monotonic() + timeout_s
-        while not self.partitions().get("hosts", {}).get(name, {}).get("alive"):
+        while not all((hosts := self.partitions().get("hosts", {})).get(c.name, {}).get("alive") for c in started):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"loader host {name} did not register with the planner within {timeout_s:g}s")
+                missing = [c.name for c in started if not hosts.get(c.name, {}).get("alive")]
+                raise TimeoutError(f"loader host {', '.join(missing)} did not register with the planner within "
+                                   f"{timeout_s:g}s")
             time.sleep(0.05)
-        return c
+        return started[0]
 
     def repartition(self, source: str, partitions: int, *, step: int | None = None, timeout_s: float = 60.0,
                     wait: bool = True) -> dict[str, Any]:
         """Read `source` with `partitions` partitions from `step` (default: the first step not planned) on
         (mixplane.repartition; control.repartition). Partition k below the current count stays in its process;
-        each further one gets a loader process of its own, started here first. With `wait`, returns once the
+        each further one gets a loader process of its own, started here first with `runtime.shadow_loaders`
+        shadows beside it (the planner has them stand by for it once the host serves it: every partition keeps
+        its shadows across the change). With `wait`, returns once the
         planner applied it (its STATUS entry: step, from, partitions, hosts, applied_after_s)."""
         st = self.status()
         names = st.get("sources", [])
@@ -514,7 +522,7 @@ class EmbeddedRuntime:
                 while f"loader-{source}-p{k}-{n}" in {c.name for c in self.children}:
                     n += 1
                 cur = f"loader-{source}-p{k}-{n}"
-                self.add_loader_host(cur, timeout_s)
+                self.add_loader_host(cur, timeout_s, shadows=int(self.spec.runtime.shadow_loaders))
             hosts.append(cur)
         ack = control.repartition(self.planner_endpoint or "", source, int(partitions), timeout_s, step=step,
                                   hosts=hosts if 1 <= int(partitions) <= 1024 else None, curve=self.control_curve)

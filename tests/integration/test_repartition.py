@@ -31,8 +31,8 @@ AT = 14  # the step the re-partition applies from
 ROWS_A = 160
 
 
-def make_spec(root):
-    doc = token_mixture(root, runtime={"window": 64, "metrics": False})
+def make_spec(root, **runtime):
+    doc = token_mixture(root, runtime={"window": 64, "metrics": False, **runtime})
     doc["sources"][0].update(uri=str(root / "small_a"), replicas=2)
     return parse_spec(doc)
 
@@ -161,6 +161,70 @@ def test_loaders_killed_after_the_repartition_change_no_batch(small_a, first_run
             for k in KEYS:
                 assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
     assert table["partitions"]["a:2"]["epoch"] >= 2 and table["partitions"]["a:0"]["epoch"] >= 3
+
+
+def test_every_partition_keeps_its_shadow_across_the_change_and_a_new_partitions_shadow_takes_over(
+        small_a, first_run, tmp_path):
+    """runtime.shadow_loaders 1, source a 2 -> 3: after the change every partition has a live shadow again -- a:0 and
+    a:1 their original shadows, a:2 the shadow started beside its new host (`--shadow-of`). SIGKILL a:2's primary:
+    its shadow is promoted and serves, the restarted primary becomes the shadow, and every rank's batches equal the
+    run without shadows and kills."""
+    _, (reference, *_rest) = first_run
+    with EmbeddedRuntime(make_spec(small_a, shadow_loaders=1, prefetch_s=0), tmp_path / "shadowed") as rt:
+        ack = rt.repartition("a", 3, step=AT, wait=False)
+        assert ack["step"] == AT
+        fetch = Fetcher(rt.planner_endpoint, pause_s=0.05)
+        deadline = time.monotonic() + 120
+        while fetch.delivered() < AT + 4 and not fetch.errors:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.01)
+        assert not fetch.errors, fetch.errors
+
+        def shadowed():
+            t = rt.partitions()
+            return t if all(len([s for s in p["shadows"] if t["hosts"][s]["alive"]]) == 1
+                            for p in t["partitions"].values()) else None
+
+        deadline = time.monotonic() + 30
+        while (table := shadowed()) is None:
+            assert time.monotonic() < deadline, f"not every partition has a shadow: {rt.partitions()['partitions']}"
+            time.sleep(0.05)
+        assert set(k for k in table["partitions"] if k.startswith("a:")) == {"a:0", "a:1", "a:2"}
+        a2 = table["partitions"]["a:2"]
+        primary, shadow = a2["host"], f"{a2['host']}-shadow1"
+        assert a2["shadows"] == [shadow] and table["hosts"][shadow]["shadow_of"] == primary
+        for k in ("a:0", "a:1"):  # the shadows launched with the old partitions stand by for the new ones
+            assert table["partitions"][k]["shadows"] == [f"{table['partitions'][k]['host']}-shadow1"]
+        at_kill = fetch.delivered()
+        assert at_kill < STEPS - 30, f"the kill came too late to matter (step {at_kill} of {STEPS})"
+        victim = next(c for c in rt.children if c.name == primary)
+        t0 = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while rt.partitions()["partitions"]["a:2"]["host"] != shadow:
+            assert time.monotonic() < deadline, f"no promotion: {rt.partitions()['partitions']['a:2']}"
+            time.sleep(0.01)
+        promoted_s = time.monotonic() - t0
+        rt._wait_ready([rt._spawn(victim.component)])  # what supervision does: the restarted primary stands by
+        deadline = time.monotonic() + 60
+        while rt.partitions()["partitions"]["a:2"]["shadows"] != [primary]:
+            assert time.monotonic() < deadline, f"the restarted primary is no shadow: {rt.partitions()['partitions']}"
+            time.sleep(0.05)
+        got = fetch.join()
+        table = rt.partitions()
+        planner_log = (rt.run_dir / "logs" / "planner.log").read_text(errors="replace")
+    assert f"promoting shadow {shadow} for partition a:2" in planner_log
+    assert table["partitions"]["a:2"]["host"] == shadow and table["partitions"]["a:2"]["epoch"] >= 2
+    for r in range(RANKS):
+        assert [int(b["step"]) for b in got[r]] == list(range(STEPS))
+        for s in range(STEPS):
+            for k in KEYS:
+                assert np.array_equal(got[r][s][k], reference[r][s][k]), f"rank {r} step {s}: {k} differs"
+    stall = longest_gap(fetch.times, at_kill, STEPS)
+    print("REPARTITION_SHADOW_FIGURE", json.dumps({"steps": STEPS, "at": AT, "killed_at_step": at_kill,
+                                                   "promoted_after_s": round(promoted_s, 3),
+                                                   "stall_after_kill_s": round(stall, 3), "pause_s": 0.05}))
 
 
 def test_a_repartition_asked_from_a_thread_that_ends_keeps_its_new_loader_process(small_a, first_run, tmp_path):

@@ -229,6 +229,8 @@ def test_shadow_loaders_are_rendered_like_their_primaries_and_a_promoted_shadow_
     c_s, c_p = sd["spec"]["template"]["spec"]["containers"][0], pd["spec"]["template"]["spec"]["containers"][0]
     assert c_s["resources"] == c_p["resources"] and sd["spec"]["replicas"] == pd["spec"]["replicas"]
     assert "--shadow" in c_s["args"] and "--shadow" not in c_p["args"]
+    # it names its primary's host: the planner has it stand by for whatever that host is handed later
+    assert c_s["args"][c_s["args"].index("--shadow-of") + 1] == host(pd) and "--shadow-of" not in c_p["args"]
     for d in (sd, pd):
         term = d["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
         assert term["podAffinityTerm"]["labelSelector"]["matchLabels"]["mixplane.io/loader-group"] == \
@@ -408,6 +410,40 @@ def test_a_wanted_repartition_is_sent_once_acknowledged_when_applied_and_the_lay
     # without a STATUS the layout stays packed for the counts the status last showed
     blind = decide(observed(calm_body(st3), loaders={**deps, **new}, planner=None))
     assert set(loader_deps(blind.desired)) == set(new)
+
+
+def test_after_a_repartition_the_new_pods_shadow_deployments_name_the_host_they_stand_by_for():
+    """shadow_loaders 1, code 1 -> 2 applied: the pods of the new layout are rendered with their shadow Deployments,
+    whose launch lists name no code partition (the planner's table hands them out) -- each shadow's command line
+    names its primary's host (`--shadow-of`, as its annotation does), so the planner offers it what that host
+    serves: the new partitions keep their shadows instead of rendering empty shadow hosts."""
+    b = calm_body()
+    b["spec"]["runtime"] = {"shadow_loaders": 1}
+    first = decide(observed(b))
+    st = {**first.intent, **first.status, "layout": {**first.intent["layout"], "shares": scaled_shares()}}
+    deps = loader_deps(decide(observed(calm_body(st) | {"spec": b["spec"]})).desired)
+    served = {p: host(d) for d in deps.values() if "mixplane.io/shadow-of" not in d["metadata"]["annotations"]
+              for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(",")}
+    rid = "u-1/repartition-code-1-2"
+    entry = {"source": "code", "from": 1, "partitions": 2, "step": 11, "applied": True, "repartition_id": rid}
+    st["repartition"] = {"state": "Pending", "repartitionId": rid, "source": "code", "from": 1, "to": 2,
+                         "acceptedStep": 11}
+    done = decide(observed(calm_body(st) | {"spec": b["spec"]}, loaders=deps,
+                           planner=rp_planner(served, {"web": 1, "code": 2}, [entry])))
+    new = loader_deps(done.desired)
+    shadows = {n: d for n, d in new.items() if "mixplane.io/shadow-of" in d["metadata"]["annotations"]}
+    primaries = {host(d): d for n, d in new.items() if n not in shadows}
+    placed = sorted(p for d in primaries.values() for p in d["metadata"]["annotations"]["mixplane.io/partitions"].split(","))
+    assert placed == ["code:0", "code:1", "web:0"] and len(shadows) == len(primaries) >= 2
+    for d in shadows.values():
+        of = d["metadata"]["annotations"]["mixplane.io/shadow-of"]
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert of in primaries and args[args.index("--shadow-of") + 1] == of and "--shadow" in args, args
+        assert not any(x.startswith("code") for x in args), args  # the table, not the launch list, names them
+    code_only = [h for h, d in primaries.items()
+                 if d["metadata"]["annotations"]["mixplane.io/partitions"].startswith("code")]
+    assert code_only and all(any(d["metadata"]["annotations"]["mixplane.io/shadow-of"] == h for d in shadows.values())
+                             for h in code_only)
 
 
 def test_a_repartition_is_held_while_partitions_move_and_a_refusal_is_retried_with_backoff():

@@ -192,3 +192,43 @@ def test_loader_snapshots_round_trip_and_bad_ones_are_named(tmp_path):
     (tmp_path / "c-0.json").write_text(p.read_text())
     with pytest.raises(ValueError, match="snapshot of a:1, not c:0"):
         snapshot.read(tmp_path, "c", 0)
+
+
+def test_a_shadow_launched_beside_a_host_stands_by_for_what_that_host_is_handed_after_a_repartition():
+    """Source 0 goes 2 -> 3: the new partition's host `n` names no partition at launch, nor does its shadow `ns`
+    (`shadow_of` n); once `n` serves (0, 2), `ns` is offered it -- every partition has its shadow again. The old
+    shadow `s` (launched with the old partitions beside `p`) shadows (0, 0) and (0, 1) again; a shadow of another
+    group is not offered what `n` serves. After `ns` is promoted, the restarted `n` (an empty host of the same
+    group) becomes the shadow."""
+    t = table(shadows=1)
+    up = {"p", "s", "n", "ns", "q", "qs"}
+    t.register(Host("p", (A0, A1, B0)), up.__contains__)
+    t.register(Host("s", (A0, A1, B0), shadow=True, shadow_of="p"), up.__contains__)
+    t.register(Host("q", ()), up.__contains__)
+    t.register(Host("qs", (), shadow=True, shadow_of="q"), up.__contains__)
+    t.register(Host("n", ()), up.__contains__)
+    assert t.register(Host("ns", (), shadow=True, shadow_of="n"), up.__contains__) == []  # nothing served by n yet
+    assert t.wanted_shadows(up.__contains__) == []  # every partition has its shadow (s)
+    moves = t.repartition(0, 2, ["p", "p", "n"])
+    assert [(m.key, m.to) for m in moves] == [(A0, "p"), (A1, "p"), ((0, 2), "n")]
+    assert all(t[k].shadows == [] for k in (A0, A1, (0, 2)))
+    shadows = t.wanted_shadows(up.__contains__)
+    assert sorted((m.key, m.to, m.mode) for m in shadows) == [(A0, "s", "shadow"), (A1, "s", "shadow"),
+                                                              ((0, 2), "ns", "shadow")]
+    assert t.wanted_shadows(up.__contains__) == []  # k = 1 each: nothing more, qs never takes n's partition
+    assert t.status(["a", "b"], up.__contains__, lambda h: 0.0)["hosts"]["ns"]["shadow_of"] == "n"
+    up.discard("n")  # SIGKILL of the new partition's primary: its shadow takes over
+    assert [(m.key, m.to, m.previous) for m in t.failover(lambda h: h not in up)] == [((0, 2), "ns", "n")]
+    assert t[(0, 2)].shadows == [] and t.wanted_shadows(up.__contains__) == []  # no live host of the group is free
+    up.add("n")
+    assert t.register(Host("n", ()), up.__contains__) == []  # restarted empty: what its group serves comes next pass
+    assert [(m.key, m.to, m.mode) for m in t.wanted_shadows(up.__contains__)] == [((0, 2), "n", "shadow")]
+
+
+def test_a_launch_partition_that_a_repartition_to_fewer_took_away_is_skipped():
+    t = table(shadows=1)
+    up = {"p", "s"}
+    t.register(Host("p", (A0, A1)), up.__contains__)
+    t.register(Host("s", (A0, A1), shadow=True, shadow_of="p"), up.__contains__)
+    t.repartition(0, 2, ["p"])  # source 0: 2 -> 1, (0, 1) is gone; s's launch list still names it
+    assert [(m.key, m.to) for m in t.wanted_shadows(up.__contains__)] == [(A0, "s")]

@@ -38,7 +38,7 @@ class LoaderHost(PlannerFollower):
     component = "loader"
 
     def __init__(self, spec: DataMixtureSpec, planner_endpoint: str, name: str, *,
-                 partitions: list[tuple[int, int]] | None = None, shadow: bool = False,
+                 partitions: list[tuple[int, int]] | None = None, shadow: bool = False, shadow_of: str | None = None,
                  context: zmq.Context | None = None, metrics: bool = True, metrics_port: int = 0,
                  state_dir: str | None = None):
         super().__init__(spec, protocol.host_identity(name), context=context, metrics_port=None, logger=log)
@@ -47,6 +47,7 @@ class LoaderHost(PlannerFollower):
         self.planner_endpoint = planner_endpoint
         self.wants = list(partitions or [])
         self.launched_as_shadow = shadow
+        self.shadow_of = shadow_of  # the primary host it was launched beside: stands by for what that host serves
         self.metrics = metrics
         # a fixed port (a pod's `metrics` port): the host and every partition it serves, merged on that one port;
         # 0: the first partition's metrics on a free port of its own, the others on free ports too
@@ -134,7 +135,8 @@ class LoaderHost(PlannerFollower):
                                              # planner may have told it to release already): handed back to it
                                              "serving": [[si, r] for (si, r), ld in sorted(self.loaders.items())
                                                          if ld.mode == "primary" or ld.partitioning],
-                                             "shadow": self.launched_as_shadow})
+                                             "shadow": self.launched_as_shadow,
+                                             **({"shadow_of": self.shadow_of} if self.shadow_of else {})})
         self.mark_hello()
 
     def _on_welcome(self, _: bytes, msg: wire.Message) -> None:

@@ -169,6 +169,9 @@ class PartitionHosting:
                 [k for k, a in sorted(self.partitions.parts.items()) if k[0] in moved
                  and (a.host == name or (a.host is None and k in had))]
         shadow = bool(msg.meta.get("shadow", False))
+        shadow_of = msg.meta.get("shadow_of")  # the primary host it was launched beside: it stands by for what that serves
+        if shadow_of is not None and not (isinstance(shadow_of, str) and shadow_of):
+            raise WireError("HELLO (host): field 'shadow_of' must be a loader host's name")
         inc = msg.meta.get("incarnation")
         if isinstance(inc, str) and self.host_incarnations.get(name) == inc and self.host_ids.get(name) == identity:
             # the same process's HELLO again (queued while the planner was unreachable and delivered in a burst,
@@ -182,7 +185,7 @@ class PartitionHosting:
             log.warning("loader host %s registered again (restart?)", name)
         self.host_ids[name] = identity
         try:
-            moves = self.partitions.register(Host(name, tuple(wants), shadow), self.host_alive)
+            moves = self.partitions.register(Host(name, tuple(wants), shadow, shadow_of), self.host_alive)
         except HandoffError as e:
             self._send(identity, Kind.ERROR, {"error": f"host {name}: {e}"})
             return

@@ -38,12 +38,20 @@ class Assignment:
 
 @dataclass(frozen=True)
 class Host:
-    """A loader process as it registered: the partitions it was launched with, and whether it was
-    launched as a shadow (it then never takes a free partition as primary on its own)."""
+    """A loader process as it registered: the partitions it was launched with, whether it was launched as a
+    shadow (it then never takes a free partition as primary on its own), and the primary host it was launched
+    beside (`shadow_of`; a shadow's). A host and the shadows launched beside it are one *group*: each stands by
+    for what another of its group serves, whatever its launch list names (a re-partition's new partitions,
+    a partition handed to the group's primary)."""
 
     name: str
     wants: tuple[PartitionKey, ...] = ()
     shadow: bool = False
+    shadow_of: str | None = None
+
+    @property
+    def group(self) -> str:
+        return self.shadow_of or self.name
 
 
 @dataclass(frozen=True)
@@ -196,19 +204,27 @@ class PartitionTable:
 
     def wanted_shadows(self, alive: Callable[[str], bool]) -> list[Move]:
         """Give every partition with fewer than `shadows_wanted` live shadows one more, from the live hosts
-        launched with it that neither serve nor shadow it (an old primary that came back, a restarted shadow).
-        Linear in the hosts' launch partitions (runs every RESHADOW_EVERY_S at any scale)."""
+        launched with it or of the group of its server (:class:`Host`) that neither serve nor shadow it: an old
+        primary that came back, a restarted shadow, the shadows launched beside the host of a re-partition's new
+        partition. Linear in the hosts' launch partitions and the partitions times the group sizes (runs every
+        RESHADOW_EVERY_S at any scale)."""
         if self.shadows_wanted <= 0:
             return []
+        served: dict[str, list[PartitionKey]] = {}  # group -> the partitions its hosts serve (one pass)
+        for key, a in sorted(self.parts.items()):
+            if a.host is not None:
+                served.setdefault(self.hosts[a.host].group if a.host in self.hosts else a.host, []).append(key)
         moves = []
         for h in sorted(self.hosts.values(), key=lambda x: x.name):
-            if not h.wants or not alive(h.name):
+            launched = set(h.wants)
+            offered = [*h.wants, *(k for k in served.get(h.group, ()) if k not in launched)]
+            if not offered or not alive(h.name):
                 continue
-            for key in h.wants:
-                a = self.parts[key]
-                if a.host is None or a.host == h.name or h.name in a.shadows:
+            for key in offered:
+                part = self.parts.get(key)  # a launch partition a re-partition to fewer took away: none
+                if part is None or part.host is None or part.host == h.name or h.name in part.shadows:
                     continue
-                if sum(1 for s in a.shadows if alive(s)) < self.shadows_wanted:
+                if sum(1 for s in part.shadows if alive(s)) < self.shadows_wanted:
                     m = self._shadow(key, h.name)
                     if m is not None:
                         moves.append(m)
@@ -231,7 +247,7 @@ class PartitionTable:
         for hname, h in sorted(self.hosts.items()):
             quiet = silent_s(hname)
             hosts[hname] = {"partitions": served.get(hname, []), "shadows": shadowing.get(hname, []),
-                            "launched_as_shadow": h.shadow, "alive": alive(hname),
+                            "launched_as_shadow": h.shadow, "shadow_of": h.shadow_of, "alive": alive(hname),
                             "silent_s": None if quiet is None else round(quiet, 3)}
         return {"partitions": parts, "hosts": hosts}
 
