@@ -232,3 +232,25 @@ def test_a_launch_partition_that_a_repartition_to_fewer_took_away_is_skipped():
     t.register(Host("s", (A0, A1), shadow=True, shadow_of="p"), up.__contains__)
     t.repartition(0, 2, ["p"])  # source 0: 2 -> 1, (0, 1) is gone; s's launch list still names it
     assert [(m.key, m.to) for m in t.wanted_shadows(up.__contains__)] == [(A0, "s")]
+
+
+def test_a_partition_handed_to_another_pod_is_shadowed_by_that_pods_shadow_and_the_old_one_is_let_go():
+    """A0 moves from p (shadow s) to q (shadow qs): s keeps standing by until qs does, then it is let go (dormant);
+    moved to a host without shadows of its own (x), the old shadow stays -- k live shadows either way."""
+    t = table(shadows=1)
+    up = {"p", "s", "q", "qs", "x"}
+    t.register(Host("p", (A0, A1)), up.__contains__)
+    t.register(Host("s", (A0, A1), shadow=True, shadow_of="p"), up.__contains__)
+    t.register(Host("q", ()), up.__contains__)
+    t.register(Host("x", ()), up.__contains__)
+    t.move(A0, "q")
+    assert t[A0].shadows == ["s"]
+    assert t.wanted_shadows(up.__contains__) == []  # q's group has no shadow yet: s stays
+    t.register(Host("qs", (), shadow=True, shadow_of="q"), up.__contains__)
+    moves = t.wanted_shadows(up.__contains__)
+    assert [(m.key, m.to, m.mode) for m in moves] == [(A0, "qs", "shadow"), (A0, "s", "dormant")]
+    assert t[A0].shadows == ["qs"] and t[A1].shadows == ["s"] and t.wanted_shadows(up.__contains__) == []
+    t.move(A1, "x")  # x stands alone: its partition keeps p's shadow
+    assert t.wanted_shadows(up.__contains__) == [] and t[A1].shadows == ["s"]
+    up.discard("qs")  # q's shadow died: a live host launched with A0 (p, first by name) stands by again
+    assert [(m.key, m.to, m.mode) for m in t.wanted_shadows(up.__contains__)] == [(A0, "p", "shadow")]

@@ -251,6 +251,11 @@ class PartitionHosting:
         """Carry out a decided change of the partition table on the wire."""
         key = m.key
         host = self.host_ids.get(m.to)
+        if m.mode == "dormant":  # a shadow let go (planner.partitions.wanted_shadows): it stops following
+            self._followed.pop((key, m.to), None)
+            if host is not None:
+                self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "dormant"})
+            return
         if m.mode == "shadow":
             if host is not None:
                 self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "shadow",

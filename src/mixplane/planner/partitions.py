@@ -23,7 +23,7 @@ __all__ = ["Assignment", "HandoffError", "Host", "Move", "PartitionKey", "Partit
            "parse_partition"]
 
 PartitionKey = tuple[int, int]  # (source index, replica)
-Mode = Literal["primary", "shadow"]
+Mode = Literal["primary", "shadow", "dormant"]  # dormant: a shadow no longer wanted (it stops following)
 
 
 @dataclass
@@ -56,7 +56,8 @@ class Host:
 
 @dataclass(frozen=True)
 class Move:
-    """One decided assignment change: `key` goes to `to` (as primary with `epoch`, or as a shadow)."""
+    """One decided assignment change: `key` goes to `to` (as primary with `epoch`, or as a shadow), or `to` stops
+    shadowing it (dormant)."""
 
     key: PartitionKey
     to: str
@@ -202,18 +203,25 @@ class PartitionTable:
                 out.append(key)
         return out
 
+    def group_of(self, host: str) -> str:
+        h = self.hosts.get(host)
+        return h.group if h is not None else host
+
     def wanted_shadows(self, alive: Callable[[str], bool]) -> list[Move]:
         """Give every partition with fewer than `shadows_wanted` live shadows one more, from the live hosts
         launched with it or of the group of its server (:class:`Host`) that neither serve nor shadow it: an old
         primary that came back, a restarted shadow, the shadows launched beside the host of a re-partition's new
-        partition. Linear in the hosts' launch partitions and the partitions times the group sizes (runs every
-        RESHADOW_EVERY_S at any scale)."""
+        partition. A host of the server's group is preferred: it is offered the partition while fewer than
+        `shadows_wanted` of the group shadow it, and once that many do, the shadows of other groups are let go
+        (dormant: a partition handed to another pod keeps its old pod's shadow only until the new pod's shadow
+        stands by -- placed apart from the new pod, sized for one pod's partitions). Linear in the hosts' launch
+        partitions and the partitions times the group sizes (runs every RESHADOW_EVERY_S at any scale)."""
         if self.shadows_wanted <= 0:
             return []
         served: dict[str, list[PartitionKey]] = {}  # group -> the partitions its hosts serve (one pass)
         for key, a in sorted(self.parts.items()):
             if a.host is not None:
-                served.setdefault(self.hosts[a.host].group if a.host in self.hosts else a.host, []).append(key)
+                served.setdefault(self.group_of(a.host), []).append(key)
         moves = []
         for h in sorted(self.hosts.values(), key=lambda x: x.name):
             launched = set(h.wants)
@@ -224,10 +232,22 @@ class PartitionTable:
                 part = self.parts.get(key)  # a launch partition a re-partition to fewer took away: none
                 if part is None or part.host is None or part.host == h.name or h.name in part.shadows:
                     continue
-                if sum(1 for s in part.shadows if alive(s)) < self.shadows_wanted:
+                group = self.group_of(part.host)
+                mates = h.group == group  # of the server's group: only the group's own shadows count
+                if sum(1 for s in part.shadows if alive(s) and (not mates or self.group_of(s) == group)) \
+                        < self.shadows_wanted:
                     m = self._shadow(key, h.name)
                     if m is not None:
                         moves.append(m)
+        for key, a in sorted(self.parts.items()):
+            if a.host is None or len(a.shadows) < 2:
+                continue
+            group = self.group_of(a.host)
+            if sum(1 for s in a.shadows if alive(s) and self.group_of(s) == group) >= self.shadows_wanted:
+                for s in [s for s in a.shadows if self.group_of(s) != group]:
+                    a.shadows.remove(s)
+                    if alive(s):  # a dead one is only forgotten
+                        moves.append(Move(key, s, "dormant", a.epoch, a.host))
         return moves
 
     def status(self, names: list[str], alive: Callable[[str], bool],
