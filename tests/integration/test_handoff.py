@@ -90,6 +90,8 @@ def metric_sum(port: int, name: str) -> float:
 
 def test_handoff_on_request_moves_partitions_between_processes_at_a_step_boundary(token_sources, reference, tmp_path):
     with EmbeddedRuntime(make_spec(token_sources["root"]), tmp_path / "run") as rt:
+        # start() returns once the loaders wrote their ready files; each is in the table once its HELLO arrived
+        wait_for(lambda: rt.partitions()["partitions"]["a:0"]["host"], 30, "loader-a-0 to register a:0")
         table = rt.partitions()
         assert table["partitions"]["a:0"]["host"] == "loader-a-0" and table["partitions"]["a:0"]["epoch"] == 1
         extra = spawn_empty_host(rt, "scale-out-1")

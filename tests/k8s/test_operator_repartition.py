@@ -232,8 +232,11 @@ def run_scenario(cluster, ns, data, tmp_path, *, chaos: bool = False, min_kills:
                     continue
                 s = stage()
                 # the two cuts that matter most for "applied exactly once": before the REPARTITION is sent, and after
-                # the planner accepted it but before the status says so (each once, when the scaler wants it)
-                cut = next((c for c in ("repartition", "after-repartition") if s == "repartition" and c not in named), None)
+                # the planner accepted it but before the status says so (each once, armed from the patch on until the
+                # re-partition is applied: an operator that takes the update and the re-partition in one life -- the
+                # scaler may want it at once -- dies at the cut instead of passing it between two random kills)
+                cut = next((c for c in ("repartition", "after-repartition")
+                            if s in ("update/scale-up", "repartition") and c not in named), None)
                 if cut is not None:
                     named.append(cut)
                     with operator(cluster, ns, **env, MIXPLANE_OPERATOR_KILL_AT=cut) as op:
