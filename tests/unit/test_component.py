@@ -111,6 +111,7 @@ def test_anonymous_control_is_refused_unless_the_run_is_open(spec):
         for kind in ("UPDATE_MIXTURE", "RESUME", "SHUTDOWN"):
             assert _refused(planner, kind, "anonymous") == 1, kind
         assert not planner.stopped and planner.generation == 0 and planner.session == 0
+        _pump(planner, lambda: bool(s.poll(0)))  # the STATUS may arrive in a later drain than the refused kinds
         assert s.poll(2000)
         _, reply = wire.recv(s)
         assert reply.kind == Kind.STATUS_REPLY and "peers" in reply.meta
