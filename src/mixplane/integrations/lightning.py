@@ -80,9 +80,10 @@ class MixtureDataModule(pl.LightningDataModule):
         loader.report_loss(int(batch["step"]), s, c)
 
     def teardown(self, stage: str) -> None:
-        """After fit: the last per-source losses go and the rank's loader closes. Lightning tears down after a
-        finished fit and while handling a failed one; MixtureLoader.close marks a clean end only in the first case,
-        so under sidecar placement the pod's loader containers end with a trainer that finished (mixplane.podend)."""
+        """After fit: the last per-source losses go and the rank's loader closes, a clean end, so under sidecar
+        placement the pod's loader containers end with a trainer that finished (mixplane.podend). Lightning calls
+        this hook after a finished fit only (a failed one tears the trainer down without it); where it runs inside an
+        exception handler (a tuner's exit), MixtureLoader.close takes the end for an unclean one."""
         for s in self.lr_scales:
             s.remove()
         self.lr_scales = []
