@@ -470,7 +470,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             log.write_text(error_message("; ".join(problems), os.environ))
         return EXIT_INVALID
     try:
-        out = profile_spec(spec, names, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s)
+        out = profile_spec(spec, names, max_rows=args.max_rows, max_cpu_s=args.max_cpu_s,
+                           **({"sample_files": args.sample_files} if args.sample_files is not None else {}))
         message = termination_message(out) if log is not None else None
     except Exception as e:  # noqa: BLE001 - in a profiling pod every failure must reach the operator, redacted
         text = f"{args.file}: {type(e).__name__}: {e}" if log is not None else f"{args.file}: {e}"
@@ -707,6 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("file")
     pf.add_argument("--max-rows", type=int, default=2048, help="rows read per source")
     pf.add_argument("--max-cpu-s", type=float, default=1.0, help="CPU seconds spent per source at most")
+    pf.add_argument("--sample-files", type=int, default=None,
+                    help="files of a source whose footers and pages are read at most (default 64; a larger source is "
+                         "profiled on a sample, max_partitions extrapolated to its listing)")
     pf.add_argument("--out", help="also write the JSON here")
     pf.add_argument("--sources", help="only these sources (comma-separated names)")
     pf.add_argument("--termination-log", metavar="PATH",

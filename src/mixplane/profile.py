@@ -10,6 +10,21 @@ Memory per partition is an estimate from measured quantities: the shuffle buffer
 decoded bytes per row, capped by `shuffle_buffer_mb`), the read-ahead window (window tokens x bytes per
 token delivered, patches included) and the resident-set growth of opening the source (page index,
 footers, tokenizer).
+
+A source of many files is profiled on a sample of them (`sample_files`, default SAMPLE_FILES): the listing
+is read whole (it is cheap: one request per 1,000 objects on object storage, sizes included), but only the
+sampled files' footers and pages are, so profiling a source of 100,000 files costs what one of 64 files does.
+The sample is deterministic: the first half in listing order (what a sequential loader reads first), the rest
+evenly spaced over the remaining files (later shards may differ). `max_partitions` (rows, row groups or
+pages, by shuffle mode) is then extrapolated from the sample to the listing by bytes (the listing's sizes;
+by file count where a listing has no sizes), 10% under the estimate (ESTIMATE_MARGIN), rounded down. The
+result says so: `files_listed`, `files_sampled`, `sampled`. A source of at most `sample_files` files is
+profiled on all of them, exactly as before. Every loader of a source indexes all of its files, so the memory
+per partition of a sampled source adds the index of the files not read: the sample's heap bytes per file
+(`index_bytes_per_file`, tracemalloc's peak of opening half the sample and all of it) times the rest, by
+bytes. At 50,000 files of bench/startup.py's corpus that is 2.5-4 KB a file, 135-200 MB; a loader's RSS
+grows by 190-230 MB over its cold index build there (docs/loader.md): an estimate of the heap, not of the
+allocator's slack.
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ import math
 import time
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from mixplane.profile_message import (  # noqa: F401 - re-exported: the CLI, tests and benches import them from here
     PROFILE_VERSION, SLIM_FIELDS, TERMINATION_LIMIT, costs_from_profile, error_message, message_envelope, parse_message,
@@ -31,15 +48,95 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: float = 1.0, take: int = 32) -> dict[str, Any]:
-    """Read up to `max_rows` rows (or `max_cpu_s` CPU seconds) of one source the way a loader does."""
+# footers read at most per source when profiling: a source of more files is profiled on a sample of this many
+SAMPLE_FILES = 64
+# an extrapolated max_partitions is this share of the estimate: a cap the auto-partitioner reaches must still be
+# within the source's true count when the sample misjudges it by less (more partitions than units fail the stream)
+ESTIMATE_MARGIN = 0.9
+
+
+def sample_indices(n: int, k: int = SAMPLE_FILES) -> list[int]:
+    """Which of `n` listed files (listing order) a profile reads: all of them when n <= k, else the first k // 2
+    and k - k // 2 evenly spaced over the rest, the last file included. Sorted, deterministic."""
+    if k < 1:
+        raise ValueError(f"sample_files must be >= 1, not {k}")
+    if n <= k:
+        return list(range(n))
+    first = k // 2
+    spread = np.linspace(first, n - 1, k - first).round().astype(np.int64)
+    return sorted({*range(first), *(int(i) for i in spread)})
+
+
+def sample_files_of(files: Any, k: int = SAMPLE_FILES) -> Any:
+    """`files` (a loader.files.SourceFiles) with only the sampled files (`sample_indices`); itself when all are."""
+    from mixplane.loader.files import SourceFiles
+
+    pick = sample_indices(len(files.paths), k)
+    if len(pick) == len(files.paths):
+        return files
+    return SourceFiles(uri=files.uri, filesystem=files.filesystem, paths=[files.paths[i] for i in pick],
+                       sizes=[files.sizes[i] for i in pick], mtimes_ns=[files.mtimes_ns[i] for i in pick])
+
+
+def extrapolate(count: int, listed: Any, sampled: Any) -> int:
+    """`count` units (rows, row groups, pages) found in the `sampled` files, scaled to the `listed` ones: by bytes
+    when the listing has every file's size, else by file count; ESTIMATE_MARGIN of that, rounded down, never below
+    `count` (the sampled files alone hold that many)."""
+    if len(sampled.paths) >= len(listed.paths):
+        return int(count)
+    return max(int(count), math.floor(count * _ratio(listed, sampled) * ESTIMATE_MARGIN))
+
+
+def _ratio(listed: Any, sampled: Any) -> float:
+    """How many times the sample the listing is: by bytes when every listed file has a size, else by file count."""
+    part = sum(sampled.sizes)
+    if all(s > 0 for s in listed.sizes) and part > 0:
+        return sum(listed.sizes) / part
+    return len(listed.paths) / max(1, len(sampled.paths))
+
+
+def index_bytes_per_file(src: Any, sample: Any, seed: int) -> float:
+    """Heap bytes a loader's page index and file bookkeeping hold per file of `sample`, measured (tracemalloc's peak)
+    as the difference between opening the stream on every other sampled file and on all of them, so what an open
+    costs whatever the file count cancels out. Call it after one open of the source (first-use costs are paid)."""
+    import tracemalloc
+
+    from mixplane.loader.files import SourceFiles
+    from mixplane.loader.stream import open_stream
+
+    half = SourceFiles(uri=sample.uri, filesystem=sample.filesystem, paths=sample.paths[::2], sizes=sample.sizes[::2],
+                       mtimes_ns=sample.mtimes_ns[::2])
+    peaks = []
+    for files in (half, sample):
+        tracemalloc.start()
+        try:
+            stream = open_stream(src, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=files)
+            stream.close()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    return max(0.0, (peaks[1] - peaks[0]) / max(1, len(sample.paths) - len(half.paths)))
+
+
+def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: float = 1.0, take: int = 32,
+                   sample_files: int = SAMPLE_FILES, files: Any = None) -> dict[str, Any]:
+    """Read up to `max_rows` rows (or `max_cpu_s` CPU seconds) of one source the way a loader does, from at most
+    `sample_files` of its files (see the module docstring). `files`: the source's listing, when the caller has it
+    (a loader.files.SourceFiles; else the source is listed here)."""
+    from mixplane.loader.files import list_source
     from mixplane.loader.stream import open_stream
     from mixplane.loader.transforms import make_transform
 
     src = spec.sources[index]
     rss0 = _rss()  # modules are imported above: the growth is this source's index, footers and tokenizer
     c0 = time.process_time()
-    stream = open_stream(src, seed=spec.mixture.seed, partition=0, num_partitions=1, cache_dir=None)
+    listed = files if files is not None else list_source(src)
+    sample = sample_files_of(listed, sample_files)
+    sampled = sample is not listed
+    stream = open_stream(src, seed=spec.mixture.seed, partition=0, num_partitions=1, cache_dir=None, files=sample)
+    # a stream given its files lists the storage again at its first take (a live source's new files): not before
+    # poll_s, as when it lists them itself, and never for a sample (that would read every footer after all)
+    stream.next_rescan_at = math.inf if sampled else time.monotonic() + stream.poll_s
     transform = make_transform(src)
     open_cpu = time.process_time() - c0
     open_rss = max(0, _rss() - rss0)
@@ -64,13 +161,17 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         if src.live:
             max_parts = 1  # a live source has one replica (spec rule)
         elif src.shuffle == "row":
-            max_parts = int(stream.index.num_rows)
+            max_parts = extrapolate(int(stream.index.num_rows), listed, sample)
         elif src.shuffle == "rowgroup":
-            max_parts = len(stream.index.chunk_rows)
+            max_parts = extrapolate(len(stream.index.chunk_rows), listed, sample)
         else:
-            max_parts = int(stream.index.num_units)
+            max_parts = extrapolate(int(stream.index.num_units), listed, sample)
     finally:
         stream.close()
+    per_file = 0.0
+    if sampled:  # the loader indexes every file: the rest of the listing's index, at the sample's bytes per file
+        per_file = index_bytes_per_file(src, sample, spec.mixture.seed)
+        open_rss += math.ceil(per_file * len(sample.paths) * (_ratio(listed, sample) - 1.0))
     per_row = raw_bytes / rows
     buffer_bytes = src.shuffle_buffer * per_row
     if src.shuffle_buffer_mb is not None:
@@ -84,7 +185,8 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         "max_partitions": max_parts,
         "rows": rows, "tokens": tokens, "patches": patches, "cpu_s": cpu, "open_cpu_s": open_cpu,
         "mean_tokens_per_sample": tokens / rows, "raw_bytes_per_row": per_row, "open_rss_bytes": open_rss,
-        "kind": src.kind,
+        "kind": src.kind, "files_listed": len(listed.paths), "files_sampled": len(sample.paths), "sampled": sampled,
+        **({"index_bytes_per_file": round(per_file, 1)} if sampled else {}),
     }
 
 

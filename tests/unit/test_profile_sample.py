@@ -1,0 +1,153 @@
+"""`mixplane profile` on a source of many files: the footers and pages of a bounded, deterministic sample are read,
+not every file's; max_partitions is extrapolated from the sample to the listing; a small source is profiled exactly."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+
+from mixplane.loader.files import SourceFiles, list_source_files
+from mixplane.loader.stream import open_stream
+from mixplane.profile import SAMPLE_FILES, profile_source, sample_indices
+from mixplane.spec import parse_spec
+
+
+class TouchedFiles(LocalFileSystem):
+    """The local filesystem, read as object storage is (ranged reads through fsspec), recording every path read."""
+
+    cachable = False  # fsspec would hand every test the same instance
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _note(self, path: str) -> None:
+        with self._lock:
+            self.touched.add(os.path.abspath(self._strip_protocol(path)))
+
+    def _open(self, path, *args, **kwargs):
+        self._note(path)
+        return super()._open(path, *args, **kwargs)
+
+    def cat_file(self, path, *args, **kwargs):
+        self._note(path)
+        return super().cat_file(path, *args, **kwargs)
+
+
+def _template(rows: int, row_group: int) -> bytes:
+    rng = np.random.default_rng(rows)
+    ids = pa.array([rng.integers(1, 30_000, 40).astype(np.int32) for _ in range(rows)], pa.list_(pa.int32()))
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"ids": ids}), buf, row_group_size=row_group, data_page_size=512, write_batch_size=8,
+                   write_page_index=True)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """600 files of two shapes (bytes copied, not encoded: fast): every third holds 6 row groups, the others 2."""
+    root = tmp_path_factory.mktemp("many")
+    big, small = _template(96, 16), _template(32, 16)
+    for i in range(600):
+        d = root / f"d{i // 200}"
+        d.mkdir(exist_ok=True)
+        (d / f"part-{i:05d}.parquet").write_bytes(big if i % 3 == 0 else small)
+    return str(root)
+
+
+def _spec(uri: str, shuffle: str):
+    return parse_spec({"name": "m", "sources": [{"name": "a", "uri": uri, "kind": "tokens", "columns": ["ids"],
+                                                 "shuffle": shuffle}],
+                       "mixture": {"weights": {"a": 1.0}}, "batch": {"sequences": 4, "seq_len": 128},
+                       "topology": {"modules": {"m": {"dp": 1}}}, "runtime": {"metrics": False}})
+
+
+def _counted(uri: str) -> tuple[SourceFiles, TouchedFiles]:
+    listed = list_source_files(uri)
+    fs = TouchedFiles()
+    listed.filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return listed, fs
+
+
+def _truth(spec, shuffle: str) -> int:
+    s = open_stream(spec.sources[0], seed=0, cache_dir=None)
+    try:
+        return {"row": int(s.index.num_rows), "rowgroup": len(s.index.chunk_rows), "page": int(s.index.num_units)}[shuffle]
+    finally:
+        s.close()
+
+
+def test_the_sample_is_bounded_deterministic_and_spans_the_listing():
+    assert sample_indices(10) == list(range(10))
+    pick = sample_indices(100_000)
+    assert len(pick) == SAMPLE_FILES and pick == sample_indices(100_000)
+    assert pick[: SAMPLE_FILES // 2] == list(range(SAMPLE_FILES // 2)) and pick[-1] == 99_999
+    gaps = np.diff(pick[SAMPLE_FILES // 2:])
+    assert gaps.min() >= 3000 and gaps.max() - gaps.min() <= 1  # evenly spaced over the rest
+    for n in (65, 97, 1000, 10**7):  # exactly SAMPLE_FILES distinct files once there are more
+        assert len(sample_indices(n)) == SAMPLE_FILES and sample_indices(n)[-1] == n - 1
+    with pytest.raises(ValueError, match="sample_files"):
+        sample_indices(5, 0)
+
+
+@pytest.mark.parametrize("shuffle", ["rowgroup", "page", "row"])
+def test_a_source_of_many_files_is_profiled_on_a_sample(corpus, monkeypatch, shuffle):
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    spec = _spec(corpus, shuffle)
+    listed, fs = _counted(corpus)
+    prof = profile_source(spec, 0, max_rows=256, max_cpu_s=1.0, files=listed)
+    assert prof["files_listed"] == 600 and prof["files_sampled"] == SAMPLE_FILES and prof["sampled"] is True
+    # only the sampled files were opened or read: footers, indexes and pages
+    assert 0 < len(fs.touched) <= SAMPLE_FILES
+    assert fs.touched <= {listed.paths[i] for i in sample_indices(600)}
+    assert prof["rows"] > 0 and prof["tokens"] == 40 * prof["rows"] and prof["cpu_s_per_token"] > 0
+    # every loader indexes all 600 files: the memory per partition holds the index of the 536 not read
+    assert 500 < prof["index_bytes_per_file"] < 64 << 10
+    assert prof["memory_per_partition"] > prof["index_bytes_per_file"] * 536 * 0.9
+    # the estimate: within 15% under the truth of the whole source, never over it
+    truth = _truth(spec, shuffle)
+    assert 0.85 * truth <= prof["max_partitions"] <= truth, (prof["max_partitions"], truth)
+
+
+def test_a_small_source_is_profiled_exactly_on_every_file(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    few = tmp_path / "few"
+    few.mkdir()
+    for p in sorted(os.listdir(os.path.join(corpus, "d0")))[:40]:
+        (few / p).write_bytes(open(os.path.join(corpus, "d0", p), "rb").read())
+    spec = _spec(str(few), "rowgroup")
+    listed, fs = _counted(str(few))
+    prof = profile_source(spec, 0, max_rows=64, files=listed)
+    assert prof["files_listed"] == prof["files_sampled"] == 40 and prof["sampled"] is False
+    assert len(fs.touched) == 40 and "index_bytes_per_file" not in prof
+    assert prof["max_partitions"] == _truth(spec, "rowgroup") == 14 * 6 + 26 * 2
+    # without the bound every file of the large source is read (what sampling saves)
+    listed, fs_all = _counted(corpus)
+    profile_source(_spec(corpus, "rowgroup"), 0, max_rows=64, files=listed, sample_files=10**6)
+    assert len(fs_all.touched) == 600
+
+
+def test_cli_sample_files_bounds_the_files_read(corpus, tmp_path, monkeypatch, capsys):
+    import json
+
+    import yaml
+
+    from mixplane.cli import main
+
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    doc = {"name": "m", "sources": [{"name": "a", "uri": corpus, "kind": "tokens", "columns": ["ids"]}],
+           "mixture": {"weights": {"a": 1.0}}, "batch": {"sequences": 4, "seq_len": 128},
+           "topology": {"modules": {"m": {"dp": 1}}}, "runtime": {"metrics": False}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["profile", str(tmp_path / "m.yaml"), "--max-rows", "32", "--sample-files", "8"]) == 0
+    got = json.loads(capsys.readouterr().out)["sources"]["a"]
+    assert (got["files_listed"], got["files_sampled"], got["sampled"]) == (600, 8, True)
