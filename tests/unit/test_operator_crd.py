@@ -89,7 +89,8 @@ def test_status_schema_and_printer_columns():
     assert list(cols) == ["Phase", "Step", "Sources", "Loaders", "Ready", "Realised", "Age"]
     status = v["schema"]["openAPIV3Schema"]["properties"]["status"]
     cond = status["properties"]["conditions"]["items"]["properties"]
-    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied", "PartitionsApplied"]
+    assert cond["type"]["enum"] == ["Ready", "Progressing", "Degraded", "MixtureApplied", "TopologyApplied", "PartitionsApplied",
+                                     "StatusTooLarge"]
     assert "observedGeneration" in status["properties"] and "observedGeneration" in cond
     src = status["properties"]["sources"]["items"]["properties"]
     assert {"name", "targetWeight", "realisedWeight", "partitions", "loaderPods"} <= set(src)

@@ -35,11 +35,11 @@ from mixplane import settings
 from mixplane.operator.builders import API_GROUP, LABEL_MIXTURE, LABEL_ROLE, ClusterOptions, pod_rank_keys
 from mixplane.operator import repartitions as rp_state
 from mixplane.operator import topology as topo_state
-from mixplane.operator.controller import Observed, decide, status_patch, with_repartition, with_topology, with_update
+from mixplane.operator.controller import Observed, decide, with_repartition, with_topology, with_update
 from mixplane.operator.keys import admin_key_dir, keys_for, stale_trainer_keys
 from mixplane.operator.kube import Kube, kube
 from mixplane.operator.profiling import Profiled, profile_for
-from mixplane.operator.reconcile import ReconcileError, condition, spec_of
+from mixplane.operator.reconcile import OBJECT_BUDGET_BYTES, ReconcileError, bounded_patch, condition, spec_of
 from mixplane.operator import updates as upd_state
 from mixplane.operator.requests import Sender
 
@@ -161,12 +161,19 @@ def profiling_status(body: Mapping[str, Any], profiled: Profiled) -> dict[str, A
 
 
 def _write_status(k: Kube, body: Mapping[str, Any], current: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """Patch the fields of `new` that differ from `current`; returns the status as it is afterwards."""
-    patch = status_patch(current, new)
+    """Patch the fields of `new` that differ from `current`, the object kept within the API server's size
+    (reconcile.bounded_patch: informational fields left out and the StatusTooLarge condition set rather than a
+    patch the API server refuses); returns the status as it is afterwards."""
+    patch, fitted = bounded_patch(body, current, new)
+    if fitted.dropped or not fitted.fits:
+        md = body["metadata"]
+        log.warning(f"DataMixture {md['namespace']}/{md['name']}: {fitted.bytes_before} bytes as JSON, over "
+                    f"{OBJECT_BUDGET_BYTES}; left out: {', '.join(fitted.dropped) or 'nothing'}"
+                    f"{'' if fitted.fits else '; still over: only the conditions are written'}")
     if patch:
         md = body["metadata"]
         k.patch_status(API_VERSION, "DataMixture", md["namespace"], md["name"], patch)
-        current = {**current, **patch}
+        current = {k_: v for k_, v in {**current, **patch}.items() if v is not None}
     return current
 
 

@@ -468,3 +468,114 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
                        condition("Degraded", deg_ok, deg_reason, deg_msg, gen, prev)],
         "sources": sources,
     }
+
+
+# ---- the object's size ------------------------------------------------------------------------------
+# The API server writes a DataMixture to etcd in one request, and etcd refuses requests over 1.5 MiB (its
+# --max-request-bytes default): an object that grows past it cannot be written at all, and every status patch
+# would fail. The operator keeps the whole object (spec, metadata, status) under OBJECT_BUDGET_BYTES of compact
+# JSON, a third under etcd's limit for what a pass does not see when it writes: the managedFields the API server
+# adds for the patch (the status's field names again), kopf's annotations written after the pass, the encoding.
+ETCD_REQUEST_LIMIT = 1_572_864
+OBJECT_BUDGET_BYTES = 1 << 20
+# status fields no pass reads back to decide anything (figures and records for people), left out in this order
+# while the object is too large; the histories keep their last entry (a pass reads it to record a change once)
+INFORMATIONAL = ("sidecars", "scaling")
+HISTORIES = ("updates", "topologyChanges", "repartitions")
+SOURCE_FIGURES = ("targetWeight", "realisedWeight", "deliveredTokensPerSecond", "loaderPods", "sidecarPartitions")
+SIZE_CONDITION = "StatusTooLarge"
+
+
+def object_bytes(body: Mapping[str, Any], status: Mapping[str, Any] | None) -> int:
+    """Bytes of the object as compact JSON with `status` as its status."""
+    doc = {k: v for k, v in body.items() if k != "status"}
+    if status is not None:
+        doc["status"] = status
+    return len(json.dumps(doc, separators=(",", ":"), default=str).encode())
+
+
+@dataclass(frozen=True)
+class FittedStatus:
+    """A status made to fit: what was left out (`dropped`, in words), the object's bytes before and after; `fits`
+    False when even without every informational field it is over the budget."""
+
+    status: dict[str, Any]
+    dropped: tuple[str, ...]
+    bytes_before: int
+    bytes_after: int
+    fits: bool
+
+
+def fit_status(body: Mapping[str, Any], status: Mapping[str, Any], budget: int = OBJECT_BUDGET_BYTES) -> FittedStatus:
+    """`status` (the whole status as it will be) without the informational fields it takes to keep the object within
+    `budget` bytes of JSON: the sidecar and scaling records first, then the histories down to their last entry, then
+    each source's live figures. What a pass reads to decide (profile, partitions, layout, scaler, the requests kept
+    in the status) is never left out."""
+    out = dict(status)
+    before = size = object_bytes(body, out)
+    dropped: list[str] = []
+    steps: list[tuple[str, Any]] = [(k, None) for k in INFORMATIONAL] + [(k, "last") for k in HISTORIES] + [("sources", "figures")]
+    for key, how in steps:
+        if size <= budget:
+            break
+        value = out.get(key)
+        if not value:
+            continue
+        if how is None:
+            out.pop(key)
+            dropped.append(key)
+        elif how == "last":
+            if len(value) <= 1:
+                continue
+            out[key] = list(value)[-1:]
+            dropped.append(f"{key} but its last entry")
+        else:
+            out[key] = [{k: v for k, v in s.items() if k not in SOURCE_FIGURES} if isinstance(s, Mapping) else s
+                        for s in value]
+            dropped.append("sources[*] figures (" + ", ".join(SOURCE_FIGURES) + ")")
+        size = object_bytes(body, out)
+    return FittedStatus(out, tuple(dropped), before, size, size <= budget)
+
+
+def size_condition(body: Mapping[str, Any], fitted: FittedStatus, previous: Sequence[Mapping[str, Any]] = (),
+                   budget: int = OBJECT_BUDGET_BYTES) -> dict[str, Any] | None:
+    """The StatusTooLarge condition for a fitted status: True when something was left out or it still does not fit
+    (the message says what and the sizes), False when the stored conditions (`previous`) had it True and the status
+    fits whole again, None when there is nothing to say."""
+    gen = (body.get("metadata") or {}).get("generation")
+    prev = [c for c in previous if isinstance(c, Mapping)]
+    was = next((c for c in prev if c.get("type") == SIZE_CONDITION), None)
+    limit = f"the operator's bound of {budget} bytes (etcd refuses objects over {ETCD_REQUEST_LIMIT})"
+    if not fitted.fits:
+        msg = (f"the DataMixture would take {fitted.bytes_before} bytes as JSON, over {limit}; even without "
+               f"{', '.join(fitted.dropped) or 'its informational fields'} it takes {fitted.bytes_after}: the status "
+               "is not written but for this condition (the spec, metadata.annotations or the sources are too large)")
+        return condition(SIZE_CONDITION, True, "OverLimit", msg, gen, prev)
+    if fitted.dropped:
+        msg = (f"the DataMixture would take {fitted.bytes_before} bytes as JSON, over {limit}; left out: "
+               f"{'; '.join(fitted.dropped)} ({fitted.bytes_after} bytes)")
+        return condition(SIZE_CONDITION, True, "Trimmed", msg, gen, prev)
+    if was is not None and was.get("status") == "True":
+        return condition(SIZE_CONDITION, False, "WithinLimit", f"{fitted.bytes_after} bytes, within {limit}", gen, prev)
+    return None
+
+
+def bounded_patch(body: Mapping[str, Any], current: Mapping[str, Any], new: Mapping[str, Any],
+                  budget: int = OBJECT_BUDGET_BYTES) -> tuple[dict[str, Any], FittedStatus]:
+    """The merge patch that takes status `current` to `new` with the object kept within `budget` (fit_status), the
+    StatusTooLarge condition set or cleared (size_condition) and the fields left out removed (null in the patch).
+    When even the fitted status would not fit, the patch holds the conditions only: the stored status stays as it
+    was (it fitted when it was written) and says why it is not updated."""
+    whole = {**current, **new}
+    fitted = fit_status(body, whole, budget)
+    cond = size_condition(body, fitted, list(current.get("conditions") or []), budget)
+    status = dict(fitted.status)
+    if cond is not None:
+        status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != SIZE_CONDITION] + [cond]
+    if not fitted.fits:
+        return {"conditions": status["conditions"]}, fitted
+    patch = {k: v for k, v in status.items() if current.get(k) != v}
+    for k in current:
+        if k not in status:
+            patch[k] = None  # left out now: removed from the stored status
+    return patch, fitted
