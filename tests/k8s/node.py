@@ -196,6 +196,33 @@ def install_egress(cgroup: str) -> None:
             _sh("iptables", "-t", table, "-I", chain, "1", *rule)
 
 
+_NODE_PATH = re.compile(r"--path (mixplane-node-\S+)")
+
+
+def clear_dead_nodes() -> list[str]:
+    """Remove the discipline a node left when its process was killed before it could restore the host (a session
+    that ended mid-run): its rules name a cgroup of no live process. Call with the node lock held: the lock's
+    holder is the only live node, so any discipline found then is a dead node's. Returns what was removed."""
+    removed = []
+    dead = sorted(set(_NODE_PATH.findall(_sh("iptables-save", check=False).stdout)))
+    for cg in dead:
+        procs = CGROUP_ROOT / "unified" / cg / "cgroup.procs"
+        if procs.exists() and procs.read_text().split():
+            raise NodeError(f"iptables name cgroup {cg}, whose processes still run: another node runs on this machine")
+        made = not procs.parent.is_dir()
+        if made:
+            procs.parent.mkdir()  # iptables resolves a rule's cgroup path to delete it
+        remove_egress(cg)
+        removed.append(f"the discipline of {cg}")
+        os.rmdir(procs.parent)
+        if not made:
+            removed.append(f"cgroup unified/{cg}")
+    if _sh("iptables", "-t", "filter", "-L", CHAIN, "-n", check=False).returncode == 0:
+        remove_egress("mixplane-node-none")  # a chain left without jumps of a cgroup (killed while installing)
+        removed.append(f"chain {CHAIN}")
+    return removed
+
+
 def reinstall_jumps(cgroup: str) -> None:
     """Put the jumps back in first place (kube-proxy inserts its own chains' jumps at the top), the UNTRANSLATED
     rules back last."""
@@ -312,6 +339,8 @@ class Node:
         self.lock_fd = fd
         if Path("/sys/class/net/docker0").exists():
             raise NodeError("docker0 exists already: another node (or Docker) runs on this machine")
+        for what in clear_dead_nodes():
+            print(f"node: removed what a killed node left: {what}", file=sys.stderr)
         cg = f"mixplane-node-{os.getpid()}-{time.monotonic_ns() % 100000}"
         self.state.update({
             "sysctls": _read_sysctls(), "cgroups": _cgroup_dirs(), "cgroup2": cg,
