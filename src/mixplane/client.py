@@ -52,6 +52,7 @@ import torch
 import zmq
 
 from mixplane.errors import MixplaneError
+from mixplane.imagedecode import ImageDecodeError, decode_encoder_pixels
 from mixplane import podend, settings, wire
 from mixplane.parallelism import fanout_options, group_token_index, narrow, serves
 from mixplane.protocol import ENCODER_FIELDS
@@ -199,6 +200,7 @@ class MixtureLoader:
         if bad:
             raise ValueError(f"groups: unknown axis {', '.join(map(repr, bad))} (cp, pp, tp)")
         self.received_bytes = 0  # tensor bytes received from the constructor
+        self.image_decode_cpu_s = 0.0  # CPU seconds this client spent decoding images (image.decode_at client)
         self.fanout_bytes = 0  # tensor bytes this rank sent its peers in fan-outs (broadcast_at CP / PP / TP)
         self._fanout: dict[str, Any] | None = None  # the fan-out of the step received last
         self.encoder_group = encoder_group  # the image-module bucket's group: broadcast_encoder after each step
@@ -591,7 +593,10 @@ class MixtureLoader:
         return f"; the planner at {self.planner_endpoint} did not answer a status request within {timeout_s:g}s"
 
     def _to_tensors(self, msg: wire.Message, step: int) -> dict[str, torch.Tensor]:
-        out = {name: _tensor(a) for name, a in msg.arrays.items()}
+        arrays = msg.arrays
+        if "image_bytes" in arrays:  # image.decode_at client: this rank's images came raw
+            arrays = self._decode_images(arrays, (msg.meta.get("extra") or {}).get("image_decode"), step)
+        out = {name: _tensor(a) for name, a in arrays.items()}
         meta_only = bool(msg.meta.get("meta_only", False))
         if meta_only:  # empty receive buffers of the right shapes for the trainer-side TP broadcast
             self._allocate(out, msg.meta.get("shapes"), step)
@@ -614,6 +619,23 @@ class MixtureLoader:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in out:
                 out[k] = torch.tensor(v)
         return out
+
+    def _decode_images(self, arrays: dict[str, np.ndarray], how: Any, step: int) -> dict[str, np.ndarray]:
+        """``pixel_patches`` from the raw image bytes of a step (the same decode a loader or constructor runs,
+        imagedecode.decode_encoder_pixels); a bad image raises DeliveryError naming its source, file and row."""
+        if not (isinstance(how, dict) and isinstance(how.get("patch_size"), int) and isinstance(how.get("merge"), int)
+                and isinstance(how.get("where"), list)):
+            raise DeliveryError(f"rank {self.rank}: step {step}: raw images without their decode settings")
+        t0 = time.thread_time()
+        try:
+            pix = decode_encoder_pixels(arrays["image_bytes"], arrays["image_bytes_offsets"], arrays["image_grid"],
+                                        arrays["image_max_side"], patch=how["patch_size"], merge=how["merge"],
+                                        where=[str(w) for w in how["where"]])
+        except (ImageDecodeError, KeyError) as e:
+            raise DeliveryError(f"rank {self.rank}: step {step}: {e} (decoded at the client)") from None
+        self.image_decode_cpu_s += time.thread_time() - t0
+        rest = {k: v for k, v in arrays.items() if k not in ("image_bytes", "image_bytes_offsets", "image_max_side")}
+        return {"pixel_patches": pix, **rest}
 
     def _allocate(self, out: dict[str, torch.Tensor], shapes: Any, step: int) -> None:
         """Empty tensors for the [dtype, shape] entries of `shapes` that `out` lacks."""

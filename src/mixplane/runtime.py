@@ -37,6 +37,7 @@ from mixplane.control import (
 )
 from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan, shadow_name
 from mixplane.loader.iceberg import pin_sources
+from mixplane.loader.transforms import resolve_decode_places
 from mixplane.planner import journal
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
@@ -422,7 +423,8 @@ class EmbeddedRuntime:
         for old, new in zip(self.spec.sources, pinned.sources):
             if old.uri != new.uri:
                 log.info("source %s: %s pinned to %s", old.name, old.uri, new.uri)
-        self.spec = pinned
+        # image.decode_at auto: the place chosen from measured costs, the same in every component and the journal
+        self.spec = resolve_decode_places(pinned)
         plan = self.plan()
         Path(plan.target.spec_file).write_text(self.spec.model_dump_json(indent=1))
         try:

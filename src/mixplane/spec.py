@@ -94,6 +94,7 @@ class ImageSpec(_Model):
     max_side: int = Field(896, ge=1, le=MAX_IMAGE_SIDE, description="Longer image side is resized down to at most this many pixels.")
     merge: int = Field(1, ge=1, le=1024, description="Patches merged into one backbone token (e.g. 4 for 2x2 merging).")
     image_token_id: int | None = Field(None, description="Placeholder token id for image positions; default: the tokenizer's `<|image|>` token, else vocab size - 1.")
+    decode_at: Literal["auto", "loader", "constructor", "client"] = Field("auto", description="Where images are decoded, resized and cut into patches: `loader` (decoded pixels travel), `constructor` or `client` (the loader reads only the header for the patch grid and ships the raw encoded bytes; batches are bit-identical wherever it runs); `auto`: chosen per source when the run starts from measured decode CPU and raw vs decoded bytes (mixplane.imagedecode.choose_decode_place), the loader unless another place is cheaper; the choice is written into the run's spec and the planner's journal. docs/constructor.md, Where images are decoded.")
 
 
 class SourceSpec(_Model):

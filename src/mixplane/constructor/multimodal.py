@@ -24,17 +24,34 @@ them into padding-like tokens with ignored labels so nothing reads an embedding 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from mixplane.layout import segment_offsets
+from mixplane.imagedecode import decode_planned, rowmajor_to_windows
 from mixplane.protocol import ENCODER_FIELDS  # noqa: F401 - the STEP_DATA schema owns the field list
 
 IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------------------------ images
-# Loaders decode, resize and cut images (`loader.transforms.image_to_patches`, row-major patches);
-# here they are only reordered into merge windows and collated.
+# Loaders decode, resize and cut images (`imagedecode.image_to_patches`, row-major patches) unless the
+# source's image.decode_at says constructor or client: then its images arrive as raw encoded bytes
+# (EncodedImage), decoded here by the same function, or passed on raw for the client to decode.
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image as its loader shipped it when it was not decoded there: raw encoded bytes, the settings
+    to decode them with, where it was read (for a bad image's error), and whether the client decodes it."""
+
+    data: np.ndarray  # uint8, the encoded file as read
+    patch: int
+    max_side: int
+    where: str  # "source 'x', column 'image': sample key K (file F, row R)"
+    at_client: bool
 
 def patch_positions(grid: tuple[int, int], merge: int = 1) -> np.ndarray:
     """(row, col) of every patch in merge-window order (`rowmajor_to_windows`): [gh*gw, 2] int32."""
@@ -148,16 +165,6 @@ def gather_embeddings(encoder_outputs: list[np.ndarray], image_token_index: np.n
 
 
 # ------------------------------------------------------------------------------------------ constructor glue
-def rowmajor_to_windows(grid: tuple[int, int], merge: int) -> np.ndarray:
-    """Permutation taking row-major patches (as loaders cut them) to merge-window order."""
-    gh, gw = grid
-    m = int(round(merge ** 0.5))
-    if m * m != merge or gh % m or gw % m:
-        raise ValueError(f"grid {grid} cannot be merged in {m}x{m} windows")
-    idx = np.arange(gh * gw).reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3)
-    return idx.reshape(-1)
-
-
 def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
                img_patches: np.ndarray, world: int, image_token_id: int, merge: int, pad_id: int,
                img_base: np.ndarray | None = None, encoder_tokens: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -189,21 +196,31 @@ def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key:
 
 
 def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
-                  img_patches: np.ndarray, images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]],
-                  merge: int, patch_dim: int) -> dict[str, np.ndarray]:
+                  img_patches: np.ndarray, images: dict[tuple[int, int], tuple[Any, tuple[int, int]]],
+                  merge: int, patch_dim: int) -> dict[str, Any]:
     """The vision-encoder batch of one global rank: the step's images whose ``img_rank`` is `rank`.
 
-    ``images`` maps (source, key) to (row-major patches [n, D], grid) as loaders cut them; patches
-    are reordered so the ``merge`` patches of one merged token are consecutive. Raises KeyError when
-    an image's patches are not here.
+    ``images`` maps (source, key) to (row-major patches [n, D], grid) as loaders cut them, or to
+    (EncodedImage, grid) when the loader shipped raw bytes; patches are reordered so the ``merge``
+    patches of one merged token are consecutive. An EncodedImage is decoded here (ImageDecodeError
+    names it), unless every image of the rank is for the client to decode: then ``pixel_patches`` is
+    replaced by ``image_bytes`` / ``image_bytes_offsets`` / ``image_max_side`` and ``image_decode``
+    (patch size, merge, each image's name), from which the client makes the same ``pixel_patches``
+    (imagedecode.decode_encoder_pixels). Raises KeyError when an image's patches are not here.
     """
     mine = np.flatnonzero(np.asarray(img_rank) == rank)
-    patches, grids = [], []
+    found = []
     for i in mine:
         k = (int(img_source[i]), int(img_key[i]))
         if k not in images:
             raise KeyError(f"patches of source {k[0]} sample {k[1]} (encoded by rank {rank}) are not at this constructor")
-        pix, grid = images[k]
+        found.append(images[k])
+    if found and all(isinstance(pix, EncodedImage) and pix.at_client for pix, _ in found):
+        return _client_encoder_batch(found, mine, img_patches, merge)
+    patches, grids = [], []
+    for i, (pix, grid) in zip(mine, found):
+        if isinstance(pix, EncodedImage):  # decode_at constructor (or client, in a rank that mixes places)
+            pix = decode_planned(pix.data, grid, patch=pix.patch, max_side=pix.max_side, merge=merge, where=pix.where)
         if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
             raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
         patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
@@ -213,6 +230,23 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
     return {"pixel_patches": np.zeros((0, patch_dim), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
             "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
             "image_ids": np.zeros(0, np.int64)}
+
+
+def _client_encoder_batch(found: list[tuple[EncodedImage, tuple[int, int]]], mine: np.ndarray, img_patches: np.ndarray,
+                          merge: int) -> dict[str, Any]:
+    grids = [g for _, g in found]
+    for (enc, g), i in zip(found, mine):
+        if g[0] * g[1] != int(img_patches[i]):
+            raise ValueError(f"{enc.where}: grid {g}, planned {int(img_patches[i])} patches")
+    out: dict[str, Any] = collate_encoder([np.zeros((g[0] * g[1], 0), np.uint8) for g in grids], grids, mine, merge)
+    del out["pixel_patches"]
+    off = np.zeros(len(found) + 1, np.int64)
+    np.cumsum([len(e.data) for e, _ in found], out=off[1:])
+    out["image_bytes"] = np.concatenate([e.data for e, _ in found])
+    out["image_bytes_offsets"] = off
+    out["image_max_side"] = np.array([e.max_side for e, _ in found], np.int32)
+    out["image_decode"] = {"patch_size": found[0][0].patch, "merge": merge, "where": [e.where for e, _ in found]}
+    return out
 
 
 def encoder_shapes(rank: int, *, img_rank: np.ndarray, img_patches: np.ndarray, patch_dim: int) -> dict[str, list]:

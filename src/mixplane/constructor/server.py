@@ -19,7 +19,7 @@ from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
 from mixplane.constructor.collate import MissingPayload, SpanStore, hybrid_view, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
-from mixplane.constructor.multimodal import encoder_batch, encoder_shapes, fuse_batch
+from mixplane.constructor.multimodal import EncodedImage, encoder_batch, encoder_shapes, fuse_batch
 from mixplane.parallelism import (META_ONLY, broadcast_axes, cp_group_ranks, fanout_meta, metadata_only, pp_filter,
                                   rank_view, tp_receives, view_key)
 from mixplane.layout import StepLayout
@@ -52,7 +52,7 @@ class StepState:
     batches: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     views: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)  # (dp_local, ViewKey) or a hybrid rank's
     broadcast: tuple[str, ...] = ()  # axes the trainer broadcasts along (from the plan's broadcast_at)
-    images: dict[tuple[int, int], tuple[np.ndarray, tuple[int, int]]] = field(default_factory=dict)
+    images: dict[tuple[int, int], tuple[Any, tuple[int, int]]] = field(default_factory=dict)  # patches or EncodedImage
     created: float = field(default_factory=time.monotonic)
     # spans still missing, as (source, key, start) arrays; set when the layout arrives
     need_spans: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0, np.int64),) * 3
@@ -345,12 +345,29 @@ class ConstructorServer(PlannerFollower):
         n = len(ik)
         if grid.shape != (n, 2) or len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(val))) or np.any(np.diff(off) < 0):
             raise WireError("SAMPLES: inconsistent image arrays")
+        if msg.meta.get("img_encoded"):  # raw encoded bytes: decoded here or by the client (image.decode_at)
+            self._store_encoded(st, source, ik, grid, off, val, msg.meta.get("img_where"))
+            return
         for i in range(n):
             g = (int(grid[i, 0]), int(grid[i, 1]))
             flat = val[off[i]:off[i + 1]]
             if len(flat) != g[0] * g[1] * dim:
                 raise WireError(f"SAMPLES: image of sample {int(ik[i])} has {len(flat)} bytes, grid {g} needs {g[0] * g[1] * dim}")
             st.images[(source, int(ik[i]))] = (flat.reshape(g[0] * g[1], dim), g)
+
+    def _store_encoded(self, st: StepState, source: int, ik: np.ndarray, grid: np.ndarray, off: np.ndarray,
+                       val: np.ndarray, where: Any) -> None:
+        src = self.spec.sources[source]
+        if not isinstance(where, list) or len(where) != len(ik) or not all(isinstance(w, str) for w in where):
+            raise WireError("SAMPLES: img_where must name every encoded image")
+        if val.dtype != np.uint8:
+            raise WireError(f"SAMPLES: encoded images are {val.dtype}, expected uint8")
+        at_client = src.image.decode_at == "client"
+        for i in range(len(ik)):
+            g = (int(grid[i, 0]), int(grid[i, 1]))
+            enc = EncodedImage(val[off[i]:off[i + 1]], src.image.patch_size, src.image.max_side,
+                               f"source {src.name!r}, column {src.columns[0]!r}: {where[i]}", at_client)
+            st.images[(source, int(ik[i]))] = (enc, g)
 
     # -- clients ------------------------------------------------------------------------
     def _batch_for(self, st: StepState, rank: int) -> dict[str, np.ndarray]:

@@ -335,13 +335,13 @@ class LoaderServer(PlannerFollower):
             values = np.concatenate(spans).astype(np.int32) if spans else np.zeros(0, np.int32)
             arrays: dict[str, np.ndarray] = {"key": keys, "start": start[spans_at].astype(np.int64), "len": length[spans_at].astype(np.int64),
                       "offsets": offsets, "values": values}
-            arrays.update(self._images(pos[sel[img[sel] > 0]]))
-            frames = wire.encode(Kind.SAMPLES, {"session": self.session, "step": step, "source": self.si,
-                                                "replica": self.replica, "epoch": self.epoch}, arrays,
+            meta = {"session": self.session, "step": step, "source": self.si, "replica": self.replica, "epoch": self.epoch}
+            arrays.update(self._images(pos[sel[img[sel] > 0]], meta))
+            frames = wire.encode(Kind.SAMPLES, meta, arrays,
                                  checksum=self.spec.runtime.checksum_payloads)
             self.outbox[int(c)].append(frames)
             self._keep_sent(step, int(c), frames, msg.meta.get("released_through"))
-            self.m.loader_bytes_sent.labels(self.source.name).inc(values.nbytes)
+            self.m.loader_bytes_sent.labels(self.source.name).inc(sum(a.nbytes for a in arrays.values()))  # images too
         for i in np.flatnonzero(retire):
             self.window.retire(int(pos[i]))
         self.flush()
@@ -445,8 +445,10 @@ class LoaderServer(PlannerFollower):
                         waiting, ", ".join(late))
         return sent
 
-    def _images(self, pos: np.ndarray) -> dict[str, np.ndarray]:
-        """Pixels of the image samples at these positions (the planner says which constructor needs them)."""
+    def _images(self, pos: np.ndarray, meta: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Pixels of the image samples at these positions (the planner says which constructor needs them); with
+        ``image.decode_at`` constructor or client their raw encoded bytes instead, marked ``img_encoded`` in
+        `meta` with where each one was read (``img_where``: file and row, for the error of a bad image)."""
         keys, grids, parts = [], [], []
         for p in pos.tolist():
             b = self.window.buffer.get(int(p))
@@ -459,8 +461,16 @@ class LoaderServer(PlannerFollower):
             return {}
         off = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([len(x) for x in parts], out=off[1:])
+        if self.source.image.decode_at in ("constructor", "client"):
+            meta["img_encoded"] = True
+            meta["img_where"] = [self._where(k) for k in keys]
         return {"img_key": np.asarray(keys, np.int64), "img_grid": np.asarray(grids, np.int32).reshape(-1, 2),
                 "img_offsets": off, "img_values": np.concatenate(parts)}
+
+    def _where(self, key: int) -> str:
+        """'file F, row R' of a sample key (as quarantine records name them), or just the key."""
+        at = getattr(self.stream, "where_key", lambda _k: None)(key)
+        return f"sample key {key} (file {at[0]}, row {at[1]})" if at is not None else f"sample key {key}"
 
     def handle(self, msg: wire.Message) -> None:
         """Handle one message from the planner (WireError if bad)."""

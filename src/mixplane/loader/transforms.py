@@ -8,7 +8,9 @@
   both sides are multiples of ``patch_size`` (times sqrt(merge) when patches are merged), and cut
   into patches. Its tokens are the fused sequence ``[image placeholder] * (patches / merge) +
   caption tokens (+ EOS)``. ``patches`` holds each sample's patch pixels flattened (uint8, patch
-  by patch, row-major, each patch p*p*3 RGB), ``image_grid`` its (h_patches, w_patches).
+  by patch, row-major, each patch p*p*3 RGB), ``image_grid`` its (h_patches, w_patches). With
+  ``image.decode_at`` constructor or client, only the image's header is read here (its grid) and
+  ``patches`` holds the raw encoded bytes, decoded later by the same code (:mod:`mixplane.imagedecode`).
 
 Per-sample metadata the planner sees before any payload moves: ``ntokens`` and ``npatches`` (the
 key and source travel with the RawSamples). A bad sample — an image that cannot be decoded, a
@@ -32,10 +34,9 @@ from __future__ import annotations
 
 import itertools
 
-import io
 import logging
-import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -44,6 +45,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mixplane.errors import MixplaneError
+from mixplane.imagedecode import (ImageCosts, choose_decode_place, image_grid, image_to_patches, merge_multiple,  # noqa: F401 - one decode for every place
+                                  place_costs, target_size)
 from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts, value_lengths
 from mixplane.loader.split import SPLIT_PIECE_BYTES, SPLIT_PIECE_TOKENS, SPLIT_SLOTS, PendingDoc, piece_end, piece_limit
 from mixplane.loader.quarantine import QuarantineLog
@@ -394,36 +397,6 @@ def _encode(tok, texts: list[str]) -> Ragged:
 
 # ---- images ----
 
-def target_size(w: int, h: int, patch: int, max_side: int, multiple: int = 1) -> tuple[int, int]:
-    """Size after resizing: longer side <= max_side (never upscaled past it), both sides multiples of
-    patch*multiple, at least one unit each, aspect ratio kept as closely as the grid allows."""
-    unit = patch * multiple
-    scale = min(1.0, max_side / max(w, h)) if max(w, h) > 0 else 1.0
-    cap = max(unit, (max_side // unit) * unit)
-    tw = min(cap, max(unit, int(round(w * scale / unit)) * unit))
-    th = min(cap, max(unit, int(round(h * scale / unit)) * unit))
-    return tw, th
-
-
-def image_to_patches(data: bytes, patch: int, max_side: int, multiple: int = 1) -> tuple[np.ndarray, int, int]:
-    """Decode, resize, cut into patches: (flattened uint8 patches, h_patches, w_patches)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as f:
-        f.draft("RGB", (max_side, max_side))  # JPEG: decode at reduced size when much larger
-        im: Image.Image = f
-        if im.mode == "P" and "transparency" in im.info:
-            im = im.convert("RGBA")  # palette transparency goes through RGBA (as Pillow asks)
-        im = im.convert("RGB")
-        tw, th = target_size(im.width, im.height, patch, max_side, multiple)
-        if (tw, th) != im.size:
-            im = im.resize((tw, th), Image.Resampling.BICUBIC)
-        a = np.asarray(im, dtype=np.uint8)
-    hp, wp = th // patch, tw // patch
-    patches = a.reshape(hp, patch, wp, patch, 3).transpose(0, 2, 1, 3, 4)
-    return np.ascontiguousarray(patches).reshape(-1), hp, wp
-
-
 def _image_bytes(arr: pa.Array, what: str) -> list[bytes | None]:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
@@ -529,8 +502,8 @@ def make_transform(source: SourceSpec) -> Transform:
         img_col, cap_col = source.columns[0], source.columns[1]
         im = source.image
         p, max_side, merge = im.patch_size, im.max_side, im.merge
-        side = int(math.isqrt(merge))
-        multiple = side if side * side == merge else 1
+        multiple = merge_multiple(merge)
+        encoded = im.decode_at in ("constructor", "client")  # ship raw bytes, decode elsewhere (mixplane.imagedecode)
         img_tok = resolve_image_token_id(im.image_token_id, source.tokenizer)  # the id constructors resolve too
         what = f"source {source.name!r}"
 
@@ -556,7 +529,11 @@ def make_transform(source: SourceSpec) -> Transform:
                     pix.append(np.zeros(0, np.uint8))
                     continue
                 try:
-                    flat, hp, wp = image_to_patches(b, p, max_side, multiple)
+                    if encoded:  # the header gives the grid; the raw bytes travel (decoded where decode_at says)
+                        hp, wp = image_grid(b, p, max_side, multiple)
+                        flat = np.frombuffer(b, np.uint8)
+                    else:
+                        flat, hp, wp = image_to_patches(b, p, max_side, multiple)
                 except Exception as e:  # PIL raises many types for corrupt data
                     bad[i] = True
                     quarantine.add(_SampleError(f"{what}, column {img_col!r}: sample key {int(raw.keys[i])}: "
@@ -598,3 +575,53 @@ class _SampleError(MixplaneError, ValueError):
         self.kind = kind
         self.column = column
         self.page = key  # the sample key identifies the quarantined unit
+
+
+# ---- where images are decoded (image.decode_at: auto) ----
+
+def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageCosts:
+    """Mean decode CPU seconds (this thread's clock), raw bytes and decoded patch bytes per image over the
+    first `rows` rows of `source` in its partition-0 read order (what `auto` decides from)."""
+    from mixplane.loader.stream import open_stream
+
+    im = source.image
+    multiple = merge_multiple(im.merge)
+    stream = open_stream(source, seed=seed, partition=0, num_partitions=1, cache_dir=None)
+    try:
+        raw = stream.take(rows, timeout=0.5 if source.live else None)
+    finally:
+        stream.close()
+    cpu = raw_b = dec_b = 0.0
+    n = 0
+    for b in _image_bytes(raw.columns[source.columns[0]], f"source {source.name!r}") if len(raw) else []:
+        if b is None:
+            continue
+        t0 = time.thread_time()
+        try:
+            flat, _, _ = image_to_patches(b, im.patch_size, im.max_side, multiple)
+        except Exception:  # a bad image is the loader's to quarantine, not a cost
+            continue
+        cpu += time.thread_time() - t0
+        raw_b += len(b)
+        dec_b += flat.nbytes
+        n += 1
+    return ImageCosts(cpu / n, raw_b / n, dec_b / n, n) if n else ImageCosts(0.0, 0.0, 0.0, 0)
+
+
+def resolve_decode_places(spec, measure: Callable[[SourceSpec, int], ImageCosts] | None = None):
+    """`spec` with every image source's ``image.decode_at: auto`` replaced by the place
+    :func:`mixplane.imagedecode.choose_decode_place` picks from its measured costs (one image reaches one
+    rank: consumers 1), so every component, the run directory's spec and the planner's journal hold the
+    same concrete choice (resume and replay read it there)."""
+    sources, changed = [], False
+    for s in spec.sources:
+        if s.kind == "image_text" and s.image.decode_at == "auto":
+            costs = (measure or measure_image_costs)(s, spec.mixture.seed)
+            place = choose_decode_place(costs, consumers=1)
+            log.info("source %s: images decoded at the %s (%d measured: %.2f ms CPU, %.0f raw bytes, %.0f decoded "
+                     "bytes per image; costs %s)", s.name, place, costs.images, costs.decode_s * 1e3, costs.raw_bytes,
+                     costs.decoded_bytes, {k: round(v * 1e3, 3) for k, v in place_costs(costs).items()})
+            s = s.model_copy(update={"image": s.image.model_copy(update={"decode_at": place})})
+            changed = True
+        sources.append(s)
+    return spec.model_copy(update={"sources": sources}) if changed else spec
