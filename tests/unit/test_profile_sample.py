@@ -151,3 +151,17 @@ def test_cli_sample_files_bounds_the_files_read(corpus, tmp_path, monkeypatch, c
     assert main(["profile", str(tmp_path / "m.yaml"), "--max-rows", "32", "--sample-files", "8"]) == 0
     got = json.loads(capsys.readouterr().out)["sources"]["a"]
     assert (got["files_listed"], got["files_sampled"], got["sampled"]) == (600, 8, True)
+
+
+def test_a_live_source_of_many_files_is_profiled_on_its_sample_without_a_rescan(corpus, monkeypatch):
+    """A stream given its files lists the storage again at its first take; a sampled profile's must not (it would
+    index every file after all)."""
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    doc = _spec(corpus, "page").model_dump(mode="json")
+    doc["sources"][0]["live"] = True
+    spec = parse_spec(doc)
+    listed, fs = _counted(corpus)
+    # more rows than the sample holds (~3,400): the stream runs dry, where a live stream lists its storage again
+    prof = profile_source(spec, 0, max_rows=8000, max_cpu_s=5.0, files=listed)
+    assert prof["sampled"] is True and prof["max_partitions"] == 1 and 0 < prof["rows"] < 8000
+    assert 0 < len(fs.touched) <= SAMPLE_FILES
