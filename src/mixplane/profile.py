@@ -21,15 +21,17 @@ by file count where a listing has no sizes), 10% under the estimate (ESTIMATE_MA
 result says so: `files_listed`, `files_sampled`, `sampled`. A source of at most `sample_files` files is
 profiled on all of them, exactly as before. Every loader of a source indexes all of its files, so the memory
 per partition of a sampled source adds the index of the files not read: the sample's heap bytes per file
-(`index_bytes_per_file`, tracemalloc's peak of opening half the sample and all of it) times the rest, by
-bytes. At 50,000 files of bench/startup.py's corpus that is 2.5-4 KB a file, 135-200 MB; a loader's RSS
-grows by 190-230 MB over its cold index build there (docs/loader.md): an estimate of the heap, not of the
-allocator's slack.
+(`index_bytes_per_file`, tracemalloc's peak of opening half the sample and all of it, with one indexing
+thread) times the rest, by bytes. At 50,000 files of bench/startup.py's corpus that is 4.0-4.2 KB a file,
+~200-210 MB; a loader's RSS grows by 190-230 MB over its cold index build there (docs/loader.md). It is an
+estimate of the heap: the allocator's slack is not in it, and in the operator's process tracemalloc also sees
+what other threads allocate meanwhile.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -107,14 +109,24 @@ def index_bytes_per_file(src: Any, sample: Any, seed: int) -> float:
     half = SourceFiles(uri=sample.uri, filesystem=sample.filesystem, paths=sample.paths[::2], sizes=sample.sizes[::2],
                        mtimes_ns=sample.mtimes_ns[::2])
     peaks = []
-    for files in (half, sample):
-        tracemalloc.start()
-        try:
-            stream = open_stream(src, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=files)
-            stream.close()
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+    # one indexing thread: with a pool the peak depends on how the threads' allocations overlap (3.4-5.4 KB a file
+    # at 50,000 files in three runs, 4.0-4.2 KB with one thread)
+    threads = os.environ.get("MIXPLANE_INDEX_THREADS")
+    os.environ["MIXPLANE_INDEX_THREADS"] = "1"
+    try:
+        for files in (half, sample):
+            tracemalloc.start()
+            try:
+                stream = open_stream(src, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=files)
+                stream.close()
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+    finally:
+        if threads is None:
+            os.environ.pop("MIXPLANE_INDEX_THREADS", None)
+        else:
+            os.environ["MIXPLANE_INDEX_THREADS"] = threads
     return max(0.0, (peaks[1] - peaks[0]) / max(1, len(sample.paths) - len(half.paths)))
 
 
