@@ -29,7 +29,10 @@ import numpy as np
 from mixplane.errors import MixplaneError
 
 PLACES = ("loader", "constructor", "client")
-WIRE_S_PER_BYTE = 1e-9  # CPU seconds one byte costs on one hop (serialise, copy, send, receive: ~1 GB/s per core)
+# CPU seconds one byte costs on one hop: serialise, copy, send, receive, and the copies around them (window, merge
+# reorder, collation). bench/transform_place.py on the VLM example's images (2 cores, load 4-6): a constructor
+# spent ~1.6 ns per byte of decoded pixels it sent and ~2.8 ns per byte it received, so ~4 ns per byte and hop
+WIRE_S_PER_BYTE = 4e-9
 CLIENT_CPU_WEIGHT = 2.0  # a trainer host's core is worth more than a data-plane core (it feeds the accelerators)
 AUTO_MARGIN = 0.9  # auto leaves the loader only for a place at least 10% cheaper
 
