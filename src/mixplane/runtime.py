@@ -178,6 +178,24 @@ def pinned(comp: Component, info: dict[str, Any]) -> Component:
     return replace(comp, args=tuple(args))
 
 
+def journaled_decode_places(path: str) -> dict[str, str]:
+    """Source -> image.decode_at of the last spec a journal recorded (a run restarted in its run directory keeps
+    the place its `auto` sources were given, whatever a new measurement would say)."""
+    try:
+        records = journal.read_journal(path)
+    except (OSError, ValueError):
+        return {}
+    specs = [r["spec"] for r in records if r.get("event") in ("open", "spec") and isinstance(r.get("spec"), dict)]
+    if not specs:
+        return {}
+    out = {}
+    for s in specs[-1].get("sources") or []:
+        place = (s.get("image") or {}).get("decode_at") if isinstance(s, dict) else None
+        if isinstance(place, str) and place != "auto" and isinstance(s.get("name"), str):
+            out[s["name"]] = place
+    return out
+
+
 class EmbeddedRuntime:
     """Start planner, constructors and loaders as processes; `stop()` leaves none behind."""
 
@@ -424,7 +442,7 @@ class EmbeddedRuntime:
             if old.uri != new.uri:
                 log.info("source %s: %s pinned to %s", old.name, old.uri, new.uri)
         # image.decode_at auto: the place chosen from measured costs, the same in every component and the journal
-        self.spec = resolve_decode_places(pinned)
+        self.spec = resolve_decode_places(pinned, previous=journaled_decode_places(kept) if kept else None)
         plan = self.plan()
         Path(plan.target.spec_file).write_text(self.spec.model_dump_json(indent=1))
         try:

@@ -127,3 +127,18 @@ def test_auto_is_resolved_at_start_and_journaled(tmp_path):
     assert chosen in PLACES
     opened = [r for r in read_journal(tmp_path / "auto" / "journal.jsonl") if r["event"] == "open"]
     assert opened[0]["spec"]["sources"][0]["image"]["decode_at"] == chosen
+
+
+def test_a_run_restarted_in_its_run_directory_keeps_the_journaled_place(tmp_path):
+    from mixplane.runtime import journaled_decode_places
+
+    path, tok = _data(tmp_path, n=8)
+    with EmbeddedRuntime(_spec(tmp_path, path, tok, "client", "run"), tmp_path / "run", log_level="WARNING"):
+        pass
+    # the same run directory again with auto: the place the journal recorded, not a new measurement's
+    with EmbeddedRuntime(_spec(tmp_path, path, tok, "auto", "run"), tmp_path / "run", log_level="WARNING") as rt:
+        assert rt.spec.sources[0].image.decode_at == "client"
+    kept = sorted((tmp_path / "run" / "journals").glob("*.jsonl"))
+    assert len(kept) == 1 and journaled_decode_places(str(kept[0])) == {"vlm": "client"}
+    opened = [r for r in read_journal(tmp_path / "run" / "journal.jsonl") if r["event"] == "open"]
+    assert opened[0]["spec"]["sources"][0]["image"]["decode_at"] == "client"

@@ -115,5 +115,8 @@ def test_auto_resolution_uses_the_measured_costs(tmp_path):
     assert out.sources[0].image.decode_at == "constructor" and seen == ["v"]  # text sources are not measured
     assert out.sources[1] == spec.sources[1]
     assert resolve_decode_places(spec, fixed(ImageCosts(1e-3, 600e3, 600e3, 8))).sources[0].image.decode_at == "loader"
+    # a run restarted in its run directory keeps what its journal recorded, measured or not
+    kept = resolve_decode_places(spec, fixed(ImageCosts(3e-3, 30e3, 600e3, 8)), previous={"v": "client", "t": "loader"})
+    assert kept.sources[0].image.decode_at == "client" and seen == ["v", "v"]
     pinned = parse_spec({**BATCH, "name": "x", "sources": [_source(tmp_path, "client")]})
     assert resolve_decode_places(pinned, fixed(ImageCosts(3e-3, 30e3, 600e3, 8))) is pinned  # a set place is kept

@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mixplane.errors import MixplaneError
-from mixplane.imagedecode import (ImageCosts, choose_decode_place, image_grid, image_to_patches, merge_multiple,  # noqa: F401 - one decode for every place
+from mixplane.imagedecode import (PLACES, ImageCosts, choose_decode_place, image_grid, image_to_patches, merge_multiple,  # noqa: F401 - one decode for every place
                                   place_costs, target_size)
 from mixplane.loader.bounds import CUT_LOOKBACK, bound_texts, value_lengths
 from mixplane.loader.split import SPLIT_PIECE_BYTES, SPLIT_PIECE_TOKENS, SPLIT_SLOTS, PendingDoc, piece_end, piece_limit
@@ -608,14 +608,20 @@ def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageC
     return ImageCosts(cpu / n, raw_b / n, dec_b / n, n) if n else ImageCosts(0.0, 0.0, 0.0, 0)
 
 
-def resolve_decode_places(spec, measure: Callable[[SourceSpec, int], ImageCosts] | None = None):
+def resolve_decode_places(spec, measure: Callable[[SourceSpec, int], ImageCosts] | None = None,
+                          previous: dict[str, str] | None = None):
     """`spec` with every image source's ``image.decode_at: auto`` replaced by the place
     :func:`mixplane.imagedecode.choose_decode_place` picks from its measured costs (one image reaches one
     rank: consumers 1), so every component, the run directory's spec and the planner's journal hold the
-    same concrete choice (resume and replay read it there)."""
+    same concrete choice (replay reads it there). `previous`: source -> place an earlier run in the same
+    run directory journaled; such a source keeps it (a restarted run is not measured again)."""
     sources, changed = [], False
     for s in spec.sources:
-        if s.kind == "image_text" and s.image.decode_at == "auto":
+        if s.kind == "image_text" and s.image.decode_at == "auto" and (previous or {}).get(s.name) in PLACES:
+            log.info("source %s: images decoded at the %s, as the run's journal recorded", s.name, (previous or {})[s.name])
+            s = s.model_copy(update={"image": s.image.model_copy(update={"decode_at": (previous or {})[s.name]})})
+            changed = True
+        elif s.kind == "image_text" and s.image.decode_at == "auto":
             costs = (measure or measure_image_costs)(s, spec.mixture.seed)
             place = choose_decode_place(costs, consumers=1)
             log.info("source %s: images decoded at the %s (%d measured: %.2f ms CPU, %.0f raw bytes, %.0f decoded "
