@@ -120,3 +120,20 @@ def test_auto_resolution_uses_the_measured_costs(tmp_path):
     assert kept.sources[0].image.decode_at == "client" and seen == ["v", "v"]
     pinned = parse_spec({**BATCH, "name": "x", "sources": [_source(tmp_path, "client")]})
     assert resolve_decode_places(pinned, fixed(ImageCosts(3e-3, 30e3, 600e3, 8))) is pinned  # a set place is kept
+
+
+def test_auto_measures_the_first_files_only(tmp_path):
+    from mixplane.loader.transforms import MEASURE_FILES, measure_image_costs
+
+    d = tmp_path / "many"
+    d.mkdir()
+    small, big = _img("PNG", 30, 30), _img("JPEG", 700, 600)
+    for i in range(5):  # listing order: the first MEASURE_FILES files hold small PNGs, the others big JPEGs
+        img = small if i < MEASURE_FILES else big
+        pq.write_table(pa.table({"image": [img] * 4, "caption": ["a"] * 4}), d / f"part-{i}.parquet")
+    src = parse_spec({**BATCH, "name": "x", "sources": [{**_source(tmp_path, "auto"), "uri": str(d)}]}).sources[0]
+    costs = measure_image_costs(src, seed=0)
+    assert costs.images == 32 and costs.raw_bytes == len(small)
+    empty = parse_spec({**BATCH, "name": "x", "sources": [{**_source(tmp_path, "auto"), "uri": str(tmp_path / "none"),
+                                                           "live": True}]}).sources[0]
+    assert measure_image_costs(empty, seed=0).images == 0

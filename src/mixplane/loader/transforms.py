@@ -579,14 +579,28 @@ class _SampleError(MixplaneError, ValueError):
 
 # ---- where images are decoded (image.decode_at: auto) ----
 
+MEASURE_FILES = 2  # files of a source `auto` reads its sample from (a source of 10^5 files is not indexed for it)
+
+
 def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageCosts:
     """Mean decode CPU seconds (this thread's clock), raw bytes and decoded patch bytes per image over the
-    first `rows` rows of `source` in its partition-0 read order (what `auto` decides from)."""
+    first `rows` rows, in the source's read order, of its first MEASURE_FILES files (what `auto` decides from)."""
+    from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
     from mixplane.loader.stream import open_stream
 
     im = source.image
     multiple = merge_multiple(im.merge)
-    stream = open_stream(source, seed=seed, partition=0, num_partitions=1, cache_dir=None)
+    try:
+        listed = list_source(source)
+    except SourceFilesError:  # no files yet (a live source) or none readable: nothing measured; the loader says why
+        return ImageCosts(0.0, 0.0, 0.0, 0)
+    k = min(MEASURE_FILES, len(listed.paths))
+    if k == 0:
+        return ImageCosts(0.0, 0.0, 0.0, 0)
+    first = SourceFiles(uri=listed.uri, filesystem=listed.filesystem, paths=listed.paths[:k], sizes=listed.sizes[:k],
+                        mtimes_ns=listed.mtimes_ns[:k])
+    stream = open_stream(source, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=first,
+                         buffer_rows=rows)
     try:
         raw = stream.take(rows, timeout=0.5 if source.live else None)
     finally:
