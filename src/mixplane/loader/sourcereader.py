@@ -133,8 +133,11 @@ class SourceReader:
             with self._open_lock:
                 self._readers[file_i] = r
                 while len(self._readers) > self._max_open:
-                    _, old = self._readers.popitem(last=False)
-                    old.close()
+                    # dropped, not closed: a read-ahead thread may be reading from it right now (close() empties
+                    # its held tail and its file under that read: the read returned None, and a page-mode source
+                    # of more files than max_open failed at its first take through fsspec). The last reference
+                    # going closes it (RangeReader.__del__; CPython frees it when that read returns).
+                    self._readers.popitem(last=False)
             return r
 
     def _dictionary(self, col: ColumnInfo, chunk: int):
