@@ -28,7 +28,7 @@ test: $(STAMP) k8s-tools s3rver
 	$(PY) -m ruff check src
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
-	$(PY) -m pytest tests -q
+	bash scripts/run-tests.sh $(PY) tests -q
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q
