@@ -137,3 +137,29 @@ def test_auto_measures_the_first_files_only(tmp_path):
     empty = parse_spec({**BATCH, "name": "x", "sources": [{**_source(tmp_path, "auto"), "uri": str(tmp_path / "none"),
                                                            "live": True}]}).sources[0]
     assert measure_image_costs(empty, seed=0).images == 0
+
+
+@pytest.mark.parametrize("at_client", [False, True])
+def test_encoder_batch_from_encoded_images(at_client):
+    from mixplane.constructor.multimodal import EncodedImage, encoder_batch
+
+    datas = [_img("JPEG", 300, 200), _img("PNG", 56, 112)]
+    decoded, encoded = {}, {}
+    for k, d in enumerate(datas):
+        flat, hp, wp = image_to_patches(d, 14, 112, 2)
+        decoded[(0, k)] = (flat.reshape(hp * wp, -1), (hp, wp))
+        encoded[(0, k)] = (EncodedImage(np.frombuffer(d, np.uint8), 14, 112, f"img {k}", at_client), (hp, wp))
+    args = dict(img_source=np.zeros(2, np.int64), img_key=np.arange(2), img_rank=np.zeros(2, np.int64),
+                img_patches=np.array([g[0] * g[1] for _, g in decoded.values()]), merge=4, patch_dim=14 * 14 * 3)
+    want = encoder_batch(0, images=decoded, **args)
+    got = encoder_batch(0, images=encoded, **args)
+    if at_client:  # the raw bytes and what the client decodes them with; the rest as the constructor sends it
+        pix = decode_encoder_pixels(got.pop("image_bytes"), got.pop("image_bytes_offsets"), got["image_grid"],
+                                    got.pop("image_max_side"), patch=14, merge=4, where=got.pop("image_decode")["where"])
+        got["pixel_patches"] = pix
+        assert all(isinstance(v[0], EncodedImage) for v in encoded.values())
+    else:  # decoded here, once: the decoded patches replace the encoded image
+        assert all(isinstance(v[0], np.ndarray) for v in encoded.values())
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype, k

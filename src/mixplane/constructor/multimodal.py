@@ -206,7 +206,8 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
     names it), unless every image of the rank is for the client to decode: then ``pixel_patches`` is
     replaced by ``image_bytes`` / ``image_bytes_offsets`` / ``image_max_side`` and ``image_decode``
     (patch size, merge, each image's name), from which the client makes the same ``pixel_patches``
-    (imagedecode.decode_encoder_pixels). Raises KeyError when an image's patches are not here.
+    (imagedecode.decode_encoder_pixels). A decoded image replaces its EncodedImage in ``images``. Raises
+    KeyError when an image's patches are not here.
     """
     mine = np.flatnonzero(np.asarray(img_rank) == rank)
     found = []
@@ -221,6 +222,7 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
     for i, (pix, grid) in zip(mine, found):
         if isinstance(pix, EncodedImage):  # decode_at constructor (or client, in a rank that mixes places)
             pix = decode_planned(pix.data, grid, patch=pix.patch, max_side=pix.max_side, merge=merge, where=pix.where)
+            images[(int(img_source[i]), int(img_key[i]))] = (pix, grid)  # decoded once, even if the reply is retried
         if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
             raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
         patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
