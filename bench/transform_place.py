@@ -53,10 +53,10 @@ def data(cache: Path, images: int) -> Path:
 
     d = cache / "demo-data"
     ensure_demo_data(d, max_mb=1.0)
-    mark = d / "pairs" / f".images-{images}"
-    if not mark.exists():
+    mark = d / "pairs" / ".images"  # how many images the pairs hold now (a --quick run after a full one rebuilds)
+    if not mark.exists() or mark.read_text() != str(images):
         build_image_pairs(d / "pairs", max_images=images)
-        mark.touch()
+        mark.write_text(str(images))
     return d
 
 
