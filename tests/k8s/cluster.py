@@ -258,7 +258,7 @@ class Cluster:
         """Host preparation (lock, snapshot, discipline), the conntrack log, dockerd with the image cache."""
         n = self.node
         assert n is not None
-        n.prepare_host()
+        n.prepare_host(bins.get("kube-proxy"))
         self._spawn("conntrack", [bins["conntrack"], "-E", "-e", "NEW", "-o", "timestamp"], cgroup=False)
         # dockerd inherits the image cache's lock: held while it runs, even after `up` returned
         self._spawn("dockerd", ["/usr/sbin/dockerd", "--config-file", str(n.write_daemon_json())],

@@ -199,11 +199,17 @@ def install_egress(cgroup: str) -> None:
 _NODE_PATH = re.compile(r"--path (mixplane-node-\S+)")
 
 
-def clear_dead_nodes() -> list[str]:
+def clear_dead_nodes(kube_proxy: str | None = None) -> list[str]:
     """Remove the discipline a node left when its process was killed before it could restore the host (a session
-    that ended mid-run): its rules name a cgroup of no live process. Call with the node lock held: the lock's
-    holder is the only live node, so any discipline found then is a dead node's. Returns what was removed."""
+    that ended mid-run): its rules name a cgroup of no live process; and, with `kube_proxy`, that node's kube-proxy
+    rules (`kube-proxy --cleanup`: else they are in the next node's "before" and its own cleanup makes the host
+    differ from it). Call with the node lock held: the lock's holder is the only live node, so any discipline found
+    then is a dead node's. Returns what was removed."""
     removed = []
+    if kube_proxy and re.search(r"^:KUBE-", _sh("iptables-save", check=False).stdout, re.M):
+        subprocess.run([kube_proxy, "--cleanup", "--proxy-mode=iptables"], capture_output=True, timeout=60)
+        _drop_chains(iptables_save().splitlines())  # what --cleanup leaves (see restore_host)
+        removed.append("kube-proxy's and kubelet's chains (kube-proxy --cleanup, then the KUBE-* chains left)")
     dead = sorted(set(_NODE_PATH.findall(_sh("iptables-save", check=False).stdout)))
     for cg in dead:
         procs = CGROUP_ROOT / "unified" / cg / "cgroup.procs"
@@ -321,9 +327,10 @@ class Node:
         return cls(wd, json.loads(p.read_text())) if p.exists() else None
 
     # ---- host state ----
-    def prepare_host(self) -> str:
-        """Lock the image cache's data-root, snapshot what the node changes, put this process in the node's
-        cgroup (its children inherit it), install the discipline. Returns the cgroup's path (v2, relative)."""
+    def prepare_host(self, kube_proxy: str | None = None) -> str:
+        """Lock the image cache's data-root, clear what a killed node left (clear_dead_nodes), snapshot what the
+        node changes, put this process in the node's cgroup (its children inherit it), install the discipline.
+        Returns the cgroup's path (v2, relative)."""
         lock = docker_lock_path()
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -339,7 +346,7 @@ class Node:
         self.lock_fd = fd
         if Path("/sys/class/net/docker0").exists():
             raise NodeError("docker0 exists already: another node (or Docker) runs on this machine")
-        for what in clear_dead_nodes():
+        for what in clear_dead_nodes(kube_proxy):
             print(f"node: removed what a killed node left: {what}", file=sys.stderr)
         cg = f"mixplane-node-{os.getpid()}-{time.monotonic_ns() % 100000}"
         self.state.update({
@@ -395,12 +402,7 @@ class Node:
             remove_egress(st["cgroup2"])
         # what --cleanup leaves: kube-proxy's canaries and the KUBE-MARK-* chains (kubelet's, shared, in 1.20)
         before_rules = set((st.get("iptables_before") or "").splitlines())
-        left = [ln.split() for ln in iptables_save().splitlines() if ln not in before_rules]
-        chains = sorted({(t, c[1:]) for t, c, *_ in left if c.startswith(":KUBE-")})
-        for t, c in chains:
-            _sh("iptables", "-t", t, "-F", c, check=False)
-        for t, c in chains:
-            _sh("iptables", "-t", t, "-X", c, check=False)
+        _drop_chains([ln for ln in iptables_save().splitlines() if ln not in before_rules])
         _umount_under(self.wd, docker_root())
         if Path("/sys/class/net/docker0").exists() and st.get("bridge_created"):
             subprocess.run(["ip", "link", "del", "docker0"], capture_output=True)
@@ -438,6 +440,15 @@ class Node:
             os.close(self.lock_fd)
             self.lock_fd = None
         return problems
+
+
+def _drop_chains(lines: list[str]) -> None:
+    """Flush, then delete, the KUBE-* chains among `lines` (iptables_save's "table :CHAIN" lines)."""
+    chains = sorted({(t, c[1:]) for t, c, *_ in (ln.split() for ln in lines) if c.startswith(":KUBE-")})
+    for t, c in chains:
+        _sh("iptables", "-t", t, "-F", c, check=False)
+    for t, c in chains:
+        _sh("iptables", "-t", t, "-X", c, check=False)
 
 
 def iptables_save() -> str:
