@@ -41,20 +41,25 @@ def strategy_problems(spec: DataMixtureSpec) -> list[Problem]:
 
 
 def hook_problems(spec: DataMixtureSpec) -> list[Problem]:
-    """A constructor hook that does not import, is not callable or refuses its options (constructor start-up, earlier)."""
+    """A constructor or loader hook that does not import, is not callable or refuses its options (what the
+    constructor's or loader's start-up would find, earlier)."""
     from mixplane.constructor.hooks import HookError, load_hook
+    from mixplane.loader.hooks import LoaderHookError, load_loader_hook
 
-    h = spec.hooks.constructor
-    if h is None:
-        return []
-    mod, sep, _ = h.name.rpartition(":")
-    if sep and mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):
-        return [Problem("hooks.constructor.name", f"no such hook file: {mod}")]
-    try:
-        load_hook(spec)
-    except HookError as e:
-        return [Problem("hooks.constructor.name", str(e))]
-    return []
+    out: list[Problem] = []
+    for field, h, load, error in (("constructor", spec.hooks.constructor, load_hook, HookError),
+                                  ("loader", spec.hooks.loader, load_loader_hook, LoaderHookError)):
+        if h is None:
+            continue
+        mod, sep, _ = h.name.rpartition(":")
+        if sep and mod.endswith(".py") and not os.path.isfile(os.path.expanduser(mod)):
+            out.append(Problem(f"hooks.{field}.name", f"no such hook file: {mod}"))
+            continue
+        try:
+            load(spec)
+        except error as e:
+            out.append(Problem(f"hooks.{field}.name", str(e)))
+    return out
 
 
 def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:

@@ -137,9 +137,15 @@ def cmd_loader(args: argparse.Namespace) -> int:
     name = args.host_name or loader_name([(spec.sources[si].name, r) for si, r in members])
     if args.shadow_of and not args.shadow:
         raise SystemExit("mixplane loader: --shadow-of HOST needs --shadow (it names the primary a shadow stands beside)")
-    host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, shadow_of=args.shadow_of,
-                      metrics=spec.runtime.metrics,
-                      metrics_port=args.metrics_port, state_dir=args.state_dir)
+    from mixplane.loader.hooks import LoaderHookError
+
+    try:
+        host = LoaderHost(spec, args.planner, name, partitions=members, shadow=args.shadow, shadow_of=args.shadow_of,
+                          metrics=spec.runtime.metrics,
+                          metrics_port=args.metrics_port, state_dir=args.state_dir)
+    except LoaderHookError as e:  # hooks.loader that does not load: one line naming it, not a traceback
+        logging.getLogger("mixplane.loader").error("%s", e)
+        return 2
     _on_sigterm(host)
     if args.trainer_dir:
         _watch_pod_end(host, args)
@@ -150,7 +156,11 @@ def cmd_loader(args: argparse.Namespace) -> int:
     elif args.source:
         ready.update(source=args.source, replica=args.replica, metrics_port=host.metrics_port or host.loaders[members[0]].metrics_port)
     write_ready(args.ready_file, ready)
-    host.run()
+    try:
+        host.run()
+    except LoaderHookError as e:  # hooks.loader gave a result that is no way to consume the plan: stop, named
+        logging.getLogger("mixplane.loader").error("%s", e)
+        return 2
     return host.exit_code
 
 

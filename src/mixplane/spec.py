@@ -244,8 +244,15 @@ class ConstructorHookSpec(_Model):
     token_fields: list[str] = Field(default_factory=list, description="Fields the hook adds that are aligned with the tokens (last dimension seq_len): context parallelism cuts them as it cuts input_ids; other added fields reach every rank of the data-parallel group whole.")
 
 
+class LoaderHookSpec(_Model):
+    name: str = Field(..., min_length=1, description="`package.module:function` or `path/to/file.py:function` (relative to the spec file): `fn(plan, ctx, **options) -> dict | None`, called by a Source Loader on its part of each step's plan (numpy arrays, one entry per planned span: pos, key, start, len, dest, img, retire, tokens); `ctx` has step, source, replica, constructors, window_samples, window_tokens, read_ahead_tokens. It returns how the loader consumes that part -- `order` (a permutation of the entries: the order the loader gathers the spans and serves the constructors) and `read_ahead_tokens` (how far past its window it reads ahead) -- never which samples go where, so batches, cursors and resume are those of a run without it.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the hook (checked against its signature at validation and start-up).")
+    sources: list[str] | None = Field(None, description="Sources whose loaders run the hook; default: every source.")
+
+
 class HooksSpec(_Model):
     constructor: ConstructorHookSpec | None = Field(None, description="How a constructor assembles its part of a plan (the paper's constructor_do_plan): custom collation, extra fields.")
+    loader: LoaderHookSpec | None = Field(None, description="How a Source Loader consumes its part of a plan (the paper's loader_do_plan): the order it gathers and serves the planned spans, its read-ahead.")
 
 
 class CurveSpec(_Model):
@@ -299,7 +306,7 @@ class DataMixtureSpec(_Model):
     topology: TopologySpec = Field(default_factory=TopologySpec, description="The trainer's parallelism.")
     model: dict[str, ModelDims] = Field(default_factory=dict, description="Model dimensions by module name (for cost models).")
     strategy: StrategySpec = Field(default_factory=StrategySpec, description="Planning strategy.")
-    hooks: HooksSpec = Field(default_factory=HooksSpec, description="User code in how components consume a plan (constructor).")
+    hooks: HooksSpec = Field(default_factory=HooksSpec, description="User code in how components consume a plan (constructor, loader).")
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Ports, buffers, timeouts.")
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec, description="Cluster deployment (operator only).")
 
@@ -568,11 +575,15 @@ def resolve_paths(spec: DataMixtureSpec, base: Path) -> DataMixtureSpec:
     mod, sep, fn = spec.strategy.name.rpartition(":")
     if sep and mod.endswith(".py"):
         update["strategy"] = spec.strategy.model_copy(update={"name": f"{fix(mod)}:{fn}"})
-    hook = spec.hooks.constructor
-    if hook is not None:
-        mod, sep, fn = hook.name.rpartition(":")
-        if sep and mod.endswith(".py"):
-            update["hooks"] = spec.hooks.model_copy(update={"constructor": hook.model_copy(update={"name": f"{fix(mod)}:{fn}"})})
+    hooks: dict[str, Any] = {}
+    for field in ("constructor", "loader"):
+        hook = getattr(spec.hooks, field)
+        if hook is not None:
+            mod, sep, fn = hook.name.rpartition(":")
+            if sep and mod.endswith(".py"):
+                hooks[field] = hook.model_copy(update={"name": f"{fix(mod)}:{fn}"})
+    if hooks:
+        update["hooks"] = spec.hooks.model_copy(update=hooks)
     return spec.model_copy(update=update)
 
 
@@ -712,6 +723,12 @@ def semantic_problems(spec: DataMixtureSpec, *, prefix: str = "", checks: Sequen
         # whether user code imports and takes its options is a check the shell passes in (mixplane.checks)
     elif st not in BUILTIN_STRATEGIES:
         out.append(Problem(f"{p}strategy.name", f"unknown strategy {st!r} (built-in: {', '.join(BUILTIN_STRATEGIES)}; or package.module:function)"))
+
+    lh = spec.hooks.loader
+    if lh is not None and lh.sources is not None:
+        for j, name in enumerate(lh.sources):
+            if name not in known:
+                out.append(Problem(f"{p}hooks.loader.sources[{j}]", f"unknown source {name!r} (sources: {', '.join(names)})"))
 
     for check in checks:
         out.extend(Problem(f"{p}{q.path}", q.message) for q in check(spec))

@@ -17,6 +17,7 @@ import zmq
 from mixplane import protocol, wire
 from mixplane.component import DRAIN_BATCH, Component, Endpoint, PlannerFollower
 from mixplane.loader import snapshot
+from mixplane.loader.hooks import apply_loader_hook, load_loader_hook
 from mixplane.loader.stream import open_stream
 from mixplane.repartition import layouts_after
 from mixplane.loader.transforms import make_transform
@@ -62,6 +63,9 @@ class LoaderServer(PlannerFollower):
         self.last_plan = time.monotonic()  # when the planner last asked for a step (a sidecar's end waits for quiet)
         self.constructor_endpoints: list[str] = []
         self.partitioning = list(partitioning or [])
+        # hooks.loader: loaded before any file or socket opens (one that cannot be loaded stops the start, named)
+        self.hook = load_loader_hook(spec, source.name)
+        self.hook_calls = 0
         parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else self.source.replicas
         self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=parts)
         if self.partitioning:
@@ -322,7 +326,14 @@ class LoaderServer(PlannerFollower):
             raise WireError(f"step {step}: planned sample at position {missing[0]} is not in the window")
         if n and (np.any(length < 0) or np.any(start < 0)):
             raise WireError(f"PLAN_LOADER: negative span at step {step}")
-        for c in np.unique(dest):
+        served = np.unique(dest)
+        if self.hook is not None:  # hooks.loader: the order it gathers and serves the spans, its read-ahead
+            order = self._consume_plan(step, pos, start, length, dest, retire, img)
+            if order is not None:
+                pos, start, length, dest, retire, img = (a[order] for a in (pos, start, length, dest, retire, img))
+                first = np.unique(dest, return_index=True)[1]
+                served = dest[np.sort(first)]  # constructors in the order of their first span
+        for c in served:
             sel = np.flatnonzero(dest == c)
             spans_at = sel[length[sel] > 0]
             keys = np.empty(len(spans_at), np.int64)
@@ -350,6 +361,25 @@ class LoaderServer(PlannerFollower):
             if self._plans_since_snapshot >= self.snapshot_every:
                 self._plans_since_snapshot = 0
                 self.write_snapshot(step)
+
+    def _consume_plan(self, step: int, pos: np.ndarray, start: np.ndarray, length: np.ndarray, dest: np.ndarray,
+                      retire: np.ndarray, img: np.ndarray) -> np.ndarray | None:
+        """Ask the loader hook how to consume this step's part of the plan: the serving order (None: the plan's);
+        its read-ahead hint is applied here. LoaderHookError (naming hook, step, field) stops the loader."""
+        assert self.hook is not None and self.spec.hooks.loader is not None
+        buf = self.window.buffer
+        plan: dict[str, np.ndarray] = {"pos": pos.astype(np.int64), "key": np.asarray([buf[int(q)].key for q in pos.tolist()], np.int64),
+                "start": start.astype(np.int64), "len": length.astype(np.int64), "dest": dest.astype(np.int64),
+                "img": img.astype(np.int8), "retire": retire.astype(np.int8),
+                "tokens": np.asarray([len(buf[int(q)].tokens) for q in pos.tolist()], np.int64)}
+        ctx = {"step": step, "source": self.source.name, "replica": self.replica, "constructors": len(self.pushers),
+               "window_samples": len(buf), "window_tokens": int(self.window.unconsumed_tokens),
+               "read_ahead_tokens": int(self.window.read_ahead_tokens)}
+        decision = apply_loader_hook(self.hook, self.spec.hooks.loader.name, plan, ctx)
+        self.hook_calls += 1
+        if decision.read_ahead_tokens is not None and self.mode == "primary":
+            self.window.read_ahead_tokens = decision.read_ahead_tokens
+        return decision.order
 
     def write_snapshot(self, step: int) -> None:
         """A differential checkpoint of this partition's position (loader.snapshot); never fatal."""
