@@ -5,7 +5,7 @@ stream over the same rows written several ways.
 - ``numpy_plain``: ``use_dictionary=False``, PLAIN (fast path);
 - ``arrow_delta``: ``use_dictionary=False`` with DELTA_LENGTH_BYTE_ARRAY text and DELTA_BINARY_PACKED
   token ids in data pages v2, as Spark's and DuckDB's v2 writers store them: Arrow's decoders, page by
-  page (:func:`pagereader.arrow_decode_page`);
+  page (:func:`mixplane.loader.parquet.arrow_decode_page`);
 - ``arrow_forced_dict`` / ``arrow_forced_plain``: the files of the numpy modes, every page forced through
   the Arrow path — the two paths side by side on identical bytes.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mixplane.loader import pagereader as pr
+from mixplane.loader import parquet as pr
 from mixplane.loader.stream import open_stream
 from mixplane.spec import SourceSpec
 

@@ -111,7 +111,7 @@ def index_source(uri: str, cache_dir: str, storage) -> dict:
 
     from mixplane.loader.files import list_source_files
     from mixplane.loader.indexscan import build_source_index
-    from mixplane.loader.pagereader import IOStats
+    from mixplane.loader.parquet import IOStats
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()

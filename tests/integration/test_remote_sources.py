@@ -16,7 +16,7 @@ from tests.unit.loader_testdata import write_source
 from mixplane.loader import remote
 from mixplane.loader.files import SourceFilesError, list_source
 from mixplane.loader.indexscan import index_file
-from mixplane.loader.pagereader import IOStats
+from mixplane.loader.parquet import IOStats
 from mixplane.loader.stream import open_stream
 from mixplane.metrics import make_metrics
 from mixplane.samples import key_epoch

@@ -16,7 +16,7 @@ import pytest
 
 from mixplane.loader import indexscan
 from mixplane.loader.indexscan import _index_compiled, build_source_index, index_file
-from mixplane.loader.pagereader import ParquetError, RangeReader, read_file_meta
+from mixplane.loader.parquet import ParquetError, RangeReader, read_file_meta
 from tests.unit.writer_zoo import write_zoo
 
 

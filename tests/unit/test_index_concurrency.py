@@ -12,7 +12,7 @@ import pytest
 
 from tests.unit.loader_testdata import write_source
 from mixplane.loader import indexscan as scan
-from mixplane.loader.pagereader import IOStats
+from mixplane.loader.parquet import IOStats
 from mixplane.loader.stream import open_stream
 from mixplane.spec import SourceSpec
 

@@ -11,7 +11,7 @@ import pytest
 from tests.unit.loader_testdata import text_table, write_source
 from mixplane.loader import indexscan as scan
 from mixplane.loader import pageindex as pi
-from mixplane.loader.pagereader import parse_page_header
+from mixplane.loader.parquet import parse_page_header
 from mixplane.loader.stream import StreamError, open_stream
 from mixplane.samples import key_epoch, key_row
 from mixplane.spec import SourceSpec

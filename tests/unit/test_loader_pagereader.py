@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from tests.unit.loader_testdata import mixed_table
 from mixplane.loader import indexscan as scan
 from mixplane.loader import sourcereader as sr
-from mixplane.loader import pagereader as pr
-from mixplane.loader import thrift
+from mixplane.loader import parquet as pr
+from mixplane.loader.parquet import encodings
+from mixplane.loader.parquet import thrift
 
 TABLE = mixed_table(1500)
 
@@ -275,16 +276,16 @@ def _plain_byte_array_reference(buf, pos, end, n, select=None):
 @pytest.mark.parametrize("few", [True, False])  # both decoders: the short loop and Arrow's reader
 def test_plain_byte_array_matches_the_reference_loop(mean_len, few):
     rng = np.random.default_rng(mean_len)
-    n = int(rng.integers(1, pr.PLAIN_LOOP_MAX_VALUES)) if few else int(rng.integers(pr.PLAIN_LOOP_MAX_VALUES + 1, 3000))
+    n = int(rng.integers(1, encodings.PLAIN_LOOP_MAX_VALUES)) if few else int(rng.integers(encodings.PLAIN_LOOP_MAX_VALUES + 1, 3000))
     vals = [rng.bytes(int(rng.integers(0, 2 * mean_len + 1))) for _ in range(n)]
     body = b"".join(len(v).to_bytes(4, "little") + v for v in vals)
     buf, pos = b"junk" + body + b"tail", 4  # values inside a larger buffer
     sel = np.sort(rng.choice(n, max(1, n // 3), replace=False))
     for s in (None, sel):
         want = _plain_byte_array_reference(buf, pos, pos + len(body), n, s)
-        got = pr._plain_byte_array(buf, pos, pos + len(body), n, s)
+        got = encodings._plain_byte_array(buf, pos, pos + len(body), n, s)
         assert got[0].dtype == np.int64 and (got[0] == want[0]).all() and (got[1] == want[1]).all()
     with pytest.raises(ValueError):  # the last value runs past the page
-        pr._plain_byte_array(buf, pos, pos + len(body) - 1, n)
+        encodings._plain_byte_array(buf, pos, pos + len(body) - 1, n)
     with pytest.raises(ValueError):  # fewer values than the header says
-        pr._plain_byte_array(buf, pos, pos + len(body), n + 1)
+        encodings._plain_byte_array(buf, pos, pos + len(body), n + 1)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mixplane.loader.pagereader import IOStats, RangeReader
+from mixplane.loader.parquet import IOStats, RangeReader
 from mixplane.loader.readahead import ReadAhead, coalesce, request_limit
 from mixplane.loader.remote import RemoteIO
 

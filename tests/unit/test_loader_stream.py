@@ -9,7 +9,7 @@ import pytest
 from tests.unit.loader_testdata import write_source
 from mixplane.loader import indexscan as scan
 from mixplane.loader import sourcereader as sr
-from mixplane.loader.pagereader import IOStats
+from mixplane.loader.parquet import IOStats
 from mixplane.loader.shuffle import BufferShuffle, FeistelPermutation, PageParts, stratified_permutation
 from mixplane.loader.stream import SLAB_LIVE_RATIO, MAX_PAGE_READS, READ_BUDGET, open_stream
 from mixplane.samples import key_epoch, key_row

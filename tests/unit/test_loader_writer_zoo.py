@@ -11,7 +11,7 @@ import pytest
 from mixplane.loader import indexscan as scan
 
 from mixplane.loader import sourcereader as sr
-from mixplane.loader import pagereader as pr
+from mixplane.loader import parquet as pr
 from mixplane.loader.files import list_source_files, read_schema_names
 from mixplane.loader.stream import open_stream
 from mixplane.samples import key_epoch

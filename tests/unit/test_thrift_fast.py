@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from mixplane.loader import thrift as th
+from mixplane.loader.parquet import thrift as th
 from tests.unit.writer_zoo import write_zoo
 
 

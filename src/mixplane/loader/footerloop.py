@@ -2,7 +2,7 @@
 
 At 10^5 files a cold start spent most of each loader's CPU decoding footers and OffsetIndexes into Python dicts
 (``thrift.read_struct``: ~0.3 of the ~0.5 ms a file). The readable specification of what a file's index is stays
-the Python path (``pagereader.read_file_meta``, ``resolve_columns``, ``indexscan._scan_chunk``); this module is a
+the Python path (``parquet.read_file_meta``, ``resolve_columns``, ``indexscan._scan_chunk``); this module is a
 second implementation of its *common case* only, used by ``indexscan.index_file``:
 
 * :func:`walk` -- one loop over the Thrift compact protocol, driven by a table of the fields wanted

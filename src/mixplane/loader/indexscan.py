@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow.fs as pafs
 
-from mixplane.loader import pagereader as pr
+from mixplane.loader import parquet as pr
 from mixplane.loader import remote, sidecar
 from mixplane.loader.pageindex import ColumnPages, FileIndex, SourceIndex
-from mixplane.loader.pagereader import (
+from mixplane.loader.parquet import (
     ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader,
 )
 from mixplane.loader.sidecar import (beside_path, default_cache_dir, index_prefix, index_stamp, load_sidecar, save_sidecar,
                                     sidecar_bytes, sidecar_path, stale_indexes)
-from mixplane.loader.thrift import ThriftError, read_struct
+from mixplane.loader.parquet.thrift import ThriftError, read_struct
 
 log = logging.getLogger(__name__)
 _HEADER_PROBE = 256

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from mixplane.loader.pagereader import ColumnInfo, ParquetError, SchemaMismatchError
+from mixplane.loader.parquet import ColumnInfo, ParquetError, SchemaMismatchError
 
 # ----------------------------------------------------------------------------------------------
 # one file

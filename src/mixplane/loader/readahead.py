@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from mixplane.loader.pagereader import IOStats, RangeReader
+from mixplane.loader.parquet import IOStats, RangeReader
 from mixplane.loader.remote import RemoteIO
 
 Range = tuple[int, int, int]  # (file, offset, size)

@@ -7,7 +7,7 @@ Failure classes: 404 (missing object or bucket) and 403 (credentials refused) ar
 throttling (503 SlowDown), other 5xx, cut transfers and timeouts are retried with exponential backoff
 and jitter up to ``RemoteIO.attempts``; then :class:`RemoteUnavailableError` names the object and the
 last error. The AWS SDK's own retries are off (one attempt per request), so every retry is ours and
-counted in :class:`~mixplane.loader.pagereader.IOStats`.
+counted in :class:`~mixplane.loader.parquet.IOStats`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from mixplane.loader.files import BESIDE_DIR
 from mixplane.loader.pageindex import ColumnPages, FileIndex
-from mixplane.loader.pagereader import ColumnInfo
+from mixplane.loader.parquet import ColumnInfo
 
 INDEX_VERSION = 4  # 4: two .npz members (meta, data) instead of one per array
 

@@ -9,14 +9,14 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow as pa
 
-from mixplane.loader import pagereader as pr
+from mixplane.loader import parquet as pr
 from mixplane.loader import remote
 from mixplane.loader.pageindex import SourceIndex
-from mixplane.loader.pagereader import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
+from mixplane.loader.parquet import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
 from mixplane.loader.diskcache import DiskCache
 from mixplane.loader.readahead import ReadAhead
 from mixplane.loader.remote import RemoteIO
-from mixplane.loader.thrift import ThriftError
+from mixplane.loader.parquet.thrift import ThriftError
 
 
 class _LRU:

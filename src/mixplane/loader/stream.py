@@ -27,7 +27,7 @@ from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
 from mixplane.loader.indexscan import build_source_index
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.sourcereader import SourceReader
-from mixplane.loader.pagereader import IOStats, ParquetError, int64_array
+from mixplane.loader.parquet import IOStats, ParquetError, int64_array
 from mixplane.loader.policies import (
     MAX_PAGE_READS, MIN_PART_ROWS, READ_BUDGET, OrderKey, Segment, ShufflePolicy, policy_for,
 )

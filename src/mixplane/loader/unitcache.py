@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader.arena import RowArena
-from mixplane.loader.pagereader import int64_array
+from mixplane.loader.parquet import int64_array
 from mixplane.loader.shuffle import EpochPlan, PageParts, PagePlan
 
 SLAB_LIVE_RATIO = 0.75  # relocate the units of a slab once its rows still to come fill no more than this share of it

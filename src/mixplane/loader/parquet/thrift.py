@@ -8,6 +8,7 @@ Every malformed input raises :class:`ThriftError` (truncation, bad type, absurd 
 from __future__ import annotations
 
 import struct
+from typing import Any, Union
 
 from mixplane.errors import MixplaneError
 
@@ -16,15 +17,22 @@ _MAX_DEPTH = 32
 _MAX_CONTAINER = 1 << 28
 _unpack_double = struct.Struct("<d").unpack_from
 
+Buffer = Union[bytes, bytearray, memoryview]
+Struct = dict[int, Any]  # a decoded struct: field id -> value
+Field = tuple[int, int, Any]  # a field to write: (field id, compact type, value)
+
 
 class ThriftError(MixplaneError, ValueError):
     """Malformed Thrift compact-protocol data."""
 
 
 class CompactReader:
+    """The generic decoder: every compact type, one method call per value. The fast path of footers and page
+    headers (:func:`read_struct`) inlines the common types and falls back to this one for the rest."""
+
     __slots__ = ("buf", "pos", "end")
 
-    def __init__(self, buf: bytes | bytearray | memoryview, pos: int = 0, end: int | None = None):
+    def __init__(self, buf: Buffer, pos: int = 0, end: int | None = None):
         self.buf = buf
         self.pos = pos
         self.end = len(buf) if end is None else end
@@ -57,7 +65,7 @@ class CompactReader:
         n = self.varint()
         return (n >> 1) ^ -(n & 1)
 
-    def value(self, ctype: int, depth: int = 0):
+    def value(self, ctype: int, depth: int = 0) -> Any:
         if ctype == I32 or ctype == I64 or ctype == I16:
             return self.zigzag()
         if ctype == BINARY:
@@ -88,7 +96,7 @@ class CompactReader:
             return self.map(depth + 1)
         raise ThriftError(f"unknown thrift type {ctype}")
 
-    def list(self, depth: int) -> list:
+    def list(self, depth: int) -> list[Any]:
         if depth > _MAX_DEPTH:
             raise ThriftError("thrift nesting too deep")
         h = self._byte()
@@ -98,13 +106,10 @@ class CompactReader:
         if n > _MAX_CONTAINER or n > (self.end - self.pos) * 8 + 8:
             raise ThriftError(f"list of {n} elements cannot fit")
         if et == TRUE or et == FALSE:  # bools in containers are one byte each
-            out = []
-            for _ in range(n):
-                out.append(self._byte() == 1)
-            return out
+            return [self._byte() == 1 for _ in range(n)]
         return [self.value(et, depth) for _ in range(n)]
 
-    def map(self, depth: int) -> dict:
+    def map(self, depth: int) -> dict[Any, Any]:
         if depth > _MAX_DEPTH:
             raise ThriftError("thrift nesting too deep")
         n = self.varint()
@@ -114,7 +119,7 @@ class CompactReader:
             raise ThriftError(f"map of {n} entries cannot fit")
         h = self._byte()
         kt, vt = h >> 4, h & 0x0F
-        out = {}
+        out: dict[Any, Any] = {}
         for _ in range(n):
             k = self.value(kt, depth)
             if isinstance(k, (list, dict)):
@@ -122,10 +127,10 @@ class CompactReader:
             out[k] = self.value(vt, depth)
         return out
 
-    def struct(self, depth: int = 0) -> dict:
+    def struct(self, depth: int = 0) -> Struct:
         if depth > _MAX_DEPTH:
             raise ThriftError("thrift nesting too deep")
-        out: dict[int, object] = {}
+        out: Struct = {}
         fid = 0
         while True:
             h = self._byte()
@@ -137,7 +142,7 @@ class CompactReader:
             out[fid] = self.value(ctype, depth)
 
 
-def read_struct(buf: bytes | bytearray | memoryview, pos: int = 0, end: int | None = None) -> tuple[dict, int]:
+def read_struct(buf: Buffer, pos: int = 0, end: int | None = None) -> tuple[Struct, int]:
     """Decode one struct starting at ``pos``; returns (struct, position after it)."""
     if end is not None and end < len(buf):
         buf = buf[:end]  # the fast reader's bound is the buffer's end
@@ -153,7 +158,7 @@ def read_struct(buf: bytes | bytearray | memoryview, pos: int = 0, end: int | No
 # types inline (a Python call per value made parsing 10^5 footers most of a cold start's time). A read past the
 # buffer raises IndexError, which read_struct reports as a truncation.
 
-def _varint(buf, pos: int) -> tuple[int, int]:
+def _varint(buf: Buffer, pos: int) -> tuple[int, int]:
     b = buf[pos]
     pos += 1
     result = b & 0x7F
@@ -168,10 +173,10 @@ def _varint(buf, pos: int) -> tuple[int, int]:
     return result, pos
 
 
-def _struct(buf, pos: int, depth: int) -> tuple[dict, int]:
+def _struct(buf: Buffer, pos: int, depth: int) -> tuple[Struct, int]:
     if depth > _MAX_DEPTH:
         raise ThriftError("thrift nesting too deep")
-    out: dict[int, object] = {}
+    out: Struct = {}
     fid = 0
     while True:
         h = buf[pos]
@@ -213,7 +218,7 @@ def _struct(buf, pos: int, depth: int) -> tuple[dict, int]:
             pos = r.pos
 
 
-def _list(buf, pos: int, depth: int) -> tuple[list, int]:
+def _list(buf: Buffer, pos: int, depth: int) -> tuple[list[Any], int]:
     if depth > _MAX_DEPTH:
         raise ThriftError("thrift nesting too deep")
     h = buf[pos]
@@ -223,7 +228,7 @@ def _list(buf, pos: int, depth: int) -> tuple[list, int]:
         n, pos = _varint(buf, pos)
     if n > _MAX_CONTAINER or n > (len(buf) - pos) * 8 + 8:
         raise ThriftError(f"list of {n} elements cannot fit")
-    out: list = []
+    out: list[Any] = []
     if et == STRUCT:
         for _ in range(n):
             v, pos = _struct(buf, pos, depth + 1)
@@ -246,10 +251,12 @@ def _list(buf, pos: int, depth: int) -> tuple[list, int]:
     return out, pos
 
 
-# ---- writer (tests build corrupt or unusual files with it; pagereader wraps a page in a one-page file for
+# ---- writer (tests build corrupt or unusual files with it; the page decoders wrap a page in a one-page file for
 # Arrow to decode: a few small structs per page) ----
 
 class CompactWriter:
+    """Thrift compact-protocol encoding of structs given as (field id, compact type, value) lists."""
+
     def __init__(self) -> None:
         self.out = bytearray()
 
@@ -266,7 +273,7 @@ class CompactWriter:
     def zigzag(self, n: int) -> None:
         self.varint((n << 1) ^ (n >> 63))
 
-    def struct(self, fields: list[tuple[int, int, object]]) -> None:
+    def struct(self, fields: list[Field]) -> None:
         """fields: (field id, compact type, value), in increasing id order."""
         last = 0
         for fid, ctype, v in fields:
@@ -279,10 +286,11 @@ class CompactWriter:
                 self.out.append(ctype)
                 self.zigzag(fid)
             last = fid
-            self._value(ctype, v)
+            self.value(ctype, v)
         self.out.append(STOP)
 
-    def _value(self, ctype: int, v) -> None:
+    def value(self, ctype: int, v: Any) -> None:
+        """One value of compact type ``ctype``: a LIST value is (element type, items), or bytes encoded before."""
         if ctype in (I16, I32, I64):
             self.zigzag(int(v))
         elif ctype == BINARY:
@@ -302,6 +310,6 @@ class CompactWriter:
             if n >= 15:
                 self.varint(n)
             for it in items:
-                self._value(et, it)
+                self.value(et, it)
         else:
             raise ValueError(f"cannot write thrift type {ctype}")
