@@ -181,15 +181,15 @@ def pinned(comp: Component, info: dict[str, Any]) -> Component:
 def journaled_decode_places(path: str) -> dict[str, str]:
     """Source -> image.decode_at of the last spec a journal recorded (a run restarted in its run directory keeps
     the place its `auto` sources were given, whatever a new measurement would say)."""
-    try:
-        records = journal.read_journal(path)
+    try:  # read from the end: a long journal's step records are not parsed to find its last spec
+        rec = journal.last_record(path, ("open", "spec"))
     except (OSError, ValueError):
         return {}
-    specs = [r["spec"] for r in records if r.get("event") in ("open", "spec") and isinstance(r.get("spec"), dict)]
-    if not specs:
+    spec = rec.get("spec") if rec is not None else None
+    if not isinstance(spec, dict):
         return {}
     out = {}
-    for s in specs[-1].get("sources") or []:
+    for s in spec.get("sources") or []:
         place = (s.get("image") or {}).get("decode_at") if isinstance(s, dict) else None
         if isinstance(place, str) and place != "auto" and isinstance(s.get("name"), str):
             out[s["name"]] = place

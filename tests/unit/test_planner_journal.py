@@ -162,3 +162,32 @@ def test_many_sources_keep_step_records_small_and_replay_from_deflated_checkpoin
         assert r["interval"]["samples"] == [int(x) for x in sum(plans[s].samples_by_source for s in range(lo, hi))]
     p = replan(path, 11, loaders())
     assert layout_digest(p.layout) == layout_digest(plans[11].layout)
+
+
+def test_last_record_reads_from_the_end_and_agrees_with_reading_everything(tmp_path):
+    from mixplane.planner.journal import last_record
+
+    path = tmp_path / "journal.jsonl"
+    record_run(path, steps=40, every=8, resume_at=(20, 10))
+    spec2 = make_spec(strategy="llm_balance", model=MODEL, dp=2, rows=16, microbatches=2)
+    with Journal(path, every=8) as j:  # appends
+        j.spec_change(spec2, 1, 41, 40)
+    records = read_journal(path)
+    for events in (("open",), ("open", "spec"), ("resume",), ("checkpoint",), ("step",), ("update",)):
+        want = [r for r in records if r["event"] in events]
+        for block in (64, 1000, 1 << 16):  # blocks that cut lines anywhere, and one that holds the whole file
+            got = last_record(path, events, block=block)
+            assert got == (want[-1] if want else None), (events, block)
+    assert last_record(path, ("open", "spec"))["event"] == "spec"
+    with open(path, "a") as f:
+        f.write('{"event":"spec","spec":{"na')  # a torn last line is skipped, as read_journal skips it
+    assert last_record(path, ("open", "spec"), block=100)["generation"] == 1
+    bad = tmp_path / "bad.jsonl"
+    lines = open(path).read().split("\n")
+    lines.insert(1, '{"event":"open", broken')
+    bad.write_text("\n".join(lines))
+    with pytest.raises(JournalError, match="a record naming open is not JSON"):
+        last_record(bad, ("open",))
+    with pytest.raises(JournalError, match="cannot read"):
+        last_record(tmp_path / "missing.jsonl", ("open",))
+    assert last_record(path, ("recover",)) is None

@@ -272,6 +272,53 @@ def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
+def _decoded(rec: dict[str, Any], where: str) -> dict[str, Any]:
+    if "cursor_z" in rec:
+        try:
+            rec["cursor"] = json.loads(zlib.decompress(base64.b64decode(rec.pop("cursor_z"))))
+        except (ValueError, zlib.error) as e:
+            raise JournalError(f"{where}: compressed cursor cannot be read ({e})") from None
+    return rec
+
+
+def last_record(path: str | os.PathLike, events: tuple[str, ...], *, block: int = 1 << 16) -> dict[str, Any] | None:
+    """The last record of one of `events` (e.g. ``("open", "spec")``: the spec a run last ran with), read from the
+    journal's end backwards a block at a time: the step records after it are neither held nor parsed (a line is
+    parsed only when it names one of `events`), and reading stops at the first match. A torn last line is skipped,
+    as `read_journal` skips it; None when no such record exists."""
+    path = os.fspath(path)
+    marks = [f'"event":"{e}"'.encode() for e in events] + [f'"event": "{e}"'.encode() for e in events]
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise JournalError(f"{path}: cannot read: {e.strerror}") from None
+    with f:
+        pos = f.seek(0, os.SEEK_END)
+        rest = b""  # the start of a line whose beginning lies in an earlier block
+        last = True  # the next non-empty line is the file's last (which may be torn)
+        while pos > 0:
+            size = min(block, pos)
+            pos -= size
+            f.seek(pos)
+            lines = (f.read(size) + rest).split(b"\n")
+            rest = lines.pop(0) if pos > 0 else b""
+            for line in reversed(lines):
+                if not line.strip():
+                    continue
+                torn_ok, last = last, False
+                if not any(m in line for m in marks):
+                    continue
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    if torn_ok:
+                        continue
+                    raise JournalError(f"{path}: a record naming {' / '.join(events)} is not JSON") from None
+                if isinstance(rec, dict) and rec.get("event") in events:
+                    return _decoded(rec, path)
+    return None
+
+
 @dataclass
 class ReplayPlan:
     """Where a replay of `step` starts and what it re-plays."""
