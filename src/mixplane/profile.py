@@ -26,6 +26,10 @@ thread) times the rest, by bytes. At 50,000 files of bench/startup.py's corpus t
 ~200-210 MB; a loader's RSS grows by 190-230 MB over its cold index build there (docs/loader.md). It is an
 estimate of the heap: the allocator's slack is not in it, and in the operator's process tracemalloc also sees
 what other threads allocate meanwhile.
+
+An image source's profile also has `image_costs` (decode CPU seconds, raw and decoded bytes per image over the
+first images read; `loader.transforms.image_costs_of`): what the operator resolves `image.decode_at: auto` from,
+as the embedded runtime resolves it from its own measurement.
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     (a loader.files.SourceFiles; else the source is listed here)."""
     from mixplane.loader.files import list_source
     from mixplane.loader.stream import open_stream
-    from mixplane.loader.transforms import make_transform
+    from mixplane.loader.transforms import image_costs_of, make_transform
 
     src = spec.sources[index]
     rss0 = _rss()  # modules are imported above: the growth is this source's index, footers and tokenizer
@@ -155,6 +159,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     try:
         rows = tokens = patches = raw_bytes = delivered_bytes = 0
         cpu = 0.0
+        images = None  # image_text: decode CPU, raw and decoded bytes per image (where `decode_at: auto` decodes)
         while rows < max_rows and cpu < max_cpu_s:
             c = time.process_time()
             raw = stream.take(min(take, max_rows - rows), timeout=0.5 if src.live else None)
@@ -162,6 +167,8 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
             dt = time.process_time() - c
             if len(raw) == 0:
                 break
+            if images is None and src.kind == "image_text":  # outside the timed window; before the next take
+                images = image_costs_of(src, raw.columns[src.columns[0]])  # reuses what it read (slabs)
             cpu += dt
             rows += len(raw)
             tokens += int(out.ntokens.sum())
@@ -199,6 +206,8 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         "mean_tokens_per_sample": tokens / rows, "raw_bytes_per_row": per_row, "open_rss_bytes": open_rss,
         "kind": src.kind, "files_listed": len(listed.paths), "files_sampled": len(sample.paths), "sampled": sampled,
         **({"index_bytes_per_file": round(per_file, 1)} if sampled else {}),
+        **({"image_costs": {"decode_s": images.decode_s, "raw_bytes": images.raw_bytes,
+                            "decoded_bytes": images.decoded_bytes, "images": images.images}} if images is not None else {}),
     }
 
 

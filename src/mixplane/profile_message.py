@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixplane.errors import MixplaneError
+from mixplane.imagedecode import ImageCosts
 
 PROFILE_VERSION = 1
 # bytes of a container's termination message the kubelet keeps: a profiling Job's pod hands its result back there
@@ -51,22 +52,49 @@ def _g6(x: float) -> float:
 
 
 def slim_profile(profile: Mapping[str, Any]) -> dict[str, Any]:
-    """A profile with only what the auto-partitioner reads (six significant digits): what fits a termination message."""
-    out = {}
+    """A profile with only what the auto-partitioner reads, and an image source's image costs (what the operator
+    resolves `image.decode_at: auto` from), six significant digits: what fits a termination message."""
+    out: dict[str, dict[str, Any]] = {}
     for name, p in profile["sources"].items():
         out[name] = {"cpu_s_per_token": _g6(p["cpu_s_per_token"]), "memory_per_partition": int(p["memory_per_partition"]),
                      "max_partitions": int(p["max_partitions"]), "mean_tokens_per_sample": _g6(p["mean_tokens_per_sample"])}
+        ic = p.get("image_costs")
+        if isinstance(ic, Mapping):
+            out[name]["image_costs"] = {k: _g6(ic[k]) for k in IMAGE_COST_FIELDS[:3]} | {"images": int(ic["images"])}
     return {"version": PROFILE_VERSION, "sources": out}
+
+
+# an image source's measured image costs in a profile (`image_costs`), per image: what `decode_at: auto` decides from
+IMAGE_COST_FIELDS = ("decode_s", "raw_bytes", "decoded_bytes", "images")
+
+
+def image_costs_from_profile(profile: Mapping[str, Any]) -> dict[str, ImageCosts]:
+    """Source -> its measured image costs, for the sources whose profile has them (`image_costs`)."""
+    out = {}
+    for name, p in (profile.get("sources") or {}).items():
+        ic = p.get("image_costs") if isinstance(p, Mapping) else None
+        if not isinstance(ic, Mapping):
+            continue
+        try:
+            out[str(name)] = ImageCosts(float(ic["decode_s"]), float(ic["raw_bytes"]), float(ic["decoded_bytes"]),
+                                        int(ic["images"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PartitionError(f"profile sources.{name}.image_costs: {e}") from None
+    return out
 
 
 def _compact(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
-def slim_entry_bound(name: str) -> int:
-    """Bytes one source takes at most in a slim profile's message (the widest numbers each field can have)."""
-    widest = {"cpu_s_per_token": -1.23457e-100, "memory_per_partition": 1 << 63, "max_partitions": 1 << 63,
-              "mean_tokens_per_sample": -1.23457e-100}
+def slim_entry_bound(name: str, image: bool = False) -> int:
+    """Bytes one source takes at most in a slim profile's message (the widest numbers each field can have);
+    `image`: an image source, with its image costs."""
+    widest: dict[str, Any] = {"cpu_s_per_token": -1.23457e-100, "memory_per_partition": 1 << 63, "max_partitions": 1 << 63,
+                              "mean_tokens_per_sample": -1.23457e-100}
+    if image:
+        widest["image_costs"] = {"decode_s": -1.23457e-100, "raw_bytes": -1.23457e-100, "decoded_bytes": -1.23457e-100,
+                                 "images": 1 << 63}
     return len(_compact({name: widest})) - 1  # minus one of the braces; the comma between entries takes its place
 
 
@@ -119,6 +147,13 @@ def parse_message(text: str) -> dict[str, Any]:
         if not (isinstance(p.get("mean_tokens_per_sample"), (int, float)) and p["cpu_s_per_token"] >= 0
                 and p["memory_per_partition"] >= 0 and p["max_partitions"] >= 1):
             raise ValueError(f"sources.{name}: figures out of range")
+    try:
+        costs = image_costs_from_profile(doc)
+    except PartitionError as e:
+        raise ValueError(str(e)) from None
+    for name, c in costs.items():
+        if not all(math.isfinite(x) and x >= 0 for x in (c.decode_s, c.raw_bytes, c.decoded_bytes)) or c.images < 0:
+            raise ValueError(f"sources.{name}.image_costs: figures out of range")
     return doc
 
 

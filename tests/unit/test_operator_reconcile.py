@@ -147,3 +147,45 @@ def test_planner_figures_per_source_for_the_status():
     # a list that does not match the sources is left out, never misattributed
     assert planner_source_figures({"sources": ["a", "b"], "target": [1.0]}) == {}
     assert planner_source_figures({}) == {}
+
+
+def _spec_json(d):
+    import json
+
+    (cm,) = [o for o in d.objects if o["kind"] == "ConfigMap" and "spec.json" in o.get("data", {})]
+    return json.loads(cm["data"]["spec.json"])
+
+
+def test_decode_at_auto_is_resolved_from_the_profiles_image_costs_into_the_spec_the_components_read():
+    from mixplane.imagedecode import ImageCosts, choose_decode_place
+
+    # PNG figures: raw bytes far fewer than the pixels -> the constructor; noise: raw as large as pixels -> the loader
+    small = {"decode_s": 2e-3, "raw_bytes": 15e3, "decoded_bytes": 190e3, "images": 32}
+    noise = {"decode_s": 2e-3, "raw_bytes": 190e3, "decoded_bytes": 190e3, "images": 32}
+    for ic, want in ((small, "constructor"), (noise, "loader")):
+        assert choose_decode_place(ImageCosts(**ic), consumers=1) == want  # the embedded runtime's rule
+        prof = {"version": 1, "sources": {**PROFILE["sources"], "pairs": {**PROFILE["sources"]["pairs"], "image_costs": ic}}}
+        b = body()
+        d = desired(b, OPTS, prof, KEYS)
+        assert d.spec.sources[1].image.decode_at == want
+        assert _spec_json(d)["sources"][1]["image"]["decode_at"] == want  # what every component reads
+        st = status_of(b, d, OPTS, prof, ready=True, progressing=(False, "Converged", ""), degraded=(False, "AsPlanned", ""))
+        pairs = next(s for s in st["sources"] if s["name"] == "pairs")
+        text = next(s for s in st["sources"] if s["name"] == "text")
+        assert pairs["decodeAt"] == want and "decodeAt" not in text and "imageCosts" not in text["profile"]
+        assert pairs["profile"]["imageCosts"] == {"decodeSeconds": 2e-3, "rawBytes": ic["raw_bytes"],
+                                                  "decodedBytes": 190e3, "images": 32}
+        # a restarted operator reads the costs back from the status and resolves the same place
+        kept = profile_from_status({**b, "status": st})
+        assert kept["sources"]["pairs"]["image_costs"] == ic
+        assert desired({**b, "status": st}, OPTS, kept, KEYS).spec.sources[1].image.decode_at == want
+    # no image costs in the profile (costs by kind, an annotation without them): the loader, said explicitly
+    assert desired(body(), OPTS, PROFILE, KEYS).spec.sources[1].image.decode_at == "loader"
+    # a place the user chose stays, whatever the costs say
+    b = body()
+    b["spec"]["sources"][1]["image"] = {"decode_at": "client"}
+    prof = {"version": 1, "sources": {**PROFILE["sources"], "pairs": {**PROFILE["sources"]["pairs"], "image_costs": small}}}
+    assert desired(b, OPTS, prof, KEYS).spec.sources[1].image.decode_at == "client"
+    bad = {"version": 1, "sources": {**PROFILE["sources"], "pairs": {**PROFILE["sources"]["pairs"], "image_costs": {"decode_s": "x"}}}}
+    with pytest.raises(ReconcileError, match="profile sources.pairs.image_costs"):
+        desired(body(), OPTS, bad, KEYS)

@@ -62,3 +62,29 @@ def test_a_profile_that_is_not_one_is_refused():
         costs_from_profile({"sources": {}})
     with pytest.raises(PartitionError, match="profile sources.a"):
         costs_from_profile({"version": 1, "sources": {"a": {"cpu_s_per_token": 1e-6}}})
+
+
+def test_the_profile_measures_what_decode_at_auto_decides_from_and_the_slim_message_carries_it(mix):
+    from mixplane.imagedecode import ImageCosts, choose_decode_place
+    from mixplane.profile import parse_message, slim_entry_bound, slim_profile, termination_message
+    from mixplane.profile_message import image_costs_from_profile
+
+    _, spec = mix
+    prof = profile_spec(spec, max_rows=64, max_cpu_s=1.0)
+    assert "image_costs" not in prof["sources"]["text"]
+    ic = prof["sources"]["pairs"]["image_costs"]
+    assert ic["images"] > 0 and ic["decode_s"] > 0 and ic["raw_bytes"] > 0
+    # every image decodes to whole patches of 14 x 14 x 3 bytes
+    assert ic["decoded_bytes"] > 0 and ic["decoded_bytes"] * ic["images"] % (14 * 14 * 3) == pytest.approx(0, abs=1e-3)
+    msg = parse_message(termination_message(prof))
+    got = image_costs_from_profile(msg)
+    assert set(got) == {"pairs"} and got["pairs"].images == ic["images"]
+    assert got["pairs"].decode_s == pytest.approx(ic["decode_s"], rel=1e-5)
+    assert choose_decode_place(got["pairs"]) == choose_decode_place(ImageCosts(**ic))
+    import json
+    entry = json.dumps({"pairs": slim_profile(prof)["sources"]["pairs"]}, separators=(",", ":"))
+    assert len(entry) - 2 <= slim_entry_bound("pairs", image=True) and slim_entry_bound("pairs") < slim_entry_bound("pairs", image=True)
+    with pytest.raises(ValueError, match="sources.pairs.image_costs: figures out of range"):
+        bad = slim_profile(prof)
+        bad["sources"]["pairs"]["image_costs"]["raw_bytes"] = -1.0
+        parse_message(json.dumps({**bad, "version": 1}))

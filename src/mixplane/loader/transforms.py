@@ -588,8 +588,6 @@ def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageC
     from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
     from mixplane.loader.stream import open_stream
 
-    im = source.image
-    multiple = merge_multiple(im.merge)
     try:
         listed = list_source(source)
     except SourceFilesError:  # no files yet (a live source) or none readable: nothing measured; the loader says why
@@ -605,9 +603,20 @@ def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageC
         raw = stream.take(rows, timeout=0.5 if source.live else None)
     finally:
         stream.close()
+    return image_costs_of(source, raw.columns[source.columns[0]] if len(raw) else None)
+
+
+def image_costs_of(source: SourceSpec, column: pa.Array | None, limit: int = 32) -> ImageCosts:
+    """Mean decode CPU seconds (this thread's clock), raw bytes and decoded patch bytes per image over the first
+    `limit` images of a column of raw image bytes (rows read by a stream); images that do not decode are left out
+    (they are the loader's to quarantine, not a cost)."""
+    im = source.image
+    multiple = merge_multiple(im.merge)
     cpu = raw_b = dec_b = 0.0
     n = 0
-    for b in _image_bytes(raw.columns[source.columns[0]], f"source {source.name!r}") if len(raw) else []:
+    for b in _image_bytes(column, f"source {source.name!r}") if column is not None and len(column) else []:
+        if n >= limit:
+            break
         if b is None:
             continue
         t0 = time.thread_time()

@@ -687,16 +687,17 @@ def profile_digest(spec: Any, opts: ClusterOptions) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 
-def profile_shards(names: Sequence[str], limit: int) -> list[list[str]]:
+def profile_shards(names: Sequence[str], limit: int, image: Collection[str] = ()) -> list[list[str]]:
     """Sources split, in order, into groups whose result surely fits one termination message of `limit` bytes
-    (one profiling pod each: a pod's containers share 12 KiB of messages, so a pod per group, not a container)."""
+    (one profiling pod each: a pod's containers share 12 KiB of messages, so a pod per group, not a container);
+    `image`: the image sources (their profile carries their image costs too)."""
     from mixplane.profile_message import message_envelope, slim_entry_bound
 
     room = limit - message_envelope()
     out: list[list[str]] = []
     used = room + 1
     for n in names:
-        size = slim_entry_bound(n)
+        size = slim_entry_bound(n, image=n in image)
         if used + size > room:
             out.append([])
             used = 0
@@ -761,6 +762,7 @@ def profile_children(spec: Any, opts: ClusterOptions) -> list[dict[str, Any]]:
     # not spec_options: profiling needs no trainer pod keys, and a mixture those keys refuse (rank_binding: required)
     # must reach reconcile's ReconcileError, not fail here with a bare ValueError
     digest = profile_digest(spec, opts)
-    shards = profile_shards([s.name for s in spec.sources], TERMINATION_LIMIT)
+    shards = profile_shards([s.name for s in spec.sources], TERMINATION_LIMIT,
+                            image={s.name for s in spec.sources if s.kind == "image_text"})
     return [service_account(opts), profile_spec_map(spec, opts, digest),
             *[profile_job(spec, opts, digest, i, names) for i, names in enumerate(shards)]]

@@ -50,12 +50,20 @@ class Condition(_Status):
     observedGeneration: int | None = Field(None, ge=0, description="metadata.generation the condition was computed for.")
 
 
+class ImageCostsStatus(_Status):
+    decodeSeconds: float = Field(..., ge=0, description="CPU seconds of one image's decode, resize and patch cut (mean).")
+    rawBytes: float = Field(..., ge=0, description="Encoded bytes per image (mean).")
+    decodedBytes: float = Field(..., ge=0, description="Decoded patch bytes per image (mean).")
+    images: int = Field(..., ge=0, description="Images the means come from.")
+
+
 class SourceProfile(_Status):
     cpuSecondsPerToken: float = Field(..., ge=0, description="Measured CPU seconds per delivered token (`mixplane profile`).")
     memoryPerPartition: int = Field(..., ge=0, description="Measured bytes one Source Loader of this source holds.")
     meanTokens: float | None = Field(None, ge=0, description="Mean tokens per sample in the profiled pages.")
     maxPartitions: int | None = Field(None, ge=1, description="Partitions the source can be split into (its pages, row groups or rows).")
     measuredBy: Literal["operator", "job", "annotation", "fallback"] | None = Field(None, description="Where the figures come from: the operator in-process, a profiling Job, the mixplane.io/profile annotation, or costs by kind (not measured).")
+    imageCosts: ImageCostsStatus | None = Field(None, description="An image source's measured image costs: what `image.decode_at: auto` is resolved from.")
 
 
 class SourceStatus(_Status):
@@ -68,6 +76,7 @@ class SourceStatus(_Status):
     sidecarPartitions: int | None = Field(None, ge=0, description="Partitions hosted by loader sidecars in trainer pods (sidecar placement).")
     deliveredTokensPerSecond: float | None = Field(None, ge=0, description="Tokens per second of the source in the steps the planner planned recently (planner STATUS).")
     profile: SourceProfile | None = Field(None, description="Profiled cost, kept so a restart does not re-profile.")
+    decodeAt: Literal["loader", "constructor", "client"] | None = Field(None, description="An image source: where its images are decoded (`image.decode_at`, `auto` resolved from the profile's image costs) in the spec the components read.")
 
 
 class MixtureUpdateStatus(_Status):

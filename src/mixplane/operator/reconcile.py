@@ -142,8 +142,38 @@ def profile_from_status(body: Mapping[str, Any]) -> dict[str, Any] | None:
                                           "memory_per_partition": found[n]["memoryPerPartition"],
                                           "mean_tokens_per_sample": found[n].get("meanTokens"),
                                           "max_partitions": found[n].get("maxPartitions", 1 << 20),
-                                          **({"measured_by": found[n]["measuredBy"]} if found[n].get("measuredBy") else {})}
+                                          **({"measured_by": found[n]["measuredBy"]} if found[n].get("measuredBy") else {}),
+                                          **({"image_costs": _image_costs_from_status(found[n]["imageCosts"])}
+                                             if isinstance(found[n].get("imageCosts"), Mapping) else {})}
                                       for n in names}}
+
+
+def _image_costs_from_status(ic: Mapping[str, Any]) -> dict[str, Any]:
+    return {"decode_s": ic.get("decodeSeconds"), "raw_bytes": ic.get("rawBytes"), "decoded_bytes": ic.get("decodedBytes"),
+            "images": ic.get("images")}
+
+
+def with_decode_places(spec: Any, profile: Mapping[str, Any]) -> Any:
+    """`spec` with every image source's ``image.decode_at: auto`` resolved as the embedded runtime resolves it
+    (`imagedecode.choose_decode_place`, one image reaching one rank) from the profile's image costs; the loader where
+    the profile has none (costs by kind, an annotation without them). Every component then reads the same concrete
+    place from the resolved spec, and the planner journals it. The place never changes a batch, only where the CPU
+    is spent and what the wire carries."""
+    from mixplane.imagedecode import choose_decode_place
+    from mixplane.profile_message import image_costs_from_profile
+
+    auto = {s.name for s in spec.sources if s.kind == "image_text" and s.image.decode_at == "auto"}
+    if not auto:
+        return spec
+    costs = image_costs_from_profile(profile)  # PartitionError (a ValueError) names the source: desired() reports it
+    sources = []
+    for s in spec.sources:
+        if s.name in auto:
+            c = costs.get(s.name)
+            place = choose_decode_place(c, consumers=1) if c is not None else "loader"
+            s = s.model_copy(update={"image": s.image.model_copy(update={"decode_at": place})})
+        sources.append(s)
+    return spec.model_copy(update={"sources": sources})
 
 
 def profile_from_annotation(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -338,6 +368,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
         spec_options(opts, spec)  # rank_binding: required that pod keys cannot meet (builders.pod_rank_keys) is refused here
         plan = plan_of(body, spec, profile, inp, bounds)
         spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
+        spec = with_decode_places(spec, profile)  # `image.decode_at: auto` -> the place its image costs choose
         moved = {n: int(m) for n, m in (served or {}).items() if n in plan.partitions and int(m) != plan.partitions[n]}
         if spec.kubernetes.placement == "sidecar":
             moved = {}
@@ -387,6 +418,7 @@ def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Ma
     try:
         plan = plan_of(body, spec, profile, inp, bounds)
         spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
+        spec = with_decode_places(spec, profile)  # `image.decode_at: auto` -> the place its image costs choose
         step = int((body.get("status") or {}).get("step") or 0)
         pods, placement = sidecar_layout(spec, plan, costs_of(profile, spec), inp.tokens_per_s, bounds, step)
     except ValueError as e:
@@ -423,6 +455,11 @@ def planner_source_figures(st: Mapping[str, Any]) -> dict[str, dict[str, float]]
     return {n: f for n, f in out.items() if f}
 
 
+def _image_costs_status(ic: Mapping[str, Any]) -> dict[str, Any]:
+    return {"decodeSeconds": float(ic.get("decode_s", 0.0)), "rawBytes": float(ic.get("raw_bytes", 0.0)),
+            "decodedBytes": float(ic.get("decoded_bytes", 0.0)), "images": int(ic.get("images", 0))}
+
+
 def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile: Mapping[str, Any], *,
               ready: bool, progressing: tuple[bool, str, str], degraded: tuple[bool, str, str],
               planner_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -448,7 +485,9 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
                         **({"meanTokens": float(p["mean_tokens_per_sample"])} if p.get("mean_tokens_per_sample") else {}),
                         **({"maxPartitions": int(p["max_partitions"])} if p.get("max_partitions") else {}),
                         **({"measuredBy": p["measured_by"]} if p.get("measured_by") else {}),
+                        **({"imageCosts": _image_costs_status(p["image_costs"])} if isinstance(p.get("image_costs"), Mapping) else {}),
                         },
+            **({"decodeAt": s.image.decode_at} if s.kind == "image_text" and s.image.decode_at != "auto" else {}),
         })
     prog_ok, prog_reason, prog_msg = progressing
     deg_ok, deg_reason, deg_msg = degraded
