@@ -439,11 +439,14 @@ def _in_order(fn, items: list, workers: int):
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
                        on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None,
-                       beside: bool = False) -> SourceIndex:
+                       beside: bool = False, use_pack: bool | None = None, use_recent: bool = True) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
     indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
     (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
-    could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder)."""
+    could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder).
+    ``use_pack``: keep the indexes in one pack (None: when the listing has ``PACK_MIN_FILES`` files or more);
+    ``use_recent``: record the pack in the listing's recent-list (a block of a large source is not a listing:
+    its pack is found by its files alone, and the recent-list keeps only the last few packs)."""
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
@@ -463,11 +466,11 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
 
     # a listing of many files keeps its indexes in one pack, not one sidecar per file: writing 50,000 sidecars
     # took longer than parsing the footers (bench/startup.py)
-    packing = bool(cache_dir) and len(ids) >= sidecar.PACK_MIN_FILES
+    packing = bool(cache_dir) and (len(ids) >= sidecar.PACK_MIN_FILES if use_pack is None else use_pack and bool(ids))
     pack = recent = None
     if cache_dir and packing:
         pack = sidecar.pack_path(cache_dir, columns, ids)
-        recent = sidecar.recent_path(cache_dir, columns, paths)
+        recent = sidecar.recent_path(cache_dir, columns, paths) if use_recent else None
     packed = sidecar.load_pack(pack, columns, ids) if pack and os.path.exists(pack) else None
     reused: dict[tuple[str, int, int], FileIndex] = {}
     read_packs: set[str] = set()
@@ -522,7 +525,12 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             if on_bad_chunk is not None:
                 on_bad_chunk(e)
     idx.finish()
-    if cache_dir and pack and recent and packed is None and added:
+    if cache_dir and pack and not recent and packed is None and added and len(added) == len(ids):
+        try:  # a block's pack: every file of it, or none (a bad file is read and reported again on every start)
+            sidecar.save_pack(added, pack)
+        except OSError as e:
+            log.debug("cannot write the page-index pack %s: %s", pack, e)
+    elif cache_dir and pack and recent and packed is None and added:
         # the pack of the good files (a bad file, or one with bad chunks, is read and reported again on every
         # start): under the listing's name when that is every file, else under its own, found through `recent`
         keep = pack if len(added) == len(ids) else sidecar.pack_path(

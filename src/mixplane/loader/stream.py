@@ -40,7 +40,8 @@ from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2  # 2: stratified page order and page splits
+STATE_VERSION = 3  # 2: stratified page order and page splits; 3: "order" (pages, or blocks of a large source)
+OLD_STATE_VERSIONS = (2,)  # states of a stream in page order whose meaning did not change
 DEFAULT_BUFFER_ROWS = 10_000
 MIN_BUFFER_ROWS = 64
 
@@ -70,7 +71,7 @@ class SourceStream:
                  quarantine: QuarantineLog | None = None, stats: IOStats | None = None, cache_dir: str | None = "default",
                  verify_crc: bool = True, row_block: int = 512, row_cache_bytes: int = 64 << 20,
                  poll_s: float = 2.0, status_every_s: float = 30.0, page_reads: int | None = None,
-                 slab_bytes: int = 4 << 20, workers: int = 1):
+                 slab_bytes: int = 4 << 20, workers: int = 1, index_options: dict | None = None):
         if not 0 <= partition < num_partitions:
             raise ValueError(f"partition {partition} not in [0, {num_partitions})")
         self.source = source
@@ -92,6 +93,7 @@ class SourceStream:
         self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
         self.stats = stats if stats is not None else IOStats()
         self._cache_dir = cache_dir
+        self._index_options = dict(index_options or {})  # build_source_index's pack options (a block of a large source)
         # live sources list their storage at most once per poll_s (monotonic clock)
         self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
         self.files = files or list_source(source)
@@ -164,7 +166,8 @@ class SourceStream:
             build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new],
                                mtimes=[t[2] for t in new], filesystem=self.files.filesystem, stats=self.stats,
                                cache_dir=self._cache_dir, on_bad=on_bad, on_bad_chunk=bad_chunks.append,
-                               index=self.index, beside=bool(getattr(self.source, "index_beside_data", False)))
+                               index=self.index, beside=bool(getattr(self.source, "index_beside_data", False)),
+                               **self._index_options)
         finally:
             self._indexed.update(f.path for f in self.index.files[before:])
         for err in bad_chunks:
@@ -482,8 +485,9 @@ class SourceStream:
         gl = gl.tolist()
         return good, {c: [datas[j][c].slice(r, 1) for j, r in zip(gi.tolist(), gl)] for c in self.columns}
 
-    def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
-        """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds)."""
+    def take(self, n: int, *, timeout: float | None = None, until: int | None = None) -> RawSamples:
+        """The next ``n`` rows (fewer only if a live source stays dry past ``timeout`` seconds, or when the stream
+        reaches position ``until``: a block of a large source ends there, quarantined slots included)."""
         n = int(n)
         # between takes no piece of a cached unit is alive, so slabs emptied here are reused at once
         self.cache.before_take(getattr(self._plan_obj, "inner", self._plan_obj), self._layout,
@@ -493,7 +497,7 @@ class SourceStream:
         parts: dict[str, list[pa.Array]] = {c: [] for c in self.columns}
         got = 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        while got < n:
+        while got < n and (until is None or self.position < until):
             if self._off >= len(self._block):
                 if not self._next_block():
                     if not self._advance_epoch(deadline):
@@ -501,6 +505,8 @@ class SourceStream:
                     continue
             self._read_ahead()
             want = min(n - got, len(self._block) - self._off)
+            if until is not None:
+                want = min(want, until - self.position)
             rows = self._block[self._off : self._off + want]
             pos = self.position + np.arange(want, dtype=np.int64)
             keep = None if self._skip_pos is None else ~np.isin(pos, self._skip_pos)
@@ -600,7 +606,7 @@ class SourceStream:
               "partition": self.partition, "num_partitions": self.num_partitions, "position": self.position,
               "epoch": self._epoch, "epoch_start": self._epoch_start, "base_epoch": self._base_epoch,
               "base_position": self._base_pos, "fingerprint": self.index.fingerprint(),
-              "buffer_rows": self.buffer_rows, "page_reads": self.page_reads}
+              "buffer_rows": self.buffer_rows, "page_reads": self.page_reads, "order": "pages"}
         if self._prefix:
             st["prefix"] = [p.to_json() for p in self._prefix]
         if self.live:
@@ -610,8 +616,12 @@ class SourceStream:
     def load_state_dict(self, st: dict) -> None:
         """Resume exactly where ``st`` was taken. A state from another (partition, num_partitions)
         is accepted at an epoch boundary: this partition then starts that epoch at that position."""
-        if st.get("version") != STATE_VERSION:
+        if st.get("version") not in (STATE_VERSION, *OLD_STATE_VERSIONS):
             raise ValueError(f"stream state version {st.get('version')} is not {STATE_VERSION}")
+        if st.get("order", "pages") != "pages":
+            raise ValueError(f"stream state of source {self.name!r} is in the order of {st.get('order')!r} (a source "
+                             "indexed block by block); this stream reads the whole source's page order: "
+                             "sources[].lazy_index_files decides which")
         for k, mine in (("source", self.name), ("mode", self.mode), ("seed", self.seed), ("buffer_rows", self.buffer_rows),
                         ("page_reads", self.page_reads)):
             if st.get(k) != mine:
@@ -715,10 +725,19 @@ class SourceStream:
         self.close()
 
 
-def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options) -> SourceStream:
-    """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options)."""
+def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options):
+    """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options): a static page-mode
+    source of at least ``sources[].lazy_index_files`` files is read block by block (:mod:`blockstream`)."""
     options.setdefault("buffer_rows", source.shuffle_buffer)
     options.setdefault("workers", resolve_workers(source.workers))
     if source.shuffle_buffer_mb is not None:
         options.setdefault("buffer_bytes", int(source.shuffle_buffer_mb * (1 << 20)))
+    if source.shuffle == "page" and not source.live and source.lazy_index_files:
+        from mixplane.loader.blockstream import BlockStream, lazy_indexing  # (it builds on this module)
+
+        files = options.pop("files", None) or list_source(source)
+        if lazy_indexing(source, len(files.paths)):
+            return BlockStream(source, seed=seed, partition=partition, num_partitions=num_partitions, files=files,
+                               **options)
+        options["files"] = files
     return SourceStream(source, seed=seed, partition=partition, num_partitions=num_partitions, **options)

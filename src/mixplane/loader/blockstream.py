@@ -1,0 +1,339 @@
+"""A large source read block by block (`BlockStream`): indexed lazily in read order, the next block in the background.
+
+The stream contract of :class:`mixplane.loader.stream.SourceStream` (deterministic for a seed, ``seek(p)`` exact, keys
+unique per (epoch, row), quarantined slots left empty) over the block order of :mod:`mixplane.loader.blocks`: each
+block is a small page-mode ``SourceStream`` over the block's files, with a seed drawn per (epoch, block), built (its
+files indexed, from the block's pack when kept) when the read order reaches it -- the next ``LOOKAHEAD_BLOCKS`` on a
+background thread while the current one is read. A position names (epoch, block, offset), so ``seek`` indexes only
+the block it lands in. Not supported here: live sources, other shuffle modes, re-partitioning mid-epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from mixplane.loader.blocks import (
+    LOOKAHEAD_BLOCKS, MAX_BLOCK_SLOTS, BlockError, BlockLayout, decode_position, encode_position,
+)
+from mixplane.loader.files import SourceFiles
+from mixplane.loader.pageindex import SourceIndex
+from mixplane.loader.parquet import IOStats
+from mixplane.loader.quarantine import QuarantineLog
+from mixplane.loader.stream import STATE_VERSION, RawSamples, SourceStream, StreamError
+from mixplane.repartition import Layout
+from mixplane.samples import key_row, make_key
+from mixplane.spec import SourceSpec
+
+log = logging.getLogger(__name__)
+
+
+def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
+    """Whether a source of ``num_files`` listed files is read block by block (static, page mode, large enough)."""
+    limit = int(getattr(source, "lazy_index_files", 0) or 0)
+    return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
+
+
+class BlockStream:
+    """A static page-mode source of many files as a stream of blocks (see the module's docstring)."""
+
+    live = False
+    dry = False
+
+    def __init__(self, source: SourceSpec, *, seed: int, files: SourceFiles, partition: int = 0,
+                 num_partitions: int = 1, quarantine: QuarantineLog | None = None, stats: IOStats | None = None,
+                 **options: Any):
+        if not 0 <= partition < num_partitions:
+            raise ValueError(f"partition {partition} not in [0, {num_partitions})")
+        self.source, self.name, self.mode = source, source.name, source.shuffle
+        self.seed, self.partition, self.num_partitions = int(seed), int(partition), int(num_partitions)
+        self.columns = list(source.columns)
+        self.files = files
+        self.blocks = BlockLayout(len(files.paths), int(source.block_files), self.seed, self.name)
+        self.per_epoch = self.blocks.blocks_per_epoch(self.partition, self.num_partitions)
+        if self.per_epoch < 1:
+            raise StreamError(f"source {self.name!r}: {self.blocks.num_blocks} blocks of {source.block_files} files "
+                              f"cannot be split into {self.num_partitions} partitions (lower sources[].block_files)")
+        self.quarantine = quarantine if quarantine is not None else QuarantineLog(source.name)
+        self.stats = stats if stats is not None else IOStats()
+        self._options = dict(options)
+        self.buffer_rows = int(options.get("buffer_rows", source.shuffle_buffer))
+        self.page_reads = options.get("page_reads")
+        self._orders: OrderedDict[int, np.ndarray] = OrderedDict()  # epoch -> block order (a few kept)
+        self._ahead: dict[tuple[int, int], Future] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"mixplane-{self.name}-blocks")
+        self._recent: OrderedDict[int, tuple[np.ndarray, list[str]]] = OrderedDict()  # block -> rows, paths
+        self._base_epoch, self._base_pos = 0, 0
+        self._epoch, self._j = 0, 0
+        self._cur: SourceStream | None = None  # the block being read (None: empty, or not built yet)
+        self._cur_len = 0
+        self._opened = False
+        self._prefetch(0, 0)  # the first block's footers are read while the loader starts up
+
+    # ------------------------------------------------------------------------------------------
+    # blocks
+
+    def _order(self, epoch: int) -> np.ndarray:
+        o = self._orders.get(epoch)
+        if o is None:
+            o = self._orders[epoch] = self.blocks.order(epoch, self.partition, self.num_partitions)
+            while len(self._orders) > 4:
+                self._orders.popitem(last=False)
+        return o
+
+    def block_of(self, epoch: int, j: int) -> int:
+        return int(self._order(epoch)[j])
+
+    def _block_files(self, block: int) -> SourceFiles:
+        ids = self.blocks.members(block).tolist()
+        f = self.files
+        return SourceFiles(f.uri, f.filesystem, [f.paths[i] for i in ids], [f.sizes[i] for i in ids],
+                           [f.mtimes_ns[i] for i in ids])
+
+    def _build(self, block: int, files: SourceFiles, seed: int) -> SourceStream | None:
+        """A block's stream: its files indexed (bad ones quarantined by name); None when no row is readable.
+        Runs on the look-ahead thread: everything it needs from this object is computed before."""
+        try:
+            s = SourceStream(self.source, seed=seed, files=files, quarantine=self.quarantine, stats=self.stats,
+                             index_options={"use_pack": True, "use_recent": False}, **self._options)
+        except StreamError as e:
+            log.warning("source %r: block %d has no readable rows: %s", self.name, block, e)
+            return None
+        if s._epoch_len > MAX_BLOCK_SLOTS:
+            s.close()
+            raise StreamError(f"source {self.name!r}: block {block} holds {s._epoch_len} rows, more than a block's "
+                              f"{MAX_BLOCK_SLOTS} slots (lower sources[].block_files)")
+        return s
+
+    def _next_of(self, epoch: int, j: int) -> tuple[int, int]:
+        return (epoch, j + 1) if j + 1 < self.per_epoch else (epoch + 1, 0)
+
+    def _submit(self, epoch: int, j: int) -> Future:
+        b = self.block_of(epoch, j)
+        return self._pool.submit(self._build, b, self._block_files(b), self.blocks.block_seed(epoch, b))
+
+    def _prefetch(self, epoch: int, j: int) -> None:
+        if (epoch, j) not in self._ahead:
+            self._ahead[(epoch, j)] = self._submit(epoch, j)
+
+    def _open(self, epoch: int, j: int, offset: int = 0) -> None:
+        """Read block ``j`` of ``epoch`` from its slot ``offset`` on (built now unless the look-ahead has it)."""
+        if self._cur is not None:
+            self._cur.close()
+        fut = self._ahead.pop((epoch, j), None) or self._submit(epoch, j)
+        wanted, nxt = [], (epoch, j)
+        for _ in range(LOOKAHEAD_BLOCKS):
+            nxt = self._next_of(*nxt)
+            wanted.append(nxt)
+        # blocks indexed ahead for another place in the order are dropped (a seek moved elsewhere)
+        for k in [k for k in self._ahead if k not in wanted]:
+            self._ahead.pop(k).add_done_callback(_close_result)
+        for k in wanted:  # the next blocks are indexed while this one is read
+            self._prefetch(*k)
+        cur = fut.result()
+        self._epoch, self._j, self._opened = epoch, j, True
+        self._cur = cur
+        self._cur_len = cur._epoch_len if cur is not None else 0
+        if cur is not None:
+            self._remember(self.block_of(epoch, j), cur)
+            cur.seek(min(offset, self._cur_len))
+
+    def _remember(self, block: int, s: SourceStream) -> None:
+        """Enough of a block's index to name the file of a key's row (where_key), for the last few blocks."""
+        self._recent[block] = (np.asarray(s.index.file_row_start, np.int64), [f.path for f in s.index.files])
+        self._recent.move_to_end(block)
+        while len(self._recent) > 4:
+            self._recent.popitem(last=False)
+
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            self._open(self._epoch, self._j)
+
+    # ------------------------------------------------------------------------------------------
+    # positions
+
+    @property
+    def position(self) -> int:
+        off = self._cur.position if (self._opened and self._cur is not None) else 0
+        return encode_position(self._base_pos, self._base_epoch, self.per_epoch, self._epoch, self._j, off)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def index(self) -> SourceIndex:
+        """The index of the block being read (a large source has no index of every file)."""
+        self._ensure_open()
+        return self._cur.index if self._cur is not None else SourceIndex(self.columns, self.source.kind)
+
+    def seek(self, position: int) -> None:
+        """Continue at slot ``position``, exactly as an unbroken stream would: only its block is indexed."""
+        try:
+            e, j, off = decode_position(int(position), self._base_pos, self._base_epoch, self.per_epoch)
+        except BlockError as err:
+            raise ValueError(f"source {self.name!r}: {err}") from None
+        self._open(e, j, off)
+
+    def epoch_rows(self, epoch: int, partition: int, num_partitions: int) -> int:
+        """Slots an epoch of a partition spans (positions are not dense: each block owns 2^30 of them)."""
+        return self.blocks.blocks_per_epoch(partition, num_partitions) * MAX_BLOCK_SLOTS
+
+    def start_epoch(self, epoch: int, position: int = 0) -> None:
+        """Make slot ``position`` the start of ``epoch`` (replicas changed at an epoch boundary)."""
+        self._base_epoch, self._base_pos = int(epoch), int(position)
+        self._opened = False
+        self.seek(int(position))
+
+    def set_layout(self, layout: Layout) -> None:
+        if (layout.partition, layout.num_partitions) != (self.partition, self.num_partitions):
+            raise ValueError(f"source {self.name!r}: layout of partition {layout.partition} of "
+                             f"{layout.num_partitions} given to partition {self.partition} of {self.num_partitions}")
+        if layout.prefix:
+            raise StreamError(f"source {self.name!r} is read block by block (sources[].lazy_index_files): it can be "
+                              "re-partitioned at an epoch boundary only")
+        self._base_epoch, self._base_pos = int(layout.epoch), 0
+        self._opened = False
+        self.seek(0)
+
+    def layout(self) -> Layout:
+        return Layout(self.partition, self.num_partitions, (), self._base_epoch)
+
+    def listing(self) -> list[list[str]] | None:
+        return None
+
+    def restore_listing(self, segs: Sequence[Sequence[str]]) -> None:
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    # reading
+
+    def take(self, n: int, *, timeout: float | None = None) -> RawSamples:
+        """The next ``n`` rows, block after block, epoch after epoch."""
+        self._ensure_open()
+        n = int(n)
+        keys: list[np.ndarray] = []
+        poss: list[np.ndarray] = []
+        parts: dict[str, list[pa.Array]] = {c: [] for c in self.columns}
+        got = 0
+        barren = 0  # blocks passed in a row without a row delivered
+        while got < n:
+            cur = self._cur
+            if cur is None or cur.position >= self._cur_len:
+                barren += 1
+                if barren > self.per_epoch:
+                    raise StreamError(f"source {self.name!r}: every block of partition {self.partition} is "
+                                      f"unreadable ({self.quarantine.counts()})")
+                self._open(*self._next_of(self._epoch, self._j))
+                continue
+            r = cur.take(n - got, until=self._cur_len)
+            if not len(r):
+                continue
+            barren = 0
+            block = self.block_of(self._epoch, self._j)
+            keys.append(np.asarray(make_key(self._epoch, self.blocks.key_row(block, np.asarray(key_row(r.keys))))))
+            poss.append(r.positions + encode_position(self._base_pos, self._base_epoch, self.per_epoch, self._epoch,
+                                                      self._j, 0))
+            for c in self.columns:
+                parts[c].append(r.columns[c])
+            got += len(r)
+        if not keys:
+            return RawSamples(np.zeros(0, np.int64), np.zeros(0, np.int64), {c: pa.nulls(0) for c in self.columns})
+        cols = {c: pa.concat_arrays(v) if len(v) > 1 else v[0] for c, v in parts.items()}
+        return RawSamples(np.concatenate(keys), np.concatenate(poss), cols)
+
+    def where_key(self, key: int) -> tuple[str, int] | None:
+        """(file path, row within that file) of a sample key, for a block read lately (None otherwise)."""
+        if key < 0:
+            return None
+        block, row = self.blocks.split_key_row(int(key_row(key)))
+        got = self._recent.get(block)
+        if got is None:
+            return None
+        starts, paths = got
+        if not len(starts) or not 0 <= row < int(starts[-1]):
+            return None
+        f = int(np.searchsorted(starts, row, side="right")) - 1
+        return paths[f], row - int(starts[f])
+
+    # ------------------------------------------------------------------------------------------
+    # status, state
+
+    def status(self) -> dict:
+        idx = self._cur.index if self._cur is not None else None
+        return {"source": self.name, "mode": self.mode, "partition": self.partition,
+                "num_partitions": self.num_partitions, "position": self.position, "epoch": self._epoch,
+                "order": "blocks", "block": self._j, "blocks_per_epoch": self.per_epoch, "prefix_pieces": 0,
+                "files": len(self.files.paths), "block_files": len(idx.files) if idx is not None else 0,
+                "rows": idx.num_rows if idx is not None else 0, "pages": idx.num_pages if idx is not None else 0,
+                "index_bytes": idx.nbytes if idx is not None else 0,
+                "index_bytes_per_page": idx.bytes_per_page if idx is not None else 0.0,
+                "bytes_read": self.stats.bytes_read, "reads": self.stats.reads, "live": False, "dry": False,
+                "dry_seconds": 0.0, "quarantined": self.quarantine.counts(),
+                "buffered_pages": len(self._cur.cache) if self._cur is not None else 0,
+                "slab_bytes": self._cur.cache.resident_bytes if self._cur is not None else 0}
+
+    def status_line(self) -> str:
+        s = self.status()
+        return (f"source {self.name!r}: position {s['position']} epoch {s['epoch']} block {s['block']} of "
+                f"{s['blocks_per_epoch']}, {s['files']} files, {s['quarantined']['pages']} pages quarantined")
+
+    def state_dict(self) -> dict:
+        e, j, off = decode_position(self.position, self._base_pos, self._base_epoch, self.per_epoch)
+        return {"version": STATE_VERSION, "source": self.name, "mode": self.mode, "seed": self.seed,
+                "partition": self.partition, "num_partitions": self.num_partitions, "position": self.position,
+                "epoch": e, "epoch_start": encode_position(self._base_pos, self._base_epoch, self.per_epoch, e, 0, 0),
+                "base_epoch": self._base_epoch, "base_position": self._base_pos, "buffer_rows": self.buffer_rows,
+                "page_reads": self.page_reads, "order": "blocks", "files": len(self.files.paths),
+                "block_files": self.blocks.block_files, "block": j, "offset": off}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Resume exactly where ``st`` was taken; another (partition, num_partitions) only at an epoch boundary."""
+        if st.get("version") != STATE_VERSION or st.get("order") != "blocks":
+            raise ValueError(f"stream state version {st.get('version')} (order {st.get('order', 'pages')!r}) is not "
+                             f"a block-order state of version {STATE_VERSION}: source {self.name!r} has "
+                             f"{len(self.files.paths)} files and is read block by block (sources[].lazy_index_files); "
+                             "a state saved in the whole source's page order resumes with lazy_index_files: 0")
+        for k, mine in (("source", self.name), ("mode", self.mode), ("seed", self.seed),
+                        ("buffer_rows", self.buffer_rows), ("page_reads", self.page_reads),
+                        ("files", len(self.files.paths)), ("block_files", self.blocks.block_files)):
+            if st.get(k) != mine:
+                raise ValueError(f"stream state is for {k}={st.get(k)!r}, this stream has {mine!r}")
+        if (st["partition"], st["num_partitions"]) == (self.partition, self.num_partitions):
+            self._base_epoch, self._base_pos = int(st["base_epoch"]), int(st["base_position"])
+            self.seek(int(st["position"]))
+            return
+        if st["position"] != st["epoch_start"]:
+            raise ValueError("the number of partitions can only change at an epoch boundary "
+                             f"(state is {st['position'] - st['epoch_start']} slots into epoch {st['epoch']})")
+        self.start_epoch(int(st["epoch"]), int(st["position"]))
+
+    def close(self) -> None:
+        for f in self._ahead.values():
+            f.add_done_callback(_close_result)
+        self._ahead.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _close_result(fut: Future) -> None:
+    """Close the stream a dropped look-ahead built (its reader's files)."""
+    try:
+        s = fut.result()
+    except Exception:  # noqa: BLE001 - a block nobody reads: its error does not matter
+        return
+    if s is not None:
+        s.close()
