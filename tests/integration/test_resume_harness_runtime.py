@@ -47,14 +47,16 @@ def tiny_epochs(item) -> set[int]:
     return set(key_epoch(keys[src == 0]).tolist())
 
 
-@pytest.mark.parametrize("shuffle", ["page", "rowgroup"])
+@pytest.mark.parametrize("shuffle", ["page", "rowgroup", "blocks"])
 def test_mixture_loader_resumes_exactly_across_epochs(tmp_path, shuffle):
-    write_token_source(tmp_path / "tiny", rows=50, files=2, mean_len=40, seed=5, rows_per_group=16)
-    write_token_source(tmp_path / "big", rows=1500, files=1, mean_len=60, seed=6)
+    # blocks: both sources read block by block (the tiny one: 5 files in blocks of 2, so epochs cross blocks)
+    more = {"lazy_index_files": 4, "block_files": 2} if shuffle == "blocks" else {}
+    write_token_source(tmp_path / "tiny", rows=50, files=5 if more else 2, mean_len=40, seed=5, rows_per_group=16)
+    write_token_source(tmp_path / "big", rows=1500, files=6 if more else 1, mean_len=60, seed=6)
     spec = parse_spec({
         "name": "resume-harness",
-        "sources": [{"name": n, "uri": str(tmp_path / n), "kind": "tokens", "columns": ["tokens"], "shuffle": shuffle}
-                    for n in ("tiny", "big")],
+        "sources": [{"name": n, "uri": str(tmp_path / n), "kind": "tokens", "columns": ["tokens"],
+                     "shuffle": "page" if more else shuffle, **more} for n in ("tiny", "big")],
         "mixture": {"weights": {"tiny": 0.5, "big": 0.5}, "seed": 3},
         "batch": {"sequences": 4, "seq_len": 128, "microbatches": 1},
         "topology": {"modules": {"backbone": {"dp": 1}}},

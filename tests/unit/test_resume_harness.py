@@ -9,6 +9,8 @@ import pytest
 
 from tests.resume_harness import Resumable, check_save_load_state
 from tests.unit.loader_testdata import write_source
+from mixplane.loader.blocks import MAX_BLOCK_SLOTS
+from mixplane.loader.blockstream import BlockStream
 from mixplane.loader.policies import POLICIES
 from mixplane.loader.stream import open_stream
 from mixplane.loader.transforms import make_transform
@@ -33,6 +35,18 @@ def small(tmp_path_factory):
     d = tmp_path_factory.mktemp("small")
     write_source(str(d), nfiles=2, rows=130, page_size=512, row_group_size=60)
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """16 files of 10-20 rows, read block by block (lazy_index_files 8, blocks of 3 files: 6 blocks)."""
+    d = tmp_path_factory.mktemp("many")
+    for k in range(16):
+        write_source(str(d / f"f{k:02d}"), nfiles=1, rows=10 + k % 11, page_size=512, row_group_size=5, seed=k)
+    return str(d)
+
+
+LAZY = {"lazy_index_files": 8, "block_files": 3}
 
 
 def epochs(keys) -> set[int]:
@@ -124,8 +138,8 @@ class WindowPair:
     """A loader's window and the planner's view of it: consumption follows a fixed rule on the
     window's content, so it is the same after a resume; the state is the planner's window cursor."""
 
-    def __init__(self, d: str, mode: str):
-        src = SourceSpec(name="small", uri=d, columns=["ids"], kind="tokens", shuffle=mode)
+    def __init__(self, d: str, mode: str, **more):
+        src = SourceSpec(name="small", uri=d, columns=["ids"], kind="tokens", shuffle=mode, **more)
         self.stream = open_stream(src, seed=5, buffer_rows=40, cache_dir=None)
         bounds = (6, 40, 16)
         self.lw = LoaderWindow(self.stream, make_transform(src), bounds)
@@ -164,6 +178,20 @@ def test_loader_window_resumes_from_a_planner_cursor(small, mode):
         total=110, midpoints=[1, 9, 40, 75, 101])
 
 
+def test_loader_window_of_a_source_read_block_by_block_resumes_from_a_planner_cursor(many):
+    w = WindowPair(many, "page", **LAZY)
+    assert isinstance(w.stream, BlockStream) and w.stream.per_epoch == 6
+    for _ in range(30):
+        w.step()
+    assert w.stream.position > 2 * MAX_BLOCK_SLOTS  # into the third block (positions name blocks)
+    w.stream.close()
+    check_save_load_state(
+        Resumable(make=lambda: WindowPair(many, "page", **LAZY), next_item=WindowPair.step, save=WindowPair.save,
+                  load=WindowPair.load, close=lambda w: w.stream.close(),
+                  epoch_of=lambda item: epochs([s[1] for s in item[1]])),
+        total=110, midpoints=[1, 9, 40, 75, 101])
+
+
 # ---------------------------------------------------------------- the planner's cursor
 
 
@@ -196,12 +224,14 @@ class PlannerRun:
         self.planner.restore(cur)
 
 
-@pytest.mark.parametrize("shuffle", ["page", "row"])
-def test_planner_cursor_resumes_exactly(token_dirs, shuffle):
+@pytest.mark.parametrize("shuffle", ["page", "row", "blocks"])
+def test_planner_cursor_resumes_exactly(token_dirs, many, shuffle):
+    dirs, more = (token_dirs, {}) if shuffle != "blocks" else ([token_dirs[0], many], LAZY)
     spec = parse_spec({
         "name": "resume",
-        "sources": [{"name": f"s{k}", "uri": d, "kind": "tokens", "columns": ["ids"], "shuffle": shuffle,
-                     "replicas": 1 + k} for k, d in enumerate(token_dirs)],
+        "sources": [{"name": f"s{k}", "uri": d, "kind": "tokens", "columns": ["ids"],
+                     "shuffle": "page" if shuffle == "blocks" else shuffle, "replicas": 1 + k, **more}
+                    for k, d in enumerate(dirs)],
         "mixture": {"weights": {"s0": 0.6, "s1": 0.4}, "seed": 4,
                     "phases": [{"start_step": 20, "weights": {"s0": 0.3}}]},
         "batch": {"sequences": 4, "seq_len": 32, "microbatches": 1},
