@@ -190,6 +190,18 @@ def run_mixture(uris: dict[str, str], storage, steps: int, run_dir: Path) -> dic
             "journal_bytes_per_step": round(sum(step_bytes) / max(len(step_bytes), 1), 1)}
 
 
+def _source_spec(uri: str):
+    from mixplane.spec import SourceSpec
+
+    return SourceSpec(name="a", uri=uri, kind="tokens", columns=["ids"])
+
+
+def lazy_indexing(source, files: int) -> bool:
+    from mixplane.loader.blockstream import lazy_indexing as lazy
+
+    return lazy(source, files)
+
+
 def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
     pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
     if len(pts) < 2:
@@ -301,6 +313,9 @@ def main() -> None:
                     row.update(index_source(uris["a"], idx_cache, storage))
                     row["pyarrow_dataset_s"] = ref
                     row["files_per_source"] = n // 2
+                    # how the loaders read it: block by block (sources[].lazy_index_files, default) or in the whole
+                    # source's page order; full_index_s is the whole source's index either way
+                    row["order"] = "blocks" if lazy_indexing(_source_spec(uris["a"]), n // 2) else "pages"
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
