@@ -251,8 +251,8 @@ def test_a_burst_of_one_hosts_queued_hellos_registers_it_once(spec):
             wire.send(host, Kind.HELLO, {**hello, "incarnation": "p1"})
         _pump(planner, lambda: False, 1.0)
         key = (0, 0)
-        assert planner.partitions.parts[key].host == "loader-a"
-        first = planner.partitions.epoch(key)
+        assert planner.hosting.partitions.parts[key].host == "loader-a"
+        first = planner.hosting.partitions.epoch(key)
         got = []
         while host.poll(200):
             got.append(wire.recv(host)[1].kind)
@@ -269,8 +269,8 @@ def test_a_burst_of_one_hosts_queued_hellos_registers_it_once(spec):
             beats += wire.recv(host)[1].kind == Kind.HEARTBEAT
         assert beats >= 2, beats
         wire.send(host, Kind.HELLO, {**hello, "incarnation": "p2"})  # the process restarted under the same name
-        _pump(planner, lambda: planner.partitions.epoch(key) != first, 2.0)
-        assert planner.partitions.epoch(key) == first + 1
+        _pump(planner, lambda: planner.hosting.partitions.epoch(key) != first, 2.0)
+        assert planner.hosting.partitions.epoch(key) == first + 1
     finally:
         host.close(0)
         planner.close()

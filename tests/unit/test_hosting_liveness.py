@@ -13,12 +13,13 @@ from mixplane.planner.hosting import PartitionHosting
 
 
 class Hosting(PartitionHosting):
+    """Partition hosting over the part of a planner server (its HostingServer interface) that liveness reads."""
+
     def __init__(self) -> None:
-        self.spec = SimpleNamespace(runtime=SimpleNamespace(shadow_loaders=1, failover_after_s=1.0))
-        self.core = SimpleNamespace(windows=[SimpleNamespace(source=0, replica=0)])
-        self.members = Membership()
-        self.loaders = {}
-        self.init_hosting()
+        super().__init__(SimpleNamespace(spec=SimpleNamespace(runtime=SimpleNamespace(shadow_loaders=1, failover_after_s=1.0)),
+                                         core=SimpleNamespace(windows=[SimpleNamespace(source=0, replica=0)]),
+                                         members=Membership(), loaders={}))
+        self.members = self.server.members
 
     def beat(self, host: str) -> None:
         self.host_ids[host] = protocol.host_identity(host).encode()

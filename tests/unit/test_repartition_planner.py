@@ -6,6 +6,7 @@ journal replayed bit-exact across the change, a cursor taken after it resumes ex
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -184,14 +185,10 @@ def test_a_repartition_request_with_an_id_is_applied_once(spec):
     repeat without the id after it was applied, is refused naming why."""
     from mixplane.planner.repartitioning import PlannerRepartition
 
-    class Planner(PlannerRepartition):  # the mixin with the state it reads, over a real planner core
-        def __init__(self):
-            self.spec, self.names = spec, [s.name for s in spec.sources]
-            self.core = StepPlanner(spec, resolve_strategy(spec))
-            self.recovering, self.host_ids = None, {}
-            self.init_repartitioning()
-
-    p = Planner()
+    # re-partitioning over the state it reads of its server and its hosting (their interfaces), a real planner core
+    server = SimpleNamespace(spec=spec, names=[s.name for s in spec.sources], core=StepPlanner(spec, resolve_strategy(spec)),
+                             recovering=None)
+    p = PlannerRepartition(server, SimpleNamespace(host_ids={}))
     first = p.request_repartition({"source": "a", "partitions": 3, "repartition_id": "uid/a-2-3"})
     assert first == {"source": "a", "from": 2, "partitions": 3, "step": 0}
     again = p.request_repartition({"source": "a", "partitions": 3, "repartition_id": "uid/a-2-3"})

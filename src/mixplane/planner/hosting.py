@@ -1,6 +1,7 @@
 """The planner's side of partition handoff: loader hosts, ADOPT / RELEASE / FENCE / FOLLOW,
-shadow promotion and the HANDOFF control request. Mixed into :class:`~mixplane.planner.server.PlannerServer`
-(kept apart so the server's other concerns — recovery, resharding, scaling — are edited elsewhere).
+shadow promotion and the HANDOFF control request. Owned by :class:`~mixplane.planner.server.PlannerServer`
+(``server.hosting``), which it reaches only through :class:`HostingServer`: what it reads of the server and how it
+sends is that interface, so the server's other concerns (recovery, resharding, scaling) are edited elsewhere.
 
 A handoff happens between two planned steps: the partition leaves ``loaders`` (planning waits for it),
 the old server is told to RELEASE it, constructors are FENCEd to drop its older epochs, and the new host
@@ -14,9 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mixplane import protocol
 from mixplane.component import Membership, peer_name
@@ -27,6 +26,7 @@ from mixplane.wire import Kind, Message, WireError
 
 if TYPE_CHECKING:
     from mixplane.planner.core import StepPlanner
+    from mixplane.spec import DataMixtureSpec
 
 log = logging.getLogger("mixplane.planner")
 LOOP_STALL_FACTOR = 10.0  # a host whose poll loop has not turned for this many failover intervals is hung
@@ -39,48 +39,49 @@ FRESH_BEATS = 2  # a shadow is promoted only if heard from within this many of i
 DEAF_GAP_BEATS = 1  # a planner loop turn longer than this many host beats is time the planner did not listen
 
 
-class PartitionHosting:
-    """Partition table, loader hosts and handoffs. Expects the PlannerServer attributes declared here."""
+class HostingServer(Protocol):
+    """What partition hosting needs of the planner server that owns it. Read through the server each time, never
+    copied: the server replaces its spec, constructors and session on a reshard or a restart."""
 
-    spec: Any
+    spec: DataMixtureSpec
     core: StepPlanner
     names: list[str]
-    table_records: dict[int, list[dict[str, Any]]]  # planner.repartitioning
-    loaders: dict[tuple[int, int], bytes]
-    constructors: dict[int, Any]
-    pending_loader_welcome: set[tuple[int, int]]
+    loaders: dict[PartitionKey, bytes]  # partition -> the identity of the loader that serves it now
+    constructors: dict[int, Any]  # constructor index -> its peer (``.identity``)
+    pending_loader_welcome: set[PartitionKey]
     inflight: InFlight
     members: Membership
     session: int
     incarnation: str  # the planner process (recovery): a host welcomed by another one registers again
     hm: HandoffMetrics
 
-    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
-              arrays: dict[str, np.ndarray] | None = None) -> bool:
-        raise NotImplementedError
-
     @property
-    def planned_through(self) -> int:
-        raise NotImplementedError
+    def planned_through(self) -> int: ...
 
-    sock: Any
-    if TYPE_CHECKING:  # Component's
-        def send_routed(self, sock: Any, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None,
-                        arrays: dict[str, np.ndarray] | None = None, *, checksum: bool | None = None,
-                        quiet: bool = False, frames: list | None = None) -> bool | None: ...
+    def send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None) -> bool:
+        """Send without blocking; an undeliverable message is logged and counted, never fatal."""
+        ...
 
-    def _release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
-        """RELEASE to a partition's old server; quiet: a dead one cannot take it, and that is why it moved."""
-        self.send_routed(self.sock, identity, Kind.RELEASE, {"source": key[0], "replica": key[1], "epoch": epoch}, quiet=True)
+    def send_quietly(self, identity: bytes, kind: Kind, meta: dict[str, Any]) -> None:
+        """Send without blocking and without a log line when it cannot go (a peer that is known to be gone)."""
+        ...
 
-    # -- state --------------------------------------------------------------------------------------------
-    def init_hosting(self) -> None:
-        keys = [(w.source, w.replica) for w in self.core.windows]
-        self.partitions = PartitionTable(keys, shadows_wanted=int(getattr(self.spec.runtime, "shadow_loaders", 0)))
+
+class PartitionHosting:
+    """Partition table, loader hosts and handoffs of one planner (its :class:`HostingServer`)."""
+
+    def __init__(self, server: HostingServer) -> None:
+        self.server = server
+        # the re-partitions the partition table and the loader hosts follow (source -> records), kept here because
+        # ADOPT carries them; written by planner.repartitioning after a change, or from the journal after a restart
+        self.table_records: dict[int, list[dict[str, Any]]] = {}
+        runtime = server.spec.runtime
+        keys = [(w.source, w.replica) for w in server.core.windows]
+        self.partitions = PartitionTable(keys, shadows_wanted=int(runtime.shadow_loaders))
         self.host_ids: dict[str, bytes] = {}
         self.host_incarnations: dict[str, str] = {}  # host -> the process that registered under that name last
         self.host_loop_s: dict[str, float] = {}  # host -> age of its poll loop's last turn, from its beats
-        self.failover_after_s = float(getattr(self.spec.runtime, "failover_after_s", 1.0))
+        self.failover_after_s = float(runtime.failover_after_s)
         self.retired_loaders: dict[bytes, tuple[PartitionKey, int, float]] = {}  # old identity -> key, epoch, last RELEASE
         self.handoff_started: dict[PartitionKey, tuple[float, str]] = {}  # partition moving -> (since, reason)
         self.handoff_log: list[dict[str, Any]] = []  # the last handoffs, for STATUS (bounded)
@@ -95,6 +96,11 @@ class PartitionHosting:
         self._hostless: set[PartitionKey] = set()
         self._hosting_started = False
 
+    def release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
+        """RELEASE to a partition's old server; quiet: a dead one cannot take it, and that is why it moved."""
+        self.server.send_quietly(identity, Kind.RELEASE, {"source": key[0], "replica": key[1], "epoch": epoch})
+
+    # -- state --------------------------------------------------------------------------------------------
     def partitioning_meta(self, key: PartitionKey) -> dict[str, Any]:
         """What ADOPT carries for a partition of a re-partitioned source: the source's re-partition records, from
         which the host builds the partition's read order (mixplane.repartition); nothing for the others."""
@@ -102,12 +108,12 @@ class PartitionHosting:
         return {"partitioning": recs} if recs else {}
 
     def partition_name(self, key: PartitionKey) -> str:
-        return f"{self.names[key[0]]}:{key[1]}"
+        return f"{self.server.names[key[0]]}:{key[1]}"
 
     def host_silent_s(self, host: str) -> float | None:
         """Seconds since the host was last heard from (its beat thread, or its loop's socket)."""
-        times = [t for t in (self.members.silent_for(protocol.beat_identity(host)),
-                             self.members.silent_for(protocol.host_identity(host))) if t is not None]
+        times = [t for t in (self.server.members.silent_for(protocol.beat_identity(host)),
+                             self.server.members.silent_for(protocol.host_identity(host))) if t is not None]
         return min(times) if times else None
 
     def host_missed_s(self, host: str) -> float | None:
@@ -143,7 +149,7 @@ class PartitionHosting:
             self.host_loop_s[host] = float(age)
 
     def hosting_status(self) -> dict[str, Any]:
-        st = self.partitions.status(self.names, self.host_alive, self.host_silent_s)
+        st = self.partitions.status(self.server.names, self.host_alive, self.host_silent_s)
         st["handoffs"] = self.handoff_log[-20:]
         # partitions no live host serves (their steps wait): STATUS and mixplane_partitions_without_host
         st["without_host"] = [self.partition_name(k) for k in self.hostless()]
@@ -177,7 +183,7 @@ class PartitionHosting:
             # the same process's HELLO again (queued while the planner was unreachable and delivered in a burst,
             # or a retry whose WELCOME crossed it): it is registered; registering it again would hand its
             # partitions over to itself under new epochs, once per queued HELLO
-            self._send(identity, Kind.WELCOME, {"session": self.session, "incarnation": self.incarnation})
+            self.server.send(identity, Kind.WELCOME, {"session": self.server.session, "incarnation": self.server.incarnation})
             return
         if isinstance(inc, str):
             self.host_incarnations[name] = inc
@@ -187,9 +193,9 @@ class PartitionHosting:
         try:
             moves = self.partitions.register(Host(name, tuple(wants), shadow, shadow_of), self.host_alive)
         except HandoffError as e:
-            self._send(identity, Kind.ERROR, {"error": f"host {name}: {e}"})
+            self.server.send(identity, Kind.ERROR, {"error": f"host {name}: {e}"})
             return
-        self._send(identity, Kind.WELCOME, {"session": self.session, "incarnation": self.incarnation})
+        self.server.send(identity, Kind.WELCOME, {"session": self.server.session, "incarnation": self.server.incarnation})
         for m in moves:
             self.apply_move(m, "restart" if m.previous == name else ("failover" if m.previous else "start"))
 
@@ -217,27 +223,27 @@ class PartitionHosting:
         return False
 
     def fenced(self, identity: bytes, key: PartitionKey, kind: str, epoch: int) -> None:
-        self.hm.fenced.labels(kind).inc()
+        self.server.hm.fenced.labels(kind).inc()
         now = time.monotonic()
         _, _, last = self.retired_loaders.get(identity, (key, epoch, 0.0))
         if now - last > 1.0:  # tell it (again) that it lost the partition; at most once a second
             log.warning("%s from %s: partition %s is at epoch %d, this is epoch %d: dropped, told to release",
                         kind, peer_name(identity), self.partition_name(key), self.partitions.epoch(key), epoch)
-            self._release(identity, key, epoch)
+            self.release(identity, key, epoch)
         self.retired_loaders[identity] = (key, epoch, now)
 
     def on_handoff(self, identity: bytes, msg: Message) -> None:
         try:
             result = self.handoff(msg.get("partition", str), msg.get("to", str))
         except HandoffError as e:
-            self._send(identity, Kind.ERROR, {"error": f"handoff: {e}"})
+            self.server.send(identity, Kind.ERROR, {"error": f"handoff: {e}"})
             return
-        self._send(identity, Kind.ACK, result)
+        self.server.send(identity, Kind.ACK, result)
 
     # -- the mechanism ------------------------------------------------------------------------------------
     def handoff(self, partition: str | PartitionKey, to: str, reason: str = "request") -> dict[str, Any]:
         """Move a partition to loader host `to` at the next step boundary (the Python API of HANDOFF)."""
-        key = parse_partition(partition, self.names) if isinstance(partition, str) else partition
+        key = parse_partition(partition, self.server.names) if isinstance(partition, str) else partition
         if not self.host_alive(to):
             quiet = self.host_silent_s(to)
             raise HandoffError(f"loader host {to!r} is not alive (" + (
@@ -245,7 +251,7 @@ class PartitionHosting:
         move = self.partitions.move(key, to)
         self.apply_move(move, reason)
         return {"partition": self.partition_name(key), "from": move.previous, "to": to, "epoch": move.epoch,
-                "after_step": self.planned_through}
+                "after_step": self.server.planned_through}
 
     def apply_move(self, m: Move, reason: str) -> None:
         """Carry out a decided change of the partition table on the wire."""
@@ -254,39 +260,39 @@ class PartitionHosting:
         if m.mode == "dormant":  # a shadow let go (planner.partitions.wanted_shadows): it stops following
             self._followed.pop((key, m.to), None)
             if host is not None:
-                self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "dormant"})
+                self.server.send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "dormant"})
             return
         if m.mode == "shadow":
             if host is not None:
-                self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "shadow",
+                self.server.send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "shadow",
                                               "cursor": self.follow_cursor(key), **self.partitioning_meta(key)})
                 self._followed.pop((key, m.to), None)
             return
-        old = self.loaders.pop(key, None)
-        self.pending_loader_welcome.discard(key)
+        old = self.server.loaders.pop(key, None)
+        self.server.pending_loader_welcome.discard(key)
         if old is not None:
             self.retired_loaders[old] = (key, m.epoch - 1, time.monotonic())
-            self._release(old, key, m.epoch - 1)
+            self.release(old, key, m.epoch - 1)
         if m.previous is not None:
-            for c in self.constructors.values():  # their SAMPLES of older epochs are dropped from now on
-                self._send(c.identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": m.epoch})
-            self.hm.handoffs.labels(reason).inc()
+            for c in self.server.constructors.values():  # their SAMPLES of older epochs are dropped from now on
+                self.server.send(c.identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": m.epoch})
+            self.server.hm.handoffs.labels(reason).inc()
             log.warning("partition %s: %s -> %s (epoch %d, %s) after step %d", self.partition_name(key), m.previous,
-                        m.to, m.epoch, reason, self.planned_through)
+                        m.to, m.epoch, reason, self.server.planned_through)
             self.handoff_started[key] = (time.monotonic(), reason)
             self.handoff_log.append({"partition": self.partition_name(key), "from": m.previous, "to": m.to,
-                                     "epoch": m.epoch, "reason": reason, "after_step": self.planned_through,
+                                     "epoch": m.epoch, "reason": reason, "after_step": self.server.planned_through,
                                      "t": time.time()})
             del self.handoff_log[:-100]
         if host is not None:
-            self._send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "primary",
+            self.server.send(host, Kind.ADOPT, {"source": key[0], "replica": key[1], "epoch": m.epoch, "mode": "primary",
                                           **self.partitioning_meta(key)})
 
     def fence_constructor(self, identity: bytes) -> None:
         """A constructor (re)registered: tell it the epoch of every partition that moved."""
         for key, a in sorted(self.partitions.parts.items()):
             if a.epoch > 1:
-                self._send(identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": a.epoch})
+                self.server.send(identity, Kind.FENCE, {"source": key[0], "replica": key[1], "epoch": a.epoch})
 
     def adopted(self, key: PartitionKey) -> None:
         """The new server of a moved partition said HELLO: the handoff is done once it is welcomed."""
@@ -297,8 +303,8 @@ class PartitionHosting:
 
     def follow_cursor(self, key: PartitionKey) -> dict[str, Any]:
         """Where a shadow keeps its window: from the lowest position a promotion would re-read."""
-        replay = self.inflight.for_loader(key)
-        cur = self.core.window(*key).cursor()
+        replay = self.server.inflight.for_loader(key)
+        cur = self.server.core.window(*key).cursor()
         low = int(cur["low"])
         if replay:
             low = min(low, InFlight.low_position(replay))
@@ -332,14 +338,14 @@ class PartitionHosting:
         if now >= self._next_follow:
             self._next_follow = now + FOLLOW_EVERY_S
             for key, a in self.partitions.parts.items():
-                if not a.shadows or key not in self.loaders:
+                if not a.shadows or key not in self.server.loaders:
                     continue
                 cur = self.follow_cursor(key)
                 for h in a.shadows:
                     ident = self.host_ids.get(h)
                     if ident is not None and self._followed.get((key, h)) != cur["low"]:
                         self._followed[(key, h)] = cur["low"]
-                        self._send(ident, Kind.FOLLOW, {"source": key[0], "replica": key[1], "cursor": cur})
+                        self.server.send(ident, Kind.FOLLOW, {"source": key[0], "replica": key[1], "cursor": cur})
 
     def _note_hostless(self) -> None:
         """Partitions that lost their host with no live shadow to take over: logged once, counted in the gauge;
@@ -361,12 +367,12 @@ class PartitionHosting:
             a = self.partitions.parts[key]
             log.warning("partition %s has a host again: %s", self.partition_name(key), a.host)
         self._hostless = now
-        self.hm.without_host.set(len(now))
+        self.server.hm.without_host.set(len(now))
 
     def hostless(self) -> list[PartitionKey]:
         """Partitions no live host serves (a loader started without a host, outside the table, counts as one)."""
         return [k for k in self.partitions.without_host(self.host_alive)
-                if not (self.partitions.parts[k].host is None and k in self.loaders)]
+                if not (self.partitions.parts[k].host is None and k in self.server.loaders)]
 
     def hosts_watched(self) -> dict[str, str]:
         """Peer names of the hosts' beat threads, for the planner's silence report (STATUS `silent`)."""

@@ -1,6 +1,6 @@
 """The planner's side of re-partitioning a running source (REPARTITION; the rule: mixplane.repartition).
 
-Mixed into :class:`~mixplane.planner.server.PlannerServer`. A request names a source, the new number of partitions
+Owned by :class:`~mixplane.planner.server.PlannerServer` (``server.repartitioning``). A request names a source, the new number of partitions
 and optionally the step (default: the first one not planned) and the hosts of the new partitions. The planner
 plans up to that step and holds there until every step before it is complete at every constructor (the old
 partitions' servers have delivered everything planned for them); then, between two steps:
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mixplane.planner.partitions import Assignment, HandoffError, PartitionKey
 from mixplane.repartition import MAX_PARTITIONS, RepartitionError, parse_partitioning
@@ -29,49 +29,60 @@ if TYPE_CHECKING:
     from mixplane.planner.core import StepPlanner
     from mixplane.planner.inflight import InFlight
     from mixplane.planner.partitions import Move, PartitionTable
+    from mixplane.spec import DataMixtureSpec
 
 log = logging.getLogger("mixplane.planner")
 REPARTITIONS_KEPT = 32  # re-partitions listed in STATUS
 
 
-class PlannerRepartition:
-    """Pending and applied re-partitions. Expects the PlannerServer / PartitionHosting attributes declared here."""
+class RepartitionServer(Protocol):
+    """What re-partitioning needs of the planner server that owns it (read through the server each time: it
+    replaces its spec and constructors on a reshard)."""
 
-    spec: Any
+    spec: DataMixtureSpec
     core: StepPlanner
     names: list[str]
-    loaders: dict[tuple[int, int], bytes]
-    constructors: dict[int, Any]
-    complete_by: dict[bytes, int]
-    pending_loader_welcome: set[tuple[int, int]]
+    loaders: dict[PartitionKey, bytes]
+    constructors: dict[int, Any]  # constructor index -> its peer (``.identity``)
+    complete_by: dict[bytes, int]  # constructor identity -> every step up to it complete there
+    pending_loader_welcome: set[PartitionKey]
     inflight: InFlight
+    journal: Any  # planner.journal.Journal, or None without a run directory
+    recovering: Any  # the session being recovered after a restart, or None
+
+    @property
+    def planned_through(self) -> int: ...
+
+    def send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None) -> bool: ...
+
+    def windows_changed(self) -> None:
+        """A source's windows were replaced: what is kept per window (metrics labels) is built again."""
+        ...
+
+
+class RepartitionHosting(Protocol):
+    """What re-partitioning needs of partition hosting (planner.hosting): the table it changes, the hosts it
+    assigns and how a move goes out on the wire."""
+
     partitions: PartitionTable
     host_ids: dict[str, bytes]
     retired_loaders: dict[bytes, tuple[PartitionKey, int, float]]
-    journal: Any
-    recovering: Any
-    _step_metrics: Any
+    table_records: dict[int, list[dict[str, Any]]]
 
-    def _send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None, arrays: Any = None) -> bool:
-        raise NotImplementedError
+    def host_alive(self, host: str) -> bool: ...
 
-    def host_alive(self, host: str) -> bool:
-        raise NotImplementedError
+    def apply_move(self, m: Move, reason: str) -> None: ...
 
-    def apply_move(self, m: Move, reason: str) -> None:
-        raise NotImplementedError
+    def release(self, identity: bytes, key: PartitionKey, epoch: int) -> None: ...
 
-    def _release(self, identity: bytes, key: PartitionKey, epoch: int) -> None:
-        raise NotImplementedError
 
-    @property
-    def planned_through(self) -> int:
-        raise NotImplementedError
+class PlannerRepartition:
+    """Pending and applied re-partitions of one planner (its :class:`RepartitionServer`), carried out through its
+    partition hosting (:class:`RepartitionHosting`)."""
 
-    def init_repartitioning(self) -> None:
-        # the re-partitions the partition table and the loader hosts follow (source -> records): the planner's own
-        # after a change; after a restart, the journal's, while the core still stands at the session's start
-        self.table_records: dict[int, list[dict[str, Any]]] = {}
+    def __init__(self, server: RepartitionServer, hosting: RepartitionHosting) -> None:
+        self.server = server
+        self.hosting = hosting
         self.pending_repartitions: dict[int, dict[str, Any]] = {}  # source -> the request waiting for its step
         self.repartition_log: list[dict[str, Any]] = []  # accepted and applied, for STATUS (bounded)
 
@@ -80,9 +91,9 @@ class PlannerRepartition:
         try:
             ack = self.request_repartition(msg.meta)
         except (RepartitionError, HandoffError, ValueError, TypeError) as e:
-            self._send(identity, Kind.ERROR, {"error": f"repartition rejected: {e}"})
+            self.server.send(identity, Kind.ERROR, {"error": f"repartition rejected: {e}"})
             return
-        self._send(identity, Kind.ACK, ack)
+        self.server.send(identity, Kind.ACK, ack)
 
     def request_repartition(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Check a REPARTITION request and keep it until its step (RepartitionError naming the field). A request
@@ -97,22 +108,22 @@ class PlannerRepartition:
             if done is not None:  # a repeat (the sender died before it read the ACK): the same answer, applied once
                 return {**{k: done[k] for k in ("source", "from", "partitions", "step")}, "duplicate": True}
         name = meta.get("source")
-        if name not in self.names:
-            raise RepartitionError(f"source: no source {name!r} (the mixture has {', '.join(self.names)})")
-        si = self.names.index(name)
-        src = self.spec.sources[si]
+        if name not in self.server.names:
+            raise RepartitionError(f"source: no source {name!r} (the mixture has {', '.join(self.server.names)})")
+        si = self.server.names.index(name)
+        src = self.server.spec.sources[si]
         if src.live:
             raise RepartitionError(f"source {name!r}: a live source is read by one partition; it cannot be "
                                    "re-partitioned")
         m = meta.get("partitions")
         if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= MAX_PARTITIONS:
             raise RepartitionError(f"partitions: must be an integer in [1, {MAX_PARTITIONS}], not {m!r}")
-        old = self.core.partitions(si)
+        old = self.server.core.partitions(si)
         if m == old and si not in self.pending_repartitions:
             raise RepartitionError(f"partitions: source {name!r} already has {m} partitions")
-        if self.recovering is not None:
+        if self.server.recovering is not None:
             raise RepartitionError("the planner is recovering its session; retry")
-        first = self.core.next_step
+        first = self.server.core.next_step
         step = meta.get("step", first)
         if not isinstance(step, int) or isinstance(step, bool) or step < first:
             raise RepartitionError(f"step: {step!r} is planned already (the first step not planned is {first})")
@@ -120,7 +131,7 @@ class PlannerRepartition:
         if hosts is not None:
             if not isinstance(hosts, list) or len(hosts) != m or not all(isinstance(h, str) for h in hosts):
                 raise RepartitionError(f"hosts: a list of {m} loader host names, one per new partition")
-            unknown = [h for h in hosts if h not in self.host_ids]
+            unknown = [h for h in hosts if h not in self.hosting.host_ids]
             if unknown:
                 raise RepartitionError(f"hosts: no loader host {', '.join(map(repr, unknown))} registered")
         if si in self.pending_repartitions:
@@ -137,18 +148,18 @@ class PlannerRepartition:
     # -- applying it at its step -----------------------------------------------------------------------------
     def repartition_holds(self) -> bool:
         """Whether planning must wait: a re-partition is due at the next step and not applied yet."""
-        return any(r["step"] <= self.core.next_step for r in self.pending_repartitions.values())
+        return any(r["step"] <= self.server.core.next_step for r in self.pending_repartitions.values())
 
     def repartition_tick(self) -> None:
         """Apply the re-partitions due at the next step once every step before it is complete everywhere."""
         if not self.pending_repartitions:
             return
-        nxt = self.core.next_step
+        nxt = self.server.core.next_step
         due = [si for si, r in self.pending_repartitions.items() if r["step"] <= nxt]
-        if not due or not self.constructors:
+        if not due or not self.server.constructors:
             return
-        done = [self.complete_by.get(c.identity, -1) for c in self.constructors.values()]
-        if len(done) < len(self.constructors) or min(done) < nxt - 1:
+        done = [self.server.complete_by.get(c.identity, -1) for c in self.server.constructors.values()]
+        if len(done) < len(self.server.constructors) or min(done) < nxt - 1:
             return
         for si in sorted(due):
             self._apply_repartition(si, self.pending_repartitions.pop(si))
@@ -156,21 +167,21 @@ class PlannerRepartition:
     def _hosts_for(self, si: int, old: int, m: int, asked: list[str] | None) -> list[str]:
         """Partition k < old stays on its host if it is alive; the others go to the live hosts serving least."""
         if asked:
-            dead = [h for h in asked if not self.host_alive(h)]
+            dead = [h for h in asked if not self.hosting.host_alive(h)]
             if dead:
                 raise HandoffError(f"hosts: loader host {', '.join(map(repr, sorted(set(dead))))} is not alive")
             return list(asked)
-        live = [h for h, hh in sorted(self.partitions.hosts.items()) if not hh.shadow and self.host_alive(h)]
+        live = [h for h, hh in sorted(self.hosting.partitions.hosts.items()) if not hh.shadow and self.hosting.host_alive(h)]
         if not live:
             raise HandoffError("no live loader host to serve the new partitions")
-        load = {h: len(self.partitions.hosted_by(h)) for h in live}
+        load = {h: len(self.hosting.partitions.hosted_by(h)) for h in live}
         for r in range(old):
-            a = self.partitions.parts.get((si, r))
+            a = self.hosting.partitions.parts.get((si, r))
             if a is not None and a.host in load:
                 load[a.host] -= 1  # its old partition goes
         out: list[str] = []
         for k in range(m):
-            a = self.partitions.parts.get((si, k))
+            a = self.hosting.partitions.parts.get((si, k))
             if k < old and a is not None and a.host in load:
                 h = a.host
             else:
@@ -180,19 +191,19 @@ class PlannerRepartition:
         return out
 
     def _apply_repartition(self, si: int, req: dict[str, Any]) -> None:
-        name = self.names[si]
-        old = self.core.partitions(si)
+        name = self.server.names[si]
+        old = self.server.core.partitions(si)
         t0 = time.monotonic()
         try:
             hosts = self._hosts_for(si, old, int(req["partitions"]), req.get("hosts"))
-            record = self.core.repartition(si, int(req["partitions"]))
+            record = self.server.core.repartition(si, int(req["partitions"]))
         except (RepartitionError, HandoffError) as e:
             req["error"] = str(e)
             log.error("re-partition of source %r not applied: %s", name, e)
             return
-        if self.journal is not None:
-            self.journal.repartition(record)
-            self.journal.checkpoint(self.core.cursor())  # a recovery after this never re-plans across it
+        if self.server.journal is not None:
+            self.server.journal.repartition(record)
+            self.server.journal.checkpoint(self.server.core.cursor())  # a recovery after this never re-plans across it
         self._retable(si, old, hosts, int(record["step"]))
         req.update(applied=True, hosts=hosts, applied_after_s=round(time.monotonic() - t0, 4), applied_at=time.time())
         log.warning("source %r re-partitioned from %d to %d partitions at step %d (hosts %s)", name, old,
@@ -204,36 +215,36 @@ class PlannerRepartition:
         now = time.monotonic()
         for r in range(old):  # the old servers delivered everything planned for them: released
             key = (si, r)
-            ident = self.loaders.pop(key, None)
-            self.pending_loader_welcome.discard(key)
-            epoch = self.partitions.parts[key].epoch if key in self.partitions.parts else 0
-            for h in (self.partitions.parts[key].shadows if key in self.partitions.parts else []):
-                hid = self.host_ids.get(h)
+            ident = self.server.loaders.pop(key, None)
+            self.server.pending_loader_welcome.discard(key)
+            epoch = self.hosting.partitions.parts[key].epoch if key in self.hosting.partitions.parts else 0
+            for h in (self.hosting.partitions.parts[key].shadows if key in self.hosting.partitions.parts else []):
+                hid = self.hosting.host_ids.get(h)
                 if hid is not None:  # a shadow of the old order: dormant
-                    self._send(hid, Kind.ADOPT, {"source": si, "replica": r, "epoch": epoch, "mode": "dormant"})
+                    self.server.send(hid, Kind.ADOPT, {"source": si, "replica": r, "epoch": epoch, "mode": "dormant"})
             if ident is not None:
-                self.retired_loaders[ident] = (key, epoch, now)
-                self._release(ident, key, epoch)
-        self._step_metrics = None  # per-window metrics: labelled again for the new windows
-        self.table_records = {k: list(v) for k, v in self.core.partitioning.items()}
-        moves = self.partitions.repartition(si, old, hosts)
+                self.hosting.retired_loaders[ident] = (key, epoch, now)
+                self.hosting.release(ident, key, epoch)
+        self.server.windows_changed()  # per-window metrics: labelled again for the new windows
+        self.hosting.table_records = {k: list(v) for k, v in self.server.core.partitioning.items()}
+        moves = self.hosting.partitions.repartition(si, old, hosts)
         for k in range(len(hosts)):
-            self.inflight.since[(si, k)] = step
+            self.server.inflight.since[(si, k)] = step
         for mv in moves:
-            self.apply_move(mv, "repartition")
+            self.hosting.apply_move(mv, "repartition")
 
     def partitioning_plan(self, cursor: Any) -> list[tuple[int, int, int, list[str]]]:
         """A cursor taken with other partitions of a source than the running ones (a trainer resuming from a state
         taken after a re-partition in a new run, or before one in this run): per such source (index, partitions now,
         partitions of the cursor, their hosts), checked before anything changes (RepartitionError / HandoffError)."""
         theirs = parse_partitioning(cursor.get("partitioning") if isinstance(cursor, dict) else None,
-                                    [s.replicas for s in self.spec.sources], self.names)
+                                    [s.replicas for s in self.server.spec.sources], self.server.names)
         out = []
-        for si in sorted(set(theirs) | set(self.core.partitioning)):
-            if theirs.get(si, []) == self.core.partitioning.get(si, []):
+        for si in sorted(set(theirs) | set(self.server.core.partitioning)):
+            if theirs.get(si, []) == self.server.core.partitioning.get(si, []):
                 continue
-            old = self.core.partitions(si)
-            new = int(theirs[si][-1]["partitions"]) if theirs.get(si) else int(self.spec.sources[si].replicas)
+            old = self.server.core.partitions(si)
+            new = int(theirs[si][-1]["partitions"]) if theirs.get(si) else int(self.server.spec.sources[si].replicas)
             out.append((si, old, new, self._hosts_for(si, old, new, None)))
         return out
 
@@ -242,8 +253,8 @@ class PlannerRepartition:
         loader hosts follow it — the running partitions released, each of the cursor's opened by its host with the
         cursor's records (its read order) under a new epoch."""
         for si, old, new, hosts in plan:
-            self._retable(si, old, hosts, self.core.next_step)
-            log.warning("source %r: partitions %d -> %d to serve the resumed cursor (hosts %s)", self.names[si], old, new,
+            self._retable(si, old, hosts, self.server.core.next_step)
+            log.warning("source %r: partitions %d -> %d to serve the resumed cursor (hosts %s)", self.server.names[si], old, new,
                         ", ".join(hosts))
 
     # -- a restarted planner ----------------------------------------------------------------------------------
@@ -257,14 +268,14 @@ class PlannerRepartition:
             return
         i0 = starts[-1]
         session = int(records[i0].get("session", 0))
-        replicas = [s.replicas for s in self.spec.sources]
+        replicas = [s.replicas for s in self.server.spec.sources]
         try:
-            final = parse_partitioning(records[i0]["cursor"].get("partitioning"), replicas, self.names)
+            final = parse_partitioning(records[i0]["cursor"].get("partitioning"), replicas, self.server.names)
             for r in records[i0 + 1:]:
                 if r.get("event") == "repartition" and int(r.get("session", session)) == session:
                     si = int(r["source"])
                     final[si] = [*final.get(si, []), r]
-            final = parse_partitioning({str(k): v for k, v in final.items()}, replicas, self.names) if final else {}
+            final = parse_partitioning({str(k): v for k, v in final.items()}, replicas, self.server.names) if final else {}
         except (RepartitionError, KeyError, TypeError, ValueError) as e:
             log.error("the journal's re-partitions cannot be read (%s): the table follows the spec", e)
             return
@@ -272,12 +283,12 @@ class PlannerRepartition:
             return
         base = int(time.time())  # above any epoch the predecessor handed out, as planner recovery does
         for si, recs in final.items():
-            self.partitions.repartition(si, int(self.spec.sources[si].replicas), [])
+            self.hosting.partitions.repartition(si, int(self.server.spec.sources[si].replicas), [])
             for k in range(int(recs[-1]["partitions"])):
-                self.partitions.parts[(si, k)] = Assignment(epoch=base)
-        self.table_records = final
+                self.hosting.partitions.parts[(si, k)] = Assignment(epoch=base)
+        self.hosting.table_records = final
         log.warning("the journal re-partitioned %s: the partition table follows it", ", ".join(
-            f"{self.names[si]!r} to {recs[-1]['partitions']} partitions" for si, recs in sorted(final.items())))
+            f"{self.server.names[si]!r} to {recs[-1]['partitions']} partitions" for si, recs in sorted(final.items())))
 
     def recovery_anchor(self, anchor: Any, anchors: list[Any]) -> Any:
         """A recovery that would re-plan across a re-partition (a constructor lost steps before it) starts at the
@@ -294,4 +305,4 @@ class PlannerRepartition:
 
     def repartition_status(self) -> dict[str, Any]:
         return {"repartitions": [dict(r) for r in self.repartition_log[-REPARTITIONS_KEPT:]],
-                "source_partitions": {n: self.core.partitions(i) for i, n in enumerate(self.names)}}
+                "source_partitions": {n: self.server.core.partitions(i) for i, n in enumerate(self.server.names)}}

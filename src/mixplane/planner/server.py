@@ -126,7 +126,7 @@ RESHARDS_KEPT = 32  # acknowledged reshard ids (listed in STATUS; answered as du
 CLOSE_LINGER_MS = 5000  # how long a closed planner socket keeps sending what was queued before it
 
 
-class PlannerServer(Component, PartitionHosting, PlannerRepartition):
+class PlannerServer(Component):
     component = "planner"
 
     def __init__(self, spec: DataMixtureSpec, endpoint: str, *, context: zmq.Context | None = None,
@@ -151,8 +151,8 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             Kind.UPDATE_MIXTURE: self._update, Kind.SHUTDOWN: self._on_shutdown, Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESEND: self._on_resend_request,
             Kind.RESHARD: self._on_reshard,
-            Kind.HANDOFF: self.on_handoff,
-            Kind.REPARTITION: self.on_repartition,
+            Kind.HANDOFF: self._on_handoff,
+            Kind.REPARTITION: self._on_repartition,
             Kind.LOSS_REPORT: self._on_loss_report,
         }, routed=True, server=True)
         self.core = StepPlanner(spec, resolve_strategy(spec))
@@ -177,8 +177,8 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         self.adaptation = Adaptation(self.names, spec.mixture.model_dump(mode="json"))  # mixture.adaptive
         self._step_metrics: StepMetrics | None = None
         self.hm = handoff_metrics(self.m)
-        self.init_hosting()  # partition table and loader hosts (planner.hosting)
-        self.init_repartitioning()  # re-partitions of running sources (planner.repartitioning)
+        self.hosting = PartitionHosting(self)  # partition table and loader hosts
+        self.repartitioning = PlannerRepartition(self, self.hosting)  # re-partitions of running sources
         self.state = PlannerState()
         self.run_dir = run_dir
         # recovery: this process's incarnation, in WELCOME and heartbeats, so followers notice a
@@ -210,7 +210,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                 self._restore_losses(path, records)
                 self._journaled_reshards(records)
                 try:  # the partitions the session ended with (planner.repartitioning)
-                    self.journaled_partitioning(records)
+                    self.repartitioning.journaled_partitioning(records)
                 except (JournalError, OSError, ValueError) as e:
                     log.error("re-partitions in %s not read (%s): the partition table follows the spec", path, e)
         # trainer restart: digests of the cursors this session planned, by the step they precede (a rank
@@ -239,6 +239,23 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         (mixplane_wire_bad_messages_total{reason="undeliverable"}), never fatal. `frames`: the message
         (`meta` and its arrays) already encoded."""
         return self.send_routed(self.sock, identity, kind, meta, arrays, frames=frames) is True
+
+    # -- what partition hosting and re-partitioning reach the server through (their HostingServer and
+    # RepartitionServer interfaces) -------------------------------------------------------------------
+    def send(self, identity: bytes, kind: Kind, meta: dict[str, Any] | None = None) -> bool:
+        return self._send(identity, kind, meta)
+
+    def send_quietly(self, identity: bytes, kind: Kind, meta: dict[str, Any]) -> None:
+        self.send_routed(self.sock, identity, kind, meta, quiet=True)
+
+    def windows_changed(self) -> None:
+        self._step_metrics = None  # per-window metrics: labelled again for the new windows
+
+    def _on_handoff(self, identity: bytes, msg: wire.Message) -> None:
+        self.hosting.on_handoff(identity, msg)
+
+    def _on_repartition(self, identity: bytes, msg: wire.Message) -> None:
+        self.repartitioning.on_repartition(identity, msg)
 
     @property
     def all_constructors(self) -> bool:
@@ -303,9 +320,9 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                 self.core.window(*key)
             except KeyError:
                 raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
-            if not self.loader_claim(identity, key, msg):  # an older epoch's server of this partition (fenced)
+            if not self.hosting.loader_claim(identity, key, msg):  # an older epoch's server of this partition (fenced)
                 return
-            self.adopted(key)
+            self.hosting.adopted(key)
             if key in self.loaders and key not in self.pending_loader_welcome:  # a restarted loader (or a HELLO retry): counted and named
                 self.m.loader_rejoins.labels(f"{self.names[key[0]]}/{key[1]}").inc()
                 log.warning("loader %s/%d said HELLO again (restart?): welcoming it back", self.names[key[0]], key[1])
@@ -315,7 +332,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             else:
                 self.pending_loader_welcome.add(key)
         elif role == "host":
-            self.on_host_hello(identity, msg)
+            self.hosting.on_host_hello(identity, msg)
         elif role == "constructor":
             ci = msg.get("index", int)
             if not 0 <= ci < len(self.groups):
@@ -343,7 +360,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                                                                        self.recovering.planned_through
                                                                        if self.recovering is not None else -1),
                                                 "incarnation": self.incarnation})
-            self.fence_constructor(identity)  # partitions that moved: their older epochs are dropped there too
+            self.hosting.fence_constructor(identity)  # partitions that moved: their older epochs are dropped there too
             if fresh:
                 self._rebuild_constructor(ci, identity)
             if self.all_constructors and self.recovering is not None:
@@ -362,7 +379,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         if msg.get("session", int) != self.session:
             return
         key = (msg.get("source", int), msg.get("replica", int))
-        if key in self.partitions.parts and self.stale_loader_meta(identity, key, msg):
+        if key in self.hosting.partitions.parts and self.hosting.stale_loader_meta(identity, key, msg):
             return
         if self.loaders.get(key) != identity:  # only the registered loader may fill its window
             raise WireError(f"LOADER_META for source {key[0]} replica {key[1]} from a peer that is not its loader")
@@ -487,7 +504,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
 
     def _on_heartbeat(self, identity: bytes, msg: wire.Message) -> None:
         if "loop_s" in msg.meta:  # a loader host's beat thread (planner.hosting)
-            self.on_host_beat(msg)
+            self.hosting.on_host_beat(msg)
         # the component base recorded the peer as seen
         # a component that beats without being registered here
         # was registered with a predecessor of this planner: the reply's incarnation makes it say HELLO again
@@ -512,12 +529,12 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             self._send(identity, Kind.ACK, {"session": self.session, "step": int(cursor["step"])})
             return
         try:
-            realign = self.partitioning_plan(cursor)  # another partitioning of a source (planner.repartitioning)
+            realign = self.repartitioning.partitioning_plan(cursor)  # another partitioning of a source (planner.repartitioning)
             kept = self.core.restore(cursor, keep_updates=True)
         except Exception as e:  # noqa: BLE001 - a peer's cursor must never take the planner down
             self._send(identity, Kind.ERROR, {"error": f"cannot resume from this state: {e}"})
             return
-        self.realign_partitions(realign)
+        self.repartitioning.realign_partitions(realign)
         self.halted = None
         self.session += 1
         self.session_start = json.loads(json.dumps(cursor))
@@ -605,12 +622,12 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
                 raise ValueError("the global batch must stay the same")
             strategy = resolve_strategy(new)
             step = int(cursor["step"])
-            realign = self.partitioning_plan(cursor)  # a cursor of another partitioning (planner.repartitioning)
+            realign = self.repartitioning.partitioning_plan(cursor)  # a cursor of another partitioning (planner.repartitioning)
             kept = self.core.restore(cursor, keep_updates=True)  # validates before changing anything
         except (SpecError, ValueError, KeyError, TypeError) as e:
             self._send(identity, Kind.ERROR, {"error": f"reshard rejected: {e}"})
             return
-        self.realign_partitions(realign)
+        self.repartitioning.realign_partitions(realign)
         old = list(self.constructors.values())
         generation = self.core.generation + 1
         self.core.reconfigure(new, generation)
@@ -737,10 +754,10 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
     # -- planning -----------------------------------------------------------------------
     def try_plan(self) -> int:
         planned = 0
-        self.repartition_tick()
+        self.repartitioning.repartition_tick()
         while (self.halted is None and self.all_constructors and self.recovering is None
                and len(self.loaders) == len(self.core.windows)
-               and not self.repartition_holds()
+               and not self.repartitioning.repartition_holds()
                and not self.pending_loader_welcome and self.planned_through < max(self.need_through, self.recover_through)
                and self.core.ready):
             t0 = time.perf_counter()
@@ -832,8 +849,8 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             "peers": self.membership_status(),
             # registered components silent past the liveness miss budget: name -> seconds silent
             "silent": {n: round(s, 1) for n, s in sorted(self.silent.items())},  # every peer heard from, with seconds since its last message
-            **self.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
-            **self.repartition_status(),  # "repartitions" pending and applied, "source_partitions" now
+            **self.hosting.hosting_status(),  # partition table: "partitions", "hosts", "handoffs" (planner.hosting)
+            **self.repartitioning.repartition_status(),  # "repartitions" pending and applied, "source_partitions" now
             "incarnation": self.incarnation, "recovering": self.recovering is not None,
             "recover_through": self.recover_through,
             # the mixture updates acknowledged (newest last): update_id, generation, effective_step
@@ -882,13 +899,13 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         # partition epochs continue above any its predecessor handed out (they are not journaled): loader
         # messages of the old incarnation's epochs are fenced, those of the re-adopted partitions are not
         base = int(time.time())
-        for part in self.partitions.parts.values():
+        for part in self.hosting.partitions.parts.values():
             part.epoch = max(part.epoch, base)
         log.warning("planner restarted (incarnation %s): recovering session %d (planned through step %d) from the "
                     "journal once every constructor has registered", self.incarnation, st.session, st.planned_through)
 
     def _registered(self, identity: bytes) -> bool:
-        return (identity in self.loaders.values() or identity in self.host_ids.values()
+        return (identity in self.loaders.values() or identity in self.hosting.host_ids.values()
                 or any(c.identity == identity for c in self.constructors.values()))
 
     def _constructor_hello(self, ci: int, identity: bytes, msg: wire.Message, old: ConstructorPeer | None) -> bool:
@@ -971,7 +988,7 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
         held = [c for ci, c in sorted(self.hello_cursor.items()) if self.hello_complete.get(ci) == first - 1]
         if held and first > anchor.step and self.recovering_cursor_ok(held[0], first):
             anchor = Anchor(first, held[0], "constructor", -1)
-        anchor = self.recovery_anchor(anchor, st.anchors)  # never across a re-partition (planner.repartitioning)
+        anchor = self.repartitioning.recovery_anchor(anchor, st.anchors)  # never across a re-partition (planner.repartitioning)
         self.core.restore(anchor.cursor)
         gen = cursor_generation(anchor.cursor)
         self.replay_updates = st.updates_after(gen)
@@ -1035,16 +1052,16 @@ class PlannerServer(Component, PartitionHosting, PlannerRepartition):
             return
         peers = {ident: "loader" for ident in self.loaders.values()}
         peers.update({c.identity: "constructor" for c in self.constructors.values()})
-        for ident in [*peers, *self.host_ids.values()]:  # a beat that cannot go out is what the silence check reports
+        for ident in [*peers, *self.hosting.host_ids.values()]:  # a beat that cannot go out is what the silence check reports
             self.send_routed(self.sock, ident, Kind.HEARTBEAT, {"t": time.time(), "incarnation": self.incarnation}, quiet=True)
-        self.watch({**{peer_name(i): what for i, what in peers.items()}, **self.hosts_watched()})
+        self.watch({**{peer_name(i): what for i, what in peers.items()}, **self.hosting.hosts_watched()})
 
     def tick(self) -> None:
-        self.hosting_tick(time.monotonic())
+        self.hosting.hosting_tick(time.monotonic())
         self.try_plan()
 
     def close(self) -> None:
-        for ident in [*self.loaders.values(), *self.host_ids.values()]:
+        for ident in [*self.loaders.values(), *self.hosting.host_ids.values()]:
             self._send(ident, Kind.SHUTDOWN)
         for c in self.constructors.values():
             self._send(c.identity, Kind.SHUTDOWN)
