@@ -52,7 +52,7 @@ import torch
 import zmq
 
 from mixplane.errors import MixplaneError
-from mixplane.imagedecode import ImageDecodeError, decode_encoder_pixels
+from mixplane.imagedecode import ImageDecodeError, decode_encoder_images
 from mixplane import podend, settings, wire
 from mixplane.parallelism import fanout_options, group_token_index, narrow, serves
 from mixplane.protocol import ENCODER_FIELDS
@@ -201,6 +201,9 @@ class MixtureLoader:
             raise ValueError(f"groups: unknown axis {', '.join(map(repr, bad))} (cp, pp, tp)")
         self.received_bytes = 0  # tensor bytes received from the constructor
         self.image_decode_cpu_s = 0.0  # CPU seconds this client spent decoding images (image.decode_at client)
+        # images this client decoded whose pixels did not (header read, file truncated): (step, the error naming the
+        # source, column, sample key, file and row); delivered as zeros of their grid with image_quarantined 1
+        self.quarantined_images: list[tuple[int, str]] = []
         self.fanout_bytes = 0  # tensor bytes this rank sent its peers in fan-outs (broadcast_at CP / PP / TP)
         self._fanout: dict[str, Any] | None = None  # the fan-out of the step received last
         self.encoder_group = encoder_group  # the image-module bucket's group: broadcast_encoder after each step
@@ -622,20 +625,29 @@ class MixtureLoader:
 
     def _decode_images(self, arrays: dict[str, np.ndarray], how: Any, step: int) -> dict[str, np.ndarray]:
         """``pixel_patches`` from the raw image bytes of a step (the same decode a loader or constructor runs,
-        imagedecode.decode_encoder_pixels); a bad image raises DeliveryError naming its source, file and row."""
+        imagedecode.decode_encoder_images); an image whose pixels do not decode is quarantined as the loader or the
+        constructor would: zeros of its grid, ``image_quarantined`` 1, logged and kept in ``quarantined_images``
+        naming its source, file and row."""
         if not (isinstance(how, dict) and isinstance(how.get("patch_size"), int) and isinstance(how.get("merge"), int)
                 and isinstance(how.get("where"), list)):
             raise DeliveryError(f"rank {self.rank}: step {step}: raw images without their decode settings")
         t0 = time.thread_time()
         try:
-            pix = decode_encoder_pixels(arrays["image_bytes"], arrays["image_bytes_offsets"], arrays["image_grid"],
-                                        arrays["image_max_side"], patch=how["patch_size"], merge=how["merge"],
-                                        where=[str(w) for w in how["where"]])
+            pix, bad, errors = decode_encoder_images(arrays["image_bytes"], arrays["image_bytes_offsets"],
+                                                     arrays["image_grid"], arrays["image_max_side"],
+                                                     patch=how["patch_size"], merge=how["merge"],
+                                                     where=[str(w) for w in how["where"]])
         except (ImageDecodeError, KeyError) as e:
             raise DeliveryError(f"rank {self.rank}: step {step}: {e} (decoded at the client)") from None
         self.image_decode_cpu_s += time.thread_time() - t0
+        for err in errors:
+            self.quarantined_images.append((step, err))
+            log.warning("rank %d: step %d: %s (decoded at the client): quarantined, delivered as zeros of its planned "
+                        "grid (image_quarantined)", self.rank, step, err)
         rest = {k: v for k, v in arrays.items() if k not in ("image_bytes", "image_bytes_offsets", "image_max_side")}
-        return {"pixel_patches": pix, **rest}
+        prior = rest.get("image_quarantined")
+        flags = bad if prior is None or len(prior) != len(bad) else np.maximum(bad, prior).astype(np.int8)
+        return {"pixel_patches": pix, **rest, "image_quarantined": flags}
 
     def _allocate(self, out: dict[str, torch.Tensor], shapes: Any, step: int) -> None:
         """Empty tensors for the [dtype, shape] entries of `shapes` that `out` lacks."""

@@ -116,23 +116,53 @@ def decode_planned(data: bytes | np.ndarray, grid: tuple[int, int], *, patch: in
     return flat.reshape(hp * wp, patch * patch * 3)
 
 
-def decode_encoder_pixels(data: np.ndarray, offsets: np.ndarray, grids: np.ndarray, max_side: np.ndarray, *,
-                          patch: int, merge: int, where: list[str]) -> np.ndarray:
-    """``pixel_patches`` of an encoder batch from its images' raw bytes (the client's decode): each image
-    decoded by :func:`decode_planned` and put in merge-window order, concatenated in batch order, exactly
-    what the constructor sends when it decodes."""
+def blank_patches(grid: tuple[int, int], patch: int) -> np.ndarray:
+    """The patches a quarantined image is delivered as: zeros of its planned grid, [gh*gw, patch*patch*3] uint8."""
+    return np.zeros((int(grid[0]) * int(grid[1]), patch * patch * 3), np.uint8)
+
+
+def decode_or_blank(data: bytes | np.ndarray, grid: tuple[int, int], *, patch: int, max_side: int, merge: int,
+                    where: str) -> tuple[np.ndarray, str | None]:
+    """:func:`decode_planned`, or -- an image whose header read (the step is planned with its grid) but whose pixels
+    do not (a truncated file) -- :func:`blank_patches` and the error naming it (the image is quarantined: the
+    batch keeps its shapes on every rank, its ``image_quarantined`` flag says so). Every place applies this rule,
+    so the batch is the same wherever the decode runs."""
+    try:
+        return decode_planned(data, grid, patch=patch, max_side=max_side, merge=merge, where=where), None
+    except ImageDecodeError as e:
+        return blank_patches(grid, patch), str(e)
+
+
+def decode_encoder_images(data: np.ndarray, offsets: np.ndarray, grids: np.ndarray, max_side: np.ndarray, *,
+                          patch: int, merge: int, where: list[str]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(``pixel_patches``, ``image_quarantined``, the errors) of an encoder batch from its images' raw bytes (the
+    client's decode): each image decoded by :func:`decode_or_blank` and put in merge-window order, concatenated in
+    batch order, exactly what the constructor sends when it decodes."""
     dim = patch * patch * 3
     n = len(grids)
     if len(offsets) != n + 1 or len(max_side) != n or len(where) != n:
         raise ImageDecodeError(f"encoded images: {n} grids, {len(offsets) - 1} byte ranges, {len(max_side)} sizes, "
                                f"{len(where)} names")
-    parts = []
+    parts, bad, errors = [], np.zeros(n, np.int8), []
     for i in range(n):
         g = (int(grids[i, 0]), int(grids[i, 1]))
-        pix = decode_planned(data[int(offsets[i]):int(offsets[i + 1])], g, patch=patch, max_side=int(max_side[i]),
-                             merge=merge, where=where[i])
+        pix, err = decode_or_blank(data[int(offsets[i]):int(offsets[i + 1])], g, patch=patch, max_side=int(max_side[i]),
+                                   merge=merge, where=where[i])
+        if err is not None:
+            bad[i] = 1
+            errors.append(err)
         parts.append(pix[rowmajor_to_windows(g, merge)] if merge > 1 else pix)
-    return np.concatenate(parts) if parts else np.zeros((0, dim), np.uint8)
+    return (np.concatenate(parts) if parts else np.zeros((0, dim), np.uint8)), bad, errors
+
+
+def decode_encoder_pixels(data: np.ndarray, offsets: np.ndarray, grids: np.ndarray, max_side: np.ndarray, *,
+                          patch: int, merge: int, where: list[str]) -> np.ndarray:
+    """``pixel_patches`` of an encoder batch from its images' raw bytes, every image decoded (ImageDecodeError
+    names the first that does not; :func:`decode_encoder_images` quarantines it instead)."""
+    pix, _, errors = decode_encoder_images(data, offsets, grids, max_side, patch=patch, merge=merge, where=where)
+    if errors:
+        raise ImageDecodeError(errors[0])
+    return pix
 
 
 # ------------------------------------------------------------------------------------------ the rule

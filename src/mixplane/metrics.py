@@ -116,6 +116,7 @@ class Metrics:
     constructor_bytes_sent: Counter
     constructor_pending_steps: Gauge
     constructor_client_wait_seconds: Histogram
+    constructor_quarantined_images: Counter
     # planner (appended)
     rank_imbalance: Gauge
     # fault tolerance (appended): loader restarts seen by the planner, steps resent, duplicate payloads dropped
@@ -177,7 +178,7 @@ def make_metrics(component: str) -> Metrics:
         loader_tokens=c("mixplane_loader_tokens_total", "Tokens produced", ["source"]),
         loader_bytes_sent=c("mixplane_loader_bytes_sent_total", "Payload bytes sent to constructors", ["source"]),
         loader_quarantined_pages=c("mixplane_loader_quarantined_pages_total", "Bad units (pages, row groups, files) skipped", ["source"]),
-        loader_quarantined_samples=c("mixplane_loader_quarantined_samples_total", "Samples a transform could not decode (e.g. a broken image), dropped", ["source"]),
+        loader_quarantined_samples=c("mixplane_loader_quarantined_samples_total", "Samples a transform could not decode (e.g. a broken image): dropped, or, when only an image's pixels failed, delivered with that image blank (image_quarantined)", ["source"]),
         loader_dropped_overlong=c("mixplane_loader_dropped_overlong_total", "Samples longer than seq_len dropped (batch.overlong: drop)", ["source"]),
         loader_overlong_docs=c("mixplane_loader_overlong_docs_total", "Documents over sources[].max_doc_bytes / max_doc_tokens, by what was done (cut: first piece kept; split: delivered as several pieces)", ["source", "action"]),
         loader_buffer_samples=g("mixplane_loader_buffer_samples", "Samples held in the read buffer", ["source"]),
@@ -195,6 +196,7 @@ def make_metrics(component: str) -> Metrics:
         constructor_bytes_sent=c("mixplane_constructor_bytes_sent_total", "Bytes delivered to clients"),
         constructor_pending_steps=g("mixplane_constructor_pending_steps", "Steps planned but not yet complete"),
         constructor_client_wait_seconds=h("mixplane_constructor_client_wait_seconds", "How long a client request waited for its step"),
+        constructor_quarantined_images=c("mixplane_constructor_quarantined_images_total", "Images whose header read but whose pixels did not decode here, delivered as zeros (image_quarantined)"),
         rank_imbalance=g("mixplane_planner_rank_imbalance", "Balancer's cost imbalance across ranks of the last step (max / mean, 1 = perfect)", ["part"]),
         loader_rejoins=c("mixplane_planner_loader_rejoins_total", "Loaders that said HELLO again (restarted)", ["loader"]),
         replayed_steps=c("mixplane_planner_replayed_steps_total", "Planned steps a restarted loader was told to send again"),

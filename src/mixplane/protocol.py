@@ -25,7 +25,7 @@ from mixplane.wire.framing import HEADER, MAX_META_BYTES, Kind, Message, WireErr
 
 # ---------------------------------------------------------------------------------------------- field lists
 #: STEP_DATA arrays of the encoder batch (per rank; never part of a TP broadcast of the backbone's tensors)
-ENCODER_FIELDS = ("pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids")
+ENCODER_FIELDS = ("pixel_patches", "patch_cu_seqlens", "image_grid", "patch_position_ids", "image_ids", "image_quarantined")
 #: SAMPLES arrays of the token spans and (image_text sources) of the pixels of the sample's image
 SAMPLES_ARRAYS = ("key", "start", "len", "offsets", "values")
 SAMPLES_IMAGE_ARRAYS = ("img_key", "img_grid", "img_offsets", "img_values")

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mixplane.client import DeliveryError, MixtureLoader
+from mixplane.client import MixtureLoader
 from mixplane.planner.journal import read_journal, replan
 from mixplane.replay import ReplayLoaders
 from mixplane.runtime import EmbeddedRuntime
@@ -103,18 +103,50 @@ def test_batches_identical_wherever_images_are_decoded(tmp_path):
             assert plan.layout.step == step
 
 
-@pytest.mark.parametrize("place", ["constructor", "client"])
-def test_a_bad_image_names_its_source_file_and_row(tmp_path, place):
-    bad_row = 5
+def test_a_truncated_image_is_quarantined_blank_and_named_identically_wherever_it_is_decoded(tmp_path):
+    """An image whose header reads but whose pixels do not (a truncated file) is delivered as zeros of its planned
+    grid with image_quarantined 1, the stream goes on, and the place that decoded it names its source, file and row:
+    the batches of the three places are the same, tensor for tensor."""
+    bad_row, steps = 5, 6
     path, tok = _data(tmp_path, n=8, bad_row=bad_row)
-    spec = _spec(tmp_path, path, tok, place, place)
-    with pytest.raises(DeliveryError) as e:
-        _run(spec, tmp_path / place, steps=8)
-    msg = str(e.value)
-    assert "source 'vlm', column 'image'" in msg and f"file {path}, row {bad_row}" in msg, msg
-    assert "undecodable image" in msg
-    if place == "client":
-        assert "decoded at the client" in msg
+    runs, clients = {}, {}
+    for place in ("loader", "constructor", "client"):
+        spec = _spec(tmp_path, path, tok, place, place)
+        with EmbeddedRuntime(spec, tmp_path / place, log_level="WARNING") as rt:
+            loaders = [MixtureLoader(rt.planner_endpoint, rank=r, timeout_s=60, max_steps=steps) for r in range(2)]
+            try:
+                runs[place] = [[{k: v.numpy().copy() for k, v in next(l).items()} for l in loaders] for _ in range(steps)]
+                clients[place] = [q for l in loaders for q in l.quarantined_images]
+            finally:
+                for l in loaders:
+                    l.close()
+    for step in range(steps):
+        for r in range(2):
+            a = runs["loader"][step][r]
+            for place in ("constructor", "client"):
+                b = runs[place][step][r]
+                assert set(a) == set(b), (place, step, r)
+                for k in a:
+                    assert np.array_equal(a[k], b[k]), f"{place} step {step} rank {r}: {k}"
+    flagged = 0
+    for step in range(steps):
+        for b in runs["loader"][step]:
+            q = b.get("image_quarantined")
+            if q is None or not q.any():
+                continue
+            cu = b["patch_cu_seqlens"]
+            for i in np.flatnonzero(q):
+                flagged += 1
+                assert not b["pixel_patches"][cu[i]:cu[i + 1]].any()  # zeros of its grid
+                assert cu[i + 1] > cu[i]
+    assert flagged >= 1  # the truncated image was delivered, blank and flagged
+    where = f"file {path}, row {bad_row}"
+    assert clients["client"] and all(where in e and "undecodable image" in e for _, e in clients["client"])
+    assert not clients["loader"] and not clients["constructor"]
+    logs = {place: "".join(f.read_text(errors="replace") for f in (tmp_path / place / "logs").glob("*.log"))
+            for place in runs}
+    assert where in logs["constructor"] and "quarantined, delivered as zeros" in logs["constructor"], logs["constructor"][-3000:]
+    assert "undecodable image pixels" in logs["loader"] and f"row {bad_row}" in logs["loader"], logs["loader"][-3000:]
 
 
 def test_auto_is_resolved_at_start_and_journaled(tmp_path):

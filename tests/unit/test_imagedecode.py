@@ -61,6 +61,37 @@ def test_a_bad_image_is_named():
         decode_planned(good, (1, 1), patch=14, max_side=112, merge=1, where="w")
 
 
+def test_a_truncated_image_is_blank_and_flagged_in_the_client_decode_as_at_the_constructor():
+    from mixplane.constructor.multimodal import EncodedImage, encoder_batch
+    from mixplane.imagedecode import decode_encoder_images, decode_or_blank
+
+    good, other = _img("JPEG", 300, 200), _img("PNG", 56, 112)
+    cut = good[: len(good) // 2]  # the header reads, the pixels do not
+    g = image_grid(cut, 14, 112, 2)
+    pix, err = decode_or_blank(cut, g, patch=14, max_side=112, merge=4, where="source 'v', column 'image': row 3")
+    assert err is not None and "source 'v', column 'image': row 3: undecodable image" in err
+    assert pix.shape == (g[0] * g[1], 14 * 14 * 3) and not pix.any()
+    datas = [other, cut]
+    grids = [image_grid(d, 14, 112, 2) for d in datas]
+    off = np.cumsum([0] + [len(d) for d in datas])
+    got, bad, errors = decode_encoder_images(np.frombuffer(b"".join(datas), np.uint8), off, np.array(grids),
+                                             np.array([112, 112]), patch=14, merge=4, where=["a", "b"])
+    assert bad.tolist() == [0, 1] and len(errors) == 1 and errors[0].startswith("b: undecodable image")
+    with pytest.raises(ImageDecodeError, match="b: undecodable image"):  # the strict form still names it
+        decode_encoder_pixels(np.frombuffer(b"".join(datas), np.uint8), off, np.array(grids), np.array([112, 112]),
+                              patch=14, merge=4, where=["a", "b"])
+    # the constructor's decode of the same two images: the same tensors, the bad one reported once
+    images = {(0, k): (EncodedImage(np.frombuffer(d, np.uint8), 14, 112, w, False), gr)
+              for k, (d, gr, w) in enumerate(zip(datas, grids, ["a", "b"]))}
+    seen = []
+    kw = dict(img_source=np.array([0, 0]), img_key=np.array([0, 1]), img_rank=np.array([0, 0]),
+              img_patches=np.array([gr[0] * gr[1] for gr in grids]), images=images, merge=4, patch_dim=14 * 14 * 3,
+              on_quarantine=seen.append)
+    batch = encoder_batch(0, **kw)
+    assert np.array_equal(batch["pixel_patches"], got) and batch["image_quarantined"].tolist() == [0, 1]
+    assert np.array_equal(encoder_batch(0, **kw)["pixel_patches"], got) and len(seen) == 1  # decoded once
+
+
 def test_the_place_rule():
     # a 600 kB decoded image from a 30 kB JPEG, 3 ms to decode: the constructor saves 570 kB on the first hop
     jpeg = ImageCosts(decode_s=3e-3, raw_bytes=30e3, decoded_bytes=600e3, images=32)

@@ -10,7 +10,9 @@ Per module, a rank receives:
   step's images, independent of its backbone CP / PP / TP coordinates):
   ``pixel_patches`` [N, p·p·C] uint8, ``patch_cu_seqlens`` [n+1] (varlen attention per image),
   ``image_grid`` [n, 2] (patch rows, cols), ``patch_position_ids`` [N, 2] (row, col of each patch, for
-  2-D RoPE), ``image_ids`` [n] (the image's index in the step). Images go to the lowest rank of an
+  2-D RoPE), ``image_ids`` [n] (the image's index in the step), ``image_quarantined`` [n] int8 (1: the image's
+  header read but its pixels did not -- a truncated file --, so it is delivered as zeros of its planned grid and
+  was quarantined where it was decoded; the same wherever that is). Images go to the lowest rank of an
   image-module DP x CP bucket; its TP / PP peers receive only the shapes (:func:`encoder_shapes`).
 * **backbone** (the fused layout): ``image_token_index`` [rows, S] int32 — for each placeholder
   position, the index of its merged token in the step's encoder output gathered in image order
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from mixplane.layout import segment_offsets
-from mixplane.imagedecode import decode_planned, rowmajor_to_windows
+from mixplane.imagedecode import blank_patches, decode_or_blank, rowmajor_to_windows
 from mixplane.protocol import ENCODER_FIELDS  # noqa: F401 - the STEP_DATA schema owns the field list
 
 IGNORE_INDEX = -100
@@ -53,6 +55,15 @@ class EncodedImage:
     where: str  # "source 'x', column 'image': sample key K (file F, row R)"
     at_client: bool
 
+
+@dataclass(frozen=True)
+class QuarantinedImage:
+    """An image whose header read (the step is planned with its grid) but whose pixels did not: delivered as
+    zeros of the grid (`imagedecode.blank_patches`) with ``image_quarantined`` set; `error` names it."""
+
+    patch: int
+    error: str
+
 def patch_positions(grid: tuple[int, int], merge: int = 1) -> np.ndarray:
     """(row, col) of every patch in merge-window order (`rowmajor_to_windows`): [gh*gw, 2] int32."""
     gh, gw = grid
@@ -64,10 +75,11 @@ def patch_positions(grid: tuple[int, int], merge: int = 1) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------ encoder side
 def collate_encoder(patches: list[np.ndarray], grids: list[tuple[int, int]], image_ids: list[int] | np.ndarray,
-                    merge: int = 1) -> dict[str, np.ndarray]:
-    """The encoder batch of one rank: its images' patches concatenated, with varlen boundaries."""
-    if not (len(patches) == len(grids) == len(image_ids)):
-        raise ValueError("patches, grids and image_ids differ in length")
+                    merge: int = 1, quarantined: list[int] | np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The encoder batch of one rank: its images' patches concatenated, with varlen boundaries (`quarantined`:
+    1 for an image delivered blank, see QuarantinedImage)."""
+    if not (len(patches) == len(grids) == len(image_ids)) or (quarantined is not None and len(quarantined) != len(grids)):
+        raise ValueError("patches, grids, image_ids and quarantined differ in length")
     n = [len(p) for p in patches]
     for i, (p, g) in enumerate(zip(patches, grids)):
         if len(p) != g[0] * g[1]:
@@ -82,6 +94,8 @@ def collate_encoder(patches: list[np.ndarray], grids: list[tuple[int, int]], ima
         "patch_position_ids": (np.concatenate([patch_positions(g, merge) for g in grids]) if grids
                                else np.zeros((0, 2), np.int32)),
         "image_ids": np.asarray(image_ids, np.int64),
+        "image_quarantined": (np.asarray(quarantined, np.int8) if quarantined is not None
+                              else np.zeros(len(grids), np.int8)),
     }
 
 
@@ -197,7 +211,7 @@ def fuse_batch(batch: dict[str, np.ndarray], *, img_source: np.ndarray, img_key:
 
 def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img_rank: np.ndarray,
                   img_patches: np.ndarray, images: dict[tuple[int, int], tuple[Any, tuple[int, int]]],
-                  merge: int, patch_dim: int) -> dict[str, Any]:
+                  merge: int, patch_dim: int, on_quarantine: Any = None) -> dict[str, Any]:
     """The vision-encoder batch of one global rank: the step's images whose ``img_rank`` is `rank`.
 
     ``images`` maps (source, key) to (row-major patches [n, D], grid) as loaders cut them, or to
@@ -206,8 +220,9 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
     names it), unless every image of the rank is for the client to decode: then ``pixel_patches`` is
     replaced by ``image_bytes`` / ``image_bytes_offsets`` / ``image_max_side`` and ``image_decode``
     (patch size, merge, each image's name), from which the client makes the same ``pixel_patches``
-    (imagedecode.decode_encoder_pixels). A decoded image replaces its EncodedImage in ``images``. Raises
-    KeyError when an image's patches are not here.
+    (imagedecode.decode_encoder_images). A decoded image replaces its EncodedImage in ``images``; one whose pixels
+    do not decode is replaced by a QuarantinedImage (`on_quarantine(error)` is called once for it) and delivered
+    as zeros of its grid with ``image_quarantined`` 1. Raises KeyError when an image's patches are not here.
     """
     mine = np.flatnonzero(np.asarray(img_rank) == rank)
     found = []
@@ -218,20 +233,29 @@ def encoder_batch(rank: int, *, img_source: np.ndarray, img_key: np.ndarray, img
         found.append(images[k])
     if found and all(isinstance(pix, EncodedImage) and pix.at_client for pix, _ in found):
         return _client_encoder_batch(found, mine, img_patches, merge)
-    patches, grids = [], []
+    patches, grids, bad = [], [], []
     for i, (pix, grid) in zip(mine, found):
         if isinstance(pix, EncodedImage):  # decode_at constructor (or client, in a rank that mixes places)
-            pix = decode_planned(pix.data, grid, patch=pix.patch, max_side=pix.max_side, merge=merge, where=pix.where)
-            images[(int(img_source[i]), int(img_key[i]))] = (pix, grid)  # decoded once, even if the reply is retried
+            decoded, err = decode_or_blank(pix.data, grid, patch=pix.patch, max_side=pix.max_side, merge=merge,
+                                           where=pix.where)
+            # decoded once, even if the reply is retried; a bad one is reported once
+            pix = QuarantinedImage(pix.patch, err) if err is not None else decoded
+            images[(int(img_source[i]), int(img_key[i]))] = (pix, grid)
+            if err is not None and on_quarantine is not None:
+                on_quarantine(err)
+        bad.append(1 if isinstance(pix, QuarantinedImage) else 0)
+        if isinstance(pix, QuarantinedImage):
+            pix = blank_patches(grid, pix.patch)
         if len(pix) != int(img_patches[i]) or grid[0] * grid[1] != len(pix):
-            raise ValueError(f"source {k[0]} sample {k[1]}: {len(pix)} patches, grid {grid}, planned {int(img_patches[i])}")
+            raise ValueError(f"source {int(img_source[i])} sample {int(img_key[i])}: {len(pix)} patches, grid {grid}, "
+                             f"planned {int(img_patches[i])}")
         patches.append(pix[rowmajor_to_windows(grid, merge)] if merge > 1 else pix)
         grids.append(grid)
     if patches:
-        return collate_encoder(patches, grids, mine, merge)
+        return collate_encoder(patches, grids, mine, merge, bad)
     return {"pixel_patches": np.zeros((0, patch_dim), np.uint8), "patch_cu_seqlens": np.zeros(1, np.int32),
             "image_grid": np.zeros((0, 2), np.int32), "patch_position_ids": np.zeros((0, 2), np.int32),
-            "image_ids": np.zeros(0, np.int64)}
+            "image_ids": np.zeros(0, np.int64), "image_quarantined": np.zeros(0, np.int8)}
 
 
 def _client_encoder_batch(found: list[tuple[EncodedImage, tuple[int, int]]], mine: np.ndarray, img_patches: np.ndarray,
@@ -257,4 +281,4 @@ def encoder_shapes(rank: int, *, img_rank: np.ndarray, img_patches: np.ndarray, 
     mine = np.asarray(img_rank) == rank
     n, N = int(mine.sum()), int(np.asarray(img_patches, np.int64)[mine].sum())
     return {"pixel_patches": ["|u1", [N, patch_dim]], "patch_cu_seqlens": ["<i4", [n + 1]], "image_grid": ["<i4", [n, 2]],
-            "patch_position_ids": ["<i4", [N, 2]], "image_ids": ["<i8", [n]]}
+            "patch_position_ids": ["<i4", [N, 2]], "image_ids": ["<i8", [n]], "image_quarantined": ["|i1", [n]]}

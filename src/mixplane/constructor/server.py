@@ -19,7 +19,7 @@ from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
 from mixplane.constructor.collate import MissingPayload, SpanStore, hybrid_view, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
-from mixplane.constructor.multimodal import EncodedImage, encoder_batch, encoder_shapes, fuse_batch
+from mixplane.constructor.multimodal import EncodedImage, QuarantinedImage, encoder_batch, encoder_shapes, fuse_batch
 from mixplane.parallelism import (META_ONLY, broadcast_axes, cp_group_ranks, fanout_meta, metadata_only, pp_filter,
                                   rank_view, tp_receives, view_key)
 from mixplane.layout import StepLayout
@@ -348,9 +348,17 @@ class ConstructorServer(PlannerFollower):
         if msg.meta.get("img_encoded"):  # raw encoded bytes: decoded here or by the client (image.decode_at)
             self._store_encoded(st, source, ik, grid, off, val, msg.meta.get("img_where"))
             return
+        bad = msg.arrays.get("img_bad")  # the loader's decode: a header that read, pixels that did not
+        if bad is not None and len(bad) != n:
+            raise WireError("SAMPLES: img_bad must flag every image")
         for i in range(n):
             g = (int(grid[i, 0]), int(grid[i, 1]))
             flat = val[off[i]:off[i + 1]]
+            if bad is not None and bad[i]:
+                if len(flat):
+                    raise WireError(f"SAMPLES: quarantined image of sample {int(ik[i])} carries {len(flat)} bytes")
+                st.images[(source, int(ik[i]))] = (QuarantinedImage(p, "quarantined by its loader"), g)
+                continue
             if len(flat) != g[0] * g[1] * dim:
                 raise WireError(f"SAMPLES: image of sample {int(ik[i])} has {len(flat)} bytes, grid {g} needs {g[0] * g[1] * dim}")
             st.images[(source, int(ik[i]))] = (flat.reshape(g[0] * g[1], dim), g)
@@ -462,10 +470,18 @@ class ConstructorServer(PlannerFollower):
                     "encoder_leader": leader}
         try:
             return {**encoder_batch(rank, img_source=lay.img_source, img_key=lay.img_key, img_rank=lay.img_rank,
-                                    img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim),
+                                    img_patches=lay.img_patches, images=st.images, merge=merge, patch_dim=dim,
+                                    on_quarantine=lambda err: self._quarantined_image(lay.step, err)),
                     "encoder_leader": rank}
         except KeyError as e:
             raise MissingPayload(f"step {lay.step}: {e.args[0]}") from None
+
+    def _quarantined_image(self, step: int, error: str) -> None:
+        """An image decoded here whose pixels did not decode: delivered as zeros of its grid (image_quarantined),
+        counted and logged naming its source, column, sample key, file and row; the stream goes on."""
+        self.m.constructor_quarantined_images.inc()
+        self.limited.log(logging.WARNING, "bad_image", "%s: step %d: %s (decoded at the constructor): quarantined, "
+                         "delivered as zeros of its planned grid (image_quarantined)", self.name, step, error)
 
     def _reply(self, ident: bytes, step: int, rank: int, since: float) -> bool:
         """Answer one request; False when it must wait (the client's queue is full)."""

@@ -491,11 +491,14 @@ class LoaderServer(PlannerFollower):
             return {}
         off = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([len(x) for x in parts], out=off[1:])
+        out: dict[str, np.ndarray] = {"img_key": np.asarray(keys, np.int64), "img_grid": np.asarray(grids, np.int32).reshape(-1, 2),
+               "img_offsets": off, "img_values": np.concatenate(parts)}
         if self.source.image.decode_at in ("constructor", "client"):
             meta["img_encoded"] = True
             meta["img_where"] = [self._where(k) for k in keys]
-        return {"img_key": np.asarray(keys, np.int64), "img_grid": np.asarray(grids, np.int32).reshape(-1, 2),
-                "img_offsets": off, "img_values": np.concatenate(parts)}
+        elif any(len(x) == 0 for x in parts):  # decoded here: a header that read, pixels that did not (quarantined)
+            out["img_bad"] = np.asarray([len(x) == 0 for x in parts], np.int8)
+        return out
 
     def _where(self, key: int) -> str:
         """'file F, row R' of a sample key (as quarantine records name them), or just the key."""

@@ -535,9 +535,21 @@ def make_transform(source: SourceSpec) -> Transform:
                     else:
                         flat, hp, wp = image_to_patches(b, p, max_side, multiple)
                 except Exception as e:  # PIL raises many types for corrupt data
+                    try:  # a header that reads (a truncated file): as wherever else it is decoded, delivered blank
+                        hp, wp = (0, 0) if encoded else image_grid(b, p, max_side, multiple)
+                    except Exception:  # noqa: BLE001 - PIL again
+                        hp = wp = 0
+                    key = int(raw.keys[i])
+                    if hp and wp:  # no pixels (patches empty, grid set): the loader ships it flagged img_bad
+                        quarantine.add(_SampleError(f"{what}, column {img_col!r}: sample key {key}: undecodable image "
+                                                    f"pixels ({e}); delivered as zeros of its {hp}x{wp} patch grid",
+                                                    key, "bad_image_pixels", img_col), pages=0)
+                        grid[i] = (hp, wp)
+                        pix.append(np.zeros(0, np.uint8))
+                        continue
                     bad[i] = True
-                    quarantine.add(_SampleError(f"{what}, column {img_col!r}: sample key {int(raw.keys[i])}: "
-                                                f"undecodable image ({e})", int(raw.keys[i]), "bad_image", img_col),
+                    quarantine.add(_SampleError(f"{what}, column {img_col!r}: sample key {key}: "
+                                                f"undecodable image ({e})", key, "bad_image", img_col),
                                    pages=0)
                     pix.append(np.zeros(0, np.uint8))
                     continue
