@@ -22,7 +22,7 @@ result says so: `files_listed`, `files_sampled`, `sampled`. A source of at most 
 profiled on all of them, exactly as before. Every loader of a source indexes all of its files, so the memory
 per partition of a sampled source adds the index of the files not read: the sample's heap bytes per file
 (`index_bytes_per_file`, tracemalloc's peak of opening half the sample and all of it, with one indexing
-thread) times the rest, by bytes. At 50,000 files of bench/startup.py's corpus that is 4.0-4.2 KB a file,
+thread: the profile's own open of the sample is the second measurement) times the rest, by bytes. At 50,000 files of bench/startup.py's corpus that is 4.0-4.2 KB a file,
 ~200-210 MB; a loader's RSS grows by 190-230 MB over its cold index build there (docs/loader.md). It is an
 estimate of the heap: the allocator's slack is not in it, and in the operator's process tracemalloc also sees
 what other threads allocate meanwhile.
@@ -35,7 +35,6 @@ as the embedded runtime resolves it from its own measurement.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -101,37 +100,60 @@ def _ratio(listed: Any, sampled: Any) -> float:
     return len(listed.paths) / max(1, len(sampled.paths))
 
 
-def index_bytes_per_file(src: Any, sample: Any, seed: int) -> float:
-    """Heap bytes a loader's page index and file bookkeeping hold per file of `sample`, measured (tracemalloc's peak)
-    as the difference between opening the stream on every other sampled file and on all of them, so what an open
-    costs whatever the file count cancels out. Call it after one open of the source (first-use costs are paid)."""
+# one indexing thread where the heap of opening a source is measured: with a pool the peak depends on how the threads'
+# allocations overlap (3.4-5.4 KB a file at 50,000 files in three runs, 4.0-4.2 KB with one thread)
+MEASURE_INDEX_THREADS = 1
+
+
+def _subset(sample: Any, part: slice) -> Any:
+    from mixplane.loader.files import SourceFiles
+
+    return SourceFiles(uri=sample.uri, filesystem=sample.filesystem, paths=sample.paths[part], sizes=sample.sizes[part],
+                       mtimes_ns=sample.mtimes_ns[part])
+
+
+def _index_options(src: Any, files: Any) -> dict[str, Any]:
+    """open_stream's options for an open whose heap is measured: one indexing thread (a block-by-block stream of a
+    large page-mode source takes its own index options: there the pool decides)."""
+    if src.shuffle == "page" and not src.live and src.lazy_index_files:
+        from mixplane.loader.blockstream import lazy_indexing
+
+        if lazy_indexing(src, len(files.paths)):
+            return {}
+    return {"index_options": {"threads": MEASURE_INDEX_THREADS}}
+
+
+def traced_open(src: Any, files: Any, seed: int) -> tuple[Any, int, int]:
+    """(the stream, tracemalloc's peak while opening it, tracemalloc's own bytes then) of `files` of a source, opened
+    as a loader opens it with one indexing thread."""
+    import gc
     import tracemalloc
 
-    from mixplane.loader.files import SourceFiles
     from mixplane.loader.stream import open_stream
 
-    half = SourceFiles(uri=sample.uri, filesystem=sample.filesystem, paths=sample.paths[::2], sizes=sample.sizes[::2],
-                       mtimes_ns=sample.mtimes_ns[::2])
-    peaks = []
-    # one indexing thread: with a pool the peak depends on how the threads' allocations overlap (3.4-5.4 KB a file
-    # at 50,000 files in three runs, 4.0-4.2 KB with one thread)
-    threads = os.environ.get("MIXPLANE_INDEX_THREADS")
-    os.environ["MIXPLANE_INDEX_THREADS"] = "1"
+    gc.collect()  # garbage of what ran before is not freed inside the measurement
+    tracemalloc.start()
     try:
-        for files in (half, sample):
-            tracemalloc.start()
-            try:
-                stream = open_stream(src, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=files)
-                stream.close()
-                peaks.append(tracemalloc.get_traced_memory()[1])
-            finally:
-                tracemalloc.stop()
+        stream = open_stream(src, seed=seed, partition=0, num_partitions=1, cache_dir=None, files=files,
+                             **_index_options(src, files))
+        return stream, tracemalloc.get_traced_memory()[1], tracemalloc.get_tracemalloc_memory()
     finally:
-        if threads is None:
-            os.environ.pop("MIXPLANE_INDEX_THREADS", None)
-        else:
-            os.environ["MIXPLANE_INDEX_THREADS"] = threads
-    return max(0.0, (peaks[1] - peaks[0]) / max(1, len(sample.paths) - len(half.paths)))
+        tracemalloc.stop()
+
+
+def index_bytes_per_file(src: Any, sample: Any, seed: int, sample_peak: int | None = None) -> float:
+    """Heap bytes a loader's page index and file bookkeeping hold per file of `sample`, measured (tracemalloc's peak)
+    as the difference between opening the stream on every other sampled file and on all of them, so what an open
+    costs whatever the file count cancels out. `sample_peak`: the peak of an open of all of `sample` already
+    measured (`traced_open`: the profile's own open), so only the half is opened here. Call it after one open of the
+    source (first-use costs are paid)."""
+    half = _subset(sample, slice(None, None, 2))
+    stream, half_peak, _ = traced_open(src, half, seed)
+    stream.close()
+    if sample_peak is None:
+        stream, sample_peak, _ = traced_open(src, sample, seed)
+        stream.close()
+    return max(0.0, (sample_peak - half_peak) / max(1, len(sample.paths) - len(half.paths)))
 
 
 def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: float = 1.0, take: int = 32,
@@ -149,13 +171,22 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     listed = files if files is not None else list_source(src)
     sample = sample_files_of(listed, sample_files)
     sampled = sample is not listed
-    stream = open_stream(src, seed=spec.mixture.seed, partition=0, num_partitions=1, cache_dir=None, files=sample)
+    sample_peak = traced_bytes = 0
+    if sampled:
+        # the index of the files not read is estimated from this open's heap (index_bytes_per_file): it is measured
+        # (one indexing thread, traced), after an open of one file has paid what a first open costs whatever its files
+        first = _subset(sample, slice(0, 1))
+        open_stream(src, seed=spec.mixture.seed, partition=0, num_partitions=1, cache_dir=None, files=first,
+                    **_index_options(src, first)).close()
+        stream, sample_peak, traced_bytes = traced_open(src, sample, spec.mixture.seed)
+    else:
+        stream = open_stream(src, seed=spec.mixture.seed, partition=0, num_partitions=1, cache_dir=None, files=sample)
     # a stream given its files lists the storage again at its first take (a live source's new files): not before
     # poll_s, as when it lists them itself, and never for a sample (that would read every footer after all)
     stream.next_rescan_at = math.inf if sampled else time.monotonic() + stream.poll_s
     transform = make_transform(src)
     open_cpu = time.process_time() - c0
-    open_rss = max(0, _rss() - rss0)
+    open_rss = max(0, _rss() - rss0 - traced_bytes)  # less what tracemalloc itself held (a sampled source's open)
     try:
         rows = tokens = patches = raw_bytes = delivered_bytes = 0
         cpu = 0.0
@@ -189,7 +220,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         stream.close()
     per_file = 0.0
     if sampled:  # the loader indexes every file: the rest of the listing's index, at the sample's bytes per file
-        per_file = index_bytes_per_file(src, sample, spec.mixture.seed)
+        per_file = index_bytes_per_file(src, sample, spec.mixture.seed, sample_peak)
         open_rss += math.ceil(per_file * len(sample.paths) * (_ratio(listed, sample) - 1.0))
     per_row = raw_bytes / rows
     buffer_bytes = src.shuffle_buffer * per_row

@@ -165,3 +165,28 @@ def test_a_live_source_of_many_files_is_profiled_on_its_sample_without_a_rescan(
     prof = profile_source(spec, 0, max_rows=8000, max_cpu_s=5.0, files=listed)
     assert prof["sampled"] is True and prof["max_partitions"] == 1 and 0 < prof["rows"] < 8000
     assert 0 < len(fs.touched) <= SAMPLE_FILES
+
+
+def test_the_index_heap_is_measured_on_the_profiles_own_open_with_one_thread_passed_not_set(corpus, monkeypatch):
+    """index_bytes_per_file reuses the profile's traced open of the sample and opens only half of it more (plus one
+    file to pay a first open's costs): each index build gets one thread as a parameter, MIXPLANE_INDEX_THREADS is
+    neither read for it nor touched."""
+    from mixplane.loader import indexscan
+
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    monkeypatch.setenv("MIXPLANE_INDEX_THREADS", "7")
+    builds = []
+    real = indexscan.index_workers
+
+    def recorded(filesystem, files, threads=None):
+        builds.append((files, threads, os.environ.get("MIXPLANE_INDEX_THREADS")))
+        return real(filesystem, files, threads)
+
+    monkeypatch.setattr(indexscan, "index_workers", recorded)
+    listed, _ = _counted(corpus)
+    prof = profile_source(_spec(corpus, "rowgroup"), 0, max_rows=64, files=listed)
+    assert 500 < prof["index_bytes_per_file"] < 64 << 10
+    assert builds == [(1, 1, "7"), (SAMPLE_FILES, 1, "7"), (SAMPLE_FILES // 2, 1, "7")]
+    assert real(None, 100, 3) == 3 and real(None, 100) == 7  # the parameter first, then the variable
+    with pytest.raises(ValueError, match="index threads must be >= 1"):
+        real(None, 100, 0)

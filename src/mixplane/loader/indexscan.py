@@ -395,13 +395,18 @@ def prune_stale_indexes(kept: list[tuple[str, bool]], current: dict[str, str], f
     return removed
 
 
-def index_workers(filesystem, files: int) -> int:
+def index_workers(filesystem, files: int, threads: int | None = None) -> int:
     """Threads that index a source's files at once: the footers, OffsetIndexes and sidecars of many files are read
     concurrently (on object storage each is a request of one round trip; one after another, 100,000 files at 20 ms
-    take over half an hour). MIXPLANE_INDEX_THREADS overrides; a local filesystem gets fewer (the work is mostly
-    parsing, which holds the interpreter lock)."""
+    take over half an hour). `threads` (a caller's own, e.g. the profile's one-thread measurement), else
+    MIXPLANE_INDEX_THREADS, overrides; a local filesystem gets fewer (the work is mostly parsing, which holds the
+    interpreter lock)."""
     env = os.environ.get("MIXPLANE_INDEX_THREADS")
-    if env:
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"index threads must be >= 1, not {threads}")
+        n = int(threads)
+    elif env:
         try:
             n = int(env)
         except ValueError:
@@ -439,14 +444,16 @@ def _in_order(fn, items: list, workers: int):
 def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
                        on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None,
-                       beside: bool = False, use_pack: bool | None = None, use_recent: bool = True) -> SourceIndex:
+                       beside: bool = False, use_pack: bool | None = None, use_recent: bool = True,
+                       threads: int | None = None) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
     indexed is recorded in ``index.bad_files`` and reported to ``on_bad(error)``; it holds no rows
     (``error.pages_lost``: its pages, where known). A column chunk of an indexed file whose pages
     could not be scanned is reported to ``on_bad_chunk(error)`` (its row group holds a placeholder).
     ``use_pack``: keep the indexes in one pack (None: when the listing has ``PACK_MIN_FILES`` files or more);
     ``use_recent``: record the pack in the listing's recent-list (a block of a large source is not a listing:
-    its pack is found by its files alone, and the recent-list keeps only the last few packs)."""
+    its pack is found by its files alone, and the recent-list keeps only the last few packs).
+    ``threads``: how many files are indexed at once (None: `index_workers` decides)."""
     if cache_dir == "default":
         cache_dir = default_cache_dir()
     idx = index if index is not None else SourceIndex(columns)
@@ -499,7 +506,7 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
     # else every file's index in path order, whatever order the pool finishes them in: the same as one by one
     todo = sum(1 for t in ids if t not in reused) if reused else len(ids)
     compiled = packed is None and use_compiled(todo)
-    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, todo))
+    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, todo, threads))
     for (path, _, _), got in zip(ids, results):
         if isinstance(got, ParquetError):
             bad(path, got)
