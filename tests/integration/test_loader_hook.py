@@ -124,3 +124,23 @@ def test_a_hook_that_does_not_load_or_refuses_its_options_is_refused_at_validati
         doc = token_mixture(token_sources["root"], hooks={"loader": hook})
         with pytest.raises(SpecError, match=what):
             parse_spec(doc, checks=default_checks())
+
+
+def test_a_run_with_the_hook_resumes_exactly_where_the_plain_run_is(token_sources, tmp_path):
+    """The hook orders what a loader serves, never what it reads past or where its cursor stands: a hooked run saved
+    at a step and resumed in a new runtime delivers what the plain run delivered from there."""
+    from tests.integration.test_runtime import fetch as threaded_fetch
+
+    doc = token_mixture(token_sources["root"])
+    hooked = {**doc, "hooks": {"loader": {"name": f"{EXAMPLE}:busiest_first", "options": {"read_ahead_steps": 2}}}}
+    with EmbeddedRuntime(parse_spec(doc), tmp_path / "plain") as rt:
+        plain = threaded_fetch(rt.planner_endpoint, 2, 8)
+    states: dict = {"at": 3}
+    with EmbeddedRuntime(parse_spec(hooked), tmp_path / "first") as rt:
+        threaded_fetch(rt.planner_endpoint, 2, 8, states=states)
+    with EmbeddedRuntime(parse_spec(hooked), tmp_path / "resumed") as rt:
+        resumed = threaded_fetch(rt.planner_endpoint, 2, 8, start=states["saved"])
+    for r in (0, 1):
+        assert [int(b["step"]) for b in resumed[r]] == list(range(4, 8))
+        for a, b in zip(plain[r][4:], resumed[r]):
+            assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
