@@ -89,6 +89,15 @@ def test_a_mixture_becomes_owned_children_that_pass_dry_run_and_a_status(crd, k8
     loaders = [o for (k, _), o in kids.items() if k == "Deployment" and o["metadata"]["labels"]["mixplane.io/role"] == "loader"]
     hosted = sorted(p for o in loaders for p in o["metadata"]["annotations"]["mixplane.io/partitions"].split(","))
     assert hosted == sorted(f"{s}:{r}" for s in ("text", "pairs") for r in range(by_source[s]["partitions"]))
+    # image.decode_at auto: resolved from the profile's image costs into the spec every component reads
+    costs = by_source["pairs"]["profile"]["imageCosts"]
+    assert costs["images"] > 0 and costs["decodeSeconds"] > 0 and costs["decodedBytes"] > 0
+    place = by_source["pairs"]["decodeAt"]
+    assert place in ("loader", "constructor", "client") and "decodeAt" not in by_source["text"]
+    (spec_map,) = [o for (k, _), o in kids.items() if k == "ConfigMap" and "spec.json" in o.get("data", {})
+                   and "-profile-" not in o["metadata"]["name"]]
+    pairs_spec = next(s for s in json.loads(spec_map["data"]["spec.json"])["sources"] if s["name"] == "pairs")
+    assert pairs_spec["image"]["decode_at"] == place
 
 
 def test_restart_creates_no_duplicates_and_delete_collects_every_child(crd, k8s_namespace, data):
