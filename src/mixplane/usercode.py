@@ -1,9 +1,9 @@
-"""User code named in a spec -- a strategy, a constructor hook -- loaded one way everywhere.
+"""User code named in a spec -- a strategy, a constructor or loader hook -- loaded one way everywhere.
 
 ``package.module:function`` (imported) or ``path/to/file.py:function`` (relative paths against the spec file's
 directory), and its options bound and checked against the function's signature now, so a wrong option is an
 error at validation or start-up naming it, not a TypeError mid-run. Imports nothing of mixplane's components:
-the planner and the constructors both use it.
+the planner, the constructors and the loaders use it.
 """
 
 from __future__ import annotations
