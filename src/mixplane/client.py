@@ -768,7 +768,7 @@ class MixtureLoader:
     def __del__(self) -> None:
         try:
             self._close_sockets()  # garbage collection or interpreter exit: no clean-end mark (a crash ends so too)
-        except Exception:
+        except Exception:  # a finaliser must not raise (at interpreter exit what it needs may be gone already)
             pass
 
 

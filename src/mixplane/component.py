@@ -181,10 +181,10 @@ class Component:
         self.metrics_port = serve_metrics(self.m, rt.host, metrics_port) if (rt.metrics and metrics_port is not None) else None
         self.security = wire.Security(self.ctx, rt.curve, role=protocol.COMPONENT)
         # anonymous peers may send control kinds only when the spec opens the run on purpose
-        self.open_run = getattr(rt, "security", "open") == "open"
+        self.open_run = rt.security == "open"
         # rank claims (GET_STEP, ROUTE, RESUME) bound to rank keys: required when the spec says so, or
         # (auto) when the key directory holds rank-bound client keys
-        binding = getattr(rt, "rank_binding", "auto")
+        binding = rt.rank_binding
         self.ranks_required = self.security.enabled and (
             binding == "required" or (binding == "auto" and wire.has_rank_keys(self.security.key_dir or "")))
         self.members = Membership()

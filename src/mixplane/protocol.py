@@ -115,7 +115,7 @@ def max_message_bytes(spec: Any, socket: str) -> int:
     if socket == "data":
         px = 0
         for src in spec.sources:
-            if getattr(src, "kind", "") == "image_text":
+            if src.kind == "image_text":
                 img = src.image
                 px = max(px, tokens * int(img.merge) * int(img.patch_size) ** 2 * 3)
         return max(meta, 8 * (tokens + rows + 1), px + (1 << 20))

@@ -89,7 +89,7 @@ class ReplayLoaders:
         self.spec = planner.spec
         self._current = {}
         for w in planner.windows:
-            recs = getattr(planner, "partitioning", {}).get(w.source, [])  # (a reference planner has none)
+            recs = planner.partitioning.get(w.source, [])
             key = (w.source, w.replica, ";".join(f"{r['step']}:{r['partitions']}" for r in recs))
             self._current[(w.source, w.replica)] = key
             lw = self._window(planner.spec, w, key, recs)
@@ -118,7 +118,7 @@ class ReplayLoaders:
         else:
             stream, transform = (self.partition_opener(spec, w.source, w.replica, records) if records
                                  else self.opener(spec, w.source, w.replica))
-            live = bool(getattr(spec.sources[w.source], "live", False))
+            live = spec.sources[w.source].live
             lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
                               read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec),
                               bucket=pack_bucket(spec.sources[w.source]))
@@ -199,7 +199,7 @@ def spec_at(path: str | Path, step: int, default: DataMixtureSpec) -> DataMixtur
 
     try:
         doc = locate(read_journal(path), step).spec
-    except Exception:  # noqa: BLE001 - an older journal without a usable spec record: the given spec
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable journal, or an older one without a spec record
         return default
     journaled = parse_spec(doc)
     out = default

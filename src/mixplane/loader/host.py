@@ -58,7 +58,7 @@ class LoaderHost(PlannerFollower):
         # runtime.failover_after_s, with the age of the poll loop's last turn: a dead or stopped process (SIGKILL,
         # SIGSTOP) falls silent at once, while a long tokenizer call in the loop does not look like death
         # (the planner gives a stuck loop a longer budget, planner.hosting)
-        self.beat_interval_s = float(getattr(spec.runtime, "failover_after_s", 1.0)) / FAILOVER_BEATS
+        self.beat_interval_s = float(spec.runtime.failover_after_s) / FAILOVER_BEATS
         self.loop_turn: float | None = time.monotonic()  # None while an ADOPT is being carried out
         self.started_at = time.monotonic()
         self.exit_code = 0  # what `mixplane loader` returns once stopped (a sidecar's end: mixplane.podend)

@@ -87,7 +87,7 @@ class LoaderServer(PlannerFollower):
         self._release_pending = False
         # differential checkpoints (loader.snapshot): every `loader_snapshot_every` planned steps, into state_dir
         self.state_dir = state_dir
-        self.snapshot_every = int(getattr(spec.runtime, "loader_snapshot_every", 0)) if state_dir else 0
+        self.snapshot_every = int(spec.runtime.loader_snapshot_every) if state_dir else 0
         self._plans_since_snapshot = 0
         self.snapshot_seconds = 0.0  # time spent writing snapshots (bench/loader_checkpoint.py reports it)
         self.snapshots_written = 0

@@ -197,7 +197,7 @@ class TransformPipeline:
             raw = self.stream.take(n) if timeout is None else self.stream.take(n, timeout=timeout)
             try:
                 return raw, (self.transform(raw) if len(raw) else None)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - not swallowed: named with the rows it failed on, raised again
                 self._locate(e, raw, "")
                 raise
         if self._pool is None:
@@ -216,7 +216,7 @@ class TransformPipeline:
         assert head.raw is not None and head.future is not None
         try:
             out, effects = head.future.result()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - not swallowed: the pool reset, the error named and raised again
             self.reset()
             self._locate(e, head.raw, " on a worker thread")
             raise

@@ -315,7 +315,7 @@ def trainer_pods(spec: Any) -> int:
     """Trainer pods of the mixture: kubernetes.trainer_pods, else one per node of the topology."""
     if spec.kubernetes.trainer_pods:
         return int(spec.kubernetes.trainer_pods)
-    per_node = max(1, int(getattr(spec.topology, "ranks_per_node", 1) or 1))
+    per_node = int(spec.topology.ranks_per_node)  # (>= 1: the model's bound)
     return max(1, -(-int(spec.world_size) // per_node))
 
 

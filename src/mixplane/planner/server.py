@@ -700,7 +700,7 @@ class PlannerServer(Component):
                 if isinstance(r.get("reshard_id"), str):
                     try:
                         sp = parse_spec(r["spec"])
-                    except Exception:  # noqa: BLE001 - a record we cannot read names no world: skip it
+                    except (OSError, ValueError, KeyError, TypeError):  # a record we cannot read names no world: skip it
                         continue
                     self._remember_reshard({"reshard_id": r["reshard_id"], "session": int(r.get("session", 0)) + 1,
                                             "step": int(r["effective_step"]), "generation": int(r["generation"]),
@@ -709,7 +709,7 @@ class PlannerServer(Component):
             return
         try:
             journaled = parse_spec({**self.spec.model_dump(mode="json"), "topology": last["spec"]["topology"]})
-        except Exception as e:  # noqa: BLE001 - keep the spec file's topology, say why
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged record: keep the spec file's topology, say why
             log.error("the journal's last reshard cannot be read (%s): serving the spec file's topology", e)
             return
         if journaled.topology != self.spec.topology:
