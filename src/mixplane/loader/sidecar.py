@@ -80,7 +80,7 @@ def stale_indexes(names: Iterable[str], current: Mapping[str, str]) -> list[str]
 def sidecar_bytes(fi: FileIndex) -> bytes:
     """The index as the .npz bytes `load_sidecar` reads (what goes to the local cache or beside the data)."""
     buf = io.BytesIO()
-    np.savez(buf, **_sidecar_arrays(fi))
+    np.savez(buf, allow_pickle=False, **_sidecar_arrays(fi))  # (read back with allow_pickle=False too)
     return buf.getvalue()
 
 
@@ -226,7 +226,7 @@ def save_pack(fis: list[FileIndex], file: str) -> None:
             parts = [getattr(fi.pages[fi.columns[i].name], f) for fi in fis]
             arrays[f"{i}.{f}"] = np.concatenate(parts)
             arrays[f"{i}.{f}.len"] = np.array([len(a) for a in parts], np.int64)
-    _write_atomically(file, lambda out: np.savez(out, **arrays))
+    _write_atomically(file, lambda out: np.savez(out, allow_pickle=False, **arrays))
 
 
 def _split(data: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
