@@ -19,13 +19,21 @@ evenly spaced over the remaining files (later shards may differ). `max_partition
 pages, by shuffle mode) is then extrapolated from the sample to the listing by bytes (the listing's sizes;
 by file count where a listing has no sizes), 10% under the estimate (ESTIMATE_MARGIN), rounded down. The
 result says so: `files_listed`, `files_sampled`, `sampled`. A source of at most `sample_files` files is
-profiled on all of them, exactly as before. Every loader of a source indexes all of its files, so the memory
-per partition of a sampled source adds the index of the files not read: the sample's heap bytes per file
+profiled on all of them, exactly as before. A loader of a source read in the whole source's page order indexes all
+of its files, so the memory per partition of such a sampled source adds the index of the files not read: the sample's heap bytes per file
 (`index_bytes_per_file`, tracemalloc's peak of opening half the sample and all of it, with one indexing
 thread: the profile's own open of the sample is the second measurement) times the rest, by bytes. At 50,000 files of bench/startup.py's corpus that is 4.0-4.2 KB a file,
 ~200-210 MB; a loader's RSS grows by 190-230 MB over its cold index build there (docs/loader.md). It is an
 estimate of the heap: the allocator's slack is not in it, and in the operator's process tracemalloc also sees
 what other threads allocate meanwhile.
+
+A source its loaders read block by block (`loader.blockstream.lazy_indexing`: static, page mode, at least
+`lazy_index_files` files listed) says `order: blocks` (else `pages`) with `blocks` and `block_files`: it is measured
+in page order on its sample all the same (costs per file), but a partition reads whole blocks, so `max_partitions` is
+at most its number of blocks, and a loader holds the index of the block it reads and the next LOOKAHEAD_BLOCKS
+(`files_indexed` files, at the listing's mean heap a file from the sample's), the row starts of its last few blocks
+and the whole listing (paths, sizes, mtimes, the block permutation), not every file's index: that is its memory per
+partition in place of the sample's index.
 
 An image source's profile also has `image_costs` (decode CPU seconds, raw and decoded bytes per image over the
 first images read; `loader.transforms.image_costs_of`): what the operator resolves `image.decode_at: auto` from,
@@ -123,6 +131,51 @@ def _index_options(src: Any, files: Any) -> dict[str, Any]:
     return {"index_options": {"threads": MEASURE_INDEX_THREADS}}
 
 
+def block_order(src: Any, files_listed: int) -> Any:
+    """The block layout (loader.blocks.BlockLayout) of a source its loaders read block by block
+    (`loader.blockstream.lazy_indexing`), None when they read the whole source's page order."""
+    from mixplane.loader.blocks import BlockLayout
+    from mixplane.loader.blockstream import lazy_indexing
+
+    if files_listed < 1 or not lazy_indexing(src, files_listed):
+        return None
+    return BlockLayout(files_listed, int(src.block_files), 0, src.name)  # the count does not depend on the seed
+
+
+def held_files(blocks: Any) -> int:
+    """Files whose index a loader of a block-read source holds at most: the block it reads and the ones indexed
+    ahead (LOOKAHEAD_BLOCKS), a block's files each."""
+    from mixplane.loader.blocks import LOOKAHEAD_BLOCKS
+
+    return min(blocks.num_files, (1 + LOOKAHEAD_BLOCKS) * blocks.block_files)
+
+
+# blocks whose row starts a BlockStream keeps to name the file of a key (`BlockStream._remember`)
+RECENT_BLOCKS = 4
+
+
+def held_index_bytes(blocks: Any, per_file: float, listed: Any, sample: Any) -> int:
+    """Heap bytes of the index a loader of a block-read source holds: `held_files` files at the listing's mean
+    per-file heap (the sample's `per_file`, scaled to the listing by bytes as the whole index would be: a block is a
+    random draw of the listing), plus the row starts of the last RECENT_BLOCKS blocks (an int64 and a list slot a
+    file; the paths are the listing's)."""
+    mean = per_file * len(sample.paths) * _ratio(listed, sample) / max(1, len(listed.paths))
+    recent = RECENT_BLOCKS * min(blocks.num_files, blocks.block_files) * 16
+    return math.ceil(mean * held_files(blocks)) + recent
+
+
+def listing_bytes(files: Any) -> int:
+    """Heap bytes of a listing (paths, sizes, mtimes): what a loader of a block-read source holds of every file, and
+    the block layout's permutation of them (8 bytes a file)."""
+    import sys
+
+    n = len(files.paths)
+    lists = sum(sys.getsizeof(x) for x in (files.paths, files.sizes, files.mtimes_ns))
+    items = sum(sys.getsizeof(p) for p in files.paths) + sum(sys.getsizeof(int(v)) for v in files.sizes)
+    items += sum(sys.getsizeof(int(v)) for v in files.mtimes_ns)
+    return lists + items + 8 * n
+
+
 def traced_open(src: Any, files: Any, seed: int) -> tuple[Any, int, int]:
     """(the stream, tracemalloc's peak while opening it, tracemalloc's own bytes then) of `files` of a source, opened
     as a loader opens it with one indexing thread."""
@@ -171,6 +224,9 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     listed = files if files is not None else list_source(src)
     sample = sample_files_of(listed, sample_files)
     sampled = sample is not listed
+    blocks = block_order(src, len(listed.paths))
+    if blocks is not None:  # the sample (or the few files) measured in page order: costs per file, whatever the order
+        src = src.model_copy(update={"lazy_index_files": 0})
     sample_peak = traced_bytes = 0
     if sampled:
         # the index of the files not read is estimated from this open's heap (index_bytes_per_file): it is measured
@@ -216,12 +272,19 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
             max_parts = extrapolate(len(stream.index.chunk_rows), listed, sample)
         else:
             max_parts = extrapolate(int(stream.index.num_units), listed, sample)
+        if blocks is not None:  # partitions take whole blocks: no more partitions than blocks
+            max_parts = min(max_parts, blocks.num_blocks)
     finally:
         stream.close()
     per_file = 0.0
-    if sampled:  # the loader indexes every file: the rest of the listing's index, at the sample's bytes per file
+    if sampled:
         per_file = index_bytes_per_file(src, sample, spec.mixture.seed, sample_peak)
-        open_rss += math.ceil(per_file * len(sample.paths) * (_ratio(listed, sample) - 1.0))
+        if blocks is None:  # the loader indexes every file: the rest of the listing's index, at the sample's bytes a file
+            open_rss += math.ceil(per_file * len(sample.paths) * (_ratio(listed, sample) - 1.0))
+        else:  # the loader holds the index of the blocks it keeps, not the sample's: the difference, and the listing
+            open_rss = max(0, open_rss + held_index_bytes(blocks, per_file, listed, sample)
+                           - math.ceil(per_file * len(sample.paths)))
+            open_rss += listing_bytes(listed) if files is not None else 0  # else in the RSS growth already
     per_row = raw_bytes / rows
     buffer_bytes = src.shuffle_buffer * per_row
     if src.shuffle_buffer_mb is not None:
@@ -236,6 +299,9 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
         "rows": rows, "tokens": tokens, "patches": patches, "cpu_s": cpu, "open_cpu_s": open_cpu,
         "mean_tokens_per_sample": tokens / rows, "raw_bytes_per_row": per_row, "open_rss_bytes": open_rss,
         "kind": src.kind, "files_listed": len(listed.paths), "files_sampled": len(sample.paths), "sampled": sampled,
+        "order": "pages" if blocks is None else "blocks",
+        **({"blocks": blocks.num_blocks, "block_files": blocks.block_files,
+            "files_indexed": held_files(blocks)} if blocks is not None else {}),
         **({"index_bytes_per_file": round(per_file, 1)} if sampled else {}),
         **({"image_costs": {"decode_s": images.decode_s, "raw_bytes": images.raw_bytes,
                             "decoded_bytes": images.decoded_bytes, "images": images.images}} if images is not None else {}),
