@@ -4,7 +4,9 @@
 demo) hand these checkers to :func:`mixplane.spec.load_spec` / :func:`~mixplane.spec.parse_spec`:
 
 * :func:`strategy_problems` loads a user strategy as the planner will and binds its options;
-* :func:`source_file_problems` lists each source's files, opens them and checks columns and tokenizer.
+* :func:`source_file_problems` lists each source's files, opens them and checks columns and tokenizer, and that a
+  source read block by block has at least as many blocks as `replicas` (:func:`block_partition_problem`);
+* :func:`partition_problem`: whether a source can be split into N partitions (the runtime's re-partition asks).
 
 Problem paths are relative to the spec; validation adds the `spec.` prefix of a resource.
 """
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import os
 
-from mixplane.loader.files import SourceFilesError, list_source_files, read_schema_names
+from mixplane.loader.files import SourceFilesError, list_source, list_source_files, read_schema_names
 from mixplane.planner.strategies import StrategyError, bind_options, load_callable
-from mixplane.spec import Checker, DataMixtureSpec, Problem
+from mixplane.profile import block_order
+from mixplane.spec import Checker, DataMixtureSpec, Problem, SourceSpec
 
 
 OPEN_TRIES = 64  # files of one source opened to find a readable one (a footer read each)
@@ -94,7 +97,44 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
         for j, c in enumerate(s.columns):
             if c not in have:
                 out.append(Problem(f"sources[{i}].columns[{j}]", f"column {c!r} not in {first} (has: {', '.join(have)})"))
+        if (why := block_partition_problem(s, len(files.paths), s.replicas)) is not None:
+            out.append(Problem(f"sources[{i}].replicas", why))
     return out
+
+
+def block_partition_problem(source: SourceSpec, files_listed: int, partitions: int) -> str | None:
+    """Why a source of `files_listed` files cannot be split into `partitions` partitions by its listing alone: its
+    loaders read it block by block (`loader.blockstream.lazy_indexing`) and a partition takes whole blocks, so it has
+    at most its number of blocks (what a loader would fail with at start). None when it can, or when only its
+    index can tell (a source read in page order)."""
+    blocks = block_order(source, files_listed)
+    if blocks is None or partitions <= blocks.num_blocks:
+        return None
+    return (f"source {source.name!r} is read block by block ({files_listed} files listed >= lazy_index_files "
+            f"{source.lazy_index_files}): {blocks.num_blocks} blocks of block_files {blocks.block_files} files cannot "
+            f"be split into {partitions} partitions; use at most {blocks.num_blocks} partitions or a smaller "
+            "block_files")
+
+
+def partition_problem(source: SourceSpec, partitions: int, seed: int) -> str | None:
+    """Why `source` cannot be split into `partitions` partitions, before any loader of that split starts: a source
+    read block by block by its listing alone (:func:`block_partition_problem`, no footer read), another static
+    source by opening its stream with that split (its index: pages, row groups or rows). None when it can; a live
+    source is the spec's rule (one partition)."""
+    from mixplane.loader.stream import StreamError, open_stream
+
+    if source.live:
+        return None
+    files = list_source(source)
+    if (why := block_partition_problem(source, len(files.paths), partitions)) is not None:
+        return why
+    if block_order(source, len(files.paths)) is not None:
+        return None  # enough blocks: opening it would index a block for nothing
+    try:
+        open_stream(source, seed=seed, partition=0, num_partitions=int(partitions), files=files).close()
+    except StreamError as e:
+        return str(e)
+    return None
 
 
 def default_checks(files: bool = True) -> list[Checker]:

@@ -523,15 +523,12 @@ class EmbeddedRuntime:
         names = st.get("sources", [])
         if source not in names:
             raise ValueError(f"source: no source {source!r} (the mixture has {', '.join(names)})")
-        # what only the files can say (the planner has no index): enough pages / row groups for every partition
-        from mixplane.loader.stream import StreamError, open_stream
+        # what only the files can say (the planner has no index): enough blocks, pages or row groups for every partition
+        from mixplane.checks import partition_problem
 
         src = self.spec.sources[names.index(source)]
-        if not src.live and 1 <= int(partitions) <= 1024:
-            try:
-                open_stream(src, seed=self.spec.mixture.seed, partition=0, num_partitions=int(partitions)).close()
-            except StreamError as e:
-                raise ValueError(f"partitions: {e}") from None
+        if 1 <= int(partitions) <= 1024 and (why := partition_problem(src, int(partitions), self.spec.mixture.seed)):
+            raise ValueError(f"partitions: {why}")
         old = int(st.get("source_partitions", {}).get(source, 0))
         table = st.get("partitions", {})
         hosts: list[str] = []
