@@ -268,3 +268,20 @@ def test_the_block_cap_reaches_the_auto_partitioner_and_the_scaler(corpus, monke
     assert auto_partition([replace(cost, max_partitions=paged)], [(0, {"a": 1.0})], tps(12), budget,
                           bounds).partitions == {"a": 12}
     assert partitions_for(1000.0, cost, bounds) == 10
+
+
+def test_the_recent_blocks_the_profile_counts_are_those_a_block_stream_keeps(corpus, monkeypatch):
+    """profile.RECENT_BLOCKS mirrors how many blocks' row starts BlockStream keeps (to name a key's file): read
+    through 6 blocks of one file each, the stream keeps exactly that many."""
+    from mixplane.profile import RECENT_BLOCKS
+
+    monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
+    s = open_stream(_block_spec(corpus, 100, 1).sources[0], seed=0, cache_dir=None)
+    try:
+        seen = set()
+        while len(seen) < RECENT_BLOCKS + 2:
+            s.take(16)
+            seen.add(s.block_of(s.epoch, s._j))
+        assert len(s._recent) == RECENT_BLOCKS
+    finally:
+        s.close()
