@@ -708,7 +708,7 @@ class StepPlanner:
                 raise TypeError(f"step {step}: the strategy returned {type(layout).__name__}, not a StepLayout")
             layoutloop.validate(layout)  # StepLayout.validate, compiled
             piece_of_seg = check_coverage(layout, pieces, ctx.built)
-        except BaseException:
+        except BaseException:  # re-raised: a plan that failed (or was interrupted) leaves the planner as it was
             self._rollback(snap)
             self.schedule.ended = ended_before
             raise
