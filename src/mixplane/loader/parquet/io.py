@@ -184,8 +184,7 @@ class RangeReader:
         self._held = []
 
     def __del__(self) -> None:  # pragma: no cover - best effort
-        # a finaliser must not raise: a reader collected half-built (its open failed) or at interpreter exit
         try:
             self.close()
-        except Exception:
+        except Exception:  # a finaliser must not raise: a reader collected half-built, or at interpreter exit
             pass
