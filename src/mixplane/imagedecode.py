@@ -109,7 +109,8 @@ def decode_planned(data: bytes | np.ndarray, grid: tuple[int, int], *, patch: in
     key, file and row) and the place that decoded it."""
     try:
         flat, hp, wp = image_to_patches(bytes(data), patch, max_side, merge_multiple(merge))
-    except Exception as e:  # Pillow raises many types for corrupt data
+    except Exception as e:  # noqa: BLE001 - untrusted image bytes: Pillow raises OSError, ValueError, SyntaxError,
+        # struct.error, DecompressionBombError, ... for corrupt data; each becomes the ImageDecodeError naming the image
         raise ImageDecodeError(f"{where}: undecodable image ({type(e).__name__}: {e})") from None
     if (hp, wp) != tuple(grid):
         raise ImageDecodeError(f"{where}: decoded to a {hp}x{wp} patch grid, its header announced {grid[0]}x{grid[1]}")

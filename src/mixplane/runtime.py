@@ -791,7 +791,7 @@ class EmbeddedRuntime:
             return
         try:
             world = TopologySpec.model_validate(topology).backbone()[1].world
-        except Exception:  # noqa: BLE001 - the planner names what is wrong with it
+        except (ValueError, KeyError):  # not a valid topology (ValidationError) or no backbone: the planner names it
             return
         if world <= MAX_RANK_KEYS:
             wire.ensure_rank_keys(self.key_dir, world)

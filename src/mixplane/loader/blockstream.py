@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
     """Whether a source of ``num_files`` listed files is read block by block (static, page mode, large enough)."""
-    limit = int(getattr(source, "lazy_index_files", 0) or 0)
+    limit = source.lazy_index_files
     return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
 
 

@@ -6,6 +6,7 @@ import fnmatch
 import glob
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -13,6 +14,9 @@ import pyarrow.parquet as pq
 from mixplane.errors import MixplaneError
 from mixplane.loader.iceberg import IcebergError, data_files, is_iceberg
 from mixplane.loader.remote import RemoteError, fsspec_filesystem, gcs_filesystem, s3_filesystem, with_retries
+
+if TYPE_CHECKING:
+    from mixplane.spec import SourceSpec
 
 GLOB_CHARS = "*?["
 # where `sources[].index_beside_data` keeps each file's page index (loader.sidecar.beside_path): never a file
@@ -98,9 +102,9 @@ def _list_iceberg(uri: str, endpoint: str | None, region: str | None) -> SourceF
     return out
 
 
-def list_source(source) -> SourceFiles:
+def list_source(source: SourceSpec) -> SourceFiles:
     """The files of a SourceSpec (its uri, endpoint and region)."""
-    return list_source_files(source.uri, endpoint=getattr(source, "endpoint", None), region=getattr(source, "region", None))
+    return list_source_files(source.uri, endpoint=source.endpoint, region=source.region)
 
 
 def _list_remote(uri: str, endpoint: str | None = None, region: str | None = None):
@@ -153,9 +157,8 @@ def open_parquet(files: SourceFiles, path: str) -> pq.ParquetFile:
     """Open one file of a source; errors name the file."""
     try:
         return pq.ParquetFile(files.filesystem.open_input_file(path))
-    except (OSError, ValueError) as e:
-        raise SourceFilesError(f"{path}: not a readable Parquet file ({e})") from None
-    except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) or ArrowIOError variants
+    except Exception as e:  # noqa: BLE001 - a data file from any store: pyarrow raises ArrowInvalid, OSError variants
+        # or ArrowNotImplementedError, an fsspec-backed filesystem its client's own types; each is named with the file
         raise SourceFilesError(f"{path}: not a readable Parquet file ({e})") from None
 
 

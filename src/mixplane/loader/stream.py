@@ -139,7 +139,7 @@ class SourceStream:
         self._set_epoch(0, 0)
 
     def _new_reader(self, verify_crc: bool) -> SourceReader:
-        cache_dir = getattr(self.source, "read_cache_dir", None)
+        cache_dir = self.source.read_cache_dir
         disk = None if not cache_dir else (os.path.expanduser(cache_dir), int(self.source.read_cache_gb * (1 << 30)))
         return SourceReader(self.index, filesystem=self.files.filesystem, stats=self.stats, verify_crc=verify_crc,
                             disk_cache=disk)
@@ -166,7 +166,7 @@ class SourceStream:
             build_source_index([t[0] for t in new], self.columns, sizes=[t[1] for t in new],
                                mtimes=[t[2] for t in new], filesystem=self.files.filesystem, stats=self.stats,
                                cache_dir=self._cache_dir, on_bad=on_bad, on_bad_chunk=bad_chunks.append,
-                               index=self.index, beside=bool(getattr(self.source, "index_beside_data", False)),
+                               index=self.index, beside=self.source.index_beside_data,
                                **self._index_options)
         finally:
             self._indexed.update(f.path for f in self.index.files[before:])
