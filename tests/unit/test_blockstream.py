@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import io
 import os
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mixplane.loader.blocks import MAX_BLOCK_SLOTS
 from mixplane.loader.blockstream import BlockStream
 from mixplane.loader.files import list_source_files
 from mixplane.loader.stream import SourceStream, open_stream
-from mixplane.samples import key_epoch
+from mixplane.repartition import repartition
+from mixplane.samples import key_epoch, key_row
 from mixplane.spec import SourceSpec
 
 
@@ -153,3 +156,71 @@ def test_bad_files_among_many_are_quarantined_by_name_and_the_source_goes_on(tmp
         assert len(where) == rows * 100
         assert {e.file for e in s.quarantine.entries} == {corrupt, missing, changed}
         assert len(s.take(rows)) == rows and s.epoch == 1  # and the source goes on
+
+
+def _read_until(s, end, chunk=16):
+    """Keys and positions of the rows at positions [s.position, end)."""
+    ks, ps = [], []
+    while s.position < end:
+        r = s.take(chunk)
+        mine = r.positions < end
+        ks.append(r.keys[mine])
+        ps.append(r.positions[mine])
+        if not mine.all():
+            s.seek(end)
+    return (np.concatenate(ks), np.concatenate(ps)) if ks else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_a_source_read_block_by_block_is_repartitioned_exactly(corpus, case):
+    """N -> M partitions at random cursors (consumed slots above them too): the new partitions' prefixes read every
+    row of the unfinished epochs the old ones did not, once; then their own epochs cover the source; a seek or a
+    state_dict anywhere in a prefix resumes exactly."""
+    rng = np.random.default_rng(case)
+    N, M = (int(x) for x in rng.integers(1, 4, size=2))
+    src = _spec(corpus)
+    with open_stream(src, seed=3, cache_dir=None) as whole:
+        all_rows = set(key_row(whole.take(480).keys).tolist())
+    old = [open_stream(src, seed=3, partition=i, num_partitions=N, cache_dir=None) for i in range(N)]
+    consumed, cursors = [], []
+    for s in old:
+        low = s.position + int(rng.integers(0, int(s.epoch_rows(0, s.partition, N) * 1.7)))
+        consumed.append(_read_until(s, low)[0])
+        k2, p2 = _read_until(s, low + 2 * MAX_BLOCK_SLOTS // 3, chunk=7)
+        took = rng.random(len(p2)) < 0.4
+        consumed.append(k2[took])
+        cursors.append((low, [int(p) for p in p2[took]]))
+    new = repartition([s.layout() for s in old], cursors, M, old[0].epoch_rows, source="big")
+    E = new[0].epoch
+    got = list(consumed)
+    streams = [open_stream(src, seed=3, partition=k, num_partitions=M, cache_dir=None) for k in range(M)]
+    for s, lay in zip(streams, new):
+        s.set_layout(lay)
+        got.append(_read_until(s, lay.prefix_rows)[0])
+    keys = np.concatenate(got)
+    c = Counter(zip(key_epoch(keys).tolist(), key_row(keys).tolist()))
+    assert not [k for k, v in c.items() if v > 1], "read twice"
+    assert set(c) == {(e, r) for e in range(E) for r in all_rows}
+    own = [_read_until(s, lay.prefix_rows + s.epoch_rows(E, s.partition, M))[0] for s, lay in zip(streams, new)]
+    own_keys = np.concatenate(own)
+    assert (key_epoch(own_keys) == E).all() and sorted(key_row(own_keys).tolist()) == sorted(all_rows)
+    # seek / state_dict anywhere in the longest prefix
+    lay = max(new, key=lambda x: x.prefix_rows)
+    with open_stream(src, seed=3, partition=lay.partition, num_partitions=M, cache_dir=None) as ref:
+        ref.set_layout(lay)
+        full_k, full_p = _read_until(ref, lay.prefix_rows + MAX_BLOCK_SLOTS)
+    for at in sorted({0, len(full_p) // 2, max(0, len(full_p) - 3), *rng.integers(0, max(1, len(full_p)), 3).tolist()}):
+        if at >= len(full_p):
+            continue
+        with open_stream(src, seed=3, partition=lay.partition, num_partitions=M, cache_dir=None) as s:
+            s.set_layout(lay)
+            s.seek(int(full_p[at]))
+            st = s.state_dict()
+            k, p = _read_until(s, lay.prefix_rows + MAX_BLOCK_SLOTS)
+            assert k.tolist() == full_k[at:].tolist() and p.tolist() == full_p[at:].tolist()
+        with open_stream(src, seed=3, partition=lay.partition, num_partitions=M, cache_dir=None) as s2:
+            s2.load_state_dict(st)
+            assert s2.layout() == lay
+            assert _read_until(s2, lay.prefix_rows + MAX_BLOCK_SLOTS)[0].tolist() == full_k[at:].tolist()
+    for s in old + streams:
+        s.close()

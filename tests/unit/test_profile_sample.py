@@ -281,7 +281,7 @@ def test_the_recent_blocks_the_profile_counts_are_those_a_block_stream_keeps(cor
         seen = set()
         while len(seen) < RECENT_BLOCKS + 2:
             s.take(16)
-            seen.add(s.block_of(s.epoch, s._j))
+            seen.add(s.block_of(s._place))  # (place: prefix piece or -1, epoch, block in the order)
         assert len(s._recent) == RECENT_BLOCKS
     finally:
         s.close()

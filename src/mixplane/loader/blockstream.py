@@ -5,7 +5,8 @@ unique per (epoch, row), quarantined slots left empty) over the block order of :
 block is a small page-mode ``SourceStream`` over the block's files, with a seed drawn per (epoch, block), built (its
 files indexed, from the block's pack when kept) when the read order reaches it -- the next ``LOOKAHEAD_BLOCKS`` on a
 background thread while the current one is read. A position names (epoch, block, offset), so ``seek`` indexes only
-the block it lands in. Not supported here: live sources, other shuffle modes, re-partitioning mid-epoch.
+the block it lands in. A re-partitioned source reads its prefix pieces (slot ranges of older partitions' block
+orders) first. Not supported here: live sources, other shuffle modes.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader.blocks import (
-    LOOKAHEAD_BLOCKS, MAX_BLOCK_SLOTS, BlockError, BlockLayout, decode_position, encode_position,
+    LOOKAHEAD_BLOCKS, MAX_BLOCK_SLOTS, OFFSET_BITS, BlockError, BlockLayout, decode_position, encode_position,
 )
 from mixplane.loader.files import SourceFiles
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.parquet import IOStats
 from mixplane.loader.quarantine import QuarantineLog
 from mixplane.loader.stream import STATE_VERSION, RawSamples, SourceStream, StreamError
-from mixplane.repartition import Layout
+from mixplane.repartition import Layout, Piece, RepartitionError
 from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
 
@@ -39,8 +40,15 @@ def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
     return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
 
 
+Place = tuple[int, int, int]  # (prefix piece or -1 for an own epoch, epoch, block's place j in that order)
+
+
 class BlockStream:
-    """A static page-mode source of many files as a stream of blocks (see the module's docstring)."""
+    """A static page-mode source of many files as a stream of blocks (see the module's docstring).
+
+    What is read is a *place* after another: block j of the block order of (epoch, partition, num_partitions) --
+    this partition's own epochs, or, after a re-partition (:mod:`mixplane.repartition`), first the slot ranges of
+    older partitions' epochs its prefix pieces name (a piece's slots are ``j << 30 | offset`` of that order)."""
 
     live = False
     dry = False
@@ -64,30 +72,66 @@ class BlockStream:
         self._options = dict(options)
         self.buffer_rows = int(options.get("buffer_rows", source.shuffle_buffer))
         self.page_reads = options.get("page_reads")
-        self._orders: OrderedDict[int, np.ndarray] = OrderedDict()  # epoch -> block order (a few kept)
-        self._ahead: dict[tuple[int, int], Future] = {}
+        self._orders: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()  # (epoch, p, N) -> order
+        self._ahead: dict[Place, Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"mixplane-{self.name}-blocks")
         self._recent: OrderedDict[int, tuple[np.ndarray, list[str]]] = OrderedDict()  # block -> rows, paths
+        self._prefix: tuple[Piece, ...] = ()
         self._base_epoch, self._base_pos = 0, 0
-        self._epoch, self._j = 0, 0
+        self._place: Place = (-1, 0, 0)
         self._cur: SourceStream | None = None  # the block being read (None: empty, or not built yet)
-        self._cur_len = 0
+        self._stop = 0  # the block's slot where reading it ends (its rows, or the end of a prefix piece)
         self._opened = False
-        self._prefetch(0, 0)  # the first block's footers are read while the loader starts up
+        self._floor = 0  # the last seek's position: a seek into a block's unused slots stays there until a read
+        self._prefetch((-1, 0, 0))  # the first block's footers are read while the loader starts up
 
     # ------------------------------------------------------------------------------------------
-    # blocks
+    # places and blocks
 
-    def _order(self, epoch: int) -> np.ndarray:
-        o = self._orders.get(epoch)
+    def _ctx(self, t: int) -> tuple[int, int]:
+        """(partition, num_partitions) whose block order place's piece ``t`` (-1: own epochs) follows."""
+        if t < 0:
+            return self.partition, self.num_partitions
+        pc = self._prefix[t]
+        return pc.partition, pc.num_partitions
+
+    def _order(self, epoch: int, p: int, n: int) -> np.ndarray:
+        k = (epoch, p, n)
+        o = self._orders.get(k)
         if o is None:
-            o = self._orders[epoch] = self.blocks.order(epoch, self.partition, self.num_partitions)
-            while len(self._orders) > 4:
+            o = self._orders[k] = self.blocks.order(epoch, p, n)
+            while len(self._orders) > 8:
                 self._orders.popitem(last=False)
         return o
 
-    def block_of(self, epoch: int, j: int) -> int:
-        return int(self._order(epoch)[j])
+    def block_of(self, place: Place) -> int:
+        t, epoch, j = place
+        return int(self._order(epoch, *self._ctx(t))[j])
+
+    def _piece_start(self, t: int) -> int:
+        return self._base_pos - sum(len(p) for p in self._prefix[t:])
+
+    def _block_position(self, place: Place) -> int:
+        """Stream position of slot 0 of the place's block (a prefix piece's may lie before the piece starts)."""
+        t, epoch, j = place
+        if t < 0:
+            return encode_position(self._base_pos, self._base_epoch, self.per_epoch, epoch, j, 0)
+        return self._piece_start(t) + (j << OFFSET_BITS) - self._prefix[t].lo
+
+    def _first_of_piece(self, t: int) -> Place:
+        if t >= len(self._prefix):
+            return (-1, self._base_epoch, 0)
+        pc = self._prefix[t]
+        return (t, pc.epoch, pc.lo >> OFFSET_BITS)
+
+    def _next_place(self, place: Place) -> Place:
+        t, epoch, j = place
+        if t < 0:
+            return (t, epoch, j + 1) if j + 1 < self.per_epoch else (t, epoch + 1, 0)
+        pc = self._prefix[t]
+        if ((j + 1) << OFFSET_BITS) < pc.hi:
+            return (t, epoch, j + 1)
+        return self._first_of_piece(t + 1)
 
     def _block_files(self, block: int) -> SourceFiles:
         ids = self.blocks.members(block).tolist()
@@ -110,38 +154,38 @@ class BlockStream:
                               f"{MAX_BLOCK_SLOTS} slots (lower sources[].block_files)")
         return s
 
-    def _next_of(self, epoch: int, j: int) -> tuple[int, int]:
-        return (epoch, j + 1) if j + 1 < self.per_epoch else (epoch + 1, 0)
+    def _submit(self, place: Place) -> Future:
+        b = self.block_of(place)
+        return self._pool.submit(self._build, b, self._block_files(b), self.blocks.block_seed(place[1], b))
 
-    def _submit(self, epoch: int, j: int) -> Future:
-        b = self.block_of(epoch, j)
-        return self._pool.submit(self._build, b, self._block_files(b), self.blocks.block_seed(epoch, b))
+    def _prefetch(self, place: Place) -> None:
+        if place not in self._ahead:
+            self._ahead[place] = self._submit(place)
 
-    def _prefetch(self, epoch: int, j: int) -> None:
-        if (epoch, j) not in self._ahead:
-            self._ahead[(epoch, j)] = self._submit(epoch, j)
-
-    def _open(self, epoch: int, j: int, offset: int = 0) -> None:
-        """Read block ``j`` of ``epoch`` from its slot ``offset`` on (built now unless the look-ahead has it)."""
+    def _open(self, place: Place, offset: int = 0) -> None:
+        """Read the place's block from its slot ``offset`` on (built now unless the look-ahead has it)."""
         if self._cur is not None:
             self._cur.close()
-        fut = self._ahead.pop((epoch, j), None) or self._submit(epoch, j)
-        wanted, nxt = [], (epoch, j)
+        fut = self._ahead.pop(place, None) or self._submit(place)
+        wanted, nxt = [], place
         for _ in range(LOOKAHEAD_BLOCKS):
-            nxt = self._next_of(*nxt)
+            nxt = self._next_place(nxt)
             wanted.append(nxt)
         # blocks indexed ahead for another place in the order are dropped (a seek moved elsewhere)
         for k in [k for k in self._ahead if k not in wanted]:
             self._ahead.pop(k).add_done_callback(_close_result)
         for k in wanted:  # the next blocks are indexed while this one is read
-            self._prefetch(*k)
+            self._prefetch(k)
         cur = fut.result()
-        self._epoch, self._j, self._opened = epoch, j, True
-        self._cur = cur
-        self._cur_len = cur._epoch_len if cur is not None else 0
+        self._place, self._opened, self._cur = place, True, cur
+        rows = cur._epoch_len if cur is not None else 0
+        t, _, j = place
+        self._stop = rows if t < 0 else max(0, min(rows, self._prefix[t].hi - (j << OFFSET_BITS)))
+        if t >= 0 and j == self._prefix[t].lo >> OFFSET_BITS:  # a piece begins inside its first block
+            offset = max(offset, self._prefix[t].lo & (MAX_BLOCK_SLOTS - 1))
         if cur is not None:
-            self._remember(self.block_of(epoch, j), cur)
-            cur.seek(min(offset, self._cur_len))
+            self._remember(self.block_of(place), cur)
+            cur.seek(min(offset, self._stop))
 
     def _remember(self, block: int, s: SourceStream) -> None:
         """Enough of a block's index to name the file of a key's row (where_key), for the last few blocks."""
@@ -152,7 +196,7 @@ class BlockStream:
 
     def _ensure_open(self) -> None:
         if not self._opened:
-            self._open(self._epoch, self._j)
+            self._open(self._place)
 
     # ------------------------------------------------------------------------------------------
     # positions
@@ -160,11 +204,13 @@ class BlockStream:
     @property
     def position(self) -> int:
         off = self._cur.position if (self._opened and self._cur is not None) else 0
-        return encode_position(self._base_pos, self._base_epoch, self.per_epoch, self._epoch, self._j, off)
+        if self._place[0] >= 0 and not self._opened:
+            off = self._prefix[self._place[0]].lo & (MAX_BLOCK_SLOTS - 1)
+        return max(self._block_position(self._place) + off, self._floor)
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._place[1]
 
     @property
     def index(self) -> SourceIndex:
@@ -174,11 +220,25 @@ class BlockStream:
 
     def seek(self, position: int) -> None:
         """Continue at slot ``position``, exactly as an unbroken stream would: only its block is indexed."""
+        position = int(position)
+        self._seek(position)
+        self._floor = position
+
+    def _seek(self, position: int) -> None:
+        first = self._piece_start(0) if self._prefix else self._base_pos
+        if position < first:
+            raise ValueError(f"source {self.name!r}: position {position} is before this stream's start ({first})")
+        for t, pc in enumerate(self._prefix):
+            start = self._piece_start(t)
+            if position < start + len(pc):
+                j, off = divmod(pc.lo + position - start, MAX_BLOCK_SLOTS)
+                self._open((t, pc.epoch, j), off)
+                return
         try:
-            e, j, off = decode_position(int(position), self._base_pos, self._base_epoch, self.per_epoch)
+            e, j, off = decode_position(position, self._base_pos, self._base_epoch, self.per_epoch)
         except BlockError as err:
             raise ValueError(f"source {self.name!r}: {err}") from None
-        self._open(e, j, off)
+        self._open((-1, e, j), off)
 
     def epoch_rows(self, epoch: int, partition: int, num_partitions: int) -> int:
         """Slots an epoch of a partition spans (positions are not dense: each block owns 2^30 of them)."""
@@ -186,23 +246,29 @@ class BlockStream:
 
     def start_epoch(self, epoch: int, position: int = 0) -> None:
         """Make slot ``position`` the start of ``epoch`` (replicas changed at an epoch boundary)."""
+        self._prefix = ()
         self._base_epoch, self._base_pos = int(epoch), int(position)
-        self._opened = False
         self.seek(int(position))
 
+    def _check_prefix(self, prefix: Sequence[Piece]) -> None:
+        for pc in prefix:
+            span = self.epoch_rows(pc.epoch, pc.partition, pc.num_partitions)
+            if not 0 <= pc.lo <= pc.hi <= span:
+                raise StreamError(f"source {self.name!r}: piece {pc.to_json()} is not within its plan's {span} slots "
+                                  "(the listing or block_files changed since the re-partition?)")
+
     def set_layout(self, layout: Layout) -> None:
+        """Read ``layout`` (a re-partitioned source): its prefix pieces from position 0, then own epochs."""
         if (layout.partition, layout.num_partitions) != (self.partition, self.num_partitions):
             raise ValueError(f"source {self.name!r}: layout of partition {layout.partition} of "
                              f"{layout.num_partitions} given to partition {self.partition} of {self.num_partitions}")
-        if layout.prefix:
-            raise StreamError(f"source {self.name!r} is read block by block (sources[].lazy_index_files): it can be "
-                              "re-partitioned at an epoch boundary only")
-        self._base_epoch, self._base_pos = int(layout.epoch), 0
-        self._opened = False
+        self._check_prefix(layout.prefix)
+        self._prefix = tuple(layout.prefix)
+        self._base_epoch, self._base_pos = int(layout.epoch), layout.prefix_rows
         self.seek(0)
 
     def layout(self) -> Layout:
-        return Layout(self.partition, self.num_partitions, (), self._base_epoch)
+        return Layout(self.partition, self.num_partitions, self._prefix, self._base_epoch)
 
     def listing(self) -> list[list[str]] | None:
         return None
@@ -224,24 +290,35 @@ class BlockStream:
         barren = 0  # blocks passed in a row without a row delivered
         while got < n:
             cur = self._cur
-            if cur is None or cur.position >= self._cur_len:
+            if cur is None or cur.position >= self._stop:
                 barren += 1
-                if barren > self.per_epoch:
+                if barren > self.per_epoch + len(self._prefix) + 1:
                     raise StreamError(f"source {self.name!r}: every block of partition {self.partition} is "
                                       f"unreadable ({self.quarantine.counts()})")
-                self._open(*self._next_of(self._epoch, self._j))
+                self._open(self._next_place(self._place))
                 continue
-            r = cur.take(n - got, until=self._cur_len)
+            r = cur.take(n - got, until=self._stop)
             if not len(r):
                 continue
-            barren = 0
-            block = self.block_of(self._epoch, self._j)
-            keys.append(np.asarray(make_key(self._epoch, self.blocks.key_row(block, np.asarray(key_row(r.keys))))))
-            poss.append(r.positions + encode_position(self._base_pos, self._base_epoch, self.per_epoch, self._epoch,
-                                                      self._j, 0))
+            t, epoch, _ = self._place
+            pos = r.positions + self._block_position(self._place)
+            keep = slice(None)
+            if t >= 0 and self._prefix[t].skip:  # slots consumed before the re-partition stay empty
+                pc = self._prefix[t]
+                kept = ~np.isin(pos, np.asarray(pc.skip, np.int64) - pc.lo + self._piece_start(t))
+                if not kept.all():
+                    keep = kept  # type: ignore[assignment]
+            block = self.block_of(self._place)
+            k = np.asarray(make_key(epoch, self.blocks.key_row(block, np.asarray(key_row(r.keys)))))[keep]
+            if not len(k):
+                continue
+            keys.append(k)
+            poss.append(pos[keep])
             for c in self.columns:
-                parts[c].append(r.columns[c])
-            got += len(r)
+                col = r.columns[c]
+                parts[c].append(col if isinstance(keep, slice) else col.filter(pa.array(keep)))
+            got += len(k)
+            barren = 0
         if not keys:
             return RawSamples(np.zeros(0, np.int64), np.zeros(0, np.int64), {c: pa.nulls(0) for c in self.columns})
         cols = {c: pa.concat_arrays(v) if len(v) > 1 else v[0] for c, v in parts.items()}
@@ -267,8 +344,9 @@ class BlockStream:
     def status(self) -> dict:
         idx = self._cur.index if self._cur is not None else None
         return {"source": self.name, "mode": self.mode, "partition": self.partition,
-                "num_partitions": self.num_partitions, "position": self.position, "epoch": self._epoch,
-                "order": "blocks", "block": self._j, "blocks_per_epoch": self.per_epoch, "prefix_pieces": 0,
+                "num_partitions": self.num_partitions, "position": self.position, "epoch": self.epoch,
+                "order": "blocks", "block": self._place[2], "blocks_per_epoch": self.per_epoch,
+                "prefix_pieces": len(self._prefix),
                 "files": len(self.files.paths), "block_files": len(idx.files) if idx is not None else 0,
                 "rows": idx.num_rows if idx is not None else 0, "pages": idx.num_pages if idx is not None else 0,
                 "index_bytes": idx.nbytes if idx is not None else 0,
@@ -284,13 +362,21 @@ class BlockStream:
                 f"{s['blocks_per_epoch']}, {s['files']} files, {s['quarantined']['pages']} pages quarantined")
 
     def state_dict(self) -> dict:
-        e, j, off = decode_position(self.position, self._base_pos, self._base_epoch, self.per_epoch)
-        return {"version": STATE_VERSION, "source": self.name, "mode": self.mode, "seed": self.seed,
-                "partition": self.partition, "num_partitions": self.num_partitions, "position": self.position,
-                "epoch": e, "epoch_start": encode_position(self._base_pos, self._base_epoch, self.per_epoch, e, 0, 0),
-                "base_epoch": self._base_epoch, "base_position": self._base_pos, "buffer_rows": self.buffer_rows,
-                "page_reads": self.page_reads, "order": "blocks", "files": len(self.files.paths),
-                "block_files": self.blocks.block_files, "block": j, "offset": off}
+        pos = self.position
+        t, e, j = self._place
+        if t < 0:
+            e, j, off = decode_position(pos, self._base_pos, self._base_epoch, self.per_epoch)
+            start = encode_position(self._base_pos, self._base_epoch, self.per_epoch, e, 0, 0)
+        else:
+            off, start = pos - self._block_position(self._place), self._piece_start(t)
+        st = {"version": STATE_VERSION, "source": self.name, "mode": self.mode, "seed": self.seed,
+              "partition": self.partition, "num_partitions": self.num_partitions, "position": pos,
+              "epoch": e, "epoch_start": start, "base_epoch": self._base_epoch, "base_position": self._base_pos,
+              "buffer_rows": self.buffer_rows, "page_reads": self.page_reads, "order": "blocks",
+              "files": len(self.files.paths), "block_files": self.blocks.block_files, "block": j, "offset": off}
+        if self._prefix:
+            st["prefix"] = [p.to_json() for p in self._prefix]
+        return st
 
     def load_state_dict(self, st: dict) -> None:
         """Resume exactly where ``st`` was taken; another (partition, num_partitions) only at an epoch boundary."""
@@ -305,10 +391,16 @@ class BlockStream:
             if st.get(k) != mine:
                 raise ValueError(f"stream state is for {k}={st.get(k)!r}, this stream has {mine!r}")
         if (st["partition"], st["num_partitions"]) == (self.partition, self.num_partitions):
+            try:
+                prefix = tuple(Piece.parse(p) for p in st.get("prefix", []))
+            except RepartitionError as e:
+                raise ValueError(f"stream state: {e}") from None
+            self._check_prefix(prefix)
+            self._prefix = prefix
             self._base_epoch, self._base_pos = int(st["base_epoch"]), int(st["base_position"])
             self.seek(int(st["position"]))
             return
-        if st["position"] != st["epoch_start"]:
+        if st["position"] != st["epoch_start"] or st.get("prefix"):
             raise ValueError("the number of partitions can only change at an epoch boundary "
                              f"(state is {st['position'] - st['epoch_start']} slots into epoch {st['epoch']})")
         self.start_epoch(int(st["epoch"]), int(st["position"]))
