@@ -24,9 +24,10 @@ import time
 import pytest
 
 from mixplane import control
+from mixplane.operator.annotations import annotations_of
 from mixplane.operator.builders import ClusterOptions
 from mixplane.operator.keys import existing_keys
-from mixplane.operator.reconcile import desired, inputs_of, segments_of, spec_of
+from mixplane.operator.reconcile import desired, segments_of, spec_of
 from mixplane.operator.scaling import ScalingConfig, projected_shares
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import parse_spec
@@ -216,7 +217,7 @@ def test_operator_killed_between_api_calls_changes_nothing(crd, k8s_namespace, d
     # the shares the status keeps are those a scaler never restarted settles at
     shares = (st.get("layout") or {}).get("shares") or {}
     assert set(shares) == set(proj) and all(abs(shares[k] - proj[k]) <= 1e-9 * max(1.0, proj[k]) for k in proj), (shares, proj)
-    assert inputs_of(body).tokens_per_s > 0 and spec.mixture.temperature == 2.0
+    assert annotations_of(body).tokens_per_s > 0 and spec.mixture.temperature == 2.0
 
     # the reference: the same spec in an embedded run that never scaled nor had an operator, given the same update
     # at the same step

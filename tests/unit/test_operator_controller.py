@@ -15,7 +15,8 @@ import pytest
 
 from mixplane.operator.builders import ClusterOptions
 from mixplane.operator.controller import Observed, decide, desired_hosts, status_patch
-from mixplane.operator.reconcile import ANN_TPS, costs_of, desired, segments_of, spec_of
+from mixplane.operator.annotations import ANN_TPS
+from mixplane.operator.reconcile import costs_of, desired, segments_of, spec_of
 from mixplane.operator.scaling import MixtureScaler, Observation
 from mixplane.operator.updates import after_send, applied_by_planner, mixture_digest, plan_update
 from tests.unit.operator_testdata import FakeKeys

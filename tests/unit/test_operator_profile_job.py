@@ -18,13 +18,13 @@ from mixplane.operator.builders import (
     profile_children,
     profile_shards,
 )
+from mixplane.operator.annotations import annotations_of
 from mixplane.operator.reconcile import (
     ReconcileError,
     fallback_profile,
     job_outcome,
     profile_from_status,
     profile_outcome,
-    profiler_of,
     spec_of,
 )
 from mixplane.profile import (
@@ -206,16 +206,16 @@ def test_a_failed_job_says_why_and_falls_back_for_its_sources_only():
 
 
 def test_where_sources_are_profiled():
-    assert profiler_of(body(), spec_of(body())) == "job"  # the loaders' credentials are a Secret: never in-process
+    assert annotations_of(body()).profiler_for(spec_of(body())) == "job"  # the loaders' credentials are a Secret: never in-process
     b = body(secret=None)
-    assert profiler_of(b, spec_of(b)) == "auto"
+    assert annotations_of(b).profiler_for(spec_of(b)) == "auto"
     b = body(secret=None, **{"mixplane.io/profiler": "job"})
-    assert profiler_of(b, spec_of(b)) == "job"
+    assert annotations_of(b).profiler_for(spec_of(b)) == "job"
     b = body(**{"mixplane.io/profiler": "operator"})
-    assert profiler_of(b, spec_of(b)) == "operator"
+    assert annotations_of(b).profiler_for(spec_of(b)) == "operator"
     b = body(**{"mixplane.io/profiler": "pod"})
     with pytest.raises(ReconcileError, match="mixplane.io/profiler"):
-        profiler_of(b, spec_of(b))
+        annotations_of(b).profiler_for(spec_of(b))
     assert all(p["measured_by"] == "fallback" for p in fallback_profile(spec_of(body()))["sources"].values())
     # costs by kind in the status are never taken as a kept profile, whatever the conditions say now
     b = body()

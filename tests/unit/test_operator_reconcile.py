@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from mixplane.operator.annotations import ANN_TPS, annotations_of
 from mixplane.operator.builders import ClusterOptions
 from mixplane.operator.reconcile import (
-    ANN_TPS,
     ReconcileError,
     desired,
     fallback_profile,
-    inputs_of,
     profile_from_status,
     status_of,
 )
@@ -75,7 +74,7 @@ def test_status_has_conditions_endpoint_step_and_per_source_fields():
 
 def test_bad_annotations_and_specs_name_the_field():
     with pytest.raises(ReconcileError, match=f"metadata.annotations.{ANN_TPS}: expected a number > 0"):
-        inputs_of(body(**{ANN_TPS: "fast"}))
+        annotations_of(body(**{ANN_TPS: "fast"}))
     b = body()
     b["spec"]["mixture"]["weights"] = {"nope": 1.0}
     with pytest.raises(ReconcileError, match=r"spec\.mixture\.weights\.nope: unknown source"):

@@ -35,13 +35,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mixplane.operator.annotations import MixtureAnnotations, annotations_of
 from mixplane.operator.builders import ANN_HOST, ANN_SHADOW_OF, API_GROUP, ClusterOptions, pod_rank_keys
 from mixplane.operator.reconcile import (
     Desired,
     condition,
     costs_of,
     desired,
-    inputs_of,
     now as now_text,
     plan_of,
     planner_source_figures,
@@ -74,6 +74,17 @@ class Observed:
     scale_interval_s: float = 30.0
     profiling: Mapping[str, Any] | None = None  # status.profiling entry when the profile came from Jobs
     profile_failure: str = ""
+    # the body's annotations, parsed once for the whole pass (the shell passes what it parsed; else from `body`)
+    annotations: MixtureAnnotations | None = None
+
+    def __post_init__(self) -> None:
+        if self.annotations is None:
+            object.__setattr__(self, "annotations", annotations_of(self.body))
+
+    @property
+    def inputs(self) -> MixtureAnnotations:
+        assert self.annotations is not None  # (set in __post_init__)
+        return self.annotations
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,7 @@ def run_scaler(obs: Observed, spec: Any, step: int, served: Mapping[str, int] | 
     if obs.planner is None or obs.now - float(kept.get("observedAt") or 0.0) < obs.scale_interval_s * 0.999:
         return kept_shares, (kept or None), []
     costs = costs_of(obs.profile, spec)
-    inp = inputs_of(obs.body)
+    inp = obs.inputs
     segs = segments_of(spec, obs.profile)
     parts = {s["name"]: s["partitions"] for s in st.get("sources") or [] if isinstance(s, Mapping) and s.get("partitions")}
     parts.update({n: int(m) for n, m in (served or {}).items() if n in parts and int(m) >= 1})
@@ -226,7 +237,8 @@ def decide(obs: Observed) -> Actions:
     opts = obs.opts
     if topo.pending:  # the new world's trainer keys are issued now, its children once the planner switched to it
         opts = replace(opts, extra_rank_keys=new_keys)
-    d = desired(served_body(body, topo.state), opts, obs.profile, obs.keys, step=step, shares=shares, served=served)
+    d = desired(served_body(body, topo.state), opts, obs.profile, obs.keys, step=step, shares=shares, served=served,
+                annotations=obs.inputs)
     moves, delete, draining = loader_moves(obs, d)
     upd = plan_update(body, spec, obs.planner, obs.now)
     hold = (f"waiting for the handoff to the loader layout to finish (draining {', '.join(draining)})" if draining

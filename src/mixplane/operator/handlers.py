@@ -38,6 +38,7 @@ from mixplane.operator import topology as topo_state
 from mixplane.operator.controller import Observed, decide, with_repartition, with_topology, with_update
 from mixplane.operator.keys import admin_key_dir, keys_for, stale_trainer_keys
 from mixplane.operator.kube import Kube, kube
+from mixplane.operator.annotations import annotations_of
 from mixplane.operator.profiling import Profiled, profile_for
 from mixplane.operator.reconcile import OBJECT_BUDGET_BYTES, ReconcileError, bounded_patch, condition, spec_of
 from mixplane.operator import updates as upd_state
@@ -187,7 +188,8 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
     opts = replace(options_for(body), pdb_api_version=server_pdb_api(k))
     try:
         spec = spec_of(body)
-        profiled = profile_for(k, body, spec, opts, logger)
+        ann = annotations_of(body)  # once for the pass: profiling, sizing and scaling read this object
+        profiled = profile_for(k, body, spec, opts, logger, ann)
         if profiled.profile is None:  # the profiling Jobs still run: nothing to size children by yet
             _write_status(k, body, current, profiling_status(body, profiled))
             return {"profiling": profiled.jobs}
@@ -203,7 +205,7 @@ def reconcile_once(namespace: str, name: str, logger: Any, k: Kube | None = None
                                                             f"{LABEL_MIXTURE}={name},{LABEL_ROLE}=loader")}
         planner = ask_planner(opts, keys, logger)
         obs = Observed(body, opts, profiled.profile, keys, loaders, planner, readiness(k, opts), time.time(),
-                       SCALE_INTERVAL_S, profiled.jobs, profiled.failure)
+                       SCALE_INTERVAL_S, profiled.jobs, profiled.failure, ann)
         acts = decide(obs)
     except ReconcileError as e:
         _write_status(k, body, current, failed_status(body, str(e)))

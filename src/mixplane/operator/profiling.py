@@ -10,7 +10,8 @@ from typing import Any
 
 from mixplane.operator.builders import ClusterOptions, owner_reference
 from mixplane.operator.kube import Kube
-from mixplane.operator.reconcile import fallback_profile, profile_from_annotation, profile_from_status, profiler_of
+from mixplane.operator.annotations import MixtureAnnotations, annotations_of
+from mixplane.operator.reconcile import fallback_profile, profile_from_status
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,16 @@ def adopt(obj: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def profile_for(k: Kube, body: Mapping[str, Any], spec: Any, opts: ClusterOptions, logger: Any) -> Profiled:
-    """Kept profile, else the annotation's, else measured in-process or by profiling Jobs (`profiler_of`), else
-    fallback costs (the Jobs failed, or in-process profiling failed under `mixplane.io/profiler: operator`)."""
-    prof = profile_from_status(body) or profile_from_annotation(body)
+def profile_for(k: Kube, body: Mapping[str, Any], spec: Any, opts: ClusterOptions, logger: Any,
+                annotations: MixtureAnnotations | None = None) -> Profiled:
+    """Kept profile, else the annotation's, else measured in-process or by profiling Jobs
+    (`MixtureAnnotations.profiler_for`), else fallback costs (the Jobs failed, or in-process profiling failed under
+    `mixplane.io/profiler: operator`). `annotations`: the pass's (parsed from `body` when not given)."""
+    ann = annotations if annotations is not None else annotations_of(body)
+    prof = profile_from_status(body) or ann.profile
     if prof is not None:
         return Profiled(prof)
-    mode = profiler_of(body, spec)
+    mode = ann.profiler_for(spec)
     # a mixture already waiting for its Jobs does not try in-process again on every poll
     if mode != "job" and (body.get("status") or {}).get("phase") != "Profiling":
         try:

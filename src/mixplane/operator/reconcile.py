@@ -3,27 +3,19 @@
 The kopf handlers (mixplane.operator.handlers) call these and only do the I/O: apply the objects, patch
 the status, ask the planner for STATUS or send UPDATE_MIXTURE.
 
-Operator inputs that are not part of the data plane's spec ride on annotations of the DataMixture:
-    mixplane.io/tokens-per-second   the trainer's consumption (default 1e6), what loaders are sized for
-    mixplane.io/loader-cpu          cores the loaders may use in total (default 64)
-    mixplane.io/loader-memory       bytes the loaders may use in total (default 256 GiB)
-    mixplane.io/profile             a `mixplane profile` JSON, when the operator cannot read the sources itself
-    mixplane.io/profiler            where sources are profiled: auto (default: a Job when kubernetes.source_secret
-                                    is set or the operator cannot read them, else in the operator), job, operator
+Operator inputs that are not part of the data plane's spec ride on annotations of the DataMixture, parsed once a
+pass into a MixtureAnnotations (mixplane.operator.annotations, which lists them and the ones that are not inputs).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from mixplane.errors import MixplaneError
 from mixplane.operator.autopartition import (
-    LoaderBudget,
     LoaderPod,
     PartitionBounds,
     PartitionPlan,
@@ -39,6 +31,7 @@ from mixplane.operator.autopartition import (
     spec_workers,
     with_partitions,
 )
+from mixplane.operator.annotations import MixtureAnnotations, ReconcileError, annotations_of
 from mixplane.operator.builders import (
     ClusterOptions,
     owner_reference,
@@ -49,28 +42,9 @@ from mixplane.operator.builders import (
     spec_options,
 )
 
-ANN_TPS = "mixplane.io/tokens-per-second"
-ANN_CPU = "mixplane.io/loader-cpu"
-ANN_MEMORY = "mixplane.io/loader-memory"
-ANN_PROFILE = "mixplane.io/profile"
-ANN_PROFILER = "mixplane.io/profiler"  # auto (default), job or operator: where sources are profiled
-ANN_SCALE_ON = "mixplane.io/scale-on"  # measured (default): the trainer rate the planner sees; declared: tokens-per-second
-# measured (default): a source the planner waited for corrects its cost by what it delivered; profiled: the profile's
-# costs are used as they are (the scaler's inputs then depend on the spec, the profile and the declared rate only)
-ANN_SCALE_COSTS = "mixplane.io/scale-costs"
-# grow (default): a source is re-partitioned to more partitions when its allocation needs them, never to fewer; follow:
-# also to fewer once neither its allocation nor the rest of the schedule needs them (scaling.ScalingConfig.shrink)
-ANN_REPARTITION = "mixplane.io/repartition"
-DEFAULT_TPS = 1e6
-DEFAULT_CPU = 64.0
-DEFAULT_MEMORY = 256 << 30
 # used only when a source cannot be profiled (the status says so): cautious, an image costs far more
 FALLBACK_COST = {"text": 2e-6, "tokens": 2e-7, "image_text": 1e-4}
 FALLBACK_MEMORY = 96 << 20
-
-
-class ReconcileError(MixplaneError, ValueError):
-    """The object cannot be turned into children; the message names the field or annotation."""
 
 
 def now() -> str:
@@ -87,44 +61,6 @@ def spec_of(body: Mapping[str, Any]) -> Any:
         return parse_spec(doc)
     except SpecError as e:
         raise ReconcileError("; ".join(f"spec.{p}" for p in e.problems)) from None
-
-
-def _float_annotation(body: Mapping[str, Any], key: str, default: float) -> float:
-    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(key)
-    if raw is None:
-        return default
-    try:
-        x = float(raw)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and x > 0):
-        raise ReconcileError(f"metadata.annotations.{key}: expected a number > 0, got {raw!r}")
-    return x
-
-
-@dataclass(frozen=True)
-class Inputs:
-    tokens_per_s: float
-    budget: LoaderBudget
-    scale_on: str = "measured"
-    scale_costs: str = "measured"
-    repartition: str = "grow"
-
-
-def inputs_of(body: Mapping[str, Any]) -> Inputs:
-    ann = (body.get("metadata") or {}).get("annotations") or {}
-    scale_on = ann.get(ANN_SCALE_ON, "measured")
-    if scale_on not in ("measured", "declared"):
-        raise ReconcileError(f"metadata.annotations.{ANN_SCALE_ON}: expected measured or declared, got {scale_on!r}")
-    scale_costs = ann.get(ANN_SCALE_COSTS, "measured")
-    if scale_costs not in ("measured", "profiled"):
-        raise ReconcileError(f"metadata.annotations.{ANN_SCALE_COSTS}: expected measured or profiled, got {scale_costs!r}")
-    repartition = ann.get(ANN_REPARTITION, "grow")
-    if repartition not in ("grow", "follow"):
-        raise ReconcileError(f"metadata.annotations.{ANN_REPARTITION}: expected grow or follow, got {repartition!r}")
-    return Inputs(_float_annotation(body, ANN_TPS, DEFAULT_TPS),
-                  LoaderBudget(_float_annotation(body, ANN_CPU, DEFAULT_CPU), int(_float_annotation(body, ANN_MEMORY, DEFAULT_MEMORY))),
-                  scale_on, scale_costs, repartition)
 
 
 # ---- profile: measured once, kept in the status ---------------------------------------------------
@@ -174,30 +110,6 @@ def with_decode_places(spec: Any, profile: Mapping[str, Any]) -> Any:
             s = s.model_copy(update={"image": s.image.model_copy(update={"decode_at": place})})
         sources.append(s)
     return spec.model_copy(update={"sources": sources})
-
-
-def profile_from_annotation(body: Mapping[str, Any]) -> dict[str, Any] | None:
-    raw = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_PROFILE)
-    if raw is None:
-        return None
-    try:
-        prof = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ReconcileError(f"metadata.annotations.{ANN_PROFILE}: not JSON ({e})") from None
-    if isinstance(prof, dict) and isinstance(prof.get("sources"), dict):
-        prof = {**prof, "sources": {n: {**p, "measured_by": "annotation"} if isinstance(p, dict) else p
-                                    for n, p in prof["sources"].items()}}
-    return prof
-
-
-def profiler_of(body: Mapping[str, Any], spec: Any) -> str:
-    """Where to profile: `job` (a pod with the loaders' image and storage credentials), `operator` (in-process, as
-    the operator's own identity), or `auto`: a Job when the loaders' credentials are a Secret the operator must not
-    hold (kubernetes.source_secret), else in-process with a Job when that fails."""
-    mode = ((body.get("metadata") or {}).get("annotations") or {}).get(ANN_PROFILER, "auto")
-    if mode not in ("auto", "job", "operator"):
-        raise ReconcileError(f"metadata.annotations.{ANN_PROFILER}: expected auto, job or operator, got {mode!r}")
-    return "job" if mode == "auto" and spec.kubernetes.source_secret else mode
 
 
 def fallback_profile(spec: Any) -> dict[str, Any]:
@@ -349,7 +261,8 @@ def segments_of(spec: Any, profile: Mapping[str, Any]) -> list[tuple[int, dict[s
 
 def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str, Any], keys: Mapping[str, tuple[str, str]],
             step: int = 0, bounds: PartitionBounds | None = None,
-            shares: Mapping[str, float] | None = None, served: Mapping[str, int] | None = None) -> Desired:
+            shares: Mapping[str, float] | None = None, served: Mapping[str, int] | None = None,
+            annotations: MixtureAnnotations | None = None) -> Desired:
     """Children of the mixture at `step` (the pods of that schedule segment, or of `shares` when the
     scaling policy decided them), each owned by the DataMixture.
 
@@ -361,7 +274,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
 
     bounds = bounds or PartitionBounds()
     spec = spec_of(body)
-    inp = inputs_of(body)
+    inp = annotations if annotations is not None else annotations_of(body)  # the pass's, when it parsed them
     costs = costs_of(profile, spec)
     placement: SidecarPlacement | None = None
     try:
@@ -395,7 +308,7 @@ def desired(body: Mapping[str, Any], opts: ClusterOptions, profile: Mapping[str,
     return Desired(resolved, plan, step, objs, dict(body), pods, placement, moved or None)
 
 
-def plan_of(body: Mapping[str, Any], spec: Any, profile: Mapping[str, Any], inp: Inputs,
+def plan_of(body: Mapping[str, Any], spec: Any, profile: Mapping[str, Any], inp: MixtureAnnotations,
             bounds: PartitionBounds) -> PartitionPlan:
     """The auto-partitioner's plan, keeping the split the status already has (a running split stays): the counts the
     planner started with (`startPartitions`; a status written before re-partitions had only `partitions`)."""
@@ -414,7 +327,7 @@ def sidecar_injection(body: Mapping[str, Any], opts: ClusterOptions, profile: Ma
     if spec.kubernetes.placement != "sidecar" or slot is None:
         return [], []
     bounds = bounds or PartitionBounds()
-    inp = inputs_of(body)
+    inp = annotations_of(body)
     try:
         plan = plan_of(body, spec, profile, inp, bounds)
         spec = with_partitions(spec, plan.partitions, plan.workers)  # `workers: auto` -> the planned threads
