@@ -177,3 +177,30 @@ def test_loop_places_every_piece_where_the_online_packer_would(seed, seq_len, ro
             assert np.array_equal(np.delete(done, took), np.delete(before, took))
         else:
             assert np.array_equal(done, at)
+
+
+def test_retired_flags_hold_for_positions_of_any_size():
+    """Positions may use all 63 bits (a source read block by block owns 2^30 slots a block): a skipped position of one
+    window is no other window's, even where (window << 40) + position would make them equal."""
+    from mixplane.planner.context import Pieces
+
+    planner = StepPlanner(make_spec(sources=2, replicas=2, rows=8, seq_len=128, window=8))
+    ws = planner.windows
+    n = len(ws)
+    big = 5 << 40
+    # window i holds positions big + k; window 0 skips big + (1 << 40) + 3, which is window 1's (big + 3) packed
+    src = np.repeat([w.source for w in ws], 4).astype(np.int64)
+    rep = np.repeat([w.replica for w in ws], 4).astype(np.int64)
+    pos = np.tile(np.arange(4, dtype=np.int64) + big, n)
+    for w in ws:
+        w.low = big
+        w.skip = set()
+    ws[0].skip = {big + (1 << 40) + 3, big + 2}
+    zero = np.zeros(4 * n, np.int64)
+    p = Pieces(zero, src, zero, zero, zero + 1, zero, rep, pos)
+    want = np.zeros(4 * n, np.uint8)
+    want[2] = 1  # window 0's skipped position big + 2; window 1's big + 3 is not skipped
+    assert np.array_equal(planner.retired(p), want)
+    ws[0].low = big + 1  # below the low mark: retired
+    want[0] = 1
+    assert np.array_equal(planner.retired(p), want)

@@ -204,12 +204,12 @@ class StepPlanner:
         wi = first[pieces.source.astype(np.int64)] + pieces.replica
         low = np.array([w.low for w in self.windows], np.int64)
         out = pieces.pos < low[wi]
-        skips = [(i, w.skip) for i, w in enumerate(self.windows) if w.skip]
-        if skips:
-            code = np.sort(np.concatenate([np.fromiter(sk, np.int64, len(sk)) + (i << 40) for i, sk in skips]))
-            q = (wi << 40) + pieces.pos
-            at = np.minimum(np.searchsorted(code, q), len(code) - 1)
-            out |= code[at] == q
+        # consumed positions above a low mark (few windows have any): matched window by window, as positions may
+        # use all 63 bits (a source read block by block: 2^30 slots a block), so no (window, position) packing
+        for i, sk in ((i, w.skip) for i, w in enumerate(self.windows) if w.skip):
+            m = np.flatnonzero(wi == i)
+            if len(m):
+                out[m] |= np.isin(pieces.pos[m], np.fromiter(sk, np.int64, len(sk)))
         return out.astype(np.uint8)
 
     # -- runtime changes ----------------------------------------------------------------
