@@ -8,12 +8,41 @@ tests/unit/test_layoutloop.py compares it with the numpy version on random piece
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from mixplane.layout import _DTYPES as LAYOUT_DTYPES, IMAGE_ARRAYS, SEGMENT_ARRAYS, StepLayout, check_hybrid
 from mixplane.planner import selectloop  # first: it names numba's cache directory before numba loads
 
 from numba import njit  # noqa: E402
+
+
+class GatherInput(NamedTuple):
+    """`gather`'s arguments, in its parameter order (tests/unit/test_kernel_inputs.py holds the two together): the
+    pieces' columns it reads, then the layout columns it writes (preallocated in their wire dtypes).
+    `gather_columns` builds it and calls ``gather(*inp)``, so the compiled body stays positional (numba compiles a
+    named tuple of arrays into a slower body: bench/results/structure_before_after.txt). A new column: a field
+    here, the parameter at the same place in `gather`, its array in `gather_columns`."""
+
+    order: np.ndarray  # int64 [pieces]: the layout's order of the pieces
+    rows: np.ndarray  # [pieces]: each piece's row
+    source: np.ndarray  # [pieces]: its source
+    key: np.ndarray  # [pieces]: its sample key
+    start: np.ndarray  # [pieces]: its first token in the sample
+    length: np.ndarray  # [pieces]: its tokens
+    patches: np.ndarray  # [pieces]: its image's patches (0: no image starts here)
+    img_rank: np.ndarray  # int64 [images]: the encoder rank of each image, in piece order
+    seg_row: np.ndarray  # out [pieces]
+    seg_source: np.ndarray  # out [pieces]
+    seg_key: np.ndarray  # out [pieces]
+    seg_start: np.ndarray  # out [pieces]
+    seg_len: np.ndarray  # out [pieces]
+    o_img: np.ndarray  # out int64 [images]: the piece of every image, in layout order
+    img_source: np.ndarray  # out [images]
+    img_key: np.ndarray  # out [images]
+    img_rank_out: np.ndarray  # out [images]: img_rank in layout order
+    img_patches: np.ndarray  # out [images]
 
 
 @njit(cache=True, nogil=True)
@@ -144,8 +173,9 @@ def gather_columns(order: np.ndarray, rows: np.ndarray, source: np.ndarray, key:
     cols = {name: np.empty(n, LAYOUT_DTYPES[name]) for name in SEGMENT_ARRAYS}
     cols.update({name: np.empty(n_img, LAYOUT_DTYPES[name]) for name in IMAGE_ARRAYS})
     o_img = np.empty(n_img, np.int64)
-    gather(np.ascontiguousarray(order, np.int64), rows, source, key, start, length, patches,
-           np.ascontiguousarray(img_rank, np.int64),
-           cols["seg_row"], cols["seg_source"], cols["seg_key"], cols["seg_start"], cols["seg_len"], o_img,
-           cols["img_source"], cols["img_key"], cols["img_rank"], cols["img_patches"])
+    inp = GatherInput(np.ascontiguousarray(order, np.int64), rows, source, key, start, length, patches,
+                      np.ascontiguousarray(img_rank, np.int64),
+                      cols["seg_row"], cols["seg_source"], cols["seg_key"], cols["seg_start"], cols["seg_len"], o_img,
+                      cols["img_source"], cols["img_key"], cols["img_rank"], cols["img_patches"])
+    gather(*inp)
     return cols, o_img

@@ -22,6 +22,8 @@ compiled routing to them, bit for bit, on random inputs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from mixplane.planner import selectloop  # first: it names numba's cache directory before numba loads
@@ -30,6 +32,29 @@ from numba import njit  # noqa: E402
 
 
 # ---- loader instructions ------------------------------------------------------------------------
+
+class RouteInput(NamedTuple):
+    """`_route`'s inputs, in its parameter order (tests/unit/test_kernel_inputs.py holds the two together), in the
+    dtypes the kernel is compiled for: `route` builds it and calls ``_route(*inp)``, so the compiled body stays
+    positional (numba compiles a named tuple of arrays into a slower body: bench/results/structure_before_after.txt).
+    A new column: a field here, the parameter at the same place in `_route`, its conversion in `route`."""
+
+    pidx: np.ndarray  # int64 [segments]: the piece of every segment
+    seg_row: np.ndarray  # [segments]: its row (the layout's dtype)
+    rpr: int  # rows per DP rank
+    seg_source: np.ndarray  # [segments]: its source
+    seg_start: np.ndarray  # [segments]: its first token in the sample
+    seg_len: np.ndarray  # [segments]: its tokens
+    p_rep: np.ndarray  # int64 [pieces]: the loader replica that reads the piece
+    p_pos: np.ndarray  # int64 [pieces]: the sample's position in that loader's stream
+    p_ret: np.ndarray  # uint8 [pieces]: the piece retires its sample at the loader
+    dp_off: np.ndarray  # int64 [dp ranks + 1]: CSR offsets of each DP rank's constructors
+    dp_tgt: np.ndarray  # int32: those constructors
+    fseg: np.ndarray  # int64 [images]: the first segment of every image (empty without images)
+    img_rank: np.ndarray  # int64 [images]: the encoder rank of every image
+    rank_off: np.ndarray  # int64 [ranks + 1]: CSR offsets of each encoder rank's constructors
+    rank_tgt: np.ndarray  # int32: those constructors
+
 
 @njit(cache=True)
 def _route(pidx, seg_row, rpr, seg_source, seg_start, seg_len, p_rep, p_pos, p_ret, dp_off, dp_tgt,
@@ -178,12 +203,14 @@ def route(pidx: np.ndarray, seg_row: np.ndarray, rows_per_rank: int, seg_source:
     (source, replica, bounds [n_groups + 1]). `pidx`: the piece of every segment; `fseg`: the first
     segment of every image (empty without images)."""
     i64 = np.int64
-    return _route(np.ascontiguousarray(pidx, i64), np.ascontiguousarray(seg_row), int(rows_per_rank),
-                  np.ascontiguousarray(seg_source), np.ascontiguousarray(seg_start), np.ascontiguousarray(seg_len),
-                  np.ascontiguousarray(p_rep, i64), np.ascontiguousarray(p_pos, i64), np.ascontiguousarray(p_ret, np.uint8),
-                  np.ascontiguousarray(dp_off, i64), np.ascontiguousarray(dp_tgt, np.int32), np.ascontiguousarray(fseg, i64),
-                  np.ascontiguousarray(img_rank, i64), np.ascontiguousarray(rank_off, i64),
-                  np.ascontiguousarray(rank_tgt, np.int32))
+    inp = RouteInput(np.ascontiguousarray(pidx, i64), np.ascontiguousarray(seg_row), int(rows_per_rank),
+                     np.ascontiguousarray(seg_source), np.ascontiguousarray(seg_start), np.ascontiguousarray(seg_len),
+                     np.ascontiguousarray(p_rep, i64), np.ascontiguousarray(p_pos, i64),
+                     np.ascontiguousarray(p_ret, np.uint8), np.ascontiguousarray(dp_off, i64),
+                     np.ascontiguousarray(dp_tgt, np.int32), np.ascontiguousarray(fseg, i64),
+                     np.ascontiguousarray(img_rank, i64), np.ascontiguousarray(rank_off, i64),
+                     np.ascontiguousarray(rank_tgt, np.int32))
+    return _route(*inp)
 
 
 # ---- images per constructor --------------------------------------------------------------------
