@@ -456,7 +456,7 @@ class EmbeddedRuntime:
             self._export_client_env()
             if self.restart is not None and self.restart.standby:
                 self._standby_due = time.monotonic()  # started by the first supervise(): nobody restarts before
-        except BaseException:
+        except BaseException:  # re-raised: a start that failed (or was interrupted) leaves no process behind
             self.stop()
             raise
         return self
@@ -725,7 +725,7 @@ class EmbeddedRuntime:
                     if "recovering" not in str(e) or time.monotonic() > t_end:
                         raise
                     time.sleep(0.2)
-        except BaseException:
+        except BaseException:  # re-raised: a reshard the planner did not take keeps the children it had
             self.children = before
             raise
         if reply.get("duplicate"):

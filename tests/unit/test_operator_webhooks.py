@@ -40,6 +40,16 @@ def test_valid_mixture_has_no_problems():
     assert out["response"] == {"uid": "u-1", "allowed": True}
 
 
+def test_a_bad_operator_annotation_is_refused_at_admission_naming_it():
+    bad = mixture()
+    bad["metadata"]["annotations"] = {"mixplane.io/scale-on": "guessed", "mixplane.io/loader-cpu": "8"}
+    assert review_mixture(bad) == ["metadata.annotations.mixplane.io/scale-on: expected measured or declared, got 'guessed'"]
+    out = validate_review(review(bad))["response"]
+    assert out["allowed"] is False and "mixplane.io/scale-on" in out["status"]["message"]
+    bad["metadata"]["annotations"] = {"mixplane.io/scale-on": "declared", "mixplane.io/loader-cpu": "8"}
+    assert review_mixture(bad) == []
+
+
 def test_cross_field_problems_use_the_spec_texts_with_spec_prefix():
     bad = mixture(mixture={"weights": {"web": 1.0, "video": 2.0}}, batch={"sequences": 7, "seq_len": 256})
     probs = review_mixture(bad)

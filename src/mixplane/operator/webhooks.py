@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixplane import podend
+from mixplane.operator.annotations import ReconcileError, annotations_of
 from mixplane.spec import SpecError, parse_spec
 
 MIXTURE_LABEL = "mixplane.io/mixture"
@@ -45,15 +46,21 @@ KEY_VOLUME = "mixplane-keys"
 # ---- validating: DataMixture ----
 
 def review_mixture(obj: Mapping[str, Any]) -> list[str]:
-    """Every problem of a DataMixture object as `spec.field.path: message`; empty when it is valid.
+    """Every problem of a DataMixture object as `spec.field.path: message`, and the first bad annotation the operator
+    reads (operator.annotations) as `metadata.annotations.<key>: message`; empty when it is valid.
 
     No checkers are passed in (mixplane.checks): the sources' files and a user strategy's code live on the
     cluster's volumes and in the component image, and the operator must not import user code."""
+    problems: list[str] = []
     try:
         parse_spec(copy.deepcopy(dict(obj)))
     except SpecError as e:
-        return [str(p) for p in e.problems]
-    return []
+        problems = [str(p) for p in e.problems]
+    try:  # refused at admission rather than failing the mixture's first pass
+        annotations_of(obj)
+    except ReconcileError as e:
+        problems.append(str(e))
+    return problems
 
 
 # phases in which nothing runs yet (or nothing could start): any change is still a new start
