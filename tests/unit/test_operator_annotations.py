@@ -18,6 +18,7 @@ from mixplane.operator.annotations import (
     ANN_SCALE_COSTS,
     ANN_SCALE_ON,
     ANN_TPS,
+    NOT_INPUTS,
     READ,
     MixtureAnnotations,
     ReconcileError,
@@ -25,7 +26,8 @@ from mixplane.operator.annotations import (
 )
 from mixplane.operator.autopartition import LoaderBudget
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "operator.md"
 
 
 def obj(**ann):
@@ -101,3 +103,15 @@ def test_a_pass_reads_the_annotations_it_was_given():
     assert Observed(obj(**{ANN_TPS: "7"}), opts, {}, {}, {}, None, (True, ""), 0.0, annotations=given).inputs is given
     with pytest.raises(ReconcileError, match=f"metadata.annotations.{ANN_TPS}"):
         Observed(obj(**{ANN_TPS: "x"}), opts, {}, {}, {}, None, (True, ""), 0.0)
+
+
+def test_every_mixplane_key_the_operator_names_is_an_input_or_said_not_to_be():
+    named = set()
+    for f in (ROOT / "src" / "mixplane" / "operator").glob("*.py"):
+        for m in re.finditer(r"(?:mixplane\.io|\{API_GROUP\})/([a-z][a-z0-9-]*)", f.read_text()):
+            named.add(f"mixplane.io/{m.group(1)}")
+    named.discard("mixplane.io/v1alpha1")  # the API version, not a key
+    inputs = {a.key for a in READ}
+    assert not inputs & set(NOT_INPUTS)
+    assert named - inputs - set(NOT_INPUTS) == set(), "a new mixplane.io/* key: add it to READ or NOT_INPUTS"
+    assert set(NOT_INPUTS) <= named  # and none is listed that the operator no longer names

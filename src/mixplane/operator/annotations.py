@@ -2,12 +2,9 @@
 annotations once per pass into one frozen typed object, so a bad value is refused by name in one place.
 
 What the operator READS from the DataMixture is `READ` below (docs/operator.md's annotation table is checked against
-it). The other `mixplane.io/*` keys are not inputs of the mixture:
-- written by the operator on its own children and read back only as its bookkeeping: `partitions`, `host`,
-  `shadow-of` (loader Deployments), `spec-hash` (pod templates), `profile-sources` (profiling Jobs), `injected`
-  (trainer pods it mutated); labels `instance`, `role`, `component`, `metrics`, `profile-of`, `loader-group`;
-- set by users on trainer pods, read by the pod webhook from the pod: the label `mixture` and the label or
-  annotation `trainer-index` (operator.webhooks).
+it). Every other `mixplane.io/*` key the operator names is not an input of the mixture: `NOT_INPUTS` says what each
+is (tests/unit/test_operator_annotations.py finds every such key in the operator's source and holds it to one list
+or the other).
 """
 
 from __future__ import annotations
@@ -59,6 +56,27 @@ READ: tuple[Annotation, ...] = (
     Annotation(ANN_REPARTITION, "grow", "`grow`: a source is re-partitioned to more partitions when its allocation "
                "needs them, never to fewer; `follow`: also to fewer once nothing needs them"),
 )
+
+
+# the operator's other mixplane.io/* keys: its bookkeeping on its own children, labels, and what users set on pods
+NOT_INPUTS: dict[str, str] = {
+    "mixplane.io/partitions": "annotation the operator writes on a loader Deployment: the partitions it hosts",
+    "mixplane.io/host": "annotation the operator writes on a loader Deployment: its name in the planner's table",
+    "mixplane.io/shadow-of": "annotation the operator writes on a shadow loader Deployment: the primary host",
+    "mixplane.io/spec-hash": "annotation the operator writes on its pod templates: restarts on a spec change",
+    "mixplane.io/profile-sources": "annotation the operator writes on a profiling Job: the sources it profiles",
+    "mixplane.io/injected": "annotation the pod webhook writes on a trainer pod it mutated (never twice)",
+    "mixplane.io/instance": "label of the operator's children: the mixture they belong to",
+    "mixplane.io/role": "label of the operator's children: planner, loader, constructor",
+    "mixplane.io/component": "label of the operator's children: the component's name",
+    "mixplane.io/metrics": "label of the Services a ServiceMonitor scrapes",
+    "mixplane.io/loader-group": "label of a primary loader and its shadows (spread over nodes)",
+    "mixplane.io/profile-of": "label of profiling Jobs and their pods",
+    "mixplane.io/profile-digest": "label of profiling Jobs: the spec and options they profile",
+    "mixplane.io/operator": "the finalizer kopf keeps on a DataMixture",
+    "mixplane.io/mixture": "label users put on trainer pods: the mixture the pod webhook joins them to",
+    "mixplane.io/trainer-index": "label or annotation users put on trainer pods: the pod's slot (webhooks.trainer_index)",
+}
 
 
 class ReconcileError(MixplaneError, ValueError):
