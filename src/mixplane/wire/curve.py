@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,17 @@ _AUTHENTICATORS: dict[int, Authenticator] = {}
 _AUTH_LOCK = threading.Lock()
 
 
+class CurveSettings(Protocol):
+    """What Security reads of its CURVE settings: the spec's ``runtime.curve`` (CurveSpec) or a control client's
+    ControlCurve (always enabled)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def key_dir(self) -> str | None: ...
+
+
 class Security:
     """Transport security of one component, from the spec's ``runtime.curve`` (a no-op when disabled).
 
@@ -283,10 +294,10 @@ class Security:
     stands for the component role).
     """
 
-    def __init__(self, ctx: Any, curve: Any = None, *, name: str = "server", role: str | None = None):
+    def __init__(self, ctx: Any, curve: CurveSettings | None = None, *, name: str = "server", role: str | None = None):
         self.ctx = ctx
-        self.enabled = bool(curve is not None and getattr(curve, "enabled", False))
-        self.key_dir = getattr(curve, "key_dir", None) if self.enabled else None
+        self.enabled = curve is not None and curve.enabled
+        self.key_dir = curve.key_dir if curve is not None and curve.enabled else None
         if self.enabled and not self.key_dir:
             raise ValueError("runtime.curve.enabled needs runtime.curve.key_dir")
         key_dir = self.key_dir  # set whenever enabled (checked above)
