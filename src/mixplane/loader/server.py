@@ -78,6 +78,8 @@ class LoaderServer(PlannerFollower):
         self._bad_samples_seen = 0
         self._dropped_seen = 0
         self._remote_seen = (0, 0, 0, 0)  # requests, bytes, retries, cache hits already counted
+        self._overlong_seen: dict[str, int] = {}  # documents cut / split already counted
+        self._listing_sent = -1  # files of the live listing the planner heard of this session (-1: none yet)
         self._last_status_line = 0.0
         self.session = -1
         # after a restart: re-reading the stream to resend the spans of steps planned before (no announcements
@@ -233,7 +235,7 @@ class LoaderServer(PlannerFollower):
         the planner's cursor names the listing its positions count over."""
         listing = getattr(self.stream, "listing", None)
         segs = listing() if callable(listing) else None
-        if segs is None or len(segs) == getattr(self, "_listing_sent", -1):
+        if segs is None or len(segs) == self._listing_sent:
             return None
         self._listing_sent = len(segs)
         return segs
@@ -300,12 +302,11 @@ class LoaderServer(PlannerFollower):
 
     def _overlong_metrics(self) -> None:
         """Documents cut or split since the last call (the window counts them; drops are counted above)."""
-        seen = getattr(self, "_overlong_seen", {})
+        seen = self._overlong_seen
         for action, n in (("cut", self.window.cut_overlong), ("split", self.window.split_overlong)):
             if n > seen.get(action, 0):
                 self.m.loader_overlong_docs.labels(self.source.name, action).inc(n - seen.get(action, 0))
                 seen[action] = n
-        self._overlong_seen = seen
 
     def _on_plan(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("session", int) != self.session:
