@@ -17,6 +17,7 @@ from mixplane.loader import remote
 from mixplane.loader.files import SourceFilesError, list_source
 from mixplane.loader.indexscan import index_file
 from mixplane.loader.parquet import IOStats
+from mixplane.loader.blockstream import BlockStream
 from mixplane.loader.stream import open_stream
 from mixplane.metrics import make_metrics
 from mixplane.samples import key_epoch
@@ -421,3 +422,30 @@ def test_page_index_kept_beside_the_data_serves_a_new_loader(s3, proxy, tmp_path
     old = [k for k in kept if k.split("/")[-1].startswith(base)]
     assert len(old) == 1 and len(now) == 3 and old[0] not in now, (kept, now)
     assert set(kept) - set(old) <= set(now) and sum(n.split("/")[-1].startswith(base) for n in now) == 1, (kept, now)
+
+
+def test_a_remote_source_read_block_by_block_equals_local(s3, tmp_path):
+    """A source of many objects read block by block (the next block indexed, and its first pages fetched, while one
+    is read): the same keys and values as the same files read locally, across blocks and into the next epoch."""
+    server, _, _ = s3
+    local = tmp_path / "many"
+    local.mkdir()
+    for k in range(24):
+        write_source(str(tmp_path / f"w{k}"), nfiles=1, rows=30 + k, page_size=512, row_group_size=16, seed=k)
+        os.rename(tmp_path / f"w{k}" / "part-00.parquet", local / f"f{k:02d}.parquet")
+    server.upload_dir(str(local), "corpus", "many")
+    more = {"lazy_index_files": 16, "block_files": 5}
+    loc = open_stream(spec(str(local), None, **more), seed=2, buffer_rows=40)
+    rem = open_stream(spec("s3://corpus/many/", server.endpoint, **more), seed=2, buffer_rows=40)
+    try:
+        assert isinstance(rem, BlockStream) and rem.per_epoch == 5
+        n = sum(30 + k for k in range(24)) + 100
+        k1, c1 = take_all(loc, n)
+        k2, c2 = take_all(rem, n)
+        assert k1 == k2 and set(key_epoch(np.asarray(k2)).tolist()) == {0, 1}
+        for c in c1:
+            assert c1[c].equals(c2[c]), c
+        assert rem.stats.requests > 0
+    finally:
+        loc.close()
+        rem.close()

@@ -83,7 +83,8 @@ class BlockStream:
         self._stop = 0  # the block's slot where reading it ends (its rows, or the end of a prefix piece)
         self._opened = False
         self._floor = 0  # the last seek's position: a seek into a block's unused slots stays there until a read
-        self._prefetch((-1, 0, 0))  # the first block's footers are read while the loader starts up
+        # the first block's footers are read while the loader starts up (not its pages: a resume seeks elsewhere)
+        self._prefetch((-1, 0, 0), pages=False)
 
     # ------------------------------------------------------------------------------------------
     # places and blocks
@@ -139,7 +140,7 @@ class BlockStream:
         return SourceFiles(f.uri, f.filesystem, [f.paths[i] for i in ids], [f.sizes[i] for i in ids],
                            [f.mtimes_ns[i] for i in ids])
 
-    def _build(self, block: int, files: SourceFiles, seed: int) -> SourceStream | None:
+    def _build(self, block: int, files: SourceFiles, seed: int, prefetch: bool = False) -> SourceStream | None:
         """A block's stream: its files indexed (bad ones quarantined by name); None when no row is readable.
         Runs on the look-ahead thread: everything it needs from this object is computed before."""
         try:
@@ -152,15 +153,18 @@ class BlockStream:
             s.close()
             raise StreamError(f"source {self.name!r}: block {block} holds {s._epoch_len} rows, more than a block's "
                               f"{MAX_BLOCK_SLOTS} slots (lower sources[].block_files)")
+        if prefetch:
+            s.prefetch()  # remote: the pages of the block's first shuffle buffer, fetched while the block before is read
         return s
 
-    def _submit(self, place: Place) -> Future:
+    def _submit(self, place: Place, prefetch: bool = False) -> Future:
         b = self.block_of(place)
-        return self._pool.submit(self._build, b, self._block_files(b), self.blocks.block_seed(place[1], b))
+        return self._pool.submit(self._build, b, self._block_files(b), self.blocks.block_seed(place[1], b), prefetch)
 
-    def _prefetch(self, place: Place) -> None:
+    def _prefetch(self, place: Place, pages: bool = True) -> None:
+        """Index the place's block in the background (and, remote, fetch the pages of its first shuffle buffer)."""
         if place not in self._ahead:
-            self._ahead[place] = self._submit(place)
+            self._ahead[place] = self._submit(place, prefetch=pages)
 
     def _open(self, place: Place, offset: int = 0) -> None:
         """Read the place's block from its slot ``offset`` on (built now unless the look-ahead has it)."""

@@ -337,6 +337,11 @@ class SourceStream:
         self.reader.plan_ahead(pages)
         self.reader.read_ahead(0)
 
+    def prefetch(self) -> None:
+        """Remote sources: start fetching what the first take needs before it is asked for (a block of a large
+        source indexed ahead fetches its first pages while the block before it is read)."""
+        self._read_ahead()
+
     def _next_block(self) -> bool:
         """Advance to the next non-empty block of the current epoch; False at the epoch's end."""
         self.cache.free(self._block_done)
