@@ -23,10 +23,13 @@ Where the time goes (captured inputs of the largest bench row): nearly all of it
 the end of a step, where ~240k candidates that fit nowhere are each re-tested (one may change which
 source is released), costs ~1-2 ms of them, so it is not short-cut.
 
-The mixing rule is checked against DeficitSampler.pick and the placements against OnlinePacker's
-(tests/unit/test_planner_select.py); the loop's
-outputs on random and adversarial inputs, and whole plans, are held to outputs recorded while the former
-Python loop and the former compiled loop still stood beside it, byte for byte (tests/unit/planner_goldens.py).
+The whole loop is written plainly in planner/selectspec.py (DeficitSampler.pick, OnlinePacker, the starved-source
+bound, sources' ends and rows per step, one piece at a time), and tests/unit/test_selectspec.py holds this loop to
+it piece for piece on random inputs (consumption and counters bit for bit). The mixing rule's incremental form
+(EDFQueue) is checked against DeficitSampler.pick and the placements against OnlinePacker's
+(tests/unit/test_planner_select.py); the loop's outputs on random and adversarial inputs, and whole plans, are held
+to outputs recorded while the former Python loop and the former compiled loop still stood beside it, byte for byte
+(tests/unit/planner_goldens.py).
 """
 
 from __future__ import annotations
