@@ -1,6 +1,6 @@
 """Mixture semantics: which weights hold at a step, and a deterministic sampler that realises them.
 
-Weights follow KempnerForge (seed 002): base weights, temperature (p_i ∝ w_i^(1/T)), phases with
+Weights follow KempnerForge's mixing docs: base weights, temperature (p_i ∝ w_i^(1/T)), phases with
 `start_step` / `lr_scale` and the `anneal` shortcut (one final phase). In a phase and in the anneal
 a source not named falls back to its base weight; a source is dropped only by an explicit 0.
 Unlike KempnerForge, changes take effect at their step, not at an epoch boundary. A live update of
@@ -100,7 +100,7 @@ class MixturePoint:
 
 def phase_weights(names: list[str], base: dict[str, float], named: dict[str, float]) -> tuple[float, ...]:
     """A phase's (or the anneal's) raw weights: named sources as given, the rest at their base weight
-    (seed 002: "falls back to its original weight"; zeroing a source takes an explicit 0)."""
+    (KempnerForge: "falls back to its original weight"; zeroing a source takes an explicit 0)."""
     return tuple(float(named.get(n, base[n])) for n in names)
 
 

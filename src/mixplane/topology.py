@@ -1,6 +1,6 @@
 """ClientPlaceTree: where every trainer rank sits, for every module, and who fetches which data.
 
-Seed 001 §4.1: the ClientPlaceTree is the logical model of the trainer's device mesh. Several
+MegaScale-Data §4.1: the ClientPlaceTree is the logical model of the trainer's device mesh. Several
 *modules* share one world (e.g. a ViT encoder with world-wide data parallelism and an LLM
 backbone with PP x DP x CP x TP); each module has its own mesh over the same global ranks.
 

@@ -1,4 +1,4 @@
-"""Iceberg tables and snapshots as sources (seed 004: a blend's inputs are immutable table snapshots).
+"""Iceberg tables and snapshots as sources (poolside's Model Factory: a blend's inputs are immutable table snapshots).
 
 ``uri: iceberg://<catalog>/<namespace>.<table>[@<snapshot-id>]``. The catalog is pyiceberg's, configured the way
 pyiceberg is (``~/.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__<NAME>__URI`` / ``__WAREHOUSE`` / ``__S3.ENDPOINT``

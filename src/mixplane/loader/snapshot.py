@@ -1,4 +1,4 @@
-"""Differential checkpoints of a Source Loader (seed 001 §6.1, Fig. 11).
+"""Differential checkpoints of a Source Loader (MegaScale-Data §6.1, Fig. 11).
 
 Every `runtime.loader_snapshot_every` steps planned for it, a loader writes where its partition's stream
 stands — its window's low position, the partial progress of the samples it holds, its epoch and session,

@@ -345,7 +345,7 @@ def peak_shares(plan: PartitionPlan) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class SidecarPlacement:
-    """Sidecar placement (seed 001 §7, hybrid deployment): which loader pods run as containers of which trainer pod.
+    """Sidecar placement (MegaScale-Data §7, hybrid deployment): which loader pods run as containers of which trainer pod.
 
     `slots[k]` are the loader pods of trainer pod k (its `mixplane.io/trainer-index`); `remote` the ones that did
     not fit any trainer pod's sidecar budget, which run as loader pods of their own (scale-out)."""

@@ -1,6 +1,6 @@
 """Vectorised balancers: split items with costs into bins so that the most loaded bin is as light as possible.
 
-Two methods (seed 001 §4.2 `balance`): greedy bin packing (LPT: largest item to the least loaded
+Two methods (MegaScale-Data §4.2 `balance`): greedy bin packing (LPT: largest item to the least loaded
 bin) and Karmarkar-Karp's largest differencing method. Both come in two forms:
 
 * **equal count** — every bin receives the same number of items (± 1): used when the items are
@@ -14,7 +14,7 @@ Everything works on numpy arrays: LPT runs in rounds (one item per bin per round
 largest item to the currently lightest bin), so its cost is O(rounds x bins log bins) numpy work
 instead of one Python step per item; KK starts from balanced k-tuples (BLDM) so it merges only
 items / bins tuples. Bins may start with initial loads (`init`), e.g. another module's cost, and
-bins may be split into groups (`group_size`, seed 001: balance within subgroups to bound the
+bins may be split into groups (`group_size`, MegaScale-Data: balance within subgroups to bound the
 coordination cost on very large clusters).
 """
 

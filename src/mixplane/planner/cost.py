@@ -1,6 +1,6 @@
 """Analytical cost models: training FLOPs of a transformer backbone and of a ViT encoder per sample.
 
-Seed 001 §4.2 (`cost`): the encoder's cost is a function of the image sequence length, the
+MegaScale-Data §4.2 (`cost`): the encoder's cost is a function of the image sequence length, the
 embedding / MLP dimensions and the depth; the backbone's of the sequence length, experts per
 token, vocabulary and hidden size. Everything here is vectorised over arrays of samples.
 

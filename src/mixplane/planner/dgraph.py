@@ -1,4 +1,4 @@
-"""DGraph: the planner's programming model (seed 001 §4, Fig. 8 / 9).
+"""DGraph: the planner's programming model (MegaScale-Data §4, Fig. 8 / 9).
 
 A DGraph holds the metadata of one step's samples (never payloads) and records, primitive by
 primitive, how they are to be distributed over the ClientPlaceTree:
@@ -109,7 +109,7 @@ class DGraph:
                 "start": p.start[idx], "piece": idx}
 
     def summary_buffer(self) -> dict[str, Any]:
-        """What the loaders' windows hold (seed 001's `summary_buffer`): per source samples and tokens."""
+        """What the loaders' windows hold (MegaScale-Data's `summary_buffer`): per source samples and tokens."""
         return self.ctx.summary_buffer()
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ parallelism). Pure numpy, no I/O.
 
 The fixed scheme cuts every packed row over the CP group of its DP replica: a row of many short documents pays
 the CP exchange as a row of one long document does, and DP replicas are only as even as their rows. Here the
-dp x cp ranks are one pool of consumers (seed 001's ``distribute('CP')``: "DP x CP GPUs as uniform consumers"):
+dp x cp ranks are one pool of consumers (MegaScale-Data's ``distribute('CP')``: "DP x CP GPUs as uniform consumers"):
 
 * a sequence of ``L`` tokens needs ``k = 2^ceil(log2(L / max_tokens))`` ranks, ``max_tokens`` being what one rank
   may hold of one sequence (``seq_len / cp``: the share of a row a CP rank holds in the fixed scheme); ``k = 1``

@@ -8,7 +8,7 @@ Two ways in:
   one-per-row), applying an over-long policy first, and returns a :class:`PackPlan` with every
   piece's row and offset plus a :class:`PackingReport` (efficiency, padding, splits, drops).
 
-Policies (seed 004): best fit puts each piece in the fullest row that still has room and, on pieces
+Policies (poolside's Model Factory): best fit puts each piece in the fullest row that still has room and, on pieces
 sorted by decreasing length (BFD), comes close to 100% use of the context window; next fit only ever
 fills the current row and opens a new one when a piece does not fit (about 15% waste); `none` gives
 every piece its own row, the unpacked baseline.
@@ -289,7 +289,7 @@ def pack_documents(lengths: np.ndarray, seq_len: int, policy: str = "best_fit", 
 
 def packing_report_chunks(lengths: np.ndarray, seq_len: int, policy: str = "best_fit", overlong: str = "split", *,
                           chunk: int = 4096, decreasing: bool = True) -> PackingReport:
-    """Pack consecutive chunks of `chunk` documents independently (seed 004's sub-plans, or one step's
+    """Pack consecutive chunks of `chunk` documents independently (poolside's sub-plans, or one step's
     window) and sum the reports: what a streaming packer with that much look-ahead achieves."""
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = [pack_documents(lengths[i:i + chunk], seq_len, policy, overlong, decreasing=decreasing).report

@@ -1,4 +1,4 @@
-"""Built-in planning strategies (seed 001 Fig. 9) and loading user strategies by import path.
+"""Built-in planning strategies (MegaScale-Data Fig. 9) and loading user strategies by import path.
 
 A strategy is a function ``strategy(ctx, **options) -> StepLayout``; ``options`` are the spec's
 ``strategy.options`` (keys a function does not accept are an error, named at load time, except

@@ -1,4 +1,4 @@
-"""`mixplane prep`: offline stages in front of the loaders (seed 004's pipeline), each writing Parquet the
+"""`mixplane prep`: offline stages in front of the loaders (poolside's Model Factory pipeline), each writing Parquet the
 loaders read in place.
 
 * :mod:`minhash` -- Ioffe's weighted MinHash (consistent weighted sampling) of weighted bags of tokens, and the

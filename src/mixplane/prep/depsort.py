@@ -1,4 +1,4 @@
-"""Depsort (seed 004): a repository's Python and JavaScript files in dependency order, so a model sees definitions
+"""Depsort (poolside's Model Factory): a repository's Python and JavaScript files in dependency order, so a model sees definitions
 before their uses. Pure (no I/O): Python through `ast`, JavaScript through tree-sitter's parser (the `prep` extra).
 
 The graph: file A depends on file B when A imports B's module (``import pkg.b``, ``from pkg.b import x``,
@@ -13,7 +13,7 @@ Node resolves a relative path (``./b`` is ``b.js`` (or another suffix above) or 
 (``react``) name packages outside the repository and make no edge. The names a file defines (top-level functions,
 classes, declarations, exports) are kept beside, as for Python. Edges never cross languages.
 
-The order: repositories have import cycles, so a strict topological order may not exist. Seed 004 breaks cycles
+The order: repositories have import cycles, so a strict topological order may not exist. poolside's pipeline breaks cycles
 where a depth-first search happens to meet them; here the order is the Eades-Lin-Smyth heuristic for the
 minimum feedback arc set (sinks first, sources last, then the node with the largest out-minus-in degree), which
 keeps more dependency edges than an arbitrary break: every edge of an acyclic graph, and on cyclic ones at least
@@ -226,7 +226,7 @@ def best_effort_order(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) ->
 
 
 def dfs_order(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> list[str]:
-    """Seed 004's form: a depth-first post-order over the dependencies (cycles broken where the search meets
+    """poolside's form: a depth-first post-order over the dependencies (cycles broken where the search meets
     them). For comparison."""
     deps: dict[str, list[str]] = defaultdict(list)
     for a, b in sorted(edges):

@@ -1,4 +1,4 @@
-"""Which near-duplicates go: a greedy vertex cover of the similarity graph (seed 004). Pure.
+"""Which near-duplicates go: a greedy vertex cover of the similarity graph (poolside's Model Factory). Pure.
 
 Similarity edges are not transitive: a component of the LSH graph may hold documents that are not similar to
 each other, so keeping one per component loses content. Removing a *vertex cover* (a set of documents that

@@ -1,6 +1,6 @@
 """Prep's output as an Iceberg table: the Parquet files a stage wrote become the table's next snapshot, registered
 in place (pyiceberg's ``add_files``: no copy, the files are the table's data files), so a blend names
-``iceberg://<catalog>/<namespace>.<table>@<snapshot>`` -- an immutable input, as seed 004's Blender takes them.
+``iceberg://<catalog>/<namespace>.<table>@<snapshot>`` -- an immutable input, as poolside's Blender takes them.
 
 The table is created on first use with the files' schema; a later run replaces its rows (one snapshot that deletes
 the previous files from the table and adds the new ones), and older snapshots stay readable as long as their files

@@ -1,7 +1,7 @@
 """Weighted MinHash (Ioffe, 2010, "Improved Consistent Sampling, Weighted Minhash and L1 Sketching") and LSH
 banding: pure, numpy.
 
-A document is a weighted bag of tokens (token id -> weight > 0; seed 004 weighs a token by its frequency in the
+A document is a weighted bag of tokens (token id -> weight > 0; poolside's pipeline weighs a token by its frequency in the
 document and its rarity in the corpus). For hash i and token k, Ioffe's consistent weighted sampling draws
 r, c ~ Gamma(2, 1) and beta ~ U(0, 1) -- here from a counter-based generator keyed by (seed, i, k), so every
 process, executor and run draws the same numbers without sharing state -- and takes
@@ -54,7 +54,7 @@ def token_id(token: str) -> int:
 
 def tokens(text: str, code: bool = False) -> list[str]:
     """Words (natural language: lower-cased word characters) or code tokens (identifiers, numbers, and each
-    punctuation mark -- seed 004's language-specific tokenisers keep `;` and `{` from dominating through the
+    punctuation mark -- poolside's language-specific tokenisers keep `;` and `{` from dominating through the
     weights, not by dropping them)."""
     if code:
         return WORD.findall(text)

@@ -1,4 +1,4 @@
-"""`mixplane prep` on Spark: deduplication (seed 004) and depsort, every step distributed.
+"""`mixplane prep` on Spark: deduplication (poolside's Model Factory) and depsort, every step distributed.
 
 Deduplication of a DataFrame of documents (`id`, `text` [, `repo`, `fork`, `stars`]):
 
