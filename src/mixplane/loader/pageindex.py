@@ -300,6 +300,14 @@ class SourceIndex:
         self.num_units = len(p["unit_off"]) if p is not None else 0
 
     # -- views of the primary column --
+    def primary_arrays(self) -> dict[str, np.ndarray]:
+        """The first projected column's arrays (:attr:`primary`, which is None only for a source that projects
+        no column)."""
+        p = self.primary
+        if p is None:
+            raise RuntimeError("the source projects no column: it has no primary column")
+        return p
+
     @property
     def unit_rows(self) -> np.ndarray:
         return self.primary["unit_rows"]

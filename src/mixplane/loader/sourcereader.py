@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -12,26 +13,31 @@ import pyarrow as pa
 from mixplane.loader import parquet as pr
 from mixplane.loader import remote
 from mixplane.loader.pageindex import SourceIndex
-from mixplane.loader.parquet import ColumnInfo, CorruptFileError, CorruptPageError, IOStats, ParquetError, RangeReader
+from mixplane.loader.parquet import (ColumnInfo, CorruptFileError, CorruptPageError, Dictionary, IOStats, ParquetError,
+                                     RangeReader)
 from mixplane.loader.diskcache import DiskCache
 from mixplane.loader.readahead import ReadAhead
 from mixplane.loader.remote import RemoteIO
 from mixplane.loader.parquet.thrift import ThriftError
 
 
-class _LRU:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _LRU(Generic[K, V]):
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
-        self.items: OrderedDict = OrderedDict()
+        self.items: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self.nbytes = 0
 
-    def get(self, key):
+    def get(self, key: K) -> tuple[V, int] | None:
         v = self.items.get(key)
         if v is not None:
             self.items.move_to_end(key)
         return v
 
-    def put(self, key, value, nbytes: int) -> None:
+    def put(self, key: K, value: V, nbytes: int) -> None:
         old = self.items.pop(key, None)
         if old is not None:
             self.nbytes -= old[1]
@@ -41,7 +47,7 @@ class _LRU:
             _, (_, nb) = self.items.popitem(last=False)
             self.nbytes -= nb
 
-    def pop(self, key) -> None:
+    def pop(self, key: K) -> None:
         old = self.items.pop(key, None)
         if old is not None:
             self.nbytes -= old[1]
@@ -70,9 +76,9 @@ class SourceReader:
     :func:`dict_cache_budget`, re-sized as a live source grows). ``dict_reads`` counts dictionary
     pages read."""
 
-    def __init__(self, index: SourceIndex, *, filesystem=None, stats: IOStats | None = None, verify_crc: bool = True,
+    def __init__(self, index: SourceIndex, *, filesystem: Any = None, stats: IOStats | None = None, verify_crc: bool = True,
                  dict_cache_bytes: int | None = None, max_open_files: int = 64, io: RemoteIO | None = None,
-                 disk_cache: tuple[str, int] | None = None):
+                 disk_cache: tuple[str, int] | None = None) -> None:
         self.index = index
         self.fs = filesystem
         self.io = io or remote.DEFAULTS
@@ -88,13 +94,13 @@ class SourceReader:
         self.ahead_misses = 0  # remote reads not served by the read-ahead
         self._pending: dict[int, int] = {}  # page -> planned reads not done (page mode)
         self.split_hits = 0  # parts of split pages taken from a page decoded for an earlier part
-        self._split = _LRU(self.io.split_cache_bytes)  # decoded split pages with planned parts to come
+        self._split: _LRU[int, dict[str, pa.Array]] = _LRU(self.io.split_cache_bytes)  # decoded split pages with planned parts to come
         self.stats = stats if stats is not None else IOStats()
         if self.ahead is not None:
             self.ahead.stats = self.stats
         self.verify_crc = verify_crc
         self._auto_dict_budget = dict_cache_bytes is None
-        self._dicts = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
+        self._dicts: _LRU[tuple[str, int], Dictionary] = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
         self.dict_reads = 0
         self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
         self._readers: OrderedDict[int, RangeReader] = OrderedDict()
@@ -140,7 +146,7 @@ class SourceReader:
                     self._readers.popitem(last=False)
             return r
 
-    def _dictionary(self, col: ColumnInfo, chunk: int):
+    def _dictionary(self, col: ColumnInfo, chunk: int) -> Dictionary | None:
         a = self.index.cols[col.name]
         key = (col.name, chunk)
         with self._dict_lock:
@@ -211,7 +217,7 @@ class SourceReader:
         [p0, p1) of ``chunk`` (and of the chunk's dictionary pages not decoded yet): what
         :meth:`read_rows` will read for them."""
         idx = self.index
-        p = idx.primary
+        p = idx.primary_arrays()
         row0 = int(p["unit_row_start"][p0])
         row1 = int(p["unit_row_start"][p1 - 1]) + int(p["unit_rows"][p1 - 1])
         out = []
@@ -238,7 +244,7 @@ class SourceReader:
         return self._unit_ranges(int(self.index.chunk_of_units([page])[0]), page, page + 1)
 
     def _chunk_ranges(self, chunk: int) -> list[tuple[int, int, int]]:
-        fu = self.index.primary["chunk_first_unit"]
+        fu = self.index.primary_arrays()["chunk_first_unit"]
         p0, p1 = int(fu[chunk]), int(fu[chunk + 1])
         return self._unit_ranges(chunk, p0, p1) if p1 > p0 else []
 
@@ -320,6 +326,8 @@ class SourceReader:
     def _read_rows(self, chunk: int, row0: int, row1: int, units: tuple[int, int] | None = None,
                    select: np.ndarray | None = None) -> dict[str, pa.Array]:
         out: dict[str, pa.Array] = {}
+        if self.index.col_info is None:
+            raise RuntimeError("rows read from a source index that holds no file")
         for ci, col in enumerate(self.index.col_info):
             a = self.index.cols[col.name]
             if ci == 0 and units is not None:
