@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from mixplane.loader.parquet import ColumnInfo, ParquetError, SchemaMismatchError
@@ -77,9 +79,12 @@ def _signature(cols: list[ColumnInfo]) -> list[str]:
     return [str(c.arrow_type) for c in cols]
 
 
-def reference_signature(sigs: list) -> object:
+S = TypeVar("S")
+
+
+def reference_signature(sigs: list[S]) -> S:
     """The most common signature; ties go to the earliest."""
-    counts: dict = {}
+    counts: dict[str, int] = {}
     for sg in sigs:
         counts[repr(sg)] = counts.get(repr(sg), 0) + 1
     best = max(counts.values())
@@ -139,6 +144,15 @@ def kind_accepts(kind: str, position: int, t: pa.DataType) -> str | None:
 # the source
 
 
+class Where(TypedDict, total=False):
+    """Where a unit of a source lies, as the keyword arguments of a :class:`ParquetError`."""
+
+    file: str
+    row_group: int
+    column: str
+    page: int
+
+
 class SourceIndex:
     """Concatenated file indexes of a source with the global numbering of rows and units.
 
@@ -158,6 +172,10 @@ class SourceIndex:
         self._folded = 0  # files already in the arrays (_rebuild folds in only those after them)
         self._released = 0  # files whose own page arrays were dropped once folded (release_pages)
         self._last_folded: FileIndex | None = None
+        # set by _rebuild: the first projected column's arrays (None when no column is projected), rows, units
+        self.primary: dict[str, np.ndarray] | None = None
+        self.num_rows = 0
+        self.num_units = 0
         self._rebuild()
 
     # -- building --
@@ -223,7 +241,7 @@ class SourceIndex:
         total = sum(int(np.sum(self.cols[c]["chunk_raw_len"])) for c in self.columns if c in self.cols)
         return total / self.num_rows
 
-    _DTYPES = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
+    _DTYPES: ClassVar[dict[str, type[np.integer[Any]]]] = {"chunk_file": np.int32, "chunk_rg": np.int32, "chunk_codec": np.int8, "chunk_dict_off": np.int64,
                "chunk_dict_len": np.int32, "chunk_raw_len": np.int64, "chunk_row_start": np.int64, "chunk_rows": np.int64,
                "unit_off": np.int64, "unit_len": np.int32, "unit_rows": np.int32, "unit_pages": np.int16,
                "chunk_nunits": np.int64}
@@ -310,39 +328,39 @@ class SourceIndex:
 
     @property
     def unit_rows(self) -> np.ndarray:
-        return self.primary["unit_rows"]
+        return self.primary_arrays()["unit_rows"]
 
     @property
     def unit_row_start(self) -> np.ndarray:
-        return self.primary["unit_row_start"]
+        return self.primary_arrays()["unit_row_start"]
 
     @property
     def num_chunks(self) -> int:
-        return len(self.primary["chunk_rg"])
+        return len(self.primary_arrays()["chunk_rg"])
 
     @property
     def chunk_row_start(self) -> np.ndarray:
-        return self.primary["chunk_row_start"]
+        return self.primary_arrays()["chunk_row_start"]
 
     @property
     def chunk_rows(self) -> np.ndarray:
-        return self.primary["chunk_rows"]
+        return self.primary_arrays()["chunk_rows"]
 
-    def locate(self, units) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def locate(self, units: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global unit -> (file, chunk, unit within chunk), vectorised over ``units``: the chunk by
         :meth:`chunk_of_units` (what the reader uses), the file from the chunk table."""
         u = np.asarray(units, dtype=np.int64)
         if len(u) and (u.min() < 0 or u.max() >= self.num_units):
             raise IndexError(f"unit out of range [0, {self.num_units})")
-        p = self.primary
+        p = self.primary_arrays()
         c = self.chunk_of_units(u)
         return p["chunk_file"][c].astype(np.int64), c, u - p["chunk_first_unit"][c]
 
-    def unit_of_rows(self, rows) -> np.ndarray:
+    def unit_of_rows(self, rows: npt.ArrayLike) -> np.ndarray:
         return np.searchsorted(self.unit_row_start, np.asarray(rows, np.int64), side="right") - 1
 
-    def chunk_of_units(self, units) -> np.ndarray:
-        return np.searchsorted(self.primary["chunk_first_unit"], np.asarray(units, np.int64), side="right") - 1
+    def chunk_of_units(self, units: npt.ArrayLike) -> np.ndarray:
+        return np.searchsorted(self.primary_arrays()["chunk_first_unit"], np.asarray(units, np.int64), side="right") - 1
 
     # -- accounting --
     @property
@@ -354,7 +372,7 @@ class SourceIndex:
 
     @property
     def num_pages(self) -> int:
-        return int(self.primary["unit_pages"].sum()) if self.num_units else 0
+        return int(self.primary_arrays()["unit_pages"].sum()) if self.num_units else 0
 
     @property
     def bytes_per_page(self) -> float:
@@ -367,10 +385,11 @@ class SourceIndex:
             h.update(f"{f.path}|{f.size}|{f.mtime_ns}|{f.num_rows}\n".encode())
         return h.hexdigest()[:16]
 
-    def where(self, col: str, chunk: int, unit: int | None = None) -> dict:
+    def where(self, col: str, chunk: int, unit: int | None = None) -> Where:
+        """File, row group, column and (with ``unit``) page within the chunk of column ``col``'s chunk ``chunk``."""
         a = self.cols[col]
         f = self.files[int(a["chunk_file"][chunk])]
-        d = {"file": f.path, "row_group": int(a["chunk_rg"][chunk]), "column": col}
+        d: Where = {"file": f.path, "row_group": int(a["chunk_rg"][chunk]), "column": col}
         if unit is not None:
             d["page"] = int(unit - a["chunk_first_unit"][chunk])
         return d
