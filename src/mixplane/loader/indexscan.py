@@ -9,7 +9,9 @@ import logging
 import os
 import posixpath
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -30,6 +32,10 @@ REMOTE_INDEX_THREADS = 32  # files indexed at once on object storage (index_work
 LOCAL_INDEX_THREADS = 4  # and on a local filesystem
 LOCAL_TAIL_BYTES = 64 << 10  # a local file's last bytes read at once when it is indexed
 
+# a column chunk's unit table: (dictionary page offset, its length (0, 0: none), then lists over the chunk's units:
+# byte offset, length, rows, pages)
+_Units = tuple[int, int, list[int], list[int], list[int], list[int]]
+
 
 def _offset_index(reader: RangeReader, chunk: pr.ChunkMeta) -> tuple[list[int], list[int], list[int]] | None:
     """(offsets, compressed sizes incl. header, first row index) of a chunk's data pages, if written: Python lists
@@ -44,7 +50,7 @@ def _offset_index(reader: RangeReader, chunk: pr.ChunkMeta) -> tuple[list[int], 
     return off, size, first
 
 
-def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int):
+def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: int, rg_rows: int) -> _Units:
     """Unit table of one column chunk: OffsetIndex when present, else a header scan. (dictionary offset, its
     length, then lists over the chunk's units: offset, length, rows, pages)."""
     path = reader.path
@@ -70,7 +76,10 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
             dict_off, dict_len = start, off[0] - start
         return dict_off, dict_len, off, size, rows, [1] * n
     # scan headers: one small positional read per page (plus the level bytes of v1 list pages)
-    offs, lens, rows, pages = [], [], [], []
+    offs: list[int] = []
+    lens: list[int] = []
+    rows = []  # (list[int], as in the OffsetIndex branch above)
+    pages: list[int] = []
     pos, k = start, 0
     while pos < end:
         probe = min(_HEADER_PROBE, end - pos)
@@ -104,6 +113,9 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
                 except (ValueError, ParquetError) as e:
                     raise CorruptPageError(f"cannot count rows: {e}", file=path, row_group=rg, column=col.name, page=k) from None
             elif h.type == pr.DATA_PAGE_V2:
+                if h.num_rows is None:  # (the header parser sets it on every v2 page: a required field)
+                    raise CorruptPageError("data page v2 header without num_rows", file=path, row_group=rg,
+                                           column=col.name, page=k)
                 nrows = h.num_rows
             if cont and offs:  # this page continues the previous row: merge into the previous unit
                 lens[-1] += total
@@ -119,7 +131,7 @@ def _scan_chunk(reader: RangeReader, col: ColumnInfo, chunk: pr.ChunkMeta, rg: i
     return dict_off, dict_len, offs, lens, rows, pages
 
 
-def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError):
+def _placeholder(chunk: pr.ChunkMeta, rg_rows: int, err: CorruptPageError) -> _Units:
     """Unit table of a column chunk that could not be scanned: one unit of all its rows and no bytes
     (unit_len 0 marks it; reading it raises). Its pages: those scanned before the bad header plus the
     bad one, or the chunk's bytes over their mean size when larger (an estimate: the rest is unknown)."""
@@ -143,7 +155,8 @@ def _hold_offset_indexes(reader: RangeReader, meta: pr.FileMeta, cols: list[Colu
 # columns resolved from a schema, by (the footer's schema list bytes, its ARROW:schema value, the projection): the
 # files of one corpus share them, so the compiled path resolves a schema once (with the Python path) and then
 # reuses it. Values: (leaves in the schema, the ColumnInfos, their leaf numbers, their physical types).
-_RESOLVED: dict[tuple, tuple[int, list[ColumnInfo], np.ndarray, np.ndarray]] = {}
+_SchemaKey = tuple[bytes, bytes | None, tuple[str, ...]]
+_RESOLVED: dict[_SchemaKey, tuple[int, list[ColumnInfo], np.ndarray, np.ndarray]] = {}
 _RESOLVED_MAX = 256
 
 
@@ -166,7 +179,7 @@ def use_compiled(files: int) -> bool:
 
 
 def _index_compiled(reader: RangeReader, columns: list[str], size: int | None,
-                    mtime_ns: int) -> tuple[FileIndex | None, tuple | None]:
+                    mtime_ns: int) -> tuple[FileIndex | None, _SchemaKey | None]:
     """The file's index through the compiled footer and OffsetIndex parse (:mod:`footerloop`) when its schema was
     resolved before and every projected chunk is the common case (an OffsetIndex that checks out); else (None,
     the schema's key to remember once the Python path resolved it, or None) and the Python path decides."""
@@ -183,7 +196,7 @@ def _index_compiled(reader: RangeReader, columns: list[str], size: int | None,
     for kv in rows[rows[:, fl.KIND] == fl.KEY_VALUE]:  # the last ARROW:schema with a value, as _file_meta reads it
         if kv[fl.VALUE_HI] > kv[fl.VALUE_LO] and data[kv[fl.KEY_LO]: kv[fl.KEY_HI]] == b"ARROW:schema":
             arrow = data[kv[fl.VALUE_LO]: kv[fl.VALUE_HI]]
-    key = (data[rows[0, fl.SCHEMA_LO]: rows[0, fl.SCHEMA_HI]], arrow, tuple(columns))
+    key: _SchemaKey = (data[rows[0, fl.SCHEMA_LO]: rows[0, fl.SCHEMA_HI]], arrow, tuple(columns))
     got = _RESOLVED.get(key)
     if got is None:
         return None, key
@@ -216,7 +229,7 @@ def _index_compiled(reader: RangeReader, columns: list[str], size: int | None,
                      num_rows=int(rows[0, fl.NUM_ROWS]), rg_rows=rg_rows, columns=list(cols), pages=pages), None
 
 
-def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats | None = None,
+def index_file(path: str, columns: list[str], *, filesystem: Any = None, stats: IOStats | None = None,
                size: int | None = None, mtime_ns: int = 0, compiled: bool = False) -> FileIndex:
     """Build the index of one file (raises ParquetError naming what is wrong). `compiled`: through the compiled
     footer parse where it applies (the same index, faster; see :func:`use_compiled`); else the Python path alone,
@@ -299,7 +312,7 @@ def index_file(path: str, columns: list[str], *, filesystem=None, stats: IOStats
         reader.close()
 
 
-def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem=None,
+def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: int, filesystem: Any = None,
                        stats: IOStats | None = None, cache_dir: str | None = None, beside: bool = False,
                        kept: list[tuple[str, bool]] | None = None, write_sidecar: bool = True,
                        compiled: bool = False) -> FileIndex:
@@ -331,7 +344,8 @@ def load_or_index_file(path: str, columns: list[str], *, size: int, mtime_ns: in
     return fi
 
 
-def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[str], filesystem) -> FileIndex | None:
+def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[str],
+                 filesystem: Any) -> FileIndex | None:
     """The index kept beside the data, or None (not there yet, unreadable, another file's): never an error."""
     try:
         if filesystem is None:
@@ -345,12 +359,12 @@ def _read_beside(near: str, path: str, size: int, mtime_ns: int, columns: list[s
     return load_sidecar(io.BytesIO(bytes(data)), path, size, mtime_ns, columns)
 
 
-def _put(filesystem, path: str, data: bytes) -> None:
+def _put(filesystem: Any, path: str, data: bytes) -> None:
     with filesystem.open_output_stream(path) as f:
         f.write(data)
 
 
-def _write_beside(near: str, fi: FileIndex, filesystem) -> bool:
+def _write_beside(near: str, fi: FileIndex, filesystem: Any) -> bool:
     """Best effort: a store this loader may not write to (read-only credentials, or one that takes no writes at
     all: fsspec's HTTP filesystem raises NotImplementedError) only loses the cache. Whether it was written."""
     try:
@@ -369,7 +383,7 @@ def _write_beside(near: str, fi: FileIndex, filesystem) -> bool:
     return True
 
 
-def prune_stale_indexes(kept: list[tuple[str, bool]], current: dict[str, str], filesystem=None) -> int:
+def prune_stale_indexes(kept: list[tuple[str, bool]], current: dict[str, str], filesystem: Any = None) -> int:
     """Remove the indexes of older versions of this source's files (rewritten since) from the directories an index
     was just written to -- the local cache and the `_mixplane_index/` beside the data: without it every rewrite of a
     file left one more .npz behind. One listing per directory, only when something was written; best effort (an
@@ -395,7 +409,7 @@ def prune_stale_indexes(kept: list[tuple[str, bool]], current: dict[str, str], f
     return removed
 
 
-def index_workers(filesystem, files: int, threads: int | None = None) -> int:
+def index_workers(filesystem: Any, files: int, threads: int | None = None) -> int:
     """Threads that index a source's files at once: the footers, OffsetIndexes and sidecars of many files are read
     concurrently (on object storage each is a request of one round trip; one after another, 100,000 files at 20 ms
     take over half an hour). `threads` (a caller's own, e.g. the profile's one-thread measurement), else
@@ -418,7 +432,11 @@ def index_workers(filesystem, files: int, threads: int | None = None) -> int:
     return max(1, min(n, files))
 
 
-def _in_order(fn, items: list, workers: int):
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _in_order(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]:
     """fn(item) for every item, yielded in the items' order, with at most `workers` calls running and at most
     4 x workers results waiting (the caller consumes them as they come)."""
     if workers <= 1 or len(items) <= 1:
@@ -427,10 +445,10 @@ def _in_order(fn, items: list, workers: int):
         return
     ahead = 4 * workers
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mixplane-index") as pool:
-        pending: deque = deque()
-        it = iter(items)
+        pending: deque[Future[R]] = deque()
+        rest = iter(items)
         try:
-            for x in it:
+            for x in rest:
                 pending.append(pool.submit(fn, x))
                 if len(pending) >= ahead:
                     yield pending.popleft().result()
@@ -441,9 +459,11 @@ def _in_order(fn, items: list, workers: int):
                 f.cancel()
 
 
-def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtimes=None, filesystem=None,
+def build_source_index(paths: list[str], columns: list[str], *, sizes: Sequence[int] | None = None,
+                       mtimes: Sequence[int] | None = None, filesystem: Any = None,
                        stats: IOStats | None = None, cache_dir: str | None = "default",
-                       on_bad=None, on_bad_chunk=None, index: SourceIndex | None = None,
+                       on_bad: Callable[[ParquetError], object] | None = None,
+                       on_bad_chunk: Callable[[ParquetError], object] | None = None, index: SourceIndex | None = None,
                        beside: bool = False, use_pack: bool | None = None, use_recent: bool = True,
                        threads: int | None = None) -> SourceIndex:
     """Index files in the given order (append to ``index`` if given). A file that cannot be
@@ -484,10 +504,10 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
     if cache_dir and recent and packed is None:
         # a listing that changed (a file added, removed, rewritten or bad): the unchanged files from the last packs
         for name in sidecar.recent_packs(recent):
-            got = sidecar.load_pack_files(os.path.join(cache_dir, name), columns)
-            if got:
+            in_pack = sidecar.load_pack_files(os.path.join(cache_dir, name), columns)
+            if in_pack:
                 read_packs.add(name)
-            for k, fi in got.items():
+            for k, fi in in_pack.items():
                 reused.setdefault(k, fi)
             if all(t in reused for t in ids):
                 break
@@ -506,7 +526,7 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
     # else every file's index in path order, whatever order the pool finishes them in: the same as one by one
     todo = sum(1 for t in ids if t not in reused) if reused else len(ids)
     compiled = packed is None and use_compiled(todo)
-    results = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, todo, threads))
+    results: Iterator[FileIndex | ParquetError] = iter(packed) if packed is not None else _in_order(one, ids, index_workers(filesystem, todo, threads))
     for (path, _, _), got in zip(ids, results):
         if isinstance(got, ParquetError):
             bad(path, got)
@@ -528,9 +548,9 @@ def build_source_index(paths: list[str], columns: list[str], *, sizes=None, mtim
             continue
         if not fi.bad_chunks:
             added.append(fi)
-        for e in fi.bad_chunks:
+        for chunk_err in fi.bad_chunks:
             if on_bad_chunk is not None:
-                on_bad_chunk(e)
+                on_bad_chunk(chunk_err)
     idx.finish()
     if cache_dir and pack and not recent and packed is None and added and len(added) == len(ids):
         try:  # a block's pack: every file of it, or none (a bad file is read and reported again on every start)

@@ -11,6 +11,9 @@ class ParquetError(MixplaneError, ValueError):
     """A Parquet file or page that cannot be read; the message names file, row group, column, page."""
 
     kind = "corrupt"
+    # declared, not set here: the page indexer sets it on an error that lost a whole file, where the pages are known
+    # (read it with getattr: absent otherwise)
+    pages_lost: int
 
     def __init__(self, message: str, *, file: str | None = None, row_group: int | None = None,
                  column: str | None = None, page: int | None = None):
@@ -25,6 +28,9 @@ class CorruptFileError(ParquetError):
 
 class CorruptPageError(ParquetError):
     kind = "corrupt_page"
+    # declared, not set here: the page indexer's header scan sets it, the bytes of the column chunk scanned before the
+    # bad header (read it with getattr: absent otherwise)
+    scanned_bytes: int
 
 
 class ChecksumError(CorruptPageError):
