@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mixplane.errors import MixplaneError
 from mixplane.loader.shuffle import epoch_rng
 from mixplane.samples import EPOCH_SHIFT
 
@@ -26,7 +27,7 @@ MAX_BLOCK_SLOTS = 1 << OFFSET_BITS
 LOOKAHEAD_BLOCKS = 1  # blocks indexed in the background beyond the one being read
 
 
-class BlockError(ValueError):
+class BlockError(MixplaneError, ValueError):
     """A position, block or row outside what a block layout can express; the message says which."""
 
 
