@@ -197,7 +197,7 @@ def _source_spec(uri: str):
 
 
 def lazy_indexing(source, files: int) -> bool:
-    from mixplane.loader.blockstream import lazy_indexing as lazy
+    from mixplane.loader.blocks import lazy_indexing as lazy
 
     return lazy(source, files)
 

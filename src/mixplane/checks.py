@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 
+from mixplane.loader.blocks import block_order
 from mixplane.loader.files import SourceFilesError, list_source, list_source_files, read_schema_names
 from mixplane.planner.strategies import StrategyError, bind_options, load_callable
-from mixplane.profile import block_order
 from mixplane.spec import Checker, DataMixtureSpec, Problem, SourceSpec
 
 
@@ -104,7 +104,7 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
 
 def block_partition_problem(source: SourceSpec, files_listed: int, partitions: int) -> str | None:
     """Why a source of `files_listed` files cannot be split into `partitions` partitions by its listing alone: its
-    loaders read it block by block (`loader.blockstream.lazy_indexing`) and a partition takes whole blocks, so it has
+    loaders read it block by block (`loader.blocks.lazy_indexing`) and a partition takes whole blocks, so it has
     at most its number of blocks (what a loader would fail with at start). None when it can, or when only its
     index can tell (a source read in page order)."""
     blocks = block_order(source, files_listed)

@@ -27,7 +27,7 @@ thread: the profile's own open of the sample is the second measurement) times th
 estimate of the heap: the allocator's slack is not in it, and in the operator's process tracemalloc also sees
 what other threads allocate meanwhile.
 
-A source its loaders read block by block (`loader.blockstream.lazy_indexing`: static, page mode, at least
+A source its loaders read block by block (`loader.blocks.lazy_indexing`: static, page mode, at least
 `lazy_index_files` files listed) says `order: blocks` (else `pages`) with `blocks` and `block_files`: it is measured
 in page order on its sample all the same (costs per file), but a partition reads whole blocks, so `max_partitions` is
 at most its number of blocks, and a loader holds the index of the block it reads and the next LOOKAHEAD_BLOCKS
@@ -124,22 +124,11 @@ def _index_options(src: Any, files: Any) -> dict[str, Any]:
     """open_stream's options for an open whose heap is measured: one indexing thread (a block-by-block stream of a
     large page-mode source takes its own index options: there the pool decides)."""
     if src.shuffle == "page" and not src.live and src.lazy_index_files:
-        from mixplane.loader.blockstream import lazy_indexing
+        from mixplane.loader.blocks import lazy_indexing
 
         if lazy_indexing(src, len(files.paths)):
             return {}
     return {"index_options": {"threads": MEASURE_INDEX_THREADS}}
-
-
-def block_order(src: Any, files_listed: int) -> Any:
-    """The block layout (loader.blocks.BlockLayout) of a source its loaders read block by block
-    (`loader.blockstream.lazy_indexing`), None when they read the whole source's page order."""
-    from mixplane.loader.blocks import BlockLayout
-    from mixplane.loader.blockstream import lazy_indexing
-
-    if files_listed < 1 or not lazy_indexing(src, files_listed):
-        return None
-    return BlockLayout(files_listed, int(src.block_files), 0, src.name)  # the count does not depend on the seed
 
 
 def held_files(blocks: Any) -> int:
@@ -150,15 +139,13 @@ def held_files(blocks: Any) -> int:
     return min(blocks.num_files, (1 + LOOKAHEAD_BLOCKS) * blocks.block_files)
 
 
-# blocks whose row starts a BlockStream keeps to name the file of a key (`BlockStream._remember`)
-RECENT_BLOCKS = 4
-
-
 def held_index_bytes(blocks: Any, per_file: float, listed: Any, sample: Any) -> int:
     """Heap bytes of the index a loader of a block-read source holds: `held_files` files at the listing's mean
     per-file heap (the sample's `per_file`, scaled to the listing by bytes as the whole index would be: a block is a
     random draw of the listing), plus the row starts of the last RECENT_BLOCKS blocks (an int64 and a list slot a
     file; the paths are the listing's)."""
+    from mixplane.loader.blocks import RECENT_BLOCKS
+
     mean = per_file * len(sample.paths) * _ratio(listed, sample) / max(1, len(listed.paths))
     recent = RECENT_BLOCKS * min(blocks.num_files, blocks.block_files) * 16
     return math.ceil(mean * held_files(blocks)) + recent
@@ -214,6 +201,7 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     """Read up to `max_rows` rows (or `max_cpu_s` CPU seconds) of one source the way a loader does, from at most
     `sample_files` of its files (see the module docstring). `files`: the source's listing, when the caller has it
     (a loader.files.SourceFiles; else the source is listed here)."""
+    from mixplane.loader.blocks import block_order
     from mixplane.loader.files import list_source
     from mixplane.loader.stream import open_stream
     from mixplane.loader.transforms import image_costs_of, make_transform

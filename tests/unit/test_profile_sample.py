@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
 
+from mixplane.loader.blocks import block_order
 from mixplane.loader.files import SourceFiles, list_source_files
 from mixplane.loader.stream import open_stream
 from mixplane.profile import SAMPLE_FILES, profile_source, sample_indices
@@ -222,7 +223,7 @@ def test_a_source_read_block_by_block_is_capped_at_its_blocks_and_holds_two_bloc
     # pages: the index of all 600 files (the 536 not read added); blocks: 128 files' worth, the sample's replaced
     per = blocks["index_bytes_per_file"]
     sample = sample_files_of(listed)
-    held = held_index_bytes(profile_mod.block_order(_block_spec(corpus, 100).sources[0], 600), per, listed, sample)
+    held = held_index_bytes(block_order(_block_spec(corpus, 100).sources[0], 600), per, listed, sample)
     assert held > per * 128 * 0.5
     assert blocks["open_rss_bytes"] == pytest.approx(max(0, held - per * SAMPLE_FILES) + listing_bytes(listed), rel=0.02)
     assert pages["open_rss_bytes"] > pages["index_bytes_per_file"] * 536 * 0.9
@@ -271,9 +272,9 @@ def test_the_block_cap_reaches_the_auto_partitioner_and_the_scaler(corpus, monke
 
 
 def test_the_recent_blocks_the_profile_counts_are_those_a_block_stream_keeps(corpus, monkeypatch):
-    """profile.RECENT_BLOCKS mirrors how many blocks' row starts BlockStream keeps (to name a key's file): read
-    through 6 blocks of one file each, the stream keeps exactly that many."""
-    from mixplane.profile import RECENT_BLOCKS
+    """loader.blocks.RECENT_BLOCKS, which the profile counts, is how many blocks' row starts BlockStream keeps (to name
+    a key's file): read through 6 blocks of one file each, the stream keeps exactly that many."""
+    from mixplane.loader.blocks import RECENT_BLOCKS
 
     monkeypatch.setenv("MIXPLANE_INDEX_CACHE", "")
     s = open_stream(_block_spec(corpus, 100, 1).sources[0], seed=0, cache_dir=None)

@@ -21,10 +21,12 @@ import numpy as np
 from mixplane.errors import MixplaneError
 from mixplane.loader.shuffle import epoch_rng
 from mixplane.samples import EPOCH_SHIFT
+from mixplane.spec import SourceSpec
 
 OFFSET_BITS = 30  # slots a block owns in stream positions (its rows must fit)
 MAX_BLOCK_SLOTS = 1 << OFFSET_BITS
 LOOKAHEAD_BLOCKS = 1  # blocks indexed in the background beyond the one being read
+RECENT_BLOCKS = 4  # blocks whose row starts a stream keeps to name the file of a key (and a profile counts)
 
 
 class BlockError(MixplaneError, ValueError):
@@ -93,6 +95,21 @@ class BlockLayout:
     def split_key_row(self, key_row: int) -> tuple[int, int]:
         """(block, row within the block) of a sample key's row."""
         return int(key_row) >> self.row_bits, int(key_row) & ((1 << self.row_bits) - 1)
+
+
+def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
+    """Whether a source of ``num_files`` listed files is read block by block (static, page mode, large enough)."""
+    limit = source.lazy_index_files
+    return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
+
+
+def block_order(source: SourceSpec, files_listed: int) -> BlockLayout | None:
+    """The block layout of a source of ``files_listed`` listed files its loaders read block by block
+    (:func:`lazy_indexing`), None when they read the whole source's page order. Its seed is 0: the blocks' count
+    and sizes do not depend on it."""
+    if files_listed < 1 or not lazy_indexing(source, files_listed):
+        return None
+    return BlockLayout(files_listed, int(source.block_files), 0, source.name)
 
 
 def encode_position(base_pos: int, base_epoch: int, per_epoch: int, epoch: int, j: int, offset: int) -> int:

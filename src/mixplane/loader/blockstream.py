@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from mixplane.loader.blocks import (
-    LOOKAHEAD_BLOCKS, MAX_BLOCK_SLOTS, OFFSET_BITS, BlockError, BlockLayout, decode_position, encode_position,
+    LOOKAHEAD_BLOCKS, MAX_BLOCK_SLOTS, OFFSET_BITS, RECENT_BLOCKS, BlockError, BlockLayout, decode_position,
+    encode_position,
 )
 from mixplane.loader.files import SourceFiles
 from mixplane.loader.pageindex import SourceIndex
@@ -32,12 +33,6 @@ from mixplane.samples import key_row, make_key
 from mixplane.spec import SourceSpec
 
 log = logging.getLogger(__name__)
-
-
-def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
-    """Whether a source of ``num_files`` listed files is read block by block (static, page mode, large enough)."""
-    limit = source.lazy_index_files
-    return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
 
 
 Place = tuple[int, int, int]  # (prefix piece or -1 for an own epoch, epoch, block's place j in that order)
@@ -149,9 +144,9 @@ class BlockStream:
         except StreamError as e:
             log.warning("source %r: block %d has no readable rows: %s", self.name, block, e)
             return None
-        if s._epoch_len > MAX_BLOCK_SLOTS:
+        if s.epoch_len > MAX_BLOCK_SLOTS:
             s.close()
-            raise StreamError(f"source {self.name!r}: block {block} holds {s._epoch_len} rows, more than a block's "
+            raise StreamError(f"source {self.name!r}: block {block} holds {s.epoch_len} rows, more than a block's "
                               f"{MAX_BLOCK_SLOTS} slots (lower sources[].block_files)")
         if prefetch:
             s.prefetch()  # remote: the pages of the block's first shuffle buffer, fetched while the block before is read
@@ -182,7 +177,7 @@ class BlockStream:
             self._prefetch(k)
         cur = fut.result()
         self._place, self._opened, self._cur = place, True, cur
-        rows = cur._epoch_len if cur is not None else 0
+        rows = cur.epoch_len if cur is not None else 0
         t, _, j = place
         self._stop = rows if t < 0 else max(0, min(rows, self._prefix[t].hi - (j << OFFSET_BITS)))
         if t >= 0 and j == self._prefix[t].lo >> OFFSET_BITS:  # a piece begins inside its first block
@@ -192,10 +187,10 @@ class BlockStream:
             cur.seek(min(offset, self._stop))
 
     def _remember(self, block: int, s: SourceStream) -> None:
-        """Enough of a block's index to name the file of a key's row (where_key), for the last few blocks."""
+        """Enough of a block's index to name the file of a key's row (where_key), for the last RECENT_BLOCKS blocks."""
         self._recent[block] = (np.asarray(s.index.file_row_start, np.int64), [f.path for f in s.index.files])
         self._recent.move_to_end(block)
-        while len(self._recent) > 4:
+        while len(self._recent) > RECENT_BLOCKS:
             self._recent.popitem(last=False)
 
     def _ensure_open(self) -> None:

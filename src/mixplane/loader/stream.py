@@ -362,6 +362,12 @@ class SourceStream:
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def epoch_len(self) -> int:
+        """Slots of the epoch (or re-partition prefix piece) being read: its positions run from its start to the
+        start plus this (a block of a block-read source: its rows)."""
+        return self._epoch_len
+
     def seek(self, position: int) -> None:
         """Continue at slot ``position``, exactly as an unbroken stream would (no data is read)."""
         position = int(position)
@@ -738,7 +744,8 @@ def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partit
     if source.shuffle_buffer_mb is not None:
         options.setdefault("buffer_bytes", int(source.shuffle_buffer_mb * (1 << 20)))
     if source.shuffle == "page" and not source.live and source.lazy_index_files:
-        from mixplane.loader.blockstream import BlockStream, lazy_indexing  # (it builds on this module)
+        from mixplane.loader.blocks import lazy_indexing
+        from mixplane.loader.blockstream import BlockStream  # (it builds on this module)
 
         files = options.pop("files", None) or list_source(source)
         if lazy_indexing(source, len(files.paths)):
