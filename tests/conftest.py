@@ -1,4 +1,5 @@
-"""Shared fixtures: small real Parquet sources written with pyarrow (no network, seconds to build)."""
+"""Shared fixtures: small real Parquet sources written with pyarrow (no network, seconds to build), and helpers the
+integration tests share."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def token_mixture(root: Path, **overrides) -> dict:
         else:
             doc[k] = v
     return doc
+
+
+def fetch_batches(rt, ranks, steps: int) -> dict[int, list[dict[str, np.ndarray]]]:
+    """Rank -> the `steps` batches a trainer of each rank in `ranks` gets from the runtime `rt` (its tensor fields as
+    numpy copies), one MixtureLoader after another."""
+    from mixplane.client import MixtureLoader  # (torch: imported only by the tests that fetch)
+
+    out = {}
+    for r in ranks:
+        loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=steps, timeout_s=90)
+        out[r] = [{k: v.numpy().copy() for k, v in b.items() if hasattr(v, "numpy")} for b in loader]
+        loader.close()
+    return out
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -16,7 +16,7 @@ from mixplane.client import DeliveryError, MixtureLoader
 from mixplane.replay import replay_step
 from mixplane.runtime import EmbeddedRuntime
 from mixplane.spec import SpecError, parse_spec
-from tests.conftest import token_mixture
+from tests.conftest import fetch_batches, token_mixture
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "strategies" / "loss_only_on.py"
 STEPS = 6
@@ -29,25 +29,16 @@ def example():
     return m.loss_only_on
 
 
-def fetch(rt, ranks, steps=STEPS):
-    out = {}
-    for r in ranks:
-        loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=steps, timeout_s=90)
-        out[r] = [{k: v.numpy().copy() for k, v in b.items() if hasattr(v, "numpy")} for b in loader]
-        loader.close()
-    return out
-
-
 def test_the_hooked_batches_are_the_hook_applied_to_the_plain_ones(token_sources, tmp_path):
     doc = token_mixture(token_sources["root"])
     hooked = {**doc, "hooks": {"constructor": {"name": f"{EXAMPLE}:loss_only_on", "options": {"sources": ["b"]},
                                                 "token_fields": ["doc_start"]}}}
     with EmbeddedRuntime(parse_spec(doc), tmp_path / "plain") as rt:
-        plain = fetch(rt, [0, 1])
+        plain = fetch_batches(rt, [0, 1], STEPS)
     run_dir = tmp_path / "hooked"
     spec = parse_spec(hooked, checks=default_checks())
     with EmbeddedRuntime(spec, run_dir) as rt:
-        got = fetch(rt, [0, 1])
+        got = fetch_batches(rt, [0, 1], STEPS)
     fn = example()
     masked = 0
     for r in (0, 1):
@@ -70,7 +61,7 @@ def test_context_parallelism_cuts_the_hooks_token_field_like_input_ids(token_sou
                         hooks={"constructor": {"name": f"{EXAMPLE}:loss_only_on", "options": {"sources": ["a"]},
                                                "token_fields": ["doc_start"]}})
     with EmbeddedRuntime(parse_spec(doc), tmp_path / "cp") as rt:
-        got = fetch(rt, [0, 1], steps=2)
+        got = fetch_batches(rt, [0, 1], 2)
     for r in (0, 1):
         b = got[r][0]
         idx = b["cp_token_index"]

@@ -19,7 +19,7 @@ from mixplane.client import DeliveryError, MixtureLoader
 from mixplane.planner import journal
 from mixplane.runtime import ComponentFailed, EmbeddedRuntime
 from mixplane.spec import SpecError, parse_spec
-from tests.conftest import token_mixture
+from tests.conftest import fetch_batches, token_mixture
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "strategies" / "busiest_first.py"
 STEPS = 5
@@ -45,28 +45,19 @@ def shuffle_keys(plan, ctx):
 '''
 
 
-def fetch(rt, ranks, steps=STEPS):
-    out = {}
-    for r in ranks:
-        loader = MixtureLoader(rt.planner_endpoint, rank=r, max_steps=steps, timeout_s=90)
-        out[r] = [{k: v.numpy().copy() for k, v in b.items() if hasattr(v, "numpy")} for b in loader]
-        loader.close()
-    return out
-
-
 def test_the_hook_runs_in_the_loaders_and_orders_what_they_serve_without_changing_a_batch(token_sources, tmp_path):
     rec = tmp_path / "recorder.py"
     rec.write_text(RECORDER)
     log = tmp_path / "calls.jsonl"
     doc = token_mixture(token_sources["root"])
     with EmbeddedRuntime(parse_spec(doc), tmp_path / "plain") as rt:
-        plain = fetch(rt, [0, 1])
+        plain = fetch_batches(rt, [0, 1], STEPS)
     hooked = {**doc, "hooks": {"loader": {"name": f"{rec}:record", "sources": ["a", "b"],
                                           "options": {"log": str(log), "read_ahead_steps": 3}}}}
     run_dir = tmp_path / "hooked"
     spec = parse_spec(hooked, checks=default_checks())
     with EmbeddedRuntime(spec, run_dir) as rt:
-        got = fetch(rt, [0, 1])
+        got = fetch_batches(rt, [0, 1], STEPS)
         pids = {name: info["pid"] for name, info in rt.endpoints()["components"].items()}
     for r in (0, 1):
         for step in range(STEPS):
