@@ -52,12 +52,16 @@ def _g6(x: float) -> float:
 
 
 def slim_profile(profile: Mapping[str, Any]) -> dict[str, Any]:
-    """A profile with only what the auto-partitioner reads, and an image source's image costs (what the operator
-    resolves `image.decode_at: auto` from), six significant digits: what fits a termination message."""
+    """A profile with only what the auto-partitioner reads, the files listed (what tells the operator the profile's
+    max_partitions counts a block-read source's blocks: `operator.reconcile.profile_from_status`) and an image source's
+    image costs (what the operator resolves `image.decode_at: auto` from), six significant digits: what fits a
+    termination message."""
     out: dict[str, dict[str, Any]] = {}
     for name, p in profile["sources"].items():
         out[name] = {"cpu_s_per_token": _g6(p["cpu_s_per_token"]), "memory_per_partition": int(p["memory_per_partition"]),
                      "max_partitions": int(p["max_partitions"]), "mean_tokens_per_sample": _g6(p["mean_tokens_per_sample"])}
+        if p.get("files_listed"):  # kept with max_partitions: a profile that says its file count knows block reading
+            out[name]["files_listed"] = int(p["files_listed"])
         ic = p.get("image_costs")
         if isinstance(ic, Mapping):
             out[name]["image_costs"] = {k: _g6(ic[k]) for k in IMAGE_COST_FIELDS[:3]} | {"images": int(ic["images"])}
@@ -91,7 +95,7 @@ def slim_entry_bound(name: str, image: bool = False) -> int:
     """Bytes one source takes at most in a slim profile's message (the widest numbers each field can have);
     `image`: an image source, with its image costs."""
     widest: dict[str, Any] = {"cpu_s_per_token": -1.23457e-100, "memory_per_partition": 1 << 63, "max_partitions": 1 << 63,
-                              "mean_tokens_per_sample": -1.23457e-100}
+                              "mean_tokens_per_sample": -1.23457e-100, "files_listed": 1 << 63}
     if image:
         widest["image_costs"] = {"decode_s": -1.23457e-100, "raw_bytes": -1.23457e-100, "decoded_bytes": -1.23457e-100,
                                  "images": 1 << 63}
@@ -145,7 +149,8 @@ def parse_message(text: str) -> dict[str, Any]:
     costs_from_profile(doc)  # every source with the fields the auto-partitioner needs
     for name, p in doc["sources"].items():
         if not (isinstance(p.get("mean_tokens_per_sample"), (int, float)) and p["cpu_s_per_token"] >= 0
-                and p["memory_per_partition"] >= 0 and p["max_partitions"] >= 1):
+                and p["memory_per_partition"] >= 0 and p["max_partitions"] >= 1
+                and (type(p.get("files_listed", 1)) is int and p.get("files_listed", 1) >= 1)):
             raise ValueError(f"sources.{name}: figures out of range")
     try:
         costs = image_costs_from_profile(doc)

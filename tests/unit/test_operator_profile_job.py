@@ -181,6 +181,36 @@ def test_a_succeeded_pod_gives_the_profile_the_status_keeps():
     assert kept["sources"]["src-000"]["max_partitions"] == 8 and kept["sources"]["src-000"]["cpu_s_per_token"] == 2e-6
 
 
+def test_a_jobs_profile_carries_the_files_listed_so_the_status_keeps_a_block_read_sources_profile():
+    """The termination message carries files_listed (what tells a kept profile's max_partitions counts blocks where the
+    source is read block by block: reconcile.profile_from_status): a Job's profile of many pages comes back from
+    the status; without the count (an older image's message) it would be measured again."""
+    from mixplane.operator.reconcile import desired, status_of
+    from tests.unit.operator_testdata import FakeKeys
+
+    names = ["src-000", "src-001"]
+    prof = {"version": 1, "sources": {n: {"cpu_s_per_token": 2e-6, "memory_per_partition": 50 << 20, "max_partitions": 196,
+                                          "mean_tokens_per_sample": 300.0, "files_listed": 50_000} for n in names}}
+    msg = termination_message(prof)
+    assert parse_message(msg)["sources"]["src-000"]["files_listed"] == 50_000
+    for bad in (0, "many"):
+        broken = json.loads(msg)
+        broken["sources"]["src-001"]["files_listed"] = bad
+        with pytest.raises(ValueError, match="sources.src-001: figures out of range"):
+            parse_message(json.dumps(broken))
+    out = profile_outcome(spec_of(body()), [(job("j"), [pod("j-a", 0, msg)], names)])
+    assert out.state == "done"
+    keys = FakeKeys({r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")})
+    b = body(**{"mixplane.io/tokens-per-second": "20000"})
+    st = status_of(b, desired(b, OPTS, out.profile, keys), OPTS, out.profile, ready=False,
+                   progressing=(True, "RollingOut", "x"), degraded=(False, "AsPlanned", ""))
+    assert {s["profile"]["filesListed"] for s in st["sources"]} == {50_000}
+    assert profile_from_status({**b, "status": st})["sources"]["src-001"]["max_partitions"] == 196
+    for s in st["sources"]:
+        del s["profile"]["filesListed"]
+    assert profile_from_status({**b, "status": st}) is None
+
+
 def test_a_failed_job_says_why_and_falls_back_for_its_sources_only():
     spec = spec_of(body(3))
     ok = termination_message({"version": 1, "sources": {"src-000": {"cpu_s_per_token": 2e-6, "memory_per_partition": 1 << 20,
@@ -219,7 +249,8 @@ def test_where_sources_are_profiled():
     assert all(p["measured_by"] == "fallback" for p in fallback_profile(spec_of(body()))["sources"].values())
     # costs by kind in the status are never taken as a kept profile, whatever the conditions say now
     b = body()
-    st = {"sources": [{"name": n, "profile": {"cpuSecondsPerToken": 2e-7, "memoryPerPartition": 1, "measuredBy": m}}
+    st = {"sources": [{"name": n, "profile": {"cpuSecondsPerToken": 2e-7, "memoryPerPartition": 1, "measuredBy": m,
+                                              "filesListed": 3}}
                       for n, m in (("src-000", "job"), ("src-001", "fallback"))], "conditions": []}
     assert profile_from_status({**b, "status": st}) is None
     st["sources"][1]["profile"]["measuredBy"] = "job"

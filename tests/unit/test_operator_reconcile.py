@@ -18,8 +18,10 @@ from tests.unit.operator_testdata import FakeKeys
 OPTS = ClusterOptions(name="demo", namespace="ml", image="mixplane:test")
 KEYS = FakeKeys({r: ("p" * 40, "s" * 40) for r in ("server", "component", "client", "admin")})
 PROFILE = {"version": 1, "sources": {
-    "text": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 << 20, "max_partitions": 50, "mean_tokens_per_sample": 500.0},
-    "pairs": {"cpu_s_per_token": 6e-5, "memory_per_partition": 60 << 20, "max_partitions": 50, "mean_tokens_per_sample": 80.0}}}
+    "text": {"cpu_s_per_token": 1.5e-6, "memory_per_partition": 40 << 20, "max_partitions": 50, "mean_tokens_per_sample": 500.0,
+             "files_listed": 20},
+    "pairs": {"cpu_s_per_token": 6e-5, "memory_per_partition": 60 << 20, "max_partitions": 50, "mean_tokens_per_sample": 80.0,
+              "files_listed": 30}}}
 
 
 def body(**ann):
@@ -188,3 +190,46 @@ def test_decode_at_auto_is_resolved_from_the_profiles_image_costs_into_the_spec_
     bad = {"version": 1, "sources": {**PROFILE["sources"], "pairs": {**PROFILE["sources"]["pairs"], "image_costs": {"decode_s": "x"}}}}
     with pytest.raises(ReconcileError, match="profile sources.pairs.image_costs"):
         desired(body(), OPTS, bad, KEYS)
+
+
+def test_an_older_profile_of_a_source_that_may_be_read_block_by_block_is_measured_again():
+    """A kept profile without a file count (an older mixplane's status: its profile did not cap a block-read source's
+    max_partitions at the blocks) of a static page-mode source with lazy_index_files on is not kept when its
+    maxPartitions is above the fewest blocks such a source has (ceil(lazy_index_files / block_files)): the operator
+    profiles again, and the new profile records filesListed, so it is kept."""
+    import copy
+
+    b = body()
+    d = desired(b, OPTS, PROFILE, KEYS)
+    st = status_of(b, d, OPTS, PROFILE, ready=True, progressing=(False, "Converged", ""), degraded=(False, "AsPlanned", ""))
+    assert [s["profile"]["filesListed"] for s in st["sources"]] == [20, 30]
+    kept = profile_from_status({**b, "status": st})
+    assert kept is not None and kept["sources"]["pairs"]["files_listed"] == 30
+
+    def older(status, max_partitions, measured_by=None):
+        out = copy.deepcopy(status)
+        for s in out["sources"]:
+            del s["profile"]["filesListed"]
+            s["profile"]["maxPartitions"] = max_partitions
+            if measured_by:
+                s["profile"]["measuredBy"] = measured_by
+        return {**b, "status": out}
+
+    # pages of a source of 50,000 files (196 blocks of the default 256 files): measured again
+    assert profile_from_status(older(st, 905_194)) is None
+    assert profile_from_status(older(st, 905_194, "job")) is None
+    # a cap no larger than the fewest blocks (4,096 / 256 = 16) is one for a block-read source too: kept
+    assert profile_from_status(older(st, 16))["sources"]["text"]["max_partitions"] == 16
+    assert profile_from_status(older(st, 17)) is None
+    # a profile given by hand (mixplane.io/profile) is the user's figures: kept
+    assert profile_from_status(older(st, 905_194, "annotation")) is not None
+    # sources never read block by block: another shuffle mode, or lazy_index_files 0; block_files moves the bound
+    for change in ({"shuffle": "rowgroup"}, {"lazy_index_files": 0}):
+        other = older(st, 905_194)
+        other["spec"] = {**b["spec"], "sources": [{**s, **change} for s in b["spec"]["sources"]]}
+        assert profile_from_status(other)["sources"]["pairs"]["max_partitions"] == 905_194
+    small_blocks = older(st, 64)
+    small_blocks["spec"] = {**b["spec"], "sources": [{**s, "block_files": 64} for s in b["spec"]["sources"]]}
+    assert profile_from_status(small_blocks) is not None  # 4,096 / 64 = 64 blocks at the fewest
+    small_blocks["status"]["sources"][0]["profile"]["maxPartitions"] = 65
+    assert profile_from_status(small_blocks) is None

@@ -61,7 +61,8 @@ class SourceProfile(_Status):
     cpuSecondsPerToken: float = Field(..., ge=0, description="Measured CPU seconds per delivered token (`mixplane profile`).")
     memoryPerPartition: int = Field(..., ge=0, description="Measured bytes one Source Loader of this source holds.")
     meanTokens: float | None = Field(None, ge=0, description="Mean tokens per sample in the profiled pages.")
-    maxPartitions: int | None = Field(None, ge=1, description="Partitions the source can be split into (its pages, row groups or rows).")
+    maxPartitions: int | None = Field(None, ge=1, description="Partitions the source can be split into (its pages, row groups or rows; a source read block by block: at most its blocks).")
+    filesListed: int | None = Field(None, ge=1, description="Files the profile listed. A kept profile without it (an older mixplane's) of a source that may be read block by block is measured again: its maxPartitions may count pages, not blocks.")
     measuredBy: Literal["operator", "job", "annotation", "fallback"] | None = Field(None, description="Where the figures come from: the operator in-process, a profiling Job, the mixplane.io/profile annotation, or costs by kind (not measured).")
     imageCosts: ImageCostsStatus | None = Field(None, description="An image source's measured image costs: what `image.decode_at: auto` is resolved from.")
 

@@ -74,14 +74,38 @@ def profile_from_status(body: Mapping[str, Any]) -> dict[str, Any] | None:
     found: dict[str, dict[str, Any]] = {str(s.get("name")): s["profile"] for s in sources if isinstance(s, dict) and s.get("profile")}
     if not names or any(n not in found for n in names) or any(found[n].get("measuredBy") == "fallback" for n in names):
         return None  # costs by kind (e.g. while profiling again after a failed Job) are not a profile either
+    if (any(not found[n].get("filesListed") for n in names)
+            and any(_pages_for_blocks(s, found[s.name]) for s in _spec_sources(body))):
+        return None  # an older mixplane's profile: its max_partitions may count the pages of a block-read source
     return {"version": 1, "sources": {n: {"cpu_s_per_token": found[n]["cpuSecondsPerToken"],
                                           "memory_per_partition": found[n]["memoryPerPartition"],
                                           "mean_tokens_per_sample": found[n].get("meanTokens"),
                                           "max_partitions": found[n].get("maxPartitions", 1 << 20),
+                                          **({"files_listed": found[n]["filesListed"]} if found[n].get("filesListed") else {}),
                                           **({"measured_by": found[n]["measuredBy"]} if found[n].get("measuredBy") else {}),
                                           **({"image_costs": _image_costs_from_status(found[n]["imageCosts"])}
                                              if isinstance(found[n].get("imageCosts"), Mapping) else {})}
                                       for n in names}}
+
+
+def _spec_sources(body: Mapping[str, Any]) -> list[Any]:
+    try:
+        return list(spec_of(body).sources)
+    except ReconcileError:
+        return []  # an invalid spec is reported where it is parsed for the pass
+
+
+def _pages_for_blocks(s: Any, kept: Mapping[str, Any]) -> bool:
+    """Whether a kept profile's maxPartitions may exceed the blocks of a source read block by block: a profile that
+    records no file count (`filesListed`: mixplane profile capped max_partitions at the blocks since it records
+    one), measured (not the annotation's), of a static page-mode source with `lazy_index_files` on (the spec half
+    of `loader.blocks.lazy_indexing`), above the fewest blocks such a source has (ceil(lazy_index_files /
+    block_files): a cap below that is one already)."""
+    if kept.get("filesListed") or kept.get("measuredBy") == "annotation":
+        return False
+    if s.live or s.shuffle != "page" or not s.lazy_index_files:
+        return False
+    return int(kept.get("maxPartitions") or (1 << 20)) > -(-s.lazy_index_files // s.block_files)
 
 
 def _image_costs_from_status(ic: Mapping[str, Any]) -> dict[str, Any]:
@@ -397,6 +421,7 @@ def status_of(body: Mapping[str, Any], d: Desired, opts: ClusterOptions, profile
             "profile": {"cpuSecondsPerToken": float(p.get("cpu_s_per_token", 0.0)), "memoryPerPartition": int(p.get("memory_per_partition", 0)),
                         **({"meanTokens": float(p["mean_tokens_per_sample"])} if p.get("mean_tokens_per_sample") else {}),
                         **({"maxPartitions": int(p["max_partitions"])} if p.get("max_partitions") else {}),
+                        **({"filesListed": int(p["files_listed"])} if p.get("files_listed") else {}),
                         **({"measuredBy": p["measured_by"]} if p.get("measured_by") else {}),
                         **({"imageCosts": _image_costs_status(p["image_costs"])} if isinstance(p.get("image_costs"), Mapping) else {}),
                         },
