@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -18,43 +18,8 @@ from mixplane.loader.parquet import (ColumnInfo, CorruptFileError, CorruptPageEr
 from mixplane.loader.diskcache import DiskCache
 from mixplane.loader.readahead import ReadAhead
 from mixplane.loader.remote import RemoteIO
+from mixplane.loader.unitcache import ByteLRU
 from mixplane.loader.parquet.thrift import ThriftError
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _LRU(Generic[K, V]):
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
-        self.items: OrderedDict[K, tuple[V, int]] = OrderedDict()
-        self.nbytes = 0
-
-    def get(self, key: K) -> tuple[V, int] | None:
-        v = self.items.get(key)
-        if v is not None:
-            self.items.move_to_end(key)
-        return v
-
-    def put(self, key: K, value: V, nbytes: int) -> None:
-        old = self.items.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[1]
-        self.items[key] = (value, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.budget and len(self.items) > 1:
-            _, (_, nb) = self.items.popitem(last=False)
-            self.nbytes -= nb
-
-    def pop(self, key: K) -> None:
-        old = self.items.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[1]
-
-    def clear(self) -> None:
-        self.items.clear()
-        self.nbytes = 0
 
 
 DICT_CACHE_MIN = 8 << 20  # decoded-dictionary cache of a reader, at least (bytes)
@@ -94,13 +59,13 @@ class SourceReader:
         self.ahead_misses = 0  # remote reads not served by the read-ahead
         self._pending: dict[int, int] = {}  # page -> planned reads not done (page mode)
         self.split_hits = 0  # parts of split pages taken from a page decoded for an earlier part
-        self._split: _LRU[int, dict[str, pa.Array]] = _LRU(self.io.split_cache_bytes)  # decoded split pages with planned parts to come
+        self._split: ByteLRU[int, dict[str, pa.Array]] = ByteLRU(self.io.split_cache_bytes)  # decoded split pages with planned parts to come
         self.stats = stats if stats is not None else IOStats()
         if self.ahead is not None:
             self.ahead.stats = self.stats
         self.verify_crc = verify_crc
         self._auto_dict_budget = dict_cache_bytes is None
-        self._dicts: _LRU[tuple[str, int], Dictionary] = _LRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
+        self._dicts: ByteLRU[tuple[str, int], Dictionary] = ByteLRU(dict_cache_budget(index) if dict_cache_bytes is None else int(dict_cache_bytes))
         self.dict_reads = 0
         self._budget_chunks = len(index.primary["chunk_rg"]) if index.primary is not None else 0
         self._readers: OrderedDict[int, RangeReader] = OrderedDict()

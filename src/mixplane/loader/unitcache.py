@@ -9,13 +9,14 @@ still to be delivered, one cache kind per read order:
 * :class:`LRUCache` (row): rows come from anywhere, so recently read pages are kept up to a byte budget.
 
 The stream asks ``get(u, load)``, maps rows through ``remap`` (rows of a compacted unit moved),
-and ``free``s the units its plan says are done.
+and ``free``s the units its plan says are done. :class:`ByteLRU` is the byte-bounded LRU map of LRUCache and of the
+source reader's decoded dictionaries.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable, Generic, Iterator, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,45 @@ from mixplane.loader.parquet import int64_array
 from mixplane.loader.shuffle import EpochPlan, PageParts, PagePlan
 
 SLAB_LIVE_RATIO = 0.75  # relocate the units of a slab once its rows still to come fill no more than this share of it
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class ByteLRU(Generic[K, V]):
+    """A map of entries of known bytes, least recently used dropped first beyond ``budget_bytes`` (the newest entry
+    always kept): LRUCache's units, the source reader's decoded dictionaries and split pages."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: K) -> tuple[V, int] | None:
+        v = self.items.get(key)
+        if v is not None:
+            self.items.move_to_end(key)
+        return v
+
+    def put(self, key: K, value: V, nbytes: int) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        self.items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget and len(self.items) > 1:
+            _, (_, nb) = self.items.popitem(last=False)
+            self.nbytes -= nb
+
+    def pop(self, key: K) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
 
 Unit = dict[str, pa.Array]
 Loader = Callable[[int], "Unit | None"]
@@ -94,36 +134,25 @@ class LRUCache(UnitCache):
     """Recently read units up to ``budget_bytes`` (the newest one is always kept)."""
 
     def __init__(self, budget_bytes: int):
-        self.budget = int(budget_bytes)
-        self.items: OrderedDict[int, tuple[Unit, int]] = OrderedDict()
-        self.nbytes = 0
+        self.lru: ByteLRU[int, Unit] = ByteLRU(int(budget_bytes))
 
     def get(self, u, load):
-        hit = self.items.get(u)
+        hit = self.lru.get(u)
         if hit is not None:
-            self.items.move_to_end(u)
             return hit[0]
         d = load(u)
         if d is not None:
-            self._put(u, d, sum(a.nbytes for a in d.values()))
+            self.lru.put(u, d, sum(a.nbytes for a in d.values()))
         return d
 
-    def _put(self, u: int, d: Unit, nbytes: int) -> None:
-        old = self.items.pop(u, None)
-        if old is not None:
-            self.nbytes -= old[1]
-        self.items[u] = (d, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.budget and len(self.items) > 1:
-            _, (_, nb) = self.items.popitem(last=False)
-            self.nbytes -= nb
+    def has(self, u: int) -> bool:
+        return u in self.lru.items
 
     def new_epoch(self):
         pass  # pages stay pages across epochs: a page read late in one epoch may serve the next
 
     def clear(self):
-        self.items.clear()
-        self.nbytes = 0
+        self.lru.clear()
 
 
 class ArenaCache(UnitCache):
