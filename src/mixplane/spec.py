@@ -134,6 +134,15 @@ class SourceSpec(_Model):
             raise ValueError(f"workers must be an integer in [1, {MAX_LOADER_WORKERS}] or 'auto', got {v!r}")
         return v
 
+    @property
+    def block_read_from(self) -> int | None:
+        """The listing size from which this source's loaders read it block by block (`lazy_index_files`; the rule
+        is loader.blocks.lazy_indexing), None when they never do: a live source, another shuffle than page, or
+        lazy_index_files 0."""
+        if self.live or self.shuffle != "page" or not self.lazy_index_files:
+            return None
+        return int(self.lazy_index_files)
+
 
 class PhaseSpec(_Model):
     start_step: int = Field(..., ge=0, description="First step of the phase.")

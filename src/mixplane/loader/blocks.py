@@ -99,8 +99,8 @@ class BlockLayout:
 
 def lazy_indexing(source: SourceSpec, num_files: int) -> bool:
     """Whether a source of ``num_files`` listed files is read block by block (static, page mode, large enough)."""
-    limit = source.lazy_index_files
-    return bool(limit) and num_files >= limit and source.shuffle == "page" and not source.live
+    start = source.block_read_from
+    return start is not None and num_files >= start
 
 
 def block_order(source: SourceSpec, files_listed: int) -> BlockLayout | None:

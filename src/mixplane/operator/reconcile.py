@@ -98,14 +98,15 @@ def _spec_sources(body: Mapping[str, Any]) -> list[Any]:
 def _pages_for_blocks(s: Any, kept: Mapping[str, Any]) -> bool:
     """Whether a kept profile's maxPartitions may exceed the blocks of a source read block by block: a profile that
     records no file count (`filesListed`: mixplane profile capped max_partitions at the blocks since it records
-    one), measured (not the annotation's), of a static page-mode source with `lazy_index_files` on (the spec half
-    of `loader.blocks.lazy_indexing`), above the fewest blocks such a source has (ceil(lazy_index_files /
-    block_files): a cap below that is one already)."""
+    one), measured (not the annotation's), of a source that may be read block by block
+    (`SourceSpec.block_read_from`), above the fewest blocks such a source has (ceil(lazy_index_files / block_files):
+    a cap below that is one already)."""
     if kept.get("filesListed") or kept.get("measuredBy") == "annotation":
         return False
-    if s.live or s.shuffle != "page" or not s.lazy_index_files:
+    start = s.block_read_from
+    if start is None:
         return False
-    return int(kept.get("maxPartitions") or (1 << 20)) > -(-s.lazy_index_files // s.block_files)
+    return int(kept.get("maxPartitions") or (1 << 20)) > -(-start // s.block_files)
 
 
 def _image_costs_from_status(ic: Mapping[str, Any]) -> dict[str, Any]:
