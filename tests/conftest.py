@@ -74,6 +74,21 @@ def fetch_batches(rt, ranks, steps: int) -> dict[int, list[dict[str, np.ndarray]
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _index_cache(tmp_path_factory):
+    """The loaders' page indexes and kept listings (MIXPLANE_INDEX_CACHE) in this run's own directory unless it is
+    set: a kept listing is found by its source's uri and endpoint, and a test server's endpoint (a free port) may be
+    an earlier run's, whose objects were others (loader/listing.py)."""
+    if "MIXPLANE_INDEX_CACHE" in os.environ:
+        yield
+        return
+    os.environ["MIXPLANE_INDEX_CACHE"] = str(tmp_path_factory.mktemp("index-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("MIXPLANE_INDEX_CACHE", None)
+
+
 def pytest_runtest_logstart(nodeid, location):
     """The test that runs now, kept where scripts/run-tests.sh reads it if pytest itself dies (MIXPLANE_TEST_LAST)."""
     if path := os.environ.get("MIXPLANE_TEST_LAST"):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 from mixplane.loader.blocks import block_order
-from mixplane.loader.files import SourceFilesError, list_source, list_source_files, read_schema_names
+from mixplane.loader.files import SourceFilesError, read_schema_names
+from mixplane.loader.listing import source_listing
 from mixplane.planner.strategies import StrategyError, bind_options, load_callable
 from mixplane.spec import Checker, DataMixtureSpec, Problem, SourceSpec
 
@@ -72,7 +73,7 @@ def source_file_problems(spec: DataMixtureSpec) -> list[Problem]:
         if s.tokenizer and not _is_uri(s.tokenizer) and not os.path.isfile(s.tokenizer):
             out.append(Problem(f"sources[{i}].tokenizer", f"no such file: {s.tokenizer}"))
         try:
-            files = list_source_files(s.uri, endpoint=s.endpoint, region=s.region)
+            files = source_listing(s)  # kept for the loaders that start next (loader.listing)
         except SourceFilesError as e:
             out.append(Problem(f"sources[{i}].uri", str(e)))
             continue
@@ -125,7 +126,7 @@ def partition_problem(source: SourceSpec, partitions: int, seed: int) -> str | N
 
     if source.live:
         return None
-    files = list_source(source)
+    files = source_listing(source)
     if (why := block_partition_problem(source, len(files.paths), partitions)) is not None:
         return why
     if block_order(source, len(files.paths)) is not None:

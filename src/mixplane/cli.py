@@ -604,6 +604,32 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run_operator(namespace=args.namespace, liveness=f"http://0.0.0.0:{health}/healthz" if health else None)
 
 
+def cmd_listing(args: argparse.Namespace) -> int:
+    """One JSON line per source: its listing (kept, or listed now; --refresh: listed now and kept)."""
+    from mixplane.loader.files import SourceFilesError
+    from mixplane.loader.listing import listing_report
+    from mixplane.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.file)
+    except SpecError as e:
+        for p in e.problems:
+            print(f"{e.origin}: {p}", file=sys.stderr)
+        return EXIT_INVALID
+    sources = [s for s in spec.sources if not args.source or s.name in args.source]
+    if args.source and len(sources) != len(set(args.source)):
+        print(f"{args.file}: no source named {sorted(set(args.source) - {s.name for s in sources})}", file=sys.stderr)
+        return EXIT_INVALID
+    failed = 0
+    for s in sources:
+        try:
+            print(json.dumps(listing_report(s, refresh=args.refresh)), flush=True)
+        except SourceFilesError as e:
+            print(f"{args.file}: source {s.name!r}: {e}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     from mixplane.operator.crd import crd_yaml
 
@@ -765,6 +791,14 @@ def build_parser() -> argparse.ArgumentParser:
     op = sub.add_parser("operator", help="run the Kubernetes operator")
     op.add_argument("--namespace")
     op.set_defaults(fn=cmd_operator)
+
+    ls = sub.add_parser("listing", help="each source's listing (JSON lines: files, digest, age, where it was kept); "
+                                        "--refresh lists the stores again so the next start reads new files")
+    ls.add_argument("file")
+    ls.add_argument("--refresh", action="store_true", help="list the stores now and keep the listings (the next "
+                    "start reads the files they name, new ones included)")
+    ls.add_argument("--source", action="append", default=[], metavar="NAME", help="only this source (repeatable)")
+    ls.set_defaults(fn=cmd_listing)
 
     cr = sub.add_parser("crd", help="print the DataMixture CustomResourceDefinition (generated from the spec model)")
     cr.add_argument("--out", action="append", default=[], metavar="FILE", help="write it to FILE instead (repeatable)")

@@ -202,14 +202,14 @@ def profile_source(spec: Any, index: int, *, max_rows: int = 2048, max_cpu_s: fl
     `sample_files` of its files (see the module docstring). `files`: the source's listing, when the caller has it
     (a loader.files.SourceFiles; else the source is listed here)."""
     from mixplane.loader.blocks import block_order
-    from mixplane.loader.files import list_source
+    from mixplane.loader.listing import source_listing
     from mixplane.loader.stream import open_stream
     from mixplane.loader.transforms import image_costs_of, make_transform
 
     src = spec.sources[index]
     rss0 = _rss()  # modules are imported above: the growth is this source's index, footers and tokenizer
     c0 = time.process_time()
-    listed = files if files is not None else list_source(src)
+    listed = files if files is not None else source_listing(src)
     sample = sample_files_of(listed, sample_files)
     sampled = sample is not listed
     blocks = block_order(src, len(listed.paths))

@@ -53,7 +53,7 @@ ENV: tuple[EnvVar, ...] = (
     # -- component processes (planner, loader, constructor), started by the runtime or as pods
     EnvVar("MIXPLANE_METRICS_HOST", str, None, "components", "Address the components' Prometheus endpoints bind (default: each component's own, loopback in local runs; pods: 0.0.0.0, scraped through pod annotations)."),
     EnvVar("MIXPLANE_PROFILE_DIR", str, None, "components", "When set, each component writes cProfile statistics there (<component>-<pid>.prof) on exit."),
-    EnvVar("MIXPLANE_INDEX_CACHE", str, None, "loader", "Directory of the loaders' page-index cache (set and empty: no cache; unset: the user's cache directory)."),
+    EnvVar("MIXPLANE_INDEX_CACHE", str, None, "loader", "Directory of the loaders' page-index cache and kept listings (set and empty: no cache; unset: the user's cache directory)."),
     EnvVar("MIXPLANE_INDEX_THREADS", int, None, "loader", "Threads that read footers and indexes while a source is indexed (default: by filesystem)."),
     EnvVar("MIXPLANE_GCS_ANONYMOUS", bool, False, "loader", "Read gs:// sources without credentials (public buckets, emulators)."),
     # -- the operator and its webhook

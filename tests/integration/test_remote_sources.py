@@ -386,7 +386,11 @@ def test_page_index_kept_beside_the_data_serves_a_new_loader(s3, proxy, tmp_path
     s = open_stream(spec(uri, server.endpoint, index_beside_data=True), seed=3, buffer_rows=100)
     keys_a, cols_a = take_all(s, 500)
     s.close()
-    kept = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside/_mixplane_index")))
+    def page_indexes():  # the files' page indexes (the source's kept listing is in listings/ beside them)
+        return sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside/_mixplane_index"))
+                      if i.type == pafs.FileType.File)
+
+    kept = page_indexes()
     files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside")) if i.path.endswith(".parquet"))
     assert len(kept) == len(files) == 3 and all(k.endswith(".npz") for k in kept), kept
     # loader B (a new pod: empty local cache) reads them; loader C, without the option, scans every object
@@ -400,12 +404,18 @@ def test_page_index_kept_beside_the_data_serves_a_new_loader(s3, proxy, tmp_path
         s.close()
         assert keys == keys_a and all(cols[c].equals(cols_a[c]) for c in cols), name
     assert seen["b"][2] == seen["c"][2] > 0
-    # B: the listing and each object's kept index (pyarrow asks a HEAD before the GET), no request to the data
-    # objects at all; C: the listing, then a HEAD and the tail (footer, OffsetIndexes) of every data object
+    # B: the listing kept beside the data (loader.listing) and each object's kept index (pyarrow asks a HEAD before
+    # the GET), no request to the data objects at all; C: the listing, then a HEAD and the tail (footer,
+    # OffsetIndexes) of every data object
     b_paths, c_paths = [p for _, p in seen["b"][3]], [p for _, p in seen["c"][3]]
-    assert not [p for p in b_paths if p.endswith(".parquet")] and sum(p.endswith(".npz") for p in b_paths) == 2 * len(files), b_paths
+    b_indexes = [p for p in b_paths if p.endswith(".npz") and "/listings/" not in p]
+    assert not [p for p in b_paths if p.endswith(".parquet")] and len(b_indexes) == 2 * len(files), b_paths
     assert sum(p.endswith(".parquet") for p in c_paths) >= 2 * len(files), c_paths
-    assert seen["b"][0] <= seen["c"][0] and seen["b"][1] < seen["c"][1], (seen["b"][:2], seen["c"][:2])
+    # requests: B's two per kept index stand for C's two per data object; B's kept listing is two objects read
+    # (latest.json and the listing, a HEAD and a GET each) where C lists (one request per 1,000 keys)
+    listing_reads = [p for p in b_paths if "/listings/" in p]
+    assert len(listing_reads) == 4 and seen["b"][0] == len(b_indexes) + 4, b_paths
+    assert seen["c"][0] >= 1 + 2 * len(files) and seen["b"][1] < seen["c"][1], (seen["b"][:2], seen["c"][:2])
     assert all(f not in kept for f in files)  # the indexes never become part of the source
 
     # an object rewritten (other size and mtime): its kept index is another file's, so it is indexed again
@@ -413,11 +423,12 @@ def test_page_index_kept_beside_the_data_serves_a_new_loader(s3, proxy, tmp_path
     with fs.open_output_stream(files[0]) as o:
         pq.write_table(t.slice(0, t.num_rows // 2), o, data_page_size=4096, write_page_index=True)
     monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "local-3"))
-    s = open_stream(spec(uri, server.endpoint, index_beside_data=True), seed=3, buffer_rows=100)
+    # (a start that lists the store: a kept listing would name the object's former version, which is quarantined)
+    s = open_stream(spec(uri, server.endpoint, index_beside_data=True, listing_max_age_s=0), seed=3, buffer_rows=100)
     assert s.index.num_rows == sum(pq.ParquetFile(fs.open_input_file(f)).metadata.num_rows for f in files)
     s.close()
     # ... and the index of its former version is removed from the bucket (every rewrite used to leave one behind)
-    now = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("corpus/beside/_mixplane_index")))
+    now = page_indexes()
     base = files[0].split("/")[-1] + "."
     old = [k for k in kept if k.split("/")[-1].startswith(base)]
     assert len(old) == 1 and len(now) == 3 and old[0] not in now, (kept, now)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,11 +36,31 @@ class SourceFilesError(MixplaneError, ValueError):
 
 @dataclass
 class SourceFiles:
+    """A source's listing: its files (sorted by path) with the sizes and mtimes the listing gave, the filesystem
+    they are read from, when the store was listed (unix time) and, for a listing kept from an earlier start
+    (loader.listing), where it was kept (else None: listed by this process)."""
+
     uri: str
     filesystem: pafs.FileSystem
     paths: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     mtimes_ns: list[int] = field(default_factory=list)
+    listed_at: float = 0.0
+    kept_from: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits naming exactly these files, sizes and mtimes in this order (`listing_digest`)."""
+        return listing_digest(self)
+
+
+def listing_digest(files: SourceFiles) -> str:
+    """sha256 over (path, size, mtime_ns) of every file in listing order, as 16 hex digits: the same listing has
+    the same digest in every process, and any file added, removed or rewritten changes it."""
+    h = hashlib.sha256()
+    h.update("\n".join(f"{p}\0{s}\0{m}" for p, s, m in zip(files.paths, files.sizes, files.mtimes_ns)).encode())
+    h.update(f"\n{len(files.paths)}".encode())
+    return h.hexdigest()[:16]
 
 
 def _has_glob(s: str) -> bool:
@@ -48,8 +70,11 @@ def _has_glob(s: str) -> bool:
 def list_source_files(uri: str, *, endpoint: str | None = None, region: str | None = None) -> SourceFiles:
     """All Parquet files of a source, sorted by path so every process sees the same order.
     ``endpoint`` / ``region``: an S3-compatible endpoint override and region for ``s3://`` uris."""
+    listed_at = time.time()  # before the listing: a file written while it runs may or may not be in it
     if is_iceberg(uri):
-        return _list_iceberg(uri, endpoint, region)
+        out = _list_iceberg(uri, endpoint, region)
+        out.listed_at = listed_at
+        return out
     if "://" not in uri:
         fs: pafs.FileSystem = pafs.LocalFileSystem()
         path = os.path.expanduser(uri)
@@ -65,7 +90,7 @@ def list_source_files(uri: str, *, endpoint: str | None = None, region: str | No
         infos: list[pafs.FileInfo] = fs.get_file_info(found) if found else []
     else:
         infos, fs = _list_remote(uri, endpoint, region)  # the listing carries sizes and times: no HEAD per object
-    out = SourceFiles(uri=uri, filesystem=fs)
+    out = SourceFiles(uri=uri, filesystem=fs, listed_at=listed_at)
     if infos:
         for info in infos:
             if _is_beside_index(info.path):
@@ -86,15 +111,7 @@ def _list_iceberg(uri: str, endpoint: str | None, region: str | None) -> SourceF
     if len(schemes) > 1:
         raise SourceFilesError(f"{uri}: data files on several filesystems ({', '.join(sorted(schemes))})")
     scheme = schemes.pop() if schemes else "file"
-    if scheme == "file":
-        fs: pafs.FileSystem = pafs.LocalFileSystem()
-    elif scheme in ("s3", "s3a"):
-        fs = s3_filesystem(endpoint=endpoint, region=region)
-    elif scheme in ("gs", "gcs"):
-        fs = gcs_filesystem(endpoint=endpoint)
-    else:
-        raise SourceFilesError(f"{uri}: data files on {scheme}://, which mixplane does not read")
-    out = SourceFiles(uri=uri, filesystem=fs)
+    out = SourceFiles(uri=uri, filesystem=iceberg_filesystem(uri, scheme, endpoint, region))
     for path, size in files:
         out.paths.append(path.split("://", 1)[1] if "://" in path else path)  # file:///a -> /a, s3://b/k -> b/k
         out.sizes.append(size)
@@ -102,31 +119,83 @@ def _list_iceberg(uri: str, endpoint: str | None, region: str | None) -> SourceF
     return out
 
 
+def iceberg_filesystem(uri: str, scheme: str, endpoint: str | None, region: str | None) -> pafs.FileSystem:
+    """The filesystem an Iceberg table's data files of this scheme are read from."""
+    if scheme == "file":
+        return pafs.LocalFileSystem()
+    if scheme in ("s3", "s3a"):
+        return s3_filesystem(endpoint=endpoint, region=region)
+    if scheme in ("gs", "gcs"):
+        return gcs_filesystem(endpoint=endpoint)
+    raise SourceFilesError(f"{uri}: data files on {scheme}://, which mixplane does not read")
+
+
+def filesystem_scheme(fs: pafs.FileSystem) -> str:
+    """The scheme `iceberg_filesystem` makes `fs` from: file, s3, gs (another filesystem: its type name)."""
+    return {"local": "file", "s3": "s3", "gcs": "gs"}.get(fs.type_name, fs.type_name)
+
+
 def list_source(source: SourceSpec) -> SourceFiles:
     """The files of a SourceSpec (its uri, endpoint and region)."""
     return list_source_files(source.uri, endpoint=source.endpoint, region=source.region)
 
 
+def _remote_filesystem(scheme: str, base: str, endpoint: str | None,
+                       region: str | None) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of a remote uri's scheme and the path of `base` (the uri's part after the scheme) on it."""
+    if scheme == "s3":
+        return s3_filesystem(endpoint=endpoint, region=region), base.rstrip("/")
+    if scheme in ("gs", "gcs"):
+        return gcs_filesystem(endpoint=endpoint), base.rstrip("/")
+    if scheme in ("hf", "http", "https"):
+        # fsspec's HTTP paths are whole URLs; the Hub's are repo paths (datasets/org/name/...)
+        return fsspec_filesystem(scheme, endpoint=endpoint), (f"{scheme}://{base}" if scheme != "hf" else base).rstrip("/")
+    return pafs.FileSystem.from_uri(f"{scheme}://{base}")
+
+
+def _glob_base(rest: str) -> tuple[int, str]:
+    glob_at = min((rest.find(c) for c in GLOB_CHARS if c in rest), default=-1)
+    return glob_at, rest if glob_at < 0 else rest[:glob_at].rsplit("/", 1)[0]
+
+
+def source_filesystem(uri: str, *, endpoint: str | None = None, region: str | None = None) -> pafs.FileSystem:
+    """The filesystem `list_source_files` reads a (non-Iceberg) uri's files from, without listing anything."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem()
+    scheme, rest = uri.split("://", 1)
+    try:
+        return _remote_filesystem(scheme, _glob_base(rest)[1], endpoint, region)[0]
+    except (OSError, ValueError) as e:
+        raise SourceFilesError(f"cannot open the filesystem of {uri}: {e}") from None
+
+
+def source_dir(uri: str, *, endpoint: str | None = None, region: str | None = None) -> str:
+    """The directory a (non-Iceberg) uri's files are under, as a path on `source_filesystem(uri)`: the part before a
+    glob, the parent of a `.parquet` file, else the uri's own path (a directory or prefix)."""
+    if "://" not in uri:
+        path = os.path.abspath(os.path.expanduser(uri))
+        glob_at, base = _glob_base(path)
+        if glob_at < 0 and (path.endswith(".parquet") or os.path.isfile(path)):
+            base = os.path.dirname(path)
+        return base.rstrip(os.sep) or os.sep
+    scheme, rest = uri.split("://", 1)
+    glob_at, base = _glob_base(rest)
+    if glob_at < 0 and rest.endswith(".parquet"):
+        base = rest.rsplit("/", 1)[0]
+    try:
+        return _remote_filesystem(scheme, base, endpoint, region)[1]
+    except (OSError, ValueError) as e:
+        raise SourceFilesError(f"cannot open the filesystem of {uri}: {e}") from None
+
+
 def _list_remote(uri: str, endpoint: str | None = None, region: str | None = None):
     scheme, rest = uri.split("://", 1)
-    glob_at = min((rest.find(c) for c in GLOB_CHARS if c in rest), default=-1)
-    base = rest if glob_at < 0 else rest[:glob_at].rsplit("/", 1)[0]
+    glob_at, base = _glob_base(rest)
     try:
-        if scheme == "s3":
-            fs: pafs.FileSystem = s3_filesystem(endpoint=endpoint, region=region)
-            base_path = base.rstrip("/")
-        elif scheme in ("gs", "gcs"):
-            fs = gcs_filesystem(endpoint=endpoint)
-            base_path = base.rstrip("/")
-        elif scheme in ("hf", "http", "https"):
-            fs = fsspec_filesystem(scheme, endpoint=endpoint)
-            # fsspec's HTTP paths are whole URLs; the Hub's are repo paths (datasets/org/name/...)
-            base_path = (f"{scheme}://{base}" if scheme != "hf" else base).rstrip("/")
-            if scheme != "hf":
-                base = f"{scheme}://{base}"
-                rest = f"{scheme}://{rest}"
-        else:
-            fs, base_path = pafs.FileSystem.from_uri(f"{scheme}://{base}")
+        fs, base_path = _remote_filesystem(scheme, base, endpoint, region)
+        if scheme in ("http", "https"):
+            base = f"{scheme}://{base}"
+            rest = f"{scheme}://{rest}"
 
         def listing():
             if glob_at >= 0:

@@ -25,6 +25,7 @@ from mixplane.errors import MixplaneError
 from mixplane.loader.bounds import bound_texts
 from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
 from mixplane.loader.indexscan import build_source_index
+from mixplane.loader.listing import source_listing
 from mixplane.loader.pageindex import SourceIndex
 from mixplane.loader.sourcereader import SourceReader
 from mixplane.loader.parquet import IOStats, ParquetError, int64_array
@@ -96,7 +97,8 @@ class SourceStream:
         self._index_options = dict(index_options or {})  # build_source_index's pack options (a block of a large source)
         # live sources list their storage at most once per poll_s (monotonic clock)
         self.next_rescan_at = time.monotonic() + self.poll_s if files is None else 0.0
-        self.files = files or list_source(source)
+        # a static source's files: its kept listing while young enough (loader.listing), else listed and kept
+        self.files = files or (list_source(source) if self.live else source_listing(source, cache_dir=_listing_cache(cache_dir)))
         self.index = SourceIndex(self.columns, source.kind)
         self._known: dict[str, tuple[int, int]] = {}  # path -> (size, mtime) already tried
         self._indexed: set[str] = set()  # the paths of self.index.files (a rescan looks a path up, not the list)
@@ -736,6 +738,11 @@ class SourceStream:
         self.close()
 
 
+def _listing_cache(cache_dir: str | None) -> str | None:
+    """The listing cache of a stream's page-index `cache_dir` ("default": the default one; None: none)."""
+    return None if cache_dir == "default" else (cache_dir or "")
+
+
 def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partitions: int = 1, **options):
     """The stream for a source's configured shuffle mode (see :class:`SourceStream` for options): a static page-mode
     source of at least ``sources[].lazy_index_files`` files is read block by block (:mod:`blockstream`)."""
@@ -747,7 +754,7 @@ def open_stream(source: SourceSpec, *, seed: int, partition: int = 0, num_partit
         from mixplane.loader.blocks import lazy_indexing
         from mixplane.loader.blockstream import BlockStream  # (it builds on this module)
 
-        files = options.pop("files", None) or list_source(source)
+        files = options.pop("files", None) or source_listing(source, cache_dir=_listing_cache(options.get("cache_dir", "default")))
         if lazy_indexing(source, len(files.paths)):
             return BlockStream(source, seed=seed, partition=partition, num_partitions=num_partitions, files=files,
                                **options)

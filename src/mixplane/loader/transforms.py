@@ -597,11 +597,12 @@ MEASURE_FILES = 2  # files of a source `auto` reads its sample from (a source of
 def measure_image_costs(source: SourceSpec, seed: int, rows: int = 32) -> ImageCosts:
     """Mean decode CPU seconds (this thread's clock), raw bytes and decoded patch bytes per image over the
     first `rows` rows, in the source's read order, of its first MEASURE_FILES files (what `auto` decides from)."""
-    from mixplane.loader.files import SourceFiles, SourceFilesError, list_source
+    from mixplane.loader.files import SourceFiles, SourceFilesError
+    from mixplane.loader.listing import source_listing
     from mixplane.loader.stream import open_stream
 
     try:
-        listed = list_source(source)
+        listed = source_listing(source)
     except SourceFilesError:  # no files yet (a live source) or none readable: nothing measured; the loader says why
         return ImageCosts(0.0, 0.0, 0.0, 0)
     k = min(MEASURE_FILES, len(listed.paths))
