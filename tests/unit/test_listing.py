@@ -197,6 +197,14 @@ def test_only_the_newest_listings_are_kept(src, tmp_path):
     assert all(find_kept(sp, d, cache_dir=cache) is not None for d in newest)
     # the same listing again moves to the front (its time renewed), nothing new written
     assert listing.remember(recent, digests[-2], T0 + 99)[0][0] == (digests[-2], T0 + 99)
+    # an older listing kept again (a run pinned to it) stays, the oldest of the others goes
+    old = list_source(sp)
+    old.paths, old.sizes, old.mtimes_ns, old.listed_at = old.paths[:3], old.sizes[:3], old.mtimes_ns[:3], T0 - 50
+    assert keep_listing(sp, old, cache_dir=cache) == old.digest
+    assert find_kept(sp, old.digest, cache_dir=cache) is not None and find_kept(sp, newest[0], cache_dir=cache) is None
+    assert all(find_kept(sp, d, cache_dir=cache) is not None for d in newest[1:])
+    assert source_listing(sp.model_copy(update={"listing_max_age_s": 3600.0}), cache_dir=cache,
+                          now=T0 + 100).digest == digests[-1]  # the newest is still the one served
 
 
 def test_listing_command_prints_and_refreshes(src, tmp_path, monkeypatch, capsys):

@@ -168,11 +168,14 @@ def latest_bytes(recent: list[tuple[str, float]]) -> bytes:
 def remember(recent: list[tuple[str, float]], digest: str, listed_at: float,
              keep: int = KEEP_LISTINGS) -> tuple[list[tuple[str, float]], list[str]]:
     """`recent` with `digest` listed at `listed_at` (the later of the two times when it is there already), newest
-    first and cut to `keep`; and the digests cut off (their files are removed)."""
+    first, `digest` and the `keep` - 1 newest others; and the digests cut off (their files are removed). The listing
+    just kept stays even when it is older than the others (a run pinned to it keeps it)."""
     times = dict(recent)
     times[digest] = max(listed_at, times.get(digest, listed_at))
     ordered = sorted(times.items(), key=lambda r: -r[1])
-    return ordered[:keep], [d for d, _ in ordered[keep:]]
+    others = [r for r in ordered if r[0] != digest]
+    kept = {digest} | {d for d, _ in others[: max(0, keep - 1)]}
+    return [r for r in ordered if r[0] in kept], [d for d, _ in ordered if d not in kept]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,8 +330,10 @@ def _keep_at(place: Place, files: SourceFiles, digest: str, data: bytes | None, 
 def keep_listing(source: SourceSpec, files: SourceFiles, *, cache_dir: str | None = None) -> str:
     """Keep `files` (the listing of `source`) in the local cache (`cache_dir`, default MIXPLANE_INDEX_CACHE; ""
     disables it) and, with `sources[].index_beside_data`, beside the data; the listing's digest. Never raises for
-    a place that cannot be written (logged)."""
+    a place that cannot be written (logged). A listing without a time (`listed_at` 0) is stamped now."""
     digest = files.digest
+    if files.listed_at <= 0:  # a listing made without a time (a subset, a test's): kept as listed now
+        files.listed_at = time.time()
     data: bytes | None = None
     for place in places(source, cache_dir):
         data = _keep_at(place, files, digest, data, source)
