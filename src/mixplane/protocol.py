@@ -188,6 +188,106 @@ def parse_listing(v: Any) -> tuple[tuple[str, ...], ...] | None:
     return tuple(tuple(seg) for seg in v)
 
 
+# ---------------------------------------------------------------------------------------------- pinned listing
+#: a loader process's exit status when it must not serve the run (the run's listing of its source cannot be read
+#: there, or it reads it in another order): restarting it would only repeat the refusal, so the runtime does not
+EXIT_LISTING = 4
+
+
+@dataclass(frozen=True)
+class ListingPin:
+    """The file listing and read order a static source's positions count over: the digest of its listing
+    (mixplane.loader.listing.listing_digest), its number of files and its read order -- ``pages`` (the whole
+    source's page order), ``blocks:<block_files>`` (block by block: ``sources[].lazy_index_files``), or the
+    shuffle mode's name. A run pins one per source (the first a loader says in HELLO, or the one of the cursor
+    it resumes from) and keeps it in its cursor, so every loader of the run numbers positions the same way."""
+
+    digest: str
+    files: int
+    order: str
+
+    @classmethod
+    def parse(cls, v: Any, what: str = "listing") -> "ListingPin | None":
+        """From HELLO / WELCOME (a mapping) or a cursor (``digest:files:order``); None when absent; WireError
+        naming `what` when malformed."""
+        if v is None:
+            return None
+        try:
+            if isinstance(v, str):
+                digest, files, order = v.split(":", 2)
+            elif isinstance(v, Mapping):
+                digest, files, order = v["digest"], v["files"], v["order"]
+            else:
+                raise TypeError(f"not a mapping or text but {type(v).__name__}")
+            if not (isinstance(digest, str) and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)):
+                raise ValueError(f"digest {digest!r} is not 16 hex digits")
+            if not isinstance(order, str) or not order:
+                raise ValueError(f"order {order!r} is not a name")
+            n = _int(files, "files")
+            if n < 0:
+                raise ValueError(f"files {n} is negative")
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"{what} is malformed ({e})") from None
+        return cls(digest, n, order)
+
+    def to_json(self) -> dict[str, Any]:
+        """The HELLO / WELCOME form."""
+        return {"digest": self.digest, "files": self.files, "order": self.order}
+
+    def text(self) -> str:
+        """The cursor's form (``digest:files:order``: ~30 bytes a source)."""
+        return f"{self.digest}:{self.files}:{self.order}"
+
+
+def listing_verdict(pinned: ListingPin | None, theirs: ListingPin | None) -> str:
+    """What the planner does with a loader's HELLO of a static source: ``pin`` (nothing pinned yet: this listing
+    becomes the run's), ``ok`` (the run's listing and order, or a loader that says none: a live source, an
+    older loader), ``reopen`` (another listing: the loader reopens its stream with the run's kept listing
+    before it serves) or ``refuse`` (the run's listing in another read order: it must not serve)."""
+    if theirs is None:
+        return "ok"
+    if pinned is None:
+        return "pin"
+    if theirs.digest != pinned.digest:
+        return "reopen"
+    return "ok" if theirs.order == pinned.order else "refuse"
+
+
+def order_refusal(source: str, pinned: ListingPin, theirs: ListingPin) -> str:
+    """The error of a loader refused for reading the run's listing in another order (its spec differs)."""
+    return (f"source {source!r}: this loader reads the run's listing ({pinned.files} files, digest {pinned.digest}) in "
+            f"the order {theirs.order!r}, the run reads it in the order {pinned.order!r}: sources[].lazy_index_files / "
+            "sources[].block_files differ from the spec the run started with (an upgrade between restarts?); the "
+            "loader does not serve. Run it with the run's lazy_index_files and block_files, or start a new run")
+
+
+def listing_not_kept(source: str, pinned: ListingPin, have: ListingPin) -> str:
+    """The error of a loader that cannot find the run's kept listing (it lists other files now)."""
+    return (f"source {source!r}: the run's listing ({pinned.files} files, digest {pinned.digest}) is not kept here, and "
+            f"the store lists other files now ({have.files} files, digest {have.digest}): positions would name other "
+            "samples, so the loader does not serve. Restore the kept listing (the loaders' cache directory, "
+            "MIXPLANE_INDEX_CACHE) or the source's files as they were, or start a new run")
+
+
+def parse_listing_pins(v: Any, n_sources: int) -> dict[int, ListingPin]:
+    """A cursor's ``listings`` (source index -> ``digest:files:order``); {} when absent; ValueError if malformed."""
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError("cursor's listings is not a mapping")
+    out: dict[int, ListingPin] = {}
+    for k, x in v.items():
+        try:
+            si = _int(k, "listings source")
+            pin = ListingPin.parse(x, f"cursor's listing of source {k}")
+        except (TypeError, ValueError, WireError) as e:
+            raise ValueError(str(e)) from None
+        if not 0 <= si < n_sources or pin is None:
+            raise ValueError(f"cursor's listings name source {k}, the spec has {n_sources}")
+        out[si] = pin
+    return out
+
+
 def _int(v: Any, what: str) -> int:
     if isinstance(v, bool):
         raise TypeError(f"{what} is a boolean")

@@ -39,6 +39,7 @@ from mixplane.launch import Component, LaunchPlan, LaunchTarget, launch_plan, sh
 from mixplane.loader.iceberg import pin_sources
 from mixplane.loader.transforms import resolve_decode_places
 from mixplane.planner import journal
+from mixplane.protocol import EXIT_LISTING
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind
 
@@ -111,6 +112,18 @@ class Child:
     ready_at: float | None = None  # when its ready file appeared (how long it ran healthy counts from there)
     starting: bool = False  # a restarted incarnation whose ready file has not appeared yet (supervise() looks)
     exit_codes: list[int] = field(default_factory=list)  # of its earlier incarnations, oldest first
+
+
+def last_error(log_file: Path, *, tail_bytes: int = 1 << 16) -> str | None:
+    """The text of the last ERROR line of a component's log (None: none, or no log)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_file) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    errs = [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR")]
+    return errs[-1].strip() if errs else None
 
 
 class ComponentFailed(MixplaneError, RuntimeError):
@@ -617,6 +630,9 @@ class EmbeddedRuntime:
                 continue
             log_file = self.run_dir / "logs" / f"{c.name}.log"
             role = c.component.role if c.component is not None else ""
+            if code == EXIT_LISTING:  # refused by the run (its listing of a source): a restart would be refused too
+                raise ComponentFailed(f"{c.name} exited with code {code}: it must not serve this run and is not "
+                                      f"restarted: {last_error(log_file) or 'see its log'}; see {log_file}")
             if self.restart is None or role not in self.restart.roles:
                 raise ComponentFailed(f"{c.name} exited with code {code}; see {log_file}")
             if c.restart_at is None:

@@ -269,6 +269,11 @@ class BlockStream:
     def layout(self) -> Layout:
         return Layout(self.partition, self.num_partitions, self._prefix, self._base_epoch)
 
+    @property
+    def order(self) -> str:
+        """The read order positions count in: block by block, ``blocks:<block_files>``."""
+        return f"blocks:{self.blocks.block_files}"
+
     def listing(self) -> list[list[str]] | None:
         return None
 

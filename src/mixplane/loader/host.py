@@ -25,7 +25,7 @@ import zmq
 
 from mixplane import protocol, wire
 from mixplane.component import PlannerFollower
-from mixplane.loader.server import LoaderServer, serve_loaders
+from mixplane.loader.server import EXIT_LISTING, LoaderServer, serve_loaders
 from mixplane.metrics import handoff_metrics, serve_merged
 from mixplane.spec import DataMixtureSpec
 from mixplane.wire import Kind, WireError
@@ -204,6 +204,11 @@ class LoaderHost(PlannerFollower):
 
     def tick(self) -> None:
         self.loop_turn = time.monotonic()
+        refused = [ld for ld in self.loaders.values() if ld.refused is not None]
+        if refused and not self.stopped:  # the run's listing cannot be read here: restarting would not change that
+            log.error("%s: stopping: %s", self.name, "; ".join(str(ld.refused) for ld in refused))
+            self.exit_code = EXIT_LISTING
+            self.stopped = True
 
     def _beat(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)

@@ -17,7 +17,9 @@ import zmq
 from mixplane import protocol, wire
 from mixplane.component import DRAIN_BATCH, Component, Endpoint, PlannerFollower
 from mixplane.loader import snapshot
+from mixplane.loader.files import SourceFiles
 from mixplane.loader.hooks import apply_loader_hook, load_loader_hook
+from mixplane.loader.listing import find_kept, listing_digest, source_listing
 from mixplane.loader.stream import open_stream
 from mixplane.repartition import layouts_after
 from mixplane.loader.transforms import make_transform
@@ -29,6 +31,7 @@ from mixplane.spec import DataMixtureSpec, overlong_limit, pack_bucket
 from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
+EXIT_LISTING = protocol.EXIT_LISTING  # the process's exit status when a partition must not serve the run
 
 
 class LoaderServer(PlannerFollower):
@@ -66,14 +69,10 @@ class LoaderServer(PlannerFollower):
         # hooks.loader: loaded before any file or socket opens (one that cannot be loaded stops the start, named)
         self.hook = load_loader_hook(spec, source.name)
         self.hook_calls = 0
-        parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else self.source.replicas
-        self.stream = open_stream(self.source, seed=spec.mixture.seed, partition=replica, num_partitions=parts)
-        if self.partitioning:
-            self.stream.set_layout(layouts_after(self.source.replicas, self.partitioning, self.stream.epoch_rows,
-                                                 source=self.source.name)[replica])
-        self.window = LoaderWindow(self.stream, make_transform(self.source), spec.window_bounds(source_index), self._on_read,
-                                   read_timeout=0.2 if self.source.live else None, drop_longer_than=overlong_limit(spec),
-                                   workers=resolve_workers(self.source.workers), bucket=pack_bucket(self.source))
+        # why this loader must not serve (the run's listing of its source cannot be read here; it stops, and the
+        # process exits with EXIT_LISTING): None while it may
+        self.refused: str | None = None
+        self._open_stream(None if source.live else source_listing(source))
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
         self._dropped_seen = 0
@@ -105,6 +104,46 @@ class LoaderServer(PlannerFollower):
             self._shadow_budget()
         elif mode != "dormant":
             raise ValueError(f"loader mode {mode!r}: expected primary, shadow or dormant")
+
+    def _open_stream(self, files: SourceFiles | None) -> None:
+        """The partition's stream over `files` (None: a live source lists its own) and its window."""
+        spec, source = self.spec, self.source
+        parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else source.replicas
+        self.stream = open_stream(source, seed=spec.mixture.seed, partition=self.replica, num_partitions=parts,
+                                  **({"files": files} if files is not None else {}))
+        if self.partitioning:
+            self.stream.set_layout(layouts_after(source.replicas, self.partitioning, self.stream.epoch_rows,
+                                                 source=source.name)[self.replica])
+        self.window = LoaderWindow(self.stream, make_transform(source), spec.window_bounds(self.si), self._on_read,
+                                   read_timeout=0.2 if source.live else None, drop_longer_than=overlong_limit(spec),
+                                   workers=resolve_workers(source.workers), bucket=pack_bucket(source))
+        # a static source: the listing and read order its positions count over (HELLO `listing`; the planner pins
+        # the run's and has a loader of another listing reopen its stream with the run's kept one)
+        self.listing_pin = None if source.live else protocol.ListingPin(
+            listing_digest(self.stream.files), len(self.stream.files.paths), str(self.stream.order))
+
+    def _reopen(self, pinned: protocol.ListingPin) -> None:
+        """Read the run's listing `pinned` (WELCOME `reopen`: nothing was read for the planner yet): the stream is
+        opened again over the listing the run kept, then this loader says HELLO again. Not kept here: refused."""
+        assert self.listing_pin is not None
+        files = find_kept(self.source, pinned.digest)
+        if files is None:
+            self._refuse(protocol.listing_not_kept(self.source.name, pinned, self.listing_pin))
+            return
+        log.warning("%s: reopening its stream with the run's listing (%d files, digest %s; the store lists %d files, "
+                    "digest %s now)", self.name, pinned.files, pinned.digest, self.listing_pin.files,
+                    self.listing_pin.digest)
+        self.window.close()
+        self.stream.close()
+        self._open_stream(files)
+        self._warm_seen = 0
+
+    def _refuse(self, why: str) -> None:
+        """This loader must not serve: said once, it stops (its process exits with EXIT_LISTING)."""
+        log.error("%s: %s", self.name, why)
+        self.refused = why
+        self.welcomed = False
+        self.stopped = True  # its sockets close with it (the poll loop leaves a stopped loader alone)
 
     # -- modes (partition handoff) ----------------------------------------------------------
     @property
@@ -176,6 +215,13 @@ class LoaderServer(PlannerFollower):
             self.hm.warm_samples.labels(self.source.name).inc(n - self._warm_seen)
             self._warm_seen = n
 
+    def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
+        why = msg.meta.get("error")
+        if isinstance(why, str) and msg.meta.get("refused") == "listing":  # the planner refused this loader
+            self._refuse(why)
+            return
+        super()._on_shutdown(identity, msg)
+
     def _on_release(self, _: bytes, msg: wire.Message) -> None:
         if msg.get("epoch", int) >= self.epoch:
             self._release_pending = True  # after this drain: its socket closes
@@ -192,6 +238,8 @@ class LoaderServer(PlannerFollower):
                                 "source_name": self.source.name, "metrics_port": self.metrics_port, "epoch": self.epoch}
         if self.host is not None:
             meta["host"] = self.host
+        if self.listing_pin is not None:
+            meta["listing"] = self.listing_pin.to_json()
         self._send_planner(Kind.HELLO, meta)
         self.mark_hello()
 
@@ -204,6 +252,18 @@ class LoaderServer(PlannerFollower):
             super().on_liveness(now)
 
     def _on_welcome(self, _: bytes, msg: wire.Message) -> None:
+        if msg.meta.get("reopen") is True:  # the run reads another listing of this source: reopen, HELLO again
+            pinned = protocol.ListingPin.parse(msg.meta.get("listing"), "WELCOME: field 'listing'")
+            if pinned is None:
+                raise WireError("WELCOME: 'reopen' without a 'listing'")
+            self.note_incarnation(msg)
+            for sock in self.pushers:
+                sock.close(0)
+            self.pushers, self.outbox, self.welcomed = [], [], False
+            if pinned != self.listing_pin:
+                self._reopen(pinned)
+            self._last_hello = 0.0  # say HELLO on the next loop turn
+            return
         endpoints = msg.get("constructors", list)
         cursor = self._cursor(msg)  # validated before the old session's sockets go
         for s in self.pushers:

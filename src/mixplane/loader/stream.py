@@ -680,6 +680,12 @@ class SourceStream:
         epoch by ``start_epoch`` counts its positions from there; the layout is from position 0)."""
         return Layout(self.partition, self.num_partitions, self._prefix, self._base_epoch)
 
+    @property
+    def order(self) -> str:
+        """The read order positions count in: ``pages`` (the whole source's page order) or the shuffle mode's name
+        (a :class:`~mixplane.loader.blockstream.BlockStream` says ``blocks:<block_files>``)."""
+        return "pages" if self.mode == "page" else str(self.mode)
+
     def listing(self) -> list[list[str]] | None:
         """A live source's file listing as positions count over it: its segments in order (None: static)."""
         return [list(s.paths) for s in self.segments] if self.live else None

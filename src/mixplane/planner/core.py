@@ -19,6 +19,7 @@ from mixplane.planner import layoutloop, selectloop
 from mixplane.layout import StepLayout
 from mixplane.mixing import (DeficitSampler, MixturePoint, MixtureSchedule, Segment, SourcesExhausted, apply_temperature,
                              check_update_id, slack, spec_with_mixture)
+from mixplane.protocol import ListingPin, parse_listing_pins
 from mixplane.samples import sample_pass
 from mixplane.repartition import RepartitionError, parse_partitioning, parse_record
 from mixplane.spec import DataMixtureSpec, SpecError, epoch_caps
@@ -138,6 +139,9 @@ class StepPlanner:
         self.strategy = strategy or vanilla_strategy
         # re-partitioned sources (mixplane.repartition): source index -> the records applied, oldest first
         self.partitioning: dict[int, list[dict[str, Any]]] = {}
+        # static sources: the listing and read order the run's positions count over (set by the planner server
+        # from the first loader's HELLO or a cursor's; restored with a cursor that names them)
+        self.listings: dict[int, ListingPin] = {}
         self.windows: list[ReplicaWindow] = []
         for si, s in enumerate(spec.sources):
             lo, tokens, hi = spec.window_bounds(si)
@@ -430,7 +434,8 @@ class StepPlanner:
         """The cursor as of now, built when read (StepPlan.cursor_before)."""
         self.store.sync(drop=False)  # right after a step: no copy (the next step's gather drops the consumed)
         return PlannerCursor(self.next_step, self.sampler.state_dict(), self.schedule.state_dict(), self.store.cursors(),
-                             self._partitioning_json())
+                             self._partitioning_json(),
+                             {str(si): p.text() for si, p in sorted(self.listings.items())} if self.listings else None)
 
     def restore(self, cur: dict[str, Any], *, keep_updates: bool = False) -> list[dict[str, Any]]:
         """Rewind to a cursor. Everything is validated before anything changes (ValueError otherwise).
@@ -451,6 +456,7 @@ class StepPlanner:
                                               [s.name for s in self.spec.sources])
         except RepartitionError as e:
             raise ValueError(f"cursor: {e}") from None
+        listings = parse_listing_pins(cur.get("listings"), self.n_sources)  # ValueError naming it
         counts = self._counts(partitioning)
         if set(by_id) != {(si, r) for si, n in enumerate(counts) for r in range(n)}:
             raise ValueError("cursor was made for a different set of sources / loader replicas")
@@ -481,6 +487,8 @@ class StepPlanner:
         self.next_step = step
         self.sampler = sampler
         self.schedule = schedule
+        if listings:  # a cursor without them (an older one) keeps the run's pins
+            self.listings = {**self.listings, **listings}
         if partitioning != self.partitioning:  # a cursor from before (or after) a re-partition: its windows
             self.partitioning = partitioning
             self._rebuild_windows(set(range(self.n_sources)))

@@ -110,11 +110,14 @@ class PlannerCursor:
     schedule: dict[str, Any]
     windows: WindowCursors
     partitioning: dict[str, list[dict[str, Any]]] | None = None  # re-partitioned sources: their records
+    listings: dict[str, str] | None = None  # static sources: the run's pinned listing (protocol.ListingPin.text)
 
     def build(self) -> dict[str, Any]:
         out = {"step": self.step, "sampler": self.sampler, "schedule": self.schedule, "windows": self.windows.build()}
         if self.partitioning:
             out["partitioning"] = self.partitioning
+        if self.listings:
+            out["listings"] = self.listings
         return out
 
     def json(self) -> str:
@@ -137,5 +140,7 @@ class PlannerCursor:
             for i in sorted(w.odd):
                 parts.insert(i, compact(built[i]))
         tail = f',"partitioning":{compact(self.partitioning)}' if self.partitioning else ""
+        if self.listings:
+            tail += f',"listings":{compact(self.listings)}'
         return (f'{{"step":{self.step},"sampler":{compact(self.sampler)},"schedule":{compact(self.schedule)},'
                 f'"windows":[{",".join(parts)}]{tail}}}')

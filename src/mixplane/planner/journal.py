@@ -21,6 +21,9 @@ counters and the mixture schedule. So the journal does not store plans; it store
 * ``repartition``— a source re-partitioned from a step on (``mixplane.repartition``): its old windows'
                    cursors and the new number of partitions, what loaders and replay build the new
                    partitions' read orders from;
+* ``listing``    — a static source's listing pinned for the run (``protocol.ListingPin``: digest, files, read
+                   order) when its first loader said HELLO; a restarted planner pins it again (cursors
+                   carry it as well once taken);
 * ``resume``     — the planner rewound to a client's cursor (a new session);
 * ``recover``    — a restarted planner resumed its session from an earlier anchor's cursor (the journal
                    records it re-plans from there follow; see ``planner.recovery``).
@@ -174,6 +177,10 @@ class Journal:
     def repartition(self, record: dict[str, Any]) -> None:
         """A re-partition (StepPlanner.repartition's record), applied before step ``record['step']``."""
         self._write({**record, "event": "repartition", "session": self._session})
+
+    def listing(self, source: int, pin: str) -> None:
+        """A static source's listing pinned for the run (``protocol.ListingPin.text``)."""
+        self._write({"event": "listing", "session": self._session, "source": source, "pin": pin})
 
     def resume(self, cursor: dict[str, Any], session: int) -> None:
         self._session = session

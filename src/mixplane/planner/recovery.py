@@ -11,6 +11,8 @@ planner on the same journal continues that session instead of starting over:
   cursor and plans again from there — a step's plan is a pure function of the cursor and of the
   loaders' announcements, which the loaders repeat after seeking to the anchor's window cursors — so
   every re-planned step is the one planned before (checked against the journaled digest);
+* ``listings``: the static sources' listings pinned for the run (journal ``listing`` records, and the
+  cursors of ``resume`` records, which replace them), pinned again by the restarted planner;
 * :meth:`RecoveryState.updates_after` lists the journaled mixture updates the anchor's cursor does not
   contain yet, each with the step before which it was applied the first time; ``history`` holds every update
   of the journal (any session), so their update ids stay acknowledged (an update sent again after a restart
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixplane.planner.journal import ANCHORS, JournalError
+from mixplane.protocol import ListingPin, parse_listing_pins
 
 
 @dataclass
@@ -45,6 +48,7 @@ class RecoveryState:
     digests: dict[int, str] = field(default_factory=dict)  # step -> digest of its newest record
     updates: list[dict[str, Any]] = field(default_factory=list)  # mixture updates of the session, one per generation
     history: list[dict[str, Any]] = field(default_factory=list)  # every update of the journal (any session), newest record per generation
+    listings: dict[int, ListingPin] = field(default_factory=dict)  # source -> the listing pinned for the run
 
     def anchor(self, first_needed: int) -> Anchor:
         """The newest anchor at or before `first_needed` (the first step some constructor may miss)."""
@@ -84,6 +88,12 @@ def read_state(records: list[dict[str, Any]]) -> RecoveryState | None:
     st = RecoveryState(session, start["cursor"], initial, int(start["step"]) - 1)
     newest: dict[int, dict[str, Any]] = {}
     for r in records:  # the ids of every update applied stay acknowledged across restarts and sessions
+        if r.get("event") == "listing":  # pins outlive a session; a resume's cursor that names some replaces them
+            pin = ListingPin.parse(r.get("pin"), "journal listing record")  # ValueError: the journal is not read
+            if pin is not None:
+                st.listings[int(r["source"])] = pin
+        elif r.get("event") in ("resume", "checkpoint", "recover") and isinstance(r.get("cursor"), dict):
+            st.listings.update(parse_listing_pins(r["cursor"].get("listings"), 1 << 30))
         if r.get("event") == "update":
             newest.pop(int(r["generation"]), None)
             newest[int(r["generation"])] = r

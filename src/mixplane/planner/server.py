@@ -160,6 +160,10 @@ class PlannerServer(Component):
         self.constructors: dict[int, ConstructorPeer] = {}
         self.loaders: dict[tuple[int, int], bytes] = {}
         self.pending_loader_welcome: set[tuple[int, int]] = set()
+        # static sources: the listing each registered loader said it reads (protocol.ListingPin), and the loaders
+        # refused for reading the run's listing in another order (name -> why; STATUS `refused_loaders`)
+        self.loader_listings: dict[tuple[int, int], protocol.ListingPin] = {}
+        self.refused_loaders: dict[str, str] = {}
         self.pending_routes: list[tuple[bytes, int]] = []
         self.session = 0
         self.session_start: dict[str, Any] = self.core.cursor()
@@ -287,6 +291,41 @@ class PlannerServer(Component):
         log.warning("loader %s/%d: resending the spans of %d planned step(s) %d..%d from position %d",
                     self.names[key[0]], key[1], len(replay), replay[0][0], replay[-1][0], low)
 
+    def _listing_ok(self, identity: bytes, key: tuple[int, int]) -> bool:
+        """Whether a loader reads the run's listing of its static source in the run's order (the first one pins
+        it, journaled). Another listing: the loader is told the run's (WELCOME `reopen`) and registers again once
+        its stream reads it; another order: refused (SHUTDOWN with the error; it does not serve)."""
+        si, theirs = key[0], self.loader_listings.get(key)
+        pinned = self.core.listings.get(si)
+        verdict = protocol.listing_verdict(pinned, theirs)
+        if verdict == "ok":
+            return True
+        if verdict == "pin":
+            assert theirs is not None
+            self.core.listings[si] = theirs
+            if self.journal is not None:
+                self.journal.listing(si, theirs.text())
+            log.info("source %s: the run's listing is pinned: %d files, digest %s, order %s", self.names[si],
+                     theirs.files, theirs.digest, theirs.order)
+            return True
+        assert pinned is not None and theirs is not None
+        if self.loaders.get(key) == identity:  # nothing is planned with it until it reads the run's listing
+            del self.loaders[key]
+        self.pending_loader_welcome.discard(key)
+        name = f"{self.names[si]}/{key[1]}"
+        if verdict == "reopen":
+            log.warning("loader %s reads another listing of %s (%d files, digest %s) than the run (%d files, digest "
+                        "%s): told to reopen its stream with the run's", name, self.names[si], theirs.files,
+                        theirs.digest, pinned.files, pinned.digest)
+            self._send(identity, Kind.WELCOME, {"session": self.session, "incarnation": self.incarnation,
+                                                "listing": pinned.to_json(), "reopen": True})
+            return False
+        why = protocol.order_refusal(self.names[si], pinned, theirs)
+        log.error("loader %s refused: %s", name, why)
+        self.refused_loaders[name] = why
+        self._send(identity, Kind.SHUTDOWN, {"error": why, "refused": "listing"})
+        return False
+
     def _route_reply(self, identity: bytes, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:
             self._send(identity, Kind.ERROR, {"error": f"rank {rank} outside world of size {self.spec.world_size}"})
@@ -321,6 +360,11 @@ class PlannerServer(Component):
             except KeyError:
                 raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
             if not self.hosting.loader_claim(identity, key, msg):  # an older epoch's server of this partition (fenced)
+                return
+            theirs = protocol.ListingPin.parse(msg.meta.get("listing"), "HELLO: field 'listing'")
+            if theirs is not None:
+                self.loader_listings[key] = theirs
+            if not self._listing_ok(identity, key):  # another listing: reopen it first, or refused
                 return
             self.hosting.adopted(key)
             if key in self.loaders and key not in self.pending_loader_welcome:  # a restarted loader (or a HELLO retry): counted and named
@@ -550,8 +594,9 @@ class PlannerServer(Component):
         self.released_by.clear()
         self.rebuild.clear()
         self.recover_through = -1
-        for key, ident in self.loaders.items():
-            self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
+        for key, ident in list(self.loaders.items()):
+            if self._listing_ok(ident, key):  # a cursor of the run's listing (a resume into a new run)
+                self._send(ident, Kind.SEEK, {"session": self.session, "cursor": self.core.window(*key).cursor()})
         for c in self.constructors.values():
             self._send(c.identity, Kind.RESET, {"session": self.session, "start_step": int(cursor["step"])})
         if self.journal is not None:
@@ -845,6 +890,10 @@ class PlannerServer(Component):
             # sources that reached their end (max_epochs, oversample: false): name -> the step they ended in;
             # why planning stopped for good, if it did (docs/mixtures.md)
             "ended": dict(self.core.schedule.ended), "halted": self.halted,
+            # static sources: the listing the run's positions count over, and loaders refused for reading it in
+            # another order (their error)
+            "listings": {self.names[si]: p.to_json() for si, p in sorted(self.core.listings.items())},
+            "refused_loaders": dict(self.refused_loaders),
             "constructors": len(self.constructors), "constructors_expected": len(self.groups), "loaders": len(self.loaders),
             "peers": self.membership_status(),
             # registered components silent past the liveness miss budget: name -> seconds silent
@@ -894,6 +943,7 @@ class PlannerServer(Component):
         self.session_start = json.loads(json.dumps(st.session_start))
         self.initial_cursor = json.loads(json.dumps(st.initial_cursor))
         self.core.restore(st.session_start)
+        self.core.listings.update({si: pin for si, pin in st.listings.items() if 0 <= si < len(self.names)})
         self.core.remember_updates(st.history)  # their ids stay acknowledged; the newer ones are applied by _recover
         self.core.generation = max(self.core.generation, cursor_generation(st.session_start))
         # partition epochs continue above any its predecessor handed out (they are not journaled): loader
