@@ -32,7 +32,7 @@ def kept_listings(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPLANE_INDEX_CACHE", str(tmp_path / "cache"))  # where the loaders keep their listings
 
 
-def setup(tmp_path: Path, name: str, journal_every: int = 4):
+def setup(tmp_path: Path, name: str, journal_every: int = 4, **runtime):
     """A static source of 2 files; a third waits in staging, named so that it sorts before them (a listing with it
     numbers every position differently)."""
     src = tmp_path / name
@@ -44,7 +44,7 @@ def setup(tmp_path: Path, name: str, journal_every: int = 4):
         "mixture": {"weights": {"web": 1.0}, "seed": 7},
         "batch": {"sequences": 4, "seq_len": 256, "microbatches": 1},
         "topology": {"modules": {"backbone": {"dp": 1}}}, "strategy": {"name": "vanilla"},
-        "runtime": {"window": 8, "window_tokens": 600, "metrics": False, "journal_every": journal_every},
+        "runtime": {"window": 8, "window_tokens": 600, "metrics": False, "journal_every": journal_every, **runtime},
     }
     return parse_spec(doc), src, tmp_path / f"{name}-staging" / "part-000.parquet"
 
@@ -137,10 +137,12 @@ def test_a_planner_restarted_from_its_journal_keeps_the_runs_listing(tmp_path):
     """The planner and the loader SIGKILLed after a file was added: the restarted planner pins the run's listing again
     (its journal's listing record -- no checkpoint holds it: journal_every 100 -- or the cursor a constructor holds;
     tests/unit/test_listing_pin.py has the journal alone), so the restarted loader reopens with it."""
-    spec, _, _ = setup(tmp_path, "ref", journal_every=100)
+    # a short look-ahead: the steps after the kills need the restarted loader
+    short = {"journal_every": 100, "max_lead_steps": 2, "prefetch_s": 0, "prefetch_steps": 1}
+    spec, _, _ = setup(tmp_path, "ref", **short)
     with EmbeddedRuntime(spec, tmp_path / "run-ref") as rt:
         reference, _ = take(rt.planner_endpoint, 0, STEPS)
-    spec, src, extra = setup(tmp_path, "recovered", journal_every=100)
+    spec, src, extra = setup(tmp_path, "recovered", **short)
     got: dict[int, dict] = {}
     errors: list[BaseException] = []
 

@@ -136,7 +136,8 @@ class LoaderServer(PlannerFollower):
         self.window.close()
         self.stream.close()
         self._open_stream(files)
-        self._warm_seen = 0
+        self._warm_seen = self._quarantined_seen = self._bad_samples_seen = self._dropped_seen = 0
+        self._remote_seen, self._overlong_seen = (0, 0, 0, 0), {}  # the new stream and window count from zero
 
     def _refuse(self, why: str) -> None:
         """This loader must not serve: said once, it stops (its process exits with EXIT_LISTING)."""
@@ -259,7 +260,7 @@ class LoaderServer(PlannerFollower):
             self.note_incarnation(msg)
             for sock in self.pushers:
                 sock.close(0)
-            self.pushers, self.outbox, self.welcomed = [], [], False
+            self.pushers, self.outbox, self.welcomed, self.replaying = [], [], False, False
             if pinned != self.listing_pin:
                 self._reopen(pinned)
             self._last_hello = 0.0  # say HELLO on the next loop turn

@@ -298,6 +298,9 @@ class PlannerServer(Component):
         si, theirs = key[0], self.loader_listings.get(key)
         pinned = self.core.listings.get(si)
         verdict = protocol.listing_verdict(pinned, theirs)
+        name = f"{self.names[si]}/{key[1]}"
+        if verdict in ("ok", "pin"):
+            self.refused_loaders.pop(name, None)  # served again by a loader that reads the run's listing
         if verdict == "ok":
             return True
         if verdict == "pin":
@@ -312,7 +315,6 @@ class PlannerServer(Component):
         if self.loaders.get(key) == identity:  # nothing is planned with it until it reads the run's listing
             del self.loaders[key]
         self.pending_loader_welcome.discard(key)
-        name = f"{self.names[si]}/{key[1]}"
         if verdict == "reopen":
             log.warning("loader %s reads another listing of %s (%d files, digest %s) than the run (%d files, digest "
                         "%s): told to reopen its stream with the run's", name, self.names[si], theirs.files,
