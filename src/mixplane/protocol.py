@@ -265,8 +265,9 @@ def listing_not_kept(source: str, pinned: ListingPin, have: ListingPin) -> str:
     """The error of a loader that cannot find the run's kept listing (it lists other files now)."""
     return (f"source {source!r}: the run's listing ({pinned.files} files, digest {pinned.digest}) is not kept here, and "
             f"the store lists other files now ({have.files} files, digest {have.digest}): positions would name other "
-            "samples, so the loader does not serve. Restore the kept listing (the loaders' cache directory, "
-            "MIXPLANE_INDEX_CACHE) or the source's files as they were, or start a new run")
+            "samples, so the loader does not serve. Give it the run's kept listing (the loaders' cache directory "
+            "MIXPLANE_INDEX_CACHE, or beside the data with sources[].index_beside_data) or the source's files as they "
+            "were, or start a new run")
 
 
 def parse_listing_pins(v: Any, n_sources: int) -> dict[int, ListingPin]:

@@ -214,3 +214,29 @@ def test_a_loader_restarted_with_another_read_order_is_refused_not_restarted(tmp
     for why in (text, refused):
         assert "lazy_index_files" in why and "'blocks:1'" in why and "'pages'" in why and "'web'" in why
     assert codes == [EXIT_LISTING]
+
+
+def test_a_loader_that_cannot_find_the_runs_listing_is_refused_not_restarted(tmp_path):
+    """A file added and the kept listings gone (a pod on a node with an empty cache, no copy beside the data): the
+    restarted loader cannot number the run's positions, says so naming both listings, and exits; not restarted."""
+    from mixplane.protocol import EXIT_LISTING
+    from mixplane.runtime import ComponentFailed
+
+    spec, src, extra = setup(tmp_path, "lost")
+    with EmbeddedRuntime(spec, tmp_path / "run-l", restart=RestartPolicy(backoff_s=0.05)) as rt:
+        _, state = take(rt.planner_endpoint, 0, 2)
+        add_file(src, extra)
+        shutil.rmtree(tmp_path / "cache")
+        victim = next(c for c in rt.children if c.component is not None and c.component.role == "loader")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        deadline = time.monotonic() + 60
+        with pytest.raises(ComponentFailed) as failed:
+            while True:
+                assert time.monotonic() < deadline, "the refused loader was not given up on"
+                rt.supervise()
+                time.sleep(0.05)
+    text = str(failed.value)
+    pinned = state["cursor"]["listings"]["0"].split(":")
+    assert f"exited with code {EXIT_LISTING}" in text and "'web'" in text and "is not kept here" in text
+    assert f"({pinned[1]} files, digest {pinned[0]})" in text and "(3 files, digest " in text

@@ -19,7 +19,7 @@ from mixplane.component import DRAIN_BATCH, Component, Endpoint, PlannerFollower
 from mixplane.loader import snapshot
 from mixplane.loader.files import SourceFiles
 from mixplane.loader.hooks import apply_loader_hook, load_loader_hook
-from mixplane.loader.listing import find_kept, listing_digest, source_listing
+from mixplane.loader.listing import find_kept, keep_listing, listing_digest
 from mixplane.loader.stream import open_stream
 from mixplane.repartition import layouts_after
 from mixplane.loader.transforms import make_transform
@@ -72,7 +72,7 @@ class LoaderServer(PlannerFollower):
         # why this loader must not serve (the run's listing of its source cannot be read here; it stops, and the
         # process exits with EXIT_LISTING): None while it may
         self.refused: str | None = None
-        self._open_stream(None if source.live else source_listing(source))
+        self._open_stream(None)  # a static source: its kept listing or the store listed (loader.listing)
         self._quarantined_seen = 0
         self._bad_samples_seen = 0
         self._dropped_seen = 0
@@ -106,7 +106,8 @@ class LoaderServer(PlannerFollower):
             raise ValueError(f"loader mode {mode!r}: expected primary, shadow or dormant")
 
     def _open_stream(self, files: SourceFiles | None) -> None:
-        """The partition's stream over `files` (None: a live source lists its own) and its window."""
+        """The partition's stream over `files` (None: the source's listing, `loader.listing.source_listing`) and its
+        window."""
         spec, source = self.spec, self.source
         parts = int(self.partitioning[-1]["partitions"]) if self.partitioning else source.replicas
         self.stream = open_stream(source, seed=spec.mixture.seed, partition=self.replica, num_partitions=parts,
@@ -130,6 +131,7 @@ class LoaderServer(PlannerFollower):
         if files is None:
             self._refuse(protocol.listing_not_kept(self.source.name, pinned, self.listing_pin))
             return
+        keep_listing(self.source, files)  # kept again: the run's listing stays among the kept ones while it is read
         log.warning("%s: reopening its stream with the run's listing (%d files, digest %s; the store lists %d files, "
                     "digest %s now)", self.name, pinned.files, pinned.digest, self.listing_pin.files,
                     self.listing_pin.digest)
