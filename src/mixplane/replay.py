@@ -3,7 +3,10 @@
 `planner.journal.replan` plans the step again from the nearest journaled cursor (checking every
 replanned step's digest against the journal). Its windows are filled by `ReplayLoaders`: the Source
 Loaders of the mixture run offline, each a `loader.window.LoaderWindow` over the loader's own
-stream and transform — the code the loader server runs, not a re-implementation. The step's token
+stream and transform — the code the loader server runs, not a re-implementation. A static source
+the run pinned a listing of (journal ``listing`` records, cursors' ``listings``) is read with that
+listing, kept by the loaders (`loader.listing.find_kept`), not with what its store lists today:
+files added since would number every position differently. The step's token
 spans are then taken from those windows (no second read of the sources), and the rank's batch is
 materialised exactly as its Data Constructor did (Blender's "re-fetch any past batch", e.g. to
 investigate a loss spike).
@@ -16,10 +19,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mixplane import protocol
 from mixplane.errors import MixplaneError
 from mixplane.constructor.collate import SpanStore, hybrid_view, materialize_rank
 from mixplane.constructor.hooks import apply_hook, hook_context, load_hook
 from mixplane.layout import layout_digest
+from mixplane.loader.files import SourceFiles, SourceFilesError, list_source, listing_digest
+from mixplane.loader.listing import find_kept, keep_listing, places
 from mixplane.loader.stream import SourceStream, open_stream
 from mixplane.loader.transforms import Transform, make_transform
 from mixplane.loader.window import LoaderWindow
@@ -28,40 +34,85 @@ from mixplane.planner.windows import ReplicaWindow
 from mixplane.planner.journal import archived, read_journal, replan
 from mixplane.control import default_run_dir
 from mixplane.repartition import layouts_after
-from mixplane.spec import DataMixtureSpec, overlong_limit, pack_bucket
+from mixplane.spec import DataMixtureSpec, SourceSpec, overlong_limit, pack_bucket
 from mixplane.parallelism import cp_group_ranks
 from mixplane.topology import backbone_coords, place_tree
 
 LIVE_READ_TIMEOUT = 10.0  # seconds a replay waits on a dry live source before giving up
 
-# (spec, source index, replica) -> (stream, transform) of that loader replica
-ReplicaOpener = Callable[[DataMixtureSpec, int, int], tuple[SourceStream, Transform]]
-# (spec, source index, replica, the source's re-partition records) -> the same, of a re-partitioned source
-PartitionOpener = Callable[[DataMixtureSpec, int, int, list[dict[str, Any]]], tuple[SourceStream, Transform]]
+# (spec, source index, replica) -> (stream, transform) of that loader replica; called with `files=` (SourceFiles:
+# the run's pinned listing of a static source) when the run pinned one
+ReplicaOpener = Callable[..., tuple[SourceStream, Transform]]
+# (spec, source index, replica, the source's re-partition records) -> the same, of a re-partitioned source (`files=`
+# as above)
+PartitionOpener = Callable[..., tuple[SourceStream, Transform]]
 
 
 class ReplayError(MixplaneError, RuntimeError):
     pass
 
 
-def open_replica(spec: DataMixtureSpec, source_index: int, replica: int) -> tuple[SourceStream, Transform]:
-    """The stream and transform a Source Loader of this replica reads with (as `loader.server` opens them)."""
+def open_replica(spec: DataMixtureSpec, source_index: int, replica: int, *,
+                 files: SourceFiles | None = None) -> tuple[SourceStream, Transform]:
+    """The stream and transform a Source Loader of this replica reads with (as `loader.server` opens them); `files`:
+    the listing to read (None: the source's listing today, `loader.listing.source_listing`)."""
     src = spec.sources[source_index]
-    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas)
+    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=src.replicas,
+                         **({"files": files} if files is not None else {}))
     return stream, make_transform(src)
 
 
-def open_partition(spec: DataMixtureSpec, source_index: int, replica: int,
-                   records: list[dict[str, Any]]) -> tuple[SourceStream, Transform]:
+def open_partition(spec: DataMixtureSpec, source_index: int, replica: int, records: list[dict[str, Any]], *,
+                   files: SourceFiles | None = None) -> tuple[SourceStream, Transform]:
     """The stream and transform of a partition of a re-partitioned source (`records`: the planner's re-partition
     records of the source, oldest first; none: `open_replica`): its read order from `mixplane.repartition`."""
     if not records:
-        return open_replica(spec, source_index, replica)
+        return open_replica(spec, source_index, replica, files=files)
     src = spec.sources[source_index]
     m = int(records[-1]["partitions"])
-    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=m)
+    stream = open_stream(src, seed=spec.mixture.seed, partition=replica, num_partitions=m,
+                         **({"files": files} if files is not None else {}))
     stream.set_layout(layouts_after(src.replicas, records, stream.epoch_rows, source=src.name)[replica])
     return stream, make_transform(src)
+
+
+def pinned_files(source: SourceSpec, pin: protocol.ListingPin) -> SourceFiles:
+    """The files the run read a static source with: its kept listing of the pinned digest (the loaders' cache, then
+    beside the data), else the store's listing while it is still that one. ReplayError otherwise, naming the source,
+    the run's listing and where it was looked for: today's listing would make a replay read other samples. The store's
+    listing found to be the run's is kept (as a loader's start keeps it)."""
+    files = find_kept(source, pin.digest)
+    if files is not None:
+        return files
+    try:
+        now: SourceFiles | None = list_source(source)
+    except SourceFilesError as e:
+        now, today = None, f"the store cannot be listed now ({e})"
+    if now is not None:
+        digest = listing_digest(now)
+        if digest == pin.digest:
+            keep_listing(source, now)  # kept again (as a loader's start keeps it): found after files change
+            return now
+        today = f"{source.uri} lists other files now ({len(now.paths)} files, digest {digest})"
+    looked = ", ".join(p.where(f"{pin.digest}.npz") for p in places(source, None)) or "nowhere: no cache directory"
+    raise ReplayError(
+        f"source {source.name!r}: the run read it with a listing of {pin.files} files (digest {pin.digest}, order "
+        f"{pin.order!r}) that is not kept here (looked for {looked}), and {today}: a replay would read other samples "
+        f"than the run delivered. Give it the run's kept listing -- copy {pin.digest}.npz from the loaders' cache "
+        "directory (MIXPLANE_INDEX_CACHE, under listings/) to the first place named, or keep listings beside the data "
+        "with sources[].index_beside_data -- or restore the source's files as they were")
+
+
+def check_order(source: SourceSpec, pin: protocol.ListingPin, stream: Any) -> None:
+    """The stream opened with the run's listing counts positions as the run did (`protocol.listing_verdict`, what
+    the planner asks of a loader); ReplayError naming the source and both orders otherwise."""
+    have = protocol.ListingPin(listing_digest(stream.files), len(stream.files.paths), str(stream.order))
+    verdict = protocol.listing_verdict(pin, have)
+    if verdict == "refuse":
+        raise ReplayError(f"replay: {protocol.order_refusal(source.name, pin, have)}")
+    if verdict != "ok":
+        raise ReplayError(f"source {source.name!r}: the listing read ({have.files} files, digest {have.digest}) is not "
+                          f"the run's ({pin.files} files, digest {pin.digest})")
 
 
 class ReplayLoaders:
@@ -72,8 +123,11 @@ class ReplayLoaders:
     handed off and the samples retired, as a PLAN_LOADER message does — then announces
     `LoaderWindow.fill()` into the planner's `ReplicaWindow`. A planner window that no longer holds
     what was announced to it (the planner was restored from a cursor, or it is another planner's)
-    makes its loader window start over from the window's cursor, as a SEEK does. One instance
-    serves one mixture (the sources of the first planner it fills); `close()` closes the streams.
+    makes its loader window start over from the window's cursor, as a SEEK does. A static source the
+    planner holds a pinned listing of (``planner.listings``: `journal.replan` sets them from the
+    journal) is opened over that listing (`pinned_files`, the opener called with ``files=``) and its
+    order checked (`check_order`). One instance serves one mixture (the sources of the first planner it
+    fills); `close()` closes the streams.
     """
 
     def __init__(self, opener: ReplicaOpener = open_replica, partition_opener: PartitionOpener = open_partition):
@@ -84,15 +138,18 @@ class ReplayLoaders:
         self._windows: dict[tuple[int, int, str], tuple[ReplicaWindow, LoaderWindow]] = {}
         self._next: dict[tuple[int, int, str], int] = {}  # the planner window's next position after our last announcement
         self._current: dict[tuple[int, int], tuple[int, int, str]] = {}  # (source, replica) -> its key now
+        self._files: dict[tuple[str, str], SourceFiles] = {}  # (source, digest) -> the run's pinned listing
 
     def __call__(self, planner: StepPlanner) -> None:
         self.spec = planner.spec
         self._current = {}
         for w in planner.windows:
             recs = planner.partitioning.get(w.source, [])
-            key = (w.source, w.replica, ";".join(f"{r['step']}:{r['partitions']}" for r in recs))
+            pin = None if planner.spec.sources[w.source].live else planner.listings.get(w.source)
+            key = (w.source, w.replica, ";".join(f"{r['step']}:{r['partitions']}" for r in recs)
+                   + (f"@{pin.text()}" if pin is not None else ""))
             self._current[(w.source, w.replica)] = key
-            lw = self._window(planner.spec, w, key, recs)
+            lw = self._window(planner.spec, w, key, recs, pin)
             if not self._consumed(w, lw):
                 lw.seek(w.cursor())
             a = lw.fill()
@@ -108,7 +165,7 @@ class ReplayLoaders:
                                   f"planner's ({len(w)} samples, {w.unconsumed_tokens} tokens)")
 
     def _window(self, spec: DataMixtureSpec, w: ReplicaWindow, key: tuple[int, int, str],
-                records: list[dict[str, Any]]) -> LoaderWindow:
+                records: list[dict[str, Any]], pin: protocol.ListingPin | None = None) -> LoaderWindow:
         have = self._windows.get(key)
         if have is not None and have[0] is w:
             return have[1]
@@ -116,14 +173,29 @@ class ReplayLoaders:
             lw = have[1]
             self._next.pop(key, None)
         else:
-            stream, transform = (self.partition_opener(spec, w.source, w.replica, records) if records
-                                 else self.opener(spec, w.source, w.replica))
-            live = spec.sources[w.source].live
+            src = spec.sources[w.source]
+            files = {} if pin is None else {"files": self._pinned(src, pin)}  # the run's listing, not today's
+            stream, transform = (self.partition_opener(spec, w.source, w.replica, records, **files) if records
+                                 else self.opener(spec, w.source, w.replica, **files))
+            if pin is not None:
+                try:
+                    check_order(src, pin, stream)
+                except ReplayError:
+                    stream.close()
+                    raise
+            live = src.live
             lw = LoaderWindow(stream, transform, spec.window_bounds(w.source),
                               read_timeout=LIVE_READ_TIMEOUT if live else None, drop_longer_than=overlong_limit(spec),
                               bucket=pack_bucket(spec.sources[w.source]))
         self._windows[key] = (w, lw)
         return lw
+
+    def _pinned(self, source: SourceSpec, pin: protocol.ListingPin) -> SourceFiles:
+        """The run's listing of a source, found once per replay (every replica reads the same)."""
+        got = self._files.get((source.name, pin.digest))
+        if got is None:
+            got = self._files[(source.name, pin.digest)] = pinned_files(source, pin)
+        return got
 
     def _consumed(self, w: ReplicaWindow, lw: LoaderWindow) -> bool:
         """Mirror the planner's consumption into the loader window (span what was delivered, retire what
@@ -164,6 +236,7 @@ class ReplayLoaders:
                 close()
         self._windows.clear()
         self._next.clear()
+        self._files.clear()
 
     def __enter__(self) -> "ReplayLoaders":
         return self

@@ -240,3 +240,36 @@ def test_a_loader_that_cannot_find_the_runs_listing_is_refused_not_restarted(tmp
     pinned = state["cursor"]["listings"]["0"].split(":")
     assert f"exited with code {EXIT_LISTING}" in text and "'web'" in text and "is not kept here" in text
     assert f"({pinned[1]} files, digest {pinned[0]})" in text and "(3 files, digest " in text
+
+
+def test_replay_after_a_file_was_added_reads_the_runs_listing(tmp_path):
+    """`mixplane replay` rebuilds a step with the run's kept listing, not the store's today: a file that sorts first
+    added after the run would renumber every position (and the replay read other samples). With the kept listing
+    gone and the files as they were, the store's listing is the run's; with the file added too, the replay fails
+    naming the source, the run's listing and where it is kept."""
+    from mixplane.replay import ReplayError, replay_step
+
+    spec, src, extra = setup(tmp_path, "replayed")
+    run_dir = tmp_path / "run-r"
+    with EmbeddedRuntime(spec, run_dir) as rt:
+        got, state = take(rt.planner_endpoint, 0, 8)
+    pinned = state["cursor"]["listings"]["0"].split(":")
+    assert pinned[1:] == ["2", "pages"]
+
+    def replayed(step: int) -> dict:
+        out = replay_step(spec, step=step, rank=0, run_dir=str(run_dir), save=str(tmp_path / f"r{step}.npz"))
+        assert out["digest_match"], out
+        return dict(np.load(tmp_path / f"r{step}.npz"))
+
+    shutil.rmtree(tmp_path / "cache")  # the run's kept listing gone, the files as they were: listed, the same
+    assert_same({3: got[3]}, {3: replayed(3)}, range(3, 4))
+    add_file(src, extra)  # (that listing was kept again by the replay: found below)
+    for step in (2, 6):  # from the open record's cursor (the journal's listing record), and a checkpoint's (step 4)
+        assert_same(got, {step: replayed(step)}, range(step, step + 1))
+    shutil.rmtree(tmp_path / "cache")
+    with pytest.raises(ReplayError) as lost:
+        replay_step(spec, step=6, rank=0, run_dir=str(run_dir))
+    text = str(lost.value)
+    assert "'web'" in text and f"{pinned[1]} files (digest {pinned[0]}" in text and "(3 files, digest " in text
+    assert "MIXPLANE_INDEX_CACHE" in text and "index_beside_data" in text
+    assert str(tmp_path / "cache" / "listings") in text  # where it was looked for

@@ -115,3 +115,47 @@ def test_planner_pins_refuses_journals_and_recovers(spec, tmp_path):
         again.close()
         ctx.term()
 
+
+
+def test_pins_a_replay_reads_the_journal_with():
+    """journal.pinned_listings (what replay and a restarted planner read): a listing record pins a source, a cursor
+    naming pins replaces them, one naming none keeps them; locate hands them to the replay of a step."""
+    records = [
+        {"event": "open", "step": 0, "cursor": {"step": 0}, "spec": {}, "generation": 0},
+        {"event": "listing", "source": 0, "pin": A.text()},
+        {"event": "step", "step": 0},
+        {"event": "checkpoint", "step": 1, "cursor": {"step": 1, "listings": {"0": A.text(), "1": B.text()}}},
+        {"event": "step", "step": 1},
+        {"event": "resume", "step": 0, "cursor": {"step": 0}},  # an older trainer's cursor: no pins, kept
+        {"event": "step", "step": 0},
+        {"event": "resume", "step": 1, "cursor": {"step": 1, "listings": {"0": B.text()}}},
+        {"event": "step", "step": 1},
+    ]
+    assert journal.pinned_listings(records[:1]) == {}  # an older run's journal: no pins, replayed as before
+    assert journal.pinned_listings(records[:3]) == {0: A}
+    assert journal.pinned_listings(records[:7]) == {0: A, 1: B}
+    assert journal.pinned_listings(records) == {0: B, 1: B}
+    assert journal.locate(records[:3], 0).listings == {0: A}
+    assert read_state(records).listings == {0: B, 1: B}
+    with pytest.raises(journal.JournalError, match="listing record"):
+        journal.pinned_listings([{"event": "listing", "source": 0, "pin": "bad"}])
+
+
+def test_replay_checks_the_read_order_as_the_planner_does(spec):
+    """A replay's stream over the run's listing counts positions in its spec's order: another order than the run's
+    is refused with the planner's words (protocol.listing_verdict / order_refusal), another listing too."""
+    from mixplane.loader.files import listing_digest
+    from mixplane.loader.stream import open_stream
+    from mixplane.replay import ReplayError, check_order
+
+    src = spec.sources[0]
+    stream = open_stream(src, seed=1)
+    try:
+        run = ListingPin(listing_digest(stream.files), 1, "pages")
+        check_order(src, run, stream)  # the run's listing and order
+        with pytest.raises(ReplayError, match=r"order 'pages', the run reads it in the order 'blocks:8'"):
+            check_order(src, ListingPin(run.digest, 1, "blocks:8"), stream)
+        with pytest.raises(ReplayError, match=f"is not the run's \\(12 files, digest {A.digest}\\)"):
+            check_order(src, A, stream)
+    finally:
+        stream.close()

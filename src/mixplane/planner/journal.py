@@ -43,7 +43,7 @@ import base64
 import json
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -51,6 +51,7 @@ import numpy as np
 from mixplane.errors import MixplaneError
 from mixplane.layout import layout_digest  # noqa: F401  (one digest for journal, replay and tests)
 from mixplane.planner.core import StepPlan, StepPlanner
+from mixplane.protocol import ListingPin, parse_listing_pins
 from mixplane.spec import DataMixtureSpec
 
 VERSION = 1
@@ -335,6 +336,26 @@ class ReplayPlan:
     anchor: dict[str, Any]
     records: list[dict[str, Any]]  # from after the anchor through the target's step record
     target: dict[str, Any] | None  # the target's step record (None: never planned)
+    # static sources: the listings the run's positions counted over at the step (source -> pin; {}: an older journal)
+    listings: dict[int, ListingPin] = field(default_factory=dict)
+
+
+def pinned_listings(records: list[dict[str, Any]]) -> dict[int, ListingPin]:
+    """The static sources' pinned listings after `records` (pure): as the planner holds them -- a ``listing`` record
+    pins a source, a cursor that names listings (resume, checkpoint, recover) replaces those it names, one that names
+    none keeps them. JournalError when a pin cannot be read."""
+    out: dict[int, ListingPin] = {}
+    for r in records:
+        try:
+            if r.get("event") == "listing":
+                pin = ListingPin.parse(r.get("pin"), "journal listing record")
+                if pin is not None:
+                    out[int(r["source"])] = pin
+            elif r.get("event") in ANCHORS and isinstance(r.get("cursor"), dict):
+                out.update(parse_listing_pins(r["cursor"].get("listings"), 1 << 30))
+        except (KeyError, TypeError, ValueError) as e:  # (WireError is a ValueError)
+            raise JournalError(f"{r.get('event')} record of step {r.get('step', '?')}: {e}") from None
+    return out
 
 
 def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
@@ -371,7 +392,7 @@ def locate(records: list[dict[str, Any]], step: int) -> ReplayPlan:
     gen = int(spec_rec["generation"])
     # updates recorded before the anchor are already inside the anchor's schedule state
     return ReplayPlan(spec_rec["spec"], gen, records[anchor_i], records[anchor_i + 1:end + 1],
-                      records[target_i] if target_i is not None else None)
+                      records[target_i] if target_i is not None else None, pinned_listings(records[:end + 1]))
 
 
 # ---- replay -------------------------------------------------------------------------------------
@@ -402,6 +423,8 @@ def replan(path: str | os.PathLike, step: int, fill: WindowFiller, *,
     spec = parse_spec(rp.spec)
     planner = StepPlanner(spec, strategy or resolve_strategy(spec, base_dir), rp.generation)
     planner.restore(rp.anchor["cursor"])
+    # the listings the run read its static sources with (the fill opens their streams with them, not today's)
+    planner.listings = {si: pin for si, pin in rp.listings.items() if 0 <= si < planner.n_sources}
     journaled: dict[int, dict[str, Any]] = {}
     last: StepPlan | None = None
 

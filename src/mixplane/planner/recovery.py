@@ -12,7 +12,8 @@ planner on the same journal continues that session instead of starting over:
   loaders' announcements, which the loaders repeat after seeking to the anchor's window cursors — so
   every re-planned step is the one planned before (checked against the journaled digest);
 * ``listings``: the static sources' listings pinned for the run (journal ``listing`` records, and the
-  cursors of ``resume`` records, which replace them), pinned again by the restarted planner;
+  cursors that name listings, which replace them: ``planner.journal.pinned_listings``, what a replay
+  reads them with too), pinned again by the restarted planner;
 * :meth:`RecoveryState.updates_after` lists the journaled mixture updates the anchor's cursor does not
   contain yet, each with the step before which it was applied the first time; ``history`` holds every update
   of the journal (any session), so their update ids stay acknowledged (an update sent again after a restart
@@ -24,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixplane.planner.journal import ANCHORS, JournalError
-from mixplane.protocol import ListingPin, parse_listing_pins
+from mixplane.planner.journal import ANCHORS, JournalError, pinned_listings
+from mixplane.protocol import ListingPin
 
 
 @dataclass
@@ -88,16 +89,12 @@ def read_state(records: list[dict[str, Any]]) -> RecoveryState | None:
     st = RecoveryState(session, start["cursor"], initial, int(start["step"]) - 1)
     newest: dict[int, dict[str, Any]] = {}
     for r in records:  # the ids of every update applied stay acknowledged across restarts and sessions
-        if r.get("event") == "listing":  # pins outlive a session; a resume's cursor that names some replaces them
-            pin = ListingPin.parse(r.get("pin"), "journal listing record")  # ValueError: the journal is not read
-            if pin is not None:
-                st.listings[int(r["source"])] = pin
-        elif r.get("event") in ("resume", "checkpoint", "recover") and isinstance(r.get("cursor"), dict):
-            st.listings.update(parse_listing_pins(r["cursor"].get("listings"), 1 << 30))
         if r.get("event") == "update":
             newest.pop(int(r["generation"]), None)
             newest[int(r["generation"])] = r
     st.history = list(newest.values())
+    # pins outlive a session; a cursor that names some replaces them (JournalError: the journal is not read)
+    st.listings = pinned_listings(records)
     seen_gen: set[int] = set()
     for i in range(start_i, len(records)):
         r = records[i]
