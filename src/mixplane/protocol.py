@@ -270,6 +270,21 @@ def listing_not_kept(source: str, pinned: ListingPin, have: ListingPin) -> str:
             "were, or start a new run")
 
 
+#: the longest refusal a loader's HELLO ``refused`` carries into the planner's STATUS (a longer one is cut)
+REFUSAL_MAX_CHARS = 2000
+
+
+def parse_refusal(v: Any, what: str = "refused") -> str | None:
+    """A loader's own refusal of the run (HELLO ``refused``: why it does not serve, e.g. :func:`listing_not_kept`;
+    it stops): None when absent, the text cut to REFUSAL_MAX_CHARS, WireError naming `what` when it is not a
+    non-empty text."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise WireError(f"{what} is not a non-empty text but {type(v).__name__} {str(v)[:40]!r}")
+    return v if len(v) <= REFUSAL_MAX_CHARS else v[:REFUSAL_MAX_CHARS - 3] + "..."
+
+
 def parse_listing_pins(v: Any, n_sources: int) -> dict[int, ListingPin]:
     """A cursor's ``listings`` (source index -> ``digest:files:order``); {} when absent; ValueError if malformed."""
     if v is None:

@@ -218,7 +218,8 @@ def test_a_loader_restarted_with_another_read_order_is_refused_not_restarted(tmp
 
 def test_a_loader_that_cannot_find_the_runs_listing_is_refused_not_restarted(tmp_path):
     """A file added and the kept listings gone (a pod on a node with an empty cache, no copy beside the data): the
-    restarted loader cannot number the run's positions, says so naming both listings, and exits; not restarted."""
+    restarted loader cannot number the run's positions, says so naming both listings -- to the planner too, whose
+    STATUS names it (it waited for the planner's acknowledgement before it exited) -- and exits; not restarted."""
     from mixplane.protocol import EXIT_LISTING
     from mixplane.runtime import ComponentFailed
 
@@ -236,10 +237,13 @@ def test_a_loader_that_cannot_find_the_runs_listing_is_refused_not_restarted(tmp
                 assert time.monotonic() < deadline, "the refused loader was not given up on"
                 rt.supervise()
                 time.sleep(0.05)
+        refused = rt.status()["refused_loaders"]
     text = str(failed.value)
     pinned = state["cursor"]["listings"]["0"].split(":")
     assert f"exited with code {EXIT_LISTING}" in text and "'web'" in text and "is not kept here" in text
     assert f"({pinned[1]} files, digest {pinned[0]})" in text and "(3 files, digest " in text
+    assert list(refused) == ["web/0"]
+    assert "is not kept here" in refused["web/0"] and f"({pinned[1]} files, digest {pinned[0]})" in refused["web/0"]
 
 
 def test_replay_after_a_file_was_added_reads_the_runs_listing(tmp_path):

@@ -15,7 +15,8 @@ from mixplane import wire
 from mixplane.planner import journal
 from mixplane.planner.recovery import read_state
 from mixplane.planner.server import PlannerServer
-from mixplane.protocol import ListingPin, listing_verdict, order_refusal, parse_listing_pins
+from mixplane.protocol import (REFUSAL_MAX_CHARS, ListingPin, listing_not_kept, listing_verdict, order_refusal,
+                               parse_listing_pins, parse_refusal)
 from mixplane.spec import parse_spec
 from mixplane.wire import Kind, WireError
 
@@ -59,8 +60,8 @@ def spec(tmp_path):
                        "topology": {"modules": {"backbone": {"dp": 1}}}, "runtime": {"metrics": False}})
 
 
-def hello(planner: PlannerServer, ident: bytes, source: int, pin: ListingPin | None) -> None:
-    meta = {"role": "loader", "source": source, "replica": 0, "epoch": 0, "source_name": "s"}
+def hello(planner: PlannerServer, ident: bytes, source: int, pin: ListingPin | None, **extra) -> None:
+    meta = {"role": "loader", "source": source, "replica": 0, "epoch": 0, "source_name": "s", **extra}
     if pin is not None:
         meta["listing"] = pin.to_json()
     planner.handle(ident, wire.Message(Kind.HELLO, meta))
@@ -115,6 +116,43 @@ def test_planner_pins_refuses_journals_and_recovers(spec, tmp_path):
         again.close()
         ctx.term()
 
+
+def test_a_refusal_in_hello_is_text_cut_to_its_bound_and_garbage_is_named():
+    why = listing_not_kept("web", A, B)
+    assert parse_refusal(None) is None and parse_refusal(why) == why
+    cut = parse_refusal("x" * 5000)
+    assert cut is not None and len(cut) == REFUSAL_MAX_CHARS and cut.endswith("...")
+    for bad in (7, "", "  ", {"why": "x"}, ["x"], True):
+        with pytest.raises(WireError, match="HELLO: field 'refused' is not a non-empty text"):
+            parse_refusal(bad, "HELLO: field 'refused'")
+
+
+def test_a_loader_that_refuses_the_run_itself_is_named_in_the_planners_status(spec):
+    """HELLO `refused` (a loader that cannot find the run's kept listing, and stops): STATUS `refused_loaders` names it
+    with its reason, once per partition, it is not registered, and a loader serving the run's listing clears it."""
+    ctx = zmq.Context()
+    planner = PlannerServer(spec, "tcp://127.0.0.1:0", context=ctx, metrics_port=None)
+    try:
+        hello(planner, b"l0", 0, A)
+        hello(planner, b"l1", 1, A)
+        assert (0, 0) in planner.loaders
+        why = listing_not_kept("s", A, B)
+        hello(planner, b"l0", 0, B, refused=why)
+        assert (0, 0) not in planner.loaders and (1, 0) in planner.loaders
+        assert planner.status()["refused_loaders"] == {"s/0": why}
+        hello(planner, b"l0b", 0, B, refused=why + " (again)")  # restarted, refusing again: one entry, the newest
+        hello(planner, b"l1", 1, B, refused="x" * 5000)
+        refused = planner.status()["refused_loaders"]
+        assert refused == {"s/0": why + " (again)", "t/0": "x" * (REFUSAL_MAX_CHARS - 3) + "..."}
+        for bad in (7, "", {"why": why}):  # garbage: named, nothing recorded
+            with pytest.raises(WireError, match="HELLO: field 'refused'"):
+                hello(planner, b"l0", 0, B, refused=bad)
+        assert planner.status()["refused_loaders"] == refused
+        hello(planner, b"l0", 0, A)  # served again with the run's listing
+        assert (0, 0) in planner.loaders and set(planner.status()["refused_loaders"]) == {"t/0"}
+    finally:
+        planner.close()
+        ctx.term()
 
 
 def test_pins_a_replay_reads_the_journal_with():

@@ -32,6 +32,7 @@ from mixplane.wire import Kind, WireError
 
 log = logging.getLogger("mixplane.loader")
 EXIT_LISTING = protocol.EXIT_LISTING  # the process's exit status when a partition must not serve the run
+REFUSAL_ACK_S = 2.0  # how long a loader that refuses the run waits for the planner to acknowledge hearing it
 
 
 class LoaderServer(PlannerFollower):
@@ -141,12 +142,44 @@ class LoaderServer(PlannerFollower):
         self._warm_seen = self._quarantined_seen = self._bad_samples_seen = self._dropped_seen = 0
         self._remote_seen, self._overlong_seen = (0, 0, 0, 0), {}  # the new stream and window count from zero
 
-    def _refuse(self, why: str) -> None:
-        """This loader must not serve: said once, it stops (its process exits with EXIT_LISTING)."""
+    def _refuse(self, why: str, *, tell: bool = True) -> None:
+        """This loader must not serve: said once (to the planner too unless it refused this loader: ``tell``), it
+        stops (its process exits with EXIT_LISTING)."""
+        if self.refused is not None:
+            return
         log.error("%s: %s", self.name, why)
         self.refused = why
+        if tell and not self._tell_refusal(why):
+            log.warning("%s: the planner did not acknowledge the refusal within %.1f s (its STATUS may not name this "
+                        "loader)", self.name, REFUSAL_ACK_S)
         self.welcomed = False
         self.stopped = True  # its sockets close with it (the poll loop leaves a stopped loader alone)
+
+    def _tell_refusal(self, why: str) -> bool:
+        """Say to the planner that this loader refuses the run (HELLO ``refused``: its STATUS ``refused_loaders`` names
+        it with `why`), and wait up to REFUSAL_ACK_S for its ACK: the process stops right after, and a message still
+        queued in the socket would go with it. What else arrives meanwhile is dropped (nothing is served any more).
+        True when acknowledged."""
+        if self.planner is None:
+            return False
+        try:
+            wire.send(self.planner, Kind.HELLO, {**self._hello_meta(), "refused": why}, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("%s: the refusal was not sent to the planner: %s", self.name, e)
+            return False
+        deadline = time.monotonic() + REFUSAL_ACK_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                if not self.planner.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    return False
+                _, msg = wire.recv(self.planner, flags=zmq.NOBLOCK)
+            except WireError:
+                continue
+            except zmq.ZMQError:
+                return False
+            if msg.kind == Kind.ACK and msg.meta.get("refused") == f"{self.source.name}/{self.replica}":
+                return True
+        return False
 
     # -- modes (partition handoff) ----------------------------------------------------------
     @property
@@ -221,7 +254,7 @@ class LoaderServer(PlannerFollower):
     def _on_shutdown(self, identity: bytes, msg: wire.Message) -> None:
         why = msg.meta.get("error")
         if isinstance(why, str) and msg.meta.get("refused") == "listing":  # the planner refused this loader
-            self._refuse(why)
+            self._refuse(why, tell=False)
             return
         super()._on_shutdown(identity, msg)
 
@@ -234,16 +267,19 @@ class LoaderServer(PlannerFollower):
         if self.planner is not None:
             wire.send(self.planner, kind, meta, arrays)
 
-    def hello(self) -> None:
-        if self.planner is None:
-            return
+    def _hello_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"role": "loader", "source": self.si, "replica": self.replica,
                                 "source_name": self.source.name, "metrics_port": self.metrics_port, "epoch": self.epoch}
         if self.host is not None:
             meta["host"] = self.host
         if self.listing_pin is not None:
             meta["listing"] = self.listing_pin.to_json()
-        self._send_planner(Kind.HELLO, meta)
+        return meta
+
+    def hello(self) -> None:
+        if self.planner is None:
+            return
+        self._send_planner(Kind.HELLO, self._hello_meta())
         self.mark_hello()
 
     def registration_tick(self, now: float) -> None:

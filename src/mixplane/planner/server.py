@@ -161,7 +161,8 @@ class PlannerServer(Component):
         self.loaders: dict[tuple[int, int], bytes] = {}
         self.pending_loader_welcome: set[tuple[int, int]] = set()
         # static sources: the listing each registered loader said it reads (protocol.ListingPin), and the loaders
-        # refused for reading the run's listing in another order (name -> why; STATUS `refused_loaders`)
+        # refused for reading the run's listing in another order or refusing it themselves (the run's kept listing
+        # not found there: HELLO `refused`): name -> why, one per partition (STATUS `refused_loaders`)
         self.loader_listings: dict[tuple[int, int], protocol.ListingPin] = {}
         self.refused_loaders: dict[str, str] = {}
         self.pending_routes: list[tuple[bytes, int]] = []
@@ -328,6 +329,20 @@ class PlannerServer(Component):
         self._send(identity, Kind.SHUTDOWN, {"error": why, "refused": "listing"})
         return False
 
+    def _loader_refused(self, identity: bytes, key: tuple[int, int], why: str) -> None:
+        """A loader that refuses to serve the run (HELLO `refused`: it cannot read the run's listing of its source) and
+        stops: named with its reason in STATUS `refused_loaders` (one entry per partition: a restarted one that refuses
+        again replaces it; one that serves again clears it), not registered, and acknowledged so that it stops knowing
+        it was heard."""
+        name = f"{self.names[key[0]]}/{key[1]}"
+        if self.refused_loaders.get(name) != why:
+            log.error("loader %s refuses the run: %s", name, why)
+        self.refused_loaders[name] = why
+        if self.loaders.get(key) == identity:
+            del self.loaders[key]
+        self.pending_loader_welcome.discard(key)
+        self._send(identity, Kind.ACK, {"refused": name})
+
     def _route_reply(self, identity: bytes, rank: int) -> None:
         if not 0 <= rank < self.spec.world_size:
             self._send(identity, Kind.ERROR, {"error": f"rank {rank} outside world of size {self.spec.world_size}"})
@@ -362,6 +377,10 @@ class PlannerServer(Component):
             except KeyError:
                 raise WireError(f"HELLO from unknown loader source {key[0]} replica {key[1]}") from None
             if not self.hosting.loader_claim(identity, key, msg):  # an older epoch's server of this partition (fenced)
+                return
+            refused = protocol.parse_refusal(msg.meta.get("refused"), "HELLO: field 'refused'")
+            if refused is not None:  # the loader refuses the run itself (the run's listing is not kept there)
+                self._loader_refused(identity, key, refused)
                 return
             theirs = protocol.ListingPin.parse(msg.meta.get("listing"), "HELLO: field 'listing'")
             if theirs is not None:
@@ -893,7 +912,7 @@ class PlannerServer(Component):
             # why planning stopped for good, if it did (docs/mixtures.md)
             "ended": dict(self.core.schedule.ended), "halted": self.halted,
             # static sources: the listing the run's positions count over, and loaders refused for reading it in
-            # another order (their error)
+            # another order or refusing it themselves (their error)
             "listings": {self.names[si]: p.to_json() for si, p in sorted(self.core.listings.items())},
             "refused_loaders": dict(self.refused_loaders),
             "constructors": len(self.constructors), "constructors_expected": len(self.groups), "loaders": len(self.loaders),
