@@ -14,7 +14,8 @@ import random
 import pytest
 
 from mixplane.operator.builders import ClusterOptions
-from mixplane.operator.controller import Observed, decide, desired_hosts, status_patch
+from mixplane.operator.controller import (MESSAGE_CHARS, Observed, decide, degraded_of, desired_hosts,
+                                          loader_refused_message, status_patch)
 from mixplane.operator.annotations import ANN_TPS
 from mixplane.operator.reconcile import costs_of, desired, segments_of, spec_of
 from mixplane.operator.scaling import MixtureScaler, Observation
@@ -623,3 +624,49 @@ def test_with_repartition_follow_a_source_is_re_partitioned_to_fewer_once_demand
     assert placed == ["code:0", "web:0"]
     spec_json = next(o for o in done.desired.objects if o["kind"] == "ConfigMap")["data"]["spec.json"]
     assert [s["replicas"] for s in json.loads(spec_json)["sources"]] == [1, 2]
+
+
+WHY = ("source 'web': the run's listing (2 files, digest 0123456789abcdef) is not kept here, and the store lists other "
+       "files now (3 files, digest fedcba9876543210): positions would name other samples, so the loader does not serve")
+
+
+def test_degraded_says_loader_refused_before_fallback_costs_and_names_both():
+    assert degraded_of([], "", None) == (False, "AsPlanned", "")
+    assert degraded_of([], "", table({})) == (False, "AsPlanned", "")
+    assert degraded_of(["code"], "job failed", table({})) == \
+        (True, "FallbackCosts", "job failed; sources not profiled, sized by kind: code")
+    planner = {**table({}), "refused_loaders": {"web/0": WHY}}
+    ok, reason, msg = degraded_of([], "", planner)
+    assert (ok, reason) == (True, "LoaderRefused")
+    assert "web/0" in msg and WHY in msg and "exit 4" in msg and "FallbackCosts" not in msg
+    ok, reason, msg = degraded_of(["code"], "", planner)  # both hold: the refusal first, the costs mentioned
+    assert (ok, reason) == (True, "LoaderRefused")
+    assert "FallbackCosts: sources not profiled, sized by kind: code" in msg and WHY in msg
+    # garbage in the STATUS (an older or odd planner): no refusal read from it
+    assert degraded_of([], "", {**table({}), "refused_loaders": ["web/0"]}) == (False, "AsPlanned", "")
+
+
+def test_loader_refused_message_is_bounded_names_many_and_quotes_two():
+    refused = {f"src{i:02d}/{r}": f"reason of src{i:02d}/{r}: " + "x" * 3000 for i in range(12) for r in range(2)}
+    msg = loader_refused_message(refused, "FallbackCosts: " + "y" * 900)
+    assert len(msg) <= MESSAGE_CHARS
+    assert "src00/0, src00/1, src01/0" in msg and "src03/1 and 16 more" in msg and "src04/0" not in msg
+    assert "reason of src00/0: xxx" in msg and "reason of src00/1: xxx" in msg and "reason of src01/0" not in msg
+    assert "(also FallbackCosts: yyy" in msg  # before the reasons: never cut off by them
+    one = loader_refused_message({"web/0": "z" * 2000})
+    assert len(one) <= MESSAGE_CHARS and one.count("z") <= 500 and one.endswith("...")
+
+
+def test_a_refused_loader_makes_the_mixture_degraded_and_stays_while_the_planner_is_unreachable():
+    planner = {**table({}), "refused_loaders": {"web/1": WHY}}
+    a = decide(observed(body(), planner=planner))
+    deg = next(c for c in a.status["conditions"] if c["type"] == "Degraded")
+    assert (deg["status"], deg["reason"]) == ("True", "LoaderRefused") and "web/1" in deg["message"] and WHY in deg["message"]
+    assert a.status["phase"] == "Degraded"
+    st = {**a.intent, **a.status}
+    blind = decide(observed(body(st), planner=None, now=1001.0))  # the planner's last word stays until it answers
+    deg2 = next(c for c in blind.status["conditions"] if c["type"] == "Degraded")
+    assert (deg2["reason"], deg2["message"], deg2["lastTransitionTime"]) == ("LoaderRefused", deg["message"],
+                                                                             deg["lastTransitionTime"])
+    served = decide(observed(body({**blind.intent, **blind.status}), planner=table({}), now=1002.0))
+    assert next(c for c in served.status["conditions"] if c["type"] == "Degraded")["reason"] == "AsPlanned"

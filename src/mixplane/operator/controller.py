@@ -288,9 +288,7 @@ def final_status(obs: Observed, d: Desired, upd: RequestPlan, spec: Any, *, appl
     body = obs.body
     ready, waiting = obs.ready
     fallback = [n for n, p in (obs.profile.get("sources") or {}).items() if p.get("source") == "fallback"]
-    why = f"{obs.profile_failure}; " if obs.profile_failure else ""
-    degraded = (True, "FallbackCosts", f"{why}sources not profiled, sized by kind: {', '.join(fallback)}") if fallback \
-        else (False, "AsPlanned", "")
+    degraded = degraded_of(fallback, obs.profile_failure, obs.planner, _status(body).get("conditions") or [])
     if upd.state.get("state") != "Acknowledged":
         progressing = (True, "MixtureUpdate", str(upd.state.get("reason") or "rolling out the new mixture"))
     elif draining:
@@ -317,6 +315,65 @@ def final_status(obs: Observed, d: Desired, upd: RequestPlan, spec: Any, *, appl
         out["profiling"] = dict(obs.profiling)
     out["children"] = {"hash": applied_hash, "appliedAt": round(applied_at, 3), "generation": (body.get("metadata") or {}).get("generation")}
     return out
+
+
+# the Degraded condition of loaders the run refused (planner STATUS `refused_loaders`): its message names this many of
+# them and quotes the reasons of the first REFUSED_QUOTED, each cut to REFUSED_REASON_CHARS (and less when the names
+# take room: reconcile.condition keeps MESSAGE_CHARS of a message)
+REFUSED_NAMED = 8
+REFUSED_QUOTED = 2
+REFUSED_REASON_CHARS = 500
+MESSAGE_CHARS = 1000
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:max(0, n - 3)] + "..."
+
+
+def refused_loaders_of(planner: Mapping[str, Any] | None) -> dict[str, str]:
+    """The loaders the planner's STATUS says the run refused (name -> the planner's reason), by name; {} without a
+    STATUS, or with a `refused_loaders` that is not a mapping (an older planner says none)."""
+    refused = (planner or {}).get("refused_loaders")
+    if not isinstance(refused, Mapping):
+        return {}
+    return {str(k): str(v) for k, v in sorted(refused.items(), key=lambda kv: str(kv[0]))}
+
+
+def loader_refused_message(refused: Mapping[str, str], also: str = "") -> str:
+    """The Degraded message of refused loaders: their names (REFUSED_NAMED of them, then how many more), `also` (what
+    else degrades the mixture), then the first REFUSED_QUOTED reasons, cut so that it all fits MESSAGE_CHARS."""
+    names = sorted(refused)
+    listed = ", ".join(names[:REFUSED_NAMED]) + (f" and {len(names) - REFUSED_NAMED} more" if len(names) > REFUSED_NAMED else "")
+    head = (f"loaders refused by the run (their pods exit 4; a restart is refused again until the run's listing is "
+            f"back): {listed}")
+    if also:
+        head += f" (also {_cut(also, 200)})"
+    quoted = names[:REFUSED_QUOTED]
+    room = (MESSAGE_CHARS - len(head)) // len(quoted) if quoted else 0
+    parts = [f"; {n}: {_cut(refused[n], min(REFUSED_REASON_CHARS, room - len(n) - 4))}" for n in quoted]
+    return _cut(head + "".join(parts), MESSAGE_CHARS)
+
+
+def degraded_of(fallback: Sequence[str], profile_failure: str, planner: Mapping[str, Any] | None,
+                previous: Sequence[Mapping[str, Any]] = ()) -> tuple[bool, str, str]:
+    """The Degraded condition (true?, reason, message): ``LoaderRefused`` while the planner's STATUS names refused
+    loaders (their pods exit with protocol.EXIT_LISTING, and their Deployments restart them in vain), mentioning
+    ``FallbackCosts`` as well when sources are sized by kind; else ``FallbackCosts``; else ``AsPlanned``. Without a
+    STATUS (the planner unreachable) a ``LoaderRefused`` condition of `previous` stays, as the planner's last figures
+    do."""
+    costs = ""
+    if fallback:
+        costs = (f"{profile_failure}; " if profile_failure else "") + f"sources not profiled, sized by kind: {', '.join(fallback)}"
+    refused = refused_loaders_of(planner)
+    if refused:
+        return True, "LoaderRefused", loader_refused_message(refused, f"FallbackCosts: {costs}" if costs else "")
+    if planner is None:
+        prev = next((c for c in previous if c.get("type") == "Degraded"), None)
+        if prev is not None and prev.get("status") == "True" and prev.get("reason") == "LoaderRefused":
+            return True, "LoaderRefused", str(prev.get("message") or "")
+    if costs:
+        return True, "FallbackCosts", costs
+    return False, "AsPlanned", ""
 
 
 def with_update(status: Mapping[str, Any], body: Mapping[str, Any], spec: Any, state: Mapping[str, Any]) -> dict[str, Any]:
