@@ -203,6 +203,9 @@ def _watch_pod_end(host: Any, args: argparse.Namespace) -> None:
 
 def format_progress(st: dict[str, Any], tok_rate: float) -> str:
     parts = [f"step {st['planned_through']:>6}", f"phase {st['phase']}", f"{tok_rate / 1e3:8.1f}k tok/s"]
+    refused = sorted(st.get("refused_loaders") or {})  # loaders the run refused (their reason: `mixplane status`)
+    if refused:  # before the shares: a terminal's line is cut at 200 characters
+        parts.append("refused: " + ",".join(refused[:4]) + (f" +{len(refused) - 4}" if len(refused) > 4 else ""))
     for n, t, r in zip(st["sources"], st["target"], st["realized_phase"]):
         parts.append(f"{n} {100 * r:5.1f}% ({100 * t:.1f}%)")
     if st.get("waiting"):

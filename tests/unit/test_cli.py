@@ -66,3 +66,11 @@ def test_progress_line_names_sources_it_waits_for():
     line = format_progress(status(waiting=["code", "web"]), 0.0)
     assert line.endswith(" | waiting: code,web")
     assert "waiting" not in format_progress(status(waiting=[]), 0.0)
+
+
+def test_progress_line_names_refused_loaders_first_and_few():
+    line = format_progress(status(refused_loaders={"web/1": "why", "web/0": "why"}), 0.0)
+    assert line.startswith("step     42 | phase 1 |      0.0k tok/s | refused: web/0,web/1 | web ")
+    many = format_progress(status(refused_loaders={f"s{i}/0": "why" for i in range(7)}), 0.0)
+    assert "| refused: s0/0,s1/0,s2/0,s3/0 +3 |" in many
+    assert "refused" not in format_progress(status(refused_loaders={}), 0.0)
