@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import posixpath
-import tempfile
 import time
 import zipfile
 import zlib
@@ -43,7 +42,7 @@ from mixplane.loader.files import (
     source_dir, source_filesystem,
 )
 from mixplane.loader.iceberg import is_iceberg
-from mixplane.loader.sidecar import default_cache_dir
+from mixplane.loader.sidecar import default_cache_dir, write_atomically
 
 if TYPE_CHECKING:
     from mixplane.spec import SourceSpec
@@ -182,22 +181,6 @@ def remember(recent: list[tuple[str, float]], digest: str, listed_at: float,
 # places: the local cache, and beside the data
 
 
-def _write_atomically(file: str, data: bytes) -> None:
-    """Write `file` through a temporary file in its directory renamed over it, so a reader never sees a part."""
-    os.makedirs(os.path.dirname(file), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, file)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 @dataclass
 class Place:
     """A directory holding one source's kept listings: on this machine (`fs` None) or in the source's store."""
@@ -237,7 +220,7 @@ class Place:
 
     def write(self, name: str, data: bytes) -> None:
         if self.fs is None:
-            _write_atomically(self.path(name), data)
+            write_atomically(self.path(name), lambda f: f.write(data))
             return
         try:
             _put(self.fs, self.path(name), data)

@@ -86,10 +86,10 @@ def sidecar_bytes(fi: FileIndex) -> bytes:
 
 def save_sidecar(fi: FileIndex, file: str) -> None:
     data = sidecar_bytes(fi)
-    _write_atomically(file, lambda f: f.write(data))
+    write_atomically(file, lambda f: f.write(data))
 
 
-def _write_atomically(file: str, write: Callable[[BinaryIO], object]) -> None:
+def write_atomically(file: str, write: Callable[[BinaryIO], object]) -> None:
     """Write `file` through a temporary file in its directory renamed over it, so a reader never sees a part."""
     os.makedirs(os.path.dirname(file), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
@@ -226,7 +226,7 @@ def save_pack(fis: list[FileIndex], file: str) -> None:
             parts = [getattr(fi.pages[fi.columns[i].name], f) for fi in fis]
             arrays[f"{i}.{f}"] = np.concatenate(parts)
             arrays[f"{i}.{f}.len"] = np.array([len(a) for a in parts], np.int64)
-    _write_atomically(file, lambda out: np.savez(out, allow_pickle=False, **arrays))
+    write_atomically(file, lambda out: np.savez(out, allow_pickle=False, **arrays))
 
 
 def _split(data: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
@@ -317,7 +317,7 @@ def remember_pack(file: str, pack: str) -> None:
     if names[:1] == [name]:
         return
     names = [name] + [n for n in names if n != name]
-    _write_atomically(file, lambda f: f.write(json.dumps(names[:RECENT_PACKS]).encode()))
+    write_atomically(file, lambda f: f.write(json.dumps(names[:RECENT_PACKS]).encode()))
     for old in names[RECENT_PACKS:]:
         try:
             os.unlink(os.path.join(os.path.dirname(file), old))
