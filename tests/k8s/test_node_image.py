@@ -60,7 +60,11 @@ def test_every_entrypoint_and_runtime_need_in_a_restricted_pod(k8s_node: Cluster
     for run in ("profile_cold", "profile_warm"):
         assert out[run]["rc"] == 0, out[run]
         assert out[run]["result"]["sources"]["docs"]["tokens"] > 0
-    assert len(out["index_cache_files"]) == 2, out["index_cache_files"]  # one index per file, in MIXPLANE_INDEX_CACHE
+    # one index per file in MIXPLANE_INDEX_CACHE, and beside them `listings/`: the profile's kept listing of the source
+    # (loader.listing), written there under the read-only root filesystem
+    indexes = [f for f in out["index_cache_files"] if f != "listings"]
+    assert len(indexes) == 2 and all(f.endswith(".npz") for f in indexes), out["index_cache_files"]
+    assert "listings" in out["index_cache_files"], out["index_cache_files"]
     assert out["index_rows"] == [400, 400]
     print(f"in the pod: numba cold {out['numba_cold_s']:.1f} s, from its cache {out['numba_warm_s']:.2f} s; "
           f"profile {out['profile_cold']['s']} s")
